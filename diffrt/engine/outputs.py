@@ -1,0 +1,41 @@
+"""What the engine hands back for a request: progress and final outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings in seconds (None when a phase did not happen)."""
+
+    arrival_time: float = 0.0
+    queue_wait: float | None = None
+    forward_time: float | None = None
+    output_wait: float | None = None
+    postprocess_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class DiffusionOutput:
+    """One item of a request's output stream.
+
+    Progress items have `finished=False` and carry `step`/`total_steps`; the
+    final item has `finished=True` and either `images`/`output` or `error`.
+    """
+
+    request_id: str
+    finished: bool = False
+    error: str | None = None
+    aborted: bool = False
+    step: int = 0
+    total_steps: int = 0
+    images: list[Any] | None = None  # PIL images for output_type "pil"
+    output: Any = None  # torch tensor for output_type "pt" / "latent"
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def ok(self) -> bool:
+        return self.finished and self.error is None and not self.aborted

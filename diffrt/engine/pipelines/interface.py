@@ -1,0 +1,129 @@
+"""The model contract every pipeline implements.
+
+Two execution styles share one pipeline object:
+
+* request style: ``forward(batch) -> list[Tensor]``, one entry per request of
+  a ``DiffusionRequestBatch``; fused multi-request batches only when the
+  pipeline declares ``supports_request_batch = True``.
+* step style (``supports_step_execution = True``): ``prepare_encode(state)``,
+  ``denoise_step(input_batch, states=...)``, ``step_scheduler(state, pred)``,
+  ``post_decode(state)``. Everything request-local (latents, timesteps,
+  scheduler copy, prompt embeddings) lives in ``StepRequestState``; the
+  pipeline object holds only weights and configuration.
+
+What a pipeline returns per request is the *device* tensor of the decoded
+images in [-1, 1], shape (num_outputs, C, H, W), or the latents for
+output_type "latent". ``to_transfer`` (worker side, on the device, before any
+copy) quantises images to uint8; ``postprocess`` (engine side, off the busy
+loop) turns the host tensor into what the user asked for.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.sampling import SamplingParams
+
+
+@dataclass
+class DiffusionRequestBatch:
+    """Compatible requests that share one request-level forward."""
+
+    requests: list[DiffusionRequest]
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        """The shared parameters (compatible requests agree on the batch key)."""
+        return self.requests[0].sampling_params
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+@dataclass
+class StepRequestState:
+    """Request-local state of a step-style request, owned by the worker."""
+
+    request: DiffusionRequest
+    latents: torch.Tensor | None = None
+    timesteps: torch.Tensor | None = None
+    step_index: int = 0
+    scheduler: Any = None  # a per-request copy of the diffusers scheduler
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id  # type: ignore[return-value]
+
+    @property
+    def total_steps(self) -> int:
+        return self.request.sampling_params.num_inference_steps
+
+    @property
+    def finished(self) -> bool:
+        return self.step_index >= self.total_steps
+
+
+@dataclass
+class StepInputBatch:
+    """The states advanced together in one denoise forward."""
+
+    states: list[StepRequestState]
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [s.request_id for s in self.states]
+
+
+class DiffusionPipeline(ABC):
+    """Base class of diffrt pipelines (weights + orchestration, no request state)."""
+
+    name: str = "pipeline"
+    supports_request_batch: bool = False
+    supports_step_execution: bool = False
+    #: Height/width must be multiples of this (VAE factor x patch size).
+    size_multiple: int = 16
+    max_size: int = 2048
+
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+
+    def check_inputs(self, request: DiffusionRequest) -> None:
+        """Raise InvalidRequestError before any compute; runs on the engine side too."""
+        request.sampling_params.validate(size_multiple=self.size_multiple, max_size=self.max_size)
+
+    # -- request style -------------------------------------------------------
+    @abstractmethod
+    def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
+        """Run whole requests; return one device tensor per request, in order."""
+
+    # -- step style ----------------------------------------------------------
+    def prepare_encode(self, state: StepRequestState) -> None:
+        """Encode prompts, draw latents, set timesteps and a scheduler copy."""
+        raise NotImplementedError(f"{type(self).__name__} does not support step execution")
+
+    def denoise_step(self, input_batch: StepInputBatch, *, states: list[StepRequestState]) -> torch.Tensor:
+        """One transformer forward for all states; returns noise predictions stacked
+        along dim 0 in the order of ``states`` (CFG already combined)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support step execution")
+
+    def step_scheduler(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
+        """Advance one request's latents by its slice of the prediction."""
+        raise NotImplementedError(f"{type(self).__name__} does not support step execution")
+
+    def post_decode(self, state: StepRequestState) -> torch.Tensor:
+        """Decode a finished request; same result as the tail of ``forward``."""
+        raise NotImplementedError(f"{type(self).__name__} does not support step execution")
+
+    # -- output hooks --------------------------------------------------------
+    def to_transfer(self, output: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Worker side, on the device, before any copy: images become uint8
+        (N, H, W, C) so 4x fewer bytes cross to the host; latents pass as is."""
+        from diffrt.engine.postprocess import quantize_images
+
+        return output if params.output_type == "latent" else quantize_images(output)

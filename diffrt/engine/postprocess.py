@@ -1,0 +1,29 @@
+"""Output conversion split in two: quantise on the device, convert on the host.
+
+`quantize_images` runs in the worker before the device-to-host copy (uint8 is
+a quarter of float32's bytes). `postprocess_output` runs in the engine, off the
+busy loop, and builds what the caller asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def quantize_images(images: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] float (N, C, H, W) -> uint8 (N, H, W, C), on the tensor's device."""
+    images = (images.float() / 2 + 0.5).clamp(0, 1)
+    return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+def postprocess_output(host_tensor: torch.Tensor, output_type: str) -> tuple[list[Any] | None, Any]:
+    """Return (images, output): PIL images for "pil", the tensor for "pt"/"latent"."""
+    if output_type == "pil":
+        from PIL import Image
+
+        array = host_tensor.numpy() if isinstance(host_tensor, torch.Tensor) else np.asarray(host_tensor)
+        return [Image.fromarray(np.ascontiguousarray(a)) for a in array], None
+    return None, host_tensor

@@ -1,0 +1,94 @@
+"""The Platform interface: one device-generic surface over every vendor.
+
+Identity lives in class attributes; device facts, streams, events and pinned
+memory are methods. A backend overrides only what differs. Methods a backend
+cannot provide raise ``PlatformFeatureError`` naming the vendor and the method
+(never a silent None), except ``record_device_event``, whose None is the
+documented "no usable events" answer that selects the synchronous copy path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+import torch
+
+
+class PlatformFeatureError(NotImplementedError):
+    """A backend was asked for something it does not have."""
+
+    def __init__(self, platform: str, method: str):
+        super().__init__(f"platform {platform!r} does not provide {method}()")
+
+
+class Platform:
+    """Base class of all platforms; see DESIGN.md for the contract."""
+
+    name: ClassVar[str] = "base"
+    device_type: ClassVar[str] = "cpu"
+    dist_backend: ClassVar[str] = "gloo"
+    device_control_env_var: ClassVar[str | None] = None
+    #: True when outputs may be copied off the device by a background thread.
+    supports_async_output: ClassVar[bool] = False
+
+    # -- device facts ----------------------------------------------------------
+    def is_available(self) -> bool:
+        raise PlatformFeatureError(self.name, "is_available")
+
+    def device_count(self) -> int:
+        raise PlatformFeatureError(self.name, "device_count")
+
+    def torch_device(self, index: int | None = None) -> torch.device:
+        if index is None:
+            return torch.device(self.device_type)
+        return torch.device(self.device_type, index)
+
+    def device_name(self, index: int = 0) -> str:
+        raise PlatformFeatureError(self.name, "device_name")
+
+    def mem_get_info(self, index: int = 0) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+        raise PlatformFeatureError(self.name, "mem_get_info")
+
+    def synchronize(self) -> None:
+        raise PlatformFeatureError(self.name, "synchronize")
+
+    # -- streams ---------------------------------------------------------------
+    def current_stream(self) -> Any:
+        raise PlatformFeatureError(self.name, "current_stream")
+
+    def new_side_stream(self) -> Any:
+        raise PlatformFeatureError(self.name, "new_side_stream")
+
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
+        raise PlatformFeatureError(self.name, "stream_context")
+
+    # -- events (one family per backend) ----------------------------------------
+    def record_device_event(self, stream: Any = None) -> Any | None:
+        """Record an event on ``stream`` (default: current) or return None when
+        the backend has no usable events (callers then copy synchronously)."""
+        return None
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for ``event`` without blocking the host."""
+        raise PlatformFeatureError(self.name, "wait_event")
+
+    def event_query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def event_synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    # -- host memory -------------------------------------------------------------
+    def pinned_memory_available(self) -> bool:
+        return False
+
+    def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked host buffer, or ordinary host memory where pinning is impossible."""
+        if self.pinned_memory_available():
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return torch.empty(shape, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"<Platform {self.name} ({self.device_type})>"
