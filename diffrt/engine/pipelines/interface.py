@@ -93,9 +93,11 @@ class DiffusionPipeline(ABC):
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
 
-    def check_inputs(self, request: DiffusionRequest) -> None:
-        """Raise InvalidRequestError before any compute; runs on the engine side too."""
-        request.sampling_params.validate(size_multiple=self.size_multiple, max_size=self.max_size)
+    @classmethod
+    def check_inputs(cls, request: DiffusionRequest) -> None:
+        """Raise InvalidRequestError before any compute. A classmethod so the
+        engine validates at submission without loading weights."""
+        request.sampling_params.validate(size_multiple=cls.size_multiple, max_size=cls.max_size)
 
     # -- request style -------------------------------------------------------
     @abstractmethod
