@@ -80,6 +80,13 @@ class Platform:
     def event_synchronize(self, event: Any) -> None:
         event.synchronize()
 
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
+        """Enqueue ``dst.copy_(src)`` on ``stream`` (default: current) without
+        waiting for it; the copy is complete only once an event recorded on
+        that stream after this call has completed."""
+        with self.stream_context(stream) if stream is not None else contextlib.nullcontext():
+            dst.copy_(src, non_blocking=True)
+
     # -- host memory -------------------------------------------------------------
     def pinned_memory_available(self) -> bool:
         return False
