@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install diffrt (torch pinned to the CPU build), show the detected platform,
+# then generate one image with the embedded default model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q -c requirements/cpu.txt -e .
+.venv/bin/diffrt env
+.venv/bin/diffrt generate --model tiny-flux --prompt "a red fox in the snow" -o out/fox.png "$@"
