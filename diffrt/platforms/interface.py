@@ -10,9 +10,12 @@ documented "no usable events" answer that selects the synchronous copy path.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, ClassVar
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class PlatformFeatureError(NotImplementedError):
@@ -94,7 +97,13 @@ class Platform:
     def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host buffer, or ordinary host memory where pinning is impossible."""
         if self.pinned_memory_available():
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
+            try:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            except RuntimeError as exc:  # e.g. host allocator refuses; degrade, say so once
+                if not getattr(self, "_pin_warned", False):
+                    self._pin_warned = True
+                    logger.warning("%s: pinning host memory failed (%s); using pageable memory",
+                                   self.name, exc)
         return torch.empty(shape, dtype=dtype)
 
     def __repr__(self) -> str:

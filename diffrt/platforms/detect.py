@@ -1,0 +1,132 @@
+"""Cheap probes, one per built-in platform: ``detect_<name>() -> class path | None``.
+
+They are the values of the ``diffrt.platform_plugins`` entry points, so the
+built-ins are peers of out-of-tree plugins. A probe never initialises a device
+(no CUDA context, no fork poisoning) and never imports a vendor package that is
+not installed (``importlib.util.find_spec`` first). The vendor module of the
+chosen platform is imported later, by the platform itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CUDA = "diffrt.platforms.cuda.CudaPlatform"
+ROCM = "diffrt.platforms.rocm.RocmPlatform"
+NPU = "diffrt.platforms.npu.NpuPlatform"
+XPU = "diffrt.platforms.xpu.XpuPlatform"
+MUSA = "diffrt.platforms.musa.MusaPlatform"
+CPU = "diffrt.platforms.cpu.CpuPlatform"
+
+
+def _nvml_style_count(name: str) -> int:
+    """torch's NVML/AMD-SMI device count (-1 when that library is unusable).
+
+    Unlike ``torch.cuda.device_count()`` this never falls back to
+    ``cudaGetDeviceCount``, which initialises the driver and poisons fork.
+    """
+    counter = getattr(torch.cuda, name, None)
+    if counter is None:
+        return -1
+    try:
+        return int(counter())
+    except Exception as exc:  # a broken management library means "unknown"
+        logger.debug("%s failed: %s", name, exc)
+        return -1
+
+
+def detect_cuda() -> str | None:
+    """NVIDIA GPUs: a CUDA build of torch and NVML counting at least one device."""
+    if getattr(torch.version, "cuda", None) is None or getattr(torch.version, "hip", None):
+        return None
+    count = _nvml_style_count("_device_count_nvml")
+    if count > 0:
+        return CUDA
+    if count < 0 and os.path.exists("/etc/nv_tegra_release"):
+        return CUDA  # Jetson has no NVML
+    if count < 0:
+        logger.debug("CUDA build but NVML is unusable; set DIFFRT_PLATFORM=cuda to force")
+    return None
+
+
+def detect_rocm() -> str | None:
+    """AMD GPUs: a HIP build of torch (build-time fact) and a GPU present."""
+    if not getattr(torch.version, "hip", None):
+        return None
+    count = _nvml_style_count("_device_count_amdsmi")
+    if count > 0:
+        return ROCM
+    if count < 0 and os.path.exists("/dev/kfd"):
+        return ROCM  # amdsmi not installed: the kernel driver node says a GPU is there
+    return None
+
+
+def _vendor_available(package: str, attr: str) -> bool:
+    """Import an installed vendor package and ask ``torch.<attr>.is_available()``."""
+    if importlib.util.find_spec(package) is None:
+        return False
+    try:
+        importlib.import_module(package)
+        return bool(getattr(torch, attr).is_available())
+    except Exception as exc:  # e.g. torch_npu without the CANN libraries
+        logger.warning("%s is installed but unusable: %s", package, exc)
+        return False
+
+
+def detect_npu() -> str | None:
+    """Ascend NPUs: torch_npu installed and ``torch.npu.is_available()``."""
+    return NPU if _vendor_available("torch_npu", "npu") else None
+
+
+def detect_musa() -> str | None:
+    """Moore Threads GPUs: torch_musa installed and ``torch.musa.is_available()``."""
+    return MUSA if _vendor_available("torch_musa", "musa") else None
+
+
+def detect_xpu() -> str | None:
+    """Intel GPUs: native ``torch.xpu.is_available()`` (Level Zero, fork-safe).
+
+    Stacks older than torch 2.5 get torch.xpu only from IPEX, which is then
+    imported if installed and built for this torch.
+    """
+    xpu = getattr(torch, "xpu", None)
+    try:
+        if xpu is not None and xpu.is_available():
+            return XPU
+    except Exception as exc:
+        logger.debug("torch.xpu.is_available() failed: %s", exc)
+    if xpu is None:
+        from diffrt.platforms.xpu import load_ipex
+
+        if load_ipex() and getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
+            return XPU
+    return None
+
+
+def detect_cpu() -> str | None:
+    """Always active; resolution uses it only when nothing else is."""
+    return CPU
+
+
+#: Built-in probes in resolution order; cpu is the fallback, not a candidate.
+BUILTIN_PROBES: dict[str, Callable[[], str | None]] = {
+    "cuda": detect_cuda,
+    "rocm": detect_rocm,
+    "npu": detect_npu,
+    "xpu": detect_xpu,
+    "musa": detect_musa,
+    "cpu": detect_cpu,
+}
+
+#: Class path of each built-in, used when ``DIFFRT_PLATFORM`` names one.
+BUILTIN_CLASSES: dict[str, str] = {
+    "cuda": CUDA, "rocm": ROCM, "npu": NPU, "xpu": XPU, "musa": MUSA, "cpu": CPU,
+}
