@@ -1,0 +1,34 @@
+"""Schedulers: RequestScheduler (REQUEST_BATCH) and StepScheduler (STEP_BATCH)."""
+
+from diffrt.engine.sched.interface import (
+    AbortOutcome,
+    ExecutionResult,
+    Finished,
+    Progress,
+    RequestStatus,
+    SchedRequest,
+    Scheduler,
+    SchedulerOutput,
+    UpdateResult,
+)
+from diffrt.engine.sched.policy import POLICIES, FifoPolicy, SkipAheadPolicy, make_policy
+from diffrt.engine.sched.request_scheduler import RequestScheduler
+from diffrt.engine.sched.step_scheduler import StepScheduler
+
+__all__ = [
+    "POLICIES",
+    "AbortOutcome",
+    "ExecutionResult",
+    "FifoPolicy",
+    "Finished",
+    "Progress",
+    "RequestScheduler",
+    "RequestStatus",
+    "SchedRequest",
+    "Scheduler",
+    "SchedulerOutput",
+    "SkipAheadPolicy",
+    "StepScheduler",
+    "UpdateResult",
+    "make_policy",
+]

@@ -1,0 +1,104 @@
+"""Bookkeeping both schedulers share: the waiting queue, the running set, the
+in-flight set of the current execute call, and the terminal transitions."""
+
+from __future__ import annotations
+
+import itertools
+
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.sched.interface import (
+    AbortOutcome,
+    Finished,
+    RequestStatus,
+    SchedRequest,
+    Scheduler,
+)
+from diffrt.engine.sched.policy import AdmissionPolicy, FifoPolicy
+
+
+class BaseScheduler(Scheduler):
+    def __init__(self, max_num_seqs: int, policy: AdmissionPolicy | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs
+        self.policy = policy or FifoPolicy()
+        self._seq = itertools.count()
+        self._requests: dict[str, SchedRequest] = {}
+        self._waiting: list[SchedRequest] = []  # arrival order
+        self._running: list[SchedRequest] = []  # batch order
+        self._in_flight: set[str] = set()
+        self._last_add: float | None = None
+
+    # -- subclasses say which key makes requests compatible ---------------------
+    def batch_key(self, request: DiffusionRequest) -> tuple:
+        raise NotImplementedError
+
+    # -- public surface -------------------------------------------------------------
+    def add_request(self, request: DiffusionRequest, now: float) -> None:
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already scheduled")
+        sr = SchedRequest(request=request, key=self.batch_key(request), arrival=now,
+                          seq=next(self._seq), step=0)
+        self._requests[rid] = sr
+        self._waiting.append(sr)
+        self._last_add = now
+
+    def abort(self, request_id: str) -> tuple[AbortOutcome, Finished | None]:
+        sr = self._requests.get(request_id)
+        if sr is None:
+            return AbortOutcome.UNKNOWN, None
+        if request_id in self._in_flight:
+            sr.abort_requested = True
+            return AbortOutcome.DEFERRED, None
+        if sr.status is RequestStatus.WAITING:
+            self._waiting.remove(sr)
+        else:
+            self._running.remove(sr)
+            self._on_running_aborted(sr)
+        return AbortOutcome.DONE, self._finish(sr, RequestStatus.ABORTED)
+
+    def fail_all(self, error: str) -> list[Finished]:
+        events = [self._finish(sr, RequestStatus.FAILED, error=error)
+                  for sr in list(self._requests.values())]
+        self._waiting.clear()
+        self._running.clear()
+        self._in_flight.clear()
+        return events
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def get(self, request_id: str) -> SchedRequest | None:
+        return self._requests.get(request_id)
+
+    # -- helpers ------------------------------------------------------------------
+    def _admit(self, key: tuple | None, capacity: int, now: float) -> list[SchedRequest]:
+        chosen = self.policy.select(self._waiting, key, capacity)
+        if chosen:
+            ids = {id(sr) for sr in chosen}
+            self._waiting = [sr for sr in self._waiting if id(sr) not in ids]
+            for sr in chosen:
+                sr.status = RequestStatus.RUNNING
+                sr.first_scheduled = now
+            self._running.extend(chosen)
+        return chosen
+
+    def _on_running_aborted(self, sr: SchedRequest) -> None:
+        """A running request (not in flight) was aborted: step mode drops its state."""
+
+    def _finish(self, sr: SchedRequest, status: RequestStatus, *, error: str | None = None,
+                has_output: bool = False, release_output: bool = False) -> Finished:
+        sr.status = status
+        self._requests.pop(sr.request_id, None)
+        self._in_flight.discard(sr.request_id)
+        return Finished(sr.request_id, status, error=error, has_output=has_output,
+                        release_output=release_output, step=sr.step, total_steps=sr.total_steps)

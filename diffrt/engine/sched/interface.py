@@ -1,0 +1,150 @@
+"""What the schedulers share: per-request scheduling state, results, events.
+
+Schedulers are pure bookkeeping: they never touch the executor, threads or
+clocks of their own (the engine passes ``now``), so every admission and
+lifecycle rule is testable without a model.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from diffrt.engine.request import DiffusionRequest
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class SchedRequest:
+    """The scheduler's view of one request (queueing and lifecycle only)."""
+
+    request: DiffusionRequest
+    key: tuple
+    arrival: float
+    seq: int
+    status: RequestStatus = RequestStatus.WAITING
+    #: How many younger requests were admitted past this one (aging).
+    bypassed: int = 0
+    step: int = 0
+    first_scheduled: float | None = None
+    #: Abort arrived while the request was inside an execute call.
+    abort_requested: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id  # type: ignore[return-value]
+
+    @property
+    def total_steps(self) -> int:
+        return self.request.sampling_params.num_inference_steps
+
+
+@dataclass
+class ExecutionResult:
+    """What one execute call reported, in scheduler terms."""
+
+    #: request id -> denoise steps done after this tick (step mode).
+    progress: dict[str, int] = field(default_factory=dict)
+    #: ids whose output was produced in this call.
+    finished: list[str] = field(default_factory=list)
+    #: request id -> error message for requests that failed in this call.
+    errors: dict[str, str] = field(default_factory=dict)
+    #: the whole call failed (runner raised): every scheduled request fails.
+    failed_all: str | None = None
+
+
+@dataclass
+class Progress:
+    request_id: str
+    step: int
+    total_steps: int
+
+
+@dataclass
+class Finished:
+    """A terminal scheduler event: the request leaves the scheduler."""
+
+    request_id: str
+    status: RequestStatus
+    error: str | None = None
+    #: the execute call produced an output the engine must collect.
+    has_output: bool = False
+    #: the call produced an output nobody will read: free it.
+    release_output: bool = False
+    step: int = 0
+    total_steps: int = 0
+
+
+@dataclass
+class UpdateResult:
+    progress: list[Progress] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
+
+
+class AbortOutcome(enum.Enum):
+    #: not known to the scheduler (never added, or already left it).
+    UNKNOWN = "unknown"
+    #: removed at once; the returned Finished event is terminal.
+    DONE = "done"
+    #: inside an execute call: finalised by the next update_from_output.
+    DEFERRED = "deferred"
+
+
+@dataclass
+class SchedulerOutput:
+    """One tick's work. ``new`` requests are sent in full, the others by id."""
+
+    new: list[DiffusionRequest] = field(default_factory=list)
+    #: ids to run/advance in this call, in batch order (new ones included).
+    scheduled_ids: list[str] = field(default_factory=list)
+    #: ids whose worker-side state must be dropped (step mode).
+    drop_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_ids and not self.drop_ids
+
+
+class Scheduler(ABC):
+    """Common surface of RequestScheduler and StepScheduler."""
+
+    @abstractmethod
+    def add_request(self, request: DiffusionRequest, now: float) -> None: ...
+
+    @abstractmethod
+    def schedule(self, now: float) -> SchedulerOutput | None:
+        """Work for the next execute call, or None when there is none."""
+
+    @abstractmethod
+    def update_from_output(self, output: SchedulerOutput, result: ExecutionResult) -> UpdateResult:
+        """Apply an execute call's result; terminal events always finalise state."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> tuple[AbortOutcome, Finished | None]: ...
+
+    @abstractmethod
+    def fail_all(self, error: str) -> list[Finished]:
+        """Executor gone: every request leaves the scheduler as failed."""
+
+    @abstractmethod
+    def has_work(self) -> bool: ...
+
+    def admission_wait_s(self, now: float) -> float:
+        """Seconds the engine should still hold back the next schedule()."""
+        return 0.0
+
+    @property
+    @abstractmethod
+    def num_waiting(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_running(self) -> int: ...

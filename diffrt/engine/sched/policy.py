@@ -1,0 +1,89 @@
+"""Admission policies: which waiting requests join the next batch.
+
+Both policies only admit requests whose compatibility key equals the batch's
+key (the running batch's, or the oldest waiting request's for a new batch).
+They differ in what an incompatible request in the queue does:
+
+* ``fifo`` (the seed's behaviour): admission stops at the first incompatible
+  request, so it blocks every younger request behind it (head-of-line
+  blocking), even ones that could have joined.
+* ``skip_ahead``: younger compatible requests may be admitted past an
+  incompatible one. Each time that happens the skipped request's ``bypassed``
+  count grows; once it reaches ``max_bypass`` the request blocks admission like
+  a FIFO head, the running batch drains, and it starts the next batch. No
+  request can therefore be overtaken more than ``max_bypass`` times (aging).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from diffrt.engine.sched.interface import SchedRequest
+
+POLICIES = ("fifo", "skip_ahead")
+
+
+class AdmissionPolicy(ABC):
+    name: str
+
+    @abstractmethod
+    def select(
+        self, waiting: Sequence[SchedRequest], key: tuple | None, capacity: int
+    ) -> list[SchedRequest]:
+        """Pick up to ``capacity`` requests of ``waiting`` (arrival order) that may
+        join a batch of ``key`` (None: a new batch, keyed by the oldest request)."""
+
+
+class FifoPolicy(AdmissionPolicy):
+    name = "fifo"
+
+    def select(self, waiting, key, capacity):
+        if capacity <= 0 or not waiting:
+            return []
+        if key is None:
+            key = waiting[0].key
+        chosen: list[SchedRequest] = []
+        for sr in waiting:
+            if len(chosen) >= capacity or sr.key != key:
+                break
+            chosen.append(sr)
+        return chosen
+
+
+class SkipAheadPolicy(AdmissionPolicy):
+    name = "skip_ahead"
+
+    def __init__(self, max_bypass: int = 4):
+        if max_bypass < 0:
+            raise ValueError(f"max_bypass must be >= 0, got {max_bypass}")
+        self.max_bypass = max_bypass
+
+    def select(self, waiting, key, capacity):
+        if capacity <= 0 or not waiting:
+            return []
+        if key is None:
+            key = waiting[0].key
+        chosen: list[SchedRequest] = []
+        skipped: list[SchedRequest] = []
+        for sr in waiting:
+            if len(chosen) >= capacity:
+                break
+            if sr.key == key:
+                chosen.append(sr)
+                for older in skipped:
+                    older.bypassed += 1
+                skipped.clear()  # each is counted once per admission round
+                continue
+            if sr.bypassed >= self.max_bypass:
+                break  # aged: it blocks like a FIFO head until the batch drains
+            skipped.append(sr)
+        return chosen
+
+
+def make_policy(name: str, *, max_bypass: int = 4) -> AdmissionPolicy:
+    if name == "fifo":
+        return FifoPolicy()
+    if name == "skip_ahead":
+        return SkipAheadPolicy(max_bypass)
+    raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {name!r}")

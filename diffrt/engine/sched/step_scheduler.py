@@ -1,0 +1,88 @@
+"""STEP_BATCH scheduling: continuous batching at denoise-step granularity.
+
+Every tick advances all running requests by one denoise step in one batch.
+Requests join at a step boundary when there is capacity and their
+``SamplingParams.step_batch_key()`` equals the running batch's; they leave
+when their own step count is reached (counts may differ within a batch), when
+they fail, or when aborted. The worker keeps each request's step state, so a
+request that leaves without finishing there is listed in the next tick's
+``drop_ids``.
+"""
+
+from __future__ import annotations
+
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.sched.base import BaseScheduler
+from diffrt.engine.sched.interface import (
+    ExecutionResult,
+    Progress,
+    RequestStatus,
+    SchedRequest,
+    SchedulerOutput,
+    UpdateResult,
+)
+from diffrt.engine.sched.policy import AdmissionPolicy
+
+
+class StepScheduler(BaseScheduler):
+    def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None):
+        super().__init__(max_num_seqs, policy)
+        self._pending_drops: list[str] = []
+
+    def batch_key(self, request: DiffusionRequest) -> tuple:
+        return request.sampling_params.step_batch_key()
+
+    @property
+    def running_key(self) -> tuple | None:
+        return self._running[0].key if self._running else None
+
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self._pending_drops)
+
+    def schedule(self, now: float) -> SchedulerOutput | None:
+        if self._in_flight:
+            return None  # the previous tick has not been updated yet
+        new = self._admit(self.running_key, self.max_num_seqs - len(self._running), now)
+        drops, self._pending_drops = self._pending_drops, []
+        ids = [sr.request_id for sr in self._running]
+        out = SchedulerOutput(new=[sr.request for sr in new], scheduled_ids=ids, drop_ids=drops)
+        if out.is_empty:
+            return None
+        self._in_flight.update(ids)
+        return out
+
+    def update_from_output(self, output: SchedulerOutput, result: ExecutionResult) -> UpdateResult:
+        update = UpdateResult()
+        finished_ok = set(result.finished)
+        for rid in output.scheduled_ids:
+            sr = self._requests.get(rid)
+            if sr is None:
+                continue
+            self._in_flight.discard(rid)
+            produced = rid in finished_ok
+            failed = result.failed_all if result.failed_all is not None else result.errors.get(rid)
+            if produced:
+                sr.step = sr.total_steps
+            elif rid in result.progress:
+                sr.step = result.progress[rid]
+            if sr.abort_requested or failed is not None:
+                self._running.remove(sr)
+                # After a failed call the worker may still hold its state.
+                if not produced and (sr.abort_requested or result.failed_all is not None):
+                    self._pending_drops.append(rid)
+                status = RequestStatus.ABORTED if sr.abort_requested else RequestStatus.FAILED
+                update.finished.append(self._finish(sr, status, error=None if sr.abort_requested
+                                                    else failed, release_output=produced))
+            elif produced:
+                self._running.remove(sr)
+                update.finished.append(self._finish(sr, RequestStatus.FINISHED, has_output=True))
+            else:
+                update.progress.append(Progress(rid, sr.step, sr.total_steps))
+        return update
+
+    def _on_running_aborted(self, sr: SchedRequest) -> None:
+        self._pending_drops.append(sr.request_id)
+
+    def fail_all(self, error: str):
+        self._pending_drops.clear()
+        return super().fail_all(error)
