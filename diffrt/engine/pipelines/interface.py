@@ -93,6 +93,20 @@ class DiffusionPipeline(ABC):
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
 
+    # -- construction (the registry calls these) -----------------------------
+    @classmethod
+    def create(cls, *, device: torch.device, dtype: torch.dtype) -> DiffusionPipeline:
+        """Build the pipeline this class stands for (a registered name or a
+        local folder bound to a subclass)."""
+        raise NotImplementedError(f"{cls.__name__} does not implement create()")
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, *, device: torch.device, dtype: torch.dtype
+    ) -> DiffusionPipeline:
+        """Load components from a local diffusers-format folder (no download)."""
+        raise NotImplementedError(f"{cls.__name__} cannot load a local folder")
+
     @classmethod
     def check_inputs(cls, request: DiffusionRequest) -> None:
         """Raise InvalidRequestError before any compute. A classmethod so the
@@ -121,6 +135,27 @@ class DiffusionPipeline(ABC):
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
         """Decode a finished request; same result as the tail of ``forward``."""
         raise NotImplementedError(f"{type(self).__name__} does not support step execution")
+
+    def split_predictions(
+        self, noise_pred: torch.Tensor, states: list[StepRequestState]
+    ) -> list[torch.Tensor]:
+        """Slice ``denoise_step``'s output back to each state, in order (each
+        state owns as many rows as its latents)."""
+        sizes = [s.latents.shape[0] for s in states]  # type: ignore[union-attr]
+        return list(noise_pred.split(sizes, dim=0))
+
+    # -- pre/post-processing hooks ------------------------------------------
+    @classmethod
+    def pre_process(cls, request: DiffusionRequest) -> DiffusionRequest:
+        """Engine side, before submission to a worker; identity by default."""
+        return request
+
+    @staticmethod
+    def post_process(host_tensor: torch.Tensor, output_type: str) -> tuple[list[Any] | None, Any]:
+        """Engine side, off the busy loop: host tensor -> (images, output)."""
+        from diffrt.engine.postprocess import postprocess_output
+
+        return postprocess_output(host_tensor, output_type)
 
     # -- output hooks --------------------------------------------------------
     def to_transfer(self, output: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,346 @@
+"""Shared orchestration of the flow-matching text-to-image pipelines.
+
+`FlowMatchPipeline` owns everything that does not depend on the transformer
+family: prompt encoding, per-request latents, per-request timesteps and
+scheduler copies, classifier-free guidance, the denoise loop and VAE decoding.
+A family (Flux, SD3) only says how latents are laid out for its transformer
+(`pack_latents` / `unpack_latents`), how to call it (`transformer_forward`)
+and which sigmas/shift its scheduler wants (`timestep_kwargs`).
+
+Both execution styles run the same helpers, so a request gives the same image
+whether it runs as a whole (`forward`) or one step at a time
+(`prepare_encode` -> `denoise_step` / `step_scheduler` ... -> `post_decode`).
+
+Batch invariance: each request draws its latents from its own CPU generator
+seeded by its seed, text embeddings have a fixed length, and guidance is
+applied per row, so a request's image does not depend on its batch mates
+(up to floating-point reassociation in batched matmuls).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from diffrt.engine.pipelines.interface import (
+    DiffusionPipeline,
+    DiffusionRequestBatch,
+    StepInputBatch,
+    StepRequestState,
+)
+from diffrt.engine.pipelines.text_encoder import HashedTextEncoder
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_SEED_RANGE = 2**63 - 1
+CPU = torch.device("cpu")
+
+
+def resolve_seed(seed: int | None) -> int:
+    """The request's seed, or a fresh random one when it gave none."""
+    return random.SystemRandom().randrange(_SEED_RANGE) if seed is None else int(seed)
+
+
+def _place(module: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Move a diffusers model, casting only when needed (a cast logs a warning)."""
+    module = module.to(device)
+    if module.dtype != dtype:
+        module = module.to(dtype)
+    return module.eval()
+
+
+@dataclass
+class Conditioning:
+    """Prompt embeddings for a group of rows (uncond only when CFG runs)."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    neg_embeds: torch.Tensor | None = None
+    neg_pooled: torch.Tensor | None = None
+
+    @staticmethod
+    def cat(parts: list[Conditioning]) -> Conditioning:
+        def cat_opt(xs: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if xs[0] is None else torch.cat(xs)  # type: ignore[arg-type]
+
+        return Conditioning(
+            embeds=torch.cat([p.embeds for p in parts]),
+            pooled=torch.cat([p.pooled for p in parts]),
+            neg_embeds=cat_opt([p.neg_embeds for p in parts]),
+            neg_pooled=cat_opt([p.neg_pooled for p in parts]),
+        )
+
+
+class FlowMatchPipeline(DiffusionPipeline):
+    """Common base of the Flux and SD3 pipelines (flow matching + AutoencoderKL)."""
+
+    supports_request_batch = True
+    supports_step_execution = True
+
+    #: diffusers class names written to / expected in model_index.json.
+    diffusers_pipeline_class: ClassVar[str] = ""
+    transformer_class: ClassVar[str] = ""
+    #: Set on a per-folder subclass by the registry: `create` loads from it.
+    pretrained_path: ClassVar[str | None] = None
+    #: Tokens per prompt of the hashed text encoder.
+    max_prompt_tokens: ClassVar[int] = 32
+
+    def __init__(
+        self,
+        transformer: Any,
+        vae: Any,
+        scheduler: Any,
+        *,
+        device: torch.device = CPU,
+        dtype: torch.dtype = torch.float32,
+        text_encoder: HashedTextEncoder | None = None,
+    ):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.transformer = _place(transformer, self.device, dtype)
+        self.vae = _place(vae, self.device, dtype)
+        # A template only: every request steps its own copy.
+        self.scheduler = scheduler
+        cfg = transformer.config
+        self.text_encoder = text_encoder or HashedTextEncoder(
+            dim=cfg.joint_attention_dim,
+            pooled_dim=cfg.pooled_projection_dim,
+            max_tokens=self.max_prompt_tokens,
+        )
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.latent_channels = vae.config.latent_channels
+        self.scaling_factor = float(vae.config.scaling_factor)
+        shift = getattr(vae.config, "shift_factor", None)
+        self.shift_factor = float(shift) if shift is not None else 0.0
+
+    # -- construction ---------------------------------------------------------
+    @classmethod
+    def create(cls, *, device: torch.device, dtype: torch.dtype) -> FlowMatchPipeline:
+        if cls.pretrained_path is None:
+            raise NotImplementedError(f"{cls.__name__} has no default weights; use from_pretrained")
+        return cls.from_pretrained(cls.pretrained_path, device=device, dtype=dtype)
+
+    @classmethod
+    def transformer_type(cls) -> type:
+        raise NotImplementedError
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, *, device: torch.device, dtype: torch.dtype
+    ) -> FlowMatchPipeline:
+        """Load transformer, VAE and scheduler from a local diffusers folder.
+
+        Text encoders in the folder are not used: conditioning is the hashed
+        token embedding sized to the transformer (see text_encoder.py).
+        """
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+
+        kw: dict[str, Any] = {"local_files_only": True}
+        transformer = cls.transformer_type().from_pretrained(
+            path, subfolder="transformer", torch_dtype=dtype, **kw
+        )
+        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+            path, subfolder="scheduler", **kw
+        )
+        logger.info("loaded %s from %s", cls.__name__, path)
+        return cls(transformer, vae, scheduler, device=device, dtype=dtype)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write a diffusers-format folder that `from_pretrained` reads back."""
+        import diffusers
+
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        self.transformer.save_pretrained(os.path.join(path, "transformer"))
+        self.vae.save_pretrained(os.path.join(path, "vae"))
+        self.scheduler.save_pretrained(os.path.join(path, "scheduler"))
+        index = {
+            "_class_name": self.diffusers_pipeline_class,
+            "_diffusers_version": diffusers.__version__,
+            "transformer": ["diffusers", self.transformer_class],
+            "vae": ["diffusers", type(self.vae).__name__],
+            "scheduler": ["diffusers", type(self.scheduler).__name__],
+        }
+        with open(os.path.join(path, "model_index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+
+    @classmethod
+    def limits_from_config(cls, transformer_config: dict, vae_config: dict) -> dict[str, int]:
+        """size_multiple / max_size for a local folder's components."""
+        factor = 2 ** (len(vae_config.get("block_out_channels", (0, 0, 0, 0))) - 1)
+        return {"size_multiple": factor * 2, "max_size": cls.max_size}
+
+    # -- family hooks -----------------------------------------------------------
+    def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """(N, C, h, w) VAE latents -> the transformer's layout."""
+        return latents
+
+    def unpack_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The transformer's layout -> (N, C, h, w) VAE latents."""
+        return latents
+
+    def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
+        """Extra arguments to the scheduler's set_timesteps (sigmas, mu)."""
+        return {}
+
+    def transformer_forward(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        embeds: torch.Tensor,
+        pooled: torch.Tensor,
+        guidance: torch.Tensor,
+        params: SamplingParams,
+    ) -> torch.Tensor:
+        """One transformer call over rows; `timesteps` and `guidance` are per row."""
+        raise NotImplementedError
+
+    # -- stages (shared by both execution styles) -----------------------------------
+    def encode_prompt(self, request: DiffusionRequest) -> Conditioning:
+        """Embeddings for one request, repeated per output; negatives when CFG runs."""
+        params = request.sampling_params
+        n = params.num_outputs_per_prompt
+        prompts = [request.prompt]
+        if params.do_cfg:
+            prompts.append(request.negative_prompt or "")
+        embeds, pooled = self.text_encoder(prompts)
+        embeds = embeds.to(self.device, self.dtype).repeat_interleave(n, dim=0)
+        pooled = pooled.to(self.device, self.dtype).repeat_interleave(n, dim=0)
+        if not params.do_cfg:
+            return Conditioning(embeds, pooled)
+        return Conditioning(embeds[:n], pooled[:n], embeds[n:], pooled[n:])
+
+    def latent_shape(self, params: SamplingParams) -> tuple[int, int, int, int]:
+        f = self.vae_scale_factor
+        return (
+            params.num_outputs_per_prompt,
+            self.latent_channels,
+            params.height // f,
+            params.width // f,
+        )
+
+    def prepare_latents(self, params: SamplingParams, seed: int) -> torch.Tensor:
+        """Initial noise from the request's own CPU generator (device independent)."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        noise = torch.randn(self.latent_shape(params), generator=generator, dtype=torch.float32)
+        return self.pack_latents(noise.to(device=self.device, dtype=self.dtype))
+
+    def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
+        """A fresh scheduler copy with its timesteps set; never the shared template."""
+        scheduler = copy.deepcopy(self.scheduler)
+        steps = params.num_inference_steps
+        scheduler.set_timesteps(steps, device=self.device, **self.timestep_kwargs(steps, params))
+        return scheduler, scheduler.timesteps
+
+    def guided_prediction(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        cond: Conditioning,
+        guidance: torch.Tensor,
+        params: SamplingParams,
+    ) -> torch.Tensor:
+        """Transformer call with CFG combined per row (uncond + g * (cond - uncond))."""
+        if cond.neg_embeds is None:
+            return self.transformer_forward(
+                latents, timesteps, cond.embeds, cond.pooled, guidance, params
+            )
+        pred = self.transformer_forward(
+            torch.cat([latents, latents]),
+            torch.cat([timesteps, timesteps]),
+            torch.cat([cond.neg_embeds, cond.embeds]),
+            torch.cat([cond.neg_pooled, cond.pooled]),  # type: ignore[list-item]
+            torch.cat([guidance, guidance]),
+            params,
+        )
+        uncond, text = pred.chunk(2)
+        g = guidance.view(-1, *([1] * (pred.dim() - 1))).to(pred.dtype)
+        return uncond + g * (text - uncond)
+
+    def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Transformer-layout latents -> images in [-1, 1], (N, 3, H, W), on the device."""
+        spatial = self.unpack_latents(latents, params)
+        spatial = spatial / self.scaling_factor + self.shift_factor
+        images = self.vae.decode(spatial.to(self.dtype), return_dict=False)[0]
+        return images.clamp(-1, 1)
+
+    def finish(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """What the request asked for: decoded images, or (N, C, h, w) latents."""
+        if params.output_type == "latent":
+            return self.unpack_latents(latents, params)
+        return self.decode_latents(latents, params)
+
+    def _guidance_rows(self, params: SamplingParams) -> torch.Tensor:
+        return torch.full(
+            (params.num_outputs_per_prompt,), float(params.guidance_scale), device=self.device
+        )
+
+    # -- request style --------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
+        params = batch.sampling_params
+        for request in batch.requests:
+            self.check_inputs(request)
+        n = params.num_outputs_per_prompt
+        latents = torch.cat(
+            [
+                self.prepare_latents(params, resolve_seed(r.sampling_params.seed))
+                for r in batch.requests
+            ]
+        )
+        cond = Conditioning.cat([self.encode_prompt(r) for r in batch.requests])
+        guidance = torch.cat([self._guidance_rows(r.sampling_params) for r in batch.requests])
+        scheduler, timesteps = self.prepare_timesteps(params)
+        for t in timesteps:
+            pred = self.guided_prediction(
+                latents, t.expand(latents.shape[0]), cond, guidance, params
+            )
+            latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        return list(self.finish(latents, params).split(n, dim=0))
+
+    # -- step style ----------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare_encode(self, state: StepRequestState) -> None:
+        request = state.request
+        self.check_inputs(request)
+        params = request.sampling_params
+        seed = resolve_seed(params.seed)
+        state.extra["seed"] = seed
+        state.extra["cond"] = self.encode_prompt(request)
+        state.extra["guidance"] = self._guidance_rows(params)
+        state.latents = self.prepare_latents(params, seed)
+        state.scheduler, state.timesteps = self.prepare_timesteps(params)
+        state.step_index = 0
+
+    @torch.inference_mode()
+    def denoise_step(
+        self, input_batch: StepInputBatch, *, states: list[StepRequestState]
+    ) -> torch.Tensor:
+        params = states[0].request.sampling_params
+        latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
+        timesteps = torch.cat(
+            [s.timesteps[s.step_index].expand(s.latents.shape[0]) for s in states]  # type: ignore[index,union-attr]
+        )
+        cond = Conditioning.cat([s.extra["cond"] for s in states])
+        guidance = torch.cat([s.extra["guidance"] for s in states])
+        return self.guided_prediction(latents, timesteps, cond, guidance, params)
+
+    @torch.inference_mode()
+    def step_scheduler(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
+        t = state.timesteps[state.step_index]  # type: ignore[index]
+        state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
+        state.step_index += 1
+
+    @torch.inference_mode()
+    def post_decode(self, state: StepRequestState) -> torch.Tensor:
+        return self.finish(state.latents, state.request.sampling_params)  # type: ignore[arg-type]

@@ -1,0 +1,135 @@
+"""Flux family: FluxTransformer2DModel on 2x2-packed latent tokens.
+
+Only what is Flux-specific lives here: packing latents into tokens, the
+image/text position ids, timesteps scaled to [0, 1], Flux's resolution
+dependent sigma shift, and the tiny seeded configuration behind `tiny-flux`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
+from diffrt.engine.pipelines.tiny import TINY_VAE, seeded_init
+from diffrt.engine.sampling import SamplingParams
+
+TINY_FLUX_SEED = 20261129
+
+TINY_FLUX_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=16,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    axes_dims_rope=(4, 6, 6),
+)
+
+
+def calculate_shift(
+    image_seq_len: int,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
+    """Flux's resolution-dependent shift (mu), as in diffusers' FluxPipeline."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * m + (base_shift - m * base_seq_len)
+
+
+class FluxPipeline(FlowMatchPipeline):
+    """Text-to-image with a diffusers FluxTransformer2DModel."""
+
+    name = "flux"
+    diffusers_pipeline_class = "FluxPipeline"
+    transformer_class = "FluxTransformer2DModel"
+    size_multiple = 16  # VAE 8x, then 2x2 packing
+    max_size = 2048
+
+    @classmethod
+    def transformer_type(cls) -> type:
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel
+
+    def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = latents.shape
+        latents = latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return latents.reshape(n, (h // 2) * (w // 2), c * 4)
+
+    def unpack_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        n, _, d = latents.shape
+        h = params.height // self.vae_scale_factor
+        w = params.width // self.vae_scale_factor
+        latents = latents.view(n, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return latents.reshape(n, d // 4, h, w)
+
+    def image_ids(self, params: SamplingParams) -> torch.Tensor:
+        h = params.height // self.vae_scale_factor // 2
+        w = params.width // self.vae_scale_factor // 2
+        ids = torch.zeros(h, w, 3)
+        ids[..., 1] += torch.arange(h)[:, None]
+        ids[..., 2] += torch.arange(w)[None, :]
+        return ids.reshape(h * w, 3).to(device=self.device, dtype=self.dtype)
+
+    def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        kwargs: dict[str, Any] = {"sigmas": sigmas}
+        cfg = self.scheduler.config
+        if cfg.get("use_dynamic_shifting", False):
+            seq_len = (params.height // self.vae_scale_factor // 2) * (
+                params.width // self.vae_scale_factor // 2
+            )
+            kwargs["mu"] = calculate_shift(
+                seq_len,
+                cfg.get("base_image_seq_len", 256),
+                cfg.get("max_image_seq_len", 4096),
+                cfg.get("base_shift", 0.5),
+                cfg.get("max_shift", 1.15),
+            )
+        return kwargs
+
+    def transformer_forward(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        embeds: torch.Tensor,
+        pooled: torch.Tensor,
+        guidance: torch.Tensor,
+        params: SamplingParams,
+    ) -> torch.Tensor:
+        # Guidance-distilled checkpoints (guidance_embeds=True) take the scale
+        # as an input; ours also apply true CFG when guidance_scale > 1.
+        embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+        return self.transformer(
+            hidden_states=latents,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            timestep=(timesteps / 1000).to(latents.dtype),
+            img_ids=self.image_ids(params),
+            txt_ids=txt_ids,
+            guidance=embedded,
+            return_dict=False,
+        )[0]
+
+
+class TinyFluxPipeline(FluxPipeline):
+    """`tiny-flux`: a ~120k-parameter Flux with weights drawn from a fixed seed."""
+
+    name = "tiny-flux"
+
+    @classmethod
+    def create(cls, *, device: torch.device, dtype: torch.dtype) -> TinyFluxPipeline:
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+        with seeded_init(TINY_FLUX_SEED):
+            transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER)
+            vae = AutoencoderKL(**TINY_VAE)
+        return cls(transformer, vae, FlowMatchEulerDiscreteScheduler(), device=device, dtype=dtype)

@@ -1,0 +1,160 @@
+"""Model name -> pipeline class, and loading.
+
+A model is either a registered name (`tiny-flux`, `tiny-sd3`, or one added
+with `register_pipeline`) or a path to a local diffusers-format folder, whose
+family is read from model_index.json (or transformer/config.json) and mapped
+through the families registered with `register_family`.
+
+Resolving a model never loads weights and never imports diffusers, so the
+engine can validate requests at submission with
+``resolve_pipeline_class(model).check_inputs(request)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from diffrt.engine.pipelines.interface import DiffusionPipeline
+from diffrt.engine.request import DiffusionRequest
+
+logger = logging.getLogger(__name__)
+
+CPU = torch.device("cpu")
+
+#: name -> class, or "module:Class" imported on first use.
+_PIPELINES: dict[str, type[DiffusionPipeline] | str] = {
+    "tiny-flux": "diffrt.engine.pipelines.flux:TinyFluxPipeline",
+    "tiny-sd3": "diffrt.engine.pipelines.sd3:TinySD3Pipeline",
+}
+#: diffusers transformer class name -> family class (for local folders).
+_FAMILIES: dict[str, type[DiffusionPipeline] | str] = {
+    "FluxTransformer2DModel": "diffrt.engine.pipelines.flux:FluxPipeline",
+    "SD3Transformer2DModel": "diffrt.engine.pipelines.sd3:SD3Pipeline",
+}
+
+
+class UnknownModelError(ValueError):
+    """The model is neither a registered name nor a loadable local folder."""
+
+    def __init__(self, model: str, reason: str = ""):
+        known = ", ".join(known_models())
+        detail = f" ({reason})" if reason else ""
+        super().__init__(
+            f"model: unknown model {model!r}{detail}; known models: {known}, "
+            "or a path to a local diffusers-format Flux/SD3 folder"
+        )
+        self.model = model
+
+
+def _load_class(entry: type[DiffusionPipeline] | str) -> type[DiffusionPipeline]:
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return entry
+
+
+def register_pipeline(name: str, cls: type[DiffusionPipeline] | str) -> None:
+    """Make `name` a model: `cls` (or "module:Class") must implement `create`."""
+    if name in _PIPELINES:
+        logger.warning("re-registering pipeline %r", name)
+    _PIPELINES[name] = cls
+
+
+def register_family(transformer_class: str, cls: type[DiffusionPipeline] | str) -> None:
+    """Map a diffusers transformer class name to the pipeline that loads it
+    from a local folder (through `cls.from_pretrained`)."""
+    _FAMILIES[transformer_class] = cls
+
+
+def known_models() -> list[str]:
+    """The registered model names, sorted."""
+    return sorted(_PIPELINES)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _transformer_class_name(folder: str) -> str | None:
+    index_path = os.path.join(folder, "model_index.json")
+    if os.path.isfile(index_path):
+        entry = _read_json(index_path).get("transformer")
+        if isinstance(entry, list) and len(entry) == 2 and entry[1]:
+            return entry[1]
+    config_path = os.path.join(folder, "transformer", "config.json")
+    if os.path.isfile(config_path):
+        return _read_json(config_path).get("_class_name")
+    return None
+
+
+@lru_cache(maxsize=64)
+def _local_pipeline_class(folder: str) -> type[DiffusionPipeline]:
+    family_name = _transformer_class_name(folder)
+    if family_name is None:
+        raise UnknownModelError(folder, "no model_index.json or transformer/config.json")
+    if family_name not in _FAMILIES:
+        raise UnknownModelError(folder, f"unsupported transformer {family_name}")
+    family = _load_class(_FAMILIES[family_name])
+    attrs: dict[str, Any] = {"pretrained_path": folder, "name": folder}
+    limits = getattr(family, "limits_from_config", None)
+    if limits is not None:
+        tcfg = os.path.join(folder, "transformer", "config.json")
+        vcfg = os.path.join(folder, "vae", "config.json")
+        attrs.update(
+            limits(
+                _read_json(tcfg) if os.path.isfile(tcfg) else {},
+                _read_json(vcfg) if os.path.isfile(vcfg) else {},
+            )
+        )
+    # A per-folder subclass: check_inputs (a classmethod) sees the folder's limits.
+    return type(family.__name__, (family,), attrs)
+
+
+def resolve_pipeline_class(model: str) -> type[DiffusionPipeline]:
+    """The pipeline class for `model`, without loading weights.
+
+    Raises:
+        UnknownModelError: neither a registered name nor a usable local folder.
+    """
+    if not isinstance(model, str) or not model:
+        raise UnknownModelError(repr(model), "must be a non-empty str")
+    if model in _PIPELINES:
+        return _load_class(_PIPELINES[model])
+    if os.path.isdir(model):
+        return _local_pipeline_class(os.path.realpath(model))
+    raise UnknownModelError(model)
+
+
+def load_pipeline(
+    model: str,
+    *,
+    device: torch.device | str = CPU,
+    dtype: torch.dtype = torch.float32,
+) -> DiffusionPipeline:
+    """Build the pipeline for `model` on `device` (tiny models: seeded weights)."""
+    cls = resolve_pipeline_class(model)
+    pipeline = cls.create(device=torch.device(device), dtype=dtype)
+    logger.info("loaded pipeline %s on %s (%s)", model, device, dtype)
+    return pipeline
+
+
+def get_pre_process_func(model: str) -> Callable[[DiffusionRequest], DiffusionRequest]:
+    """Engine-side hook run on a request before it is submitted to a worker."""
+    return resolve_pipeline_class(model).pre_process
+
+
+def get_post_process_func(
+    model: str,
+) -> Callable[[torch.Tensor, str], tuple[list[Any] | None, Any]]:
+    """Engine-side hook turning a host tensor into (images, output); the
+    default is `diffrt.engine.postprocess.postprocess_output`."""
+    return resolve_pipeline_class(model).post_process

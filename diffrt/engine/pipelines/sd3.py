@@ -1,0 +1,88 @@
+"""SD3 family: SD3Transformer2DModel on spatial latents (it patchifies itself).
+
+Only what is SD3-specific lives here: the transformer call (timesteps in
+[0, 1000]), the size limit from its positional-embedding grid, and the tiny
+seeded configuration behind `tiny-sd3`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
+from diffrt.engine.pipelines.tiny import TINY_VAE, seeded_init
+from diffrt.engine.sampling import SamplingParams
+
+TINY_SD3_SEED = 20261130
+
+TINY_SD3_TRANSFORMER = dict(
+    sample_size=16,
+    patch_size=2,
+    in_channels=4,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    caption_projection_dim=32,
+    pooled_projection_dim=32,
+    out_channels=4,
+    pos_embed_max_size=32,
+)
+
+
+class SD3Pipeline(FlowMatchPipeline):
+    """Text-to-image with a diffusers SD3Transformer2DModel."""
+
+    name = "sd3"
+    diffusers_pipeline_class = "StableDiffusion3Pipeline"
+    transformer_class = "SD3Transformer2DModel"
+    size_multiple = 16  # VAE 8x, patch 2
+    max_size = 2048
+
+    @classmethod
+    def transformer_type(cls) -> type:
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel
+
+    @classmethod
+    def limits_from_config(cls, transformer_config: dict, vae_config: dict) -> dict[str, int]:
+        factor = 2 ** (len(vae_config.get("block_out_channels", (0, 0, 0, 0))) - 1)
+        patch = int(transformer_config.get("patch_size", 2))
+        grid = transformer_config.get("pos_embed_max_size")
+        max_size = int(grid) * patch * factor if grid else cls.max_size
+        return {"size_multiple": factor * patch, "max_size": max_size}
+
+    def transformer_forward(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        embeds: torch.Tensor,
+        pooled: torch.Tensor,
+        guidance: torch.Tensor,
+        params: SamplingParams,
+    ) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=latents,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            timestep=timesteps.to(latents.dtype),
+            return_dict=False,
+        )[0]
+
+
+class TinySD3Pipeline(SD3Pipeline):
+    """`tiny-sd3`: a tiny SD3 with weights drawn from a fixed seed (max 512 px:
+    its positional grid is 32 patches of 2 latents of 8 pixels)."""
+
+    name = "tiny-sd3"
+    max_size = 512
+
+    @classmethod
+    def create(cls, *, device: torch.device, dtype: torch.dtype) -> TinySD3Pipeline:
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+        with seeded_init(TINY_SD3_SEED):
+            transformer = SD3Transformer2DModel(**TINY_SD3_TRANSFORMER)
+            vae = AutoencoderKL(**TINY_VAE)
+        return cls(transformer, vae, FlowMatchEulerDiscreteScheduler(), device=device, dtype=dtype)
