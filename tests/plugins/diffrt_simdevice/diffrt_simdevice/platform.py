@@ -1,0 +1,225 @@
+"""A simulated asynchronous device for tests.
+
+Tensors are ordinary CPU tensors (device_type "cpu"), but work is asynchronous
+the way a GPU's is: each ``SimStream`` runs its queued work, in order, on its
+own background thread. ``copy_async`` enqueues a copy that lands only after a
+delay (30 ms by default, env ``DIFFRT_SIMDEVICE_COPY_DELAY_MS``), so a reader
+that skips the wait sees stale bytes — a missing wait shows up as wrong data,
+not as luck. Events complete only when the work queued before them has run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from diffrt.platforms.interface import Platform
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COPY_DELAY_S = 0.030
+
+
+class SimEvent:
+    """Completes when the stream it was recorded on reaches it."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def _complete(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+
+class _StreamState:
+    """What the worker thread shares with its stream (not the stream itself,
+    so an unreferenced stream is collected and its thread ends)."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self.error: BaseException | None = None
+
+
+def _worker(state: _StreamState) -> None:
+    while True:
+        job = state.queue.get()
+        if job is None:
+            return
+        try:
+            job()
+        except BaseException as exc:  # a failing "kernel" must not stop the stream
+            logger.error("simdevice kernel failed: %r", exc)
+            if state.error is None:
+                state.error = exc
+
+
+class SimStream:
+    """An in-order work queue run by one background thread."""
+
+    _ids = itertools.count()
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name or f"simstream-{next(self._ids)}"
+        self._state = _StreamState()
+        threading.Thread(target=_worker, args=(self._state,), name=self.name, daemon=True).start()
+        weakref.finalize(self, self._state.queue.put, None)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first exception raised by work on this stream, if any."""
+        return self._state.error
+
+    def enqueue(self, fn: Callable[[], Any]) -> None:
+        self._state.queue.put(fn)
+
+    def record_event(self) -> SimEvent:
+        event = SimEvent()
+        self.enqueue(event._complete)
+        return event
+
+    def wait_event(self, event: SimEvent) -> None:
+        """Work queued after this waits until ``event`` completed; the host does not."""
+        if not isinstance(event, SimEvent):
+            raise TypeError(f"SimStream.wait_event needs a SimEvent, got {type(event).__name__}")
+        self.enqueue(event.synchronize)
+
+    def synchronize(self) -> None:
+        self.record_event().synchronize()
+
+    def query(self) -> bool:
+        return self._state.queue.empty()
+
+    def __repr__(self) -> str:
+        return f"<SimStream {self.name}>"
+
+
+class SimDevicePlatform(Platform):
+    """Asynchronous streams and late copies over plain CPU tensors."""
+
+    name = "simdevice"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    device_control_env_var = None
+    supports_async_output = True
+
+    def __init__(self, copy_delay_s: float | None = None) -> None:
+        if copy_delay_s is None:
+            ms = os.environ.get("DIFFRT_SIMDEVICE_COPY_DELAY_MS")
+            copy_delay_s = float(ms) / 1000 if ms else DEFAULT_COPY_DELAY_S
+        self.copy_delay_s = copy_delay_s
+        self._tls = threading.local()
+        self._default = SimStream("simdevice-compute")
+        self._streams: weakref.WeakSet[SimStream] = weakref.WeakSet([self._default])
+
+    # -- device facts -------------------------------------------------------------
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def device_name(self, index: int = 0) -> str:
+        return f"simulated async device (copy delay {self.copy_delay_s * 1000:.0f} ms)"
+
+    def mem_get_info(self, index: int = 0) -> tuple[int, int]:
+        return (1 << 30, 1 << 30)
+
+    def synchronize(self) -> None:
+        """Block until every stream has run its queued work; re-raise a failure."""
+        for stream in list(self._streams):
+            stream.synchronize()
+        for stream in list(self._streams):
+            if stream.error is not None:
+                raise RuntimeError(f"work on {stream.name} failed") from stream.error
+
+    # -- streams --------------------------------------------------------------------
+    def _stream(self, stream: Any) -> SimStream:
+        if stream is None:
+            return self.current_stream()
+        if not isinstance(stream, SimStream):
+            raise TypeError(f"simdevice uses SimStream only, got {type(stream).__name__}")
+        return stream
+
+    def current_stream(self) -> SimStream:
+        stack = getattr(self._tls, "stack", None)
+        return stack[-1] if stack else self._default
+
+    def new_side_stream(self) -> SimStream:
+        stream = SimStream()
+        self._streams.add(stream)
+        return stream
+
+    @contextlib.contextmanager
+    def stream_context(self, stream: Any) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        stream = self._stream(stream)
+        stack = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        stack.append(stream)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    # -- events -----------------------------------------------------------------------
+    def record_device_event(self, stream: Any = None) -> SimEvent:
+        return self._stream(stream).record_event()
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self._stream(stream).wait_event(event)
+
+    def event_query(self, event: Any) -> bool:
+        return self._event(event).query()
+
+    def event_synchronize(self, event: Any) -> None:
+        self._event(event).synchronize()
+
+    @staticmethod
+    def _event(event: Any) -> SimEvent:
+        if not isinstance(event, SimEvent):
+            raise TypeError(f"simdevice uses SimEvent only, got {type(event).__name__}")
+        return event
+
+    # -- work -----------------------------------------------------------------------------
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
+        """Enqueue ``dst.copy_(src)``; it lands ``copy_delay_s`` after the stream reaches it."""
+        delay = self.copy_delay_s
+
+        def copy() -> None:
+            if delay:
+                time.sleep(delay)
+            dst.copy_(src)
+
+        self._stream(stream).enqueue(copy)
+
+    def launch(self, fn: Callable[[], Any], stream: Any = None, delay_s: float = 0.0) -> None:
+        """Enqueue an arbitrary "kernel" (e.g. a fake forward writing its output late)."""
+        if delay_s:
+            def kernel() -> None:
+                time.sleep(delay_s)
+                fn()
+        else:
+            kernel = fn
+        self._stream(stream).enqueue(kernel)
+
+    # -- host memory: CPU torch cannot pin; ordinary memory behaves the same here --
+    def pinned_memory_available(self) -> bool:
+        return False
