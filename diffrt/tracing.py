@@ -5,12 +5,16 @@ inherit it). Each process appends complete ("X") events, one JSON object per
 line, to its own file there; ``merge_traces`` joins them into one trace file.
 Timestamps come from CLOCK_MONOTONIC, which every process on a machine shares,
 so spans of the engine, the workers and their output threads line up.
+
+Each named track ("worker0 main", "worker0 output", "engine loop", ...) becomes
+one thread row in the viewer, whatever OS thread wrote to it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -19,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 TRACE_DIR_ENV = "DIFFRT_TRACE_DIR"
+
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _file = None
@@ -33,12 +39,18 @@ def enabled() -> bool:
 def enable(trace_dir: str | os.PathLike) -> None:
     """Turn tracing on for this process and every worker it spawns later."""
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    _close()
     os.environ[TRACE_DIR_ENV] = str(trace_dir)
 
 
 def disable() -> None:
-    global _file, _file_pid
+    """Turn tracing off and close this process's trace file (flushes it)."""
     os.environ.pop(TRACE_DIR_ENV, None)
+    _close()
+
+
+def _close() -> None:
+    global _file, _file_pid
     with _lock:
         if _file is not None:
             _file.close()
@@ -46,27 +58,43 @@ def disable() -> None:
         _tracks.clear()
 
 
-def _now_us() -> float:
+def now_us() -> float:
+    """The trace clock (CLOCK_MONOTONIC) in microseconds."""
     return time.monotonic_ns() / 1000.0
 
 
-def _write(event: dict[str, Any]) -> None:
+_now_us = now_us  # older name, kept for callers
+
+
+def _open_locked(pid: int) -> bool:
     global _file, _file_pid
+    trace_dir = os.environ.get(TRACE_DIR_ENV)
+    if not trace_dir:  # disabled by another thread since the caller checked
+        return False
+    path = Path(trace_dir) / f"trace-{pid}.jsonl"
+    _file = open(path, "a", buffering=1)  # noqa: SIM115 - lives for the process
+    _file_pid = pid
+    _tracks.clear()
+    return True
+
+
+def _write(event: dict[str, Any]) -> None:
     pid = os.getpid()
     with _lock:
-        if _file is None or _file_pid != pid:
-            path = Path(os.environ[TRACE_DIR_ENV]) / f"trace-{pid}.jsonl"
-            _file = open(path, "a", buffering=1)  # noqa: SIM115 - lives for the process
-            _file_pid = pid
-            _tracks.clear()
-        track = event.pop("track")
-        if track not in _tracks:
-            _tracks[track] = len(_tracks) + 1
-            meta = {"ph": "M", "name": "thread_name", "pid": pid, "tid": _tracks[track],
-                    "args": {"name": track}}
-            _file.write(json.dumps(meta) + "\n")
-        event.update(pid=pid, tid=_tracks[track])
-        _file.write(json.dumps(event) + "\n")
+        # First event, or we are a forked child: open this process's own file.
+        if (_file is None or _file_pid != pid) and not _open_locked(pid):
+            return
+        track = event.pop("track", None)
+        if track is None:
+            event.update(pid=pid, tid=0)
+        else:
+            if track not in _tracks:
+                _tracks[track] = tid = len(_tracks) + 1
+                for meta in ({"name": "thread_name", "args": {"name": track}},
+                             {"name": "thread_sort_index", "args": {"sort_index": tid}}):
+                    _file.write(json.dumps({"ph": "M", "pid": pid, "tid": tid, **meta}) + "\n")
+            event.update(pid=pid, tid=_tracks[track])
+        _file.write(json.dumps(event, default=str) + "\n")
 
 
 def record(track: str, name: str, start_us: float, end_us: float, **args: Any) -> None:
@@ -77,32 +105,72 @@ def record(track: str, name: str, start_us: float, end_us: float, **args: Any) -
             "track": track, "args": args})
 
 
+def instant(track: str, name: str, **args: Any) -> None:
+    """Record a point in time on ``track`` (e.g. a request's arrival)."""
+    if not enabled():
+        return
+    _write({"ph": "i", "s": "t", "name": name, "ts": now_us(), "track": track, "args": args})
+
+
 @contextlib.contextmanager
 def span(track: str, name: str, **args: Any) -> Iterator[None]:
     """Context manager form of ``record``; costs one env lookup when tracing is off."""
     if not enabled():
         yield
         return
-    start = _now_us()
+    start = now_us()
     try:
         yield
     finally:
-        record(track, name, start, _now_us(), **args)
+        record(track, name, start, now_us(), **args)
 
 
 def process_name(name: str) -> None:
     """Label this process in the trace viewer."""
     if enabled():
-        _write({"ph": "M", "name": "process_name", "track": "main", "args": {"name": name}})
+        _write({"ph": "M", "name": "process_name", "args": {"name": name}})
+
+
+def _read_events(path: Path) -> list[dict[str, Any]]:
+    events = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:  # a process killed mid-write leaves a partial line
+            logger.warning("skipping a truncated trace line in %s", path)
+    return events
+
+
+def _guess_process_name(events: list[dict[str, Any]]) -> str | None:
+    """Name a process that never called ``process_name`` after its tracks."""
+    tracks = [e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"]
+    prefixes = sorted({t.split(" ")[0] for t in tracks})
+    return "/".join(prefixes) or None
 
 
 def merge_traces(trace_dir: str | os.PathLike, out_path: str | os.PathLike) -> dict[str, Any]:
-    """Join every per-process file in ``trace_dir`` into one trace-event JSON file."""
+    """Join every per-process file in ``trace_dir`` into one trace-event JSON file.
+
+    Call it after the processes that wrote the files have stopped tracing (the
+    engine closed), so every span is on disk.
+    """
+    _close()  # flush this process's file
     events: list[dict[str, Any]] = []
     for path in sorted(Path(trace_dir).glob("trace-*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                events.append(json.loads(line))
+        proc_events = _read_events(path)
+        named = any(e.get("ph") == "M" and e.get("name") == "process_name" for e in proc_events)
+        if not named and proc_events:
+            guess = _guess_process_name(proc_events)
+            if guess:
+                proc_events.insert(0, {"ph": "M", "name": "process_name",
+                                       "pid": proc_events[0]["pid"], "tid": 0,
+                                       "args": {"name": guess}})
+        events.extend(proc_events)
+    # Metadata first, then spans in time order: easier to read and to diff.
+    events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0.0)))
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     Path(out_path).write_text(json.dumps(trace))
     return trace

@@ -1,0 +1,63 @@
+"""The `diffrt` command: `env`, `generate`, `bench`.
+
+Each subcommand lives in its own module and imports torch and the engine only
+when it runs, so `diffrt --help` and input errors answer at once. Input the
+user can fix is reported as one line on stderr with exit status 2; a failed
+run exits with 1. `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from diffrt.cli import bench, env, generate
+from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError, is_user_error
+
+__all__ = ["CliError", "build_parser", "main"]
+
+logger = logging.getLogger("diffrt.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diffrt", description="Serve diffusion models on any accelerator, or on CPU.")
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="library log level (default: %(default)s)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    env.add_parser(sub)
+    generate.add_parser(sub)
+    bench.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("diffrt: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        if is_user_error(exc):
+            print(f"diffrt {args.command}: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"diffrt {args.command}: error: {type(exc).__name__}: {exc} "
+              "(run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""`diffrt bench`: load an engine, print throughput, latency percentiles and
+where the time went; `--compare` runs several configurations in one go."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from diffrt import tracing
+from diffrt.cli.bench_load import drive
+from diffrt.cli.bench_stats import ratio, summarize
+from diffrt.cli.engine_opts import (
+    add_engine_args,
+    add_model_args,
+    check_requests,
+    engine_settings,
+    make_engine,
+    non_negative_float,
+    positive_int,
+    sampling_params,
+)
+from diffrt.cli.errors import EXIT_FAILURE, CliError
+from diffrt.cli.paths import check_writable_file
+from diffrt.cli.table import format_table
+from diffrt.cli.trace_session import add_trace_args, check_trace_args, trace_session
+
+logger = logging.getLogger(__name__)
+
+
+def _choice(*allowed: str):
+    def convert(text: str) -> str:
+        value = {"true": "on", "false": "off"}.get(text.lower(), text.lower())
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(allowed)}, got {text!r}")
+        return value
+    return convert
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+#: what a --compare spec may change, and how its value is read
+COMPARE_KEYS = {
+    "mode": _choice("request", "step"),
+    "max_num_seqs": positive_int,
+    "async_output": _choice("auto", "on", "off"),
+    "world_size": positive_int,
+    "executor": _choice("mp", "inproc"),
+    "concurrency": positive_int,
+    "request_rate": positive_float,
+    "num_requests": positive_int,
+    "height": positive_int,
+    "width": positive_int,
+    "steps": positive_int,
+    "guidance_scale": non_negative_float,
+    "model": str,
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure throughput and latency under load",
+        description="Drive an engine with a configurable load and print throughput, "
+                    "p50/p90/p99 latency, queue wait, forward time and output wait.",
+        epilog="--compare example: diffrt bench --compare async_output=off async_output=on "
+               "'mode=step,max_num_seqs=8'  (keys: " + ", ".join(COMPARE_KEYS) + ")")
+    add_model_args(p, height=128, steps=4)
+    p.add_argument("--num-requests", "-N", type=positive_int, default=16,
+                   help="measured requests per configuration (default: %(default)s)")
+    p.add_argument("--concurrency", "-c", type=positive_int, default=4,
+                   help="requests in flight, closed loop (default: %(default)s)")
+    p.add_argument("--request-rate", type=positive_float, default=None,
+                   help="open loop instead: Poisson arrivals at this many requests/s")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured requests run first on each engine (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="request seeds and arrival times")
+    add_engine_args(p, executor=None)
+    p.add_argument("--compare", nargs="+", metavar="SPEC",
+                   help="run one configuration per SPEC ('key=value,key=value' on top of the "
+                        "other options) and print ratios against the first")
+    p.add_argument("--json", metavar="RESULTS.json", help="also write the results as JSON")
+    add_trace_args(p)
+    p.set_defaults(func=run)
+
+
+def parse_spec(spec: str) -> dict[str, Any]:
+    """'mode=step,max_num_seqs=8' -> {"mode": "step", "max_num_seqs": 8}."""
+    overrides: dict[str, Any] = {}
+    for part in filter(None, (s.strip() for s in spec.split(","))):
+        key, sep, text = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in COMPARE_KEYS:
+            raise CliError(f"--compare {spec!r}: expected key=value with a key among "
+                           f"{', '.join(COMPARE_KEYS)}, got {part!r}")
+        try:
+            overrides[key] = COMPARE_KEYS[key](text.strip())
+        except argparse.ArgumentTypeError as exc:
+            raise CliError(f"--compare {spec!r}: {key} {exc}") from None
+    return overrides
+
+
+def build_configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(label, options) for each configuration; without --compare just the base one."""
+    base = {k: getattr(args, k) for k in COMPARE_KEYS}
+    if base["max_num_seqs"] is None:
+        base["max_num_seqs"] = 1
+    if not args.compare:
+        return [("base", base)]
+    return [(spec, {**base, **parse_spec(spec)}) for spec in args.compare]
+
+
+def _requests(opts: dict[str, Any], count: int, seed: int, tag: str) -> list[Any]:
+    from diffrt.engine.request import DiffusionRequest
+
+    ns = argparse.Namespace(**opts)
+    return [DiffusionRequest(prompt=f"bench {tag} prompt {i}",
+                             sampling_params=sampling_params(ns, seed=seed + i))
+            for i in range(count)]
+
+
+def _run_config(engine: Any, label: str, opts: dict[str, Any], args: argparse.Namespace) -> dict:
+    if args.warmup > 0:
+        drive(engine, _requests(opts, args.warmup, args.seed + 10_000, "warmup"),
+              concurrency=args.warmup, rate=None)
+    requests = _requests(opts, opts["num_requests"], args.seed, "measured")
+    start = tracing.now_us()
+    samples, wall = drive(engine, requests, concurrency=opts["concurrency"],
+                          rate=opts["request_rate"], seed=args.seed)
+    tracing.record("bench", label, start, tracing.now_us())
+    return summarize(samples, wall)
+
+
+def run(args: argparse.Namespace) -> int:
+    configs = build_configs(args)
+    if args.json:
+        check_writable_file(args.json, "the results")
+    check_trace_args(args)
+    for _, opts in configs:
+        check_requests(opts["model"], _requests(opts, 1, args.seed, "check"))
+
+    results = []
+    engine, engine_key = None, None
+    with trace_session(args, title="diffrt bench"):
+        try:
+            for label, opts in configs:
+                settings = engine_settings(opts)
+                key = json.dumps(settings, sort_keys=True)
+                if key != engine_key:  # configurations differing only in load share an engine
+                    if engine is not None:
+                        engine.close()
+                        engine = None
+                    logger.info("starting engine %s", settings)
+                    engine, engine_key = make_engine(settings), key
+                stats = _run_config(engine, label, opts, args)
+                results.append({"label": label, "engine": settings,
+                                "load": {k: opts[k] for k in ("num_requests", "concurrency",
+                                                              "request_rate", "height", "width",
+                                                              "steps")},
+                                **stats})
+                print(f"done: {label}: {stats['throughput_rps'] or 0:.2f} req/s", flush=True)
+        finally:
+            if engine is not None:
+                engine.close()
+
+    base = results[0]
+    for r in results:
+        r["throughput_vs_first"] = ratio(r["throughput_rps"], base["throughput_rps"])
+        r["p50_vs_first"] = ratio(r["latency_p50_ms"], base["latency_p50_ms"])
+    print()
+    print(render_results(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results}, indent=2))
+        print(f"results: {args.json}")
+    return EXIT_FAILURE if any(r["failed"] for r in results) else 0
+
+
+def _load_text(load: dict[str, Any]) -> str:
+    shape = (f"rate {load['request_rate']:g}/s" if load["request_rate"]
+             else f"concurrency {load['concurrency']}")
+    return f"{load['num_requests']} req, {shape}, {load['height']}x{load['width']}, {load['steps']} steps"
+
+
+def render_results(results: list[dict[str, Any]]) -> str:
+    headers = ["config", "req/s", "x first", "p50 ms", "p90 ms", "p99 ms", "p50 x first",
+               "queue ms", "forward ms", "out wait ms", "post ms", "failed"]
+    rows = [[r["label"], r["throughput_rps"], r["throughput_vs_first"], r["latency_p50_ms"],
+             r["latency_p90_ms"], r["latency_p99_ms"], r["p50_vs_first"], r["queue_wait_ms"],
+             r["forward_ms"], r["output_wait_ms"], r["postprocess_ms"], r["failed"]]
+            for r in results]
+    loads = {_load_text(r["load"]) for r in results}
+    title = "load: " + (loads.pop() if len(loads) == 1 else "per configuration")
+    return format_table(headers, rows, title=title)

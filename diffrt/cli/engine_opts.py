@@ -1,0 +1,114 @@
+"""Options shared by `generate` and `bench`: model, sampling and engine settings.
+
+Parsing only checks the shape of the input; the model-specific limits (size
+multiple, largest size) come from the pipeline's own `check_inputs`, so the
+CLI never disagrees with the engine about what is valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from diffrt.cli.errors import CliError
+
+DEFAULT_MODEL = "tiny-flux"
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser, *, height: int = 128, steps: int = 4) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="embedded model name (tiny-flux, tiny-sd3) or a local diffusers folder "
+                        "(default: %(default)s)")
+    p.add_argument("--height", type=positive_int, default=height, help="pixels (default: %(default)s)")
+    p.add_argument("--width", type=positive_int, default=height, help="pixels (default: %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=steps,
+                   help="denoising steps (default: %(default)s)")
+    p.add_argument("--guidance-scale", type=non_negative_float, default=1.0,
+                   help="classifier-free guidance runs when > 1 (default: %(default)s)")
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None:
+    p.add_argument("--mode", choices=("request", "step"), default="request",
+                   help="request: whole-request batches; step: continuous batching at step "
+                        "boundaries (default: %(default)s)")
+    p.add_argument("--step-execution", dest="mode", action="store_const", const="step",
+                   help="same as --mode step")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help="requests the engine runs together (default: the number of prompts "
+                        "for generate, 1 for bench)")
+    p.add_argument("--async-output", choices=("auto", "on", "off"), default="auto",
+                   help="copy outputs off the device on a background thread (default: auto)")
+    p.add_argument("--world-size", type=positive_int, default=1,
+                   help="worker processes (ranks) per engine (default: %(default)s)")
+    p.add_argument("--executor", choices=("mp", "inproc"), default=executor,
+                   help="mp: worker processes; inproc: the runner in this process "
+                        "(default: %(default)s)")
+
+
+def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
+    """The EngineConfig keyword arguments for a parsed command line (or a dict of it)."""
+    get = args.get if isinstance(args, dict) else lambda k: getattr(args, k)
+    settings: dict[str, Any] = {
+        "model": get("model"),
+        "step_execution": get("mode") == "step",
+        "max_num_seqs": get("max_num_seqs") or 1,
+    }
+    if get("async_output") != "auto":
+        settings["async_output"] = get("async_output") == "on"
+    if get("world_size") != 1:
+        settings["world_size"] = get("world_size")
+    if get("executor"):
+        settings["executor_backend"] = get("executor")
+    return settings
+
+
+def make_engine(settings: dict[str, Any]) -> Any:
+    """Build and start an engine; user mistakes surface as ValueError (shown cleanly)."""
+    from diffrt.engine import DiffusionEngine, EngineConfig
+
+    return DiffusionEngine.make_engine(EngineConfig(**settings))
+
+
+def sampling_params(args: argparse.Namespace, *, seed: int | None, n: int = 1) -> Any:
+    from diffrt.engine.sampling import SamplingParams
+
+    return SamplingParams(height=args.height, width=args.width, num_inference_steps=args.steps,
+                          guidance_scale=args.guidance_scale, seed=seed,
+                          num_outputs_per_prompt=n)
+
+
+def check_requests(model: str, requests: list[Any]) -> None:
+    """Refuse an unknown model or bad sampling parameters before loading anything.
+
+    The pipeline class checks without weights; its errors name the field.
+    """
+    from diffrt.engine.pipelines.registry import resolve_pipeline_class
+
+    cls = resolve_pipeline_class(model)
+    for request in requests:
+        cls.check_inputs(request)
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise CliError(message)

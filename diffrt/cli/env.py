@@ -1,0 +1,49 @@
+"""`diffrt env`: which platform diffrt picked on this machine, why, and what it can do."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from diffrt.cli.table import format_pairs
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "env", help="show the detected platform, how it was chosen, versions and capabilities",
+        description="Show the platform diffrt detected, how it was chosen, torch and vendor "
+                    "package versions, and each capability. Run it first on a new machine.")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        pairs: list[tuple[str, Any]] = []
+        for key, sub in value.items():
+            pairs += _flatten(f"{prefix}.{key}" if prefix else str(key), sub)
+        return pairs
+    return [(prefix, value)]
+
+
+def render_report(report: dict[str, Any]) -> str:
+    """Scalars first as the summary, then one section per nested mapping."""
+    summary = [(str(k), v) for k, v in report.items() if not isinstance(v, dict)]
+    sections = [format_pairs(summary, "platform")] if summary else []
+    for key, value in report.items():
+        if isinstance(value, dict):
+            pairs = _flatten("", value)
+            sections.append(format_pairs(pairs, str(key)) if pairs else f"{key}\n  -")
+    return "\n\n".join(sections)
+
+
+def run(args: argparse.Namespace) -> int:
+    from diffrt.platforms.report import platform_report
+
+    report = platform_report()
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render_report(report))
+    return 0

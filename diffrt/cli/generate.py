@@ -1,0 +1,152 @@
+"""`diffrt generate`: prompts in, image files out, one progress bar per request.
+
+Every prompt becomes one request; all of them go to the engine at once and are
+consumed concurrently (asyncio.gather over `step_streaming`), so the engine can
+batch them. Progress bars are driven by the engine's step progress outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from diffrt.cli.engine_opts import (
+    add_engine_args,
+    add_model_args,
+    check_requests,
+    engine_settings,
+    make_engine,
+    positive_int,
+    sampling_params,
+)
+from diffrt.cli.errors import EXIT_FAILURE, CliError
+from diffrt.cli.paths import image_paths
+from diffrt.cli.trace_session import add_trace_args, check_trace_args, trace_session
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate images from prompts",
+        description="Generate images. Several prompts (--prompt repeated, or --prompts-file) "
+                    "run concurrently through one engine.")
+    p.add_argument("--prompt", "-p", action="append", default=[],
+                   help="a prompt; repeat for several")
+    p.add_argument("--prompts-file", type=Path,
+                   help="a text file with one prompt per line (blank lines and lines "
+                        "starting with # are skipped)")
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the first prompt; prompt i uses seed+i (default: %(default)s)")
+    p.add_argument("-n", "--num-images", dest="n", type=positive_int, default=1,
+                   help="images per prompt (default: %(default)s)")
+    p.add_argument("--output", "-o", default="out.png",
+                   help="image file; with several images out.png becomes out-<prompt>[-<k>].png "
+                        "(default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    add_model_args(p)
+    add_engine_args(p, executor=None)
+    add_trace_args(p)
+    p.set_defaults(func=run)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file is not None:
+        try:
+            text = args.prompts_file.read_text()
+        except OSError as exc:
+            raise CliError(f"cannot read --prompts-file {str(args.prompts_file)!r}: "
+                           f"{exc.strerror or exc}") from None
+        prompts += [ln.strip() for ln in text.splitlines()
+                    if ln.strip() and not ln.lstrip().startswith("#")]
+    if not prompts:
+        raise CliError("give at least one --prompt (or a --prompts-file with prompts in it)")
+    return prompts
+
+
+class _Progress:
+    """One tqdm bar per request, updated from its step progress outputs."""
+
+    def __init__(self, prompts: list[str], steps: int, enabled: bool):
+        self.bars: list[Any] = []
+        if not enabled:
+            return
+        from tqdm import tqdm
+
+        for i, prompt in enumerate(prompts):
+            label = prompt if len(prompt) <= 24 else prompt[:21] + "..."
+            self.bars.append(tqdm(total=steps, desc=f"[{i}] {label}", unit="step",
+                                  position=i, leave=True, file=sys.stderr, dynamic_ncols=True))
+
+    def update(self, index: int, output: Any) -> None:
+        if not self.bars:
+            return
+        bar = self.bars[index]
+        if output.total_steps and bar.total != output.total_steps:
+            bar.total = output.total_steps
+        done = bar.total if output.finished and output.ok else output.step
+        if done > bar.n:
+            bar.update(done - bar.n)
+        if output.finished and not output.ok:
+            bar.set_postfix_str("aborted" if output.aborted else "failed")
+
+    def close(self) -> None:
+        for bar in self.bars:
+            bar.close()
+
+
+async def _consume(engine: Any, index: int, request: Any, progress: _Progress) -> Any:
+    final = None
+    async for output in engine.step_streaming(request):
+        progress.update(index, output)
+        if output.finished:
+            final = output
+    return final
+
+
+async def _run_all(engine: Any, requests: list[Any], progress: _Progress) -> list[Any]:
+    return await asyncio.gather(*(_consume(engine, i, r, progress) for i, r in enumerate(requests)))
+
+
+def run(args: argparse.Namespace) -> int:
+    prompts = read_prompts(args)
+    paths = image_paths(args.output, len(prompts), args.n)
+    check_trace_args(args)
+    from diffrt.engine.request import DiffusionRequest
+
+    requests = [DiffusionRequest(prompt=p, negative_prompt=args.negative_prompt,
+                                 sampling_params=sampling_params(args, seed=args.seed + i, n=args.n))
+                for i, p in enumerate(prompts)]
+    check_requests(args.model, requests)
+    settings = engine_settings(args)
+    if args.max_num_seqs is None:
+        settings["max_num_seqs"] = len(requests)
+
+    start = time.perf_counter()
+    with trace_session(args, title=f"diffrt generate ({args.model}, {len(prompts)} prompts)"):
+        engine = make_engine(settings)
+        progress = _Progress(prompts, args.steps, enabled=not args.no_progress)
+        try:
+            finals = asyncio.run(_run_all(engine, requests, progress))
+        finally:
+            progress.close()
+            engine.close()
+    elapsed = time.perf_counter() - start
+
+    failed = 0
+    for prompt, final, targets in zip(prompts, finals, paths, strict=True):
+        if final is None or not final.ok:
+            failed += 1
+            reason = "no output" if final is None else (final.error or "aborted")
+            print(f"failed: {prompt!r}: {reason}", file=sys.stderr)
+            continue
+        for image, path in zip(final.images or [], targets, strict=False):
+            image.save(path)
+            print(f"wrote {path} ({image.width}x{image.height}) for {prompt!r}")
+    print(f"{len(prompts) - failed} of {len(prompts)} prompts done in {elapsed:.2f} s "
+          f"(engine start-up included)")
+    return EXIT_FAILURE if failed else 0

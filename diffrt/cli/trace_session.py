@@ -1,0 +1,82 @@
+"""`--trace` / `--plot`: collect spans from every process while a command runs.
+
+Tracing writes one file per process into a temporary folder (workers inherit
+the setting at spawn), and once the engine has closed the files are merged
+into one Chrome/Perfetto trace-event file and, if asked, drawn as a picture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from diffrt import tracing
+from diffrt.cli.paths import check_writable_file
+
+logger = logging.getLogger(__name__)
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", metavar="TRACE.json",
+                   help="write a Chrome/Perfetto trace-event file: one track per worker main "
+                        "stream, output thread and engine thread (open in ui.perfetto.dev)")
+    p.add_argument("--plot", metavar="TIMELINE.png",
+                   help="draw the same timeline as an image (needs matplotlib)")
+
+
+def check_trace_args(args: argparse.Namespace) -> None:
+    """Fail before the run, not after it, when the trace or plot cannot be written."""
+    if args.trace:
+        check_writable_file(args.trace, "the trace")
+    if args.plot:
+        check_writable_file(args.plot, "the timeline plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            from diffrt.cli.errors import CliError
+
+            raise CliError("--plot needs matplotlib: pip install 'diffrt[plot]'") from exc
+
+
+@contextlib.contextmanager
+def trace_session(args: argparse.Namespace, title: str) -> Iterator[None]:
+    """Trace the body when ``--trace`` or ``--plot`` was given; the body must
+    close its engine so that every worker's spans are on disk when it ends."""
+    if not (args.trace or args.plot):
+        yield
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="diffrt-trace-"))
+    tracing.enable(tmp)
+    tracing.process_name("engine (diffrt cli)")
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        tracing.disable()
+        try:
+            if ok:
+                _finish(args, tmp, title)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _finish(args: argparse.Namespace, tmp: Path, title: str) -> None:
+    from diffrt.cli.trace_analysis import summarize
+
+    out = Path(args.trace) if args.trace else tmp / "trace.json"
+    trace = tracing.merge_traces(tmp, out)
+    if args.trace:
+        print(f"trace: {out} ({len(trace['traceEvents'])} events; open in https://ui.perfetto.dev "
+              "or chrome://tracing)")
+        print(summarize(trace))
+    if args.plot:
+        from diffrt.cli.timeline import plot_timeline
+
+        plot_timeline(trace, args.plot, title=title)
+        print(f"timeline: {args.plot}")
