@@ -1,0 +1,119 @@
+"""Trace files: per-process spans merged into one trace, the overlap finder, the plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import multiprocessing as mp
+import struct
+
+import pytest
+
+from diffrt import tracing
+from diffrt.cli.timeline import plot_timeline
+from diffrt.cli.trace_analysis import find_async_overlaps, load_trace, summarize, tracks
+
+
+@pytest.fixture
+def trace_dir(tmp_path):
+    d = tmp_path / "spans"
+    tracing.enable(d)
+    yield d
+    tracing.disable()
+
+
+def _child_spans(trace_dir: str) -> None:
+    # a spawned worker inherits DIFFRT_TRACE_DIR through the environment
+    from diffrt import tracing as t
+
+    assert t.enabled()
+    t.record("worker0 main", "forward", 10.0, 20.0, method="execute", keys=["a"])
+    t.record("worker0 output", "d2h+pack", 19.0, 30.0, keys=["a"])
+
+
+def test_spans_of_several_processes_merge_into_one_trace(trace_dir, tmp_path):
+    tracing.process_name("engine")
+    with tracing.span("engine loop", "schedule", n=1):
+        pass
+    tracing.instant("engine loop", "arrival")
+    proc = mp.get_context("spawn").Process(target=_child_spans, args=(str(trace_dir),))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+
+    out = tmp_path / "trace.json"
+    merged = tracing.merge_traces(trace_dir, out)
+    assert json.loads(out.read_text()) == merged
+    events = merged["traceEvents"]
+    assert {e["pid"] for e in events} == {proc.pid, os.getpid()}
+    for e in events:  # the fields the trace-event format requires
+        assert {"ph", "name", "pid", "tid"} <= e.keys()
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and isinstance(e["ts"], float)
+    names = {t.label: [s.name for s in t.spans] for t in tracks(merged)}
+    assert names["engine loop"] == ["schedule"]
+    # the child never named its process: the merge names it after its tracks
+    assert names["worker0 main"] == ["forward"] and names["worker0 output"] == ["d2h+pack"]
+
+
+def test_merge_skips_a_line_cut_by_a_killed_process(trace_dir, tmp_path):
+    tracing.record("worker0 main", "forward", 1.0, 2.0)
+    tracing.disable()
+    (trace_dir / "trace-999999.jsonl").write_text(
+        '{"ph": "X", "name": "forward", "pid": 999999, "tid": 1, "ts": 1.0, "dur": 1.0}\n{"ph": "X", "na')
+    merged = tracing.merge_traces(trace_dir, tmp_path / "t.json")
+    assert sum(e["ph"] == "X" for e in merged["traceEvents"]) == 2
+
+
+def test_tracing_off_writes_nothing(tmp_path):
+    tracing.disable()
+    with tracing.span("engine loop", "x"):
+        pass
+    tracing.record("engine loop", "y", 0.0, 1.0)
+    assert not tracing.enabled()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _synthetic(forwards, copies):
+    events = [{"ph": "M", "name": "thread_name", "pid": 7, "tid": 1, "args": {"name": "worker0 main"}},
+              {"ph": "M", "name": "thread_name", "pid": 7, "tid": 2, "args": {"name": "worker0 output"}}]
+    for tid, name, spans in ((1, "forward", forwards), (2, "d2h+pack", copies)):
+        for start, end, key in spans:
+            events.append({"ph": "X", "name": name, "pid": 7, "tid": tid, "ts": start,
+                           "dur": end - start, "args": {"keys": [key]}})
+    return {"traceEvents": events}
+
+
+def test_overlap_found_when_next_forward_runs_during_previous_copy():
+    trace = _synthetic(forwards=[(0, 100, "r1"), (105, 200, "r2")], copies=[(100, 150, "r1")])
+    pairs = find_async_overlaps(trace)
+    assert [(f.keys, c.keys) for f, c in pairs] == [(("r2",), ("r1",))]
+    assert "1 of 2" in summarize(trace)
+
+
+def test_no_overlap_when_copies_run_between_forwards():
+    # the synchronous path: copy of r1 ends before forward r2 starts
+    trace = _synthetic(forwards=[(0, 100, "r1"), (160, 200, "r2")], copies=[(100, 150, "r1")])
+    assert find_async_overlaps(trace) == []
+    # a copy overlapping its own forward is not the async overlap either
+    trace = _synthetic(forwards=[(0, 100, "r1")], copies=[(50, 150, "r1")])
+    assert find_async_overlaps(trace) == []
+
+
+def test_load_trace_refuses_other_json(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text('{"foo": 1}')
+    with pytest.raises(ValueError, match="traceEvents"):
+        load_trace(path)
+    path.write_text("[]")
+    assert load_trace(path) == {"traceEvents": []}
+
+
+def test_timeline_plot_is_a_png_with_every_span(tmp_path):
+    trace = _synthetic(forwards=[(0, 100, "r1"), (105, 200, "r2")], copies=[(100, 150, "r1")])
+    out = tmp_path / "timeline.png"
+    assert plot_timeline(trace, out) == 3
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 800 and height >= 100

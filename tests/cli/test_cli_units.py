@@ -1,0 +1,124 @@
+"""Pieces of the CLI that need no engine: tables, percentiles, specs, paths, the env report."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffrt.cli import main
+from diffrt.cli.bench import build_configs, parse_spec, render_results
+from diffrt.cli.bench_stats import Sample, percentile, summarize
+from diffrt.cli.env import render_report
+from diffrt.cli.errors import CliError
+from diffrt.cli.paths import check_writable_file, image_paths
+from diffrt.cli.table import format_table
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) is None
+
+
+def test_summary_counts_failures_and_ignores_them_in_latency():
+    samples = [Sample(latency=0.1, ok=True, images=1, queue_wait=0.01, forward_time=0.05),
+               Sample(latency=0.3, ok=True, images=1, queue_wait=0.03, forward_time=0.05),
+               Sample(latency=9.0, ok=False)]
+    stats = summarize(samples, wall_s=0.5)
+    assert stats["failed"] == 1 and stats["requests"] == 3
+    assert stats["throughput_rps"] == pytest.approx(4.0)
+    assert stats["latency_p50_ms"] == pytest.approx(200.0)
+    assert stats["queue_wait_ms"] == pytest.approx(20.0)
+    assert stats["output_wait_ms"] is None
+
+
+def test_table_aligns_columns():
+    text = format_table(["config", "req/s"], [["a", 1.5], ["longer name", 12.25]])
+    lines = text.splitlines()
+    assert len({len(ln) for ln in lines}) == 1  # right-aligned numbers: equal widths
+    assert lines[2].startswith("a ") and lines[3].endswith("12.2")
+
+
+def test_compare_specs_parse_and_apply_over_the_base(tmp_path):
+    assert parse_spec("mode=step, max-num-seqs=8,async_output=false") == {
+        "mode": "step", "max_num_seqs": 8, "async_output": "off"}
+    for bad in ("mode=sideways", "max_num_seqs=0", "colour=red", "mode"):
+        with pytest.raises(CliError):
+            parse_spec(bad)
+    from diffrt.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--steps", "3", "--compare", "async_output=off",
+                                      "executor=inproc,max_num_seqs=4"])
+    configs = build_configs(args)
+    assert [label for label, _ in configs] == ["async_output=off", "executor=inproc,max_num_seqs=4"]
+    assert configs[0][1]["steps"] == 3 and configs[0][1]["max_num_seqs"] == 1
+    assert configs[1][1]["max_num_seqs"] == 4 and configs[1][1]["async_output"] == "auto"
+
+
+def test_results_table_shows_ratios_against_the_first():
+    load = {"num_requests": 4, "concurrency": 2, "request_rate": None, "height": 64,
+            "width": 64, "steps": 2}
+    rows = [{"label": "a", "load": load, "throughput_vs_first": 1.0, "p50_vs_first": 1.0,
+             **summarize([Sample(0.1, True, 1)], 1.0)},
+            {"label": "b", "load": load, "throughput_vs_first": 2.0, "p50_vs_first": 0.5,
+             **summarize([Sample(0.05, True, 1)], 0.5)}]
+    text = render_results(rows)
+    assert "x first" in text and "4 req, concurrency 2, 64x64, 2 steps" in text
+    line_b = [ln for ln in text.splitlines() if ln.startswith("b ")][0]
+    assert " 2 " in f" {line_b} " and "0.5" in line_b
+
+
+def test_image_paths(tmp_path):
+    assert image_paths(str(tmp_path / "x.png"), 1, 1) == [[tmp_path / "x.png"]]
+    assert image_paths(str(tmp_path / "x.png"), 2, 1) == [[tmp_path / "x-0.png"], [tmp_path / "x-1.png"]]
+    assert image_paths(str(tmp_path / "x.png"), 1, 2) == [[tmp_path / "x-0.png", tmp_path / "x-1.png"]]
+    with pytest.raises(CliError, match="must end in"):
+        image_paths(str(tmp_path / "x.gif"), 1, 1)
+    with pytest.raises(CliError, match="does not exist"):
+        check_writable_file(tmp_path / "missing" / "x.png", "images")
+    with pytest.raises(CliError, match="is a directory"):
+        check_writable_file(tmp_path, "images")
+
+
+def test_read_only_folder_is_refused(tmp_path, monkeypatch):
+    # os.access stands in for a read-only mount (root ignores mode bits)
+    import diffrt.cli.paths as paths
+
+    monkeypatch.setattr(paths.os, "access", lambda path, mode: False)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    with pytest.raises(CliError, match="not writable"):
+        check_writable_file(ro / "x.png", "images")
+
+
+def test_env_report_renders_sections():
+    text = render_report({"platform": "cpu", "chosen_by": "fallback",
+                          "versions": {"torch": "2.13.0"},
+                          "capabilities": {"events": False, "async_output": True}})
+    assert "platform" in text and "chosen_by" in text and "fallback" in text
+    assert "capabilities" in text and "events" in text and "no" in text and "yes" in text
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "-p", "x", "--height", "100"], "height"),
+    (["generate", "-p", "x", "--width", "8192"], "width"),
+    (["generate"], "--prompt"),
+    (["generate", "-p", "x", "--prompts-file", "/nonexistent/prompts.txt"], "prompts-file"),
+    (["bench", "--compare", "mode=sideways"], "mode"),
+    (["bench", "--json", "/nonexistent/r.json"], "does not exist"),
+    (["generate", "-p", "x", "--trace", "/nonexistent/t.json"], "does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_argparse_rejects_non_numbers(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "-p", "x", "--steps", "many"])
+    assert exc.value.code == 2
+    assert "--steps" in capsys.readouterr().err
