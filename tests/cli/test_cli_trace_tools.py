@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import multiprocessing as mp
+import os
 import struct
 
 import pytest
