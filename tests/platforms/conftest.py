@@ -1,0 +1,113 @@
+"""Fixtures for platform tests: a clean resolution state and fake vendor modules.
+
+A fake device module imitates ``torch.<vendor>``: its ``Stream`` and ``Event``
+form one family and refuse objects of any other family, so a backend that mixes
+families fails loudly here, as the anchor's XPU path should have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import importlib.util
+from types import ModuleType
+
+import pytest
+
+import diffrt.platforms as platforms
+
+
+@pytest.fixture(autouse=True)
+def clean_platform(monkeypatch: pytest.MonkeyPatch):
+    """No override, no simdevice, no cached platform before and after each test."""
+    monkeypatch.delenv("DIFFRT_PLATFORM", raising=False)
+    monkeypatch.delenv("DIFFRT_SIMDEVICE", raising=False)
+    platforms.reset_platform()
+    yield
+    platforms.reset_platform()
+
+
+def make_device_module(family: str, available: bool = True, count: int = 2) -> ModuleType:
+    """A fake ``torch.<family>`` recording calls in ``mod.calls``."""
+    mod = ModuleType(f"fake_torch_{family}")
+    calls: list[tuple] = []
+
+    class Stream:
+        def __init__(self, name: str = "side") -> None:
+            self.name = name
+
+        def wait_event(self, event: object) -> None:
+            if not isinstance(event, Event):
+                raise TypeError(f"{family}.Stream.wait_event: foreign event {event!r}")
+            calls.append(("wait_event", self.name, event))
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Stream) and other.name == self.name
+
+        def __hash__(self) -> int:
+            return hash(self.name)
+
+    class Event:
+        def __init__(self) -> None:
+            self.recorded_on: str | None = None
+            self.done = False
+
+        def record(self, stream: object = None) -> None:
+            if not isinstance(stream, Stream):
+                raise TypeError(f"{family}.Event.record: foreign stream {stream!r}")
+            self.recorded_on = stream.name
+            calls.append(("record", stream.name, self))
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            calls.append(("event_synchronize", self))
+            self.done = True
+
+    Stream.__qualname__ = Stream.__name__ = f"{family}Stream"
+    Event.__qualname__ = Event.__name__ = f"{family}Event"
+    current = {"name": "default"}
+
+    def current_stream(device: object = None) -> Stream:
+        calls.append(("current_stream", device))
+        return Stream(current["name"])  # a new object per call, like torch.cuda
+
+    @contextlib.contextmanager
+    def stream(s: Stream):
+        calls.append(("stream_enter", s.name))
+        prev, current["name"] = current["name"], s.name
+        try:
+            yield
+        finally:
+            current["name"] = prev
+
+    mod.Stream, mod.Event, mod.calls = Stream, Event, calls
+    mod.current_stream, mod.stream = current_stream, stream
+    mod.current_device = lambda: 0
+    mod.is_available = lambda: available
+    mod.device_count = lambda: count if available else 0
+    mod.get_device_name = lambda i=0: f"Fake {family} {i}"
+    mod.mem_get_info = lambda i=0: (1 << 20, 1 << 30)
+    mod.synchronize = lambda device=None: calls.append(("synchronize",))
+    return mod
+
+
+@pytest.fixture
+def device_module_factory():
+    return make_device_module
+
+
+@pytest.fixture
+def fake_installed(monkeypatch: pytest.MonkeyPatch):
+    """Pretend the named top-level packages are installed (find_spec finds them)."""
+    real = importlib.util.find_spec
+    installed: set[str] = set()
+
+    def find_spec(name: str, package: str | None = None):
+        if name in installed:
+            return importlib.machinery.ModuleSpec(name, loader=None)
+        return real(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    return installed

@@ -1,0 +1,155 @@
+"""Every vendor backend against a fake torch.<vendor>: one stream/event family."""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+
+from diffrt.platforms.cuda import CudaPlatform
+from diffrt.platforms.interface import Platform
+from diffrt.platforms.musa import MusaPlatform
+from diffrt.platforms.npu import NpuPlatform
+from diffrt.platforms.rocm import RocmPlatform
+from diffrt.platforms.xpu import XpuPlatform
+
+# (platform class, torch attribute it uses, vendor package that must be present)
+BACKENDS = [
+    (CudaPlatform, "cuda", None),
+    (RocmPlatform, "cuda", None),
+    (NpuPlatform, "npu", "torch_npu"),
+    (XpuPlatform, "xpu", None),
+    (MusaPlatform, "musa", "torch_musa"),
+]
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda b: b[0].name)
+def backend(request, monkeypatch, device_module_factory):
+    cls, attr, package = request.param
+    mod = device_module_factory(attr)
+    monkeypatch.setattr(torch, attr, mod, raising=False)
+    if package:
+        monkeypatch.setitem(sys.modules, package, ModuleType(package))
+    return cls(), mod
+
+
+def test_identity_is_class_attributes(backend):
+    platform, _ = backend
+    cls = type(platform)
+    assert cls.name in {"cuda", "rocm", "npu", "xpu", "musa"}
+    assert cls.device_type in {"cuda", "npu", "xpu", "musa"}
+    assert cls.dist_backend and cls.device_control_env_var
+    assert cls.supports_async_output is True
+    if cls.device_type in ("cuda", "xpu"):  # npu/musa exist once the vendor renames PrivateUse1
+        assert platform.torch_device(1) == torch.device(cls.device_type, 1)
+
+
+def test_device_facts_delegate_to_vendor_module(backend):
+    platform, mod = backend
+    assert platform.is_available() is True
+    assert platform.device_count() == 2
+    assert platform.device_name(1) == f"Fake {mod.__name__.split('_')[-1]} 1"
+    assert platform.mem_get_info() == (1 << 20, 1 << 30)
+    platform.synchronize()
+    assert ("synchronize",) in mod.calls
+
+
+def test_record_and_wait_use_one_family(backend):
+    platform, mod = backend
+    side = platform.new_side_stream()
+    assert isinstance(side, mod.Stream)
+    event = platform.record_device_event()
+    assert isinstance(event, mod.Event)
+    assert event.recorded_on == "default"
+    platform.wait_event(side, event)
+    assert ("wait_event", "side", event) in mod.calls
+
+    on_side = platform.record_device_event(side)
+    assert on_side.recorded_on == "side"
+    assert platform.event_query(on_side) is False
+    platform.event_synchronize(on_side)
+    assert platform.event_query(on_side) is True
+
+
+def test_foreign_families_are_refused(backend, device_module_factory):
+    platform, _ = backend
+    other = device_module_factory("other")
+    side = platform.new_side_stream()
+    with pytest.raises(TypeError, match="Event only"):
+        platform.wait_event(side, other.Event())
+    with pytest.raises(TypeError, match="Event only"):
+        platform.wait_event(side, torch.Event("cpu"))  # the generic family
+    with pytest.raises(TypeError, match="Stream only"):
+        platform.record_device_event(other.Stream())
+    with pytest.raises(TypeError, match="Stream only"):
+        with platform.stream_context(other.Stream()):
+            pass
+
+
+def test_current_stream_is_cached_and_follows_stream_context(backend):
+    platform, mod = backend
+    first = platform.current_stream()
+    assert platform.current_stream() is first
+    assert platform.current_stream() is first
+    assert sum(1 for c in mod.calls if c[0] == "current_stream") == 1
+
+    side = platform.new_side_stream()
+    with platform.stream_context(side):
+        assert platform.current_stream() is side
+        assert platform.record_device_event().recorded_on == "side"
+    assert ("stream_enter", "side") in mod.calls  # the vendor's own context was entered too
+    assert platform.current_stream() is first
+
+
+def test_copy_async_runs_inside_the_given_stream(backend):
+    platform, mod = backend
+    side = platform.new_side_stream()
+    dst, src = torch.zeros(3), torch.arange(3.0)
+    platform.copy_async(dst, src, side)
+    assert ("stream_enter", "side") in mod.calls
+    assert torch.equal(dst, src)
+
+
+def test_pinning_falls_back_to_pageable_memory(backend, caplog):
+    platform, _ = backend
+    assert platform.pinned_memory_available() is True
+    # CPU torch refuses pin_memory=True: the platform degrades and says so once.
+    buf = platform.empty_pinned((4, 2), torch.bfloat16)
+    buf2 = platform.empty_pinned((1,), torch.uint8)
+    assert buf.shape == (4, 2) and buf.dtype == torch.bfloat16 and not buf.is_pinned()
+    assert buf2.numel() == 1
+    assert sum("pinning host memory failed" in r.message for r in caplog.records) == 1
+
+
+def test_unavailable_backend_reports_it(monkeypatch, device_module_factory):
+    monkeypatch.setattr(torch, "cuda", device_module_factory("cuda", available=False))
+    platform = CudaPlatform()
+    assert platform.is_available() is False
+    assert platform.device_count() == 0
+    assert platform.pinned_memory_available() is False
+
+
+def test_npu_imports_torch_npu_only_when_torch_npu_missing(monkeypatch, device_module_factory):
+    imported: list[str] = []
+    fake = device_module_factory("npu")
+
+    def import_module(name: str, package: str | None = None):
+        imported.append(name)
+        monkeypatch.setattr(torch, "npu", fake, raising=False)  # what torch_npu does
+        return ModuleType(name)
+
+    monkeypatch.delattr(torch, "npu", raising=False)
+    monkeypatch.setattr("importlib.import_module", import_module)
+    assert NpuPlatform().device_module() is fake
+    assert imported == ["torch_npu"]
+
+
+def test_base_platform_names_missing_methods():
+    class Bare(Platform):
+        name = "bare"
+
+    with pytest.raises(NotImplementedError, match="'bare' does not provide new_side_stream"):
+        Bare().new_side_stream()
+    assert Bare().record_device_event() is None  # "no usable events" → synchronous path
