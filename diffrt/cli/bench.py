@@ -53,6 +53,8 @@ COMPARE_KEYS = {
     "async_output": _choice("auto", "on", "off"),
     "world_size": positive_int,
     "executor": _choice("mp", "inproc"),
+    "policy": _choice("fifo", "skip_ahead"),
+    "batch_wait_ms": non_negative_float,
     "concurrency": positive_int,
     "request_rate": positive_float,
     "num_requests": positive_int,

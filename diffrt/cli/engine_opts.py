@@ -63,6 +63,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None
     p.add_argument("--executor", choices=("mp", "inproc"), default=executor,
                    help="mp: worker processes; inproc: the runner in this process "
                         "(default: %(default)s)")
+    p.add_argument("--policy", choices=("fifo", "skip_ahead"), default="fifo",
+                   help="scheduling policy: fifo, or skip_ahead (compatible younger requests "
+                        "may pass an incompatible one, with aging) (default: %(default)s)")
+    p.add_argument("--batch-wait-ms", type=non_negative_float, default=None,
+                   help="request mode: how long an idle engine holds a new wave open so a "
+                        "burst can join it (default: 20 for several prompts in generate, else 0)")
 
 
 def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
@@ -79,6 +85,10 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         settings["world_size"] = get("world_size")
     if get("executor"):
         settings["executor_backend"] = get("executor")
+    if get("policy") != "fifo":
+        settings["scheduling_policy"] = get("policy")
+    if get("batch_wait_ms"):
+        settings["request_batch_max_wait_ms"] = get("batch_wait_ms")
     return settings
 
 

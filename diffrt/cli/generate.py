@@ -125,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     settings = engine_settings(args)
     if args.max_num_seqs is None:
         settings["max_num_seqs"] = len(requests)
+    if args.batch_wait_ms is None and len(requests) > 1:
+        settings["request_batch_max_wait_ms"] = 20.0  # let the whole burst join one wave
 
     start = time.perf_counter()
     with trace_session(args, title=f"diffrt generate ({args.model}, {len(prompts)} prompts)"):
