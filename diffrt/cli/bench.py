@@ -178,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(render_results(results))
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results}, indent=2))
+        from diffrt.platforms import current_platform
+
+        doc = {"platform": current_platform.name, "results": results}
+        Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"results: {args.json}")
     return EXIT_FAILURE if any(r["failed"] for r in results) else 0
 

@@ -51,8 +51,7 @@ def trace_session(args: argparse.Namespace, title: str) -> Iterator[None]:
         yield
         return
     tmp = Path(tempfile.mkdtemp(prefix="diffrt-trace-"))
-    tracing.enable(tmp)
-    tracing.process_name("engine (diffrt cli)")
+    tracing.enable(tmp)  # the engine names its own process in the trace
     ok = False
     try:
         yield
