@@ -1,0 +1,65 @@
+"""diffrt.engine: the public serving API.
+
+```python
+from diffrt.engine import DiffusionEngine, EngineConfig, DiffusionRequest, SamplingParams
+engine = DiffusionEngine.make_engine(EngineConfig(model="tiny-flux"))
+out = engine.generate(DiffusionRequest(prompt="a red fox"))
+```
+
+Heavy modules (torch, the runtime) load on first use of the engine classes,
+so importing the request/sampling types stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.sampling import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from diffrt.engine.config import EngineConfig, EngineConfigError, EngineMode
+    from diffrt.engine.engine import (
+        DiffusionEngine,
+        EngineClosedError,
+        EngineDeadError,
+        EngineError,
+        EngineWarmupError,
+    )
+
+_LAZY = {
+    "EngineConfig": "diffrt.engine.config",
+    "EngineConfigError": "diffrt.engine.config",
+    "EngineMode": "diffrt.engine.config",
+    "DiffusionEngine": "diffrt.engine.engine",
+    "EngineError": "diffrt.engine.engine",
+    "EngineClosedError": "diffrt.engine.engine",
+    "EngineDeadError": "diffrt.engine.engine",
+    "EngineWarmupError": "diffrt.engine.engine",
+}
+
+__all__ = [
+    "DiffusionEngine",
+    "DiffusionOutput",
+    "DiffusionRequest",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineConfigError",
+    "EngineDeadError",
+    "EngineError",
+    "EngineMode",
+    "EngineWarmupError",
+    "InvalidRequestError",
+    "RequestMetrics",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,163 @@
+"""EngineConfig: every engine knob, validated when the config is built.
+
+Errors a user can cause raise ``EngineConfigError`` naming the field (or the
+model) and what is allowed, before any process is started or weight loaded.
+Model capabilities come from the pipeline class, which is resolved without
+loading weights.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffrt.engine.sched.policy import POLICIES
+
+EXECUTOR_BACKENDS = ("mp", "inproc")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class EngineMode(enum.Enum):
+    REQUEST_BATCH = "request_batch"
+    STEP_BATCH = "step_batch"
+
+
+class EngineConfigError(ValueError):
+    """A bad engine setting; ``field`` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class EngineConfig:
+    """How to run one model.
+
+    Args:
+        model: a registered model name (``tiny-flux``, ``tiny-sd3``) or a local
+            diffusers-format folder.
+        step_execution: False -> REQUEST_BATCH (whole requests per forward),
+            True -> STEP_BATCH (continuous batching at denoise-step granularity).
+        max_num_seqs: capacity of the scheduler: how many requests share one
+            forward (REQUEST_BATCH) or one denoise step (STEP_BATCH).
+        request_batch_max_wait_ms: REQUEST_BATCH only: how long an idle engine
+            may hold the first request of a new wave so a burst can join it.
+        async_output: None = auto (on where the platform supports it), True /
+            False force the two-phase / synchronous output path.
+        executor_backend: "mp" (worker processes, the default) or "inproc".
+        world_size: worker processes (ranks) per engine.
+        output_timeout_s: how long to wait for an output once its compute is
+            done; None = the runtime's default (env DIFFRT_OUTPUT_TIMEOUT_S).
+        scheduling_policy: "fifo" (head-of-line blocking, the seed's behaviour)
+            or "skip_ahead" (compatible younger requests may join past an
+            incompatible one, at most ``scheduling_max_bypass`` times each).
+        warmup / warmup_timeout_s: run one tiny request at start-up, failing
+            (and cleaning up) if it does not finish in time.
+        dtype: weights dtype in the worker.
+        postprocess_workers: threads that turn host outputs into PIL images.
+        max_pending_output_bytes: bound on outputs waiting to be read
+            (None = the runtime's default).
+        executor_options: extra ExecutorConfig fields (tests, tuning).
+    """
+
+    model: str = "tiny-flux"
+    step_execution: bool = False
+    max_num_seqs: int = 1
+    request_batch_max_wait_ms: float = 0.0
+    async_output: bool | None = None
+    executor_backend: str = "mp"
+    world_size: int = 1
+    output_timeout_s: float | None = None
+    scheduling_policy: str = "fifo"
+    scheduling_max_bypass: int = 4
+    warmup: bool = True
+    warmup_timeout_s: float = 300.0
+    dtype: str = "float32"
+    postprocess_workers: int = 2
+    max_pending_output_bytes: int | None = None
+    executor_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._check_fields()
+        self._check_model()
+
+    @property
+    def mode(self) -> EngineMode:
+        return EngineMode.STEP_BATCH if self.step_execution else EngineMode.REQUEST_BATCH
+
+    def pipeline_class(self) -> type:
+        from diffrt.engine.pipelines.registry import resolve_pipeline_class
+
+        return resolve_pipeline_class(self.model)
+
+    # -- validation -------------------------------------------------------------
+    def _check_fields(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise EngineConfigError("model", f"must be a non-empty str, got {self.model!r}")
+        if not isinstance(self.step_execution, bool):
+            raise EngineConfigError("step_execution", f"must be a bool, got {self.step_execution!r}")
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            raise EngineConfigError("max_num_seqs", f"must be an int >= 1, got {self.max_num_seqs!r}")
+        wait = self.request_batch_max_wait_ms
+        if not _is_number(wait) or wait < 0:
+            raise EngineConfigError("request_batch_max_wait_ms",
+                                    f"must be a finite number >= 0, got {wait!r}")
+        if self.async_output not in (None, True, False):
+            raise EngineConfigError("async_output", f"must be None, True or False, got {self.async_output!r}")
+        if self.executor_backend not in EXECUTOR_BACKENDS:
+            raise EngineConfigError("executor_backend",
+                                    f"must be one of {EXECUTOR_BACKENDS}, got {self.executor_backend!r}")
+        if not _is_int(self.world_size) or self.world_size < 1:
+            raise EngineConfigError("world_size", f"must be an int >= 1, got {self.world_size!r}")
+        if self.executor_backend == "inproc" and self.world_size != 1:
+            raise EngineConfigError("world_size", "the inproc executor runs exactly one rank")
+        t = self.output_timeout_s
+        if t is not None and (not _is_number(t) or t <= 0):
+            raise EngineConfigError("output_timeout_s", f"must be None or a number > 0, got {t!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise EngineConfigError("scheduling_policy",
+                                    f"must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        if not _is_int(self.scheduling_max_bypass) or self.scheduling_max_bypass < 0:
+            raise EngineConfigError("scheduling_max_bypass",
+                                    f"must be an int >= 0, got {self.scheduling_max_bypass!r}")
+        if not _is_number(self.warmup_timeout_s) or self.warmup_timeout_s <= 0:
+            raise EngineConfigError("warmup_timeout_s", f"must be a number > 0, got {self.warmup_timeout_s!r}")
+        if self.dtype not in DTYPES:
+            raise EngineConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if not _is_int(self.postprocess_workers) or self.postprocess_workers < 1:
+            raise EngineConfigError("postprocess_workers",
+                                    f"must be an int >= 1, got {self.postprocess_workers!r}")
+        b = self.max_pending_output_bytes
+        if b is not None and (not _is_int(b) or b <= 0):
+            raise EngineConfigError("max_pending_output_bytes", f"must be None or an int > 0, got {b!r}")
+
+    def _check_model(self) -> None:
+        from diffrt.engine.pipelines.registry import UnknownModelError
+
+        try:
+            cls = self.pipeline_class()
+        except UnknownModelError as e:
+            raise EngineConfigError("model", str(e)) from e
+        if self.step_execution and not getattr(cls, "supports_step_execution", False):
+            raise EngineConfigError(
+                "step_execution",
+                f"model {self.model!r} ({cls.__name__}) does not implement the step protocol",
+            )
+        if (not self.step_execution and self.max_num_seqs > 1
+                and not getattr(cls, "supports_request_batch", False)):
+            raise EngineConfigError(
+                "max_num_seqs",
+                f"model {self.model!r} ({cls.__name__}) does not support request batching; "
+                "use max_num_seqs=1 or step_execution=True",
+            )

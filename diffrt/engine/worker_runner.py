@@ -1,0 +1,198 @@
+"""PipelineRunner: the engine's code inside each worker.
+
+The runtime constructs it in every worker (``diffrt.engine.worker_runner:
+PipelineRunner``) and calls one method per scheduler tick:
+
+* ``execute_batch`` (REQUEST_BATCH): whole requests, fused when several. When
+  a fused forward raises, the members are re-run one by one so the error is
+  mapped to the request that caused it and the others still get their output.
+* ``execute_step`` (STEP_BATCH): admits new requests (``prepare_encode``),
+  drops the state of aborted ones, advances every scheduled request by one
+  denoise step in one batch, and decodes those that reached their step count.
+  Request state (``StepRequestState``) lives here, keyed by request id.
+
+Outputs are device tensors already reduced by the pipeline's ``to_transfer``
+(uint8 images); the runtime moves them to the host on its output path.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import torch
+
+from diffrt.engine.pipelines.interface import (
+    DiffusionPipeline,
+    DiffusionRequestBatch,
+    StepInputBatch,
+    StepRequestState,
+)
+from diffrt.engine.request import DiffusionRequest
+from diffrt.runtime.runner import RunnerResult
+
+logger = logging.getLogger(__name__)
+
+
+class BatchPayload(msgspec.Struct):
+    requests: list[DiffusionRequest]
+
+
+class BatchMeta(msgspec.Struct):
+    errors: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class StepPayload(msgspec.Struct):
+    new: list[DiffusionRequest] = msgspec.field(default_factory=list)
+    advance: list[str] = msgspec.field(default_factory=list)
+    drop: list[str] = msgspec.field(default_factory=list)
+
+
+class StepMeta(msgspec.Struct):
+    #: request id -> denoise steps done, for requests still running.
+    progress: dict[str, int] = msgspec.field(default_factory=dict)
+    #: ids decoded in this tick (their outputs are in RunnerResult.outputs).
+    finished: list[str] = msgspec.field(default_factory=list)
+    errors: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+def _typed(payload: Any, cls: type) -> Any:
+    return payload if isinstance(payload, cls) else msgspec.convert(payload, cls)
+
+
+def describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class PipelineRunner:
+    """Loads the pipeline once per worker and runs engine ticks on it."""
+
+    def __init__(self, *, rank: int, world_size: int, platform: Any, model: str,
+                 dtype: str = "float32", plugin_modules: list[str] | None = None):
+        import importlib
+
+        from diffrt.engine.pipelines.registry import load_pipeline
+
+        for name in plugin_modules or ():
+            importlib.import_module(name)  # lets tests register pipelines in spawned workers
+        self.rank = rank
+        self.world_size = world_size
+        self.platform = platform
+        if platform.device_type == "cpu":
+            device = platform.torch_device(None)
+        else:
+            device = platform.torch_device(rank % max(1, platform.device_count()))
+        self.pipeline: DiffusionPipeline = load_pipeline(model, device=device, dtype=_DTYPES[dtype])
+        self.states: dict[str, StepRequestState] = {}
+        logger.info("rank %d: runner ready for %s on %s", rank, model, device)
+
+    # -- REQUEST_BATCH ------------------------------------------------------------
+    def execute_batch(self, payload: Any) -> RunnerResult:
+        requests = _typed(payload, BatchPayload).requests
+        outputs: dict[str, Any] = {}
+        errors: dict[str, str] = {}
+        try:
+            self._forward(requests, outputs)
+        except Exception as exc:
+            if len(requests) == 1:
+                errors[requests[0].request_id] = describe_error(exc)
+            else:
+                logger.warning("fused batch of %d failed (%s); isolating", len(requests),
+                               describe_error(exc))
+                outputs.clear()
+                for request in requests:
+                    try:
+                        self._forward([request], outputs)
+                    except Exception as one:
+                        errors[request.request_id] = describe_error(one)
+        return RunnerResult(meta=BatchMeta(errors=errors), outputs=outputs)
+
+    def _forward(self, requests: list[DiffusionRequest], outputs: dict[str, Any]) -> None:
+        results = self.pipeline.forward(DiffusionRequestBatch(requests=list(requests)))
+        if len(results) != len(requests):
+            raise RuntimeError(
+                f"pipeline returned {len(results)} outputs for {len(requests)} requests")
+        for request, tensor in zip(requests, results, strict=True):
+            outputs[request.request_id] = self.pipeline.to_transfer(tensor, request.sampling_params)
+
+    # -- STEP_BATCH -----------------------------------------------------------------
+    def execute_step(self, payload: Any) -> RunnerResult:
+        p = _typed(payload, StepPayload)
+        meta = StepMeta()
+        outputs: dict[str, Any] = {}
+        for rid in p.drop:
+            self.states.pop(rid, None)
+        for request in p.new:
+            state = StepRequestState(request=request)
+            try:
+                self.pipeline.prepare_encode(state)
+            except Exception as exc:
+                meta.errors[request.request_id] = describe_error(exc)
+                continue
+            self.states[request.request_id] = state
+        states = []
+        for rid in p.advance:
+            if rid in meta.errors:
+                continue
+            if rid not in self.states:
+                meta.errors[rid] = "RuntimeError: no step state for this request in the worker"
+                continue
+            states.append(self.states[rid])
+        self._advance(states, meta)
+        for state in states:
+            rid = state.request_id
+            if rid in meta.errors:
+                self.states.pop(rid, None)
+            elif state.finished:
+                self.states.pop(rid, None)
+                try:
+                    out = self.pipeline.post_decode(state)
+                    outputs[rid] = self.pipeline.to_transfer(out, state.request.sampling_params)
+                    meta.finished.append(rid)
+                except Exception as exc:
+                    meta.errors[rid] = describe_error(exc)
+            else:
+                meta.progress[rid] = state.step_index
+        return RunnerResult(meta=meta, outputs=outputs)
+
+    def _advance(self, states: list[StepRequestState], meta: StepMeta) -> None:
+        """One denoise step for all ``states``; on a batch failure, retry each alone."""
+        if not states:
+            return
+        try:
+            preds = self._denoise(states)
+        except Exception as exc:
+            if len(states) == 1:
+                meta.errors[states[0].request_id] = describe_error(exc)
+                return
+            logger.warning("step batch of %d failed (%s); isolating", len(states),
+                           describe_error(exc))
+            for state in states:
+                self._advance([state], meta)
+            return
+        for state, pred in zip(states, preds, strict=True):
+            try:
+                self.pipeline.step_scheduler(state, pred)
+            except Exception as exc:
+                meta.errors[state.request_id] = describe_error(exc)
+
+    def _denoise(self, states: list[StepRequestState]) -> list[torch.Tensor]:
+        pred = self.pipeline.denoise_step(StepInputBatch(states=states), states=states)
+        sizes = [s.latents.shape[0] if s.latents is not None else 1 for s in states]
+        if pred.shape[0] != sum(sizes):
+            raise RuntimeError(f"denoise_step returned {pred.shape[0]} rows for {sum(sizes)}")
+        return list(pred.split(sizes, dim=0))
+
+    # -- control --------------------------------------------------------------------
+    def health(self, payload: Any = None) -> dict[str, Any]:
+        return {"rank": self.rank, "ok": True, "step_states": len(self.states)}
+
+    def num_step_states(self, payload: Any = None) -> int:
+        return len(self.states)
+
+    def close(self) -> None:
+        self.states.clear()
