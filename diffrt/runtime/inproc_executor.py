@@ -1,0 +1,124 @@
+"""In-process executor: the runner lives on a worker thread of this process.
+
+Same semantics as the multiprocess executor (messages encoded with msgspec,
+COMPUTE_DONE then OUTPUT_READY from the background output thread, the same
+shared-memory arena, router, pump and backpressure) without spawning, so
+the engine and its tests behave the same on both backends and a debugger
+sees the runner. One rank only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+from diffrt.runtime.executor import ExecutorConfig, ExecutorDeadError
+from diffrt.runtime.messages import (
+    FreeSlots,
+    InitWorker,
+    Rpc,
+    RpcResult,
+    Shutdown,
+    encode,
+    request_decoder,
+)
+from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
+from diffrt.runtime.result_router import ResultRouter, SlotFreer
+from diffrt.runtime.worker_core import WorkerCore, _error_text
+
+logger = logging.getLogger(__name__)
+
+
+class InprocExecutor(PumpedExecutor):
+    def __init__(self, config: ExecutorConfig, platform: Any = None):
+        if config.world_size != 1:
+            raise ValueError(f"the inproc executor runs one rank; world_size={config.world_size} "
+                             "needs the 'mp' backend")
+        super().__init__(config)
+        if platform is None:
+            from diffrt.platforms import current_platform as platform
+        self.platform = platform
+        self._requests: queue.Queue[bytes] = queue.Queue()
+        self._results: queue.Queue[bytes] = queue.Queue()
+        self._frees: queue.Queue[FreeSlots] = queue.Queue()
+        self._worker_error: BaseException | None = None
+        self.router = ResultRouter(1, self.arena, SlotFreer(lambda s: self._frees.put(FreeSlots(s))),
+                                   config.output_timeout_s)
+        rpc_id, fut, msgs = self._init_messages(None)
+        self._requests.put(msgs[0])
+        self._worker = threading.Thread(target=self._worker_main, name="diffrt-inproc-worker0",
+                                        daemon=True)
+        self._worker.start()
+        self._start_pump()
+        self._wait_started(rpc_id, fut)
+
+    # -- the worker thread ------------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        self._results.put(encode(msg))
+
+    def _free_source(self, timeout: float) -> FreeSlots | None:
+        try:
+            return self._frees.get(timeout=timeout) if timeout > 0 else self._frees.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _worker_main(self) -> None:
+        core: WorkerCore | None = None
+        try:
+            init = request_decoder.decode(self._requests.get())
+            assert isinstance(init, InitWorker)
+            try:
+                core = WorkerCore(init, self.platform, self._send, self.arena, self._free_source)
+            except Exception as exc:
+                self._send(RpcResult(init.rpc_id, init.rank, error=_error_text(exc)))
+                return
+            self._send(RpcResult(init.rpc_id, init.rank))
+            while True:
+                msg = request_decoder.decode(self._requests.get())
+                match msg:
+                    case Rpc():
+                        core.handle(msg)
+                    case Shutdown():
+                        break
+        except BaseException as exc:  # the loop itself failed: the executor is dead
+            logger.exception("inproc worker loop died")
+            self._worker_error = exc
+        finally:
+            if core is not None:
+                core.close()
+
+    # -- PumpedExecutor hooks ----------------------------------------------------------------
+    def _broadcast(self, data: bytes) -> None:
+        if not self._worker.is_alive():
+            raise ExecutorDeadError("the inproc worker thread is not running")
+        self._requests.put(data)
+
+    def _poll_results(self, timeout: float) -> list[bytes]:
+        try:
+            out = [self._results.get(timeout=timeout)]
+        except queue.Empty:
+            out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                break
+        if not out and self._worker_error is not None:
+            raise WorkerDied(f"inproc worker died: {self._worker_error!r}")
+        return out
+
+    def _workers_alive(self) -> bool:
+        return self._worker.is_alive()
+
+    def _stop_workers(self) -> None:
+        self._requests.put(encode(Shutdown()))
+        # A thread cannot be killed: a runner stuck in forward is left behind (daemon).
+        self._worker.join(timeout=self.config.shutdown_grace_s)
+        if self._worker.is_alive():
+            logger.warning("inproc worker still busy after %.1f s; abandoning it",
+                           self.config.shutdown_grace_s)
+
+
+__all__ = ["InprocExecutor"]

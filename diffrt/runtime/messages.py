@@ -1,0 +1,154 @@
+"""Every message that crosses the runtime's channels, as msgspec Structs.
+
+Three channels, one tagged union and one Decoder each:
+
+* request channel (executor -> every worker): ``InitWorker``, ``Rpc``, ``Shutdown``;
+* result channel (each worker -> executor pump): ``RpcResult``, ``ComputeDone``,
+  ``OutputReady`` (their tags are the ``AsyncOutputKind`` values);
+* free channel (executor -> output rank's output thread): ``FreeSlots``.
+
+Tensors never travel inside messages: ``OutputReady`` carries ``KeyOutput``
+entries whose tree references slots of the shared-memory arena. Payloads and
+runner results travel as pre-encoded ``msgspec.Raw`` so a payload is encoded
+once for all ranks and the envelope decodes without knowing its type.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class AsyncOutputKind(str, enum.Enum):
+    """How the pump routes a result message (the seed's two-phase protocol)."""
+
+    RPC_RESULT = "rpc_result"      # ordinary RPC return, errors included
+    COMPUTE_DONE = "compute_done"  # forward finished; the worker takes the next request
+    OUTPUT_READY = "output_ready"  # outputs are in shared memory, ready to read
+
+
+class RpcKind(enum.IntEnum):
+    EXECUTE = 0     # two-phase: COMPUTE_DONE (+ OUTPUT_READY), rank 0 replies
+    COLLECTIVE = 1  # control path: every rank replies with RPC_RESULT
+
+
+# -- request channel ------------------------------------------------------------
+class RequestMsg(msgspec.Struct, tag=True, array_like=True, gc=False):
+    pass
+
+
+class InitWorker(RequestMsg, tag="init"):
+    rank: int
+    world_size: int
+    runner_cls: str
+    runner_kwargs: msgspec.Raw
+    async_output: bool
+    arena_bytes: int
+    output_queue_depth: int
+    dist_init_method: str | None = None
+    test_faults: dict[str, Any] = {}
+    rpc_id: int = 0  # the rank acknowledges start-up with RpcResult(rpc_id)
+
+
+class Rpc(RequestMsg, tag="rpc"):
+    rpc_id: int
+    method: str
+    payload: msgspec.Raw
+    kind: RpcKind = RpcKind.EXECUTE
+
+
+class Shutdown(RequestMsg, tag="shutdown"):
+    pass
+
+
+RequestUnion = InitWorker | Rpc | Shutdown
+
+
+# -- result channel ---------------------------------------------------------------
+class TensorMeta(msgspec.Struct, array_like=True, gc=False):
+    """Where one tensor lies inside its key's slot."""
+
+    offset: int          # bytes from the slot's start
+    dtype: str           # e.g. "bfloat16"
+    shape: list[int]
+
+
+class KeyOutput(msgspec.Struct, array_like=True, gc=False):
+    """One key's output: its slot in the arena and how to rebuild the value."""
+
+    output_id: str
+    slot_offset: int
+    slot_bytes: int
+    generation: int
+    tensors: list[TensorMeta]
+    # Nested structure: ["T", i] tensor i, ["L", [...]] list, ["U", [...]] tuple,
+    # ["D", [[k, node], ...]] dict, ["V", value] a plain msgspec-encodable value.
+    tree: Any
+    nbytes: int = 0
+
+
+class ResultMsg(msgspec.Struct, tag=True, array_like=True, gc=False):
+    @property
+    def kind(self) -> AsyncOutputKind:
+        return AsyncOutputKind(self.__struct_config__.tag)
+
+
+class RpcResult(ResultMsg, tag=AsyncOutputKind.RPC_RESULT.value):
+    rpc_id: int
+    rank: int
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")   # msgpack nil
+    error: str | None = None
+
+
+class ComputeDone(ResultMsg, tag=AsyncOutputKind.COMPUTE_DONE.value):
+    rpc_id: int
+    rank: int
+    meta: msgspec.Raw = msgspec.Raw(b"\xc0")
+    async_output_id: str | None = None       # None on the synchronous path
+    output_ids: dict[str, str] = {}          # key -> per-key output id
+
+
+class OutputReady(ResultMsg, tag=AsyncOutputKind.OUTPUT_READY.value):
+    async_output_id: str                     # batch-level id
+    outputs: list[KeyOutput] = []
+    error: str | None = None
+    failed_ids: list[str] = []               # per-key ids that failed with ``error``
+
+
+ResultUnion = RpcResult | ComputeDone | OutputReady
+
+
+# -- free channel ------------------------------------------------------------------
+class FreeSlots(msgspec.Struct, array_like=True, gc=False):
+    slots: list[tuple[int, int]]             # (slot offset, generation)
+
+
+def output_ids_for(rpc_id: int, keys: list[str]) -> tuple[str, dict[str, str]]:
+    """Batch id and per-key ids of one execute RPC. Deterministic on both sides,
+    so splitting a batch never depends on which message arrives first."""
+    batch = f"out-{rpc_id}"
+    return batch, {k: f"{batch}/{i}" for i, k in enumerate(keys)}
+
+
+_enc = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(RequestUnion)
+result_decoder = msgspec.msgpack.Decoder(ResultUnion)
+free_decoder = msgspec.msgpack.Decoder(FreeSlots)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(msg: Any) -> bytes:
+    return _enc.encode(msg)
+
+
+def encode_raw(value: Any) -> msgspec.Raw:
+    """Encode a payload once (Structs become builtins on the other side)."""
+    return msgspec.Raw(_enc.encode(value))
+
+
+def decode_raw(raw: msgspec.Raw | None) -> Any:
+    if raw is None:
+        return None
+    return _any_decoder.decode(raw)

@@ -1,0 +1,197 @@
+"""The output rank's writer: copies runner outputs into arena slots.
+
+Async path (the seed's two-phase output): the worker's main thread records an
+event on the compute stream after forward, hands ``(outputs, event)`` to the
+background thread and sends COMPUTE_DONE at once. The thread makes its side
+stream wait on that event, enqueues ``platform.copy_async`` of every tensor
+into its slot, records and synchronises its own event (only then are the
+bytes in shared memory), and sends OUTPUT_READY. It holds the source tensors
+until that event completed, so the device allocator cannot reuse them early.
+
+Where the platform has no usable events and outputs are device memory, the
+copy runs synchronously on the main thread (never "copy anyway and hope").
+On plain CPU there is nothing to wait for; packing still runs in the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from diffrt import tracing
+from diffrt.runtime.messages import FreeSlots, KeyOutput, OutputReady
+from diffrt.runtime.shm_transport import Arena, ArenaFullError, PackPlan, SlotAllocator
+
+logger = logging.getLogger(__name__)
+
+#: blocking source of slot frees: ``wait(timeout) -> FreeSlots | None``
+FreeSource = Callable[[float], "FreeSlots | None"]
+
+
+class OutputWriterClosed(RuntimeError):
+    pass
+
+
+def outputs_are_host_memory(platform: Any) -> bool:
+    """True where forward's outputs are already host memory (the CPU platform):
+    no event is needed before reading them."""
+    return platform.name == "cpu"
+
+
+class OutputWriter:
+    """Packs outputs into the arena on a background thread (or synchronously)."""
+
+    def __init__(self, platform: Any, arena: Arena, free_source: FreeSource,
+                 send: Callable[[Any], None], *, rank: int = 0, queue_depth: int = 2,
+                 async_output: bool = True, faults: dict[str, Any] | None = None):
+        self.platform = platform
+        self.arena = arena
+        self._free_source = free_source
+        self._send = send
+        self._rank = rank
+        self._alloc = SlotAllocator(arena.size)
+        self._async = async_output and bool(getattr(platform, "supports_async_output", False))
+        self._host_outputs = outputs_are_host_memory(platform)
+        self._faults = faults or {}
+        self._closed = threading.Event()
+        self._pack_lock = threading.Lock()  # the allocator is used by one packer at a time
+        self._side_stream: Any = None
+        self._queue: queue.Queue[tuple | None] = queue.Queue(maxsize=queue_depth)
+        self._thread = threading.Thread(target=self._run, name=f"diffrt-output-{rank}", daemon=True)
+        self._thread.start()
+
+    # -- main thread -------------------------------------------------------------
+    def submit(self, batch_id: str, ids: dict[str, str], outputs: dict[str, Any]) -> bool:
+        """Start moving ``outputs`` off the device. Returns True when they took the
+        async path (OUTPUT_READY follows later), False when they were copied
+        synchronously (OUTPUT_READY already sent)."""
+        event = None
+        if self._async:
+            event = self.platform.record_device_event()
+            if event is None and not self._host_outputs:
+                logger.debug("platform %s gave no event: synchronous output copy", self.platform.name)
+        if self._async and (event is not None or self._host_outputs):
+            item = (batch_id, ids, outputs, event)
+            while not self._closed.is_set():
+                try:
+                    # Bounded: a stuck writer (full arena) throttles the main thread.
+                    self._queue.put(item, timeout=0.2)
+                    return True
+                except queue.Full:
+                    continue
+            raise OutputWriterClosed("output writer closed")
+        self._send(self._pack(batch_id, ids, outputs, event=None, sync=True))
+        return False
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closed.set()
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    # -- output thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        track = f"worker{self._rank} output"
+        while not self._closed.is_set():
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                with self._pack_lock:  # idle: keep the free channel drained
+                    self._drain_frees(0.0)
+                continue
+            if item is None:
+                break
+            batch_id, ids, outputs, event = item
+            delay = self._faults.get("output_delay_s")
+            if delay:
+                time.sleep(float(delay))
+            with tracing.span(track, "d2h+pack", output_id=batch_id, keys=list(outputs)):
+                msg = self._pack(batch_id, ids, outputs, event=event, sync=False)
+            del item, outputs  # the sources may be reused only after the copy completed
+            if self._faults.get("drop_output_ready"):
+                logger.warning("TEST FAULT: dropping OUTPUT_READY %s", batch_id)
+                continue
+            try:
+                self._send(msg)
+            except Exception:  # channel gone: the executor is dying
+                logger.debug("could not send OUTPUT_READY %s", batch_id, exc_info=True)
+                break
+
+    def _copy_fn(self, sync: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        if sync or self._host_outputs:
+            return lambda dst, src: dst.copy_(src)
+        stream = self._side_stream
+        return lambda dst, src: self.platform.copy_async(dst, src, stream)
+
+    def _pack(self, batch_id: str, ids: dict[str, str], outputs: dict[str, Any],
+              event: Any, sync: bool) -> OutputReady:
+        with self._pack_lock:
+            return self._pack_locked(batch_id, ids, outputs, event, sync)
+
+    def _pack_locked(self, batch_id: str, ids: dict[str, str], outputs: dict[str, Any],
+                     event: Any, sync: bool) -> OutputReady:
+        done: list[KeyOutput] = []
+        try:
+            if sync and not self._host_outputs:
+                self.platform.synchronize()  # outputs complete before a blocking copy
+            elif event is not None:
+                if self._side_stream is None:
+                    self._side_stream = self.platform.new_side_stream()
+                self.platform.wait_event(self._side_stream, event)
+            copy = self._copy_fn(sync)
+            for key, value in outputs.items():
+                plan = PackPlan(value)
+                offset, gen = self._allocate(plan.slot_bytes)
+                done.append(plan.key_output(ids[key], offset, gen))
+                plan.copy_into(self.arena, offset, copy)
+            if event is not None and not sync:
+                copied = self.platform.record_device_event(self._side_stream)
+                if copied is None:
+                    raise RuntimeError(f"platform {self.platform.name} stopped giving events")
+                self.platform.event_synchronize(copied)  # bytes are in the arena only now
+            return OutputReady(batch_id, done)
+        except Exception as exc:
+            for k in done:
+                self._alloc.free(k.slot_offset, k.generation)
+            logger.warning("packing output %s failed: %s", batch_id, exc)
+            return OutputReady(batch_id, [], error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                               failed_ids=list(ids.values()))
+
+    def _drain_frees(self, timeout: float) -> None:
+        msg = self._free_source(timeout)
+        while msg is not None:
+            for offset, gen in msg.slots:
+                self._alloc.free(offset, gen)
+            msg = self._free_source(0.0)
+
+    def _allocate(self, nbytes: int) -> tuple[int, int]:
+        """A slot of ``nbytes``; waits for the executor to free slots when the arena
+        is full (backpressure). Raises ArenaFullError if it can never fit."""
+        self._drain_frees(0.0)
+        waited = False
+        while True:
+            slot = self._alloc.try_allocate(nbytes)
+            if slot is not None:
+                if waited:
+                    logger.debug("output arena had room again for %d bytes", nbytes)
+                return slot
+            if self._closed.is_set():
+                raise OutputWriterClosed("output writer closed while waiting for arena space")
+            waited = True
+            self._drain_frees(0.2)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._alloc.used_bytes
+
+
+__all__ = ["ArenaFullError", "OutputWriter", "OutputWriterClosed", "outputs_are_host_memory"]

@@ -1,0 +1,162 @@
+"""What both executors share: RPC plumbing, the result pump, health, faults.
+
+A backend supplies how requests reach the ranks (``_broadcast``), how results
+come back (``_poll_results``, raising ``WorkerDied``) and how workers stop
+(``_stop_workers``). The pump thread is the sole reader of the result channel;
+everything it reads goes to the ``ResultRouter``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from abc import abstractmethod
+from typing import Any
+
+from diffrt.runtime.executor import (
+    Executor,
+    ExecutorConfig,
+    ExecutorDeadError,
+    RunnerOutput,
+)
+from diffrt.runtime.messages import (
+    InitWorker,
+    Rpc,
+    RpcKind,
+    encode,
+    encode_raw,
+    result_decoder,
+)
+from diffrt.runtime.result_router import ResultRouter
+from diffrt.runtime.shm_transport import Arena, OutputLease
+
+logger = logging.getLogger(__name__)
+
+PUMP_POLL_S = 0.05      # pump wake-up period (expiries, periodic free flush)
+EXPIRE_EVERY_S = 0.1
+
+
+class WorkerDied(ExecutorDeadError):
+    pass
+
+
+class PumpedExecutor(Executor):
+    def __init__(self, config: ExecutorConfig):
+        self.config = config
+        self._faults = dict(config._test_faults)
+        self._pump_fault = self._faults.get("pump_raise_on")  # TEST ONLY
+        self._send_lock = threading.Lock()  # every rank sees RPCs in the same order
+        self._stopping = threading.Event()
+        self._shutdown_lock = threading.Lock()
+        self._shut_down = False
+        self.arena = Arena.create(config.max_pending_output_bytes)
+        self.router: ResultRouter  # set by the backend once its free channel exists
+        self._pump_thread: threading.Thread | None = None
+
+    # -- backend hooks ------------------------------------------------------------
+    @abstractmethod
+    def _broadcast(self, data: bytes) -> None:
+        """Send one encoded request to every rank, in rank order."""
+
+    @abstractmethod
+    def _poll_results(self, timeout: float) -> list[bytes]:
+        """Encoded result messages available within ``timeout``; raises WorkerDied."""
+
+    @abstractmethod
+    def _stop_workers(self) -> None:
+        """Ask, then force, every worker to stop (called once, from shutdown)."""
+
+    @abstractmethod
+    def _workers_alive(self) -> bool: ...
+
+    # -- start-up -------------------------------------------------------------------
+    def _init_messages(self, dist_init_method: str | None) -> tuple[int, concurrent.futures.Future, list[bytes]]:
+        rpc_id, fut = self.router.new_rpc(RpcKind.COLLECTIVE)
+        kwargs = encode_raw(self.config.runner_kwargs)
+        msgs = [encode(InitWorker(
+            rank=rank, world_size=self.config.world_size, runner_cls=self.config.runner_cls,
+            runner_kwargs=kwargs, async_output=self.config.async_output,
+            arena_bytes=self.arena.size, output_queue_depth=self.config.output_queue_depth,
+            dist_init_method=dist_init_method, test_faults=self._faults, rpc_id=rpc_id))
+            for rank in range(self.config.world_size)]
+        return rpc_id, fut, msgs
+
+    def _wait_started(self, rpc_id: int, fut: concurrent.futures.Future) -> None:
+        try:
+            self.router.wait_rpc(rpc_id, fut, self.config.startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_pump(self) -> None:
+        self._pump_thread = threading.Thread(target=self._pump, name="diffrt-result-pump", daemon=True)
+        self._pump_thread.start()
+
+    # -- the pump -------------------------------------------------------------------------
+    def _pump(self) -> None:
+        next_expire = 0.0
+        try:
+            while not self._stopping.is_set():
+                for data in self._poll_results(PUMP_POLL_S):
+                    msg = result_decoder.decode(data)
+                    if self._pump_fault and msg.kind.value == self._pump_fault:
+                        raise RuntimeError(f"TEST FAULT: pump raised on {self._pump_fault}")
+                    self.router.on_message(msg)
+                now = time.monotonic()
+                if now >= next_expire:
+                    self.router.expire(now)
+                    next_expire = now + EXPIRE_EVERY_S
+        except WorkerDied as exc:
+            if not self._stopping.is_set():
+                logger.error("%s", exc)
+                self.router.fail_all(exc)
+        except BaseException as exc:  # a dead pump must never look healthy
+            logger.exception("result pump died")
+            self.router.fail_all(ExecutorDeadError(f"result pump died: {type(exc).__name__}: {exc}"))
+
+    # -- Executor API ------------------------------------------------------------------------
+    def _call(self, kind: RpcKind, method: str, payload: Any, timeout: float | None) -> Any:
+        raw = encode_raw(payload)  # an unencodable payload fails here, before any bookkeeping
+        rpc_id, fut = self.router.new_rpc(kind)
+        try:
+            with self._send_lock:
+                self._broadcast(encode(Rpc(rpc_id, method, raw, kind)))
+        except (OSError, ValueError) as exc:
+            err = ExecutorDeadError(f"cannot reach the workers: {exc}")
+            self.router.fail_all(err)
+            raise err from exc
+        return self.router.wait_rpc(rpc_id, fut, timeout)
+
+    def execute(self, method: str, payload: Any = None, timeout: float | None = None) -> RunnerOutput:
+        return self._call(RpcKind.EXECUTE, method, payload, timeout)
+
+    def collective_rpc(self, method: str, payload: Any = None, timeout: float | None = None) -> list[Any]:
+        return self._call(RpcKind.COLLECTIVE, method, payload, timeout)
+
+    def wait_output_ready(self, output_id: str) -> concurrent.futures.Future[OutputLease]:
+        return self.router.wait_output_ready(output_id)
+
+    def release_output(self, output_id: str) -> None:
+        self.router.release_output(output_id)
+
+    def is_healthy(self) -> bool:
+        return (not self._stopping.is_set() and self.router.dead is None
+                and self._pump_thread is not None and self._pump_thread.is_alive()
+                and self._workers_alive())
+
+    def shutdown(self) -> None:
+        with self._shutdown_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+        self._stopping.set()
+        self.router.fail_all(ExecutorDeadError("executor shut down"))
+        try:
+            self._stop_workers()
+        finally:
+            if self._pump_thread is not None and self._pump_thread is not threading.current_thread():
+                self._pump_thread.join(timeout=5.0)
+            self.router.freer.closed = True
+            self.arena.close()
