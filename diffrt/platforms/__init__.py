@@ -71,8 +71,10 @@ _choice: PlatformChoice | None = None
 
 # -- entry points ---------------------------------------------------------------
 def _is_builtin(ep: EntryPoint) -> bool:
-    probe = BUILTIN_PROBES.get(ep.name)
-    return probe is not None and ep.value.replace(" ", "") == f"{probe.__module__}:{probe.__name__}"
+    """Our own registrations (pyproject); an out-of-tree plugin may reuse a name."""
+    return ep.name in BUILTIN_CLASSES and ep.value.replace(" ", "") == (
+        f"diffrt.platforms.detect:detect_{ep.name}"
+    )
 
 
 def _plugin_entry_points() -> dict[str, EntryPoint]:

@@ -1,0 +1,57 @@
+"""platform_report(): pure data for `diffrt env`."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import diffrt.platforms as platforms
+from diffrt.platforms.report import platform_report
+
+
+def test_cpu_report():
+    report = platform_report()
+    assert report["platform"] == "cpu" and report["chosen_by"] == "fallback"
+    assert "no accelerator" in report["reason"]
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["capabilities"] == {
+        "events": False, "side_streams": False, "pinned_memory": False,
+        "async_output": True, "errors": {},
+    }
+    assert report["devices"]["count"] == 1
+    assert not {"torch_npu", "torch_musa", "intel_extension_for_pytorch"} & set(sys.modules)
+
+
+def test_report_of_an_async_platform():
+    sim = pytest.importorskip("diffrt_simdevice.platform")
+    platforms.set_current_platform(sim.SimDevicePlatform(copy_delay_s=0), reason="test")
+    report = platform_report()
+    assert report["platform"] == "simdevice" and report["chosen_by"] == "explicit"
+    caps = report["capabilities"]
+    assert caps["events"] and caps["side_streams"] and caps["async_output"]
+    assert not caps["pinned_memory"]
+
+
+def test_report_names_failing_capabilities(device_module_factory, monkeypatch):
+    from diffrt.platforms.cuda import CudaPlatform
+
+    mod = device_module_factory("cuda")
+
+    def no_streams():
+        raise RuntimeError("driver says no")
+
+    real_init = mod.Stream.__init__
+
+    def init(self, name="side"):  # the default stream works, a new side stream fails
+        if name == "side":
+            no_streams()
+        real_init(self, name)
+
+    mod.Stream.__init__ = init
+    monkeypatch.setattr(torch, "cuda", mod)
+    platforms.set_current_platform(CudaPlatform())
+    caps = platform_report()["capabilities"]
+    assert caps["events"] is True and caps["side_streams"] is False
+    assert "driver says no" in caps["errors"]["side_streams"]
