@@ -12,12 +12,15 @@ anchor project, so a stream or event of another family is refused with a
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 from collections.abc import Iterator
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
-from diffrt.platforms.interface import Platform
+import torch
+
+from diffrt.platforms.interface import Platform, PlatformFeatureError
 
 
 class TorchAcceleratorPlatform(Platform):
@@ -33,28 +36,33 @@ class TorchAcceleratorPlatform(Platform):
         self._tls = threading.local()
 
     # -- the one vendor module -----------------------------------------------------
+    #: Attribute of ``torch`` holding the device module ("cuda", "npu", ...).
+    module_attr: ClassVar[str] = ""
+    #: Vendor package that registers ``torch.<module_attr>`` when imported, if any.
+    vendor_package: ClassVar[str | None] = None
+
     def device_module(self) -> ModuleType:
-        """The ``torch.<vendor>`` module; importing a vendor package happens here,
-        only once this platform was chosen."""
-        raise NotImplementedError(f"{type(self).__name__} must name its device module")
+        """The ``torch.<vendor>`` module. A vendor package is imported here, only
+        once this platform was chosen: torch >= 2.5 autoloads out-of-tree backends
+        through the ``torch.backends`` entry point, but older stacks (or
+        ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``) need the import."""
+        mod = getattr(torch, self.module_attr, None)
+        if mod is None and self.vendor_package:
+            importlib.import_module(self.vendor_package)
+            mod = getattr(torch, self.module_attr, None)
+        if mod is None:
+            raise PlatformFeatureError(self.name, f"torch.{self.module_attr}")
+        return mod
 
-    def _check_stream(self, stream: Any) -> Any:
+    def _check(self, obj: Any, kind: str) -> Any:
+        """Refuse a stream or event of another family (``kind``: "Stream"/"Event")."""
         mod = self.device_module()
-        if not isinstance(stream, mod.Stream):
+        if not isinstance(obj, getattr(mod, kind)):
             raise TypeError(
-                f"platform {self.name!r} uses {mod.__name__}.Stream only; "
-                f"got {type(stream).__module__}.{type(stream).__qualname__}"
+                f"platform {self.name!r} uses torch.{self.module_attr}.{kind} only; "
+                f"got {type(obj).__module__}.{type(obj).__qualname__}"
             )
-        return stream
-
-    def _check_event(self, event: Any) -> Any:
-        mod = self.device_module()
-        if not isinstance(event, mod.Event):
-            raise TypeError(
-                f"platform {self.name!r} uses {mod.__name__}.Event only; "
-                f"got {type(event).__module__}.{type(event).__qualname__}"
-            )
-        return event
+        return obj
 
     # -- device facts -----------------------------------------------------------
     def is_available(self) -> bool:
@@ -103,7 +111,7 @@ class TorchAcceleratorPlatform(Platform):
         if stream is None:
             yield
             return
-        self._check_stream(stream)
+        self._check(stream, "Stream")
         stack = getattr(self._tls, "stack", None)
         if stack is None:
             stack = self._tls.stack = []
@@ -117,21 +125,21 @@ class TorchAcceleratorPlatform(Platform):
     # -- events ------------------------------------------------------------------
     def record_device_event(self, stream: Any = None) -> Any | None:
         """Record a ``torch.<vendor>.Event`` on ``stream`` (default: current)."""
-        target = self.current_stream() if stream is None else self._check_stream(stream)
+        target = self.current_stream() if stream is None else self._check(stream, "Stream")
         event = self.device_module().Event()
         event.record(target)
         return event
 
     def wait_event(self, stream: Any, event: Any) -> None:
         """``stream`` waits for ``event`` on the device; the host does not block."""
-        target = self.current_stream() if stream is None else self._check_stream(stream)
-        target.wait_event(self._check_event(event))
+        target = self.current_stream() if stream is None else self._check(stream, "Stream")
+        target.wait_event(self._check(event, "Event"))
 
     def event_query(self, event: Any) -> bool:
-        return bool(self._check_event(event).query())
+        return bool(self._check(event, "Event").query())
 
     def event_synchronize(self, event: Any) -> None:
-        self._check_event(event).synchronize()
+        self._check(event, "Event").synchronize()
 
     # -- host memory ---------------------------------------------------------------
     def pinned_memory_available(self) -> bool:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
-import torch
-
 from diffrt.platforms.accelerator import TorchAcceleratorPlatform
 
 
@@ -14,6 +10,4 @@ class CudaPlatform(TorchAcceleratorPlatform):
     device_type = "cuda"
     dist_backend = "nccl"
     device_control_env_var = "CUDA_VISIBLE_DEVICES"
-
-    def device_module(self) -> ModuleType:
-        return torch.cuda
+    module_attr = "cuda"

@@ -59,6 +59,7 @@ class XpuPlatform(TorchAcceleratorPlatform):
     dist_backend = "xccl" if _major_minor(torch.__version__) >= (2, 8) else "ccl"
     device_control_env_var = "ZE_AFFINITY_MASK"
 
+    module_attr = "xpu"
     _ipex_checked = False
 
     def device_module(self) -> ModuleType:
@@ -67,4 +68,4 @@ class XpuPlatform(TorchAcceleratorPlatform):
             # ones gain its optimisations; without IPEX native torch.xpu serves.
             self._ipex_checked = True
             load_ipex()
-        return torch.xpu
+        return super().device_module()
