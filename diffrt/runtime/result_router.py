@@ -122,7 +122,7 @@ class ResultRouter:
         with self._lock:
             self._check_alive()
             rpc_id = next(self._ids)
-            ranks = 1 if kind == RpcKind.EXECUTE else self.world_size
+            ranks = self.world_size  # execute: COMPUTE_DONE from rank 0 + an ack per other rank
             fut: Future = Future()
             self._rpcs[rpc_id] = _PendingRpc(kind, fut, ranks, [None] * self.world_size)
             return rpc_id, fut
@@ -153,42 +153,56 @@ class ResultRouter:
                 raise TypeError(f"unexpected result message {type(msg).__name__}")
 
     def _on_compute_done(self, msg: ComputeDone) -> None:
+        output = RunnerOutput(meta=decode_raw(msg.meta), async_output_id=msg.async_output_id,
+                              output_ids=dict(msg.output_ids))
         with self._lock:
-            pending = self._rpcs.pop(msg.rpc_id, None)
+            pending = self._rpcs.get(msg.rpc_id)
             if pending is None:
                 if msg.rpc_id in self._abandoned:
                     self._abandoned.discard(msg.rpc_id)
-                    now = time.monotonic()
-                    for oid in msg.output_ids.values():
-                        self._drop_locked(oid, now)
                 else:
                     logger.warning("COMPUTE_DONE for unknown rpc %d", msg.rpc_id)
+                now = time.monotonic()
+                for oid in msg.output_ids.values():  # nobody will ever ask for these
+                    self._drop_locked(oid, now)
                 return
-        _set_result(pending.future, RunnerOutput(meta=decode_raw(msg.meta),
-                                                 async_output_id=msg.async_output_id,
-                                                 output_ids=dict(msg.output_ids)))
+            pending.results[msg.rank] = output
+            pending.ranks_left -= 1
+            if pending.ranks_left > 0:
+                return  # other ranks have not acknowledged yet
+            del self._rpcs[msg.rpc_id]
+        _set_result(pending.future, output)
 
     def _on_rpc_result(self, msg: RpcResult) -> None:
         with self._lock:
             pending = self._rpcs.get(msg.rpc_id)
             if pending is None:
+                if msg.rank == 0:
+                    self._abandoned.discard(msg.rpc_id)
                 if msg.error:
                     logger.warning("late error from rank %d for rpc %d: %s", msg.rank, msg.rpc_id, msg.error)
                 return
-            if msg.error is not None:
-                del self._rpcs[msg.rpc_id]
-                done = ("error", WorkerError(f"rank {msg.rank}: {msg.error}"))
-            else:
+            if msg.error is None:
                 pending.results[msg.rank] = decode_raw(msg.result)
                 pending.ranks_left -= 1
                 if pending.ranks_left > 0:
                     return
-                del self._rpcs[msg.rpc_id]
-                done = ("ok", pending.results if pending.kind == RpcKind.COLLECTIVE else pending.results[0])
-        if done[0] == "error":
-            _set_exception(pending.future, done[1])
+            del self._rpcs[msg.rpc_id]
+            if msg.error is not None:
+                # An execute whose output rank already finished: its outputs are orphans.
+                if pending.kind == RpcKind.EXECUTE and msg.rank != 0 and pending.results[0] is None:
+                    self._abandoned.add(msg.rpc_id)  # rank 0's COMPUTE_DONE may still come
+                now = time.monotonic()
+                for r in pending.results:
+                    if isinstance(r, RunnerOutput):
+                        for oid in r.output_ids.values():
+                            self._drop_locked(oid, now)
+        if msg.error is not None:
+            _set_exception(pending.future, WorkerError(f"rank {msg.rank}: {msg.error}"))
+        elif pending.kind == RpcKind.COLLECTIVE:
+            _set_result(pending.future, pending.results)
         else:
-            _set_result(pending.future, done[1])
+            _set_result(pending.future, pending.results[0])
 
     def _on_output_ready(self, msg: OutputReady) -> None:
         deliveries: list[tuple[str, Any]] = []

@@ -82,6 +82,7 @@ class WorkerCore:
                                 f"{type(result).__name__}, expected RunnerResult")
             keys = [str(k) for k in result.outputs]
             if self.rank != OUTPUT_RANK:
+                self._send(RpcResult(rpc.rpc_id, self.rank))  # ack: this rank finished cleanly
                 return
             meta = encode_raw(result.meta)
             batch_id, ids = output_ids_for(rpc.rpc_id, keys)

@@ -102,3 +102,17 @@ class EchoRunner:
 
     def close(self) -> None:
         self.closed = True
+
+
+class LateKernelRunner(EchoRunner):
+    """On a simulated async device: forward's output is written by a kernel that runs
+    late on the compute stream, as on a GPU where forward only enqueues work."""
+
+    def make_late(self, p: dict) -> RunnerResult:
+        outputs = {}
+        for i, k in enumerate(p["keys"]):
+            out = torch.zeros(p.get("shape", [64, 64]), dtype=DTYPES[p.get("dtype", "float32")])
+            expected = make_tensor(p["seed"] + i, list(out.shape), p.get("dtype", "float32"))
+            self.platform.launch(lambda o=out, e=expected: o.copy_(e), delay_s=p.get("kernel_s", 0.05))
+            outputs[k] = out
+        return RunnerResult(meta={"seed": p["seed"]}, outputs=outputs)

@@ -1,0 +1,140 @@
+"""Entry point of a spawned worker process: ``python -m diffrt.runtime.worker``.
+
+The executor passes inherited descriptors: the request pipe (read), the
+result pipe (write), and on the output rank the free pipe (read) and the
+output arena's memfd. The first request is ``InitWorker``; then the busy loop
+handles ``Rpc`` until ``Shutdown``. The worker exits within a second or so if
+its parent dies, even by SIGKILL: EOF on the request pipe ends the busy loop,
+and a thread watching the parent pid covers a main thread busy in forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+PARENT_POLL_S = 0.5
+logger = logging.getLogger("diffrt.runtime.worker")
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    # A thread, not PR_SET_PDEATHSIG: that signal fires when the *thread* that
+    # spawned us exits, which would kill workers of an executor built off-main.
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent_pid:
+                os._exit(1)  # orphaned: no cleanup can matter, memfds go with us
+
+    threading.Thread(target=watch, name="diffrt-parent-watch", daemon=True).start()
+
+
+def _free_source(conn: Connection | None):
+    from diffrt.runtime.messages import free_decoder
+
+    def source(timeout: float) -> Any:
+        try:
+            if conn is None or not conn.poll(timeout):
+                return None
+            return free_decoder.decode(conn.recv_bytes())
+        except (EOFError, OSError):
+            return None
+    return source
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--parent-pid", type=int, required=True)
+    ap.add_argument("--request-fd", type=int, required=True)
+    ap.add_argument("--result-fd", type=int, required=True)
+    ap.add_argument("--free-fd", type=int, default=-1)
+    ap.add_argument("--arena-fd", type=int, default=-1)
+    args = ap.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    level = os.environ.get("DIFFRT_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, format=f"[worker pid {os.getpid()}] %(levelname)s %(name)s: %(message)s")
+
+    from diffrt import tracing
+    from diffrt.runtime.messages import (
+        InitWorker,
+        Rpc,
+        RpcResult,
+        Shutdown,
+        encode,
+        request_decoder,
+    )
+    from diffrt.runtime.shm_transport import Arena
+    from diffrt.runtime.worker_core import WorkerCore, _error_text
+
+    requests = Connection(args.request_fd, writable=False)
+    results = Connection(args.result_fd, readable=False)
+    frees = Connection(args.free_fd, writable=False) if args.free_fd >= 0 else None
+    send_lock = threading.Lock()  # the main thread and the output thread share the pipe
+
+    def send(msg: Any) -> None:
+        data = encode(msg)
+        with send_lock:
+            results.send_bytes(data)
+
+    try:
+        init = request_decoder.decode(requests.recv_bytes())
+    except EOFError:
+        return 0
+    assert isinstance(init, InitWorker)
+    tracing.process_name(f"worker{init.rank}")
+    core = None
+    try:
+        if init.dist_init_method and init.world_size > 1:
+            import torch.distributed as dist
+
+            from diffrt.platforms import current_platform
+
+            dist.init_process_group(backend=current_platform.dist_backend,
+                                    init_method=init.dist_init_method,
+                                    rank=init.rank, world_size=init.world_size)
+        from diffrt.platforms import current_platform
+
+        arena = Arena.attach(args.arena_fd, init.arena_bytes) if args.arena_fd >= 0 else None
+        core = WorkerCore(init, current_platform, send, arena, _free_source(frees))
+    except Exception as exc:
+        logger.exception("worker start-up failed")
+        send(RpcResult(init.rpc_id, init.rank, error=_error_text(exc)))
+        return 1
+    send(RpcResult(init.rpc_id, init.rank))
+
+    try:
+        while True:
+            try:
+                msg = request_decoder.decode(requests.recv_bytes())
+            except EOFError:  # the executor is gone
+                break
+            match msg:
+                case Rpc():
+                    core.handle(msg)
+                case Shutdown():
+                    break
+    finally:
+        core.close()
+        if init.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown of torch threads
