@@ -50,6 +50,16 @@ def resolve_seed(seed: int | None) -> int:
     return random.SystemRandom().randrange(_SEED_RANGE) if seed is None else int(seed)
 
 
+def _check_compatible(params: list[SamplingParams], key: str) -> None:
+    """Refuse a batch the scheduler should not have formed (a bug, not user input)."""
+    first = getattr(params[0], key)()
+    for other in params[1:]:
+        if getattr(other, key)() != first:
+            raise ValueError(
+                f"incompatible requests in one batch: {key} {getattr(other, key)()} != {first}"
+            )
+
+
 def _place(module: Any, device: torch.device, dtype: torch.dtype) -> Any:
     """Move a diffusers model, casting only when needed (a cast logs a warning)."""
     module = module.to(device)
@@ -289,6 +299,7 @@ class FlowMatchPipeline(DiffusionPipeline):
     @torch.inference_mode()
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
         params = batch.sampling_params
+        _check_compatible([r.sampling_params for r in batch.requests], "request_batch_key")
         for request in batch.requests:
             self.check_inputs(request)
         n = params.num_outputs_per_prompt
@@ -327,6 +338,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         self, input_batch: StepInputBatch, *, states: list[StepRequestState]
     ) -> torch.Tensor:
         params = states[0].request.sampling_params
+        _check_compatible([s.request.sampling_params for s in states], "step_batch_key")
         latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
         timesteps = torch.cat(
             [s.timesteps[s.step_index].expand(s.latents.shape[0]) for s in states]  # type: ignore[index,union-attr]

@@ -123,7 +123,9 @@ class DiffusionPipeline(ABC):
         """Encode prompts, draw latents, set timesteps and a scheduler copy."""
         raise NotImplementedError(f"{type(self).__name__} does not support step execution")
 
-    def denoise_step(self, input_batch: StepInputBatch, *, states: list[StepRequestState]) -> torch.Tensor:
+    def denoise_step(
+        self, input_batch: StepInputBatch, *, states: list[StepRequestState]
+    ) -> torch.Tensor:
         """One transformer forward for all states; returns noise predictions stacked
         along dim 0 in the order of ``states`` (CFG already combined)."""
         raise NotImplementedError(f"{type(self).__name__} does not support step execution")

@@ -303,3 +303,23 @@ def test_hashed_text_encoder_is_fixed_length_and_deterministic():
     assert torch.equal(again[0, :2], embeds[0, :2])  # case-insensitive tokens
     swapped, _ = enc(["fox red a"])
     assert not torch.equal(swapped[0], embeds[0])  # word order matters
+
+
+def test_incompatible_batches_are_refused(pipe):
+    with pytest.raises(ValueError, match="request_batch_key"):
+        run_request(pipe, make_request(num_inference_steps=2), make_request(num_inference_steps=3))
+    a, b = StepRequestState(make_request()), StepRequestState(make_request(height=2 * SIZE))
+    pipe.prepare_encode(a)
+    pipe.prepare_encode(b)
+    with pytest.raises(ValueError, match="step_batch_key"):
+        pipe.denoise_step(StepInputBatch([a, b]), states=[a, b])
+
+
+def test_bfloat16_runs_both_styles():
+    from diffrt.engine.pipelines import load_pipeline
+
+    pipe = load_pipeline("tiny-sd3", dtype=torch.bfloat16)
+    request = make_request(num_inference_steps=2, guidance_scale=2.0)
+    out = run_request(pipe, request)[0]
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 3, SIZE, SIZE)
+    assert_same_image(out.float(), run_steps(pipe, [request])[request.request_id].float())
