@@ -53,6 +53,8 @@ class _StreamState:
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
         self.error: BaseException | None = None
+        self.pending = 0  # jobs enqueued and not yet finished
+        self.lock = threading.Lock()
 
 
 def _worker(state: _StreamState) -> None:
@@ -66,6 +68,9 @@ def _worker(state: _StreamState) -> None:
             logger.error("simdevice kernel failed: %r", exc)
             if state.error is None:
                 state.error = exc
+        finally:
+            with state.lock:
+                state.pending -= 1
 
 
 class SimStream:
@@ -85,6 +90,8 @@ class SimStream:
         return self._state.error
 
     def enqueue(self, fn: Callable[[], Any]) -> None:
+        with self._state.lock:
+            self._state.pending += 1
         self._state.queue.put(fn)
 
     def record_event(self) -> SimEvent:
@@ -102,7 +109,8 @@ class SimStream:
         self.record_event().synchronize()
 
     def query(self) -> bool:
-        return self._state.queue.empty()
+        """True when all work queued so far has run."""
+        return self._state.pending == 0
 
     def __repr__(self) -> str:
         return f"<SimStream {self.name}>"
