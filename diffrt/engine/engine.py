@@ -156,7 +156,7 @@ class DiffusionEngine:
             try:
                 engine._warmup()
             except BaseException as exc:
-                engine.close()
+                engine._shutdown(grace_s=0.0)  # a hung warm-up tick is not waited for
                 if isinstance(exc, EngineWarmupError):
                     raise
                 raise EngineWarmupError(f"warm-up failed: {exc}") from exc
@@ -268,20 +268,24 @@ class DiffusionEngine:
     def close(self) -> None:
         """Refuse new work, send an error output to every open stream, stop the
         executor (idempotent)."""
+        self._shutdown(CLOSE_GRACE_S)
+
+    def _shutdown(self, grace_s: float) -> None:
+        """close(), letting a tick in flight finish for up to ``grace_s``."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
-        self._thread.join(CLOSE_GRACE_S)
-        if self._thread.is_alive():
-            logger.warning("engine loop still busy after %.0f s; shutting the executor down",
-                           CLOSE_GRACE_S)
-            self._executor.shutdown()
-            self._thread.join(CLOSE_GRACE_S)
-        with self._cond:
+            # Streams hear at once; a tick still in flight finds its requests
+            # gone and frees whatever it produced.
             self._fail_all_locked("engine closed")
+            self._cond.notify_all()
+        self._thread.join(grace_s)
+        if self._thread.is_alive():
+            logger.warning("engine loop still busy after %.1f s; shutting the executor down",
+                           grace_s)
         self._executor.shutdown()
+        self._thread.join(CLOSE_GRACE_S)
         self._pool.shutdown(wait=True, cancel_futures=True)
         logger.info("engine closed")
 

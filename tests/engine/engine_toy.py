@@ -1,0 +1,133 @@
+"""A model-free pipeline for engine tests: instant, deterministic, with faults.
+
+Registered as "toy" (request batching + step protocol), "toy-serial" (neither)
+and "toy-hang" (every forward blocks until released). Its image encodes the
+request's seed and step count, so a swapped or mixed-up output is visible:
+pixel value = (seed * 7 + steps) % 200 / 100 - 1 before quantisation.
+
+Prompts steer faults: "fail" raises in forward / prepare_encode, "failstep"
+raises in denoise_step when that request is in the batch, and "block:NAME"
+waits (bounded) on ``gate(NAME)`` in forward or denoise_step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import torch
+
+from diffrt.engine.pipelines import register_pipeline
+from diffrt.engine.pipelines.interface import DiffusionPipeline
+from diffrt.engine.postprocess import quantize_images
+
+BLOCK_TIMEOUT_S = 30.0
+
+_gates: dict[str, threading.Event] = defaultdict(threading.Event)
+#: what ran, in order: ("forward", [ids]) / ("step", [ids])
+CALLS: list[tuple[str, list[str]]] = []
+_calls_lock = threading.Lock()
+
+
+def gate(name: str) -> threading.Event:
+    return _gates[name]
+
+
+def reset() -> None:
+    with _calls_lock:
+        CALLS.clear()
+
+
+def calls(kind: str) -> list[list[str]]:
+    with _calls_lock:
+        return [ids for k, ids in CALLS if k == kind]
+
+
+def pixel_value(seed: int, steps: int) -> float:
+    return (seed * 7 + steps) % 200 / 100 - 1
+
+
+def expected_pixel(seed: int, steps: int) -> int:
+    """The uint8 value every pixel of the image for (seed, steps) has."""
+    t = torch.full((1, 3, 1, 1), pixel_value(seed, steps))
+    return int(quantize_images(t)[0, 0, 0, 0])
+
+
+def _maybe_block(prompt: str) -> None:
+    if prompt.startswith("block:"):
+        if not gate(prompt[6:]).wait(BLOCK_TIMEOUT_S):
+            raise TimeoutError(f"gate {prompt[6:]!r} never opened")
+
+
+def _record(kind: str, ids: list[str]) -> None:
+    with _calls_lock:
+        CALLS.append((kind, ids))
+
+
+class ToyPipeline(DiffusionPipeline):
+    name = "toy"
+    supports_request_batch = True
+    supports_step_execution = True
+    size_multiple = 8
+    max_size = 512
+
+    @classmethod
+    def create(cls, *, device, dtype):
+        return cls()
+
+    def _image(self, request, steps: int) -> torch.Tensor:
+        p = request.sampling_params
+        seed = p.seed or 0
+        return torch.full((p.num_outputs_per_prompt, 3, p.height, p.width), pixel_value(seed, steps))
+
+    def forward(self, batch):
+        ids = [r.request_id for r in batch.requests]
+        _record("forward", ids)
+        for r in batch.requests:
+            _maybe_block(r.prompt)
+            if r.prompt == "fail":
+                raise RuntimeError(f"toy failure in {r.request_id}")
+        return [self._image(r, r.sampling_params.num_inference_steps) for r in batch.requests]
+
+    def prepare_encode(self, state):
+        if state.request.prompt == "fail":
+            raise ValueError("toy failure in prepare_encode")
+        n = state.request.sampling_params.num_outputs_per_prompt
+        state.latents = torch.zeros(n, 1)
+        state.step_index = 0
+
+    def denoise_step(self, input_batch, *, states):
+        _record("step", [s.request_id for s in states])
+        for s in states:
+            _maybe_block(s.request.prompt)
+            if s.request.prompt == "failstep":
+                raise RuntimeError(f"toy step failure in {s.request_id}")
+        return torch.ones(sum(s.latents.shape[0] for s in states), 1)
+
+    def step_scheduler(self, state, noise_pred):
+        state.latents = state.latents + noise_pred
+        state.step_index += 1
+
+    def post_decode(self, state):
+        steps = int(state.latents[0, 0].item())
+        return self._image(state.request, steps)
+
+
+class SerialToyPipeline(ToyPipeline):
+    name = "toy-serial"
+    supports_request_batch = False
+    supports_step_execution = False
+
+
+class HangingToyPipeline(ToyPipeline):
+    name = "toy-hang"
+
+    def forward(self, batch):
+        if not gate("hang").wait(BLOCK_TIMEOUT_S):
+            raise TimeoutError("hang gate never opened")
+        return super().forward(batch)
+
+
+register_pipeline("toy", ToyPipeline)
+register_pipeline("toy-serial", SerialToyPipeline)
+register_pipeline("toy-hang", HangingToyPipeline)

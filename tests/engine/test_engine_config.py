@@ -1,0 +1,52 @@
+"""EngineConfig validation: every error names the field or the model."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"request_batch_max_wait_ms": -1}, "request_batch_max_wait_ms"),
+    ({"request_batch_max_wait_ms": float("nan")}, "request_batch_max_wait_ms"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_seqs": 2.0}, "max_num_seqs"),
+    ({"executor_backend": "ray"}, "executor_backend"),
+    ({"world_size": 0}, "world_size"),
+    ({"executor_backend": "inproc", "world_size": 2}, "world_size"),
+    ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ({"scheduling_max_bypass": -1}, "scheduling_max_bypass"),
+    ({"async_output": "yes"}, "async_output"),
+    ({"output_timeout_s": 0}, "output_timeout_s"),
+    ({"warmup_timeout_s": -5}, "warmup_timeout_s"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"step_execution": 1}, "step_execution"),
+])
+def test_bad_field_is_named(kw, field):
+    with pytest.raises(EngineConfigError) as info:
+        EngineConfig(model="toy", **kw)
+    assert info.value.field == field
+    assert str(info.value).startswith(field)
+
+
+def test_unknown_model_names_the_model_and_lists_known_ones():
+    with pytest.raises(EngineConfigError, match="no-such-model") as info:
+        EngineConfig(model="no-such-model")
+    assert info.value.field == "model"
+    assert "tiny-flux" in str(info.value)
+
+
+def test_capabilities_of_the_model_are_checked():
+    with pytest.raises(EngineConfigError, match="request batching") as info:
+        EngineConfig(model="toy-serial", max_num_seqs=2)
+    assert info.value.field == "max_num_seqs" and "toy-serial" in str(info.value)
+    with pytest.raises(EngineConfigError, match="step protocol") as info:
+        EngineConfig(model="toy-serial", step_execution=True)
+    assert info.value.field == "step_execution"
+    EngineConfig(model="toy-serial", max_num_seqs=1)  # serial request mode is fine
+
+
+def test_mode_follows_step_execution():
+    assert EngineConfig(model="toy").mode is EngineMode.REQUEST_BATCH
+    assert EngineConfig(model="toy", step_execution=True, max_num_seqs=8).mode is EngineMode.STEP_BATCH
