@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.machinery
 import importlib.util
+import threading
 from types import ModuleType
 
 import pytest
@@ -67,20 +68,20 @@ def make_device_module(family: str, available: bool = True, count: int = 2) -> M
 
     Stream.__qualname__ = Stream.__name__ = f"{family}Stream"
     Event.__qualname__ = Event.__name__ = f"{family}Event"
-    current = {"name": "default"}
+    current = threading.local()  # like torch: the current stream is per thread
 
     def current_stream(device: object = None) -> Stream:
         calls.append(("current_stream", device))
-        return Stream(current["name"])  # a new object per call, like torch.cuda
+        return Stream(getattr(current, "name", "default"))  # a new object per call
 
     @contextlib.contextmanager
     def stream(s: Stream):
         calls.append(("stream_enter", s.name))
-        prev, current["name"] = current["name"], s.name
+        prev, current.name = getattr(current, "name", "default"), s.name
         try:
             yield
         finally:
-            current["name"] = prev
+            current.name = prev
 
     mod.Stream, mod.Event, mod.calls = Stream, Event, calls
     mod.current_stream, mod.stream = current_stream, stream

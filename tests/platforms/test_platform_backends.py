@@ -153,3 +153,16 @@ def test_base_platform_names_missing_methods():
     with pytest.raises(NotImplementedError, match="'bare' does not provide new_side_stream"):
         Bare().new_side_stream()
     assert Bare().record_device_event() is None  # "no usable events" → synchronous path
+
+
+def test_current_stream_cache_is_per_thread(backend):
+    import threading
+
+    platform, mod = backend
+    side = platform.new_side_stream()
+    seen: list[object] = []
+    with platform.stream_context(side):
+        t = threading.Thread(target=lambda: seen.append(platform.current_stream()))
+        t.start()
+        t.join()
+    assert seen[0] is not side and seen[0].name == "default"
