@@ -1,0 +1,213 @@
+"""STEP_BATCH through the engine: progress streams, joins, aborts, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import engine_toy as toy
+import numpy as np
+from conftest import assert_clean, toy_engine, toy_request, wait_until
+
+
+def first_pixel(out) -> int:
+    return int(np.asarray(out.images[0])[0, 0, 0])
+
+
+async def collect(engine, request) -> list:
+    return [o async for o in engine.step_streaming(request)]
+
+
+def test_streaming_yields_progress_then_final(step_engine1):
+    r = toy_request(seed=5, steps=4)
+    outs = asyncio.run(collect(step_engine1, r))
+    assert [(o.step, o.total_steps, o.finished) for o in outs] == [
+        (1, 4, False), (2, 4, False), (3, 4, False), (4, 4, True)]
+    assert outs[-1].ok and first_pixel(outs[-1]) == toy.expected_pixel(5, 4)
+    assert outs[-1].metrics.forward_time > 0
+    assert_clean(step_engine1)
+
+
+def test_generate_consumes_the_same_stream(step_engine1):
+    outs = step_engine1.generate([toy_request(seed=i, steps=1 + i) for i in range(3)])
+    assert [first_pixel(o) for o in outs] == [toy.expected_pixel(i, 1 + i) for i in range(3)]
+
+
+def test_serial_step_engine_never_batches(step_engine1):
+    toy.reset()
+    reqs = [toy_request(steps=2) for _ in range(3)]
+    step_engine1.generate(reqs)
+    assert all(len(ids) == 1 for ids in toy.calls("step"))
+    assert len(toy.calls("step")) == 6
+
+
+def test_different_step_counts_share_step_batches(step_engine4):
+    toy.reset()
+    short, long_ = toy_request(seed=1, steps=2), toy_request(seed=2, steps=5)
+    outs = step_engine4.generate([short, long_])
+    assert first_pixel(outs[0]) == toy.expected_pixel(1, 2)
+    assert first_pixel(outs[1]) == toy.expected_pixel(2, 5)
+    s, lg = short.request_id, long_.request_id
+    assert toy.calls("step") == [[s, lg], [s, lg], [lg], [lg], [lg]]
+
+
+def test_a_request_joins_a_running_batch_at_a_step_boundary(step_engine4):
+    toy.reset()
+    toy.gate("join").clear()
+    first = toy_request("block:join", steps=3)
+    got: list = []
+    t1 = threading.Thread(target=lambda: got.append(step_engine4.generate(first)))
+    t1.start()
+    assert wait_until(lambda: toy.calls("step"))
+    later = toy_request(steps=2)
+    t2 = threading.Thread(target=lambda: got.append(step_engine4.generate(later)))
+    t2.start()
+    assert wait_until(lambda: step_engine4.scheduler.num_waiting == 1)
+    toy.gate("join").set()
+    t1.join(10)
+    t2.join(10)
+    f, lt = first.request_id, later.request_id
+    assert toy.calls("step") == [[f], [f, lt], [f, lt]]
+    assert all(o.ok for o in got)
+
+
+def test_error_in_a_step_batch_fails_only_its_request(step_engine4):
+    reqs = [toy_request(seed=1, steps=3), toy_request("failstep", steps=3),
+            toy_request("fail", steps=3), toy_request(seed=2, steps=3)]
+    outs = step_engine4.generate(reqs)
+    assert outs[0].ok and outs[3].ok
+    assert first_pixel(outs[3]) == toy.expected_pixel(2, 3)
+    assert "toy step failure" in outs[1].error
+    assert "prepare_encode" in outs[2].error
+    assert step_engine4.is_healthy()
+    assert_clean(step_engine4)
+    assert step_engine4.executor.collective_rpc("num_step_states") == [0]
+
+
+def test_abort_running_request_at_next_step_boundary(step_engine4):
+    toy.reset()
+    toy.gate("sa").clear()
+    victim = toy_request("block:sa", steps=50)
+    other = toy_request(steps=3)
+    got: dict = {}
+
+    def run(r):
+        got[r.request_id] = step_engine4.generate(r)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (victim, other)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: step_engine4.num_active_requests() == 2 and toy.calls("step"))
+    step_engine4.abort(victim.request_id)  # in flight: takes effect at the boundary
+    toy.gate("sa").set()
+    for t in threads:
+        t.join(10)
+    assert got[victim.request_id].aborted
+    assert got[victim.request_id].step < 50
+    assert got[other.request_id].ok
+    assert_clean(step_engine4)
+    # The worker dropped the aborted request's step state.
+    assert wait_until(lambda: step_engine4.executor.collective_rpc("num_step_states") == [0])
+
+
+def test_cancelled_consumer_removes_only_its_stream(step_engine4):
+    toy.gate("cc").clear()
+    r = toy_request("block:cc", steps=3)
+
+    async def consume_one_then_leave():
+        agen = step_engine4.step_streaming(r)
+        first = await agen.__anext__()
+        await agen.aclose()
+        return first
+
+    async def main():
+        task = asyncio.create_task(consume_one_then_leave())
+        await asyncio.sleep(0.05)
+        toy.gate("cc").set()
+        return await task
+
+    first = asyncio.run(main())
+    assert first.step == 1 and not first.finished
+    # The request is still run to its end and cleaned up.
+    assert_clean(step_engine4)
+
+
+def test_consumer_cancelled_while_waiting(step_engine1):
+    toy.gate("cw").clear()
+    r = toy_request("block:cw", steps=2)
+
+    async def main():
+        task = asyncio.create_task(collect(step_engine1, r))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert asyncio.run(main())
+    assert r.request_id not in step_engine1._streams
+    assert step_engine1.num_active_requests() == 1  # still running: only the queue left
+    toy.gate("cw").set()
+    assert_clean(step_engine1)
+
+
+def test_close_with_open_async_streams():
+    engine = toy_engine(max_num_seqs=2, step_execution=True)
+    toy.gate("sc").clear()
+
+    async def main():
+        streams = [collect(engine, toy_request("block:sc", steps=3)) for _ in range(3)]
+        tasks = [asyncio.create_task(s) for s in streams]
+        await asyncio.sleep(0.1)
+        closing = asyncio.get_running_loop().run_in_executor(None, engine.close)
+        # Every stream hears while the forward is still stuck in the worker.
+        results = await asyncio.gather(*tasks)
+        toy.gate("sc").set()
+        await closing
+        return results
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        toy.gate("sc").set()
+    for outs in results:
+        assert outs[-1].finished and outs[-1].error == "engine closed"
+
+
+def test_dozens_of_concurrent_streams_lose_or_swap_nothing(step_engine4):
+    n = 48
+    reqs = [toy_request(seed=i, steps=1 + i % 4, num_outputs_per_prompt=1 + i % 2)
+            for i in range(n)]
+
+    async def main():
+        return await asyncio.gather(*(collect(step_engine4, r) for r in reqs))
+
+    results = asyncio.run(main())
+    for i, (r, outs) in enumerate(zip(reqs, results, strict=True)):
+        assert all(o.request_id == r.request_id for o in outs)
+        final = outs[-1]
+        assert final.ok and [o.finished for o in outs].count(True) == 1
+        assert [o.step for o in outs[:-1]] == list(range(1, 1 + i % 4))
+        assert len(final.images) == 1 + i % 2
+        assert first_pixel(final) == toy.expected_pixel(i, 1 + i % 4)
+    assert_clean(step_engine4)
+
+
+def test_dozens_of_threads_on_a_request_engine(req_engine4):
+    n = 40
+    reqs = [toy_request(seed=i, steps=1 + i % 3) for i in range(n)]
+    results: dict = {}
+
+    def run(r):
+        results[r.request_id] = req_engine4.generate(r)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in reqs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i, r in enumerate(reqs):
+        assert first_pixel(results[r.request_id]) == toy.expected_pixel(i, 1 + i % 3)
+    assert_clean(req_engine4)
