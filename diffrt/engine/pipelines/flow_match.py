@@ -299,9 +299,9 @@ class FlowMatchPipeline(DiffusionPipeline):
     @torch.inference_mode()
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
         params = batch.sampling_params
-        _check_compatible([r.sampling_params for r in batch.requests], "request_batch_key")
         for request in batch.requests:
             self.check_inputs(request)
+        _check_compatible([r.sampling_params for r in batch.requests], "request_batch_key")
         n = params.num_outputs_per_prompt
         latents = torch.cat(
             [
