@@ -17,6 +17,7 @@ import importlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
@@ -91,11 +92,10 @@ def known_platform_names() -> list[str]:
     return sorted(set(BUILTIN_CLASSES) | set(_plugin_entry_points()))
 
 
-def _probe(name: str, load: Any) -> str | None:
+def _probe(name: str, detect: Callable[[], str | None]) -> str | None:
     """Run one detect callable; a failing or malformed one counts as inactive."""
     try:
-        probe = load()
-        path = probe()
+        path = detect()
     except Exception as exc:
         logger.warning("platform probe %r failed, treated as inactive: %s", name, exc)
         return None
@@ -103,6 +103,11 @@ def _probe(name: str, load: Any) -> str | None:
         logger.warning("platform probe %r returned %r, not a class path", name, path)
         return None
     return path
+
+
+def _detector(ep: EntryPoint) -> Callable[[], str | None]:
+    """The plugin's detect callable, loaded only when called (inside _probe's guard)."""
+    return lambda: ep.load()()
 
 
 def _one_of(level: str, active: dict[str, str]) -> tuple[str, str] | None:
@@ -127,7 +132,7 @@ def resolve_platform() -> tuple[str, PlatformChoice]:
         key = override.lower()
         how, reason = "override", f"{ENV_VAR}={override}"
         if key in plugins:
-            path = _probe(key, plugins[key].load)
+            path = _probe(key, _detector(plugins[key]))
             if path is None:
                 raise PlatformResolutionError(
                     f"{ENV_VAR}={override}: plugin {key!r} ({plugins[key].value}) is installed "
@@ -142,7 +147,7 @@ def resolve_platform() -> tuple[str, PlatformChoice]:
             f"known: {', '.join(known_platform_names())}"
         )
 
-    active = {n: p for n, ep in plugins.items() if (p := _probe(n, ep.load)) is not None}
+    active = {n: p for n, ep in plugins.items() if (p := _probe(n, _detector(ep))) is not None}
     found = _one_of("plugin", active)
     if found:
         name, path = found
@@ -151,7 +156,7 @@ def resolve_platform() -> tuple[str, PlatformChoice]:
         )
 
     probed = [n for n in BUILTIN_PROBES if n != "cpu"]
-    active = {n: p for n in probed if (p := _probe(n, lambda n=n: BUILTIN_PROBES[n])) is not None}
+    active = {n: p for n in probed if (p := _probe(n, BUILTIN_PROBES[n])) is not None}
     found = _one_of("built-in", active)
     if found:
         name, path = found
