@@ -1,0 +1,252 @@
+"""Message-ordering races and lifetimes in the executor's router, driven by
+synthetic messages in every order (no threads, no processes)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+
+import pytest
+import torch
+
+from diffrt.runtime import ExecutorDeadError, OutputTimeoutError, RunnerOutput, WorkerError
+from diffrt.runtime.messages import (
+    ComputeDone,
+    OutputReady,
+    RpcKind,
+    RpcResult,
+    encode,
+    encode_raw,
+    output_ids_for,
+    result_decoder,
+)
+from diffrt.runtime.result_router import ResultRouter, SlotFreer
+from diffrt.runtime.shm_transport import Arena, PackPlan, SlotAllocator
+
+
+class Harness:
+    """A router plus the writer side of its arena; frees land in ``freed``."""
+
+    def __init__(self, world_size: int = 1, timeout: float = 100.0):
+        self.arena = Arena.create(1 << 20)
+        self.alloc = SlotAllocator(self.arena.size)
+        self.freed: list[tuple[int, int]] = []
+        self.router = ResultRouter(world_size, self.arena, SlotFreer(self.freed.extend), timeout)
+
+    def send(self, msg) -> None:
+        # every message round-trips through msgspec, as over a real channel
+        self.router.on_message(result_decoder.decode(encode(msg)))
+
+    def execute(self, keys: list[str]):
+        rpc_id, fut = self.router.new_rpc(RpcKind.EXECUTE)
+        batch, ids = output_ids_for(rpc_id, keys)
+        return rpc_id, fut, batch, ids
+
+    def compute_done(self, rpc_id: int, batch: str, ids: dict[str, str], rank: int = 0):
+        return ComputeDone(rpc_id, rank, meta=encode_raw({"n": len(ids)}), async_output_id=batch,
+                           output_ids=ids)
+
+    def output_ready(self, batch: str, ids: dict[str, str]) -> OutputReady:
+        outs = []
+        for i, (_, oid) in enumerate(ids.items()):
+            plan = PackPlan(torch.full((4,), float(i)))
+            off, gen = self.alloc.try_allocate(plan.slot_bytes)
+            plan.copy_into(self.arena, off, lambda d, s: d.copy_(s))
+            outs.append(plan.key_output(oid, off, gen))
+        return OutputReady(batch, outs)
+
+
+def _value(fut: concurrent.futures.Future, i: int) -> None:
+    lease = fut.result(timeout=0)
+    assert torch.equal(lease.take(), torch.full((4,), float(i)))
+
+
+@pytest.mark.parametrize("order", ["done_ready_wait", "ready_done_wait", "done_wait_ready",
+                                   "ready_wait_done"])
+def test_any_order_of_compute_done_output_ready_and_waiter(order):
+    h = Harness()
+    rpc_id, fut, batch, ids = h.execute(["a", "b", "c"])
+    waits = {}
+    for step in order.split("_"):
+        if step == "done":
+            h.send(h.compute_done(rpc_id, batch, ids))
+            assert fut.result(timeout=0).output_ids == ids
+        elif step == "ready":
+            h.send(h.output_ready(batch, ids))
+        else:  # the engine learns the per-key ids from COMPUTE_DONE, or derives them
+            waits = {k: h.router.wait_output_ready(oid) for k, oid in ids.items()}
+    for i, k in enumerate(["a", "b", "c"]):
+        _value(waits[k], i)
+    assert len(h.freed) == 3
+    assert h.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0}
+
+
+def test_batch_split_with_some_waiters_before_and_some_after_arrival():
+    h = Harness()
+    rpc_id, fut, batch, ids = h.execute(["a", "b", "c"])
+    early = h.router.wait_output_ready(ids["b"])
+    h.send(h.output_ready(batch, ids))  # before COMPUTE_DONE registered anything
+    assert early.done()
+    h.send(h.compute_done(rpc_id, batch, ids))
+    _value(early, 1)
+    _value(h.router.wait_output_ready(ids["c"]), 2)
+    _value(h.router.wait_output_ready(ids["a"]), 0)
+    assert h.router.counts()["arrived"] == 0
+
+
+def test_cancelled_waiter_never_breaks_routing_and_output_can_be_claimed_again():
+    h = Harness()
+    rpc_id, _, batch, ids = h.execute(["a"])
+    fut = h.router.wait_output_ready(ids["a"])
+    assert fut.cancel()
+    h.send(h.output_ready(batch, ids))  # must not raise InvalidStateError in the pump
+    h.send(h.compute_done(rpc_id, batch, ids))
+    _value(h.router.wait_output_ready(ids["a"]), 0)
+
+
+def test_release_before_arrival_frees_on_arrival_not_cached():
+    h = Harness()
+    rpc_id, _, batch, ids = h.execute(["a", "b"])
+    h.send(h.compute_done(rpc_id, batch, ids))
+    h.router.release_output(ids["a"])  # aborted request
+    h.send(h.output_ready(batch, ids))
+    assert len(h.freed) == 1  # a's slot went straight back
+    assert h.router.counts()["arrived"] == 1 and h.router.counts()["dropped"] == 0
+    h.router.release_output(ids["b"])  # after arrival: freed at once
+    assert len(h.freed) == 2
+    assert h.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0}
+
+
+def test_release_cancels_a_waiting_future():
+    h = Harness()
+    _, _, batch, ids = h.execute(["a"])
+    fut = h.router.wait_output_ready(ids["a"])
+    h.router.release_output(ids["a"])
+    assert fut.cancelled()
+    h.send(h.output_ready(batch, ids))
+    assert len(h.freed) == 1
+
+
+def test_waiter_timeout_then_late_arrival_is_freed():
+    h = Harness(timeout=5.0)
+    _, _, batch, ids = h.execute(["a"])
+    fut = h.router.wait_output_ready(ids["a"])
+    h.router.expire(now=1e12)
+    with pytest.raises(OutputTimeoutError, match="DIFFRT_OUTPUT_TIMEOUT_S"):
+        fut.result(timeout=0)
+    h.send(h.output_ready(batch, ids))
+    assert len(h.freed) == 1 and h.router.counts()["arrived"] == 0
+
+
+def test_unclaimed_output_is_freed_after_the_timeout():
+    h = Harness(timeout=5.0)
+    _, _, batch, ids = h.execute(["a"])
+    h.send(h.output_ready(batch, ids))
+    h.router.expire()
+    assert h.router.counts()["arrived"] == 1  # not yet
+    h.router.expire(now=1e12)
+    assert h.router.counts()["arrived"] == 0 and len(h.freed) == 1
+
+
+def test_execute_timeout_frees_outputs_that_come_later():
+    h = Harness()
+    rpc_id, fut, batch, ids = h.execute(["a"])
+    with pytest.raises(TimeoutError):
+        h.router.wait_rpc(rpc_id, fut, timeout=0.01)
+    h.send(h.compute_done(rpc_id, batch, ids))
+    h.send(h.output_ready(batch, ids))
+    assert len(h.freed) == 1 and h.router.counts()["arrived"] == 0
+
+
+def test_lease_collected_without_release_gives_the_slot_back():
+    h = Harness()
+    _, _, batch, ids = h.execute(["a"])
+    h.send(h.output_ready(batch, ids))
+    lease = h.router.wait_output_ready(ids["a"]).result(timeout=0)
+    assert lease.value.sum().item() == 0
+    del lease
+    gc.collect()
+    assert len(h.freed) == 1
+
+
+def test_release_is_idempotent_and_take_after_release_refuses():
+    h = Harness()
+    _, _, batch, ids = h.execute(["a"])
+    h.send(h.output_ready(batch, ids))
+    lease = h.router.wait_output_ready(ids["a"]).result(timeout=0)
+    lease.release()
+    lease.release()
+    assert len(h.freed) == 1
+    with pytest.raises(RuntimeError, match="already released"):
+        lease.take()
+
+
+def test_packing_error_fails_each_key():
+    h = Harness()
+    _, _, batch, ids = h.execute(["a", "b"])
+    fut = h.router.wait_output_ready(ids["a"])
+    h.send(OutputReady(batch, [], error="ArenaFullError: too big", failed_ids=list(ids.values())))
+    with pytest.raises(WorkerError, match="too big"):
+        fut.result(timeout=0)
+    with pytest.raises(WorkerError, match="too big"):
+        h.router.wait_output_ready(ids["b"]).result(timeout=0)
+
+
+def test_two_ranks_execute_completes_after_every_ack_and_rank1_error_orphans_outputs():
+    h = Harness(world_size=2)
+    rpc_id, fut, batch, ids = h.execute(["a"])
+    h.send(h.compute_done(rpc_id, batch, ids))
+    assert not fut.done()  # rank 1 has not acknowledged
+    h.send(RpcResult(rpc_id, 1))
+    assert isinstance(fut.result(timeout=0), RunnerOutput)
+
+    rpc_id, fut, batch, ids = h.execute(["b"])
+    h.send(h.compute_done(rpc_id, batch, ids))
+    h.send(RpcResult(rpc_id, 1, error="ValueError: rank 1 broke"))
+    with pytest.raises(WorkerError, match="rank 1"):
+        fut.result(timeout=0)
+    h.send(h.output_ready(batch, ids))
+    assert len(h.freed) == 1  # nobody could ever claim it
+
+    rpc_id, fut, batch, ids = h.execute(["c"])  # rank 1 fails before rank 0 is done
+    h.send(RpcResult(rpc_id, 1, error="ValueError: early"))
+    h.send(h.compute_done(rpc_id, batch, ids))
+    h.send(h.output_ready(batch, ids))
+    assert len(h.freed) == 2
+
+
+def test_collective_gathers_one_result_per_rank():
+    h = Harness(world_size=2)
+    rpc_id, fut = h.router.new_rpc(RpcKind.COLLECTIVE)
+    h.send(RpcResult(rpc_id, 1, result=encode_raw("one")))
+    assert not fut.done()
+    h.send(RpcResult(rpc_id, 0, result=encode_raw("zero")))
+    assert fut.result(timeout=0) == ["zero", "one"]
+
+
+def test_fail_all_fails_everything_and_frees_unclaimed_outputs():
+    h = Harness()
+    rpc_id, fut, batch, ids = h.execute(["a", "b"])
+    h.send(h.compute_done(rpc_id, batch, ids))
+    waiting = h.router.wait_output_ready("out-77/0")
+    pending_rpc_id, pending = h.router.new_rpc(RpcKind.EXECUTE)
+    h.send(h.output_ready(batch, ids))  # unclaimed
+    h.router.fail_all(RuntimeError("worker rank 0 died"))
+    for f in (waiting, pending):
+        with pytest.raises(ExecutorDeadError, match="died"):
+            f.result(timeout=0)
+    assert len(h.freed) == 2
+    with pytest.raises(ExecutorDeadError):
+        h.router.new_rpc(RpcKind.EXECUTE)
+    with pytest.raises(ExecutorDeadError):
+        h.router.wait_output_ready(ids["a"]).result(timeout=0)
+
+
+def test_future_callbacks_may_call_back_into_the_router():
+    h = Harness()
+    _, _, batch, ids = h.execute(["a"])
+    seen = []
+    fut = h.router.wait_output_ready(ids["a"])
+    fut.add_done_callback(lambda f: (seen.append(h.router.counts()), f.result().release()))
+    h.send(h.output_ready(batch, ids))  # the callback runs outside the router's lock
+    assert seen and len(h.freed) == 1

@@ -1,0 +1,181 @@
+"""Round trips through the output arena: dtypes, shapes, layouts, nesting, the
+slot allocator, and backpressure when the arena is full."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+
+import pytest
+import torch
+from conftest import config
+from runtime_test_runners import make_tensor
+
+from diffrt.platforms.cpu import CpuPlatform
+from diffrt.runtime import ArenaFullError, WorkerError, make_executor
+from diffrt.runtime.messages import FreeSlots, OutputReady, encode, result_decoder
+from diffrt.runtime.output_thread import OutputWriter
+from diffrt.runtime.shm_transport import ALIGN, Arena, PackPlan, SlotAllocator, read_views
+
+
+@pytest.fixture(scope="module")
+def arena():
+    a = Arena.create(4 << 20)
+    yield a
+    a.close()
+
+
+def roundtrip(arena: Arena, value):
+    plan = PackPlan(value)
+    alloc = SlotAllocator(arena.size)
+    off, gen = alloc.try_allocate(plan.slot_bytes)
+    arena.bytes_view(off, plan.slot_bytes).fill_(0xAB)  # garbage where the bytes should go
+    plan.copy_into(arena, off, lambda d, s: d.copy_(s))
+    msg = result_decoder.decode(encode(OutputReady("b", [plan.key_output("b/0", off, gen)])))
+    return read_views(arena, msg.outputs[0]), plan
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "uint8", "int64", "bool"])
+@pytest.mark.parametrize("shape", [[], [0], [7], [2, 3, 5], [1, 3, 17, 9]])
+def test_dtype_and_shape_round_trip_bit_exact(arena, dtype, shape):
+    t = make_tensor(3, shape, dtype)
+    got, plan = roundtrip(arena, t)
+    assert got.dtype == t.dtype and got.shape == t.shape  # no upcast of bf16/fp16
+    assert torch.equal(got, t)
+    assert plan.nbytes == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided", "expanded", "permuted"])
+def test_non_contiguous_sources(arena, layout):
+    base = make_tensor(1, [6, 8, 4], "bfloat16")
+    t = {"transposed": base[0].t(), "strided": base[:, ::2, 1],
+         "expanded": base[0, 0, :1].expand(5, 3), "permuted": base.permute(2, 0, 1)}[layout]
+    assert not t.is_contiguous()
+    got, _ = roundtrip(arena, t)
+    assert got.is_contiguous() and torch.equal(got, t)
+
+
+def test_slice_of_a_batch_carries_only_its_own_bytes(arena):
+    batch = make_tensor(0, [8, 3, 64, 64], "uint8")  # 8 requests
+    got, plan = roundtrip(arena, batch[5])
+    assert plan.nbytes == 3 * 64 * 64 and plan.slot_bytes < 2 * 3 * 64 * 64
+    assert torch.equal(got, batch[5])
+
+
+def test_nested_containers_keep_their_structure(arena):
+    value = {"images": [make_tensor(0, [2, 2], "uint8"), make_tensor(1, [3], "float16")],
+             "pair": (make_tensor(2, [1], "bfloat16"), "label", None, 3.5),
+             "inner": {"deep": [[make_tensor(3, [2], "float32")]]}}
+    got, plan = roundtrip(arena, value)
+    assert isinstance(got["images"], list) and isinstance(got["pair"], tuple)
+    assert got["pair"][1:] == ("label", None, 3.5)
+    assert torch.equal(got["inner"]["deep"][0][0], value["inner"]["deep"][0][0])
+    assert torch.equal(got["images"][1], value["images"][1])
+    assert all(m.offset % ALIGN == 0 for m in plan.metas)
+
+
+def test_allocator_first_fit_reuse_coalescing_and_stale_frees():
+    a = SlotAllocator(10 * ALIGN)
+    s1 = a.try_allocate(ALIGN)
+    s2 = a.try_allocate(3 * ALIGN)
+    s3 = a.try_allocate(ALIGN)
+    assert [s[0] for s in (s1, s2, s3)] == [0, ALIGN, 4 * ALIGN]
+    assert a.free(*s2)
+    assert not a.free(*s2)  # duplicate free ignored
+    assert not a.free(s1[0], s1[1] + 1)  # wrong generation ignored
+    s4 = a.try_allocate(2 * ALIGN)
+    assert s4[0] == ALIGN  # the lowest (warm) address is reused first
+    a.free(*s1)
+    a.free(*s4)
+    a.free(*s3)
+    assert a.try_allocate(10 * ALIGN)[0] == 0  # everything coalesced back
+    assert a.try_allocate(1) is None
+    with pytest.raises(ArenaFullError, match="max_pending_output_bytes"):
+        a.try_allocate(11 * ALIGN)
+
+
+def test_writer_waits_for_frees_when_the_arena_is_full():
+    arena = Arena.create(64 << 10)
+    frees: queue.Queue[FreeSlots] = queue.Queue()
+    sent: queue.Queue = queue.Queue()
+
+    def source(timeout):
+        try:
+            return frees.get(timeout=timeout) if timeout > 0 else frees.get_nowait()
+        except queue.Empty:
+            return None
+
+    writer = OutputWriter(CpuPlatform(), arena, source, sent.put, queue_depth=1)
+    try:
+        big = torch.ones(40 << 10, dtype=torch.uint8)
+        assert writer.submit("b1", {"k": "b1/0"}, {"k": big})
+        first = sent.get(timeout=10)
+        assert writer.submit("b2", {"k": "b2/0"}, {"k": big * 2})
+        with pytest.raises(queue.Empty):
+            sent.get(timeout=0.3)  # no room until the first slot comes back
+        out = first.outputs[0]
+        frees.put(FreeSlots([(out.slot_offset, out.generation)]))
+        second = sent.get(timeout=10)
+        assert torch.equal(read_views(arena, second.outputs[0]), big * 2)
+        # an output larger than the whole arena fails cleanly instead of waiting forever
+        assert writer.submit("b3", {"k": "b3/0"}, {"k": torch.ones(1 << 20, dtype=torch.uint8)})
+        failed = sent.get(timeout=10)
+        assert failed.failed_ids == ["b3/0"] and "ArenaFullError" in failed.error
+    finally:
+        writer.close()
+        arena.close()
+
+
+def test_slow_consumer_throttles_the_worker_end_to_end():
+    ex = make_executor("inproc", config(max_pending_output_bytes=64 << 10, output_queue_depth=1))
+    try:
+        req = {"keys": ["k"], "shape": [40 << 10], "dtype": "uint8"}
+        outs = [ex.execute("make", req), ex.execute("make", req), ex.execute("make", req)]
+        # #1 fills the arena, #2 waits in the writer, #3 in the queue: #4 must wait
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fourth = pool.submit(ex.execute, "make", req)
+            with pytest.raises(concurrent.futures.TimeoutError):
+                fourth.result(timeout=0.3)
+            for out in outs:  # the consumer catches up: everything flows again
+                value = ex.wait_output_ready(out.output_ids["k"]).result(timeout=10).take()
+                assert torch.equal(value, make_tensor(0, [40 << 10], "uint8"))
+            out4 = fourth.result(timeout=10)
+        ex.wait_output_ready(out4.output_ids["k"]).result(timeout=10).release()
+        too_big = ex.execute("make", {"keys": ["k"], "shape": [1 << 20], "dtype": "uint8"})
+        with pytest.raises(WorkerError, match="max_pending_output_bytes"):
+            ex.wait_output_ready(too_big.output_ids["k"]).result(timeout=10)
+        assert ex.is_healthy()
+    finally:
+        ex.shutdown()
+
+
+def test_concurrent_waiters_get_their_own_outputs():
+    ex = make_executor("inproc", config(max_pending_output_bytes=8 << 20))
+    try:
+        results: dict[int, bool] = {}
+
+        def consume(i: int, oid: str) -> None:
+            v = ex.wait_output_ready(oid).result(timeout=30).take()
+            results[i] = torch.equal(v, make_tensor(i % 3, [33], "float16"))
+
+        threads = []
+        for i in range(24):
+            out = ex.execute("make", {"keys": ["a", "b", "c"], "shape": [33], "dtype": "float16"})
+            t = threading.Thread(target=consume, args=(i, out.output_ids["abc"[i % 3]]))
+            t.start()
+            threads.append(t)
+            for k in "abc":
+                if k != "abc"[i % 3]:
+                    ex.release_output(out.output_ids[k])
+        for t in threads:
+            t.join(30)
+        assert len(results) == 24 and all(results.values())
+        deadline = time.monotonic() + 5
+        while ex.router.counts() != {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0} \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ex.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0}
+    finally:
+        ex.shutdown()
