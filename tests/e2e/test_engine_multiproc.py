@@ -1,0 +1,124 @@
+"""The engine on the multiprocess executor with async output (real tiny-flux in
+spawned workers): both modes, streams, worker death, nothing left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from diffrt.engine import (
+    DiffusionEngine,
+    DiffusionRequest,
+    EngineConfig,
+    EngineDeadError,
+    SamplingParams,
+)
+
+
+def req(seed: int, steps: int = 3) -> DiffusionRequest:
+    return DiffusionRequest(prompt=f"a red fox {seed}", sampling_params=SamplingParams(
+        height=64, width=64, num_inference_steps=steps, seed=seed))
+
+
+def output_arenas() -> int:
+    """Output arenas this process still maps (memfds: never in /dev/shm)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += "diffrt-output-arena" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return count
+
+
+def wait_until(cond, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def shm_before():
+    return set(os.listdir("/dev/shm")), output_arenas()
+
+
+@pytest.fixture(scope="module")
+def step_engine(shm_before):
+    engine = DiffusionEngine.make_engine(EngineConfig(
+        model="tiny-flux", step_execution=True, max_num_seqs=4, async_output=True))
+    yield engine
+    engine.close()
+
+
+def test_step_mode_streams_progress_across_processes(step_engine):
+    async def collect(request):
+        return [o async for o in step_engine.step_streaming(request)]
+
+    async def main():
+        return await asyncio.gather(*(collect(req(i, 2 + i)) for i in range(3)))
+
+    results = asyncio.run(main())
+    for i, outs in enumerate(results):
+        assert [o.step for o in outs] == list(range(1, 3 + i))
+        assert outs[-1].ok and outs[-1].images[0].size == (64, 64)
+        m = outs[-1].metrics
+        assert m.output_wait is not None and m.postprocess_time is not None
+    assert step_engine.is_healthy()
+    assert step_engine.executor.collective_rpc("num_step_states") == [0]
+
+
+def test_request_mode_fused_batches_and_worker_death(shm_before):
+    engine = DiffusionEngine.make_engine(EngineConfig(model="tiny-flux", max_num_seqs=2))
+    try:
+        outs = engine.generate([req(1), req(2), req(3)])
+        assert all(o.ok for o in outs)
+        assert engine.is_healthy()
+        [pid] = engine.executor.worker_pids
+        # Kill the worker mid-request: the request fails promptly, the engine
+        # reports unhealthy and refuses new work.
+        victim = req(4, steps=200)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(engine.generate(victim, timeout=60)))
+        t.start()
+        assert wait_until(lambda: victim.request_id in engine._records
+                          and engine._records[victim.request_id].metrics.queue_wait is not None)
+        start = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        t.join(30)
+        assert got[0].finished and not got[0].ok and "died" in got[0].error
+        assert time.monotonic() - start < 15
+        assert wait_until(lambda: not engine.is_healthy())
+        with pytest.raises(EngineDeadError):
+            engine.generate(req(5))
+    finally:
+        engine.close()
+
+
+def test_close_leaves_no_processes_or_shared_memory(step_engine, shm_before):
+    pids = list(step_engine.executor.worker_pids)
+    step_engine.close()
+    assert wait_until(lambda: not any(alive(p) for p in pids))
+    names, arenas = shm_before
+    assert wait_until(lambda: output_arenas() <= arenas)
+    leftover = {n for n in set(os.listdir("/dev/shm")) - names if "diffrt" in n or "psm_" in n}
+    assert not leftover
