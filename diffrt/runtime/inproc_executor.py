@@ -44,7 +44,8 @@ class InprocExecutor(PumpedExecutor):
         self._results: queue.Queue[bytes] = queue.Queue()
         self._frees: queue.Queue[FreeSlots] = queue.Queue()
         self._worker_error: BaseException | None = None
-        self.router = ResultRouter(1, self.arena, SlotFreer(lambda s: self._frees.put(FreeSlots(s))),
+        self.core: WorkerCore | None = None  # for tests and debugging
+        self.router = ResultRouter(1, self.arena, SlotFreer(self._frees.put),
                                    config.output_timeout_s)
         rpc_id, fut, msgs = self._init_messages(None)
         self._requests.put(msgs[0])
@@ -74,6 +75,7 @@ class InprocExecutor(PumpedExecutor):
             except Exception as exc:
                 self._send(RpcResult(init.rpc_id, init.rank, error=_error_text(exc)))
                 return
+            self.core = core
             self._send(RpcResult(init.rpc_id, init.rank))
             while True:
                 msg = request_decoder.decode(self._requests.get())

@@ -115,6 +115,7 @@ class OutputReady(ResultMsg, tag=AsyncOutputKind.OUTPUT_READY.value):
     outputs: list[KeyOutput] = []
     error: str | None = None
     failed_ids: list[str] = []               # per-key ids that failed with ``error``
+    skipped_ids: list[str] = []              # released before they were packed
 
 
 ResultUnion = RpcResult | ComputeDone | OutputReady
@@ -122,7 +123,10 @@ ResultUnion = RpcResult | ComputeDone | OutputReady
 
 # -- free channel ------------------------------------------------------------------
 class FreeSlots(msgspec.Struct, array_like=True, gc=False):
-    slots: list[tuple[int, int]]             # (slot offset, generation)
+    slots: list[tuple[int, int]] = []        # (slot offset, generation) of released leases
+    #: output ids the executor will never read (aborted, timed out, orphaned): free their
+    #: slots even if their OUTPUT_READY was lost, or skip packing them if not done yet.
+    ids: list[str] = []
 
 
 def output_ids_for(rpc_id: int, keys: list[str]) -> tuple[str, dict[str, str]]:

@@ -106,10 +106,10 @@ class MultiprocExecutor(PumpedExecutor):
             self._free_conn = Connection(free_w, readable=False)
 
     # -- PumpedExecutor hooks ---------------------------------------------------------------
-    def _send_free(self, slots: list[tuple[int, int]]) -> None:
+    def _send_free(self, msg: FreeSlots) -> None:
         if self._free_conn is None:
             return
-        data = encode(FreeSlots(slots))
+        data = encode(msg)
         with self._free_lock:
             self._free_conn.send_bytes(data)
 

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 #: blocking source of slot frees: ``wait(timeout) -> FreeSlots | None``
 FreeSource = Callable[[float], "FreeSlots | None"]
+
+
+MAX_CANCELLED_IDS = 4096
 
 
 class OutputWriterClosed(RuntimeError):
@@ -57,6 +61,9 @@ class OutputWriter:
         self._send = send
         self._rank = rank
         self._alloc = SlotAllocator(arena.size)
+        self._slot_of: dict[str, tuple[int, int]] = {}  # live output id -> (offset, generation)
+        self._id_at: dict[int, str] = {}                # slot offset -> output id
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # freed before being packed
         self._async = async_output and bool(getattr(platform, "supports_async_output", False))
         self._host_outputs = outputs_are_host_memory(platform)
         self._faults = faults or {}
@@ -117,7 +124,8 @@ class OutputWriter:
             with tracing.span(track, "d2h+pack", output_id=batch_id, keys=list(outputs)):
                 msg = self._pack(batch_id, ids, outputs, event=event, sync=False)
             del item, outputs  # the sources may be reused only after the copy completed
-            if self._faults.get("drop_output_ready"):
+            if self._faults.get("drop_output_ready", 0) > 0:  # TEST ONLY: a lost message
+                self._faults["drop_output_ready"] -= 1
                 logger.warning("TEST FAULT: dropping OUTPUT_READY %s", batch_id)
                 continue
             try:
@@ -140,6 +148,7 @@ class OutputWriter:
     def _pack_locked(self, batch_id: str, ids: dict[str, str], outputs: dict[str, Any],
                      event: Any, sync: bool) -> OutputReady:
         done: list[KeyOutput] = []
+        skipped: list[str] = []
         try:
             if sync and not self._host_outputs:
                 self.platform.synchronize()  # outputs complete before a blocking copy
@@ -148,20 +157,27 @@ class OutputWriter:
                     self._side_stream = self.platform.new_side_stream()
                 self.platform.wait_event(self._side_stream, event)
             copy = self._copy_fn(sync)
+            self._drain_frees(0.0)
             for key, value in outputs.items():
+                oid = ids[key]
+                if self._cancelled.pop(oid, "live") is None:
+                    skipped.append(oid)  # released before it was packed: never copied
+                    continue
                 plan = PackPlan(value)
                 offset, gen = self._allocate(plan.slot_bytes)
-                done.append(plan.key_output(ids[key], offset, gen))
+                self._slot_of[oid] = (offset, gen)
+                self._id_at[offset] = oid
+                done.append(plan.key_output(oid, offset, gen))
                 plan.copy_into(self.arena, offset, copy)
             if event is not None and not sync:
                 copied = self.platform.record_device_event(self._side_stream)
                 if copied is None:
                     raise RuntimeError(f"platform {self.platform.name} stopped giving events")
                 self.platform.event_synchronize(copied)  # bytes are in the arena only now
-            return OutputReady(batch_id, done)
+            return OutputReady(batch_id, done, skipped_ids=skipped)
         except Exception as exc:
             for k in done:
-                self._alloc.free(k.slot_offset, k.generation)
+                self._free(k.slot_offset, k.generation)
             logger.warning("packing output %s failed: %s", batch_id, exc)
             return OutputReady(batch_id, [], error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
                                failed_ids=list(ids.values()))
@@ -170,13 +186,26 @@ class OutputWriter:
         msg = self._free_source(timeout)
         while msg is not None:
             for offset, gen in msg.slots:
-                self._alloc.free(offset, gen)
+                self._free(offset, gen)
+            for oid in msg.ids:
+                slot = self._slot_of.get(oid)
+                if slot is not None:
+                    self._free(*slot)
+                else:  # not packed yet (or never will be): skip it when it comes
+                    self._cancelled[oid] = None
+                    while len(self._cancelled) > MAX_CANCELLED_IDS:
+                        self._cancelled.popitem(last=False)
             msg = self._free_source(0.0)
+
+    def _free(self, offset: int, gen: int) -> None:
+        if self._alloc.free(offset, gen):
+            oid = self._id_at.pop(offset, None)
+            if oid is not None:
+                self._slot_of.pop(oid, None)
 
     def _allocate(self, nbytes: int) -> tuple[int, int]:
         """A slot of ``nbytes``; waits for the executor to free slots when the arena
         is full (backpressure). Raises ArenaFullError if it can never fit."""
-        self._drain_frees(0.0)
         waited = False
         while True:
             slot = self._alloc.try_allocate(nbytes)

@@ -30,12 +30,14 @@ from typing import Any
 
 from diffrt.runtime.executor import (
     ExecutorDeadError,
+    ExecutorError,
     OutputTimeoutError,
     RunnerOutput,
     WorkerError,
 )
 from diffrt.runtime.messages import (
     ComputeDone,
+    FreeSlots,
     OutputReady,
     RpcKind,
     RpcResult,
@@ -52,9 +54,10 @@ class SlotFreer:
     """Returns slots to the writer. ``post`` may run from a GC finalizer on any
     thread at any moment, so it only appends and never blocks on a lock."""
 
-    def __init__(self, sink: Callable[[list[tuple[int, int]]], None]):
+    def __init__(self, sink: Callable[[FreeSlots], None]):
         self._sink = sink
         self._pending: deque[tuple[int, int]] = deque()
+        self._ids: deque[str] = deque()
         self._lock = threading.Lock()
         self.closed = False
 
@@ -62,21 +65,30 @@ class SlotFreer:
         self._pending.append((offset, generation))
         self.flush()
 
+    def post_id(self, output_id: str) -> None:
+        """Free by id (sent with the next flush; the pump flushes periodically)."""
+        self._ids.append(output_id)
+
     def flush(self) -> None:
         if not self._lock.acquire(blocking=False):
             return  # the holder (or a periodic flush) sends it
         try:
-            while self._pending and not self.closed:
-                batch = []
-                while self._pending:
-                    batch.append(self._pending.popleft())
+            while (self._pending or self._ids) and not self.closed:
+                msg = FreeSlots(_drain(self._pending), _drain(self._ids))
                 try:
-                    self._sink(batch)
+                    self._sink(msg)
                 except Exception:  # writer gone: nothing left to free
-                    logger.debug("could not return %d slots", len(batch), exc_info=True)
+                    logger.debug("could not return slots", exc_info=True)
                     self.closed = True
         finally:
             self._lock.release()
+
+
+def _drain(q: deque) -> list:
+    out = []
+    while q:
+        out.append(q.popleft())
+    return out
 
 
 @dataclass
@@ -100,6 +112,8 @@ class ResultRouter:
         self._waiters: dict[str, tuple[Future, float]] = {}      # id -> (future, deadline)
         self._arrived: dict[str, tuple[Any, float]] = {}         # id -> (lease | error, deadline)
         self._dropped: dict[str, float] = {}                     # id -> forget-after time
+        self._claimed: set[str] = set()      # delivered; the lease holder frees the slot
+        self._lease_done: deque[str] = deque()  # appended by lease finalizers (lock-free)
         self._dead: BaseException | None = None
 
     # -- state -----------------------------------------------------------------------
@@ -110,8 +124,10 @@ class ResultRouter:
     def counts(self) -> dict[str, int]:
         """Sizes of the internal tables (tests assert nothing is left behind)."""
         with self._lock:
+            self._forget_released_locked()
             return {"rpcs": len(self._rpcs), "waiters": len(self._waiters),
-                    "arrived": len(self._arrived), "dropped": len(self._dropped)}
+                    "arrived": len(self._arrived), "dropped": len(self._dropped),
+                    "claimed": len(self._claimed)}
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -209,10 +225,13 @@ class ResultRouter:
         for out in msg.outputs:
             value = read_views(self.arena, out)
             lease = OutputLease(out.output_id, value, out.nbytes,
-                                _releaser(self.freer, out.slot_offset, out.generation))
+                                _releaser(self.freer, out.slot_offset, out.generation,
+                                          out.output_id, self._lease_done))
             deliveries.append((out.output_id, lease))
         for oid in msg.failed_ids:
             deliveries.append((oid, WorkerError(f"output {oid} failed: {msg.error}")))
+        for oid in msg.skipped_ids:
+            deliveries.append((oid, ExecutorError(f"output {oid} was released before it was packed")))
         for oid, result in deliveries:
             self._deliver(oid, result)
 
@@ -225,8 +244,24 @@ class ResultRouter:
                 if waiter is None or waiter[0].done():  # none yet, or its waiter was cancelled
                     self._arrived[oid] = (result, time.monotonic() + self.output_timeout_s)
                     return
-        if waiter is None or not _complete(waiter[0], result):
-            _discard(result)
+        if waiter is not None and self._hand_over(waiter[0], oid, result):
+            return
+        _discard(result)
+
+    def _hand_over(self, fut: Future, oid: str, result: Any) -> bool:
+        """Resolve a waiter; from then on the lease's holder owns the slot."""
+        if isinstance(result, OutputLease):
+            with self._lock:
+                self._claimed.add(oid)
+        if _complete(fut, result):
+            return True
+        with self._lock:
+            self._claimed.discard(oid)
+        return False
+
+    def _forget_released_locked(self) -> None:
+        while self._lease_done:
+            self._claimed.discard(self._lease_done.popleft())
 
     # -- outputs (engine side) -------------------------------------------------------------
     def wait_output_ready(self, oid: str) -> Future:
@@ -244,13 +279,16 @@ class ResultRouter:
                 self._waiters[oid] = (fut, time.monotonic() + self.output_timeout_s)
                 return fut
         fut = Future()
-        if not _complete(fut, arrived[0]):
+        if not self._hand_over(fut, oid, arrived[0]):
             _discard(arrived[0])
         return fut
 
     def release_output(self, oid: str) -> None:
         now = time.monotonic()
         with self._lock:
+            self._forget_released_locked()
+            if oid in self._claimed:
+                return  # handed over: its lease holder frees it (lease.release / GC)
             arrived = self._arrived.pop(oid, None)
             waiter = self._waiters.pop(oid, None)
             if arrived is None:
@@ -261,8 +299,10 @@ class ResultRouter:
             waiter[0].cancel()
 
     def _drop_locked(self, oid: str, now: float) -> None:
-        # Remembered long enough for a late arrival; then forgotten (bounded).
+        # Remembered long enough for a late arrival; then forgotten (bounded). The
+        # writer frees the slot by id too, so a lost OUTPUT_READY cannot leak it.
         self._dropped[oid] = now + 2 * self.output_timeout_s + 60.0
+        self.freer.post_id(oid)
 
     # -- housekeeping (pump calls it periodically) -------------------------------------------
     def expire(self, now: float | None = None) -> None:
@@ -270,6 +310,7 @@ class ResultRouter:
         timed_out: list[tuple[str, Future]] = []
         stale: list[tuple[str, Any]] = []
         with self._lock:
+            self._forget_released_locked()
             for oid, (fut, deadline) in list(self._waiters.items()):
                 if fut.done():  # cancelled by its owner: forget the waiter, keep any output
                     del self._waiters[oid]
@@ -306,6 +347,7 @@ class ResultRouter:
             self._arrived.clear()
             self._dropped.clear()
             self._abandoned.clear()
+            self._claimed.clear()
         err = ExecutorDeadError(str(exc))
         for p in rpcs:
             _set_exception(p.future, err)
@@ -315,9 +357,13 @@ class ResultRouter:
             _discard(r)
 
 
-def _releaser(freer: SlotFreer, offset: int, generation: int) -> Callable[[], None]:
+def _releaser(freer: SlotFreer, offset: int, generation: int, oid: str,
+              done: deque[str]) -> Callable[[], None]:
     # A closure over plain values: the lease's finalizer must not reference the lease.
-    return lambda: freer.post(offset, generation)
+    def release() -> None:
+        freer.post(offset, generation)
+        done.append(oid)
+    return release
 
 
 def _complete(fut: Future, result: Any) -> bool:

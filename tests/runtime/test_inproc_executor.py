@@ -91,7 +91,7 @@ def test_output_timeout_fails_the_waiter_and_frees_the_late_output():
         deadline = time.monotonic() + 10
         while ex.router.counts()["dropped"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert ex.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0}
+        assert ex.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0}
         assert ex.is_healthy()
         assert ex.execute("echo", 2).meta == 2
     finally:
@@ -150,3 +150,40 @@ def test_output_timeout_env_default(monkeypatch):
     monkeypatch.setenv("DIFFRT_OUTPUT_TIMEOUT_S", "nope")
     with pytest.raises(ValueError, match="DIFFRT_OUTPUT_TIMEOUT_S"):
         config()
+
+
+def test_lost_output_ready_does_not_leak_its_slot():
+    ex = make_executor("inproc", config(output_timeout_s=0.3, max_pending_output_bytes=64 << 10,
+                                        _test_faults={"drop_output_ready": 1}))
+    try:
+        req = {"keys": ["k"], "shape": [40 << 10], "dtype": "uint8"}
+        lost = ex.execute("make", req)
+        with pytest.raises(OutputTimeoutError):
+            ex.wait_output_ready(lost.output_ids["k"]).result(timeout=10)
+        # the arena holds one such output: the next one fits only if the lost slot came back
+        out = ex.execute("make", req)
+        lease = ex.wait_output_ready(out.output_ids["k"]).result(timeout=10)
+        assert torch.equal(lease.take(), make_tensor(0, [40 << 10], "uint8"))
+        deadline = time.monotonic() + 5
+        while ex.core.writer.used_bytes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ex.core.writer.used_bytes == 0
+    finally:
+        ex.shutdown()
+
+
+def test_release_while_its_copy_is_queued_frees_everything():
+    ex = make_executor("inproc", config(max_pending_output_bytes=1 << 20,
+                                        _test_faults={"output_delay_s": 0.3}))
+    try:
+        out = ex.execute("make", {"keys": ["a", "b"], "shape": [64]})
+        ex.release_output(out.output_ids["a"])  # aborted while its copy is still queued
+        lease = ex.wait_output_ready(out.output_ids["b"]).result(timeout=10)
+        assert torch.equal(lease.take(), make_tensor(1, [64], "float32"))
+        deadline = time.monotonic() + 5
+        while (ex.router.counts()["dropped"] or ex.core.writer.used_bytes) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ex.router.counts()["dropped"] == 0 and ex.core.writer.used_bytes == 0
+    finally:
+        ex.shutdown()

@@ -82,7 +82,7 @@ def test_errors_from_any_rank_propagate(mp2):
     deadline = time.monotonic() + 5
     while mp2.router.counts()["dropped"] and time.monotonic() < deadline:
         time.sleep(0.05)  # rank 0's output of the failed rpc is freed on arrival
-    assert mp2.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0}
+    assert mp2.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0}
 
 
 def test_control_rpc_while_outputs_pending(mp2):

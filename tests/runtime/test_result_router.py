@@ -12,6 +12,7 @@ import torch
 from diffrt.runtime import ExecutorDeadError, OutputTimeoutError, RunnerOutput, WorkerError
 from diffrt.runtime.messages import (
     ComputeDone,
+    FreeSlots,
     OutputReady,
     RpcKind,
     RpcResult,
@@ -31,7 +32,12 @@ class Harness:
         self.arena = Arena.create(1 << 20)
         self.alloc = SlotAllocator(self.arena.size)
         self.freed: list[tuple[int, int]] = []
-        self.router = ResultRouter(world_size, self.arena, SlotFreer(self.freed.extend), timeout)
+        self.freed_ids: list[str] = []
+        self.router = ResultRouter(world_size, self.arena, SlotFreer(self._sink), timeout)
+
+    def _sink(self, msg: FreeSlots) -> None:
+        self.freed.extend(msg.slots)
+        self.freed_ids.extend(msg.ids)
 
     def send(self, msg) -> None:
         # every message round-trips through msgspec, as over a real channel
@@ -78,7 +84,7 @@ def test_any_order_of_compute_done_output_ready_and_waiter(order):
     for i, k in enumerate(["a", "b", "c"]):
         _value(waits[k], i)
     assert len(h.freed) == 3
-    assert h.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0}
+    assert h.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0}
 
 
 def test_batch_split_with_some_waiters_before_and_some_after_arrival():
@@ -114,7 +120,7 @@ def test_release_before_arrival_frees_on_arrival_not_cached():
     assert h.router.counts()["arrived"] == 1 and h.router.counts()["dropped"] == 0
     h.router.release_output(ids["b"])  # after arrival: freed at once
     assert len(h.freed) == 2
-    assert h.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0}
+    assert h.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0}
 
 
 def test_release_cancels_a_waiting_future():
@@ -250,3 +256,26 @@ def test_future_callbacks_may_call_back_into_the_router():
     fut.add_done_callback(lambda f: (seen.append(h.router.counts()), f.result().release()))
     h.send(h.output_ready(batch, ids))  # the callback runs outside the router's lock
     assert seen and len(h.freed) == 1
+
+
+def test_release_after_hand_over_leaves_the_slot_to_the_lease_holder():
+    h = Harness()
+    _, _, batch, ids = h.execute(["a"])
+    h.send(h.output_ready(batch, ids))
+    lease = h.router.wait_output_ready(ids["a"]).result(timeout=0)
+    h.router.release_output(ids["a"])  # e.g. an abort racing with post-processing
+    h.router.expire()
+    assert h.freed == [] and h.freed_ids == []  # the lease is still being read
+    assert lease.value.sum().item() == 0
+    lease.release()
+    h.router.release_output(ids["a"])  # after the lease is gone: harmless
+    assert len(h.freed) == 1
+
+
+def test_dropped_ids_reach_the_writer_so_lost_messages_cannot_leak_slots():
+    h = Harness(timeout=5.0)
+    _, _, batch, ids = h.execute(["a", "b"])
+    h.router.release_output(ids["a"])
+    h.router.wait_output_ready(ids["b"])
+    h.router.expire(now=1e12)  # b's waiter times out; the periodic flush sends both ids
+    assert sorted(h.freed_ids) == sorted(ids.values())

@@ -173,9 +173,9 @@ def test_concurrent_waiters_get_their_own_outputs():
             t.join(30)
         assert len(results) == 24 and all(results.values())
         deadline = time.monotonic() + 5
-        while ex.router.counts() != {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0} \
+        while ex.router.counts() != {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0} \
                 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert ex.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0}
+        assert ex.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0}
     finally:
         ex.shutdown()

@@ -1,0 +1,263 @@
+"""Async two-phase output vs synchronous output vs no output, and transport speed.
+
+Printed, never asserted. Run from the repository root:
+
+    .venv/bin/python benchmarks/bench_async_output.py            # tiny-flux 512 + 1024, synthetic, transport
+    .venv/bin/python benchmarks/bench_async_output.py --sizes 512 --requests 4 --skip-transport
+
+Part 1 serves the embedded default model (``tiny-flux``) through the
+multiprocess executor like the engine does (the loop issues the next execute
+as soon as COMPUTE_DONE arrives; a consumer thread waits for each output and
+copies it out). Three modes in one run: async output, synchronous output, and
+the output step removed (the limit). The bubble share removed is
+(sync - async) / (sync - limit) in time per request.
+
+Part 2 repeats this with a synthetic forward of fixed cost and a large output,
+so the size of the bubble, not the model, sets the figure.
+
+Part 3 compares moving one tensor to another process's view: the shared-memory
+transport (one copy into a warm arena slot, read in place), a plain memcpy of
+the same bytes, and pickling the tensor through a pipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffrt.runtime import ExecutorConfig, RunnerResult, make_executor
+
+HERE = Path(__file__).resolve().parent
+
+
+class BenchRunner:
+    """Lives in the worker: tiny-flux forward, or a synthetic forward."""
+
+    def __init__(self, *, rank: int, world_size: int, platform: Any, model: str | None = None):
+        self.platform = platform
+        self.pipeline = None
+        if model:
+            from diffrt.engine.pipelines.registry import load_pipeline
+
+            self.pipeline = load_pipeline(model)
+        self._a = torch.randn(512, 512)
+
+    def model(self, p: dict) -> RunnerResult:
+        from diffrt.engine.pipelines.interface import DiffusionRequestBatch
+        from diffrt.engine.request import DiffusionRequest
+        from diffrt.engine.sampling import SamplingParams
+
+        req = DiffusionRequest(prompt="a red fox", request_id=p["id"], sampling_params=SamplingParams(
+            height=p["size"], width=p["size"], num_inference_steps=p["steps"], seed=p["seed"]))
+        [image] = self.pipeline.forward(DiffusionRequestBatch([req]))
+        if p["output"] == "uint8":
+            image = self.pipeline.to_transfer(image, req.sampling_params)
+        return RunnerResult(meta={"bytes": image.numel() * image.element_size()},
+                            outputs={} if p["drop"] else {p["id"]: image})
+
+    def synthetic(self, p: dict) -> RunnerResult:
+        deadline = time.perf_counter() + p["forward_ms"] / 1000
+        x = self._a
+        while time.perf_counter() < deadline:
+            x = torch.tanh(x @ self._a)
+        out = torch.empty(p["numel"], dtype=torch.float32).fill_(float(p["seed"]))
+        return RunnerResult(meta=None, outputs={} if p["drop"] else {p["id"]: out})
+
+
+def _serve(ex, method: str, payloads: list[dict]) -> float:
+    """Back-to-back executes, outputs consumed on another thread; seconds per request."""
+    pending: list[Any] = []
+    cond = threading.Condition()
+    done = threading.Event()
+
+    def consume() -> None:
+        taken = 0
+        while taken < len(payloads):
+            with cond:
+                while not pending:
+                    cond.wait()
+                oid = pending.pop(0)
+            if oid is not None:
+                ex.wait_output_ready(oid).result().take()
+            taken += 1
+        done.set()
+
+    t = threading.Thread(target=consume, daemon=True)
+    start = time.perf_counter()
+    t.start()
+    for p in payloads:
+        out = ex.execute(method, p)
+        with cond:
+            pending.append(out.output_ids.get(p["id"]))
+            cond.notify()
+    done.wait()
+    return (time.perf_counter() - start) / len(payloads)
+
+
+def _executor(async_output: bool, model: str | None) -> Any:
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    return make_executor("mp", ExecutorConfig(
+        runner_cls="bench_async_output:BenchRunner", runner_kwargs={"model": model},
+        async_output=async_output, worker_env=env, max_pending_output_bytes=1 << 30))
+
+
+def _report(label: str, t: dict[str, float], nbytes: int) -> None:
+    bubble = t["sync"] - t["limit"]
+    share = (t["sync"] - t["async"]) / bubble if bubble > 0 else float("nan")
+    print(f"{label:<28} {1 / t['async']:8.3f} {1 / t['sync']:8.3f} {1 / t['limit']:8.3f} req/s"
+          f"   output {nbytes / 1e6:7.1f} MB  bubble {bubble * 1e3:7.2f} ms/req"
+          f"  removed {share * 100:6.1f} %")
+
+
+def bench_serving(args: argparse.Namespace) -> None:
+    print("\n== requests/s: async | sync | no output (limit); bubble = sync - limit ==")
+    ex_async = _executor(True, args.model)
+    ex_sync = _executor(False, args.model)
+    try:
+        for size in args.sizes:
+            def payloads(drop: bool, base: int, size: int = size) -> list[dict]:
+                return [{"id": f"r{base + i}", "size": size, "steps": args.steps, "seed": i,
+                         "output": args.output, "drop": drop} for i in range(args.requests)]
+            warm = payloads(False, 0)[:1]
+            _serve(ex_async, "model", warm)
+            _serve(ex_sync, "model", warm)
+            nbytes = ex_async.execute("model", {**warm[0], "drop": True}).meta["bytes"]
+            times = {k: [] for k in ("async", "sync", "limit")}
+            for rep in range(args.repeats):  # interleaved so drift hits all modes alike
+                times["limit"].append(_serve(ex_async, "model", payloads(True, 1000 * rep)))
+                times["async"].append(_serve(ex_async, "model", payloads(False, 1000 * rep)))
+                times["sync"].append(_serve(ex_sync, "model", payloads(False, 1000 * rep)))
+            t = {k: statistics.median(v) for k, v in times.items()}
+            _report(f"{args.model} {size}x{size} {args.steps} st", t, nbytes)
+    finally:
+        ex_async.shutdown()
+        ex_sync.shutdown()
+
+
+def bench_synthetic(args: argparse.Namespace) -> None:
+    print(f"\n== synthetic forward {args.forward_ms} ms, float32 output ==")
+    ex_async = _executor(True, None)
+    ex_sync = _executor(False, None)
+    try:
+        for mb in args.synthetic_mb:
+            numel = int(mb * 1e6) // 4
+
+            def payloads(drop: bool, numel: int = numel) -> list[dict]:
+                return [{"id": f"s{i}", "forward_ms": args.forward_ms, "numel": numel, "seed": i,
+                         "drop": drop} for i in range(args.synthetic_requests)]
+            _serve(ex_async, "synthetic", payloads(False)[:2])
+            _serve(ex_sync, "synthetic", payloads(False)[:2])
+            times = {k: [] for k in ("async", "sync", "limit")}
+            for _ in range(args.repeats):
+                times["limit"].append(_serve(ex_async, "synthetic", payloads(True)))
+                times["async"].append(_serve(ex_async, "synthetic", payloads(False)))
+                times["sync"].append(_serve(ex_sync, "synthetic", payloads(False)))
+            t = {k: statistics.median(v) for k, v in times.items()}
+            _report(f"synthetic {mb:g} MB", t, numel * 4)
+    finally:
+        ex_async.shutdown()
+        ex_sync.shutdown()
+
+
+def _best(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _transport_row(mb: float, repeats: int) -> list[float]:
+    from diffrt.runtime.shm_transport import Arena, PackPlan, SlotAllocator, read_views
+
+    src = torch.randn(int(mb * 1e6) // 4)
+    nbytes = src.numel() * 4
+    arena = Arena.create(nbytes + (1 << 20))
+    plan = PackPlan(src)
+    off, gen = SlotAllocator(arena.size).try_allocate(plan.slot_bytes)
+    key = plan.key_output("x", off, gen)
+    dst = torch.empty_like(src)
+
+    def shm() -> None:  # the worker's one copy into a warm slot + the reader's in-place view
+        plan.copy_into(arena, off, lambda d, s: d.copy_(s))
+        read_views(arena, key)
+
+    def memcpy() -> None:
+        dst.copy_(src)
+
+    def pickled() -> None:
+        r, w = os.pipe()
+        got: list[Any] = []
+
+        def reader() -> None:
+            chunks = []
+            with os.fdopen(r, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    chunks.append(chunk)
+            got.append(pickle.loads(b"".join(chunks)))
+
+        th = threading.Thread(target=reader)
+        th.start()
+        with os.fdopen(w, "wb") as f:
+            f.write(pickle.dumps(src, protocol=pickle.HIGHEST_PROTOCOL))
+        th.join()
+
+    def fresh() -> None:  # what the runtime avoids: a new segment per output
+        a = Arena.create(nbytes)
+        a.tensor_view(0, torch.float32, [src.numel()]).copy_(src)
+        a.close()
+
+    rates = [nbytes / _best(f, repeats) / 1e9 for f in (shm, memcpy, pickled, fresh)]
+    arena.close()
+    return rates
+
+
+def bench_transport(args: argparse.Namespace) -> None:
+    print("\n== transport of one tensor (GB/s, best of runs) ==")
+    print(f"{'size':>8} {'shm (copy+view)':>16} {'memcpy':>8} {'pickle+pipe':>12} {'fresh segment':>14}")
+    for mb in args.transport_mb:
+        rates = _transport_row(mb, args.transport_repeats)
+        print(f"{mb:>6g}MB {rates[0]:>16.2f} {rates[1]:>8.2f} {rates[2]:>12.2f} {rates[3]:>14.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-flux")
+    ap.add_argument("--sizes", type=int, nargs="*", default=[512, 1024])
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=3, help="back-to-back requests per measurement")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--output", choices=["float32", "uint8"], default="float32",
+                    help="float32 decoded images (output_type pt) or the engine's uint8 transfer form")
+    ap.add_argument("--forward-ms", type=float, default=100.0)
+    ap.add_argument("--synthetic-mb", type=float, nargs="*", default=[12.6, 100.0])
+    ap.add_argument("--synthetic-requests", type=int, default=8)
+    ap.add_argument("--transport-mb", type=float, nargs="*", default=[3.1, 12.6, 100.0])
+    ap.add_argument("--transport-repeats", type=int, default=5)
+    ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--skip-transport", action="store_true")
+    args = ap.parse_args(argv)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
+    if not args.skip_transport:
+        bench_transport(args)
+    if not args.skip_synthetic:
+        bench_synthetic(args)
+    if not args.skip_model and args.sizes:
+        bench_serving(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
