@@ -78,6 +78,17 @@ def _open_locked(pid: int) -> bool:
     return True
 
 
+def track_sort_index(track: str) -> int:
+    """Rows in reading order: engine threads, then each worker's main stream
+    above its output thread, then anything else."""
+    head, _, rest = track.partition(" ")
+    if head == "engine":
+        return 0 if rest == "loop" else 1
+    if head.startswith("worker") and head[6:].isdigit():
+        return 10 + 2 * int(head[6:]) + (rest != "main")
+    return 1000
+
+
 def _write(event: dict[str, Any]) -> None:
     pid = os.getpid()
     with _lock:
@@ -91,7 +102,8 @@ def _write(event: dict[str, Any]) -> None:
             if track not in _tracks:
                 _tracks[track] = tid = len(_tracks) + 1
                 for meta in ({"name": "thread_name", "args": {"name": track}},
-                             {"name": "thread_sort_index", "args": {"sort_index": tid}}):
+                             {"name": "thread_sort_index",
+                              "args": {"sort_index": track_sort_index(track)}}):
                     _file.write(json.dumps({"ph": "M", "pid": pid, "tid": tid, **meta}) + "\n")
             event.update(pid=pid, tid=_tracks[track])
         _file.write(json.dumps(event, default=str) + "\n")
@@ -151,11 +163,22 @@ def _guess_process_name(events: list[dict[str, Any]]) -> str | None:
     return "/".join(prefixes) or None
 
 
-def merge_traces(trace_dir: str | os.PathLike, out_path: str | os.PathLike) -> dict[str, Any]:
+def _in_windows(event: dict[str, Any], windows: list[tuple[float, float]] | None) -> bool:
+    if windows is None or event.get("ph") == "M":
+        return True
+    start = float(event.get("ts", 0.0))
+    end = start + float(event.get("dur", 0.0))
+    return any(start <= w_end and end >= w_start for w_start, w_end in windows)
+
+
+def merge_traces(trace_dir: str | os.PathLike, out_path: str | os.PathLike,
+                 windows: list[tuple[float, float]] | None = None) -> dict[str, Any]:
     """Join every per-process file in ``trace_dir`` into one trace-event JSON file.
 
     Call it after the processes that wrote the files have stopped tracing (the
-    engine closed), so every span is on disk.
+    engine closed), so every span is on disk. ``windows`` ((start_us, end_us)
+    pairs on the ``now_us`` clock) keeps only the spans touching one of them,
+    e.g. to leave engine start-up and warm-up out of a benchmark's trace.
     """
     _close()  # flush this process's file
     events: list[dict[str, Any]] = []
@@ -168,7 +191,7 @@ def merge_traces(trace_dir: str | os.PathLike, out_path: str | os.PathLike) -> d
                 proc_events.insert(0, {"ph": "M", "name": "process_name",
                                        "pid": proc_events[0]["pid"], "tid": 0,
                                        "args": {"name": guess}})
-        events.extend(proc_events)
+        events.extend(e for e in proc_events if _in_windows(e, windows))
     # Metadata first, then spans in time order: easier to read and to diff.
     events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0.0)))
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}

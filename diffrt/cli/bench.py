@@ -9,7 +9,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from diffrt import tracing
 from diffrt.cli.bench_load import drive
 from diffrt.cli.bench_stats import ratio, summarize
 from diffrt.cli.engine_opts import (
@@ -25,7 +24,12 @@ from diffrt.cli.engine_opts import (
 from diffrt.cli.errors import EXIT_FAILURE, CliError
 from diffrt.cli.paths import check_writable_file
 from diffrt.cli.table import format_table
-from diffrt.cli.trace_session import add_trace_args, check_trace_args, trace_session
+from diffrt.cli.trace_session import (
+    TraceWindows,
+    add_trace_args,
+    check_trace_args,
+    trace_session,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -127,15 +131,15 @@ def _requests(opts: dict[str, Any], count: int, seed: int, tag: str) -> list[Any
             for i in range(count)]
 
 
-def _run_config(engine: Any, label: str, opts: dict[str, Any], args: argparse.Namespace) -> dict:
+def _run_config(engine: Any, label: str, opts: dict[str, Any], args: argparse.Namespace,
+                tw: TraceWindows) -> dict:
     if args.warmup > 0:
         drive(engine, _requests(opts, args.warmup, args.seed + 10_000, "warmup"),
               concurrency=args.warmup, rate=None)
     requests = _requests(opts, opts["num_requests"], args.seed, "measured")
-    start = tracing.now_us()
-    samples, wall = drive(engine, requests, concurrency=opts["concurrency"],
-                          rate=opts["request_rate"], seed=args.seed)
-    tracing.record("bench", label, start, tracing.now_us())
+    with tw.window(label):  # the trace shows the measured requests only
+        samples, wall = drive(engine, requests, concurrency=opts["concurrency"],
+                              rate=opts["request_rate"], seed=args.seed)
     return summarize(samples, wall)
 
 
@@ -149,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
     results = []
     engine, engine_key = None, None
-    with trace_session(args, title="diffrt bench"):
+    with trace_session(args, title="diffrt bench") as tw:
         try:
             for label, opts in configs:
                 settings = engine_settings(opts)
@@ -160,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                         engine = None
                     logger.info("starting engine %s", settings)
                     engine, engine_key = make_engine(settings), key
-                stats = _run_config(engine, label, opts, args)
+                stats = _run_config(engine, label, opts, args, tw)
                 results.append({"label": label, "engine": settings,
                                 "load": {k: opts[k] for k in ("num_requests", "concurrency",
                                                               "request_rate", "height", "width",

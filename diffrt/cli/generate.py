@@ -129,16 +129,24 @@ def run(args: argparse.Namespace) -> int:
         settings["request_batch_max_wait_ms"] = 20.0  # let the whole burst join one wave
 
     start = time.perf_counter()
-    with trace_session(args, title=f"diffrt generate ({args.model}, {len(prompts)} prompts)"):
+    with trace_session(args, title=f"diffrt generate ({args.model}, {len(prompts)} prompts)") as tw:
         engine = make_engine(settings)
         progress = _Progress(prompts, args.steps, enabled=not args.no_progress)
         try:
-            finals = asyncio.run(_run_all(engine, requests, progress))
+            with tw.window():  # the trace leaves out start-up and warm-up
+                finals = asyncio.run(_run_all(engine, requests, progress))
         finally:
             progress.close()
             engine.close()
-    elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        failed = _save(prompts, finals, paths)
+        print(f"{len(prompts) - failed} of {len(prompts)} prompts done in {elapsed:.2f} s "
+              f"(engine start-up included)")
+    return EXIT_FAILURE if failed else 0
 
+
+def _save(prompts: list[str], finals: list[Any], paths: list[list[Path]]) -> int:
+    """Write every image, say where; return the number of prompts that failed."""
     failed = 0
     for prompt, final, targets in zip(prompts, finals, paths, strict=True):
         if final is None or not final.ok:
@@ -149,6 +157,4 @@ def run(args: argparse.Namespace) -> int:
         for image, path in zip(final.images or [], targets, strict=False):
             image.save(path)
             print(f"wrote {path} ({image.width}x{image.height}) for {prompt!r}")
-    print(f"{len(prompts) - failed} of {len(prompts)} prompts done in {elapsed:.2f} s "
-          f"(engine start-up included)")
-    return EXIT_FAILURE if failed else 0
+    return failed

@@ -43,33 +43,55 @@ def check_trace_args(args: argparse.Namespace) -> None:
             raise CliError("--plot needs matplotlib: pip install 'diffrt[plot]'") from exc
 
 
+class TraceWindows:
+    """The stretches of the run worth showing (engine start-up and warm-up are
+    left out); every span when none is marked."""
+
+    def __init__(self) -> None:
+        self.windows: list[tuple[float, float]] = []
+
+    @contextlib.contextmanager
+    def window(self, label: str | None = None) -> Iterator[None]:
+        """Keep the spans of the body; with ``label`` also draw it on the "bench" track."""
+        start = tracing.now_us()
+        try:
+            yield
+        finally:
+            end = tracing.now_us()
+            self.windows.append((start, end))
+            if label:
+                tracing.record("bench", label, start, end)
+
+
 @contextlib.contextmanager
-def trace_session(args: argparse.Namespace, title: str) -> Iterator[None]:
+def trace_session(args: argparse.Namespace, title: str) -> Iterator[TraceWindows]:
     """Trace the body when ``--trace`` or ``--plot`` was given; the body must
     close its engine so that every worker's spans are on disk when it ends."""
+    windows = TraceWindows()
     if not (args.trace or args.plot):
-        yield
+        yield windows
         return
     tmp = Path(tempfile.mkdtemp(prefix="diffrt-trace-"))
     tracing.enable(tmp)  # the engine names its own process in the trace
     ok = False
     try:
-        yield
+        yield windows
         ok = True
     finally:
         tracing.disable()
         try:
             if ok:
-                _finish(args, tmp, title)
+                _finish(args, tmp, title, windows.windows or None)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _finish(args: argparse.Namespace, tmp: Path, title: str) -> None:
+def _finish(args: argparse.Namespace, tmp: Path, title: str,
+            windows: list[tuple[float, float]] | None) -> None:
     from diffrt.cli.trace_analysis import summarize
 
     out = Path(args.trace) if args.trace else tmp / "trace.json"
-    trace = tracing.merge_traces(tmp, out)
+    trace = tracing.merge_traces(tmp, out, windows=windows)
     if args.trace:
         print(f"trace: {out} ({len(trace['traceEvents'])} events; open in https://ui.perfetto.dev "
               "or chrome://tracing)")

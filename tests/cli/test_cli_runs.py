@@ -33,7 +33,7 @@ def test_generate_writes_pngs_with_progress_and_trace(cli, tmp_path):
         assert name in proc.stdout  # tells the user where the image is
         with Image.open(path) as im:
             assert im.size == (96, 64) and im.mode == "RGB"
-            assert len(set(im.getdata())) > 1  # an image, not a blank
+            assert any(lo < hi for lo, hi in im.getextrema())  # an image, not a blank
     # one progress bar per request, driven by step progress: "3/3" for both
     assert proc.stderr.count("3/3") >= 2, proc.stderr
     assert "a red fox" in proc.stderr and "a lighthouse" in proc.stderr

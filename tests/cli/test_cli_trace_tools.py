@@ -117,3 +117,21 @@ def test_timeline_plot_is_a_png_with_every_span(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
     assert width >= 800 and height >= 100
+
+
+def test_merge_keeps_only_spans_touching_the_windows(trace_dir, tmp_path):
+    tracing.record("worker0 main", "warmup forward", 0.0, 50.0)
+    tracing.record("worker0 main", "forward", 100.0, 150.0)
+    tracing.record("worker0 output", "d2h+pack", 190.0, 260.0)  # straddles the end: kept
+    tracing.record("worker0 main", "forward", 300.0, 350.0)
+    merged = tracing.merge_traces(trace_dir, tmp_path / "t.json", windows=[(90.0, 200.0)])
+    kept = [(e["name"], e["ts"]) for e in merged["traceEvents"] if e["ph"] == "X"]
+    assert kept == [("forward", 100.0), ("d2h+pack", 190.0)]
+    assert any(e["ph"] == "M" and e["args"].get("name") == "worker0 main"
+               for e in merged["traceEvents"])
+
+
+def test_viewer_rows_are_engine_then_each_worker_main_above_output():
+    order = ["engine loop", "engine postprocess", "worker0 main", "worker0 output",
+             "worker1 main", "worker1 output", "bench"]
+    assert sorted(order, key=tracing.track_sort_index) == order
