@@ -61,9 +61,11 @@ def run_engine(args: argparse.Namespace, step: bool, max_num_seqs: int) -> dict:
     config = EngineConfig(model=args.model, step_execution=step, max_num_seqs=max_num_seqs,
                           executor_backend=args.executor)
     with DiffusionEngine.make_engine(config) as engine:
-        asyncio.run(drive(engine, make_requests(args, "warm")[: max_num_seqs * 2],
-                          args.concurrency))
-        wall, lat = asyncio.run(drive(engine, make_requests(args, "run"), args.concurrency))
+        # One untimed pass warms every batch shape this workload produces.
+        asyncio.run(drive(engine, make_requests(args, "warm"), args.concurrency))
+        runs = [asyncio.run(drive(engine, make_requests(args, f"run{i}"), args.concurrency))
+                for i in range(args.repeats)]
+    wall, lat = min(runs, key=lambda r: r[0])  # the least disturbed pass
     return {"mode": "STEP_BATCH" if step else "REQUEST_BATCH", "max_num_seqs": max_num_seqs,
             "rps": args.requests / wall, "p50": pct(lat, 50), "p99": pct(lat, 99),
             "mean": statistics.mean(lat)}
@@ -83,10 +85,13 @@ def run_direct(args: argparse.Namespace, batch: int) -> float:
                 host = pipe.to_transfer(out, group.sampling_params).cpu()
                 pipe.post_process(host, "pil")
 
-    pipe.forward(DiffusionRequestBatch(requests[:batch]))  # warm-up
-    start = time.perf_counter()
-    once()
-    return len(requests) / (time.perf_counter() - start)
+    once()  # warm-up
+    walls = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        once()
+        walls.append(time.perf_counter() - start)
+    return len(requests) / min(walls)
 
 
 def main() -> None:
@@ -98,6 +103,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8, help="the larger max_num_seqs")
     parser.add_argument("--executor", default="mp", choices=["mp", "inproc"])
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed passes per configuration; the fastest is reported")
     args = parser.parse_args()
 
     rows = [run_engine(args, step, n) for step in (True, False) for n in (1, args.batch)]
@@ -105,7 +112,8 @@ def main() -> None:
     direct_b = run_direct(args, args.batch)
 
     print(f"\n{args.model} {args.size}x{args.size}, {args.steps} steps, {args.requests} requests "
-          f"at concurrency {args.concurrency}, executor {args.executor}\n")
+          f"at concurrency {args.concurrency}, executor {args.executor}, "
+          f"best of {args.repeats} passes\n")
     print(f"{'mode':<14}{'max_num_seqs':>13}{'req/s':>9}{'p50 s':>9}{'p99 s':>9}")
     for r in rows:
         print(f"{r['mode']:<14}{r['max_num_seqs']:>13}{r['rps']:>9.2f}{r['p50']:>9.3f}"
