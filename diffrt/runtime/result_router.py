@@ -273,8 +273,8 @@ class ResultRouter:
             arrived = self._arrived.pop(oid, None)
             if arrived is None:
                 existing = self._waiters.get(oid)
-                if existing is not None:
-                    return existing[0]
+                if existing is not None and not existing[0].done():
+                    return existing[0]  # one future per id, shared by its waiters
                 fut = Future()
                 self._waiters[oid] = (fut, time.monotonic() + self.output_timeout_s)
                 return fut

@@ -110,6 +110,16 @@ def test_cancelled_waiter_never_breaks_routing_and_output_can_be_claimed_again()
     _value(h.router.wait_output_ready(ids["a"]), 0)
 
 
+def test_waiting_again_after_cancelling_gets_a_live_future():
+    h = Harness()
+    _, _, batch, ids = h.execute(["a"])
+    h.router.wait_output_ready(ids["a"]).cancel()
+    again = h.router.wait_output_ready(ids["a"])
+    assert not again.done() and h.router.wait_output_ready(ids["a"]) is again
+    h.send(h.output_ready(batch, ids))
+    _value(again, 0)
+
+
 def test_release_before_arrival_frees_on_arrival_not_cached():
     h = Harness()
     rpc_id, _, batch, ids = h.execute(["a", "b"])
