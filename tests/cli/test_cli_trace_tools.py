@@ -135,3 +135,17 @@ def test_viewer_rows_are_engine_then_each_worker_main_above_output():
     order = ["engine loop", "engine postprocess", "worker0 main", "worker0 output",
              "worker1 main", "worker1 output", "bench"]
     assert sorted(order, key=tracing.track_sort_index) == order
+
+
+def test_bench_trace_gets_one_panel_per_configuration(tmp_path):
+    trace = _synthetic(forwards=[(10, 20, "a"), (150, 160, "between"), (210, 220, "b")],
+                       copies=[(20, 40, "a")])
+    trace["traceEvents"] += [
+        {"ph": "M", "name": "thread_name", "pid": 7, "tid": 3, "args": {"name": "bench"}},
+        {"ph": "X", "name": "sync", "pid": 7, "tid": 3, "ts": 0.0, "dur": 100.0},
+        {"ph": "X", "name": "async", "pid": 7, "tid": 3, "ts": 200.0, "dur": 100.0}]
+    one_panel = plot_timeline(_synthetic([(10, 20, "a")], []), tmp_path / "one.png")
+    # spans between the configurations (warm-up, engine start) are not drawn
+    assert plot_timeline(trace, tmp_path / "two.png") == 3
+    heights = [struct.unpack(">II", (tmp_path / n).read_bytes()[16:24])[1] for n in ("one.png", "two.png")]
+    assert one_panel == 1 and heights[1] > heights[0]
