@@ -249,3 +249,28 @@ def test_close_sends_error_to_open_streams_and_refuses_new_work():
     with pytest.raises(EngineClosedError):
         engine.generate(toy_request())
     engine.close()  # idempotent
+
+
+def test_generate_timeout_aborts_what_is_unfinished(req_engine1):
+    toy.gate("to").clear()
+    r = toy_request("block:to")
+    try:
+        with pytest.raises(TimeoutError):
+            req_engine1.generate(r, timeout=0.2)
+        assert r.request_id not in req_engine1._streams
+    finally:
+        toy.gate("to").set()
+    assert_clean(req_engine1)
+
+
+def test_streaming_in_request_mode_yields_the_final_only(req_engine4):
+    import asyncio
+
+    async def main():
+        outs = [o async for o in req_engine4.step_streaming(toy_request(seed=9, steps=3))]
+        final = await req_engine4.generate_async(toy_request(seed=9, steps=3))
+        return outs, final
+
+    outs, final = asyncio.run(main())
+    assert len(outs) == 1 and outs[0].finished and outs[0].ok
+    assert pixels(outs[0]) == pixels(final) == {toy.expected_pixel(9, 3)}

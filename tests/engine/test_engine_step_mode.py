@@ -128,8 +128,9 @@ def test_cancelled_consumer_removes_only_its_stream(step_engine4):
 
     first = asyncio.run(main())
     assert first.step == 1 and not first.finished
-    # The request is still run to its end and cleaned up.
+    # The request is still run to its end (all 3 steps, not aborted) and cleaned up.
     assert_clean(step_engine4)
+    assert sum(r.request_id in ids for ids in toy.calls("step")) == 3
 
 
 def test_consumer_cancelled_while_waiting(step_engine1):
@@ -151,6 +152,7 @@ def test_consumer_cancelled_while_waiting(step_engine1):
     assert step_engine1.num_active_requests() == 1  # still running: only the queue left
     toy.gate("cw").set()
     assert_clean(step_engine1)
+    assert sum(r.request_id in ids for ids in toy.calls("step")) == 2  # ran to its end
 
 
 def test_close_with_open_async_streams():
