@@ -25,7 +25,7 @@ def test_generate_writes_pngs_with_progress_and_trace(cli, tmp_path):
     prompts.write_text("# a comment\na lighthouse at dusk\n\n")
     proc = cli("generate", "--prompt", "a red fox", "--prompts-file", str(prompts),
                "--height", "64", "--width", "96", "--steps", "3", "--seed", "7",
-               "--executor", "inproc", "--step-execution", "-o", "img.png",
+               "--step-execution", "-o", "img.png",  # default executor: worker processes
                "--trace", "gen.json", "--plot", "gen.png", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("img-0.png", "img-1.png"):
@@ -39,8 +39,12 @@ def test_generate_writes_pngs_with_progress_and_trace(cli, tmp_path):
     assert "a red fox" in proc.stderr and "a lighthouse" in proc.stderr
 
     trace = load_trace(tmp_path / "gen.json")
-    names = {t.name for t in tracks(trace)}
-    assert {"worker0 main", "engine loop"} <= names, names
+    by_name = {t.name: t for t in tracks(trace)}
+    assert {"worker0 main", "worker0 output", "engine loop"} <= by_name.keys(), by_name.keys()
+    # merged across processes: the worker's spans come from its own process
+    assert by_name["worker0 main"].pid != by_name["engine loop"].pid
+    steps = [s for s in by_name["worker0 main"].spans if s.name == "forward"]
+    assert len(steps) >= 3  # step mode: one forward per denoise step, warm-up left out
     assert _png_size(tmp_path / "gen.png")[0] >= 800
 
 
