@@ -144,11 +144,15 @@ class DiffusionEngine:
         """Resolve the model's hooks, pick the mode, build executor and scheduler,
         warm up within ``config.warmup_timeout_s``; on any failure everything
         started so far is shut down before the error propagates."""
+        from diffrt.engine.pipelines.registry import get_post_process_func, get_pre_process_func
+
         pipeline_cls = config.pipeline_class()
+        pre, post = get_pre_process_func(config.model), get_post_process_func(config.model)
         if executor is None:
             executor = make_executor(config.executor_backend, executor_config(config))
         try:
-            engine = cls(config, executor, scheduler, pipeline_cls=pipeline_cls)
+            engine = cls(config, executor, scheduler, pipeline_cls=pipeline_cls,
+                         pre_process=pre, post_process=post)
         except BaseException:
             executor.shutdown()
             raise
