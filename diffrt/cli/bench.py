@@ -196,11 +196,15 @@ def _load_text(load: dict[str, Any]) -> str:
     return f"{load['num_requests']} req, {shape}, {load['height']}x{load['width']}, {load['steps']} steps"
 
 
+def _times(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}x"
+
+
 def render_results(results: list[dict[str, Any]]) -> str:
     headers = ["config", "req/s", "x first", "p50 ms", "p90 ms", "p99 ms", "p50 x first",
                "queue ms", "forward ms", "out wait ms", "post ms", "failed"]
-    rows = [[r["label"], r["throughput_rps"], r["throughput_vs_first"], r["latency_p50_ms"],
-             r["latency_p90_ms"], r["latency_p99_ms"], r["p50_vs_first"], r["queue_wait_ms"],
+    rows = [[r["label"], r["throughput_rps"], _times(r["throughput_vs_first"]), r["latency_p50_ms"],
+             r["latency_p90_ms"], r["latency_p99_ms"], _times(r["p50_vs_first"]), r["queue_wait_ms"],
              r["forward_ms"], r["output_wait_ms"], r["postprocess_ms"], r["failed"]]
             for r in results]
     loads = {_load_text(r["load"]) for r in results}

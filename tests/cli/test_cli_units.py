@@ -66,7 +66,7 @@ def test_results_table_shows_ratios_against_the_first():
     text = render_results(rows)
     assert "x first" in text and "4 req, concurrency 2, 64x64, 2 steps" in text
     line_b = [ln for ln in text.splitlines() if ln.startswith("b ")][0]
-    assert " 2 " in f" {line_b} " and "0.5" in line_b
+    assert "2.00x" in line_b and "0.50x" in line_b
 
 
 def test_image_paths(tmp_path):
