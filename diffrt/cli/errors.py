@@ -19,4 +19,8 @@ def is_user_error(exc: BaseException) -> bool:
     the allowed range (InvalidRequestError, UnknownModelError, config errors),
     so they are shown as they are.
     """
-    return isinstance(exc, (CliError, ValueError))
+    if isinstance(exc, (CliError, ValueError)):
+        return True
+    from diffrt.platforms import PlatformResolutionError  # a bad DIFFRT_PLATFORM, two plugins
+
+    return isinstance(exc, PlatformResolutionError)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 def test_env_prints_platform_choice_versions_and_capabilities(cli, tmp_path):
     proc = cli("env", cwd=tmp_path)
@@ -12,9 +14,13 @@ def test_env_prints_platform_choice_versions_and_capabilities(cli, tmp_path):
     assert "chosen" in out or "how" in out, out  # how the platform was chosen
 
     proc = cli("env", "--json", cwd=tmp_path)
-    import json
-
     assert json.loads(proc.stdout)
+
+
+def test_env_with_an_unknown_platform_override_is_a_clean_error(cli, clean_error, tmp_path):
+    proc = cli("env", cwd=tmp_path, env={"DIFFRT_PLATFORM": "no-such-vendor"})
+    clean_error(proc, "no-such-vendor", "cpu")
+    assert proc.returncode == 2
 
 
 def test_bad_input_gives_clean_error(cli, clean_error, tmp_path):
