@@ -22,37 +22,42 @@ from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 
 
-def time_batch(pipe, batch: int, args: argparse.Namespace, output_type: str) -> float:
-    """Best seconds per sample over `args.repeats` forwards after one warm-up
-    (the minimum is the least disturbed by other processes on a shared machine)."""
+def make_batch(batch: int, args: argparse.Namespace, output_type: str) -> DiffusionRequestBatch:
+    """`batch` compatible requests with different seeds and prompts."""
+    params = dict(
+        height=args.size,
+        width=args.size,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        output_type=output_type,
+    )
+    return DiffusionRequestBatch(
+        [DiffusionRequest(f"prompt {i}", SamplingParams(seed=i, **params)) for i in range(batch)]
+    )
 
-    def requests() -> DiffusionRequestBatch:
-        params = dict(
-            height=args.size,
-            width=args.size,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance,
-            output_type=output_type,
-        )
-        return DiffusionRequestBatch(
-            [
-                DiffusionRequest(f"prompt {i}", SamplingParams(seed=i, **params))
-                for i in range(batch)
-            ]
-        )
 
-    def run() -> None:
-        b = requests()
+def measure(pipe, args: argparse.Namespace, output_type: str) -> dict[int, float]:
+    """Best seconds per sample for each batch size.
+
+    Batch sizes are interleaved round-robin over the repeats so that load from
+    other processes on a shared machine spreads over all of them, and the
+    minimum is kept (the run least disturbed by that load).
+    """
+
+    def run(batch: int) -> float:
+        b = make_batch(batch, args, output_type)
+        start = time.perf_counter()
         for out in pipe.forward(b):
             pipe.to_transfer(out, b.sampling_params)
+        return (time.perf_counter() - start) / batch
 
-    run()
-    samples = []
+    for batch in args.batches:
+        run(batch)  # warm-up
+    best = dict.fromkeys(args.batches, float("inf"))
     for _ in range(args.repeats):
-        start = time.perf_counter()
-        run()
-        samples.append((time.perf_counter() - start) / batch)
-    return min(samples)
+        for batch in args.batches:
+            best[batch] = min(best[batch], run(batch))
+    return best
 
 
 def main() -> None:
@@ -62,7 +67,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--guidance", type=float, default=1.0, help=">1 runs CFG (2x rows)")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args()
     if args.threads:
@@ -77,15 +82,14 @@ def main() -> None:
     print("-" * len(header))
     for model in args.models:
         pipe = load_pipeline(model)
-        base_full = base_latent = None
+        full = measure(pipe, args, "pt")
+        latent = measure(pipe, args, "latent")
+        first = args.batches[0]
         for batch in args.batches:
-            full = time_batch(pipe, batch, args, "pt")
-            latent = time_batch(pipe, batch, args, "latent")
-            base_full = base_full or full
-            base_latent = base_latent or latent
             print(
-                f"{model:<10} {batch:>5} {full * 1e3:>15.1f} {base_full / full:>8.2f}x "
-                f"{latent * 1e3:>18.1f} {base_latent / latent:>8.2f}x"
+                f"{model:<10} {batch:>5} {full[batch] * 1e3:>15.1f} "
+                f"{full[first] / full[batch]:>8.2f}x {latent[batch] * 1e3:>18.1f} "
+                f"{latent[first] / latent[batch]:>8.2f}x"
             )
 
 

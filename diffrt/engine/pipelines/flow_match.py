@@ -296,7 +296,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         )
 
     # -- request style --------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
         params = batch.sampling_params
         for request in batch.requests:
@@ -317,10 +317,13 @@ class FlowMatchPipeline(DiffusionPipeline):
                 latents, t.expand(latents.shape[0]), cond, guidance, params
             )
             latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-        return list(self.finish(latents, params).split(n, dim=0))
+        parts = self.finish(latents, params).split(n, dim=0)
+        # Each request's tensor owns its storage: a view would carry (and, once
+        # shared or pickled, ship) the whole batch's bytes.
+        return [p.clone() for p in parts] if len(parts) > 1 else list(parts)
 
     # -- step style ----------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def prepare_encode(self, state: StepRequestState) -> None:
         request = state.request
         self.check_inputs(request)
@@ -333,7 +336,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         state.scheduler, state.timesteps = self.prepare_timesteps(params)
         state.step_index = 0
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def denoise_step(
         self, input_batch: StepInputBatch, *, states: list[StepRequestState]
     ) -> torch.Tensor:
@@ -347,12 +350,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         guidance = torch.cat([s.extra["guidance"] for s in states])
         return self.guided_prediction(latents, timesteps, cond, guidance, params)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def step_scheduler(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
         t = state.timesteps[state.step_index]  # type: ignore[index]
         state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
         state.step_index += 1
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
         return self.finish(state.latents, state.request.sampling_params)  # type: ignore[arg-type]

@@ -76,7 +76,8 @@ class FluxPipeline(FlowMatchPipeline):
         ids = torch.zeros(h, w, 3)
         ids[..., 1] += torch.arange(h)[:, None]
         ids[..., 2] += torch.arange(w)[None, :]
-        return ids.reshape(h * w, 3).to(device=self.device, dtype=self.dtype)
+        # float32 whatever the model dtype: bf16 cannot count past 256 exactly
+        return ids.reshape(h * w, 3).to(device=self.device)
 
     def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
@@ -107,7 +108,7 @@ class FluxPipeline(FlowMatchPipeline):
         # Guidance-distilled checkpoints (guidance_embeds=True) take the scale
         # as an input; ours also apply true CFG when guidance_scale > 1.
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
-        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
         return self.transformer(
             hidden_states=latents,
             encoder_hidden_states=embeds,

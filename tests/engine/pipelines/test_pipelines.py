@@ -315,11 +315,23 @@ def test_incompatible_batches_are_refused(pipe):
         pipe.denoise_step(StepInputBatch([a, b]), states=[a, b])
 
 
-def test_bfloat16_runs_both_styles():
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3"])
+def test_bfloat16_runs_both_styles(model):
     from diffrt.engine.pipelines import load_pipeline
 
-    pipe = load_pipeline("tiny-sd3", dtype=torch.bfloat16)
+    pipe = load_pipeline(model, dtype=torch.bfloat16)
     request = make_request(num_inference_steps=2, guidance_scale=2.0)
     out = run_request(pipe, request)[0]
     assert out.dtype == torch.bfloat16 and out.shape == (1, 3, SIZE, SIZE)
     assert_same_image(out.float(), run_steps(pipe, [request])[request.request_id].float())
+
+
+@pytest.mark.parametrize("output_type", ["pt", "latent"])
+def test_each_output_owns_its_storage(pipe, output_type):
+    outs = run_request(
+        pipe,
+        make_request(seed=1, output_type=output_type),
+        make_request(seed=2, output_type=output_type),
+    )
+    for out in outs:
+        assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
