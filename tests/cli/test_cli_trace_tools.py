@@ -149,3 +149,22 @@ def test_bench_trace_gets_one_panel_per_configuration(tmp_path):
     assert plot_timeline(trace, tmp_path / "two.png") == 3
     heights = [struct.unpack(">II", (tmp_path / n).read_bytes()[16:24])[1] for n in ("one.png", "two.png")]
     assert one_panel == 1 and heights[1] > heights[0]
+
+
+def test_trace_command_merges_a_folder_and_plots(trace_dir, tmp_path, capsys):
+    from diffrt.cli import main
+
+    tracing.record("worker0 main", "forward", 0.0, 100.0, keys=["a"])
+    tracing.record("worker0 main", "forward", 105.0, 200.0, keys=["b"])
+    tracing.record("worker0 output", "d2h+pack", 100.0, 150.0, keys=["a"])
+    tracing.disable()
+    out, png = tmp_path / "merged.json", tmp_path / "tl.png"
+    assert main(["trace", str(trace_dir), "--out", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "1 of 2" in text and str(png) in text
+    assert len(load_trace(out)["traceEvents"]) > 3 and png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["trace", str(out)]) == 0  # a merged file is read back
+    assert main(["trace", str(tmp_path / "missing")]) == 2
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["trace", str(tmp_path / "bad.json")]) == 2
+    assert "traceEvents" in capsys.readouterr().err
