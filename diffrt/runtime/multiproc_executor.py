@@ -50,7 +50,7 @@ class _Proc:
 
     def describe(self) -> str:
         code = self.popen.poll()
-        state = "running" if code is None else (
+        state = "closed its result pipe" if code is None else (
             f"killed by signal {-code}" if code < 0 else f"exit code {code}")
         return f"worker rank {self.rank} (pid {self.popen.pid}) {state}"
 

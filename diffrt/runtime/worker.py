@@ -90,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     except EOFError:
         return 0
     assert isinstance(init, InitWorker)
-    tracing.process_name(f"worker{init.rank}")
+    trace_dir = os.environ.get(tracing.TRACE_DIR_ENV)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        tracing.process_name(f"worker{init.rank}")
     core = None
     try:
         if init.dist_init_method and init.world_size > 1:
@@ -133,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except BaseException:
+        logger.exception("worker failed")
+        code = 1
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
