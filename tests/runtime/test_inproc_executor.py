@@ -187,3 +187,27 @@ def test_release_while_its_copy_is_queued_frees_everything():
         assert ex.router.counts()["dropped"] == 0 and ex.core.writer.used_bytes == 0
     finally:
         ex.shutdown()
+
+
+def test_worker_spans_show_forward_and_output_on_their_own_tracks(tmp_path):
+    import json
+
+    from diffrt import tracing
+
+    tracing.enable(tmp_path)
+    try:
+        ex = make_executor("inproc", config(max_pending_output_bytes=1 << 20))
+        try:
+            out = ex.execute("make", {"keys": ["a"], "shape": [8]})
+            ex.wait_output_ready(out.output_ids["a"]).result(timeout=10).release()
+        finally:
+            ex.shutdown()
+    finally:
+        tracing.disable()
+    events = [json.loads(line) for f in tmp_path.glob("trace-*.jsonl")
+              for line in f.read_text().splitlines()]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    spans = {(tracks[e["tid"]], e["name"]): e for e in events if e["ph"] == "X"}
+    forward = spans[("worker0 main", "forward")]
+    assert forward["args"] == {"method": "make", "keys": ["a"]}
+    assert ("worker0 output", "d2h+pack") in spans
