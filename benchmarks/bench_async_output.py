@@ -233,7 +233,11 @@ def bench_transport(args: argparse.Namespace) -> None:
     print("\n== transport of one tensor (GB/s, best of runs) ==")
     print("shm: one copy into a warm arena slot + in-place view; mp: worker -> engine through")
     print("the multiprocess executor (execute + OUTPUT_READY + view + release, rpc included)")
+    print(f"(in-process columns with torch.set_num_threads({args.transport_threads}): a 2-thread")
+    print(" copy stalls whenever the machine's other core is busy)")
     print(f"{'size':>8} {'shm':>8} {'mp e2e':>8} {'memcpy':>8} {'pickle+pipe':>12} {'fresh segment':>14}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.transport_threads)
     ex = _executor(True, None)
     try:
         for mb in args.transport_mb:
@@ -248,6 +252,7 @@ def bench_transport(args: argparse.Namespace) -> None:
             print(f"{mb:>6g}MB {shm:>8.2f} {mp:>8.2f} {memcpy:>8.2f} {pickled:>12.2f} {fresh:>14.2f}")
     finally:
         ex.shutdown()
+        torch.set_num_threads(threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synthetic-requests", type=int, default=8)
     ap.add_argument("--transport-mb", type=float, nargs="*", default=[3.1, 12.6, 100.0])
     ap.add_argument("--transport-repeats", type=int, default=10)
+    ap.add_argument("--transport-threads", type=int, default=1)
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--skip-synthetic", action="store_true")
     ap.add_argument("--skip-transport", action="store_true")
