@@ -158,16 +158,19 @@ class OutputWriter:
                 self.platform.wait_event(self._side_stream, event)
             copy = self._copy_fn(sync)
             self._drain_frees(0.0)
+            plans: list[tuple[str, PackPlan]] = []
             for key, value in outputs.items():
                 oid = ids[key]
                 if self._cancelled.pop(oid, "live") is None:
                     skipped.append(oid)  # released before it was packed: never copied
-                    continue
-                plan = PackPlan(value)
-                offset, gen = self._allocate(plan.slot_bytes)
+                else:
+                    plans.append((oid, PackPlan(value)))
+            slots = self._allocate([plan.slot_bytes for _, plan in plans])
+            for (oid, plan), (offset, gen) in zip(plans, slots, strict=True):
                 self._slot_of[oid] = (offset, gen)
                 self._id_at[offset] = oid
                 done.append(plan.key_output(oid, offset, gen))
+            for (_, plan), (offset, _) in zip(plans, slots, strict=True):
                 plan.copy_into(self.arena, offset, copy)
             if event is not None and not sync:
                 copied = self.platform.record_device_event(self._side_stream)
@@ -176,11 +179,24 @@ class OutputWriter:
                 self.platform.event_synchronize(copied)  # bytes are in the arena only now
             return OutputReady(batch_id, done, skipped_ids=skipped)
         except Exception as exc:
+            if self._side_stream is not None and not sync:
+                self._quiesce_side_stream()  # no late copy may land in a reused slot
             for k in done:
                 self._free(k.slot_offset, k.generation)
             logger.warning("packing output %s failed: %s", batch_id, exc)
             return OutputReady(batch_id, [], error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
                                failed_ids=list(ids.values()))
+
+    def _quiesce_side_stream(self) -> None:
+        try:
+            ev = self.platform.record_device_event(self._side_stream)
+            if ev is not None:
+                self.platform.event_synchronize(ev)
+            else:
+                self.platform.synchronize()
+        except Exception:
+            logger.exception("could not wait for the side stream; synchronising the device")
+            self.platform.synchronize()
 
     def _drain_frees(self, timeout: float) -> None:
         msg = self._free_source(timeout)
@@ -203,16 +219,16 @@ class OutputWriter:
             if oid is not None:
                 self._slot_of.pop(oid, None)
 
-    def _allocate(self, nbytes: int) -> tuple[int, int]:
-        """A slot of ``nbytes``; waits for the executor to free slots when the arena
-        is full (backpressure). Raises ArenaFullError if it can never fit."""
+    def _allocate(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """One slot per size, consecutive; waits for the executor to free slots when
+        the arena is full (backpressure). Raises ArenaFullError if they can never fit."""
         waited = False
         while True:
-            slot = self._alloc.try_allocate(nbytes)
-            if slot is not None:
+            slots = self._alloc.try_allocate_many(sizes)
+            if slots is not None:
                 if waited:
-                    logger.debug("output arena had room again for %d bytes", nbytes)
-                return slot
+                    logger.debug("output arena had room again for %d bytes", sum(sizes))
+                return slots
             if self._closed.is_set():
                 raise OutputWriterClosed("output writer closed while waiting for arena space")
             waited = True

@@ -140,6 +140,31 @@ class SlotAllocator:
                 return off, self._gen
         return None
 
+    def try_allocate_many(self, sizes: list[int]) -> list[tuple[int, int]] | None:
+        """Consecutive slots for one batch, carved from one free range, each freed on
+        its own later. All or nothing: a batch never holds part of the arena while
+        waiting for the rest (which could wait forever on its own unsent slots)."""
+        lengths = [max(_align(n), ALIGN) for n in sizes]
+        total = sum(lengths)
+        if total > self.size:
+            raise ArenaFullError(
+                f"outputs of {sum(sizes)} bytes exceed the output arena ({self.size} bytes); "
+                "raise ExecutorConfig.max_pending_output_bytes")
+        if not lengths:
+            return []
+        first = self.try_allocate(total)
+        if first is None:
+            return None
+        base = first[0]
+        del self._live[base]
+        slots = []
+        for length in lengths:
+            self._gen += 1
+            self._live[base] = (self._gen, length)
+            slots.append((base, self._gen))
+            base += length
+        return slots
+
     def free(self, offset: int, generation: int) -> bool:
         live = self._live.get(offset)
         if live is None or live[0] != generation:

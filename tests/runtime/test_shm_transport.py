@@ -179,3 +179,34 @@ def test_concurrent_waiters_get_their_own_outputs():
         assert ex.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0}
     finally:
         ex.shutdown()
+
+
+def test_batch_slots_are_all_or_nothing_and_freed_one_by_one():
+    a = SlotAllocator(8 * ALIGN)
+    held = a.try_allocate(3 * ALIGN)
+    assert a.try_allocate_many([ALIGN, 4 * ALIGN, ALIGN]) is None  # 6 wanted, 5 free
+    assert a.used_bytes == 3 * ALIGN  # nothing taken by the failed attempt
+    a.free(*held)
+    slots = a.try_allocate_many([ALIGN, 4 * ALIGN, ALIGN])
+    assert [s[0] for s in slots] == [0, ALIGN, 5 * ALIGN]
+    assert len({g for _, g in slots}) == 3
+    a.free(*slots[1])
+    assert a.try_allocate(4 * ALIGN)[0] == ALIGN  # one key's slot is reusable on its own
+    with pytest.raises(ArenaFullError):
+        a.try_allocate_many([5 * ALIGN, 4 * ALIGN])
+
+
+def test_batch_larger_than_the_arena_fails_instead_of_holding_part_of_it():
+    ex = make_executor("inproc", config(max_pending_output_bytes=64 << 10))
+    try:
+        out = ex.execute("make", {"keys": ["a", "b"], "shape": [40 << 10], "dtype": "uint8"})
+        for oid in out.output_ids.values():
+            with pytest.raises(WorkerError, match="max_pending_output_bytes"):
+                ex.wait_output_ready(oid).result(timeout=10)
+        assert ex.core.writer.used_bytes == 0
+        out = ex.execute("make", {"keys": ["a", "b"], "shape": [20 << 10], "dtype": "uint8"})
+        for i, oid in enumerate(out.output_ids.values()):
+            assert torch.equal(ex.wait_output_ready(oid).result(timeout=10).take(),
+                               make_tensor(i, [20 << 10], "uint8"))
+    finally:
+        ex.shutdown()
