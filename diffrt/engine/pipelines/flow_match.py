@@ -37,7 +37,7 @@ from diffrt.engine.pipelines.interface import (
 )
 from diffrt.engine.pipelines.text_encoder import HashedTextEncoder
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import SamplingParams
+from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,17 @@ class FlowMatchPipeline(DiffusionPipeline):
         self.scaling_factor = float(vae.config.scaling_factor)
         shift = getattr(vae.config, "shift_factor", None)
         self.shift_factor = float(shift) if shift is not None else 0.0
+
+    @classmethod
+    def check_inputs(cls, request: DiffusionRequest) -> None:
+        """The generic limits, and no LoRA: these pipelines load no adapters, and
+        silently ignoring one would return an image the user did not ask for."""
+        super().check_inputs(request)
+        lora = request.sampling_params.lora_name
+        if lora is not None:
+            raise InvalidRequestError(
+                "lora_name", f"{cls.name} has no LoRA adapters; must be None, got {lora!r}"
+            )
 
     # -- construction ---------------------------------------------------------
     @classmethod

@@ -265,6 +265,7 @@ def test_scheduler_state_is_per_request(pipe):
         ("guidance_scale", {"guidance_scale": float("nan")}),
         ("num_outputs_per_prompt", {"num_outputs_per_prompt": 0}),
         ("seed", {"seed": "7"}),
+        ("lora_name", {"lora_name": "watercolour"}),
     ],
 )
 def test_invalid_params_raise_before_compute(pipe, monkeypatch, field, params):
