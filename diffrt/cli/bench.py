@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,6 @@ from diffrt.cli.trace_session import (
     check_trace_args,
     trace_session,
 )
-
-logger = logging.getLogger(__name__)
 
 
 def _choice(*allowed: str):
@@ -155,14 +153,15 @@ def run(args: argparse.Namespace) -> int:
     engine, engine_key = None, None
     with trace_session(args, title="diffrt bench") as tw:
         try:
-            for label, opts in configs:
+            for i, (label, opts) in enumerate(configs, 1):
+                tag = f"[{i}/{len(configs)}] {label}"
                 settings = engine_settings(opts)
                 key = json.dumps(settings, sort_keys=True)
                 if key != engine_key:  # configurations differing only in load share an engine
                     if engine is not None:
                         engine.close()
                         engine = None
-                    logger.info("starting engine %s", settings)
+                    print(f"{tag}: starting the engine", file=sys.stderr, flush=True)
                     engine, engine_key = make_engine(settings), key
                 stats = _run_config(engine, label, opts, args, tw)
                 results.append({"label": label, "engine": settings,
@@ -170,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
                                                               "request_rate", "height", "width",
                                                               "steps")},
                                 **stats})
-                print(f"done: {label}: {stats['throughput_rps'] or 0:.2f} req/s", flush=True)
+                print(f"{tag}: {stats['throughput_rps'] or 0:.2f} req/s, "
+                      f"p50 {stats['latency_p50_ms'] or 0:.0f} ms", file=sys.stderr, flush=True)
         finally:
             if engine is not None:
                 engine.close()
