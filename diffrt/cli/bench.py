@@ -146,8 +146,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_writable_file(args.json, "the results")
     check_trace_args(args)
-    for _, opts in configs:
+    from diffrt.engine import EngineConfig
+
+    for _, opts in configs:  # every configuration is checked before the first one runs
         check_requests(opts["model"], _requests(opts, 1, args.seed, "check"))
+        EngineConfig(**engine_settings(opts))
 
     results = []
     engine, engine_key = None, None
@@ -174,12 +177,15 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if engine is not None:
                 engine.close()
+        _report(results, args)  # before the trace summary
+    return EXIT_FAILURE if any(r["failed"] for r in results) else 0
 
+
+def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     base = results[0]
     for r in results:
         r["throughput_vs_first"] = ratio(r["throughput_rps"], base["throughput_rps"])
         r["p50_vs_first"] = ratio(r["latency_p50_ms"], base["latency_p50_ms"])
-    print()
     print(render_results(results))
     if args.json:
         from diffrt.platforms import current_platform
@@ -187,7 +193,6 @@ def run(args: argparse.Namespace) -> int:
         doc = {"platform": current_platform.name, "results": results}
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"results: {args.json}")
-    return EXIT_FAILURE if any(r["failed"] for r in results) else 0
 
 
 def _load_text(load: dict[str, Any]) -> str:

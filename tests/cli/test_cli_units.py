@@ -106,6 +106,8 @@ def test_env_report_renders_sections():
     (["generate"], "--prompt"),
     (["generate", "-p", "x", "--prompts-file", "/nonexistent/prompts.txt"], "prompts-file"),
     (["bench", "--compare", "mode=sideways"], "mode"),
+    # a bad later configuration is refused before the first one runs
+    (["bench", "--executor", "inproc", "--compare", "max_num_seqs=1", "world_size=2"], "world_size"),
     (["bench", "--json", "/nonexistent/r.json"], "does not exist"),
     (["generate", "-p", "x", "--trace", "/nonexistent/t.json"], "does not exist"),
 ])
