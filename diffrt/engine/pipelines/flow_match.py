@@ -61,10 +61,21 @@ def _check_compatible(params: list[SamplingParams], key: str) -> None:
 
 
 def _place(module: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """Move a diffusers model, casting only when needed (a cast logs a warning)."""
+    """Move a diffusers model to the device and dtype.
+
+    diffusers warns on every `.to(dtype)` that some modules may need float32;
+    our families list none, so that warning is silenced for the cast.
+    """
     module = module.to(device)
     if module.dtype != dtype:
-        module = module.to(dtype)
+        from diffusers.utils import logging as diffusers_logging
+
+        verbosity = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()
+        try:
+            module = module.to(dtype)
+        finally:
+            diffusers_logging.set_verbosity(verbosity)
     return module.eval()
 
 
