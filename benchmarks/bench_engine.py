@@ -57,16 +57,21 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def run_engine(args: argparse.Namespace, step: bool, max_num_seqs: int) -> dict:
+def run_engine(args: argparse.Namespace, step: bool, max_num_seqs: int,
+               wait_ms: float = 0.0) -> dict:
     config = EngineConfig(model=args.model, step_execution=step, max_num_seqs=max_num_seqs,
-                          executor_backend=args.executor)
+                          executor_backend=args.executor, request_batch_max_wait_ms=wait_ms,
+                          torch_threads=args.threads or None)
     with DiffusionEngine.make_engine(config) as engine:
         # One untimed pass warms every batch shape this workload produces.
         asyncio.run(drive(engine, make_requests(args, "warm"), args.concurrency))
         runs = [asyncio.run(drive(engine, make_requests(args, f"run{i}"), args.concurrency))
                 for i in range(args.repeats)]
     wall, lat = min(runs, key=lambda r: r[0])  # the least disturbed pass
-    return {"mode": "STEP_BATCH" if step else "REQUEST_BATCH", "max_num_seqs": max_num_seqs,
+    mode = "STEP_BATCH" if step else "REQUEST_BATCH"
+    if wait_ms:
+        mode += f" wait {wait_ms:g}ms"
+    return {"mode": mode, "max_num_seqs": max_num_seqs,
             "rps": args.requests / wall, "p50": pct(lat, 50), "p99": pct(lat, 99),
             "mean": statistics.mean(lat)}
 
@@ -103,30 +108,46 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8, help="the larger max_num_seqs")
     parser.add_argument("--executor", default="mp", choices=["mp", "inproc"])
-    parser.add_argument("--repeats", type=int, default=2,
+    parser.add_argument("--batch-wait-ms", type=float, default=20.0,
+                        help="also run REQUEST_BATCH at --batch with this coalescing window "
+                             "(0: skip)")
+    parser.add_argument("--repeats", type=int, default=3,
                         help="timed passes per configuration; the fastest is reported")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads in the workers and the direct loop (0: torch's "
+                             "default). On a shared 2-core machine 2 OpenMP threads can run "
+                             "40x slower when another process competes for a core")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     rows = [run_engine(args, step, n) for step in (True, False) for n in (1, args.batch)]
+    if args.batch_wait_ms:
+        rows.append(run_engine(args, False, args.batch, args.batch_wait_ms))
     direct1 = run_direct(args, 1)
     direct_b = run_direct(args, args.batch)
 
     print(f"\n{args.model} {args.size}x{args.size}, {args.steps} steps, {args.requests} requests "
           f"at concurrency {args.concurrency}, executor {args.executor}, "
-          f"best of {args.repeats} passes\n")
-    print(f"{'mode':<14}{'max_num_seqs':>13}{'req/s':>9}{'p50 s':>9}{'p99 s':>9}")
+          f"{args.threads or 'default'} torch thread(s), best of {args.repeats} passes\n")
+    print(f"{'mode':<26}{'max_num_seqs':>13}{'req/s':>9}{'p50 s':>9}{'p99 s':>9}")
     for r in rows:
-        print(f"{r['mode']:<14}{r['max_num_seqs']:>13}{r['rps']:>9.2f}{r['p50']:>9.3f}"
+        print(f"{r['mode']:<26}{r['max_num_seqs']:>13}{r['rps']:>9.2f}{r['p50']:>9.3f}"
               f"{r['p99']:>9.3f}")
-    print(f"{'direct loop':<14}{1:>13}{direct1:>9.2f}")
-    print(f"{'direct loop':<14}{args.batch:>13}{direct_b:>9.2f}   (best possible batched)")
+    print(f"{'direct loop':<26}{1:>13}{direct1:>9.2f}")
+    print(f"{'direct loop':<26}{args.batch:>13}{direct_b:>9.2f}   (best possible batched)")
 
     by = {(r["mode"], r["max_num_seqs"]): r["rps"] for r in rows}
     serial = by[("REQUEST_BATCH", 1)]
     print(f"\nengine overhead, REQUEST_BATCH max_num_seqs=1 vs direct batch-1 loop: "
           f"{(direct1 / serial - 1) * 100:+.1f}% time per request (goal within 5%)")
+    step1 = by[("STEP_BATCH", 1)]
+    print(f"STEP_BATCH max_num_seqs=1 vs the same loop: {(direct1 / step1 - 1) * 100:+.1f}% "
+          "(one execute round trip per denoise step)")
     gain = direct_b - direct1
-    for mode in ("REQUEST_BATCH", "STEP_BATCH"):
+    for mode in [r["mode"] for r in rows if r["max_num_seqs"] == args.batch]:
         achieved = by[(mode, args.batch)] - direct1
         share = achieved / gain * 100 if gain > 0 else float("nan")
         print(f"{mode} max_num_seqs={args.batch}: {by[(mode, args.batch)] / direct1:.2f}x the "

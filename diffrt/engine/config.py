@@ -66,6 +66,10 @@ class EngineConfig:
             (and cleaning up) if it does not finish in time.
         dtype: weights dtype in the worker.
         postprocess_workers: threads that turn host outputs into PIL images.
+        torch_threads: intra-op threads of torch in each worker (None: torch's
+            default). On a small CPU box shared with the engine process or other
+            jobs, fewer threads than cores avoids OpenMP oversubscription, which
+            can slow a step down by an order of magnitude.
         max_pending_output_bytes: bound on outputs waiting to be read
             (None = the runtime's default).
         executor_options: extra ExecutorConfig fields (tests, tuning).
@@ -85,6 +89,7 @@ class EngineConfig:
     warmup_timeout_s: float = 300.0
     dtype: str = "float32"
     postprocess_workers: int = 2
+    torch_threads: int | None = None
     max_pending_output_bytes: int | None = None
     executor_options: dict[str, Any] = field(default_factory=dict)
 
@@ -138,6 +143,9 @@ class EngineConfig:
         if not _is_int(self.postprocess_workers) or self.postprocess_workers < 1:
             raise EngineConfigError("postprocess_workers",
                                     f"must be an int >= 1, got {self.postprocess_workers!r}")
+        n = self.torch_threads
+        if n is not None and (not _is_int(n) or n < 1):
+            raise EngineConfigError("torch_threads", f"must be None or an int >= 1, got {n!r}")
         b = self.max_pending_output_bytes
         if b is not None and (not _is_int(b) or b <= 0):
             raise EngineConfigError("max_pending_output_bytes", f"must be None or an int > 0, got {b!r}")

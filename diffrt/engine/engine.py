@@ -588,7 +588,9 @@ def executor_config(config: EngineConfig) -> ExecutorConfig:
     async_output = config.async_output
     if async_output is None:
         async_output = bool(current_platform.supports_async_output)
-    runner_kwargs = {"model": config.model, "dtype": config.dtype}
+    runner_kwargs: dict[str, Any] = {"model": config.model, "dtype": config.dtype}
+    if config.torch_threads is not None:
+        runner_kwargs["torch_threads"] = config.torch_threads
     runner_kwargs.update(kw.pop("runner_kwargs", {}))
     return ExecutorConfig(runner_cls=RUNNER_CLS, runner_kwargs=runner_kwargs,
                           world_size=config.world_size, async_output=async_output, **kw)

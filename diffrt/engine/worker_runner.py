@@ -72,10 +72,14 @@ class PipelineRunner:
     """Loads the pipeline once per worker and runs engine ticks on it."""
 
     def __init__(self, *, rank: int, world_size: int, platform: Any, model: str,
-                 dtype: str = "float32", plugin_modules: list[str] | None = None):
+                 dtype: str = "float32", plugin_modules: list[str] | None = None,
+                 torch_threads: int | None = None):
         import importlib
 
         from diffrt.engine.pipelines.registry import load_pipeline
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
 
         for name in plugin_modules or ():
             importlib.import_module(name)  # lets tests register pipelines in spawned workers

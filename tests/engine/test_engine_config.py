@@ -21,6 +21,7 @@ from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
     ({"output_timeout_s": 0}, "output_timeout_s"),
     ({"warmup_timeout_s": -5}, "warmup_timeout_s"),
     ({"dtype": "int8"}, "dtype"),
+    ({"torch_threads": 0}, "torch_threads"),
     ({"step_execution": 1}, "step_execution"),
 ])
 def test_bad_field_is_named(kw, field):
