@@ -20,7 +20,7 @@ DRIVER = textwrap.dedent("""
     import json, sys
     from diffrt.runtime import ExecutorConfig, make_executor
     ex = make_executor("mp", ExecutorConfig(
-        runner_cls="runtime_test_runners:EchoRunner", world_size=2,
+        runner_cls="runtime_test_runners:EchoRunner", world_size=int(sys.argv[2]),
         max_pending_output_bytes=1 << 20, startup_timeout_s=120))
     out = ex.execute("make", {"keys": ["a"], "shape": [64]})
     lease = ex.wait_output_ready(out.output_ids["a"]).result(timeout=60)  # held, never released
@@ -44,13 +44,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("state", ["busy", "idle"])
-def test_workers_exit_and_nothing_leaks_when_the_engine_is_sigkilled(tmp_path, state):
+@pytest.mark.parametrize("state,ranks", [("busy", 2), ("idle", 1)])
+def test_workers_exit_and_nothing_leaks_when_the_engine_is_sigkilled(tmp_path, state, ranks):
     shm_before = set(os.listdir("/dev/shm"))
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(RUNTIME_TESTS), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, str(script), state], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script), state, str(ranks)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
