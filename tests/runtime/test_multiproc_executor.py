@@ -34,7 +34,7 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
 @pytest.fixture(scope="module")
 def mp2():
     ex = make_executor("mp", config(world_size=2, runner_kwargs={"tag": "mp"},
-                                    max_pending_output_bytes=32 << 20))
+                                    max_pending_output_bytes=8 << 20))
     yield ex
     pids = ex.worker_pids
     ex.shutdown()
@@ -145,3 +145,22 @@ def test_shutdown_with_work_in_flight_escalates_and_fails_it():
             busy.result(timeout=10)
     assert _gone(pid, within_s=1.0)
     assert not ex.is_healthy()
+
+
+def test_full_arena_waits_for_the_engine_to_free_across_processes(mp2):
+    req = {"keys": ["k"], "shape": [5 << 20], "dtype": "uint8"}  # two do not fit in 8 MiB
+    first = mp2.execute("make", req)
+    lease = mp2.wait_output_ready(first.output_ids["k"]).result(timeout=30)
+    second = mp2.execute("make", req)
+    fut = mp2.wait_output_ready(second.output_ids["k"])
+    with pytest.raises(concurrent.futures.TimeoutError):
+        fut.result(timeout=0.5)  # the writer waits for room
+    assert torch.equal(lease.take(), make_tensor(0, [5 << 20], "uint8"))  # frees via the pipe
+    assert torch.equal(fut.result(timeout=30).take(), make_tensor(0, [5 << 20], "uint8"))
+
+
+def test_runner_constructor_error_in_a_worker_fails_start_up():
+    cfg = config()
+    cfg.runner_cls = "runtime_test_runners:NoSuchRunner"
+    with pytest.raises(WorkerError, match="NoSuchRunner"):
+        make_executor("mp", cfg)
