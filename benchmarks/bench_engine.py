@@ -113,15 +113,19 @@ def main() -> None:
                              "(0: skip)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed passes per configuration; the fastest is reported")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads in the workers and the direct loop (0: torch's "
-                             "default). On a shared 2-core machine 2 OpenMP threads can run "
-                             "40x slower when another process competes for a core")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads in the workers and the direct loop (0: the "
+                             "engine's auto choice, EngineConfig.torch_threads=None)")
     args = parser.parse_args()
-    if args.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
+    from diffrt.engine.worker_runner import cpu_worker_threads
+    from diffrt.platforms import current_platform
+
+    direct_threads = args.threads or cpu_worker_threads(current_platform, 1)
+    if direct_threads:
+        torch.set_num_threads(direct_threads)  # the direct loop runs like one worker
+    args.threads_label = direct_threads or "default"
 
     rows = [run_engine(args, step, n) for step in (True, False) for n in (1, args.batch)]
     if args.batch_wait_ms:
@@ -131,7 +135,7 @@ def main() -> None:
 
     print(f"\n{args.model} {args.size}x{args.size}, {args.steps} steps, {args.requests} requests "
           f"at concurrency {args.concurrency}, executor {args.executor}, "
-          f"{args.threads or 'default'} torch thread(s), best of {args.repeats} passes\n")
+          f"{args.threads_label} torch thread(s), best of {args.repeats} passes\n")
     print(f"{'mode':<26}{'max_num_seqs':>13}{'req/s':>9}{'p50 s':>9}{'p99 s':>9}")
     for r in rows:
         print(f"{r['mode']:<26}{r['max_num_seqs']:>13}{r['rps']:>9.2f}{r['p50']:>9.3f}"

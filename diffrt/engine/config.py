@@ -66,10 +66,10 @@ class EngineConfig:
             (and cleaning up) if it does not finish in time.
         dtype: weights dtype in the worker.
         postprocess_workers: threads that turn host outputs into PIL images.
-        torch_threads: intra-op threads of torch in each worker (None: torch's
-            default). On a small CPU box shared with the engine process or other
-            jobs, fewer threads than cores avoids OpenMP oversubscription, which
-            can slow a step down by an order of magnitude.
+        torch_threads: intra-op threads of torch in each worker. None = auto:
+            on CPU, the usable cores split among the ranks minus one for the
+            engine process (OpenMP oversubscription can slow a step down by an
+            order of magnitude); elsewhere torch's default.
         max_pending_output_bytes: bound on outputs waiting to be read
             (None = the runtime's default).
         executor_options: extra ExecutorConfig fields (tests, tuning).
