@@ -56,6 +56,7 @@ COMPARE_KEYS = {
     "world_size": positive_int,
     "executor": _choice("mp", "inproc"),
     "policy": _choice("fifo", "skip_ahead"),
+    "threads": positive_int,
     "batch_wait_ms": non_negative_float,
     "concurrency": positive_int,
     "request_rate": positive_float,

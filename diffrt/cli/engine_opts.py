@@ -63,6 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None
     p.add_argument("--executor", choices=("mp", "inproc"), default=executor,
                    help="mp: worker processes; inproc: the runner in this process "
                         "(default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads in each worker (default: the engine's choice; "
+                        "on a busy CPU, more threads than free cores is much slower)")
     p.add_argument("--policy", choices=("fifo", "skip_ahead"), default="fifo",
                    help="scheduling policy: fifo, or skip_ahead (compatible younger requests "
                         "may pass an incompatible one, with aging) (default: %(default)s)")
@@ -85,6 +88,8 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         settings["world_size"] = get("world_size")
     if get("executor"):
         settings["executor_backend"] = get("executor")
+    if get("threads"):
+        settings["torch_threads"] = get("threads")
     if get("policy") != "fifo":
         settings["scheduling_policy"] = get("policy")
     if get("batch_wait_ms"):
