@@ -4,6 +4,8 @@ Printed, never asserted. Run from the repository root:
 
     .venv/bin/python benchmarks/bench_async_output.py            # tiny-flux 512 + 1024, synthetic, transport
     .venv/bin/python benchmarks/bench_async_output.py --sizes 512 --requests 4 --skip-transport
+    .venv/bin/python benchmarks/bench_async_output.py --skip-transport --skip-synthetic \
+        --sizes 1024 --identical 50          # the device check: throughput + bit-identical
 
 Part 1 serves the embedded default model (``tiny-flux``) through the
 multiprocess executor like the engine does (the loop issues the next execute
@@ -44,12 +46,13 @@ class BenchRunner:
 
     def __init__(self, *, rank: int, world_size: int, platform: Any, model: str | None = None):
         self.platform = platform
+        self.device = platform.torch_device(None if platform.device_type == "cpu" else rank)
         self.pipeline = None
         if model:
             from diffrt.engine.pipelines.registry import load_pipeline
 
-            self.pipeline = load_pipeline(model)
-        self._a = torch.randn(512, 512)
+            self.pipeline = load_pipeline(model, device=self.device)
+        self._a = torch.randn(512, 512, device=self.device)
 
     def model(self, p: dict) -> RunnerResult:
         from diffrt.engine.pipelines.interface import DiffusionRequestBatch
@@ -69,7 +72,7 @@ class BenchRunner:
     def blob(self, p: dict) -> RunnerResult:
         """The same ready tensor every time: measures the output path alone."""
         if getattr(self, "_blob", None) is None or self._blob.numel() != p["numel"]:
-            self._blob = torch.randn(p["numel"])
+            self._blob = torch.randn(p["numel"], device=self.device)
         return RunnerResult(outputs={"x": self._blob})
 
     def synthetic(self, p: dict) -> RunnerResult:
@@ -78,7 +81,7 @@ class BenchRunner:
         x = self._a
         while time.perf_counter() < deadline:
             x = torch.tanh(x @ self._a)
-        out = torch.empty(p["numel"], dtype=torch.float32).fill_(float(p["seed"]))
+        out = torch.empty(p["numel"], dtype=torch.float32, device=self.device).fill_(float(p["seed"]))
         return RunnerResult(meta={"forward_s": time.perf_counter() - start},
                             outputs={} if p["drop"] else {p["id"]: out})
 
@@ -271,6 +274,28 @@ def bench_transport(args: argparse.Namespace) -> None:
         torch.set_num_threads(threads)
 
 
+def check_identical(args: argparse.Namespace) -> None:
+    """The real-device counterpart of the simulated race test: async and sync
+    outputs must be bit-identical request by request."""
+    print(f"\n== async vs sync outputs, {args.identical} requests at {args.identical_size}^2 ==")
+    ex_async = _executor(True, args.model)
+    ex_sync = _executor(False, args.model)
+    try:
+        mismatches = 0
+        for i in range(args.identical):
+            p = {"id": f"c{i}", "size": args.identical_size, "steps": args.steps, "seed": i,
+                 "output": args.output, "drop": False}
+            got = []
+            for ex in (ex_async, ex_sync):
+                out = ex.execute("model", p)
+                got.append(ex.wait_output_ready(out.output_ids[p["id"]]).result().take())
+            mismatches += not torch.equal(got[0], got[1])
+        print(f"bit-identical: {args.identical - mismatches}/{args.identical}")
+    finally:
+        ex_async.shutdown()
+        ex_sync.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-flux")
@@ -286,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport-mb", type=float, nargs="*", default=[3.1, 12.6, 100.0])
     ap.add_argument("--transport-repeats", type=int, default=10)
     ap.add_argument("--transport-threads", type=int, default=1)
+    ap.add_argument("--identical", type=int, default=0,
+                    help="also check async == sync outputs over this many requests (e.g. 50)")
+    ap.add_argument("--identical-size", type=int, default=256)
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--skip-synthetic", action="store_true")
     ap.add_argument("--skip-transport", action="store_true")
@@ -297,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_synthetic(args)
     if not args.skip_model and args.sizes:
         bench_serving(args)
+    if args.identical:
+        check_identical(args)
     return 0
 
 
