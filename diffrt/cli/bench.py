@@ -117,7 +117,9 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     if base["max_num_seqs"] is None:
         base["max_num_seqs"] = 1
     if not args.compare:
-        return [("base", base)]
+        label = (f"{base['mode']} mode, max_num_seqs={base['max_num_seqs']}, "
+                 f"async_output={base['async_output']}, executor={base['executor'] or 'mp'}")
+        return [(label, base)]
     return [(spec, {**base, **parse_spec(spec)}) for spec in args.compare]
 
 
@@ -155,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
 
     results = []
     engine, engine_key = None, None
-    with trace_session(args, title="diffrt bench") as tw:
+    title = f"diffrt bench: {args.model}, {_load_text(configs[0][1])}"
+    with trace_session(args, title=title) as tw:
         try:
             for i, (label, opts) in enumerate(configs, 1):
                 tag = f"[{i}/{len(configs)}] {label}"
