@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import config, memfd_arenas
+from runtime_helpers import config, memfd_arenas
 from runtime_test_runners import make_tensor
 
 from diffrt.runtime import (

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import config
+from runtime_helpers import config
 from runtime_test_runners import make_tensor
 
 from diffrt.runtime import ExecutorDeadError, WorkerError, make_executor

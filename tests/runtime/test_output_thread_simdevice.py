@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import config
+from runtime_helpers import config
 from runtime_test_runners import make_tensor
 
 simdevice = pytest.importorskip("diffrt_simdevice.platform",

@@ -1,0 +1,33 @@
+"""Helpers of the runtime tests (a uniquely named module: several test folders
+have a conftest.py, so ``from conftest import`` would be ambiguous)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from diffrt.runtime import ExecutorConfig
+
+HERE = Path(__file__).resolve().parent
+RUNNER = "runtime_test_runners:EchoRunner"
+
+
+def config(**kw) -> ExecutorConfig:
+    """A config whose spawned workers can import the test runners."""
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    kw.setdefault("worker_env", env)
+    kw.setdefault("startup_timeout_s", 120.0)
+    return ExecutorConfig(runner_cls=RUNNER, **kw)
+
+
+def memfd_arenas() -> int:
+    """How many output-arena descriptors this process holds (memfds live in /proc, not
+    /dev/shm); each arena holds two while mapped (its fd and mmap's duplicate)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "diffrt-output-arena" in os.readlink(f"/proc/self/fd/{fd}"):
+                count += 1
+        except OSError:
+            pass
+    return count
