@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -96,7 +96,6 @@ class _Record:
     compute_done_at: float | None = None
     forward_time: float = 0.0
     step: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_steps(self) -> int:
