@@ -36,8 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", "-p", action="append", default=[],
                    help="a prompt; repeat for several")
     p.add_argument("--prompts-file", type=Path,
-                   help="a text file with one prompt per line (blank lines and lines "
-                        "starting with # are skipped)")
+                   help="a text file with one prompt per line, '-' for stdin (blank lines and "
+                        "lines starting with # are skipped)")
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the first prompt; prompt i uses seed+i (default: %(default)s)")
@@ -57,7 +57,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file is not None:
         try:
-            text = args.prompts_file.read_text()
+            text = sys.stdin.read() if str(args.prompts_file) == "-" else args.prompts_file.read_text()
         except OSError as exc:
             raise CliError(f"cannot read --prompts-file {str(args.prompts_file)!r}: "
                            f"{exc.strerror or exc}") from None

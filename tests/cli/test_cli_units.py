@@ -119,6 +119,21 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys, tmp_path, monkey
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+def test_prompts_come_from_flags_a_file_and_stdin(tmp_path, monkeypatch):
+    import io
+
+    from diffrt.cli import build_parser
+    from diffrt.cli.generate import read_prompts
+
+    f = tmp_path / "p.txt"
+    f.write_text("first\n\n# comment\n  second  \n")
+    args = build_parser().parse_args(["generate", "-p", "zero", "--prompts-file", str(f)])
+    assert read_prompts(args) == ["zero", "first", "second"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin\n"))
+    args = build_parser().parse_args(["generate", "--prompts-file", "-"])
+    assert read_prompts(args) == ["from stdin"]
+
+
 def test_argparse_rejects_non_numbers(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "-p", "x", "--steps", "many"])
