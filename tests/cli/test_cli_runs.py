@@ -6,9 +6,11 @@ things. The inproc executor is used where worker processes are not the point.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 
+import pytest
 from PIL import Image
 
 from diffrt.cli.trace_analysis import find_async_overlaps, load_trace, tracks
@@ -53,6 +55,9 @@ def test_bench_compare_prints_table_json_and_overlapping_trace(cli, tmp_path):
     # every device-to-host copy land 40 ms late, as a real copy engine working
     # beside compute would: with async output on, the next forward must run
     # while the previous request's copy is still in flight.
+    if importlib.util.find_spec("diffrt_simdevice") is None:
+        pytest.fail("the simulated device plugin is missing: pip install "
+                    "./tests/plugins/diffrt_simdevice (scripts/test.sh does)")
     env = {"DIFFRT_PLATFORM": "simdevice", "DIFFRT_SIMDEVICE_COPY_DELAY_MS": "40"}
     proc = cli("bench", "--executor", "inproc", "--height", "64", "--width", "64",
                "--steps", "2", "-N", "4", "-c", "2", "--warmup", "1",
