@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from diffrt.cli.trace_analysis import FORWARD, OUTPUT_COPY, Span, Track, tracks
+from diffrt.cli.trace_analysis import BENCH_TRACK, FORWARD, OUTPUT_COPY, Span, Track, tracks
 
-BENCH_TRACK = "bench"
 _COLORS = {FORWARD: "#1f77b4", OUTPUT_COPY: "#ff7f0e", "postprocess": "#2ca02c"}
 _OTHER_COLORS = ["#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#d62728"]
 

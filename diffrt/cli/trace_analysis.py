@@ -17,6 +17,7 @@ from typing import Any
 
 FORWARD = "forward"
 OUTPUT_COPY = "d2h+pack"
+BENCH_TRACK = "bench"
 _WORKER_TRACK = re.compile(r"^worker(\d+) (main|output)$")
 
 
@@ -65,7 +66,7 @@ def _track_order(track: Track) -> tuple:
         return (1, 0, track.name)
     if m:
         return (2, int(m.group(1)), m.group(2) != "main", track.name)
-    return (0 if track.name == "bench" else 3, 0, track.name)
+    return (0 if track.name == BENCH_TRACK else 3, 0, track.name)
 
 
 def tracks(trace: dict[str, Any]) -> list[Track]:
@@ -115,13 +116,30 @@ def find_async_overlaps(trace: dict[str, Any]) -> list[tuple[Span, Span]]:
     return pairs
 
 
+def measured_ms(rows: list[Track]) -> float:
+    """The time the trace is about: the bench windows, else first to last span."""
+    bench = [t for t in rows if t.name == BENCH_TRACK]
+    if bench:
+        return sum(s.end_us - s.start_us for s in bench[0].spans) / 1000
+    spans = [s for t in rows for s in t.spans]
+    if not spans:
+        return 0.0
+    return (max(s.end_us for s in spans) - min(s.start_us for s in spans)) / 1000
+
+
 def summarize(trace: dict[str, Any]) -> str:
-    """One line per track plus the overlap count, for the command's output."""
-    lines = []
-    for t in tracks(trace):
+    """One line per track (spans, busy time and its share of the measured
+    time: an idle worker main stream is the device bubble) plus the overlap count."""
+    rows = tracks(trace)
+    total = measured_ms(rows)
+    lines = [f"  measured: {total:.1f} ms"]
+    for t in rows:
+        if t.name == BENCH_TRACK:
+            continue
         busy_ms = sum(s.end_us - s.start_us for s in t.spans) / 1000
-        lines.append(f"  {t.label}: {len(t.spans)} spans, {busy_ms:.1f} ms busy")
-    forwards = sum(1 for t in tracks(trace) for s in t.spans if s.name == FORWARD)
+        share = f" ({100 * busy_ms / total:.0f}%)" if total > 0 else ""
+        lines.append(f"  {t.label}: {len(t.spans)} spans, {busy_ms:.1f} ms busy{share}")
+    forwards = sum(1 for t in rows for s in t.spans if s.name == FORWARD)
     overlapped = {id(f) for f, _ in find_async_overlaps(trace)}
     if forwards:
         lines.append(f"  forwards overlapping the previous output copy: {len(overlapped)} of {forwards}")

@@ -88,7 +88,9 @@ def test_overlap_found_when_next_forward_runs_during_previous_copy():
     trace = _synthetic(forwards=[(0, 100, "r1"), (105, 200, "r2")], copies=[(100, 150, "r1")])
     pairs = find_async_overlaps(trace)
     assert [(f.keys, c.keys) for f, c in pairs] == [(("r2",), ("r1",))]
-    assert "1 of 2" in summarize(trace)
+    text = summarize(trace)
+    assert "1 of 2" in text and "measured: 0.2 ms" in text
+    assert "worker0 main: 2 spans, 0.2 ms busy (98%)" in text  # 195 of 200 us
 
 
 def test_no_overlap_when_copies_run_between_forwards():
