@@ -7,7 +7,7 @@ import threading
 import engine_toy as toy
 import numpy as np
 import pytest
-from conftest import assert_clean, toy_engine, toy_request, wait_until
+from engine_helpers import assert_clean, toy_engine, toy_request, wait_until
 
 from diffrt.engine import DiffusionOutput, InvalidRequestError
 
