@@ -16,7 +16,9 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
 from diffrt.runtime.executor import ExecutorConfig
 from diffrt.runtime.messages import FreeSlots, Shutdown, encode
@@ -30,6 +32,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def worker_device_env(platform: Any, rank: int, world_size: int,
+                      environ: Mapping[str, str]) -> dict[str, str]:
+    """Pin rank ``rank`` to one device through the vendor's visibility variable
+    (e.g. CUDA_VISIBLE_DEVICES), so its compute stream and its output thread's
+    side stream live on the same, right device (index 0 inside the worker)."""
+    var = getattr(platform, "device_control_env_var", None)
+    if world_size <= 1 or not var or platform.device_type == "cpu":
+        return {}
+    visible = environ.get(var)
+    ids = [v for v in visible.split(",") if v.strip()] if visible else \
+        [str(i) for i in range(platform.device_count())]
+    if not ids:
+        return {}
+    return {var: ids[rank % len(ids)]}
 
 
 class _Proc:
@@ -60,6 +78,11 @@ class MultiprocExecutor(PumpedExecutor):
         super().__init__(config)
         self._procs: list[_Proc] = []
         self._death: str | None = None
+        self._platform: Any = None
+        if config.world_size > 1:
+            from diffrt.platforms import current_platform
+
+            self._platform = current_platform
         self._free_conn: Connection | None = None
         self._free_lock = threading.Lock()
         self.router = ResultRouter(config.world_size, self.arena, SlotFreer(self._send_free),
@@ -93,7 +116,9 @@ class MultiprocExecutor(PumpedExecutor):
             child_fds += [free_r, self.arena.fd]
             cmd += ["--free-fd", str(free_r), "--arena-fd", str(self.arena.fd)]
         env = dict(os.environ)
-        env.update(self.config.worker_env)
+        if self._platform is not None:
+            env.update(worker_device_env(self._platform, rank, self.config.world_size, os.environ))
+        env.update(self.config.worker_env)  # an explicit setting wins
         try:
             popen = subprocess.Popen(cmd, pass_fds=child_fds, env=env, stdin=subprocess.DEVNULL)
         finally:

@@ -164,3 +164,23 @@ def test_runner_constructor_error_in_a_worker_fails_start_up():
     cfg.runner_cls = "runtime_test_runners:NoSuchRunner"
     with pytest.raises(WorkerError, match="NoSuchRunner"):
         make_executor("mp", cfg)
+
+
+def test_each_rank_is_pinned_to_its_own_device():
+    from diffrt.runtime.multiproc_executor import worker_device_env
+
+    class FakeGpu:
+        device_type = "cuda"
+        device_control_env_var = "CUDA_VISIBLE_DEVICES"
+
+        def device_count(self) -> int:
+            return 4
+
+    gpu = FakeGpu()
+    assert worker_device_env(gpu, 1, 2, {}) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert worker_device_env(gpu, 1, 2, {"CUDA_VISIBLE_DEVICES": "5,7"}) == \
+        {"CUDA_VISIBLE_DEVICES": "7"}
+    assert worker_device_env(gpu, 0, 1, {}) == {}  # one rank keeps the caller's view
+    from diffrt.platforms.cpu import CpuPlatform
+
+    assert worker_device_env(CpuPlatform(), 1, 2, {}) == {}
