@@ -154,7 +154,10 @@ def _save(prompts: list[str], finals: list[Any], paths: list[list[Path]]) -> int
             reason = "no output" if final is None else (final.error or "aborted")
             print(f"failed: {prompt!r}: {reason}", file=sys.stderr)
             continue
+        m = final.metrics
+        took = (f", {m.finished_time - m.arrival_time:.2f} s"
+                if m.finished_time is not None and m.arrival_time else "")
         for image, path in zip(final.images or [], targets, strict=False):
             image.save(path)
-            print(f"wrote {path} ({image.width}x{image.height}) for {prompt!r}")
+            print(f"wrote {path} ({image.width}x{image.height}{took}) for {prompt!r}")
     return failed
