@@ -138,7 +138,8 @@ def summarize(trace: dict[str, Any]) -> str:
             continue
         busy_ms = sum(s.end_us - s.start_us for s in t.spans) / 1000
         share = f" ({100 * busy_ms / total:.0f}%)" if total > 0 else ""
-        lines.append(f"  {t.label}: {len(t.spans)} spans, {busy_ms:.1f} ms busy{share}")
+        noun = "span" if len(t.spans) == 1 else "spans"
+        lines.append(f"  {t.label}: {len(t.spans)} {noun}, {busy_ms:.1f} ms busy{share}")
     forwards = sum(1 for t in rows for s in t.spans if s.name == FORWARD)
     overlapped = {id(f) for f, _ in find_async_overlaps(trace)}
     if forwards:
