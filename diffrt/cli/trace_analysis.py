@@ -145,3 +145,33 @@ def summarize(trace: dict[str, Any]) -> str:
     if forwards:
         lines.append(f"  forwards overlapping the previous output copy: {len(overlapped)} of {forwards}")
     return "\n".join(lines)
+
+
+def add_output_flows(trace: dict[str, Any]) -> int:
+    """Add flow arrows (Perfetto/Chrome "s"/"f" events) from each forward to the
+    output copy of the same requests, so the viewer links request N's forward
+    to its d2h+pack even while request N+1's forward runs. Returns the count."""
+    flows: list[dict[str, Any]] = []
+    by_pid: dict[int, dict[str, Track]] = {}
+    for t in tracks(trace):
+        by_pid.setdefault(t.pid, {})[t.name] = t
+    for named in by_pid.values():
+        for name, out_track in named.items():
+            m = _WORKER_TRACK.match(name)
+            main = named.get(f"worker{m.group(1)} main") if m and m.group(2) == "output" else None
+            if main is None:
+                continue
+            for copy in (s for s in out_track.spans if s.name == OUTPUT_COPY and s.keys):
+                sources = [f for f in main.spans if f.name == FORWARD and f.start_us <= copy.start_us
+                           and set(f.keys) & set(copy.keys)]
+                if not sources:
+                    continue
+                fwd = max(sources, key=lambda f: f.start_us)
+                flow_id = len(flows) // 2 + 1
+                common = {"name": "output", "cat": "diffrt", "id": flow_id, "pid": main.pid}
+                flows.append({**common, "ph": "s", "tid": main.tid,
+                              "ts": max(fwd.start_us, fwd.end_us - 1.0)})
+                flows.append({**common, "ph": "f", "bp": "e", "tid": out_track.tid,
+                              "ts": copy.start_us})
+    trace["traceEvents"].extend(flows)
+    return len(flows) // 2

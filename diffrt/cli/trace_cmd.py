@@ -4,6 +4,7 @@ DIFFRT_TRACE_DIR set, and/or draw a trace file as a timeline picture."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from diffrt.cli.errors import CliError
@@ -24,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from diffrt import tracing
-    from diffrt.cli.trace_analysis import load_trace, summarize
+    from diffrt.cli.trace_analysis import add_output_flows, load_trace, summarize
 
     if args.out:
         check_writable_file(args.out, "the trace")
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError("give --out and/or --plot for a folder source")
         out = args.out or args.source / "merged-trace.json"
         trace = tracing.merge_traces(args.source, out)
+        if add_output_flows(trace):
+            Path(out).write_text(json.dumps(trace))
         if args.out:
             print(f"trace: {args.out} ({len(trace['traceEvents'])} events)")
     elif args.source.is_file():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import shutil
 import tempfile
@@ -88,10 +89,12 @@ def trace_session(args: argparse.Namespace, title: str) -> Iterator[TraceWindows
 
 def _finish(args: argparse.Namespace, tmp: Path, title: str,
             windows: list[tuple[float, float]] | None) -> None:
-    from diffrt.cli.trace_analysis import summarize
+    from diffrt.cli.trace_analysis import add_output_flows, summarize
 
     out = Path(args.trace) if args.trace else tmp / "trace.json"
     trace = tracing.merge_traces(tmp, out, windows=windows)
+    if add_output_flows(trace):  # arrows forward -> its output copy in the viewer
+        out.write_text(json.dumps(trace))
     if args.trace:
         print(f"trace: {out} ({len(trace['traceEvents'])} events; open in https://ui.perfetto.dev "
               "or chrome://tracing)")

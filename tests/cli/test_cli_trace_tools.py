@@ -170,3 +170,19 @@ def test_trace_command_merges_a_folder_and_plots(trace_dir, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert main(["trace", str(tmp_path / "bad.json")]) == 2
     assert "traceEvents" in capsys.readouterr().err
+
+
+def test_flow_arrows_link_each_forward_to_its_own_output_copy():
+    from diffrt.cli.trace_analysis import add_output_flows
+
+    trace = _synthetic(forwards=[(0, 100, "r1"), (105, 200, "r2")],
+                       copies=[(100, 150, "r1"), (200, 230, "r2")])
+    assert add_output_flows(trace) == 2
+    flows = [e for e in trace["traceEvents"] if e["ph"] in ("s", "f")]
+    starts = {e["id"]: e for e in flows if e["ph"] == "s"}
+    ends = {e["id"]: e for e in flows if e["ph"] == "f"}
+    assert starts.keys() == ends.keys() == {1, 2}
+    # r1's arrow leaves forward r1 (before 100 us), lands on copy r1 at 100 us
+    assert 0 <= starts[1]["ts"] < 100 and ends[1]["ts"] == 100 and starts[1]["tid"] == 1
+    assert 105 <= starts[2]["ts"] < 200 and ends[2]["ts"] == 200 and ends[2]["tid"] == 2
+    assert all(e["pid"] == 7 for e in flows)
