@@ -167,21 +167,44 @@ class PipelineRunner:
                 continue
             states.append(self.states[rid])
         self._advance(states, meta)
+        done = []
         for state in states:
             rid = state.request_id
             if rid in meta.errors:
                 self.states.pop(rid, None)
             elif state.finished:
                 self.states.pop(rid, None)
-                try:
-                    out = self.pipeline.post_decode(state)
-                    outputs[rid] = self.pipeline.to_transfer(out, state.request.sampling_params)
-                    meta.finished.append(rid)
-                except Exception as exc:
-                    meta.errors[rid] = describe_error(exc)
+                done.append(state)
             else:
                 meta.progress[rid] = state.step_index
+        self._decode(done, meta, outputs)
         return RunnerResult(meta=meta, outputs=outputs)
+
+    def _decode(self, states: list[StepRequestState], meta: StepMeta,
+                outputs: dict[str, Any]) -> None:
+        """Decode the requests that finished in this tick in one call; on a
+        failure, one by one so the error lands on its own request."""
+        if not states:
+            return
+        try:
+            decoded = self.pipeline.post_decode_batch(states)
+            if len(decoded) != len(states):
+                raise RuntimeError(f"post_decode_batch returned {len(decoded)} outputs "
+                                   f"for {len(states)} requests")
+        except Exception as exc:
+            if len(states) == 1:
+                meta.errors[states[0].request_id] = describe_error(exc)
+                return
+            for state in states:
+                self._decode([state], meta, outputs)
+            return
+        for state, out in zip(states, decoded, strict=True):
+            rid = state.request_id
+            try:
+                outputs[rid] = self.pipeline.to_transfer(out, state.request.sampling_params)
+                meta.finished.append(rid)
+            except Exception as exc:
+                meta.errors[rid] = describe_error(exc)
 
     def _advance(self, states: list[StepRequestState], meta: StepMeta) -> None:
         """One denoise step for all ``states``; on a batch failure, retry each alone."""
@@ -206,10 +229,10 @@ class PipelineRunner:
 
     def _denoise(self, states: list[StepRequestState]) -> list[torch.Tensor]:
         pred = self.pipeline.denoise_step(StepInputBatch(states=states), states=states)
-        sizes = [s.latents.shape[0] if s.latents is not None else 1 for s in states]
-        if pred.shape[0] != sum(sizes):
-            raise RuntimeError(f"denoise_step returned {pred.shape[0]} rows for {sum(sizes)}")
-        return list(pred.split(sizes, dim=0))
+        rows = sum(s.latents.shape[0] if s.latents is not None else 1 for s in states)
+        if pred.shape[0] != rows:
+            raise RuntimeError(f"denoise_step returned {pred.shape[0]} rows for {rows}")
+        return self.pipeline.split_predictions(pred, states)
 
     # -- control --------------------------------------------------------------------
     def health(self, payload: Any = None) -> dict[str, Any]:

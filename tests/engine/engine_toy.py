@@ -6,7 +6,8 @@ request's seed and step count, so a swapped or mixed-up output is visible:
 pixel value = (seed * 7 + steps) % 200 / 100 - 1 before quantisation.
 
 Prompts steer faults: "fail" raises in forward / prepare_encode, "failstep"
-raises in denoise_step when that request is in the batch, and "block:NAME"
+raises in denoise_step when that request is in the batch, "faildecode" in
+post_decode, and "block:NAME"
 waits (bounded) on ``gate(NAME)`` in forward or denoise_step.
 """
 
@@ -24,7 +25,7 @@ from diffrt.engine.postprocess import quantize_images
 BLOCK_TIMEOUT_S = 30.0
 
 _gates: dict[str, threading.Event] = defaultdict(threading.Event)
-#: what ran, in order: ("forward", [ids]) / ("step", [ids])
+#: what ran, in order: ("forward" | "step" | "decode", [ids])
 CALLS: list[tuple[str, list[str]]] = []
 _calls_lock = threading.Lock()
 
@@ -109,8 +110,14 @@ class ToyPipeline(DiffusionPipeline):
         state.step_index += 1
 
     def post_decode(self, state):
+        if state.request.prompt == "faildecode":
+            raise RuntimeError(f"toy decode failure in {state.request_id}")
         steps = int(state.latents[0, 0].item())
         return self._image(state.request, steps)
+
+    def post_decode_batch(self, states):
+        _record("decode", [s.request_id for s in states])
+        return super().post_decode_batch(states)
 
 
 class SerialToyPipeline(ToyPipeline):

@@ -71,6 +71,24 @@ def test_a_request_joins_a_running_batch_at_a_step_boundary(step_engine4):
     assert all(o.ok for o in got)
 
 
+def test_requests_finishing_together_are_decoded_together(step_engine4):
+    toy.reset()
+    reqs = [toy_request(seed=i, steps=2) for i in range(3)] + [toy_request(seed=9, steps=3)]
+    outs = step_engine4.generate(reqs)
+    assert [first_pixel(o) for o in outs] == [toy.expected_pixel(i, 2) for i in range(3)] + [
+        toy.expected_pixel(9, 3)]
+    ids = [r.request_id for r in reqs]
+    assert toy.calls("decode") == [ids[:3], ids[3:]]
+
+
+def test_decode_failure_is_mapped_to_its_request(step_engine4):
+    reqs = [toy_request(seed=1), toy_request("faildecode"), toy_request(seed=2)]
+    outs = step_engine4.generate(reqs)
+    assert outs[0].ok and outs[2].ok and not outs[1].ok
+    assert "toy decode failure" in outs[1].error
+    assert first_pixel(outs[2]) == toy.expected_pixel(2, 2)
+
+
 def test_error_in_a_step_batch_fails_only_its_request(step_engine4):
     reqs = [toy_request(seed=1, steps=3), toy_request("failstep", steps=3),
             toy_request("fail", steps=3), toy_request(seed=2, steps=3)]

@@ -44,9 +44,13 @@ def test_batching_does_not_change_a_request_image(flux_engines):
     fused = req.generate([flux_request(11), flux_request(12)])
     assert np.abs(image(fused[0]) - alone).max() <= 1
     assert np.abs(image(fused[0]) - image(fused[1])).max() > 8  # different seeds differ
-    # In step mode with a batch mate that has a different step count.
+    # In step mode with a batch mate that has a different step count...
     mixed = step.generate([flux_request(11), flux_request(13, steps=5)])
     assert np.abs(image(mixed[0]) - alone).max() <= 1
+    # ...and with one that finishes in the same tick (decoded together).
+    together = step.generate([flux_request(12), flux_request(11)])
+    assert np.abs(image(together[1]) - alone).max() <= 1
+    assert np.abs(image(together[0]) - image(fused[1])).max() <= 1
     assert_clean(req)
     assert_clean(step)
 

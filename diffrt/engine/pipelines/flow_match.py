@@ -381,3 +381,13 @@ class FlowMatchPipeline(DiffusionPipeline):
     @torch.no_grad()
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
         return self.finish(state.latents, state.request.sampling_params)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]:
+        """One VAE decode for requests finishing in the same tick (as forward does)."""
+        if len(states) == 1:
+            return [self.post_decode(states[0])]
+        params = states[0].request.sampling_params
+        latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
+        parts = self.finish(latents, params).split(params.num_outputs_per_prompt, dim=0)
+        return [p.clone() for p in parts]  # each request's tensor owns its storage

@@ -138,6 +138,13 @@ class DiffusionPipeline(ABC):
         """Decode a finished request; same result as the tail of ``forward``."""
         raise NotImplementedError(f"{type(self).__name__} does not support step execution")
 
+    def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]:
+        """Decode several finished requests of one step batch (their step batch
+        keys agree); one tensor per state, in order. The default decodes them
+        one by one; override to decode them in one call (the engine's runner
+        uses this when requests finish in the same tick)."""
+        return [self.post_decode(state) for state in states]
+
     def split_predictions(
         self, noise_pred: torch.Tensor, states: list[StepRequestState]
     ) -> list[torch.Tensor]:
