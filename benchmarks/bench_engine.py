@@ -5,7 +5,10 @@ concurrency through ``step_streaming`` for STEP_BATCH and REQUEST_BATCH with
 max_num_seqs 1 and B; then the same requests through ``pipeline.forward`` in a
 plain loop in this process (batch 1, and batches of B: the best batching can
 give), so the note can state the engine's overhead and the share of the
-possible batching gain each mode achieves.
+possible batching gain each mode achieves. All configurations stay alive and
+their timed passes interleave, so load from other processes on a shared
+machine hits them alike; the engine overhead is also measured inside one
+traced run (wall time per request vs the worker's forward spans).
 
     .venv/bin/python benchmarks/bench_engine.py
     .venv/bin/python benchmarks/bench_engine.py --executor inproc --requests 16
@@ -57,46 +60,101 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def run_engine(args: argparse.Namespace, step: bool, max_num_seqs: int,
-               wait_ms: float = 0.0) -> dict:
-    config = EngineConfig(model=args.model, step_execution=step, max_num_seqs=max_num_seqs,
-                          executor_backend=args.executor, request_batch_max_wait_ms=wait_ms,
-                          torch_threads=args.threads or None)
-    with DiffusionEngine.make_engine(config) as engine:
-        # One untimed pass warms every batch shape this workload produces.
-        asyncio.run(drive(engine, make_requests(args, "warm"), args.concurrency))
-        runs = [asyncio.run(drive(engine, make_requests(args, f"run{i}"), args.concurrency))
-                for i in range(args.repeats)]
-    wall, lat = min(runs, key=lambda r: r[0])  # the least disturbed pass
-    mode = "STEP_BATCH" if step else "REQUEST_BATCH"
-    if wait_ms:
-        mode += f" wait {wait_ms:g}ms"
-    return {"mode": mode, "max_num_seqs": max_num_seqs,
-            "rps": args.requests / wall, "p50": pct(lat, 50), "p99": pct(lat, 99),
-            "mean": statistics.mean(lat)}
+class EngineSubject:
+    """One engine configuration, kept alive so passes of all subjects interleave."""
+
+    def __init__(self, args: argparse.Namespace, step: bool, max_num_seqs: int,
+                 wait_ms: float = 0.0):
+        self.args = args
+        self.max_num_seqs = max_num_seqs
+        self.label = ("STEP_BATCH" if step else "REQUEST_BATCH") + (
+            f" wait {wait_ms:g}ms" if wait_ms else "")
+        self.engine = DiffusionEngine.make_engine(EngineConfig(
+            model=args.model, step_execution=step, max_num_seqs=max_num_seqs,
+            executor_backend=args.executor, request_batch_max_wait_ms=wait_ms,
+            torch_threads=args.threads or None))
+
+    def run(self, tag: str) -> tuple[float, list[float]]:
+        return asyncio.run(drive(self.engine, make_requests(self.args, tag),
+                                 self.args.concurrency))
+
+    def close(self) -> None:
+        self.engine.close()
 
 
-def run_direct(args: argparse.Namespace, batch: int) -> float:
-    """Requests per second of pipeline.forward + to_transfer + post_process in a loop."""
-    from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
+class DirectSubject:
+    """pipeline.forward + to_transfer + post_process in a plain loop, in this process."""
 
-    pipe = load_pipeline(args.model)
-    requests = make_requests(args, "direct")
+    def __init__(self, args: argparse.Namespace, batch: int, pipe):
+        self.args, self.max_num_seqs, self.pipe = args, batch, pipe
+        self.label = "direct loop"
 
-    def once() -> None:
-        for i in range(0, len(requests), batch):
-            group = DiffusionRequestBatch(requests[i:i + batch])
-            for out in pipe.forward(group):
-                host = pipe.to_transfer(out, group.sampling_params).cpu()
-                pipe.post_process(host, "pil")
+    def run(self, tag: str) -> tuple[float, list[float]]:
+        from diffrt.engine.pipelines import DiffusionRequestBatch
 
-    once()  # warm-up
-    walls = []
-    for _ in range(args.repeats):
+        requests = make_requests(self.args, tag)
         start = time.perf_counter()
-        once()
-        walls.append(time.perf_counter() - start)
-    return len(requests) / min(walls)
+        for i in range(0, len(requests), self.max_num_seqs):
+            group = DiffusionRequestBatch(requests[i:i + self.max_num_seqs])
+            for out in self.pipe.forward(group):
+                host = self.pipe.to_transfer(out, group.sampling_params).cpu()
+                self.pipe.post_process(host, "pil")
+        return time.perf_counter() - start, []
+
+    def close(self) -> None:
+        pass
+
+
+def measure(subjects: list, args: argparse.Namespace) -> list[dict]:
+    """A warm pass each (every batch shape of the workload), then ``repeats`` rounds
+    that run every subject once in turn; each subject's fastest pass is reported,
+    so load from other processes hits all subjects alike."""
+    for subject in subjects:
+        subject.run("warm")
+    runs: dict[int, list] = {id(s): [] for s in subjects}
+    for i in range(args.repeats):
+        for subject in subjects:
+            runs[id(subject)].append(subject.run(f"run{i}"))
+    rows = []
+    for subject in subjects:
+        wall, lat = min(runs[id(subject)], key=lambda r: r[0])
+        row = {"mode": subject.label, "max_num_seqs": subject.max_num_seqs,
+               "rps": args.requests / wall}
+        if lat:
+            row.update(p50=pct(lat, 50), p99=pct(lat, 99), mean=statistics.mean(lat))
+        rows.append(row)
+    return rows
+
+
+def worker_forward_share(args: argparse.Namespace) -> tuple[float, float]:
+    """REQUEST_BATCH max_num_seqs=1 traced: (wall ms per request, worker forward ms
+    per request). Both come from the same run, so machine noise cancels out."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from diffrt import tracing
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        tracing.enable(trace_dir)
+        try:
+            config = EngineConfig(model=args.model, max_num_seqs=1, executor_backend=args.executor,
+                                  torch_threads=args.threads or None)
+            with DiffusionEngine.make_engine(config) as engine:
+                asyncio.run(drive(engine, make_requests(args, "tw"), args.concurrency))
+                start_us = tracing.now_us()
+                wall, _ = asyncio.run(drive(engine, make_requests(args, "tr"),
+                                            args.concurrency))
+        finally:
+            tracing.disable()
+        forward_ms = 0.0
+        for path in Path(trace_dir).glob("*.jsonl"):
+            for line in path.read_text().splitlines():
+                event = json.loads(line)
+                if event.get("ph") == "X" and event["name"] == "forward" \
+                        and event["ts"] >= start_us:
+                    forward_ms += event["dur"] / 1000
+    return wall / args.requests * 1000, forward_ms / args.requests
 
 
 def main() -> None:
@@ -127,31 +185,45 @@ def main() -> None:
         torch.set_num_threads(direct_threads)  # the direct loop runs like one worker
     args.threads_label = direct_threads or "default"
 
-    rows = [run_engine(args, step, n) for step in (True, False) for n in (1, args.batch)]
+    from diffrt.engine.pipelines import load_pipeline
+
+    pipe = load_pipeline(args.model)
+    subjects: list = [EngineSubject(args, step, n) for step in (True, False)
+                      for n in (1, args.batch)]
     if args.batch_wait_ms:
-        rows.append(run_engine(args, False, args.batch, args.batch_wait_ms))
-    direct1 = run_direct(args, 1)
-    direct_b = run_direct(args, args.batch)
+        subjects.append(EngineSubject(args, False, args.batch, args.batch_wait_ms))
+    subjects += [DirectSubject(args, 1, pipe), DirectSubject(args, args.batch, pipe)]
+    try:
+        rows = measure(subjects, args)
+    finally:
+        for subject in subjects:
+            subject.close()
+    traced_wall, traced_forward = worker_forward_share(args)
+    engine_rows = [r for r in rows if "p50" in r]
+    direct1, direct_b = (r["rps"] for r in rows if "p50" not in r)
 
     print(f"\n{args.model} {args.size}x{args.size}, {args.steps} steps, {args.requests} requests "
           f"at concurrency {args.concurrency}, executor {args.executor}, "
-          f"{args.threads_label} torch thread(s), best of {args.repeats} passes\n")
+          f"{args.threads_label} torch thread(s), best of {args.repeats} interleaved passes\n")
     print(f"{'mode':<26}{'max_num_seqs':>13}{'req/s':>9}{'p50 s':>9}{'p99 s':>9}")
-    for r in rows:
+    for r in engine_rows:
         print(f"{r['mode']:<26}{r['max_num_seqs']:>13}{r['rps']:>9.2f}{r['p50']:>9.3f}"
               f"{r['p99']:>9.3f}")
     print(f"{'direct loop':<26}{1:>13}{direct1:>9.2f}")
     print(f"{'direct loop':<26}{args.batch:>13}{direct_b:>9.2f}   (best possible batched)")
 
-    by = {(r["mode"], r["max_num_seqs"]): r["rps"] for r in rows}
+    by = {(r["mode"], r["max_num_seqs"]): r["rps"] for r in engine_rows}
     serial = by[("REQUEST_BATCH", 1)]
     print(f"\nengine overhead, REQUEST_BATCH max_num_seqs=1 vs direct batch-1 loop: "
           f"{(direct1 / serial - 1) * 100:+.1f}% time per request (goal within 5%)")
+    print(f"same, measured inside one traced run: {traced_wall:.1f} ms per request of wall "
+          f"time for {traced_forward:.1f} ms of worker forward -> "
+          f"{(traced_wall / traced_forward - 1) * 100:+.1f}% engine overhead")
     step1 = by[("STEP_BATCH", 1)]
     print(f"STEP_BATCH max_num_seqs=1 vs the same loop: {(direct1 / step1 - 1) * 100:+.1f}% "
           "(one execute round trip per denoise step)")
     gain = direct_b - direct1
-    for mode in [r["mode"] for r in rows if r["max_num_seqs"] == args.batch]:
+    for mode in [r["mode"] for r in engine_rows if r["max_num_seqs"] == args.batch]:
         achieved = by[(mode, args.batch)] - direct1
         share = achieved / gain * 100 if gain > 0 else float("nan")
         print(f"{mode} max_num_seqs={args.batch}: {by[(mode, args.batch)] / direct1:.2f}x the "
