@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,16 @@ from diffrt.engine import (
 def req(seed: int, steps: int = 3) -> DiffusionRequest:
     return DiffusionRequest(prompt=f"a red fox {seed}", sampling_params=SamplingParams(
         height=64, width=64, num_inference_steps=steps, seed=seed))
+
+
+ENGINE_TESTS = Path(__file__).resolve().parents[1] / "engine"
+sys.path.insert(0, str(ENGINE_TESTS))
+import engine_toy  # noqa: E402,F401  (registers "toy" here too: the engine validates requests)
+
+
+def toy_req(prompt: str) -> DiffusionRequest:
+    return DiffusionRequest(prompt=prompt, sampling_params=SamplingParams(
+        height=16, width=16, num_inference_steps=2, seed=0))
 
 
 def output_arenas() -> int:
@@ -87,16 +99,21 @@ def test_step_mode_streams_progress_across_processes(step_engine):
     assert step_engine.executor.collective_rpc("num_step_states") == [0]
 
 
-def test_request_mode_fused_batches_and_worker_death(shm_before):
-    engine = DiffusionEngine.make_engine(EngineConfig(model="tiny-flux", max_num_seqs=2))
+def test_request_mode_error_mapping_and_worker_death(shm_before):
+    """The model-free toy pipeline of tests/engine, registered in the spawned
+    worker through ``plugin_modules``: a failing request in a fused batch fails
+    alone; a worker killed mid-forward fails its request promptly."""
+    engine = DiffusionEngine.make_engine(EngineConfig(
+        model="toy", max_num_seqs=4, executor_options={
+            "worker_env": {"PYTHONPATH": str(ENGINE_TESTS)},
+            "runner_kwargs": {"plugin_modules": ["engine_toy"]}}))
     try:
-        outs = engine.generate([req(1), req(2), req(3)])
-        assert all(o.ok for o in outs)
+        outs = engine.generate([toy_req("a"), toy_req("fail"), toy_req("b")])
+        assert outs[0].ok and outs[2].ok
+        assert not outs[1].ok and "toy failure" in outs[1].error
         assert engine.is_healthy()
         [pid] = engine.executor.worker_pids
-        # Kill the worker mid-request: the request fails promptly, the engine
-        # reports unhealthy and refuses new work.
-        victim = req(4, steps=200)
+        victim = toy_req("block:forever")  # blocks in the worker's forward
         got: list = []
         t = threading.Thread(target=lambda: got.append(engine.generate(victim, timeout=60)))
         t.start()
@@ -109,7 +126,7 @@ def test_request_mode_fused_batches_and_worker_death(shm_before):
         assert time.monotonic() - start < 15
         assert wait_until(lambda: not engine.is_healthy())
         with pytest.raises(EngineDeadError):
-            engine.generate(req(5))
+            engine.generate(toy_req("c"))
     finally:
         engine.close()
 
