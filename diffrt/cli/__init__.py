@@ -21,9 +21,19 @@ __all__ = ["CliError", "build_parser", "main"]
 logger = logging.getLogger("diffrt.cli")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("diffrt")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffrt", description="Serve diffusion models on any accelerator, or on CPU.")
+    parser.add_argument("--version", action="version", version=f"diffrt {_version()}")
     parser.add_argument("--log-level", default="WARNING",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="library log level (default: %(default)s)")
