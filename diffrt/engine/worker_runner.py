@@ -236,7 +236,8 @@ class PipelineRunner:
 
     # -- control --------------------------------------------------------------------
     def health(self, payload: Any = None) -> dict[str, Any]:
-        return {"rank": self.rank, "ok": True, "step_states": len(self.states)}
+        return {"rank": self.rank, "ok": True, "step_states": len(self.states),
+                "torch_threads": torch.get_num_threads()}
 
     def num_step_states(self, payload: Any = None) -> int:
         return len(self.states)
