@@ -132,6 +132,13 @@ class DiffusionEngine:
         self._dead_reason: str | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.postprocess_workers, thread_name_prefix="diffrt-postprocess")
+        # Every stream put goes through one FIFO delivery thread: the busy loop
+        # only enqueues, so waking consumers never delays the next execute, and
+        # a request's outputs keep their order (progress before final).
+        self._deliveries: queue.SimpleQueue = queue.SimpleQueue()
+        self._delivery = threading.Thread(target=self._deliver_loop,
+                                          name="diffrt-engine-delivery", daemon=True)
+        self._delivery.start()
         self._thread = threading.Thread(target=self._busy_loop, name="diffrt-engine-loop",
                                         daemon=True)
         self._thread.start()
@@ -290,6 +297,8 @@ class DiffusionEngine:
         self._executor.shutdown()
         self._thread.join(CLOSE_GRACE_S)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._deliveries.put(None)
+        self._delivery.join(CLOSE_GRACE_S)
         logger.info("engine closed")
 
     def __enter__(self) -> DiffusionEngine:
@@ -532,8 +541,17 @@ class DiffusionEngine:
 
     def _emit_locked(self, rid: str, output: DiffusionOutput) -> None:
         stream = self._streams.get(rid)
-        if stream is not None and not stream.put(output):
-            del self._streams[rid]
+        if stream is not None:
+            self._deliveries.put((stream, output))
+
+    def _deliver_loop(self) -> None:
+        while True:
+            item = self._deliveries.get()
+            if item is None:
+                return
+            stream, output = item
+            if not stream.put(output):  # its consumer is gone
+                self._detach(stream)
 
     def _finalize_locked(self, rid: str, output: DiffusionOutput) -> None:
         """The one place a request becomes terminal: exactly one final output."""
@@ -545,7 +563,7 @@ class DiffusionEngine:
         output.metrics = rec.metrics
         stream = self._streams.pop(rid, None)
         if stream is not None:
-            stream.put(output)
+            self._deliveries.put((stream, output))
 
     def _fail_all_locked(self, reason: str) -> None:
         self._scheduler.fail_all(reason)
