@@ -69,3 +69,15 @@ def test_tiny_sd3_runs_through_the_engine():
             prompt="a lighthouse",
             sampling_params=SamplingParams(height=64, width=64, num_inference_steps=2, seed=0)))
         assert out.ok and out.images[0].size == (64, 64)
+
+
+def test_several_outputs_per_prompt_decoded_together(flux_engines):
+    req, step = flux_engines
+    alone = req.generate(flux_request(21, num_outputs_per_prompt=2))
+    both = step.generate([flux_request(21, num_outputs_per_prompt=2),
+                          flux_request(22, num_outputs_per_prompt=2)])
+    assert [len(o.images) for o in both] == [2, 2]
+    for i in range(2):
+        a = np.asarray(alone.images[i]).astype(np.int16)
+        b = np.asarray(both[0].images[i]).astype(np.int16)
+        assert np.abs(a - b).max() <= 1
