@@ -276,3 +276,15 @@ def test_streaming_in_request_mode_yields_the_final_only(req_engine4):
     outs, final = asyncio.run(main())
     assert len(outs) == 1 and outs[0].finished and outs[0].ok
     assert pixels(outs[0]) == pixels(final) == {toy.expected_pixel(9, 3)}
+
+
+def test_pump_death_fails_the_request_and_marks_the_engine_unhealthy():
+    from diffrt.engine import EngineDeadError
+
+    with toy_engine(warmup=False, executor_options={
+            "_test_faults": {"pump_raise_on": "output_ready"}}) as engine:
+        out = engine.generate(toy_request(), timeout=30)
+        assert out.finished and not out.ok and "ExecutorDeadError" in out.error
+        assert wait_until(lambda: not engine.is_healthy())
+        with pytest.raises(EngineDeadError):
+            engine.generate(toy_request())
