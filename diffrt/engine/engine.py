@@ -185,7 +185,8 @@ class DiffusionEngine:
 
     def _warmup(self) -> None:
         multiple = int(getattr(self._pipeline_cls, "size_multiple", 16))
-        size = multiple * max(1, -(-64 // multiple))
+        largest = int(getattr(self._pipeline_cls, "max_size", 4096)) // multiple * multiple
+        size = max(multiple, min(multiple * -(-64 // multiple), largest))  # ~64 px
         request = DiffusionRequest(
             prompt="warm-up", request_id=f"warmup-{uuid.uuid4().hex[:8]}",
             sampling_params=SamplingParams(height=size, width=size, num_inference_steps=1,
