@@ -69,10 +69,10 @@ class EngineSubject:
         self.max_num_seqs = max_num_seqs
         self.label = ("STEP_BATCH" if step else "REQUEST_BATCH") + (
             f" wait {wait_ms:g}ms" if wait_ms else "")
+        wait = {"step_batch_max_wait_ms" if step else "request_batch_max_wait_ms": wait_ms}
         self.engine = DiffusionEngine.make_engine(EngineConfig(
             model=args.model, step_execution=step, max_num_seqs=max_num_seqs,
-            executor_backend=args.executor, request_batch_max_wait_ms=wait_ms,
-            torch_threads=args.threads or None))
+            executor_backend=args.executor, torch_threads=args.threads or None, **wait))
 
     def run(self, tag: str) -> tuple[float, list[float]]:
         return asyncio.run(drive(self.engine, make_requests(self.args, tag),
@@ -167,8 +167,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="the larger max_num_seqs")
     parser.add_argument("--executor", default="mp", choices=["mp", "inproc"])
     parser.add_argument("--batch-wait-ms", type=float, default=20.0,
-                        help="also run REQUEST_BATCH at --batch with this coalescing window "
-                             "(0: skip)")
+                        help="also run both modes at --batch with this coalescing window "
+                             "(request/step_batch_max_wait_ms; 0: skip)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed passes per configuration; the fastest is reported")
     parser.add_argument("--threads", type=int, default=0,
@@ -191,7 +191,8 @@ def main() -> None:
     subjects: list = [EngineSubject(args, step, n) for step in (True, False)
                       for n in (1, args.batch)]
     if args.batch_wait_ms:
-        subjects.append(EngineSubject(args, False, args.batch, args.batch_wait_ms))
+        subjects += [EngineSubject(args, step, args.batch, args.batch_wait_ms)
+                     for step in (True, False)]
     subjects += [DirectSubject(args, 1, pipe), DirectSubject(args, args.batch, pipe)]
     try:
         rows = measure(subjects, args)

@@ -53,6 +53,9 @@ class EngineConfig:
             forward (REQUEST_BATCH) or one denoise step (STEP_BATCH).
         request_batch_max_wait_ms: REQUEST_BATCH only: how long an idle engine
             may hold the first request of a new wave so a burst can join it.
+        step_batch_max_wait_ms: STEP_BATCH only: the same window for a step
+            batch that forms while nothing runs (joining a running batch never
+            waits). Not in the seed; 0 keeps its behaviour.
         async_output: None = auto (on where the platform supports it), True /
             False force the two-phase / synchronous output path.
         executor_backend: "mp" (worker processes, the default) or "inproc".
@@ -79,6 +82,7 @@ class EngineConfig:
     step_execution: bool = False
     max_num_seqs: int = 1
     request_batch_max_wait_ms: float = 0.0
+    step_batch_max_wait_ms: float = 0.0
     async_output: bool | None = None
     executor_backend: str = "mp"
     world_size: int = 1
@@ -114,10 +118,10 @@ class EngineConfig:
             raise EngineConfigError("step_execution", f"must be a bool, got {self.step_execution!r}")
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise EngineConfigError("max_num_seqs", f"must be an int >= 1, got {self.max_num_seqs!r}")
-        wait = self.request_batch_max_wait_ms
-        if not _is_number(wait) or wait < 0:
-            raise EngineConfigError("request_batch_max_wait_ms",
-                                    f"must be a finite number >= 0, got {wait!r}")
+        for name in ("request_batch_max_wait_ms", "step_batch_max_wait_ms"):
+            wait = getattr(self, name)
+            if not _is_number(wait) or wait < 0:
+                raise EngineConfigError(name, f"must be a finite number >= 0, got {wait!r}")
         if self.async_output not in (None, True, False):
             raise EngineConfigError("async_output", f"must be None, True or False, got {self.async_output!r}")
         if self.executor_backend not in EXECUTOR_BACKENDS:

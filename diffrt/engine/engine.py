@@ -179,7 +179,8 @@ class DiffusionEngine:
         c = self.config
         policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass)
         if self.mode is EngineMode.STEP_BATCH:
-            return StepScheduler(c.max_num_seqs, policy)
+            return StepScheduler(c.max_num_seqs, policy,
+                                 max_wait_s=c.step_batch_max_wait_ms / 1000.0)
         wait_ms = c.request_batch_max_wait_ms if self._pipeline_cls.supports_request_batch else 0.0
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=wait_ms / 1000.0)
 

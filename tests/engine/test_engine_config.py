@@ -10,6 +10,7 @@ from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
 @pytest.mark.parametrize("kw, field", [
     ({"request_batch_max_wait_ms": -1}, "request_batch_max_wait_ms"),
     ({"request_batch_max_wait_ms": float("nan")}, "request_batch_max_wait_ms"),
+    ({"step_batch_max_wait_ms": -0.5}, "step_batch_max_wait_ms"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"max_num_seqs": 2.0}, "max_num_seqs"),
     ({"executor_backend": "ray"}, "executor_backend"),

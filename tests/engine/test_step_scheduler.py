@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from sched_helpers import req
 
 from diffrt.engine.sched import (
@@ -200,3 +201,17 @@ def test_failed_call_fails_the_tick_and_drops_worker_state():
     assert all(f.status is RequestStatus.FAILED for f in up.finished)
     out = s.schedule(0.0)
     assert out.drop_ids == ["a", "b"] and out.scheduled_ids == []
+
+
+def test_coalescing_window_only_for_a_batch_forming_from_scratch():
+    s, w = StepScheduler(max_num_seqs=4, max_wait_s=0.100, stable_s=0.020), FakeWorker()
+    s.add_request(req("a", steps=3), now=0.0)
+    assert s.admission_wait_s(now=0.005) == pytest.approx(0.015)  # nothing runs: hold
+    s.add_request(req("b", steps=3), now=0.010)
+    assert s.admission_wait_s(now=0.030) == 0.0  # no arrival for stable_s
+    out = s.schedule(0.030)
+    assert out.scheduled_ids == ["a", "b"]
+    s.update_from_output(out, w.run(out))
+    s.add_request(req("c", steps=3), now=0.040)
+    assert s.admission_wait_s(now=0.040) == 0.0  # joining a running batch never waits
+    assert s.schedule(0.040).scheduled_ids == ["a", "b", "c"]

@@ -17,11 +17,23 @@ from diffrt.engine.sched.policy import AdmissionPolicy, FifoPolicy
 
 
 class BaseScheduler(Scheduler):
-    def __init__(self, max_num_seqs: int, policy: AdmissionPolicy | None = None):
+    """Also owns the optional coalescing window: when nothing runs, the first
+    schedule of a new batch may be held for up to ``max_wait_s`` so a burst can
+    gather. It ends when the queue reaches capacity, when no request arrived for
+    ``stable_s`` (default: a quarter of the window, at least 1 ms), or at the
+    deadline (the oldest arrival plus ``max_wait_s``); the engine ends it at
+    shutdown. Requests that queued behind running work are never held again."""
+
+    def __init__(self, max_num_seqs: int, policy: AdmissionPolicy | None = None, *,
+                 max_wait_s: float = 0.0, stable_s: float | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.max_num_seqs = max_num_seqs
         self.policy = policy or FifoPolicy()
+        self.max_wait_s = max_wait_s
+        self.stable_s = stable_s if stable_s is not None else max(0.001, max_wait_s / 4)
         self._seq = itertools.count()
         self._requests: dict[str, SchedRequest] = {}
         self._waiting: list[SchedRequest] = []  # arrival order
@@ -68,6 +80,15 @@ class BaseScheduler(Scheduler):
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
+
+    def admission_wait_s(self, now: float) -> float:
+        if self.max_wait_s <= 0 or self._running or not self._waiting:
+            return 0.0
+        if len(self._waiting) >= self.max_num_seqs:
+            return 0.0
+        deadline = self._waiting[0].arrival + self.max_wait_s
+        stable_at = (self._last_add if self._last_add is not None else now) + self.stable_s
+        return max(0.0, min(deadline, stable_at) - now)
 
     @property
     def num_waiting(self) -> int:

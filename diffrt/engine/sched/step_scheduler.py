@@ -6,7 +6,10 @@ Requests join at a step boundary when there is capacity and their
 when their own step count is reached (counts may differ within a batch), when
 they fail, or when aborted. The worker keeps each request's step state, so a
 request that leaves without finishing there is listed in the next tick's
-``drop_ids``.
+``drop_ids``. The optional coalescing window (see ``BaseScheduler``) applies
+only when nothing runs: a batch forming from scratch, e.g. after a burst of
+requests finished together and their clients send the next ones; joining a
+running batch never waits.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from diffrt.engine.sched.policy import AdmissionPolicy
 
 
 class StepScheduler(BaseScheduler):
-    def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None):
-        super().__init__(max_num_seqs, policy)
+    def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
+                 max_wait_s: float = 0.0, stable_s: float | None = None):
+        super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s)
         self._pending_drops: list[str] = []
 
     def batch_key(self, request: DiffusionRequest) -> tuple:
