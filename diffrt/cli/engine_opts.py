@@ -70,8 +70,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None
                    help="scheduling policy: fifo, or skip_ahead (compatible younger requests "
                         "may pass an incompatible one, with aging) (default: %(default)s)")
     p.add_argument("--batch-wait-ms", type=non_negative_float, default=None,
-                   help="request mode: how long an idle engine holds a new wave open so a "
-                        "burst can join it (default: 20 for several prompts in generate, else 0)")
+                   help="how long an idle engine holds a new batch open so a burst can join "
+                        "it (default: 20 for several prompts in generate, else 0)")
 
 
 def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
@@ -93,8 +93,13 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
     if get("policy") != "fifo":
         settings["scheduling_policy"] = get("policy")
     if get("batch_wait_ms"):
-        settings["request_batch_max_wait_ms"] = get("batch_wait_ms")
+        settings[batch_wait_field(get("mode"))] = get("batch_wait_ms")
     return settings
+
+
+def batch_wait_field(mode: str) -> str:
+    """The EngineConfig field of the coalescing window in ``mode``."""
+    return "step_batch_max_wait_ms" if mode == "step" else "request_batch_max_wait_ms"
 
 
 def make_engine(settings: dict[str, Any]) -> Any:

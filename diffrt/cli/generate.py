@@ -17,6 +17,7 @@ from typing import Any
 from diffrt.cli.engine_opts import (
     add_engine_args,
     add_model_args,
+    batch_wait_field,
     check_requests,
     engine_settings,
     make_engine,
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_num_seqs is None:
         settings["max_num_seqs"] = len(requests)
     if args.batch_wait_ms is None and len(requests) > 1:
-        settings["request_batch_max_wait_ms"] = 20.0  # let the whole burst join one wave
+        settings[batch_wait_field(args.mode)] = 20.0  # let the whole burst join one batch
 
     start = time.perf_counter()
     with trace_session(args, title=f"diffrt generate ({args.model}, {len(prompts)} prompts)") as tw:

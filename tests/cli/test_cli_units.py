@@ -139,3 +139,23 @@ def test_argparse_rejects_non_numbers(capsys):
         main(["generate", "-p", "x", "--steps", "many"])
     assert exc.value.code == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_engine_settings_follow_the_command_line():
+    from diffrt.cli import build_parser
+    from diffrt.cli.engine_opts import engine_settings
+
+    args = build_parser().parse_args(["bench"])
+    assert engine_settings(args) == {"model": "tiny-flux", "step_execution": False,
+                                     "max_num_seqs": 1}
+    args = build_parser().parse_args([
+        "bench", "--step-execution", "--max-num-seqs", "4", "--async-output", "off",
+        "--world-size", "2", "--executor", "mp", "--threads", "1", "--policy", "skip_ahead",
+        "--batch-wait-ms", "5"])
+    assert engine_settings(args) == {
+        "model": "tiny-flux", "step_execution": True, "max_num_seqs": 4, "async_output": False,
+        "world_size": 2, "executor_backend": "mp", "torch_threads": 1,
+        "scheduling_policy": "skip_ahead", "step_batch_max_wait_ms": 5.0}
+    from diffrt.engine import EngineConfig
+
+    EngineConfig(**engine_settings(args))  # names the engine knows
