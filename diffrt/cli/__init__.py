@@ -18,7 +18,6 @@ from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError, is_user_error
 
 __all__ = ["CliError", "build_parser", "main"]
 
-logger = logging.getLogger("diffrt.cli")
 
 
 def _version() -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -18,8 +17,6 @@ from pathlib import Path
 
 from diffrt import tracing
 from diffrt.cli.paths import check_writable_file
-
-logger = logging.getLogger(__name__)
 
 
 def add_trace_args(p: argparse.ArgumentParser) -> None:
