@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--free-fd", type=int, default=-1)
     ap.add_argument("--arena-fd", type=int, default=-1)
     args = ap.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group. The engine owns the
+    # shutdown (it asks, then terminates); a worker dying on its own SIGINT
+    # would only turn a clean stop into "executor died" errors.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(args.parent_pid)
     level = os.environ.get("DIFFRT_LOG_LEVEL", "WARNING").upper()
     logging.basicConfig(level=level, format=f"[worker pid {os.getpid()}] %(levelname)s %(name)s: %(message)s")

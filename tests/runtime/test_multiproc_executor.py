@@ -92,6 +92,15 @@ def test_control_rpc_while_outputs_pending(mp2):
                        make_tensor(0, [1000], "float32"))
 
 
+def test_terminal_ctrl_c_does_not_kill_workers(mp2):
+    # Ctrl-C reaches the whole process group; the engine owns the shutdown.
+    for pid in mp2.worker_pids:
+        os.kill(pid, signal.SIGINT)
+    time.sleep(0.3)
+    assert mp2.is_healthy()
+    assert mp2.execute("echo", [7]).meta == [7]
+
+
 def test_worker_sigkill_mid_forward_fails_pending_work_fast():
     shm_before = _dev_shm()
     ex = make_executor("mp", config(max_pending_output_bytes=1 << 20))
