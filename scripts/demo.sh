@@ -7,4 +7,5 @@ PY=${PYTHON:-python3.11}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q -c requirements/cpu.txt -e .
 .venv/bin/diffrt env
+mkdir -p out
 .venv/bin/diffrt generate --model tiny-flux --prompt "a red fox in the snow" -o out/fox.png "$@"
