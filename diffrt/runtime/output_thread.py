@@ -107,6 +107,31 @@ class OutputWriter:
 
     # -- output thread ---------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception:
+            logger.exception("output thread of rank %d failed", self._rank)
+        finally:
+            # Whatever ended the thread, nothing may wait on it: submit() stops
+            # blocking, and every output still queued fails now, not at a timeout.
+            self._closed.set()
+            self._fail_queued("the output thread stopped before copying this output")
+
+    def _fail_queued(self, reason: str) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                continue
+            batch_id, ids, _, _ = item
+            try:
+                self._send(OutputReady(batch_id, [], error=reason, failed_ids=list(ids.values())))
+            except Exception:  # channel gone: the executor fails everything itself
+                return
+
+    def _serve(self) -> None:
         track = f"worker{self._rank} output"
         while not self._closed.is_set():
             try:

@@ -16,7 +16,7 @@ from runtime_test_runners import make_tensor
 from diffrt.platforms.cpu import CpuPlatform
 from diffrt.runtime import ArenaFullError, WorkerError, make_executor
 from diffrt.runtime.messages import FreeSlots, OutputReady, encode, result_decoder
-from diffrt.runtime.output_thread import OutputWriter
+from diffrt.runtime.output_thread import OutputWriter, OutputWriterClosed
 from diffrt.runtime.shm_transport import ALIGN, Arena, PackPlan, SlotAllocator, read_views
 
 
@@ -124,6 +124,36 @@ def test_writer_waits_for_frees_when_the_arena_is_full():
         failed = sent.get(timeout=10)
         assert failed.failed_ids == ["b3/0"] and "ArenaFullError" in failed.error
     finally:
+        writer.close()
+        arena.close()
+
+
+def test_a_dead_output_thread_fails_queued_outputs_and_never_blocks_submit():
+    arena = Arena.create(64 << 10)
+    sent: queue.Queue = queue.Queue()
+    release = threading.Event()
+    calls = []
+
+    def source(timeout):  # the first idle drain blocks, then raises: the thread dies
+        calls.append(timeout)
+        if len(calls) == 1:
+            release.wait(10)
+            raise OSError("free channel broken")
+        return None
+
+    writer = OutputWriter(CpuPlatform(), arena, source, sent.put, queue_depth=1)
+    try:
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)  # the thread is inside its idle drain
+        assert writer.submit("b1", {"k": "b1/0"}, {"k": torch.ones(8)})  # queued, not copied
+        release.set()
+        failed = sent.get(timeout=10)
+        assert failed.async_output_id == "b1" and failed.failed_ids == ["b1/0"] and failed.error
+        with pytest.raises(OutputWriterClosed):
+            writer.submit("b2", {"k": "b2/0"}, {"k": torch.ones(8)})  # fails, never hangs
+    finally:
+        release.set()
         writer.close()
         arena.close()
 
