@@ -123,7 +123,8 @@ class PumpedExecutor(Executor):
         try:
             with self._send_lock:
                 self._broadcast(encode(Rpc(rpc_id, method, raw, kind)))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ExecutorDeadError) as exc:
+            # The rpc is registered: fail it (and everything else) rather than leak it.
             err = ExecutorDeadError(f"cannot reach the workers: {exc}")
             self.router.fail_all(err)
             raise err from exc
@@ -153,10 +154,12 @@ class PumpedExecutor(Executor):
             self._shut_down = True
         self._stopping.set()
         self.router.fail_all(ExecutorDeadError("executor shut down"))
+        # The pump sees _stopping within PUMP_POLL_S; join it before the workers'
+        # descriptors it waits on are closed, and stop sending frees to them.
+        if self._pump_thread is not None and self._pump_thread is not threading.current_thread():
+            self._pump_thread.join(timeout=5.0)
+        self.router.freer.closed = True
         try:
             self._stop_workers()
         finally:
-            if self._pump_thread is not None and self._pump_thread is not threading.current_thread():
-                self._pump_thread.join(timeout=5.0)
-            self.router.freer.closed = True
             self.arena.close()
