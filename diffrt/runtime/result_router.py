@@ -244,15 +244,21 @@ class ResultRouter:
                 if waiter is None or waiter[0].done():  # none yet, or its waiter was cancelled
                     self._arrived[oid] = (result, time.monotonic() + self.output_timeout_s)
                     return
+                self._claim_locked(oid, result)
         if waiter is not None and self._hand_over(waiter[0], oid, result):
             return
         _discard(result)
 
-    def _hand_over(self, fut: Future, oid: str, result: Any) -> bool:
-        """Resolve a waiter; from then on the lease's holder owns the slot."""
+    def _claim_locked(self, oid: str, result: Any) -> None:
+        # In the same locked section that takes the output from the waiter or
+        # arrival tables: a release_output in between must see it as claimed,
+        # or it would free the slot of a lease about to be handed over.
         if isinstance(result, OutputLease):
-            with self._lock:
-                self._claimed.add(oid)
+            self._claimed.add(oid)
+
+    def _hand_over(self, fut: Future, oid: str, result: Any) -> bool:
+        """Resolve a waiter (the output already claimed); from then on the
+        lease's holder owns the slot."""
         if _complete(fut, result):
             return True
         with self._lock:
@@ -271,7 +277,9 @@ class ResultRouter:
                 fut.set_exception(ExecutorDeadError(str(self._dead)))
                 return fut
             arrived = self._arrived.pop(oid, None)
-            if arrived is None:
+            if arrived is not None:
+                self._claim_locked(oid, arrived[0])
+            else:
                 existing = self._waiters.get(oid)
                 if existing is not None and not existing[0].done():
                     return existing[0]  # one future per id, shared by its waiters

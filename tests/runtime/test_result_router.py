@@ -282,6 +282,33 @@ def test_release_after_hand_over_leaves_the_slot_to_the_lease_holder():
     assert len(h.freed) == 1
 
 
+@pytest.mark.parametrize("waiter_first", [True, False])
+def test_release_racing_with_the_hand_over_never_frees_a_lease_being_delivered(waiter_first):
+    h = Harness()
+    _, _, batch, ids = h.execute(["a"])
+    real_hand_over = h.router._hand_over
+
+    def hand_over_after_a_release(fut, oid, result):
+        # the engine aborts the request after the output left the router's
+        # tables but before its future is resolved
+        h.router.release_output(oid)
+        return real_hand_over(fut, oid, result)
+
+    if waiter_first:
+        fut = h.router.wait_output_ready(ids["a"])
+        h.router._hand_over = hand_over_after_a_release
+        h.send(h.output_ready(batch, ids))
+    else:
+        h.send(h.output_ready(batch, ids))
+        h.router._hand_over = hand_over_after_a_release
+        fut = h.router.wait_output_ready(ids["a"])
+    lease = fut.result(timeout=0)
+    h.router.freer.flush()
+    assert h.freed == [] and h.freed_ids == []  # the slot stays the lease holder's
+    lease.release()
+    assert len(h.freed) == 1
+
+
 def test_dropped_ids_reach_the_writer_so_lost_messages_cannot_leak_slots():
     h = Harness(timeout=5.0)
     _, _, batch, ids = h.execute(["a", "b"])
