@@ -24,7 +24,7 @@ class BaseScheduler(Scheduler):
     deadline (the oldest arrival plus ``max_wait_s``); the engine ends it at
     shutdown. Requests that queued behind running work are never held again."""
 
-    def __init__(self, max_num_seqs: int, policy: AdmissionPolicy | None = None, *,
+    def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
                  max_wait_s: float = 0.0, stable_s: float | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -102,14 +102,13 @@ class BaseScheduler(Scheduler):
         return self._requests.get(request_id)
 
     # -- helpers ------------------------------------------------------------------
-    def _admit(self, key: tuple | None, capacity: int, now: float) -> list[SchedRequest]:
+    def _admit(self, key: tuple | None, capacity: int) -> list[SchedRequest]:
         chosen = self.policy.select(self._waiting, key, capacity)
         if chosen:
             ids = {id(sr) for sr in chosen}
             self._waiting = [sr for sr in self._waiting if id(sr) not in ids]
             for sr in chosen:
                 sr.status = RequestStatus.RUNNING
-                sr.first_scheduled = now
             self._running.extend(chosen)
         return chosen
 

@@ -34,7 +34,6 @@ class SchedRequest:
     #: How many younger requests were admitted past this one (aging).
     bypassed: int = 0
     step: int = 0
-    first_scheduled: float | None = None
     #: Abort arrived while the request was inside an execute call.
     abort_requested: bool = False
 

@@ -18,21 +18,16 @@ from diffrt.engine.sched.interface import (
     SchedulerOutput,
     UpdateResult,
 )
-from diffrt.engine.sched.policy import AdmissionPolicy
 
 
 class RequestScheduler(BaseScheduler):
-    def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
-                 max_wait_s: float = 0.0, stable_s: float | None = None):
-        super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s)
-
     def batch_key(self, request: DiffusionRequest) -> tuple:
         return request.sampling_params.request_batch_key()
 
     def schedule(self, now: float) -> SchedulerOutput | None:
         if self._running:
             return None  # the current wave has not been updated yet
-        wave = self._admit(None, self.max_num_seqs, now)
+        wave = self._admit(None, self.max_num_seqs)
         if not wave:
             return None
         ids = [sr.request_id for sr in wave]

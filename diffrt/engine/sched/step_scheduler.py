@@ -46,7 +46,7 @@ class StepScheduler(BaseScheduler):
     def schedule(self, now: float) -> SchedulerOutput | None:
         if self._in_flight:
             return None  # the previous tick has not been updated yet
-        new = self._admit(self.running_key, self.max_num_seqs - len(self._running), now)
+        new = self._admit(self.running_key, self.max_num_seqs - len(self._running))
         drops, self._pending_drops = self._pending_drops, []
         ids = [sr.request_id for sr in self._running]
         out = SchedulerOutput(new=[sr.request for sr in new], scheduled_ids=ids, drop_ids=drops)
