@@ -5,7 +5,7 @@ Printed, never asserted. Run from the repository root:
     .venv/bin/python benchmarks/bench_async_output.py            # tiny-flux 512 + 1024, synthetic, transport
     .venv/bin/python benchmarks/bench_async_output.py --sizes 512 --requests 4 --skip-transport
     .venv/bin/python benchmarks/bench_async_output.py --skip-transport --skip-synthetic \
-        --sizes 1024 --identical 50          # the device check: throughput + bit-identical
+        --sizes 1024 --identical 50          # on a GPU: throughput + bit-identical outputs
 
 Part 1 serves the embedded default model (``tiny-flux``) through the
 multiprocess executor like the engine does (the loop issues the next execute
@@ -27,66 +27,121 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
-from diffrt.runtime import ExecutorConfig, RunnerResult, make_executor
+from diffrt.cli.bench_stats import median
+from diffrt.runtime import ExecutorConfig, RunnerProtocol, RunnerResult, RunnerSpec
+from diffrt.runtime.factory import make_executor
 
 HERE = Path(__file__).resolve().parent
+
+
+class BenchSettings(msgspec.Struct):
+    model: str | None = None
+
+
+class RunModel(msgspec.Struct, tag="run_model"):
+    """One request through the model's request-level forward."""
+
+    id: str
+    size: int
+    steps: int
+    seed: int
+    output: str
+    drop: bool
+
+
+class Blob(msgspec.Struct, tag="blob"):
+    """The same ready tensor every time: measures the output path alone."""
+
+    numel: int
+
+
+class Synthetic(msgspec.Struct, tag="synthetic"):
+    """A forward of fixed cost and an output of a given size."""
+
+    id: str
+    forward_ms: float
+    numel: int
+    seed: int
+    drop: bool
+
+
+class Forwarded(msgspec.Struct, tag="forwarded"):
+    bytes: int = 0
+    forward_s: float = 0.0
+
+
+BENCH_PROTOCOL = RunnerProtocol(settings=BenchSettings, requests=RunModel | Blob | Synthetic,
+                                replies=Forwarded)
 
 
 class BenchRunner:
     """Lives in the worker: tiny-flux forward, or a synthetic forward."""
 
-    def __init__(self, *, rank: int, world_size: int, platform: Any, model: str | None = None):
+    protocol = BENCH_PROTOCOL
+
+    def __init__(self, settings: BenchSettings, *, rank: int, world_size: int, platform: Any):
         self.platform = platform
         self.device = platform.torch_device(None if platform.device_type == "cpu" else rank)
         self.pipeline = None
-        if model:
+        if settings.model:
             from diffrt.engine.pipelines.registry import load_pipeline
 
-            self.pipeline = load_pipeline(model, device=self.device)
+            self.pipeline = load_pipeline(settings.model, device=self.device)
         self._a = torch.randn(512, 512, device=self.device)
+        self._blob: torch.Tensor | None = None
 
-    def model(self, p: dict) -> RunnerResult:
+    def handle(self, request: Any) -> RunnerResult:
+        match request:
+            case RunModel():
+                return self.model(request)
+            case Blob():
+                return self.blob(request)
+            case Synthetic():
+                return self.synthetic(request)
+            case _:
+                raise TypeError(f"BenchRunner cannot handle {type(request).__name__}")
+
+    def model(self, p: RunModel) -> RunnerResult:
         from diffrt.engine.pipelines.interface import DiffusionRequestBatch
         from diffrt.engine.request import DiffusionRequest
         from diffrt.engine.sampling import SamplingParams
 
-        req = DiffusionRequest(prompt="a red fox", request_id=p["id"], sampling_params=SamplingParams(
-            height=p["size"], width=p["size"], num_inference_steps=p["steps"], seed=p["seed"]))
+        req = DiffusionRequest(prompt="a red fox", request_id=p.id, sampling_params=SamplingParams(
+            height=p.size, width=p.size, num_inference_steps=p.steps, seed=p.seed))
         start = time.perf_counter()
         [image] = self.pipeline.forward(DiffusionRequestBatch([req]))
-        if p["output"] == "uint8":
+        if p.output == "uint8":
             image = self.pipeline.to_transfer(image, req.sampling_params)
-        return RunnerResult(meta={"bytes": image.numel() * image.element_size(),
-                                  "forward_s": time.perf_counter() - start},
-                            outputs={} if p["drop"] else {p["id"]: image})
+        return RunnerResult(reply=Forwarded(bytes=image.numel() * image.element_size(),
+                                            forward_s=time.perf_counter() - start),
+                            outputs={} if p.drop else {p.id: image})
 
-    def blob(self, p: dict) -> RunnerResult:
-        """The same ready tensor every time: measures the output path alone."""
-        if getattr(self, "_blob", None) is None or self._blob.numel() != p["numel"]:
-            self._blob = torch.randn(p["numel"], device=self.device)
-        return RunnerResult(outputs={"x": self._blob})
+    def blob(self, p: Blob) -> RunnerResult:
+        if self._blob is None or self._blob.numel() != p.numel:
+            self._blob = torch.randn(p.numel, device=self.device)
+        return RunnerResult(reply=Forwarded(), outputs={"x": self._blob})
 
-    def synthetic(self, p: dict) -> RunnerResult:
+    def synthetic(self, p: Synthetic) -> RunnerResult:
         start = time.perf_counter()
-        deadline = start + p["forward_ms"] / 1000
+        deadline = start + p.forward_ms / 1000
         x = self._a
         while time.perf_counter() < deadline:
             x = torch.tanh(x @ self._a)
-        out = torch.empty(p["numel"], dtype=torch.float32, device=self.device).fill_(float(p["seed"]))
-        return RunnerResult(meta={"forward_s": time.perf_counter() - start},
-                            outputs={} if p["drop"] else {p["id"]: out})
+        out = torch.empty(p.numel, dtype=torch.float32, device=self.device).fill_(float(p.seed))
+        return RunnerResult(reply=Forwarded(forward_s=time.perf_counter() - start),
+                            outputs={} if p.drop else {p.id: out})
 
 
-def _serve(ex, method: str, payloads: list[dict]) -> tuple[float, float]:
+def _serve(ex, payloads: list[Any]) -> tuple[float, float]:
     """Back-to-back executes, outputs consumed on another thread. Returns seconds per
     request and the runner's mean forward seconds (to subtract forward-time noise)."""
     pending: list[Any] = []
@@ -110,10 +165,10 @@ def _serve(ex, method: str, payloads: list[dict]) -> tuple[float, float]:
     start = time.perf_counter()
     t.start()
     for p in payloads:
-        out = ex.execute(method, p)
-        forward += out.meta["forward_s"]
+        out = ex.execute(p)
+        forward += out.reply.forward_s
         with cond:
-            pending.append(out.output_ids.get(p["id"]))
+            pending.append(out.output_ids.get(p.id))
             cond.notify()
     done.wait()
     return (time.perf_counter() - start) / len(payloads), forward / len(payloads)
@@ -121,17 +176,18 @@ def _serve(ex, method: str, payloads: list[dict]) -> tuple[float, float]:
 
 def _executor(async_output: bool, model: str | None) -> Any:
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    runner = RunnerSpec("bench_async_output:BenchRunner", BENCH_PROTOCOL, BenchSettings(model))
     return make_executor("mp", ExecutorConfig(
-        runner_cls="bench_async_output:BenchRunner", runner_kwargs={"model": model},
-        async_output=async_output, worker_env=env, max_pending_output_bytes=1 << 30))
+        runner=runner, async_output=async_output, worker_env=env,
+        max_pending_output_bytes=1 << 30))
 
 
 def _report(label: str, runs: dict[str, list[tuple[float, float]]], nbytes: int) -> None:
     """Two estimates of the bubble share removed: from wall time per request, and from
     the overhead beyond the runner's own forward time (robust to a noisy machine)."""
-    t = {k: statistics.median(w for w, _ in v) for k, v in runs.items()}
-    o = {k: statistics.median(w - f for w, f in v) for k, v in runs.items()}
-    fwd = statistics.median(f for v in runs.values() for _, f in v)
+    t = {k: median([w for w, _ in v]) for k, v in runs.items()}
+    o = {k: median([w - f for w, f in v]) for k, v in runs.items()}
+    fwd = median([f for v in runs.values() for _, f in v])
 
     def share(x: dict[str, float]) -> float:
         bubble = x["sync"] - x["limit"]
@@ -151,18 +207,18 @@ def bench_serving(args: argparse.Namespace) -> None:
     ex_sync = _executor(False, args.model)
     try:
         for size in args.sizes:
-            def payloads(drop: bool, base: int, size: int = size) -> list[dict]:
-                return [{"id": f"r{base + i}", "size": size, "steps": args.steps, "seed": i,
-                         "output": args.output, "drop": drop} for i in range(args.requests)]
+            def payloads(drop: bool, base: int, size: int = size) -> list[RunModel]:
+                return [RunModel(id=f"r{base + i}", size=size, steps=args.steps, seed=i,
+                                 output=args.output, drop=drop) for i in range(args.requests)]
             warm = payloads(False, 0)[:1]
-            _serve(ex_async, "model", warm)
-            _serve(ex_sync, "model", warm)
-            nbytes = ex_async.execute("model", {**warm[0], "drop": True}).meta["bytes"]
+            _serve(ex_async, warm)
+            _serve(ex_sync, warm)
+            nbytes = ex_async.execute(msgspec.structs.replace(warm[0], drop=True)).reply.bytes
             times = {k: [] for k in ("async", "sync", "limit")}
             for rep in range(args.repeats):  # interleaved so drift hits all modes alike
-                times["limit"].append(_serve(ex_async, "model", payloads(True, 1000 * rep)))
-                times["async"].append(_serve(ex_async, "model", payloads(False, 1000 * rep)))
-                times["sync"].append(_serve(ex_sync, "model", payloads(False, 1000 * rep)))
+                times["limit"].append(_serve(ex_async, payloads(True, 1000 * rep)))
+                times["async"].append(_serve(ex_async, payloads(False, 1000 * rep)))
+                times["sync"].append(_serve(ex_sync, payloads(False, 1000 * rep)))
             _report(f"{args.model} {size}x{size} {args.steps} st", times, nbytes)
     finally:
         ex_async.shutdown()
@@ -177,16 +233,16 @@ def bench_synthetic(args: argparse.Namespace) -> None:
         for mb in args.synthetic_mb:
             numel = int(mb * 1e6) // 4
 
-            def payloads(drop: bool, numel: int = numel) -> list[dict]:
-                return [{"id": f"s{i}", "forward_ms": args.forward_ms, "numel": numel, "seed": i,
-                         "drop": drop} for i in range(args.synthetic_requests)]
-            _serve(ex_async, "synthetic", payloads(False)[:2])
-            _serve(ex_sync, "synthetic", payloads(False)[:2])
+            def payloads(drop: bool, numel: int = numel) -> list[Synthetic]:
+                return [Synthetic(id=f"s{i}", forward_ms=args.forward_ms, numel=numel, seed=i,
+                                  drop=drop) for i in range(args.synthetic_requests)]
+            _serve(ex_async, payloads(False)[:2])
+            _serve(ex_sync, payloads(False)[:2])
             times = {k: [] for k in ("async", "sync", "limit")}
             for _ in range(args.repeats):
-                times["limit"].append(_serve(ex_async, "synthetic", payloads(True)))
-                times["async"].append(_serve(ex_async, "synthetic", payloads(False)))
-                times["sync"].append(_serve(ex_sync, "synthetic", payloads(False)))
+                times["limit"].append(_serve(ex_async, payloads(True)))
+                times["async"].append(_serve(ex_async, payloads(False)))
+                times["sync"].append(_serve(ex_sync, payloads(False)))
             _report(f"synthetic {mb:g} MB", times, numel * 4)
     finally:
         ex_async.shutdown()
@@ -264,7 +320,7 @@ def bench_transport(args: argparse.Namespace) -> None:
             numel = int(mb * 1e6) // 4
 
             def e2e(numel: int = numel) -> None:
-                out = ex.execute("blob", {"numel": numel})
+                out = ex.execute(Blob(numel))
                 ex.wait_output_ready(out.output_ids["x"]).result().release()
 
             mp = numel * 4 / _best(e2e, args.transport_repeats) / 1e9
@@ -275,20 +331,22 @@ def bench_transport(args: argparse.Namespace) -> None:
 
 
 def check_identical(args: argparse.Namespace) -> None:
-    """The real-device counterpart of the simulated race test: async and sync
-    outputs must be bit-identical request by request."""
+    """Async and sync outputs must be bit-identical request by request: on a real
+    device, what tests/runtime/test_output_thread_simdevice.py checks on the
+    simulated one (an output thread that reads before the copy completed
+    delivers wrong bytes)."""
     print(f"\n== async vs sync outputs, {args.identical} requests at {args.identical_size}^2 ==")
     ex_async = _executor(True, args.model)
     ex_sync = _executor(False, args.model)
     try:
         mismatches = 0
         for i in range(args.identical):
-            p = {"id": f"c{i}", "size": args.identical_size, "steps": args.steps, "seed": i,
-                 "output": args.output, "drop": False}
+            p = RunModel(id=f"c{i}", size=args.identical_size, steps=args.steps, seed=i,
+                         output=args.output, drop=False)
             got = []
             for ex in (ex_async, ex_sync):
-                out = ex.execute("model", p)
-                got.append(ex.wait_output_ready(out.output_ids[p["id"]]).result().take())
+                out = ex.execute(p)
+                got.append(ex.wait_output_ready(out.output_ids[p.id]).result().take())
             mismatches += not torch.equal(got[0], got[1])
         print(f"bit-identical: {args.identical - mismatches}/{args.identical}")
     finally:

@@ -17,10 +17,11 @@ traced run (wall time per request vs the worker's forward spans).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import time
 
+from diffrt.cli.bench_load import drive
+from diffrt.cli.bench_stats import median, percentile
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 
 
@@ -34,30 +35,15 @@ def make_requests(args: argparse.Namespace, tag: str) -> list[DiffusionRequest]:
     ]
 
 
-async def drive(engine: DiffusionEngine, requests: list[DiffusionRequest],
-                concurrency: int) -> tuple[float, list[float]]:
-    """Closed loop: ``concurrency`` clients, each sends its next request when the
-    previous one finished. Returns (wall seconds, per-request latencies)."""
-    queue = list(reversed(requests))
-    latencies: list[float] = []
-
-    async def client() -> None:
-        while queue:
-            request = queue.pop()
-            start = time.perf_counter()
-            out = await engine.generate_async(request)
-            if not out.ok:
-                raise RuntimeError(f"{request.request_id}: {out.error}")
-            latencies.append(time.perf_counter() - start)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return time.perf_counter() - start, latencies
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+def run_closed_loop(engine: DiffusionEngine, requests: list[DiffusionRequest],
+                    concurrency: int) -> tuple[float, list[float]]:
+    """``diffrt bench``'s closed loop (at most ``concurrency`` requests in flight).
+    Returns (wall seconds, per-request latencies); a failed request raises."""
+    samples, wall = drive(engine, requests, concurrency=concurrency, rate=None)
+    for request, sample in zip(requests, samples, strict=True):
+        if not sample.ok:
+            raise RuntimeError(f"{request.request_id}: {sample.error}")
+    return wall, [s.latency for s in samples]
 
 
 class EngineSubject:
@@ -75,8 +61,7 @@ class EngineSubject:
             executor_backend=args.executor, torch_threads=args.threads or None, **wait))
 
     def run(self, tag: str) -> tuple[float, list[float]]:
-        return asyncio.run(drive(self.engine, make_requests(self.args, tag),
-                                 self.args.concurrency))
+        return run_closed_loop(self.engine, make_requests(self.args, tag), self.args.concurrency)
 
     def close(self) -> None:
         self.engine.close()
@@ -121,7 +106,7 @@ def measure(subjects: list, args: argparse.Namespace) -> list[dict]:
         row = {"mode": subject.label, "max_num_seqs": subject.max_num_seqs,
                "rps": args.requests / wall}
         if lat:
-            row.update(p50=pct(lat, 50), p99=pct(lat, 99), mean=statistics.mean(lat))
+            row.update(p50=median(lat), p99=percentile(lat, 99), mean=statistics.mean(lat))
         rows.append(row)
     return rows
 
@@ -141,17 +126,16 @@ def worker_forward_share(args: argparse.Namespace) -> tuple[float, float]:
             config = EngineConfig(model=args.model, max_num_seqs=1, executor_backend=args.executor,
                                   torch_threads=args.threads or None)
             with DiffusionEngine.make_engine(config) as engine:
-                asyncio.run(drive(engine, make_requests(args, "tw"), args.concurrency))
+                run_closed_loop(engine, make_requests(args, "tw"), args.concurrency)
                 start_us = tracing.now_us()
-                wall, _ = asyncio.run(drive(engine, make_requests(args, "tr"),
-                                            args.concurrency))
+                wall, _ = run_closed_loop(engine, make_requests(args, "tr"), args.concurrency)
         finally:
             tracing.disable()
         forward_ms = 0.0
         for path in Path(trace_dir).glob("*.jsonl"):
             for line in path.read_text().splitlines():
                 event = json.loads(line)
-                if event.get("ph") == "X" and event["name"] == "forward" \
+                if event.get("ph") == "X" and event["name"] == tracing.FORWARD_SPAN \
                         and event["ts"] >= start_us:
                     forward_ms += event["dur"] / 1000
     return wall / args.requests * 1000, forward_ms / args.requests
@@ -177,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from diffrt.engine.worker_runner import cpu_worker_threads
+    from diffrt.engine.pipeline_runner import cpu_worker_threads
     from diffrt.platforms import current_platform
 
     direct_threads = args.threads or cpu_worker_threads(current_platform, 1)

@@ -7,7 +7,9 @@ Timestamps come from CLOCK_MONOTONIC, which every process on a machine shares,
 so spans of the engine, the workers and their output threads line up.
 
 Each named track ("worker0 main", "worker0 output", "engine loop", ...) becomes
-one thread row in the viewer, whatever OS thread wrote to it.
+one thread row in the viewer, whatever OS thread wrote to it. The track, span
+and process names that code emits and that trace analysis reads back are
+declared below, once: a renamed span then changes both sides together.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +28,51 @@ from typing import Any
 TRACE_DIR_ENV = "DIFFRT_TRACE_DIR"
 
 logger = logging.getLogger(__name__)
+
+# -- names shared by the code that records spans and the code that reads them ----
+#: Process label of the engine (the process that runs the busy loop).
+ENGINE_PROCESS = "engine"
+#: The engine's busy loop: one span per executor call, named after what it asks
+#: the runner to do (``execute_batch`` or ``execute_step``).
+ENGINE_LOOP_TRACK = "engine loop"
+#: The engine's post-processing of finished requests: POSTPROCESS_SPAN spans.
+ENGINE_POST_TRACK = "engine postprocess"
+#: ``diffrt bench``: one span per measured configuration, named after it.
+BENCH_TRACK = "bench"
+#: One execute RPC on a worker's main stream (``worker_main_track``).
+FORWARD_SPAN = "forward"
+#: Copying one execute's outputs off the device into shared memory, on the
+#: output thread (``worker_output_track``); overlaps the next FORWARD_SPAN when
+#: output is asynchronous.
+COPY_SPAN = "d2h+pack"
+#: Turning one finished request's tensors into images, on ENGINE_POST_TRACK.
+POSTPROCESS_SPAN = "postprocess"
+
+WORKER_MAIN = "main"
+WORKER_OUTPUT = "output"
+_WORKER_TRACK = re.compile(rf"^worker(\d+) ({WORKER_MAIN}|{WORKER_OUTPUT})$")
+
+
+def worker_process(rank: int) -> str:
+    """Process label of the worker of ``rank``; a prefix of its track names."""
+    return f"worker{rank}"
+
+
+def worker_main_track(rank: int) -> str:
+    """The track of the worker's main stream (its FORWARD_SPAN spans)."""
+    return f"{worker_process(rank)} {WORKER_MAIN}"
+
+
+def worker_output_track(rank: int) -> str:
+    """The track of the worker's output thread (its COPY_SPAN spans)."""
+    return f"{worker_process(rank)} {WORKER_OUTPUT}"
+
+
+def parse_worker_track(track: str) -> tuple[int, str] | None:
+    """(rank, WORKER_MAIN or WORKER_OUTPUT) of a worker track name; None for any other track."""
+    m = _WORKER_TRACK.match(track)
+    return (int(m.group(1)), m.group(2)) if m else None
+
 
 _lock = threading.Lock()
 _file = None
@@ -63,9 +111,6 @@ def now_us() -> float:
     return time.monotonic_ns() / 1000.0
 
 
-_now_us = now_us  # older name, kept for callers
-
-
 def _open_locked(pid: int) -> bool:
     global _file, _file_pid
     trace_dir = os.environ.get(TRACE_DIR_ENV)
@@ -81,11 +126,14 @@ def _open_locked(pid: int) -> bool:
 def track_sort_index(track: str) -> int:
     """Rows in reading order: engine threads, then each worker's main stream
     above its output thread, then anything else."""
-    head, _, rest = track.partition(" ")
-    if head == "engine":
-        return 0 if rest == "loop" else 1
-    if head.startswith("worker") and head[6:].isdigit():
-        return 10 + 2 * int(head[6:]) + (rest != "main")
+    if track == ENGINE_LOOP_TRACK:
+        return 0
+    if track.startswith(ENGINE_PROCESS + " "):
+        return 1
+    worker = parse_worker_track(track)
+    if worker is not None:
+        rank, stream = worker
+        return 10 + 2 * rank + (stream != WORKER_MAIN)
     return 1000
 
 
@@ -110,7 +158,7 @@ def _write(event: dict[str, Any]) -> None:
 
 
 def record(track: str, name: str, start_us: float, end_us: float, **args: Any) -> None:
-    """Record a finished span on ``track`` (e.g. "worker0 main", "worker0 output")."""
+    """Record a finished span on ``track`` (e.g. ``worker_main_track(0)``)."""
     if not enabled():
         return
     _write({"ph": "X", "name": name, "ts": start_us, "dur": max(end_us - start_us, 0.0),

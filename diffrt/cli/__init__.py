@@ -19,7 +19,6 @@ from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError, is_user_error
 __all__ = ["CliError", "build_parser", "main"]
 
 
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

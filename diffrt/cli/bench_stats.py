@@ -1,8 +1,12 @@
-"""Per-request samples of a bench run and the figures printed from them."""
+"""Per-request samples of a bench run and the figures printed from them.
+
+Every percentile and median that `diffrt bench` and the scripts in
+benchmarks/ print comes from ``percentile`` / ``median`` here (numpy's linear
+interpolation), so a p50 means the same thing everywhere.
+"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,25 +23,41 @@ class Sample:
     forward_time: float | None = None
     output_wait: float | None = None
     postprocess_time: float | None = None
+    #: why the request failed (None when it succeeded)
+    error: str | None = None
 
     @classmethod
     def from_output(cls, latency: float, output: Any) -> Sample:
         if output is None:
-            return cls(latency=latency, ok=False)
+            return cls(latency=latency, ok=False, error="the stream ended without a final output")
         m = output.metrics
         return cls(latency=latency, ok=output.ok, images=len(output.images or []) if output.ok else 0,
                    queue_wait=m.queue_wait, forward_time=m.forward_time,
-                   output_wait=m.output_wait, postprocess_time=m.postprocess_time)
+                   output_wait=m.output_wait, postprocess_time=m.postprocess_time,
+                   error=None if output.ok else (output.error or "aborted"))
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (as numpy's default); None for no values."""
-    if not values:
+    """The ``q``-th percentile (0..100) of ``values``.
+
+    Args:
+        values: the samples, in any order.
+        q: the percentile, 50 for the median.
+
+    Returns:
+        ``numpy.percentile`` with its default linear interpolation, as a float;
+        None when there are no values.
+    """
+    if len(values) == 0:
         return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    import numpy as np  # here, not at the top: `diffrt --help` stays quick
+
+    return float(np.percentile(values, q))
+
+
+def median(values: Sequence[float]) -> float | None:
+    """The 50th ``percentile`` of ``values``; None when there are none."""
+    return percentile(values, 50)
 
 
 def _mean_ms(values: list[float | None]) -> float | None:
@@ -56,7 +76,7 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
         "wall_s": wall_s,
         "throughput_rps": len(ok) / wall_s if wall_s > 0 else None,
         "images_per_s": sum(s.images for s in ok) / wall_s if wall_s > 0 else None,
-        "latency_p50_ms": percentile(lat, 50),
+        "latency_p50_ms": median(lat),
         "latency_p90_ms": percentile(lat, 90),
         "latency_p99_ms": percentile(lat, 99),
         "latency_mean_ms": sum(lat) / len(lat) if lat else None,

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from diffrt.cli.errors import CliError
-
 DEFAULT_MODEL = "tiny-flux"
 
 
@@ -128,7 +126,3 @@ def check_requests(model: str, requests: list[Any]) -> None:
     for request in requests:
         cls.check_inputs(request)
 
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise CliError(message)

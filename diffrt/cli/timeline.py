@@ -1,7 +1,7 @@
 """Render a merged trace as a timeline picture (one row per track), with matplotlib.
 
-A bench trace gets one panel per configuration (the spans of its "bench"
-track), each on its own time axis, so a slow configuration does not squash a
+A bench trace gets one panel per configuration (the spans of its
+``BENCH_TRACK``), each on its own time axis, so a slow configuration does not squash a
 fast one. Uses the Agg canvas directly, never pyplot: no display and no global
 figure state.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from diffrt.cli.trace_analysis import BENCH_TRACK, FORWARD, OUTPUT_COPY, Span, Track, tracks
+from diffrt.cli.trace_analysis import Span, Track, tracks
+from diffrt.tracing import BENCH_TRACK, COPY_SPAN, FORWARD_SPAN, POSTPROCESS_SPAN
 
-_COLORS = {FORWARD: "#1f77b4", OUTPUT_COPY: "#ff7f0e", "postprocess": "#2ca02c"}
+_COLORS = {FORWARD_SPAN: "#1f77b4", COPY_SPAN: "#ff7f0e", POSTPROCESS_SPAN: "#2ca02c"}
 _OTHER_COLORS = ["#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#d62728"]
 
 
@@ -48,7 +49,7 @@ def _draw_panel(ax: Any, rows: list[Track], window: Span, colors: dict[str, str]
             ax.broken_barh([(x, max(w, width_ms / 2000))], (y - 0.38, 0.76),
                            facecolors=_color(s.name, colors), edgecolor="black", linewidth=0.3)
             drawn += 1
-            if s.name in (FORWARD, OUTPUT_COPY) and s.keys and w > width_ms / 60:
+            if s.name in (FORWARD_SPAN, COPY_SPAN) and s.keys and w > width_ms / 60:
                 label = ",".join(f"#{ordinals.setdefault(k, len(ordinals) + 1)}" for k in s.keys[:3])
                 ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=7, clip_on=True)
     ax.set_yticks(range(len(rows)))

@@ -1,24 +1,36 @@
 """Reading a merged trace back: tracks, spans, and the async-output overlap.
 
 The overlap is the point of the two-phase output: while a worker's output
-thread copies request N off the device ("d2h+pack" on "worker<r> output"), its
-main stream already runs the forward of request N+1 ("forward" on
-"worker<r> main").
+thread copies request N off the device (COPY_SPAN on ``worker_output_track``),
+its main stream already runs the forward of request N+1 (FORWARD_SPAN on
+``worker_main_track``). Track and span names come from ``diffrt.tracing``, where
+the code that records them gets them too; a trace with spans but none of the
+worker spans read here raises TraceError rather than reporting no overlap.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORWARD = "forward"
-OUTPUT_COPY = "d2h+pack"
-BENCH_TRACK = "bench"
-_WORKER_TRACK = re.compile(r"^worker(\d+) (main|output)$")
+from diffrt.tracing import (
+    BENCH_TRACK,
+    COPY_SPAN,
+    FORWARD_SPAN,
+    WORKER_MAIN,
+    WORKER_OUTPUT,
+    parse_worker_track,
+    track_sort_index,
+    worker_main_track,
+    worker_output_track,
+)
+
+
+class TraceError(ValueError):
+    """The trace lacks the tracks or spans the analysis reads (e.g. a renamed span)."""
 
 
 @dataclass
@@ -61,12 +73,8 @@ def load_trace(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _track_order(track: Track) -> tuple:
-    m = _WORKER_TRACK.match(track.name)
-    if track.name.startswith("engine"):
-        return (1, 0, track.name)
-    if m:
-        return (2, int(m.group(1)), m.group(2) != "main", track.name)
-    return (0 if track.name == BENCH_TRACK else 3, 0, track.name)
+    """The viewer's row order, with the bench windows on top."""
+    return (track.name != BENCH_TRACK, track_sort_index(track.name), track.name)
 
 
 def tracks(trace: dict[str, Any]) -> list[Track]:
@@ -95,18 +103,53 @@ def tracks(trace: dict[str, Any]) -> list[Track]:
     return result
 
 
+def _worker_streams(rows: list[Track]) -> dict[tuple[int, int], dict[str, Track]]:
+    """{(pid, rank): {WORKER_MAIN: track, WORKER_OUTPUT: track}} of every worker in ``rows``."""
+    workers: dict[tuple[int, int], dict[str, Track]] = {}
+    for t in rows:
+        parsed = parse_worker_track(t.name)
+        if parsed is not None:
+            rank, stream = parsed
+            workers.setdefault((t.pid, rank), {})[stream] = t
+    return workers
+
+
+def _spans(streams: dict[str, Track], stream: str, name: str) -> list[Span]:
+    track = streams.get(stream)
+    return [s for s in track.spans if s.name == name] if track else []
+
+
+def _check_worker_spans(rows: list[Track]) -> None:
+    """Raise TraceError when spans were traced but not the worker spans the
+    overlap analysis reads: FORWARD_SPAN on a worker main track, and only
+    COPY_SPAN on a worker output track that holds spans."""
+    if not rows:
+        return
+    workers = _worker_streams(rows)
+    found = ", ".join(sorted({f"{t.name!r}: {s.name!r}" for t in rows for s in t.spans}))
+    if not any(_spans(streams, WORKER_MAIN, FORWARD_SPAN) for streams in workers.values()):
+        raise TraceError(f"no {FORWARD_SPAN!r} span on a worker main track "
+                         f"({worker_main_track(0)!r}, ...); the trace holds {found}")
+    for streams in workers.values():
+        out = streams.get(WORKER_OUTPUT)
+        if out is not None and out.spans and not _spans(streams, WORKER_OUTPUT, COPY_SPAN):
+            raise TraceError(f"no {COPY_SPAN!r} span on {out.name!r} (expected on "
+                             f"{worker_output_track(0)!r}, ...); the trace holds {found}")
+
+
 def find_async_overlaps(trace: dict[str, Any]) -> list[tuple[Span, Span]]:
-    """(forward, d2h+pack) pairs of one worker where a forward ran while the
-    output of an EARLIER forward (other keys, copy started first) was copied."""
-    by_worker: dict[tuple[int, str], dict[str, list[Span]]] = {}
-    for t in tracks(trace):
-        m = _WORKER_TRACK.match(t.name)
-        if m:
-            by_worker.setdefault((t.pid, m.group(1)), {})[m.group(2)] = t.spans
+    """(forward, copy) pairs of one worker where a forward ran while the
+    output of an EARLIER forward (other keys, copy started first) was copied.
+
+    Raises TraceError for a trace whose spans do not include the worker spans
+    this reads (see ``_check_worker_spans``).
+    """
+    rows = tracks(trace)
+    _check_worker_spans(rows)
     pairs = []
-    for streams in by_worker.values():
-        forwards = [s for s in streams.get("main", []) if s.name == FORWARD]
-        copies = [s for s in streams.get("output", []) if s.name == OUTPUT_COPY]
+    for streams in _worker_streams(rows).values():
+        forwards = _spans(streams, WORKER_MAIN, FORWARD_SPAN)
+        copies = _spans(streams, WORKER_OUTPUT, COPY_SPAN)
         for fwd in forwards:
             for copy in copies:
                 earlier = copy.start_us < fwd.start_us
@@ -129,8 +172,12 @@ def measured_ms(rows: list[Track]) -> float:
 
 def summarize(trace: dict[str, Any]) -> str:
     """One line per track (spans, busy time and its share of the measured
-    time: an idle worker main stream is the device bubble) plus the overlap count."""
+    time: an idle worker main stream is the device bubble) plus the overlap count.
+
+    Raises TraceError as ``find_async_overlaps`` does.
+    """
     rows = tracks(trace)
+    overlapped = {id(f) for f, _ in find_async_overlaps(trace)}
     total = measured_ms(rows)
     lines = [f"  measured: {total:.1f} ms"]
     for t in rows:
@@ -140,38 +187,37 @@ def summarize(trace: dict[str, Any]) -> str:
         share = f" ({100 * busy_ms / total:.0f}%)" if total > 0 else ""
         noun = "span" if len(t.spans) == 1 else "spans"
         lines.append(f"  {t.label}: {len(t.spans)} {noun}, {busy_ms:.1f} ms busy{share}")
-    forwards = sum(1 for t in rows for s in t.spans if s.name == FORWARD)
-    overlapped = {id(f) for f, _ in find_async_overlaps(trace)}
+    workers = _worker_streams(rows).values()
+    forwards = sum(len(_spans(w, WORKER_MAIN, FORWARD_SPAN)) for w in workers)
+    copies = sum(len(_spans(w, WORKER_OUTPUT, COPY_SPAN)) for w in workers)
     if forwards:
-        lines.append(f"  forwards overlapping the previous output copy: {len(overlapped)} of {forwards}")
+        note = "" if copies else f" (no {COPY_SPAN!r} spans: output was copied synchronously)"
+        lines.append(f"  forwards overlapping the previous output copy: "
+                     f"{len(overlapped)} of {forwards}{note}")
     return "\n".join(lines)
 
 
 def add_output_flows(trace: dict[str, Any]) -> int:
     """Add flow arrows (Perfetto/Chrome "s"/"f" events) from each forward to the
     output copy of the same requests, so the viewer links request N's forward
-    to its d2h+pack even while request N+1's forward runs. Returns the count."""
+    to its copy even while request N+1's forward runs. Returns the count."""
     flows: list[dict[str, Any]] = []
-    by_pid: dict[int, dict[str, Track]] = {}
-    for t in tracks(trace):
-        by_pid.setdefault(t.pid, {})[t.name] = t
-    for named in by_pid.values():
-        for name, out_track in named.items():
-            m = _WORKER_TRACK.match(name)
-            main = named.get(f"worker{m.group(1)} main") if m and m.group(2) == "output" else None
-            if main is None:
+    for streams in _worker_streams(tracks(trace)).values():
+        main, out_track = streams.get(WORKER_MAIN), streams.get(WORKER_OUTPUT)
+        if main is None or out_track is None:
+            continue
+        forwards = _spans(streams, WORKER_MAIN, FORWARD_SPAN)
+        for copy in _spans(streams, WORKER_OUTPUT, COPY_SPAN):
+            sources = [f for f in forwards
+                       if f.start_us <= copy.start_us and set(f.keys) & set(copy.keys)]
+            if not sources:
                 continue
-            for copy in (s for s in out_track.spans if s.name == OUTPUT_COPY and s.keys):
-                sources = [f for f in main.spans if f.name == FORWARD and f.start_us <= copy.start_us
-                           and set(f.keys) & set(copy.keys)]
-                if not sources:
-                    continue
-                fwd = max(sources, key=lambda f: f.start_us)
-                flow_id = len(flows) // 2 + 1
-                common = {"name": "output", "cat": "diffrt", "id": flow_id, "pid": main.pid}
-                flows.append({**common, "ph": "s", "tid": main.tid,
-                              "ts": max(fwd.start_us, fwd.end_us - 1.0)})
-                flows.append({**common, "ph": "f", "bp": "e", "tid": out_track.tid,
-                              "ts": copy.start_us})
+            fwd = max(sources, key=lambda f: f.start_us)
+            flow_id = len(flows) // 2 + 1
+            common = {"name": "output", "cat": "diffrt", "id": flow_id, "pid": main.pid}
+            flows.append({**common, "ph": "s", "tid": main.tid,
+                          "ts": max(fwd.start_us, fwd.end_us - 1.0)})
+            flows.append({**common, "ph": "f", "bp": "e", "tid": out_track.tid,
+                          "ts": copy.start_us})
     trace["traceEvents"].extend(flows)
     return len(flows) // 2

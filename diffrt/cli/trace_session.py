@@ -50,7 +50,7 @@ class TraceWindows:
 
     @contextlib.contextmanager
     def window(self, label: str | None = None) -> Iterator[None]:
-        """Keep the spans of the body; with ``label`` also draw it on the "bench" track."""
+        """Keep the spans of the body; with ``label`` also draw it on the bench track."""
         start = tracing.now_us()
         try:
             yield
@@ -58,7 +58,7 @@ class TraceWindows:
             end = tracing.now_us()
             self.windows.append((start, end))
             if label:
-                tracing.record("bench", label, start, end)
+                tracing.record(tracing.BENCH_TRACK, label, start, end)
 
 
 @contextlib.contextmanager

@@ -20,8 +20,8 @@ from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from diffrt.engine.config import EngineConfig, EngineConfigError, EngineMode
-    from diffrt.engine.engine import (
-        DiffusionEngine,
+    from diffrt.engine.engine import DiffusionEngine
+    from diffrt.engine.errors import (
         EngineClosedError,
         EngineDeadError,
         EngineError,
@@ -33,10 +33,10 @@ _LAZY = {
     "EngineConfigError": "diffrt.engine.config",
     "EngineMode": "diffrt.engine.config",
     "DiffusionEngine": "diffrt.engine.engine",
-    "EngineError": "diffrt.engine.engine",
-    "EngineClosedError": "diffrt.engine.engine",
-    "EngineDeadError": "diffrt.engine.engine",
-    "EngineWarmupError": "diffrt.engine.engine",
+    "EngineError": "diffrt.engine.errors",
+    "EngineClosedError": "diffrt.engine.errors",
+    "EngineDeadError": "diffrt.engine.errors",
+    "EngineWarmupError": "diffrt.engine.errors",
 }
 
 __all__ = [

@@ -13,10 +13,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffrt.engine.runner_messages import PIPELINE_PROTOCOL, RunnerSettings
 from diffrt.engine.sched.policy import POLICIES
+from diffrt.runtime.types import ExecutorConfig, RunnerSpec
 
 EXECUTOR_BACKENDS = ("mp", "inproc")
+#: the runner every worker builds (imported only inside the workers).
+PIPELINE_RUNNER_CLS = "diffrt.engine.pipeline_runner:PipelineRunner"
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+#: ExecutorConfig fields that executor_options may set (the others have their own fields).
+_EXECUTOR_OPTIONS = frozenset({"startup_timeout_s", "shutdown_grace_s", "output_queue_depth",
+                               "worker_env", "output_timeout_s", "max_pending_output_bytes"})
 
 
 class EngineMode(enum.Enum):
@@ -75,7 +84,10 @@ class EngineConfig:
             order of magnitude); elsewhere torch's default.
         max_pending_output_bytes: bound on outputs waiting to be read
             (None = the runtime's default).
-        executor_options: extra ExecutorConfig fields (tests, tuning).
+        plugin_modules: modules each worker imports before loading the model,
+            e.g. one that registers a custom pipeline class.
+        executor_options: extra ExecutorConfig fields (tuning: startup_timeout_s,
+            shutdown_grace_s, output_queue_depth, worker_env).
     """
 
     model: str = "tiny-flux"
@@ -95,6 +107,7 @@ class EngineConfig:
     postprocess_workers: int = 2
     torch_threads: int | None = None
     max_pending_output_bytes: int | None = None
+    plugin_modules: tuple[str, ...] = ()
     executor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -109,6 +122,22 @@ class EngineConfig:
         from diffrt.engine.pipelines.registry import resolve_pipeline_class
 
         return resolve_pipeline_class(self.model)
+
+    def executor_config(self, *, platform_async_output: bool) -> ExecutorConfig:
+        """The runtime settings this config implies (``platform_async_output``:
+        whether the platform supports the two-phase output, for ``async_output=None``)."""
+        kw: dict[str, Any] = dict(self.executor_options)
+        if self.output_timeout_s is not None:
+            kw["output_timeout_s"] = self.output_timeout_s
+        if self.max_pending_output_bytes is not None:
+            kw["max_pending_output_bytes"] = self.max_pending_output_bytes
+        async_output = platform_async_output if self.async_output is None else self.async_output
+        settings = RunnerSettings(model=self.model, dtype=self.dtype,
+                                  torch_threads=self.torch_threads,
+                                  plugin_modules=list(self.plugin_modules))
+        runner = RunnerSpec(PIPELINE_RUNNER_CLS, PIPELINE_PROTOCOL, settings)
+        return ExecutorConfig(runner=runner, world_size=self.world_size,
+                              async_output=async_output, **kw)
 
     # -- validation -------------------------------------------------------------
     def _check_fields(self) -> None:
@@ -153,6 +182,15 @@ class EngineConfig:
         b = self.max_pending_output_bytes
         if b is not None and (not _is_int(b) or b <= 0):
             raise EngineConfigError("max_pending_output_bytes", f"must be None or an int > 0, got {b!r}")
+        if isinstance(self.plugin_modules, str) or not all(
+                isinstance(m, str) and m for m in self.plugin_modules):
+            raise EngineConfigError("plugin_modules",
+                                    f"must be a sequence of module names, got {self.plugin_modules!r}")
+        self.plugin_modules = tuple(self.plugin_modules)
+        unknown = set(self.executor_options) - _EXECUTOR_OPTIONS
+        if unknown:
+            raise EngineConfigError("executor_options", f"unknown option(s) {sorted(unknown)}; "
+                                    f"allowed: {sorted(_EXECUTOR_OPTIONS)}")
 
     def _check_model(self) -> None:
         from diffrt.engine.pipelines.registry import UnknownModelError

@@ -3,10 +3,10 @@
 Each vendor exposes the same module surface under ``torch.<vendor>``:
 ``Stream``, ``Event``, ``current_stream``, ``stream``, ``synchronize``,
 ``device_count``... A backend names its module once (``device_module``) and
-this class uses ONLY that module's ``Stream``/``Event`` family. Mixing a vendor
-``Event`` with the generic ``torch.Stream`` silently dropped waits on XPU in the
-anchor project, so a stream or event of another family is refused with a
-``TypeError`` instead of being passed through.
+this class uses ONLY that module's ``Stream``/``Event`` family. A vendor
+``Event`` waited on from the generic ``torch.Stream`` (or the reverse) can be
+silently ignored, as seen on XPU, so a stream or event of another family is
+refused with a ``TypeError`` instead of being passed through.
 """
 
 from __future__ import annotations

@@ -26,7 +26,12 @@ class PlatformFeatureError(NotImplementedError):
 
 
 class Platform:
-    """Base class of all platforms; see DESIGN.md for the contract."""
+    """Base class of all platforms.
+
+    A backend sets the identity attributes below and overrides the methods its
+    device provides; every other device method raises PlatformFeatureError.
+    ``diffrt.platforms.current_platform`` is the one instance the runtime uses.
+    """
 
     name: ClassVar[str] = "base"
     device_type: ClassVar[str] = "cpu"

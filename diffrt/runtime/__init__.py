@@ -1,34 +1,32 @@
 """diffrt runtime: two-phase async output, shared-memory transport, executors.
 
 The runtime knows nothing of diffusion: the engine names a runner class that
-lives in each worker (see ``runner.py``) and drives it through an ``Executor``.
+lives in each worker and declares its typed messages (``types.RunnerProtocol``),
+and drives it through an ``Executor`` built by ``factory.make_executor``.
+This package's namespace re-exports only the leaf vocabulary (``types``), so
+importing it stays cheap and no module here depends on the backends.
 """
 
-from diffrt.runtime.executor import (
-    Executor,
+from diffrt.runtime.types import (
     ExecutorConfig,
     ExecutorDeadError,
     ExecutorError,
     OutputTimeoutError,
     RunnerOutput,
+    RunnerProtocol,
+    RunnerResult,
+    RunnerSpec,
     WorkerError,
-    make_executor,
 )
-from diffrt.runtime.messages import AsyncOutputKind
-from diffrt.runtime.runner import RunnerResult
-from diffrt.runtime.shm_transport import ArenaFullError, OutputLease
 
 __all__ = [
-    "ArenaFullError",
-    "AsyncOutputKind",
-    "Executor",
     "ExecutorConfig",
     "ExecutorDeadError",
     "ExecutorError",
-    "OutputLease",
     "OutputTimeoutError",
     "RunnerOutput",
+    "RunnerProtocol",
     "RunnerResult",
+    "RunnerSpec",
     "WorkerError",
-    "make_executor",
 ]

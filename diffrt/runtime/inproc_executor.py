@@ -14,19 +14,10 @@ import queue
 import threading
 from typing import Any
 
-from diffrt.runtime.executor import ExecutorConfig, ExecutorDeadError
-from diffrt.runtime.messages import (
-    FreeSlots,
-    InitWorker,
-    Rpc,
-    RpcResult,
-    Shutdown,
-    encode,
-    request_decoder,
-)
+from diffrt.runtime.messages import FreeSlots, InitWorker, Shutdown, encode
 from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
-from diffrt.runtime.result_router import ResultRouter, SlotFreer
-from diffrt.runtime.worker_core import WorkerCore, _error_text
+from diffrt.runtime.types import ExecutorConfig, ExecutorDeadError
+from diffrt.runtime.worker_core import WorkerCore, serve
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +36,7 @@ class InprocExecutor(PumpedExecutor):
         self._frees: queue.Queue[FreeSlots] = queue.Queue()
         self._worker_error: BaseException | None = None
         self.core: WorkerCore | None = None  # for tests and debugging
-        self.router = ResultRouter(1, self.arena, SlotFreer(self._frees.put),
-                                   config.output_timeout_s)
+        self.router = self._make_router(self._frees.put)
         rpc_id, fut, msgs = self._init_messages(None)
         self._requests.put(msgs[0])
         self._worker = threading.Thread(target=self._worker_main, name="diffrt-inproc-worker0",
@@ -65,31 +55,16 @@ class InprocExecutor(PumpedExecutor):
         except queue.Empty:
             return None
 
+    def _build_core(self, init: InitWorker) -> WorkerCore:
+        self.core = WorkerCore(init, self.platform, self._send, self.arena, self._free_source)
+        return self.core
+
     def _worker_main(self) -> None:
-        core: WorkerCore | None = None
         try:
-            init = request_decoder.decode(self._requests.get())
-            assert isinstance(init, InitWorker)
-            try:
-                core = WorkerCore(init, self.platform, self._send, self.arena, self._free_source)
-            except Exception as exc:
-                self._send(RpcResult(init.rpc_id, init.rank, error=_error_text(exc)))
-                return
-            self.core = core
-            self._send(RpcResult(init.rpc_id, init.rank))
-            while True:
-                msg = request_decoder.decode(self._requests.get())
-                match msg:
-                    case Rpc():
-                        core.handle(msg)
-                    case Shutdown():
-                        break
+            serve(self._requests.get, self._send, self._build_core)
         except BaseException as exc:  # the loop itself failed: the executor is dead
             logger.exception("inproc worker loop died")
             self._worker_error = exc
-        finally:
-            if core is not None:
-                core.close()
 
     # -- PumpedExecutor hooks ----------------------------------------------------------------
     def _broadcast(self, data: bytes) -> None:

@@ -8,9 +8,11 @@ Three channels, one tagged union and one Decoder each:
 * free channel (executor -> output rank's output thread): ``FreeSlots``.
 
 Tensors never travel inside messages: ``OutputReady`` carries ``KeyOutput``
-entries whose tree references slots of the shared-memory arena. Payloads and
-runner results travel as pre-encoded ``msgspec.Raw`` so a payload is encoded
-once for all ranks and the envelope decodes without knowing its type.
+entries whose tree references slots of the shared-memory arena. The runner's
+own messages (its settings, requests and replies: see ``RunnerProtocol``)
+travel inside the envelopes as pre-encoded ``msgspec.Raw``: a request is
+encoded once for all ranks, the envelope decodes without knowing the runner,
+and each side decodes the inner message with the runner's typed decoder.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ import msgspec
 
 
 class AsyncOutputKind(str, enum.Enum):
-    """How the pump routes a result message (the seed's two-phase protocol)."""
+    """How the pump routes a result message of the two-phase output protocol."""
 
     RPC_RESULT = "rpc_result"      # ordinary RPC return, errors included
     COMPUTE_DONE = "compute_done"  # forward finished; the worker takes the next request
     OUTPUT_READY = "output_ready"  # outputs are in shared memory, ready to read
+
+
+#: msgpack's nil: an empty reply.
+NIL = msgspec.Raw(b"\xc0")
 
 
 class RpcKind(enum.IntEnum):
@@ -42,20 +48,18 @@ class RequestMsg(msgspec.Struct, tag=True, array_like=True, gc=False):
 class InitWorker(RequestMsg, tag="init"):
     rank: int
     world_size: int
-    runner_cls: str
-    runner_kwargs: msgspec.Raw
+    runner_cls: str                # "pkg.module:Class"
+    runner_settings: msgspec.Raw   # the runner's settings Struct
     async_output: bool
     arena_bytes: int
     output_queue_depth: int
     dist_init_method: str | None = None
-    test_faults: dict[str, Any] = {}
     rpc_id: int = 0  # the rank acknowledges start-up with RpcResult(rpc_id)
 
 
 class Rpc(RequestMsg, tag="rpc"):
     rpc_id: int
-    method: str
-    payload: msgspec.Raw
+    request: msgspec.Raw           # one of the runner's request Structs
     kind: RpcKind = RpcKind.EXECUTE
 
 
@@ -98,14 +102,14 @@ class ResultMsg(msgspec.Struct, tag=True, array_like=True, gc=False):
 class RpcResult(ResultMsg, tag=AsyncOutputKind.RPC_RESULT.value):
     rpc_id: int
     rank: int
-    result: msgspec.Raw = msgspec.Raw(b"\xc0")   # msgpack nil
+    reply: msgspec.Raw = NIL                 # the runner's reply Struct, or nil
     error: str | None = None
 
 
 class ComputeDone(ResultMsg, tag=AsyncOutputKind.COMPUTE_DONE.value):
     rpc_id: int
     rank: int
-    meta: msgspec.Raw = msgspec.Raw(b"\xc0")
+    reply: msgspec.Raw = NIL
     async_output_id: str | None = None       # None on the synchronous path
     output_ids: dict[str, str] = {}          # key -> per-key output id
 
@@ -140,7 +144,6 @@ _enc = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(RequestUnion)
 result_decoder = msgspec.msgpack.Decoder(ResultUnion)
 free_decoder = msgspec.msgpack.Decoder(FreeSlots)
-_any_decoder = msgspec.msgpack.Decoder()
 
 
 def encode(msg: Any) -> bytes:
@@ -148,11 +151,5 @@ def encode(msg: Any) -> bytes:
 
 
 def encode_raw(value: Any) -> msgspec.Raw:
-    """Encode a payload once (Structs become builtins on the other side)."""
+    """Encode an inner message once, to travel inside an envelope."""
     return msgspec.Raw(_enc.encode(value))
-
-
-def decode_raw(raw: msgspec.Raw | None) -> Any:
-    if raw is None:
-        return None
-    return _any_decoder.decode(raw)

@@ -20,10 +20,9 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from diffrt.runtime.executor import ExecutorConfig
 from diffrt.runtime.messages import FreeSlots, Shutdown, encode
 from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
-from diffrt.runtime.result_router import ResultRouter, SlotFreer
+from diffrt.runtime.types import ExecutorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +84,7 @@ class MultiprocExecutor(PumpedExecutor):
             self._platform = current_platform
         self._free_conn: Connection | None = None
         self._free_lock = threading.Lock()
-        self.router = ResultRouter(config.world_size, self.arena, SlotFreer(self._send_free),
-                                   config.output_timeout_s)
+        self.router = self._make_router(self._send_free)
         dist = f"tcp://127.0.0.1:{_free_port()}" if config.world_size > 1 else None
         rpc_id, fut, msgs = self._init_messages(dist)
         try:

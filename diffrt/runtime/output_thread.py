@@ -1,6 +1,6 @@
 """The output rank's writer: copies runner outputs into arena slots.
 
-Async path (the seed's two-phase output): the worker's main thread records an
+Async path (two-phase output): the worker's main thread records an
 event on the compute stream after forward, hands ``(outputs, event)`` to the
 background thread and sends COMPUTE_DONE at once. The thread makes its side
 stream wait on that event, enqueues ``platform.copy_async`` of every tensor
@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
@@ -54,7 +53,7 @@ class OutputWriter:
 
     def __init__(self, platform: Any, arena: Arena, free_source: FreeSource,
                  send: Callable[[Any], None], *, rank: int = 0, queue_depth: int = 2,
-                 async_output: bool = True, faults: dict[str, Any] | None = None):
+                 async_output: bool = True):
         self.platform = platform
         self.arena = arena
         self._free_source = free_source
@@ -66,7 +65,6 @@ class OutputWriter:
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # freed before being packed
         self._async = async_output and bool(getattr(platform, "supports_async_output", False))
         self._host_outputs = outputs_are_host_memory(platform)
-        self._faults = faults or {}
         self._closed = threading.Event()
         self._pack_lock = threading.Lock()  # the allocator is used by one packer at a time
         self._side_stream: Any = None
@@ -132,7 +130,7 @@ class OutputWriter:
                 return
 
     def _serve(self) -> None:
-        track = f"worker{self._rank} output"
+        track = tracing.worker_output_track(self._rank)
         while not self._closed.is_set():
             try:
                 item = self._queue.get(timeout=0.5)
@@ -143,16 +141,9 @@ class OutputWriter:
             if item is None:
                 break
             batch_id, ids, outputs, event = item
-            delay = self._faults.get("output_delay_s")
-            if delay:
-                time.sleep(float(delay))
-            with tracing.span(track, "d2h+pack", output_id=batch_id, keys=list(outputs)):
+            with tracing.span(track, tracing.COPY_SPAN, output_id=batch_id, keys=list(outputs)):
                 msg = self._pack(batch_id, ids, outputs, event=event, sync=False)
             del item, outputs  # the sources may be reused only after the copy completed
-            if self._faults.get("drop_output_ready", 0) > 0:  # TEST ONLY: a lost message
-                self._faults["drop_output_ready"] -= 1
-                logger.warning("TEST FAULT: dropping OUTPUT_READY %s", batch_id)
-                continue
             try:
                 self._send(msg)
             except Exception:  # channel gone: the executor is dying

@@ -1,4 +1,4 @@
-"""What both executors share: RPC plumbing, the result pump, health, faults.
+"""What both executors share: RPC plumbing, the result pump, health.
 
 A backend supplies how requests reach the ranks (``_broadcast``), how results
 come back (``_poll_results``, raising ``WorkerDied``) and how workers stop
@@ -13,15 +13,14 @@ import logging
 import threading
 import time
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
-from diffrt.runtime.executor import (
-    Executor,
-    ExecutorConfig,
-    ExecutorDeadError,
-    RunnerOutput,
-)
+import msgspec
+
+from diffrt.runtime.executor import Executor
 from diffrt.runtime.messages import (
+    FreeSlots,
     InitWorker,
     Rpc,
     RpcKind,
@@ -29,8 +28,9 @@ from diffrt.runtime.messages import (
     encode_raw,
     result_decoder,
 )
-from diffrt.runtime.result_router import ResultRouter
+from diffrt.runtime.result_router import ResultRouter, SlotFreer
 from diffrt.runtime.shm_transport import Arena, OutputLease
+from diffrt.runtime.types import ExecutorConfig, ExecutorDeadError, RunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +45,19 @@ class WorkerDied(ExecutorDeadError):
 class PumpedExecutor(Executor):
     def __init__(self, config: ExecutorConfig):
         self.config = config
-        self._faults = dict(config._test_faults)
-        self._pump_fault = self._faults.get("pump_raise_on")  # TEST ONLY
+        self.protocol = config.runner.protocol
         self._send_lock = threading.Lock()  # every rank sees RPCs in the same order
         self._stopping = threading.Event()
         self._shutdown_lock = threading.Lock()
         self._shut_down = False
         self.arena = Arena.create(config.max_pending_output_bytes)
-        self.router: ResultRouter  # set by the backend once its free channel exists
+        self.router: ResultRouter  # set by _make_router once the free channel exists
         self._pump_thread: threading.Thread | None = None
+
+    def _make_router(self, send_free: Callable[[FreeSlots], None]) -> ResultRouter:
+        replies = msgspec.msgpack.Decoder(self.protocol.replies)
+        return ResultRouter(self.config.world_size, self.arena, SlotFreer(send_free),
+                            self.config.output_timeout_s, decode_reply=replies.decode)
 
     # -- backend hooks ------------------------------------------------------------
     @abstractmethod
@@ -74,12 +78,13 @@ class PumpedExecutor(Executor):
     # -- start-up -------------------------------------------------------------------
     def _init_messages(self, dist_init_method: str | None) -> tuple[int, concurrent.futures.Future, list[bytes]]:
         rpc_id, fut = self.router.new_rpc(RpcKind.COLLECTIVE)
-        kwargs = encode_raw(self.config.runner_kwargs)
+        runner = self.config.runner
+        settings = encode_raw(runner.settings)
         msgs = [encode(InitWorker(
-            rank=rank, world_size=self.config.world_size, runner_cls=self.config.runner_cls,
-            runner_kwargs=kwargs, async_output=self.config.async_output,
+            rank=rank, world_size=self.config.world_size, runner_cls=runner.cls,
+            runner_settings=settings, async_output=self.config.async_output,
             arena_bytes=self.arena.size, output_queue_depth=self.config.output_queue_depth,
-            dist_init_method=dist_init_method, test_faults=self._faults, rpc_id=rpc_id))
+            dist_init_method=dist_init_method, rpc_id=rpc_id))
             for rank in range(self.config.world_size)]
         return rpc_id, fut, msgs
 
@@ -100,10 +105,7 @@ class PumpedExecutor(Executor):
         try:
             while not self._stopping.is_set():
                 for data in self._poll_results(PUMP_POLL_S):
-                    msg = result_decoder.decode(data)
-                    if self._pump_fault and msg.kind.value == self._pump_fault:
-                        raise RuntimeError(f"TEST FAULT: pump raised on {self._pump_fault}")
-                    self.router.on_message(msg)
+                    self.router.on_message(result_decoder.decode(data))
                 now = time.monotonic()
                 if now >= next_expire:
                     self.router.expire(now)
@@ -117,12 +119,15 @@ class PumpedExecutor(Executor):
             self.router.fail_all(ExecutorDeadError(f"result pump died: {type(exc).__name__}: {exc}"))
 
     # -- Executor API ------------------------------------------------------------------------
-    def _call(self, kind: RpcKind, method: str, payload: Any, timeout: float | None) -> Any:
-        raw = encode_raw(payload)  # an unencodable payload fails here, before any bookkeeping
+    def _call(self, kind: RpcKind, request: Any, timeout: float | None) -> Any:
+        # A request the runner does not declare, or one that cannot be encoded,
+        # fails here, before any bookkeeping.
+        self.protocol.check_request(request)
+        raw = encode_raw(request)
         rpc_id, fut = self.router.new_rpc(kind)
         try:
             with self._send_lock:
-                self._broadcast(encode(Rpc(rpc_id, method, raw, kind)))
+                self._broadcast(encode(Rpc(rpc_id, raw, kind)))
         except (OSError, ValueError, ExecutorDeadError) as exc:
             # The rpc is registered: fail it (and everything else) rather than leak it.
             err = ExecutorDeadError(f"cannot reach the workers: {exc}")
@@ -130,11 +135,11 @@ class PumpedExecutor(Executor):
             raise err from exc
         return self.router.wait_rpc(rpc_id, fut, timeout)
 
-    def execute(self, method: str, payload: Any = None, timeout: float | None = None) -> RunnerOutput:
-        return self._call(RpcKind.EXECUTE, method, payload, timeout)
+    def execute(self, request: Any, timeout: float | None = None) -> RunnerOutput:
+        return self._call(RpcKind.EXECUTE, request, timeout)
 
-    def collective_rpc(self, method: str, payload: Any = None, timeout: float | None = None) -> list[Any]:
-        return self._call(RpcKind.COLLECTIVE, method, payload, timeout)
+    def collective_rpc(self, request: Any, timeout: float | None = None) -> list[Any]:
+        return self._call(RpcKind.COLLECTIVE, request, timeout)
 
     def wait_output_ready(self, output_id: str) -> concurrent.futures.Future[OutputLease]:
         return self.router.wait_output_ready(output_id)

@@ -1,7 +1,18 @@
 """Executor-side bookkeeping of every pending RPC and output (one per executor).
 
 The pump thread feeds it every result message; engine threads register RPCs,
-wait for outputs and release them. It guarantees what the anchor got wrong:
+wait for outputs and release them. Every output id has one entry in one table,
+in one ``OutputState``, and changes state only in ``_transition``; the table
+below is the whole lifecycle (``-`` = no entry):
+
+    state     WAIT             ARRIVE              RELEASE         EXPIRE (past deadline)
+    -         WAITING          ARRIVED             DROPPED         -
+    WAITING   (same future)    CLAIMED, hand over  DROPPED, cancel DROPPED, time out
+    ARRIVED   CLAIMED, hand    (duplicate freed)   -, free         -, free
+    CLAIMED   error            (duplicate freed)   (holder frees)  (LEASE_DONE: -)
+    DROPPED   error            -, free             (nothing)       -
+
+It guarantees:
 
 * OUTPUT_READY may arrive before or after COMPUTE_DONE and before or after its
   waiter: per-key ids are deterministic (``output_ids_for``), so an output is
@@ -19,6 +30,7 @@ Futures are completed outside the lock so their callbacks may call back in.
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import itertools
 import logging
 import threading
@@ -28,22 +40,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffrt.runtime.executor import (
+import msgspec
+
+from diffrt.runtime.messages import (
+    NIL,
+    ComputeDone,
+    FreeSlots,
+    OutputReady,
+    RpcKind,
+    RpcResult,
+)
+from diffrt.runtime.shm_transport import Arena, OutputLease, read_views
+from diffrt.runtime.types import (
     ExecutorDeadError,
     ExecutorError,
     OutputTimeoutError,
     RunnerOutput,
     WorkerError,
 )
-from diffrt.runtime.messages import (
-    ComputeDone,
-    FreeSlots,
-    OutputReady,
-    RpcKind,
-    RpcResult,
-    decode_raw,
-)
-from diffrt.runtime.shm_transport import Arena, OutputLease, read_views
 
 logger = logging.getLogger(__name__)
 
@@ -99,20 +113,59 @@ class _PendingRpc:
     results: list[Any] = field(default_factory=list)
 
 
+class OutputState(enum.Enum):
+    """Where one output id stands, from the router's point of view."""
+
+    WAITING = "waiting"   # the engine waits for it; not arrived yet
+    ARRIVED = "arrived"   # in shared memory (or failed); nobody has asked yet
+    CLAIMED = "claimed"   # handed over: the lease holder frees the slot
+    DROPPED = "dropped"   # released or timed out before arriving: free it on arrival
+
+
+class OutputEvent(enum.Enum):
+    WAIT = "wait"                  # the engine asks for the output
+    ARRIVE = "arrive"              # OUTPUT_READY (or its failure) came in
+    RELEASE = "release"            # the engine will never read it
+    HANDOVER_FAILED = "handover_failed"  # the waiter was cancelled while handing over
+    LEASE_DONE = "lease_done"      # the lease holder released the slot
+    EXPIRE = "expire"              # periodic housekeeping at ``now``
+
+
+@dataclass
+class _Output:
+    state: OutputState
+    #: WAITING: when the waiter times out; ARRIVED: when an unclaimed output is
+    #: freed; DROPPED: when the id is forgotten (a late arrival is still freed).
+    deadline: float
+    future: Future | None = None   # WAITING
+    result: Any = None             # ARRIVED: an OutputLease or an exception
+
+
+@dataclass
+class _Effects:
+    """What a transition asks to happen once the lock is released (futures run
+    callbacks that may call back into the router)."""
+
+    resolve: list[tuple[Future, Any]] = field(default_factory=list)
+    cancel: list[Future] = field(default_factory=list)
+    discard: list[Any] = field(default_factory=list)
+    #: (output id, future, result): hand an arrived output to its waiter.
+    hand_over: list[tuple[str, Future, Any]] = field(default_factory=list)
+
+
 class ResultRouter:
-    def __init__(self, world_size: int, arena: Arena, freer: SlotFreer, output_timeout_s: float):
+    def __init__(self, world_size: int, arena: Arena, freer: SlotFreer, output_timeout_s: float,
+                 decode_reply: Callable[[msgspec.Raw], Any] = msgspec.msgpack.decode):
         self.world_size = world_size
         self.arena = arena
         self.freer = freer
         self.output_timeout_s = output_timeout_s
+        self._decode_reply = decode_reply
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._rpcs: dict[int, _PendingRpc] = {}
-        self._abandoned: set[int] = set()
-        self._waiters: dict[str, tuple[Future, float]] = {}      # id -> (future, deadline)
-        self._arrived: dict[str, tuple[Any, float]] = {}         # id -> (lease | error, deadline)
-        self._dropped: dict[str, float] = {}                     # id -> forget-after time
-        self._claimed: set[str] = set()      # delivered; the lease holder frees the slot
+        self._abandoned: set[int] = set()    # rpcs whose caller stopped waiting
+        self._outputs: dict[str, _Output] = {}
         self._lease_done: deque[str] = deque()  # appended by lease finalizers (lock-free)
         self._dead: BaseException | None = None
 
@@ -122,16 +175,114 @@ class ResultRouter:
         return self._dead
 
     def counts(self) -> dict[str, int]:
-        """Sizes of the internal tables (tests assert nothing is left behind)."""
+        """Pending rpcs and outputs per state (tests assert nothing is left behind)."""
         with self._lock:
             self._forget_released_locked()
-            return {"rpcs": len(self._rpcs), "waiters": len(self._waiters),
-                    "arrived": len(self._arrived), "dropped": len(self._dropped),
-                    "claimed": len(self._claimed)}
+            counts = {"rpcs": len(self._rpcs)}
+            counts.update({state.value: 0 for state in OutputState})
+            for entry in self._outputs.values():
+                counts[entry.state.value] += 1
+            return counts
 
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise ExecutorDeadError(str(self._dead)) from self._dead
+
+    # -- the output state machine ------------------------------------------------------
+    def _transition(self, oid: str, event: OutputEvent, fx: _Effects, *, now: float,
+                    result: Any = None, future: Future | None = None) -> None:
+        """The one place an output changes state (called with the lock held)."""
+        entry = self._outputs.get(oid)
+        state = entry.state if entry is not None else None
+        S, E = OutputState, OutputEvent
+        match event, state:
+            case E.WAIT, None:
+                assert future is not None
+                self._outputs[oid] = _Output(S.WAITING, now + self.output_timeout_s, future=future)
+            case E.WAIT, S.ARRIVED:
+                assert future is not None
+                self._claim_locked(oid, entry.result)
+                fx.hand_over.append((oid, future, entry.result))
+            case E.WAIT, S.CLAIMED | S.DROPPED:
+                assert future is not None
+                fx.resolve.append((future, ExecutorError(
+                    f"output {oid} was already {state.value}")))
+            case E.ARRIVE, None:
+                self._outputs[oid] = _Output(S.ARRIVED, now + self.output_timeout_s, result=result)
+            case E.ARRIVE, S.WAITING:
+                if entry.future.done():  # its waiter was cancelled: keep it for another
+                    self._outputs[oid] = _Output(S.ARRIVED, now + self.output_timeout_s,
+                                                 result=result)
+                else:
+                    self._claim_locked(oid, result)
+                    fx.hand_over.append((oid, entry.future, result))
+            case E.ARRIVE, S.DROPPED:
+                del self._outputs[oid]
+                fx.discard.append(result)
+            case E.ARRIVE, _:  # a duplicate: the first one wins
+                fx.discard.append(result)
+            case E.RELEASE, None:
+                self._drop_locked(oid, now)
+            case E.RELEASE, S.WAITING:
+                fx.cancel.append(entry.future)
+                self._drop_locked(oid, now)
+            case E.RELEASE, S.ARRIVED:
+                del self._outputs[oid]
+                fx.discard.append(entry.result)
+            case E.RELEASE, _:
+                pass  # claimed: its lease holder frees it; dropped: already on its way
+            case E.HANDOVER_FAILED | E.LEASE_DONE, S.CLAIMED:
+                del self._outputs[oid]
+            case E.EXPIRE, S.WAITING if entry.future.done():
+                del self._outputs[oid]  # cancelled by its owner and never arrived
+            case E.EXPIRE, S.WAITING if entry.deadline <= now:
+                self._drop_locked(oid, now)
+                fx.resolve.append((entry.future, OutputTimeoutError(
+                    f"output {oid} not ready within {self.output_timeout_s} s "
+                    "(ExecutorConfig.output_timeout_s / DIFFRT_OUTPUT_TIMEOUT_S)")))
+            case E.EXPIRE, S.ARRIVED if entry.deadline <= now:
+                logger.warning("output %s unclaimed for %.0f s: freed", oid, self.output_timeout_s)
+                del self._outputs[oid]
+                fx.discard.append(entry.result)
+            case E.EXPIRE, S.DROPPED if entry.deadline <= now:
+                del self._outputs[oid]
+            case _:
+                pass
+
+    def _claim_locked(self, oid: str, result: Any) -> None:
+        # In the same locked section that takes the output: a release_output
+        # racing with the hand-over must see it claimed, or it would free the
+        # slot of a lease about to be handed over. An error has no slot.
+        if isinstance(result, OutputLease):
+            self._outputs[oid] = _Output(OutputState.CLAIMED, 0.0)
+        else:
+            self._outputs.pop(oid, None)
+
+    def _drop_locked(self, oid: str, now: float) -> None:
+        # Remembered long enough for a late arrival; then forgotten (bounded). The
+        # writer frees the slot by id too, so a lost OUTPUT_READY cannot leak it.
+        self._outputs[oid] = _Output(OutputState.DROPPED, now + 2 * self.output_timeout_s + 60.0)
+        self.freer.post_id(oid)
+
+    def _forget_released_locked(self) -> None:
+        fx = _Effects()
+        while self._lease_done:
+            self._transition(self._lease_done.popleft(), OutputEvent.LEASE_DONE, fx, now=0.0)
+
+    def _run(self, fx: _Effects) -> None:
+        """Carry out a transition's effects, outside the lock."""
+        for fut, value in fx.resolve:
+            _complete(fut, value)
+        for fut in fx.cancel:
+            fut.cancel()
+        for result in fx.discard:
+            _discard(result)
+        for oid, fut, result in fx.hand_over:
+            if _complete(fut, result):
+                continue  # from then on the lease's holder owns the slot
+            with self._lock:
+                self._transition(oid, OutputEvent.HANDOVER_FAILED, _Effects(), now=0.0)
+            _discard(result)
 
     # -- rpcs ------------------------------------------------------------------------
     def new_rpc(self, kind: RpcKind) -> tuple[int, Future]:
@@ -168,9 +319,13 @@ class ResultRouter:
             case _:
                 raise TypeError(f"unexpected result message {type(msg).__name__}")
 
+    def _reply(self, raw: msgspec.Raw) -> Any:
+        return None if bytes(raw) == bytes(NIL) else self._decode_reply(raw)
+
     def _on_compute_done(self, msg: ComputeDone) -> None:
-        output = RunnerOutput(meta=decode_raw(msg.meta), async_output_id=msg.async_output_id,
+        output = RunnerOutput(reply=self._reply(msg.reply), async_output_id=msg.async_output_id,
                               output_ids=dict(msg.output_ids))
+        fx = _Effects()
         with self._lock:
             pending = self._rpcs.get(msg.rpc_id)
             if pending is None:
@@ -180,16 +335,18 @@ class ResultRouter:
                     logger.warning("COMPUTE_DONE for unknown rpc %d", msg.rpc_id)
                 now = time.monotonic()
                 for oid in msg.output_ids.values():  # nobody will ever ask for these
-                    self._drop_locked(oid, now)
-                return
-            pending.results[msg.rank] = output
-            pending.ranks_left -= 1
-            if pending.ranks_left > 0:
-                return  # other ranks have not acknowledged yet
-            del self._rpcs[msg.rpc_id]
-        _set_result(pending.future, output)
+                    self._transition(oid, OutputEvent.RELEASE, fx, now=now)
+            else:
+                pending.results[msg.rank] = output
+                pending.ranks_left -= 1
+                if pending.ranks_left > 0:
+                    return  # other ranks have not acknowledged yet
+                del self._rpcs[msg.rpc_id]
+                fx.resolve.append((pending.future, output))
+        self._run(fx)
 
     def _on_rpc_result(self, msg: RpcResult) -> None:
+        fx = _Effects()
         with self._lock:
             pending = self._rpcs.get(msg.rpc_id)
             if pending is None:
@@ -199,7 +356,7 @@ class ResultRouter:
                     logger.warning("late error from rank %d for rpc %d: %s", msg.rank, msg.rpc_id, msg.error)
                 return
             if msg.error is None:
-                pending.results[msg.rank] = decode_raw(msg.result)
+                pending.results[msg.rank] = self._reply(msg.reply)
                 pending.ranks_left -= 1
                 if pending.ranks_left > 0:
                     return
@@ -212,134 +369,71 @@ class ResultRouter:
                 for r in pending.results:
                     if isinstance(r, RunnerOutput):
                         for oid in r.output_ids.values():
-                            self._drop_locked(oid, now)
-        if msg.error is not None:
-            _set_exception(pending.future, WorkerError(f"rank {msg.rank}: {msg.error}"))
-        elif pending.kind == RpcKind.COLLECTIVE:
-            _set_result(pending.future, pending.results)
-        else:
-            _set_result(pending.future, pending.results[0])
+                            self._transition(oid, OutputEvent.RELEASE, fx, now=now)
+                fx.resolve.append((pending.future, WorkerError(f"rank {msg.rank}: {msg.error}")))
+            elif pending.kind == RpcKind.COLLECTIVE:
+                fx.resolve.append((pending.future, pending.results))
+            else:
+                fx.resolve.append((pending.future, pending.results[0]))
+        self._run(fx)
 
     def _on_output_ready(self, msg: OutputReady) -> None:
-        deliveries: list[tuple[str, Any]] = []
+        arrivals: list[tuple[str, Any]] = []
         for out in msg.outputs:
             value = read_views(self.arena, out)
             lease = OutputLease(out.output_id, value, out.nbytes,
                                 _releaser(self.freer, out.slot_offset, out.generation,
                                           out.output_id, self._lease_done))
-            deliveries.append((out.output_id, lease))
+            arrivals.append((out.output_id, lease))
         for oid in msg.failed_ids:
-            deliveries.append((oid, WorkerError(f"output {oid} failed: {msg.error}")))
+            arrivals.append((oid, WorkerError(f"output {oid} failed: {msg.error}")))
         for oid in msg.skipped_ids:
-            deliveries.append((oid, ExecutorError(f"output {oid} was released before it was packed")))
-        for oid, result in deliveries:
-            self._deliver(oid, result)
-
-    def _deliver(self, oid: str, result: Any) -> None:
+            arrivals.append((oid, ExecutorError(f"output {oid} was released before it was packed")))
+        fx = _Effects()
+        now = time.monotonic()
         with self._lock:
-            if self._dropped.pop(oid, None) is not None or self._dead is not None:
-                waiter = None
-            else:
-                waiter = self._waiters.pop(oid, None)
-                if waiter is None or waiter[0].done():  # none yet, or its waiter was cancelled
-                    self._arrived[oid] = (result, time.monotonic() + self.output_timeout_s)
-                    return
-                self._claim_locked(oid, result)
-        if waiter is not None and self._hand_over(waiter[0], oid, result):
-            return
-        _discard(result)
-
-    def _claim_locked(self, oid: str, result: Any) -> None:
-        # In the same locked section that takes the output from the waiter or
-        # arrival tables: a release_output in between must see it as claimed,
-        # or it would free the slot of a lease about to be handed over.
-        if isinstance(result, OutputLease):
-            self._claimed.add(oid)
-
-    def _hand_over(self, fut: Future, oid: str, result: Any) -> bool:
-        """Resolve a waiter (the output already claimed); from then on the
-        lease's holder owns the slot."""
-        if _complete(fut, result):
-            return True
-        with self._lock:
-            self._claimed.discard(oid)
-        return False
-
-    def _forget_released_locked(self) -> None:
-        while self._lease_done:
-            self._claimed.discard(self._lease_done.popleft())
+            for oid, result in arrivals:
+                if self._dead is not None:
+                    fx.discard.append(result)
+                else:
+                    self._transition(oid, OutputEvent.ARRIVE, fx, now=now, result=result)
+        self._run(fx)
 
     # -- outputs (engine side) -------------------------------------------------------------
     def wait_output_ready(self, oid: str) -> Future:
+        fx = _Effects()
         with self._lock:
             if self._dead is not None:
                 fut: Future = Future()
                 fut.set_exception(ExecutorDeadError(str(self._dead)))
                 return fut
-            arrived = self._arrived.pop(oid, None)
-            if arrived is not None:
-                self._claim_locked(oid, arrived[0])
-            else:
-                existing = self._waiters.get(oid)
-                if existing is not None and not existing[0].done():
-                    return existing[0]  # one future per id, shared by its waiters
-                fut = Future()
-                self._waiters[oid] = (fut, time.monotonic() + self.output_timeout_s)
-                return fut
-        fut = Future()
-        if not self._hand_over(fut, oid, arrived[0]):
-            _discard(arrived[0])
+            self._forget_released_locked()
+            entry = self._outputs.get(oid)
+            if entry is not None and entry.state is OutputState.WAITING:
+                if not entry.future.done():
+                    return entry.future  # one future per id, shared by its waiters
+                del self._outputs[oid]  # its waiter was cancelled: start afresh
+            fut = Future()
+            self._transition(oid, OutputEvent.WAIT, fx, now=time.monotonic(), future=fut)
+        self._run(fx)
         return fut
 
     def release_output(self, oid: str) -> None:
-        now = time.monotonic()
+        fx = _Effects()
         with self._lock:
             self._forget_released_locked()
-            if oid in self._claimed:
-                return  # handed over: its lease holder frees it (lease.release / GC)
-            arrived = self._arrived.pop(oid, None)
-            waiter = self._waiters.pop(oid, None)
-            if arrived is None:
-                self._drop_locked(oid, now)
-        if arrived is not None:
-            _discard(arrived[0])
-        if waiter is not None:
-            waiter[0].cancel()
-
-    def _drop_locked(self, oid: str, now: float) -> None:
-        # Remembered long enough for a late arrival; then forgotten (bounded). The
-        # writer frees the slot by id too, so a lost OUTPUT_READY cannot leak it.
-        self._dropped[oid] = now + 2 * self.output_timeout_s + 60.0
-        self.freer.post_id(oid)
+            self._transition(oid, OutputEvent.RELEASE, fx, now=time.monotonic())
+        self._run(fx)
 
     # -- housekeeping (pump calls it periodically) -------------------------------------------
     def expire(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        timed_out: list[tuple[str, Future]] = []
-        stale: list[tuple[str, Any]] = []
+        fx = _Effects()
         with self._lock:
             self._forget_released_locked()
-            for oid, (fut, deadline) in list(self._waiters.items()):
-                if fut.done():  # cancelled by its owner: forget the waiter, keep any output
-                    del self._waiters[oid]
-                elif deadline <= now:
-                    del self._waiters[oid]
-                    self._drop_locked(oid, now)
-                    timed_out.append((oid, fut))
-            for oid, (result, deadline) in list(self._arrived.items()):
-                if deadline <= now:
-                    del self._arrived[oid]
-                    stale.append((oid, result))
-            for oid, forget in list(self._dropped.items()):
-                if forget <= now:
-                    del self._dropped[oid]
-        for oid, fut in timed_out:
-            _set_exception(fut, OutputTimeoutError(
-                f"output {oid} not ready within {self.output_timeout_s} s "
-                "(ExecutorConfig.output_timeout_s / DIFFRT_OUTPUT_TIMEOUT_S)"))
-        for oid, result in stale:
-            logger.warning("output %s unclaimed for %.0f s: freed", oid, self.output_timeout_s)
-            _discard(result)
+            for oid in list(self._outputs):
+                self._transition(oid, OutputEvent.EXPIRE, fx, now=now)
+        self._run(fx)
         self.freer.flush()
 
     def fail_all(self, exc: BaseException) -> None:
@@ -348,21 +442,18 @@ class ResultRouter:
             if self._dead is None:
                 self._dead = exc
             rpcs = list(self._rpcs.values())
-            waiters = [f for f, _ in self._waiters.values()]
-            arrived = [r for r, _ in self._arrived.values()]
+            outputs = list(self._outputs.values())
             self._rpcs.clear()
-            self._waiters.clear()
-            self._arrived.clear()
-            self._dropped.clear()
+            self._outputs.clear()
             self._abandoned.clear()
-            self._claimed.clear()
         err = ExecutorDeadError(str(exc))
         for p in rpcs:
             _set_exception(p.future, err)
-        for f in waiters:
-            _set_exception(f, err)
-        for r in arrived:
-            _discard(r)
+        for entry in outputs:
+            if entry.state is OutputState.WAITING:
+                _set_exception(entry.future, err)
+            elif entry.state is OutputState.ARRIVED:
+                _discard(entry.result)
 
 
 def _releaser(freer: SlotFreer, offset: int, generation: int, oid: str,

@@ -69,70 +69,50 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format=f"[worker pid {os.getpid()}] %(levelname)s %(name)s: %(message)s")
 
     from diffrt import tracing
-    from diffrt.runtime.messages import (
-        InitWorker,
-        Rpc,
-        RpcResult,
-        Shutdown,
-        encode,
-        request_decoder,
-    )
+    from diffrt.runtime.messages import InitWorker, encode
     from diffrt.runtime.shm_transport import Arena
-    from diffrt.runtime.worker_core import WorkerCore, _error_text
+    from diffrt.runtime.worker_core import WorkerCore, serve
 
     requests = Connection(args.request_fd, writable=False)
     results = Connection(args.result_fd, readable=False)
     frees = Connection(args.free_fd, writable=False) if args.free_fd >= 0 else None
     send_lock = threading.Lock()  # the main thread and the output thread share the pipe
+    world_size = 1
 
     def send(msg: Any) -> None:
         data = encode(msg)
         with send_lock:
             results.send_bytes(data)
 
-    try:
-        init = request_decoder.decode(requests.recv_bytes())
-    except EOFError:
-        return 0
-    assert isinstance(init, InitWorker)
-    trace_dir = os.environ.get(tracing.TRACE_DIR_ENV)
-    if trace_dir:
-        os.makedirs(trace_dir, exist_ok=True)
-        tracing.process_name(f"worker{init.rank}")
-    core = None
-    try:
+    def recv() -> bytes | None:
+        try:
+            return requests.recv_bytes()
+        except EOFError:  # the executor is gone
+            return None
+
+    def build(init: InitWorker) -> WorkerCore:
+        nonlocal world_size
+        world_size = init.world_size
+        trace_dir = os.environ.get(tracing.TRACE_DIR_ENV)
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
+            tracing.process_name(tracing.worker_process(init.rank))
+        from diffrt.platforms import current_platform
+
         if init.dist_init_method and init.world_size > 1:
             import torch.distributed as dist
-
-            from diffrt.platforms import current_platform
 
             dist.init_process_group(backend=current_platform.dist_backend,
                                     init_method=init.dist_init_method,
                                     rank=init.rank, world_size=init.world_size)
-        from diffrt.platforms import current_platform
-
         arena = Arena.attach(args.arena_fd, init.arena_bytes) if args.arena_fd >= 0 else None
-        core = WorkerCore(init, current_platform, send, arena, _free_source(frees))
-    except Exception as exc:
-        logger.exception("worker start-up failed")
-        send(RpcResult(init.rpc_id, init.rank, error=_error_text(exc)))
-        return 1
-    send(RpcResult(init.rpc_id, init.rank))
+        return WorkerCore(init, current_platform, send, arena, _free_source(frees))
 
     try:
-        while True:
-            try:
-                msg = request_decoder.decode(requests.recv_bytes())
-            except EOFError:  # the executor is gone
-                break
-            match msg:
-                case Rpc():
-                    core.handle(msg)
-                case Shutdown():
-                    break
+        if not serve(recv, send, build):
+            return 1
     finally:
-        core.close()
-        if init.world_size > 1:
+        if world_size > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():

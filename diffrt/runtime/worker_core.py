@@ -1,18 +1,21 @@
-"""One rank's request handling, independent of how messages travel.
+"""One rank's request handling and serve loop, independent of how messages travel.
 
 Used by the worker process (``worker.py``) and by the in-process executor's
-worker thread, so both backends have the same semantics: every rank runs the
-method; the output rank (0) sends COMPUTE_DONE as soon as forward returned and
-its outputs went to the output writer; errors come back as RPC_RESULT.
+worker thread, so both backends run the same code: every rank handles each
+request; the output rank (0) sends COMPUTE_DONE as soon as the runner returned
+and its outputs went to the output writer; errors come back as RPC_RESULT.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from diffrt import tracing
 from diffrt.runtime.messages import (
@@ -21,21 +24,38 @@ from diffrt.runtime.messages import (
     Rpc,
     RpcKind,
     RpcResult,
-    decode_raw,
+    Shutdown,
     encode_raw,
     output_ids_for,
+    request_decoder,
 )
 from diffrt.runtime.output_thread import FreeSource, OutputWriter
-from diffrt.runtime.runner import RunnerResult, resolve_runner_cls
 from diffrt.runtime.shm_transport import Arena
+from diffrt.runtime.types import RunnerProtocol, RunnerResult
 
 logger = logging.getLogger(__name__)
 
 OUTPUT_RANK = 0
 
 
-def _error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
+    """The one-line reason followed by the worker's traceback."""
     return f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}"
+
+
+def resolve_runner_cls(path: str) -> type:
+    """Import ``"pkg.module:Class"`` and check it declares a RunnerProtocol."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"runner class must be 'pkg.module:Class', got {path!r}")
+    module = importlib.import_module(module_name)
+    try:
+        cls = getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no runner class {attr!r}") from None
+    if not isinstance(getattr(cls, "protocol", None), RunnerProtocol):
+        raise TypeError(f"runner class {path} has no 'protocol' RunnerProtocol attribute")
+    return cls
 
 
 class WorkerCore:
@@ -46,18 +66,19 @@ class WorkerCore:
         self.rank = init.rank
         self.platform = platform
         self._send = send
-        self._faults = dict(init.test_faults)
-        self._track = f"worker{self.rank} main"
+        self._track = tracing.worker_main_track(self.rank)
         cls = resolve_runner_cls(init.runner_cls)
-        kwargs = decode_raw(init.runner_kwargs) or {}
-        self.runner = cls(rank=init.rank, world_size=init.world_size, platform=platform, **kwargs)
+        protocol: RunnerProtocol = cls.protocol
+        self._requests = msgspec.msgpack.Decoder(protocol.requests)
+        settings = msgspec.msgpack.decode(init.runner_settings, type=protocol.settings)
+        self.runner = cls(settings, rank=init.rank, world_size=init.world_size, platform=platform)
         self.writer: OutputWriter | None = None
         if self.rank == OUTPUT_RANK:
             if arena is None or free_source is None:
                 raise ValueError("the output rank needs the arena and the free channel")
             self.writer = OutputWriter(platform, arena, free_source, send, rank=self.rank,
                                        queue_depth=init.output_queue_depth,
-                                       async_output=init.async_output, faults=self._faults)
+                                       async_output=init.async_output)
 
     def handle(self, rpc: Rpc) -> None:
         if rpc.kind == RpcKind.COLLECTIVE:
@@ -67,24 +88,27 @@ class WorkerCore:
 
     def _collective(self, rpc: Rpc) -> None:
         try:
-            result = getattr(self.runner, rpc.method)(decode_raw(rpc.payload))
-            self._send(RpcResult(rpc.rpc_id, self.rank, result=encode_raw(result)))
+            reply = self.runner.handle(self._requests.decode(rpc.request))
+            self._send(RpcResult(rpc.rpc_id, self.rank, reply=encode_raw(reply)))
         except Exception as exc:
-            self._send(RpcResult(rpc.rpc_id, self.rank, error=_error_text(exc)))
+            self._send(RpcResult(rpc.rpc_id, self.rank, error=error_text(exc)))
 
     def _execute(self, rpc: Rpc) -> None:
         start = time.monotonic_ns() / 1000.0
         keys: list[str] = []
+        name = "?"
         try:
-            result = getattr(self.runner, rpc.method)(decode_raw(rpc.payload))
+            request = self._requests.decode(rpc.request)
+            name = type(request).__name__
+            result = self.runner.handle(request)
             if not isinstance(result, RunnerResult):
-                raise TypeError(f"{type(self.runner).__name__}.{rpc.method} returned "
+                raise TypeError(f"{type(self.runner).__name__}.handle({name}) returned "
                                 f"{type(result).__name__}, expected RunnerResult")
             keys = [str(k) for k in result.outputs]
             if self.rank != OUTPUT_RANK:
                 self._send(RpcResult(rpc.rpc_id, self.rank))  # ack: this rank finished cleanly
                 return
-            meta = encode_raw(result.meta)
+            reply = encode_raw(result.reply)
             batch_id, ids = output_ids_for(rpc.rpc_id, keys)
             outputs = {str(k): v for k, v in result.outputs.items()}
             del result
@@ -93,15 +117,16 @@ class WorkerCore:
                 assert self.writer is not None
                 is_async = self.writer.submit(batch_id, ids, outputs)
             # COMPUTE_DONE right away: the next request may start while the copy runs.
-            self._send(ComputeDone(rpc.rpc_id, self.rank, meta=meta,
+            self._send(ComputeDone(rpc.rpc_id, self.rank, reply=reply,
                                    async_output_id=batch_id if is_async else None,
                                    output_ids=ids))
         except Exception as exc:
-            logger.debug("rpc %d %s failed on rank %d", rpc.rpc_id, rpc.method, self.rank, exc_info=True)
-            self._send(RpcResult(rpc.rpc_id, self.rank, error=_error_text(exc)))
+            logger.debug("rpc %d (%s) failed on rank %d", rpc.rpc_id, name, self.rank,
+                         exc_info=True)
+            self._send(RpcResult(rpc.rpc_id, self.rank, error=error_text(exc)))
         finally:
-            tracing.record(self._track, "forward", start, time.monotonic_ns() / 1000.0,
-                           method=rpc.method, keys=keys)
+            tracing.record(self._track, tracing.FORWARD_SPAN, start,
+                           time.monotonic_ns() / 1000.0, request=name, keys=keys)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -112,3 +137,39 @@ class WorkerCore:
                 close()
             except Exception:
                 logger.warning("runner.close() failed on rank %d", self.rank, exc_info=True)
+
+
+def serve(recv: Callable[[], bytes | None], send: Callable[[Any], None],
+          build: Callable[[InitWorker], WorkerCore]) -> bool:
+    """The serve loop of one rank, whatever carries its messages.
+
+    Reads ``InitWorker``, builds the core with ``build`` and acknowledges it
+    (or reports the start-up error), then handles ``Rpc`` until ``Shutdown``
+    or the end of the request channel (``recv`` returns None). Returns False
+    when start-up failed.
+    """
+    data = recv()
+    if data is None:
+        return True
+    init = request_decoder.decode(data)
+    if not isinstance(init, InitWorker):
+        raise TypeError(f"the first request must be InitWorker, got {type(init).__name__}")
+    try:
+        core = build(init)
+    except Exception as exc:
+        logger.debug("rank %d start-up failed", init.rank, exc_info=True)
+        send(RpcResult(init.rpc_id, init.rank, error=error_text(exc)))
+        return False
+    send(RpcResult(init.rpc_id, init.rank))
+    try:
+        while (data := recv()) is not None:
+            match request_decoder.decode(data):
+                case Rpc() as rpc:
+                    core.handle(rpc)
+                case Shutdown():
+                    break
+                case other:
+                    raise TypeError(f"unexpected request message {type(other).__name__}")
+    finally:
+        core.close()
+    return True

@@ -1,4 +1,8 @@
-"""Helpers to run the real `diffrt` console script."""
+"""Helpers to run the real `diffrt` console script.
+
+A test that uses the ``cli`` fixture starts the console script (seconds of
+imports, worker processes for most commands), so it is marked ``e2e``.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A conftest hook sees the items of the whole session: mark only this folder's.
+    for item in items:
+        if HERE in item.path.resolve().parents and "cli" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)
 
 
 def diffrt_script() -> str:

@@ -14,6 +14,13 @@ import pytest
 from PIL import Image
 
 from diffrt.cli.trace_analysis import find_async_overlaps, load_trace, tracks
+from diffrt.tracing import (
+    BENCH_TRACK,
+    ENGINE_LOOP_TRACK,
+    FORWARD_SPAN,
+    worker_main_track,
+    worker_output_track,
+)
 
 
 def _png_size(path) -> tuple[int, int]:
@@ -42,10 +49,11 @@ def test_generate_writes_pngs_with_progress_and_trace(cli, tmp_path):
 
     trace = load_trace(tmp_path / "gen.json")
     by_name = {t.name: t for t in tracks(trace)}
-    assert {"worker0 main", "worker0 output", "engine loop"} <= by_name.keys(), by_name.keys()
+    main0 = worker_main_track(0)
+    assert {main0, worker_output_track(0), ENGINE_LOOP_TRACK} <= by_name.keys(), by_name.keys()
     # merged across processes: the worker's spans come from its own process
-    assert by_name["worker0 main"].pid != by_name["engine loop"].pid
-    steps = [s for s in by_name["worker0 main"].spans if s.name == "forward"]
+    assert by_name[main0].pid != by_name[ENGINE_LOOP_TRACK].pid
+    steps = [s for s in by_name[main0].spans if s.name == FORWARD_SPAN]
     assert len(steps) >= 3  # step mode: one forward per denoise step, warm-up left out
     assert _png_size(tmp_path / "gen.png")[0] >= 800
 
@@ -81,7 +89,7 @@ def test_bench_compare_prints_table_json_and_overlapping_trace(cli, tmp_path):
     assert results[0]["throughput_vs_first"] == 1.0
 
     trace = load_trace(tmp_path / "bench-trace.json")
-    bench_track = [t for t in tracks(trace) if t.name == "bench"][0]
+    bench_track = [t for t in tracks(trace) if t.name == BENCH_TRACK][0]
     sync_window, async_window = bench_track.spans
     pairs = find_async_overlaps(trace)
     assert pairs, "no forward overlapped the previous request's output copy"

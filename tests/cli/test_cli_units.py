@@ -6,7 +6,7 @@ import pytest
 
 from diffrt.cli import main
 from diffrt.cli.bench import build_configs, parse_spec, render_results
-from diffrt.cli.bench_stats import Sample, percentile, summarize
+from diffrt.cli.bench_stats import Sample, median, percentile, summarize
 from diffrt.cli.env import render_report
 from diffrt.cli.errors import CliError
 from diffrt.cli.paths import check_writable_file, image_paths
@@ -14,11 +14,14 @@ from diffrt.cli.table import format_table
 
 
 def test_percentile_interpolates_like_numpy():
+    import numpy as np
+
     values = [4.0, 1.0, 3.0, 2.0]
-    assert percentile(values, 50) == 2.5
+    assert percentile(values, 50) == median(values) == 2.5
     assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile(values, 99) == pytest.approx(float(np.percentile(values, 99)))
     assert percentile([5.0], 99) == 5.0
-    assert percentile([], 50) is None
+    assert percentile([], 50) is None and median([]) is None
 
 
 def test_summary_counts_failures_and_ignores_them_in_latency():

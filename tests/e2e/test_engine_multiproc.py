@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from diffrt.engine import (
     DiffusionEngine,
@@ -20,6 +21,7 @@ from diffrt.engine import (
     EngineDeadError,
     SamplingParams,
 )
+from diffrt.engine.runner_messages import CountStepStates, StepStateCount
 
 
 def req(seed: int, steps: int = 3) -> DiffusionRequest:
@@ -46,15 +48,6 @@ def output_arenas() -> int:
         except OSError:
             pass
     return count
-
-
-def wait_until(cond, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def alive(pid: int) -> bool:
@@ -96,7 +89,7 @@ def test_step_mode_streams_progress_across_processes(step_engine):
         m = outs[-1].metrics
         assert m.output_wait is not None and m.postprocess_time is not None
     assert step_engine.is_healthy()
-    assert step_engine.executor.collective_rpc("num_step_states") == [0]
+    assert step_engine.executor.collective_rpc(CountStepStates()) == [StepStateCount(0)]
 
 
 def test_request_mode_error_mapping_and_worker_death(shm_before):
@@ -104,9 +97,8 @@ def test_request_mode_error_mapping_and_worker_death(shm_before):
     worker through ``plugin_modules``: a failing request in a fused batch fails
     alone; a worker killed mid-forward fails its request promptly."""
     engine = DiffusionEngine.make_engine(EngineConfig(
-        model="toy", max_num_seqs=4, executor_options={
-            "worker_env": {"PYTHONPATH": str(ENGINE_TESTS)},
-            "runner_kwargs": {"plugin_modules": ["engine_toy"]}}))
+        model="toy", max_num_seqs=4, plugin_modules=["engine_toy"],
+        executor_options={"worker_env": {"PYTHONPATH": str(ENGINE_TESTS)}}))
     try:
         outs = engine.generate([toy_req("a"), toy_req("fail"), toy_req("b")])
         assert outs[0].ok and outs[2].ok
@@ -117,8 +109,8 @@ def test_request_mode_error_mapping_and_worker_death(shm_before):
         got: list = []
         t = threading.Thread(target=lambda: got.append(engine.generate(victim, timeout=60)))
         t.start()
-        assert wait_until(lambda: victim.request_id in engine._records
-                          and engine._records[victim.request_id].metrics.queue_wait is not None)
+        # admitted to a batch: its forward is running (or being sent) in the worker
+        assert wait_until(lambda: engine.scheduler.num_running == 1)
         start = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         t.join(30)

@@ -1,5 +1,6 @@
 """The engine's process dies by SIGKILL: its workers exit on their own within
-seconds, nothing is left in /dev/shm and no resource-tracker warning appears."""
+seconds (taking the output arena, a memfd, with them) and no resource-tracker
+warning appears."""
 
 from __future__ import annotations
 
@@ -9,26 +10,26 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 RUNTIME_TESTS = Path(__file__).resolve().parents[1] / "runtime"
 
 DRIVER = textwrap.dedent("""
-    import json, sys
-    from diffrt.runtime import ExecutorConfig, make_executor
-    ex = make_executor("mp", ExecutorConfig(
-        runner_cls="runtime_test_runners:EchoRunner", world_size=int(sys.argv[2]),
-        max_pending_output_bytes=1 << 20, startup_timeout_s=120))
-    out = ex.execute("make", {"keys": ["a"], "shape": [64]})
+    import json, sys, time
+    from runtime_helpers import config
+    from runtime_test_runners import Make
+    from diffrt.runtime.factory import make_executor
+    ex = make_executor("mp", config(world_size=int(sys.argv[2]), max_pending_output_bytes=1 << 20))
+    out = ex.execute(Make(keys=["a"], shape=[64]))
     lease = ex.wait_output_ready(out.output_ids["a"]).result(timeout=60)  # held, never released
     print(json.dumps(ex.worker_pids), flush=True)
     if sys.argv[1] == "busy":
-        ex.execute("sleep_then_make", {"sleep_s": 60, "keys": ["b"]})
+        ex.execute(Make(keys=["b"], sleep_s=60, started_path=sys.argv[3]))
     else:
-        import time; time.sleep(60)
+        time.sleep(60)
 """)
 
 
@@ -44,29 +45,39 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _maps_arena(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any("memfd:diffrt-output-arena" in line for line in f)
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("state,ranks", [("busy", 2), ("idle", 1)])
 def test_workers_exit_and_nothing_leaks_when_the_engine_is_sigkilled(tmp_path, state, ranks):
-    shm_before = set(os.listdir("/dev/shm"))
+    started = tmp_path / "started"
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(RUNTIME_TESTS), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, str(script), state, str(ranks)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script), state, str(ranks), str(started)],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
         pids = json.loads(line)
         assert all(_alive(p) for p in pids)
-        time.sleep(0.3)  # the workers are now inside forward (busy) or waiting (idle)
+        assert _maps_arena(proc.pid) and _maps_arena(pids[0])  # the output rank maps it
+        if state == "busy":  # the workers are inside forward
+            wait_until(started.exists, message="the busy request never started")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), f"workers {pids} outlived their engine"
+        wait_until(lambda: not any(_alive(p) for p in pids),
+                   message=f"workers {pids} outlived their engine")
         stderr = proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
     assert "resource_tracker" not in stderr and "leaked" not in stderr, stderr
-    assert set(os.listdir("/dev/shm")) == shm_before
+    # Every process that mapped the arena is gone, so the kernel has freed it.
+    assert not any(_maps_arena(p) for p in [proc.pid, *pids])

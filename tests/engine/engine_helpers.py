@@ -4,9 +4,9 @@ when the whole suite runs)."""
 from __future__ import annotations
 
 import itertools
-import time
 
 import engine_toy  # noqa: F401  (registers the toy models)
+from waiting import wait_until  # re-exported: the engine tests import it from here
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 
@@ -29,19 +29,10 @@ def toy_engine(**kw) -> DiffusionEngine:
     return DiffusionEngine.make_engine(EngineConfig(**kw))
 
 
-def wait_until(cond, timeout: float = 10.0, interval: float = 0.005) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval)
-    return cond()
-
-
 def assert_clean(engine: DiffusionEngine) -> None:
     """Nothing left: no active request, no stream, no output held by the runtime."""
     assert wait_until(lambda: engine.num_active_requests() == 0)
-    assert not engine._streams
+    assert engine.output_processor.num_streams() == 0
     router = getattr(engine.executor, "router", None)
     if router is not None:
-        assert wait_until(lambda: router.counts()["arrived"] == 0 and router.counts()["waiters"] == 0), router.counts()
+        assert wait_until(lambda: router.counts()["arrived"] == 0 and router.counts()["waiting"] == 0), router.counts()

@@ -97,7 +97,7 @@ class ToyPipeline(DiffusionPipeline):
         state.latents = torch.zeros(n, 1)
         state.step_index = 0
 
-    def denoise_step(self, input_batch, *, states):
+    def denoise_step(self, states):
         _record("step", [s.request_id for s in states])
         for s in states:
             _maybe_block(s.request.prompt)
@@ -105,7 +105,7 @@ class ToyPipeline(DiffusionPipeline):
                 raise RuntimeError(f"toy step failure in {s.request_id}")
         return torch.ones(sum(s.latents.shape[0] for s in states), 1)
 
-    def step_scheduler(self, state, noise_pred):
+    def apply_step(self, state, noise_pred):
         state.latents = state.latents + noise_pred
         state.step_index += 1
 

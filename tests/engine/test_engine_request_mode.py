@@ -8,6 +8,7 @@ import engine_toy as toy
 import numpy as np
 import pytest
 from engine_helpers import assert_clean, toy_engine, toy_request, wait_until
+from faults import crash_pump_on_output_ready, delay_outputs
 
 from diffrt.engine import DiffusionOutput, InvalidRequestError
 
@@ -157,21 +158,20 @@ def test_abort_while_running_drops_the_output(req_engine1):
     assert req_engine1.is_healthy()
 
 
-def test_late_output_of_an_aborted_request_is_dropped_and_freed():
+def test_late_output_of_an_aborted_request_is_dropped_and_freed(monkeypatch):
     """The output reaches the host only after the abort: it is released, not delivered."""
-    with toy_engine(max_num_seqs=1, warmup=False, executor_options={
-            "max_pending_output_bytes": 16 << 20, "_test_faults": {"output_delay_s": 1.0}}) as engine:
+    delay_outputs(monkeypatch, 1.0)
+    with toy_engine(max_num_seqs=1, warmup=False) as engine:
         r = toy_request(size=64)
         got: list = []
         t = threading.Thread(target=lambda: got.append(engine.generate(r)))
         t.start()
         # Compute done, output still in the (delayed) output thread.
-        assert wait_until(lambda: engine._records.get(r.request_id) is not None
-                          and engine._records[r.request_id].output_id is not None)
+        assert wait_until(lambda: engine.output_processor.output_id_of(r.request_id))
         engine.abort(r.request_id)
         router = engine.executor.router
         # The engine told the runtime it will never read it...
-        assert router.counts()["dropped"] == 1 and router.counts()["waiters"] == 0
+        assert router.counts()["dropped"] == 1 and router.counts()["waiting"] == 0
         t.join(10)
         assert got[0].aborted and got[0].images is None
         # ...so the late OUTPUT_READY is freed on arrival, never parked.
@@ -259,7 +259,7 @@ def test_generate_timeout_aborts_what_is_unfinished(req_engine1):
     try:
         with pytest.raises(TimeoutError):
             req_engine1.generate(r, timeout=0.2)
-        assert r.request_id not in req_engine1._streams
+        assert req_engine1.output_processor.num_streams() == 0
     finally:
         toy.gate("to").set()
     assert_clean(req_engine1)
@@ -278,11 +278,11 @@ def test_streaming_in_request_mode_yields_the_final_only(req_engine4):
     assert pixels(outs[0]) == pixels(final) == {toy.expected_pixel(9, 3)}
 
 
-def test_pump_death_fails_the_request_and_marks_the_engine_unhealthy():
+def test_pump_death_fails_the_request_and_marks_the_engine_unhealthy(monkeypatch):
     from diffrt.engine import EngineDeadError
 
-    with toy_engine(warmup=False, executor_options={
-            "_test_faults": {"pump_raise_on": "output_ready"}}) as engine:
+    crash_pump_on_output_ready(monkeypatch)
+    with toy_engine(warmup=False) as engine:
         out = engine.generate(toy_request(), timeout=30)
         assert out.finished and not out.ok and "ExecutorDeadError" in out.error
         assert wait_until(lambda: not engine.is_healthy())

@@ -9,6 +9,8 @@ import engine_toy as toy
 import numpy as np
 from engine_helpers import assert_clean, toy_engine, toy_request, wait_until
 
+from diffrt.engine.runner_messages import CountStepStates, StepStateCount
+
 
 def first_pixel(out) -> int:
     return int(np.asarray(out.images[0])[0, 0, 0])
@@ -99,7 +101,7 @@ def test_error_in_a_step_batch_fails_only_its_request(step_engine4):
     assert "prepare_encode" in outs[2].error
     assert step_engine4.is_healthy()
     assert_clean(step_engine4)
-    assert step_engine4.executor.collective_rpc("num_step_states") == [0]
+    assert step_engine4.executor.collective_rpc(CountStepStates()) == [StepStateCount(0)]
 
 
 def test_abort_running_request_at_next_step_boundary(step_engine4):
@@ -125,7 +127,7 @@ def test_abort_running_request_at_next_step_boundary(step_engine4):
     assert got[other.request_id].ok
     assert_clean(step_engine4)
     # The worker dropped the aborted request's step state.
-    assert wait_until(lambda: step_engine4.executor.collective_rpc("num_step_states") == [0])
+    assert wait_until(lambda: step_engine4.executor.collective_rpc(CountStepStates()) == [StepStateCount(0)])
 
 
 def test_cancelled_consumer_removes_only_its_stream(step_engine4):
@@ -166,7 +168,7 @@ def test_consumer_cancelled_while_waiting(step_engine1):
         return False
 
     assert asyncio.run(main())
-    assert r.request_id not in step_engine1._streams
+    assert step_engine1.output_processor.num_streams() == 0
     assert step_engine1.num_active_requests() == 1  # still running: only the queue left
     toy.gate("cw").set()
     assert_clean(step_engine1)

@@ -4,36 +4,65 @@ failure cases that need their own (a killed worker, a dead pump, shutdown)."""
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import os
 import signal
-import time
 
 import pytest
 import torch
+from faults import crash_pump_on_output_ready
 from runtime_helpers import config
-from runtime_test_runners import make_tensor
+from runtime_test_runners import (
+    AllReduce,
+    Echo,
+    Echoed,
+    Fail,
+    FailOnRank,
+    Info,
+    Make,
+    Nested,
+    Pid,
+    Reduced,
+    make_tensor,
+)
+from waiting import wait_until
 
-from diffrt.runtime import ExecutorDeadError, WorkerError, make_executor
+from diffrt.runtime import ExecutorDeadError, WorkerError
+from diffrt.runtime.factory import make_executor
+
+EMPTY = {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
 
 
-def _dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+def arena_mappings(pid: int) -> int:
+    """How many output-arena mappings process ``pid`` has: the arena is a memfd,
+    visible in the process's own maps (never in /dev/shm)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return sum("memfd:diffrt-output-arena" in line for line in f)
+    except FileNotFoundError:
+        return 0
+
+
+def _busy(path) -> Make:
+    """A 30 s forward that announces its start by creating ``path``."""
+    return Make(keys=["b"], sleep_s=30, started_path=str(path))
 
 
 def _gone(pid: int, within_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
+    def exited() -> bool:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
-        time.sleep(0.05)
-    return False
+        return False
+
+    return wait_until(exited, timeout=within_s, interval=0.05,
+                      message=f"process {pid} still runs")
 
 
 @pytest.fixture(scope="module")
 def mp2():
-    ex = make_executor("mp", config(world_size=2, runner_kwargs={"tag": "mp"},
+    ex = make_executor("mp", config(world_size=2, tag="mp",
                                     max_pending_output_bytes=8 << 20))
     yield ex
     pids = ex.worker_pids
@@ -42,18 +71,18 @@ def mp2():
 
 
 def test_every_rank_runs_its_own_process_with_gloo(mp2):
-    infos = mp2.collective_rpc("info")
-    assert [i["rank"] for i in infos] == [0, 1]
-    assert all(i["world_size"] == 2 and i["kwargs"] == {"tag": "mp"} for i in infos)
-    pids = mp2.collective_rpc("pid")
+    infos = mp2.collective_rpc(Info())
+    assert [i.rank for i in infos] == [0, 1]
+    assert all(i.world_size == 2 and i.tag == "mp" for i in infos)
+    pids = [r.pid for r in mp2.collective_rpc(Pid())]
     assert len(set(pids)) == 2 and os.getpid() not in pids
-    assert mp2.collective_rpc("allreduce", 1.0) == [3.0, 3.0]  # 1*1 + 1*2 over gloo
+    assert mp2.collective_rpc(AllReduce(1.0)) == [Reduced(3.0)] * 2  # 1*1 + 1*2 over gloo
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "uint8"])
 def test_outputs_cross_processes_bit_exact(mp2, dtype):
     keys = ["r0", "r1", "r2"]
-    out = mp2.execute("make", {"keys": keys, "shape": [3, 17, 5], "dtype": dtype, "layout": "slice"})
+    out = mp2.execute(Make(keys=keys, shape=[3, 17, 5], dtype=dtype, layout="slice"))
     assert out.async_output_id is not None
     for i, key in enumerate(keys):
         lease = mp2.wait_output_ready(out.output_ids[key]).result(timeout=30)
@@ -63,7 +92,7 @@ def test_outputs_cross_processes_bit_exact(mp2, dtype):
 
 
 def test_nested_outputs(mp2):
-    out = mp2.execute("nested")
+    out = mp2.execute(Nested())
     value = mp2.wait_output_ready(out.output_ids["n"]).result(timeout=30).take()
     assert torch.equal(value["images"][0], make_tensor(0, [2, 2], "uint8"))
     assert value["images"][1].dtype == torch.bfloat16
@@ -74,20 +103,18 @@ def test_nested_outputs(mp2):
 
 def test_errors_from_any_rank_propagate(mp2):
     with pytest.raises(WorkerError, match="rank [01]: ValueError: boom x"):
-        mp2.execute("fail", "x")
+        mp2.execute(Fail("x"))
     with pytest.raises(WorkerError, match="boom on rank 1"):
-        mp2.execute("fail_on_rank", 1)
+        mp2.execute(FailOnRank(1))
     assert mp2.is_healthy()
-    assert mp2.execute("echo", [1, 2]).meta == [1, 2]
-    deadline = time.monotonic() + 5
-    while mp2.router.counts()["dropped"] and time.monotonic() < deadline:
-        time.sleep(0.05)  # rank 0's output of the failed rpc is freed on arrival
-    assert mp2.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0}
+    assert mp2.execute(Echo([1, 2])).reply == Echoed([1, 2])
+    # rank 0's output of the failed rpc is freed on arrival
+    wait_until(lambda: mp2.router.counts() == EMPTY, message=lambda: str(mp2.router.counts()))
 
 
 def test_control_rpc_while_outputs_pending(mp2):
-    out = mp2.execute("make", {"keys": ["a"], "shape": [1000]})
-    assert len(mp2.collective_rpc("info")) == 2  # not stuck behind the output future
+    out = mp2.execute(Make(keys=["a"], shape=[1000]))
+    assert len(mp2.collective_rpc(Info())) == 2  # not stuck behind the output future
     assert torch.equal(mp2.wait_output_ready(out.output_ids["a"]).result(timeout=30).take(),
                        make_tensor(0, [1000], "float32"))
 
@@ -96,20 +123,25 @@ def test_terminal_ctrl_c_does_not_kill_workers(mp2):
     # Ctrl-C reaches the whole process group; the engine owns the shutdown.
     for pid in mp2.worker_pids:
         os.kill(pid, signal.SIGINT)
-    time.sleep(0.3)
+    # A worker that did not ignore SIGINT would die at its next signal check,
+    # at the latest when the request below wakes it: two round trips later it
+    # would be gone.
+    for i in range(2):
+        assert [r.pid for r in mp2.collective_rpc(Pid())] == mp2.worker_pids
+        assert mp2.execute(Echo([i])).reply == Echoed([i])
     assert mp2.is_healthy()
-    assert mp2.execute("echo", [7]).meta == [7]
 
 
-def test_worker_sigkill_mid_forward_fails_pending_work_fast():
-    shm_before = _dev_shm()
+def test_worker_sigkill_mid_forward_fails_pending_work_fast(tmp_path):
+    mapped_before = arena_mappings(os.getpid())
     ex = make_executor("mp", config(max_pending_output_bytes=1 << 20))
     try:
         [pid] = ex.worker_pids
-        first = ex.execute("make", {"keys": ["a"], "shape": [8]})
+        assert arena_mappings(pid) == 1
+        first = ex.execute(Make(keys=["a"], shape=[8]))
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(ex.execute, "sleep_then_make", {"sleep_s": 30, "keys": ["b"]})
-            time.sleep(0.3)
+            busy = pool.submit(ex.execute, _busy(tmp_path / "started"))
+            wait_until(lambda: (tmp_path / "started").exists())  # the worker is in forward
             os.kill(pid, signal.SIGKILL)
             with pytest.raises(ExecutorDeadError, match="killed by signal 9"):
                 busy.result(timeout=10)
@@ -118,37 +150,38 @@ def test_worker_sigkill_mid_forward_fails_pending_work_fast():
         with pytest.raises(ExecutorDeadError):
             ex.wait_output_ready(first.output_ids["a"]).result(timeout=5)
         with pytest.raises(ExecutorDeadError):
-            ex.execute("echo", 1)
+            ex.execute(Echo(1))
         with pytest.raises(ExecutorDeadError):
             ex.wait_output_ready("out-99/0").result(timeout=5)
     finally:
         ex.shutdown()
     assert _gone(pid)
-    assert _dev_shm() == shm_before
+    gc.collect()
+    assert arena_mappings(os.getpid()) == mapped_before  # the executor unmapped its arena
 
 
-def test_exception_in_the_pump_fails_pending_work_and_marks_unhealthy():
-    ex = make_executor("mp", config(max_pending_output_bytes=1 << 20,
-                                    _test_faults={"pump_raise_on": "output_ready"}))
+def test_exception_in_the_pump_fails_pending_work_and_marks_unhealthy(monkeypatch):
+    crash_pump_on_output_ready(monkeypatch)
+    ex = make_executor("mp", config(max_pending_output_bytes=1 << 20))
     try:
-        out = ex.execute("make", {"keys": ["a"], "shape": [8]})  # COMPUTE_DONE still routed
+        out = ex.execute(Make(keys=["a"], shape=[8]))  # COMPUTE_DONE still routed
         with pytest.raises(ExecutorDeadError, match="result pump died"):
             ex.wait_output_ready(out.output_ids["a"]).result(timeout=10)
         assert not ex.is_healthy()
         with pytest.raises(ExecutorDeadError):
-            ex.execute("echo", 1)
+            ex.execute(Echo(1))
     finally:
         pids = ex.worker_pids
         ex.shutdown()
     assert all(_gone(p) for p in pids)
 
 
-def test_shutdown_with_work_in_flight_escalates_and_fails_it():
+def test_shutdown_with_work_in_flight_escalates_and_fails_it(tmp_path):
     ex = make_executor("mp", config(max_pending_output_bytes=1 << 20, shutdown_grace_s=0.5))
     [pid] = ex.worker_pids
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        busy = pool.submit(ex.execute, "sleep_then_make", {"sleep_s": 30, "keys": ["b"]})
-        time.sleep(0.3)
+        busy = pool.submit(ex.execute, _busy(tmp_path / "started"))
+        wait_until(lambda: (tmp_path / "started").exists())  # the worker is in forward
         ex.shutdown()  # the worker is busy for 30 s: ask, then terminate
         with pytest.raises(ExecutorDeadError, match="shut down"):
             busy.result(timeout=10)
@@ -157,10 +190,10 @@ def test_shutdown_with_work_in_flight_escalates_and_fails_it():
 
 
 def test_full_arena_waits_for_the_engine_to_free_across_processes(mp2):
-    req = {"keys": ["k"], "shape": [5 << 20], "dtype": "uint8"}  # two do not fit in 8 MiB
-    first = mp2.execute("make", req)
+    req = Make(keys=["k"], shape=[5 << 20], dtype="uint8")  # two do not fit in 8 MiB
+    first = mp2.execute(req)
     lease = mp2.wait_output_ready(first.output_ids["k"]).result(timeout=30)
-    second = mp2.execute("make", req)
+    second = mp2.execute(req)
     fut = mp2.wait_output_ready(second.output_ids["k"])
     with pytest.raises(concurrent.futures.TimeoutError):
         fut.result(timeout=0.5)  # the writer waits for room
@@ -169,8 +202,7 @@ def test_full_arena_waits_for_the_engine_to_free_across_processes(mp2):
 
 
 def test_runner_constructor_error_in_a_worker_fails_start_up():
-    cfg = config()
-    cfg.runner_cls = "runtime_test_runners:NoSuchRunner"
+    cfg = config(runner_cls="runtime_test_runners:NoSuchRunner")
     with pytest.raises(WorkerError, match="NoSuchRunner"):
         make_executor("mp", cfg)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from runtime_helpers import config
-from runtime_test_runners import make_tensor
+from runtime_test_runners import MakeLate, make_tensor
 
 simdevice = pytest.importorskip("diffrt_simdevice.platform",
                                 reason="the diffrt-simdevice test plugin is not installed")
@@ -29,13 +29,13 @@ class NoEventSimDevice(simdevice.SimDevicePlatform):
 def _executor(platform, **kw):
     from diffrt.runtime.inproc_executor import InprocExecutor
 
-    cfg = config(max_pending_output_bytes=8 << 20, **kw)
-    cfg.runner_cls = "runtime_test_runners:LateKernelRunner"
+    cfg = config(max_pending_output_bytes=8 << 20,
+                 runner_cls="runtime_test_runners:LateKernelRunner", **kw)
     return InprocExecutor(cfg, platform=platform)
 
 
 def _check(ex, seed: int, keys: list[str], dtype: str = "float32"):
-    out = ex.execute("make_late", {"keys": keys, "seed": seed, "shape": [64, 64], "dtype": dtype})
+    out = ex.execute(MakeLate(keys=keys, seed=seed, shape=[64, 64], dtype=dtype))
     for i, key in enumerate(keys):
         value = ex.wait_output_ready(out.output_ids[key]).result(timeout=30).take()
         expected = make_tensor(seed + i, [64, 64], dtype)
@@ -56,7 +56,7 @@ def test_async_copy_waits_for_compute_and_for_its_own_copy_event():
 def test_back_to_back_requests_overlap_without_corruption():
     ex = _executor(simdevice.SimDevicePlatform(copy_delay_s=0.02))
     try:
-        outs = [ex.execute("make_late", {"keys": ["k"], "seed": 100 + s, "kernel_s": 0.01})
+        outs = [ex.execute(MakeLate(keys=["k"], seed=100 + s, kernel_s=0.01))
                 for s in range(5)]
         for s, out in enumerate(outs):
             value = ex.wait_output_ready(out.output_ids["k"]).result(timeout=30).take()

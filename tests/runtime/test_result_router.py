@@ -49,7 +49,7 @@ class Harness:
         return rpc_id, fut, batch, ids
 
     def compute_done(self, rpc_id: int, batch: str, ids: dict[str, str], rank: int = 0):
-        return ComputeDone(rpc_id, rank, meta=encode_raw({"n": len(ids)}), async_output_id=batch,
+        return ComputeDone(rpc_id, rank, reply=encode_raw({"n": len(ids)}), async_output_id=batch,
                            output_ids=ids)
 
     def output_ready(self, batch: str, ids: dict[str, str]) -> OutputReady:
@@ -84,7 +84,7 @@ def test_any_order_of_compute_done_output_ready_and_waiter(order):
     for i, k in enumerate(["a", "b", "c"]):
         _value(waits[k], i)
     assert len(h.freed) == 3
-    assert h.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0}
+    assert h.router.counts() == {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
 
 
 def test_batch_split_with_some_waiters_before_and_some_after_arrival():
@@ -130,7 +130,7 @@ def test_release_before_arrival_frees_on_arrival_not_cached():
     assert h.router.counts()["arrived"] == 1 and h.router.counts()["dropped"] == 0
     h.router.release_output(ids["b"])  # after arrival: freed at once
     assert len(h.freed) == 2
-    assert h.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0}
+    assert h.router.counts() == {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
 
 
 def test_release_cancels_a_waiting_future():
@@ -234,9 +234,9 @@ def test_two_ranks_execute_completes_after_every_ack_and_rank1_error_orphans_out
 def test_collective_gathers_one_result_per_rank():
     h = Harness(world_size=2)
     rpc_id, fut = h.router.new_rpc(RpcKind.COLLECTIVE)
-    h.send(RpcResult(rpc_id, 1, result=encode_raw("one")))
+    h.send(RpcResult(rpc_id, 1, reply=encode_raw("one")))
     assert not fut.done()
-    h.send(RpcResult(rpc_id, 0, result=encode_raw("zero")))
+    h.send(RpcResult(rpc_id, 0, reply=encode_raw("zero")))
     assert fut.result(timeout=0) == ["zero", "one"]
 
 
@@ -286,21 +286,22 @@ def test_release_after_hand_over_leaves_the_slot_to_the_lease_holder():
 def test_release_racing_with_the_hand_over_never_frees_a_lease_being_delivered(waiter_first):
     h = Harness()
     _, _, batch, ids = h.execute(["a"])
-    real_hand_over = h.router._hand_over
+    real_run = h.router._run
 
-    def hand_over_after_a_release(fut, oid, result):
+    def run_after_a_release(fx):
         # the engine aborts the request after the output left the router's
-        # tables but before its future is resolved
-        h.router.release_output(oid)
-        return real_hand_over(fut, oid, result)
+        # table but before its future is resolved (effects run outside the lock)
+        for oid, _, _ in fx.hand_over:
+            h.router.release_output(oid)
+        real_run(fx)
 
     if waiter_first:
         fut = h.router.wait_output_ready(ids["a"])
-        h.router._hand_over = hand_over_after_a_release
+        h.router._run = run_after_a_release
         h.send(h.output_ready(batch, ids))
     else:
         h.send(h.output_ready(batch, ids))
-        h.router._hand_over = hand_over_after_a_release
+        h.router._run = run_after_a_release
         fut = h.router.wait_output_ready(ids["a"])
     lease = fut.result(timeout=0)
     h.router.freer.flush()

@@ -6,18 +6,26 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-import time
 
 import pytest
 import torch
 from runtime_helpers import config
-from runtime_test_runners import make_tensor
+from runtime_test_runners import Make, make_tensor
+from waiting import wait_until
 
 from diffrt.platforms.cpu import CpuPlatform
-from diffrt.runtime import ArenaFullError, WorkerError, make_executor
+from diffrt.runtime import WorkerError
+from diffrt.runtime.factory import make_executor
 from diffrt.runtime.messages import FreeSlots, OutputReady, encode, result_decoder
 from diffrt.runtime.output_thread import OutputWriter, OutputWriterClosed
-from diffrt.runtime.shm_transport import ALIGN, Arena, PackPlan, SlotAllocator, read_views
+from diffrt.runtime.shm_transport import (
+    ALIGN,
+    Arena,
+    ArenaFullError,
+    PackPlan,
+    SlotAllocator,
+    read_views,
+)
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +151,7 @@ def test_a_dead_output_thread_fails_queued_outputs_and_never_blocks_submit():
 
     writer = OutputWriter(CpuPlatform(), arena, source, sent.put, queue_depth=1)
     try:
-        deadline = time.monotonic() + 10
-        while not calls and time.monotonic() < deadline:
-            time.sleep(0.01)  # the thread is inside its idle drain
+        wait_until(lambda: calls)  # the thread is inside its idle drain
         assert writer.submit("b1", {"k": "b1/0"}, {"k": torch.ones(8)})  # queued, not copied
         release.set()
         failed = sent.get(timeout=10)
@@ -161,11 +167,11 @@ def test_a_dead_output_thread_fails_queued_outputs_and_never_blocks_submit():
 def test_slow_consumer_throttles_the_worker_end_to_end():
     ex = make_executor("inproc", config(max_pending_output_bytes=64 << 10, output_queue_depth=1))
     try:
-        req = {"keys": ["k"], "shape": [40 << 10], "dtype": "uint8"}
-        outs = [ex.execute("make", req), ex.execute("make", req), ex.execute("make", req)]
+        req = Make(keys=["k"], shape=[40 << 10], dtype="uint8")
+        outs = [ex.execute(req), ex.execute(req), ex.execute(req)]
         # #1 fills the arena, #2 waits in the writer, #3 in the queue: #4 must wait
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            fourth = pool.submit(ex.execute, "make", req)
+            fourth = pool.submit(ex.execute, req)
             with pytest.raises(concurrent.futures.TimeoutError):
                 fourth.result(timeout=0.3)
             for out in outs:  # the consumer catches up: everything flows again
@@ -173,7 +179,7 @@ def test_slow_consumer_throttles_the_worker_end_to_end():
                 assert torch.equal(value, make_tensor(0, [40 << 10], "uint8"))
             out4 = fourth.result(timeout=10)
         ex.wait_output_ready(out4.output_ids["k"]).result(timeout=10).release()
-        too_big = ex.execute("make", {"keys": ["k"], "shape": [1 << 20], "dtype": "uint8"})
+        too_big = ex.execute(Make(keys=["k"], shape=[1 << 20], dtype="uint8"))
         with pytest.raises(WorkerError, match="max_pending_output_bytes"):
             ex.wait_output_ready(too_big.output_ids["k"]).result(timeout=10)
         assert ex.is_healthy()
@@ -192,7 +198,7 @@ def test_concurrent_waiters_get_their_own_outputs():
 
         threads = []
         for i in range(24):
-            out = ex.execute("make", {"keys": ["a", "b", "c"], "shape": [33], "dtype": "float16"})
+            out = ex.execute(Make(keys=["a", "b", "c"], shape=[33], dtype="float16"))
             t = threading.Thread(target=consume, args=(i, out.output_ids["abc"[i % 3]]))
             t.start()
             threads.append(t)
@@ -202,11 +208,8 @@ def test_concurrent_waiters_get_their_own_outputs():
         for t in threads:
             t.join(30)
         assert len(results) == 24 and all(results.values())
-        deadline = time.monotonic() + 5
-        while ex.router.counts() != {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0} \
-                and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ex.router.counts() == {"rpcs": 0, "waiters": 0, "arrived": 0, "dropped": 0, "claimed": 0}
+        empty = {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
+        wait_until(lambda: ex.router.counts() == empty, message=lambda: str(ex.router.counts()))
     finally:
         ex.shutdown()
 
@@ -229,12 +232,12 @@ def test_batch_slots_are_all_or_nothing_and_freed_one_by_one():
 def test_batch_larger_than_the_arena_fails_instead_of_holding_part_of_it():
     ex = make_executor("inproc", config(max_pending_output_bytes=64 << 10))
     try:
-        out = ex.execute("make", {"keys": ["a", "b"], "shape": [40 << 10], "dtype": "uint8"})
+        out = ex.execute(Make(keys=["a", "b"], shape=[40 << 10], dtype="uint8"))
         for oid in out.output_ids.values():
             with pytest.raises(WorkerError, match="max_pending_output_bytes"):
                 ex.wait_output_ready(oid).result(timeout=10)
         assert ex.core.writer.used_bytes == 0
-        out = ex.execute("make", {"keys": ["a", "b"], "shape": [20 << 10], "dtype": "uint8"})
+        out = ex.execute(Make(keys=["a", "b"], shape=[20 << 10], dtype="uint8"))
         for i, oid in enumerate(out.output_ids.values()):
             assert torch.equal(ex.wait_output_ready(oid).result(timeout=10).take(),
                                make_tensor(i, [20 << 10], "uint8"))

@@ -7,7 +7,6 @@ resolved lazily, and diffusers is imported only when weights are built.
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
     DiffusionRequestBatch,
-    StepInputBatch,
     StepRequestState,
 )
 from diffrt.engine.pipelines.registry import (
@@ -24,7 +23,6 @@ from diffrt.engine.pipelines.registry import (
 __all__ = [
     "DiffusionPipeline",
     "DiffusionRequestBatch",
-    "StepInputBatch",
     "StepRequestState",
     "UnknownModelError",
     "get_post_process_func",

@@ -2,14 +2,15 @@
 
 `FlowMatchPipeline` owns everything that does not depend on the transformer
 family: prompt encoding, per-request latents, per-request timesteps and
-scheduler copies, classifier-free guidance, the denoise loop and VAE decoding.
-A family (Flux, SD3) only says how latents are laid out for its transformer
-(`pack_latents` / `unpack_latents`), how to call it (`transformer_forward`)
-and which sigmas/shift its scheduler wants (`timestep_kwargs`).
+noise-scheduler copies, classifier-free guidance, the denoise loop and VAE
+decoding. A family (Flux, SD3) only says how latents are laid out for its
+transformer (`pack_latents` / `unpack_latents`), how to call it
+(`transformer_forward`) and which sigmas/shift its noise scheduler wants
+(`timestep_kwargs`).
 
 Both execution styles run the same helpers, so a request gives the same image
 whether it runs as a whole (`forward`) or one step at a time
-(`prepare_encode` -> `denoise_step` / `step_scheduler` ... -> `post_decode`).
+(`prepare_encode` -> `denoise_step` / `apply_step` ... -> `post_decode`).
 
 Batch invariance: each request draws its latents from its own CPU generator
 seeded by its seed, text embeddings have a fixed length, and guidance is
@@ -32,7 +33,6 @@ import torch
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
     DiffusionRequestBatch,
-    StepInputBatch,
     StepRequestState,
 )
 from diffrt.engine.pipelines.text_encoder import HashedTextEncoder
@@ -51,7 +51,7 @@ def resolve_seed(seed: int | None) -> int:
 
 
 def _check_compatible(params: list[SamplingParams], key: str) -> None:
-    """Refuse a batch the scheduler should not have formed (a bug, not user input)."""
+    """Refuse a batch the engine should not have formed (a bug, not user input)."""
     first = getattr(params[0], key)()
     for other in params[1:]:
         if getattr(other, key)() != first:
@@ -119,7 +119,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         self,
         transformer: Any,
         vae: Any,
-        scheduler: Any,
+        noise_scheduler: Any,
         *,
         device: torch.device = CPU,
         dtype: torch.dtype = torch.float32,
@@ -129,8 +129,9 @@ class FlowMatchPipeline(DiffusionPipeline):
         self.dtype = dtype
         self.transformer = _place(transformer, self.device, dtype)
         self.vae = _place(vae, self.device, dtype)
-        # A template only: every request steps its own copy.
-        self.scheduler = scheduler
+        # The diffusers noise scheduler, as a template only: its step() mutates
+        # internal state, so every request steps its own deep copy of it.
+        self.noise_scheduler = noise_scheduler
         cfg = transformer.config
         self.text_encoder = text_encoder or HashedTextEncoder(
             dim=cfg.joint_attention_dim,
@@ -169,7 +170,7 @@ class FlowMatchPipeline(DiffusionPipeline):
     def from_pretrained(
         cls, path: str, *, device: torch.device, dtype: torch.dtype
     ) -> FlowMatchPipeline:
-        """Load transformer, VAE and scheduler from a local diffusers folder.
+        """Load transformer, VAE and noise scheduler from a local diffusers folder.
 
         Text encoders in the folder are not used: conditioning is the hashed
         token embedding sized to the transformer (see text_encoder.py).
@@ -181,11 +182,12 @@ class FlowMatchPipeline(DiffusionPipeline):
             path, subfolder="transformer", torch_dtype=dtype, **kw
         )
         vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw)
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+        # "scheduler" is the diffusers folder layout's name for the noise scheduler.
+        noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
             path, subfolder="scheduler", **kw
         )
         logger.info("loaded %s from %s", cls.__name__, path)
-        return cls(transformer, vae, scheduler, device=device, dtype=dtype)
+        return cls(transformer, vae, noise_scheduler, device=device, dtype=dtype)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write a diffusers-format folder that `from_pretrained` reads back."""
@@ -195,13 +197,13 @@ class FlowMatchPipeline(DiffusionPipeline):
         os.makedirs(path, exist_ok=True)
         self.transformer.save_pretrained(os.path.join(path, "transformer"))
         self.vae.save_pretrained(os.path.join(path, "vae"))
-        self.scheduler.save_pretrained(os.path.join(path, "scheduler"))
+        self.noise_scheduler.save_pretrained(os.path.join(path, "scheduler"))
         index = {
             "_class_name": self.diffusers_pipeline_class,
             "_diffusers_version": diffusers.__version__,
             "transformer": ["diffusers", self.transformer_class],
             "vae": ["diffusers", type(self.vae).__name__],
-            "scheduler": ["diffusers", type(self.scheduler).__name__],
+            "scheduler": ["diffusers", type(self.noise_scheduler).__name__],
         }
         with open(os.path.join(path, "model_index.json"), "w") as f:
             json.dump(index, f, indent=2)
@@ -222,7 +224,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         return latents
 
     def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
-        """Extra arguments to the scheduler's set_timesteps (sigmas, mu)."""
+        """Extra arguments to the noise scheduler's set_timesteps (sigmas, mu)."""
         return {}
 
     def transformer_forward(
@@ -268,11 +270,14 @@ class FlowMatchPipeline(DiffusionPipeline):
         return self.pack_latents(noise.to(device=self.device, dtype=self.dtype))
 
     def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
-        """A fresh scheduler copy with its timesteps set; never the shared template."""
-        scheduler = copy.deepcopy(self.scheduler)
+        """A fresh noise-scheduler copy with its timesteps set, and those
+        timesteps; never the shared template."""
+        noise_scheduler = copy.deepcopy(self.noise_scheduler)
         steps = params.num_inference_steps
-        scheduler.set_timesteps(steps, device=self.device, **self.timestep_kwargs(steps, params))
-        return scheduler, scheduler.timesteps
+        noise_scheduler.set_timesteps(
+            steps, device=self.device, **self.timestep_kwargs(steps, params)
+        )
+        return noise_scheduler, noise_scheduler.timesteps
 
     def guided_prediction(
         self,
@@ -333,12 +338,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         )
         cond = Conditioning.cat([self.encode_prompt(r) for r in batch.requests])
         guidance = torch.cat([self._guidance_rows(r.sampling_params) for r in batch.requests])
-        scheduler, timesteps = self.prepare_timesteps(params)
+        noise_scheduler, timesteps = self.prepare_timesteps(params)
         for t in timesteps:
             pred = self.guided_prediction(
                 latents, t.expand(latents.shape[0]), cond, guidance, params
             )
-            latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+            latents = noise_scheduler.step(pred, t, latents, return_dict=False)[0]
         parts = self.finish(latents, params).split(n, dim=0)
         # Each request's tensor owns its storage: a view would carry (and, once
         # shared or pickled, ship) the whole batch's bytes.
@@ -355,13 +360,11 @@ class FlowMatchPipeline(DiffusionPipeline):
         state.extra["cond"] = self.encode_prompt(request)
         state.extra["guidance"] = self._guidance_rows(params)
         state.latents = self.prepare_latents(params, seed)
-        state.scheduler, state.timesteps = self.prepare_timesteps(params)
+        state.noise_scheduler, state.timesteps = self.prepare_timesteps(params)
         state.step_index = 0
 
     @torch.no_grad()
-    def denoise_step(
-        self, input_batch: StepInputBatch, *, states: list[StepRequestState]
-    ) -> torch.Tensor:
+    def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
         params = states[0].request.sampling_params
         _check_compatible([s.request.sampling_params for s in states], "step_batch_key")
         latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
@@ -373,9 +376,10 @@ class FlowMatchPipeline(DiffusionPipeline):
         return self.guided_prediction(latents, timesteps, cond, guidance, params)
 
     @torch.no_grad()
-    def step_scheduler(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
+    def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
         t = state.timesteps[state.step_index]  # type: ignore[index]
-        state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
+        noise_scheduler = state.noise_scheduler
+        state.latents = noise_scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
         state.step_index += 1
 
     @torch.no_grad()

@@ -82,7 +82,7 @@ class FluxPipeline(FlowMatchPipeline):
     def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
         kwargs: dict[str, Any] = {"sigmas": sigmas}
-        cfg = self.scheduler.config
+        cfg = self.noise_scheduler.config
         if cfg.get("use_dynamic_shifting", False):
             seq_len = (params.height // self.vae_scale_factor // 2) * (
                 params.width // self.vae_scale_factor // 2

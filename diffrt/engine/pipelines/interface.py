@@ -6,10 +6,13 @@ Two execution styles share one pipeline object:
   a ``DiffusionRequestBatch``; fused multi-request batches only when the
   pipeline declares ``supports_request_batch = True``.
 * step style (``supports_step_execution = True``): ``prepare_encode(state)``,
-  ``denoise_step(input_batch, states=...)``, ``step_scheduler(state, pred)``,
-  ``post_decode(state)``. Everything request-local (latents, timesteps,
-  scheduler copy, prompt embeddings) lives in ``StepRequestState``; the
-  pipeline object holds only weights and configuration.
+  then per tick ``denoise_step(states) -> pred`` (one forward for all states),
+  ``split_predictions(pred, states)`` and ``apply_step(state, part)`` for each
+  state, and ``post_decode(state)`` once it is finished. Everything
+  request-local (latents, timesteps, its own copy of the diffusers noise
+  scheduler in ``noise_scheduler``, prompt embeddings) lives in
+  ``StepRequestState``; the pipeline object holds only weights and
+  configuration.
 
 What a pipeline returns per request is the *device* tensor of the decoded
 images in [-1, 1], shape (num_outputs, C, H, W), or the latents for
@@ -53,7 +56,7 @@ class StepRequestState:
     latents: torch.Tensor | None = None
     timesteps: torch.Tensor | None = None
     step_index: int = 0
-    scheduler: Any = None  # a per-request copy of the diffusers scheduler
+    noise_scheduler: Any = None  # this request's own copy of the diffusers noise scheduler
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -67,17 +70,6 @@ class StepRequestState:
     @property
     def finished(self) -> bool:
         return self.step_index >= self.total_steps
-
-
-@dataclass
-class StepInputBatch:
-    """The states advanced together in one denoise forward."""
-
-    states: list[StepRequestState]
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [s.request_id for s in self.states]
 
 
 class DiffusionPipeline(ABC):
@@ -120,18 +112,20 @@ class DiffusionPipeline(ABC):
 
     # -- step style ----------------------------------------------------------
     def prepare_encode(self, state: StepRequestState) -> None:
-        """Encode prompts, draw latents, set timesteps and a scheduler copy."""
+        """Encode prompts, draw latents, set timesteps and ``noise_scheduler``
+        (a fresh copy of the diffusers noise scheduler)."""
         raise NotImplementedError(f"{type(self).__name__} does not support step execution")
 
-    def denoise_step(
-        self, input_batch: StepInputBatch, *, states: list[StepRequestState]
-    ) -> torch.Tensor:
+    def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
         """One transformer forward for all states; returns noise predictions stacked
-        along dim 0 in the order of ``states`` (CFG already combined)."""
+        along dim 0 in the order of ``states`` (CFG already combined). Changes no
+        state: only ``apply_step`` advances latents."""
         raise NotImplementedError(f"{type(self).__name__} does not support step execution")
 
-    def step_scheduler(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
-        """Advance one request's latents by its slice of the prediction."""
+    def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
+        """Advance one request's latents by its slice of the prediction (from
+        ``split_predictions``) through its ``noise_scheduler``, and increment
+        its ``step_index``."""
         raise NotImplementedError(f"{type(self).__name__} does not support step execution")
 
     def post_decode(self, state: StepRequestState) -> torch.Tensor:

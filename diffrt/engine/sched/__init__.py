@@ -1,12 +1,11 @@
 """Schedulers: RequestScheduler (REQUEST_BATCH) and StepScheduler (STEP_BATCH)."""
 
+from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sched.interface import (
     AbortOutcome,
     ExecutionResult,
     Finished,
     Progress,
-    RequestStatus,
-    SchedRequest,
     Scheduler,
     SchedulerOutput,
     UpdateResult,
@@ -24,7 +23,7 @@ __all__ = [
     "Progress",
     "RequestScheduler",
     "RequestStatus",
-    "SchedRequest",
+    "RequestRecord",
     "Scheduler",
     "SchedulerOutput",
     "SkipAheadPolicy",

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import itertools
 
+from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sched.interface import (
-    AbortOutcome,
-    Finished,
-    RequestStatus,
-    SchedRequest,
-    Scheduler,
-)
+from diffrt.engine.sched.interface import AbortOutcome, Finished, Scheduler
 from diffrt.engine.sched.policy import AdmissionPolicy, FifoPolicy
 
 
@@ -35,9 +30,9 @@ class BaseScheduler(Scheduler):
         self.max_wait_s = max_wait_s
         self.stable_s = stable_s if stable_s is not None else max(0.001, max_wait_s / 4)
         self._seq = itertools.count()
-        self._requests: dict[str, SchedRequest] = {}
-        self._waiting: list[SchedRequest] = []  # arrival order
-        self._running: list[SchedRequest] = []  # batch order
+        self._requests: dict[str, RequestRecord] = {}
+        self._waiting: list[RequestRecord] = []  # arrival order
+        self._running: list[RequestRecord] = []  # batch order
         self._in_flight: set[str] = set()
         self._last_add: float | None = None
 
@@ -46,15 +41,16 @@ class BaseScheduler(Scheduler):
         raise NotImplementedError
 
     # -- public surface -------------------------------------------------------------
-    def add_request(self, request: DiffusionRequest, now: float) -> None:
-        rid = request.request_id
+    def add(self, record: RequestRecord) -> None:
+        rid = record.request_id
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already scheduled")
-        sr = SchedRequest(request=request, key=self.batch_key(request), arrival=now,
-                          seq=next(self._seq), step=0)
-        self._requests[rid] = sr
-        self._waiting.append(sr)
-        self._last_add = now
+        record.key = self.batch_key(record.request)
+        record.seq = next(self._seq)
+        record.status = RequestStatus.WAITING
+        self._requests[rid] = record
+        self._waiting.append(record)
+        self._last_add = record.arrival
 
     def abort(self, request_id: str) -> tuple[AbortOutcome, Finished | None]:
         sr = self._requests.get(request_id)
@@ -98,24 +94,22 @@ class BaseScheduler(Scheduler):
     def num_running(self) -> int:
         return len(self._running)
 
-    def get(self, request_id: str) -> SchedRequest | None:
-        return self._requests.get(request_id)
-
     # -- helpers ------------------------------------------------------------------
-    def _admit(self, key: tuple | None, capacity: int) -> list[SchedRequest]:
+    def _admit(self, key: tuple | None, capacity: int, now: float) -> list[RequestRecord]:
         chosen = self.policy.select(self._waiting, key, capacity)
         if chosen:
             ids = {id(sr) for sr in chosen}
             self._waiting = [sr for sr in self._waiting if id(sr) not in ids]
             for sr in chosen:
                 sr.status = RequestStatus.RUNNING
+                sr.admitted_at = now
             self._running.extend(chosen)
         return chosen
 
-    def _on_running_aborted(self, sr: SchedRequest) -> None:
+    def _on_running_aborted(self, sr: RequestRecord) -> None:
         """A running request (not in flight) was aborted: step mode drops its state."""
 
-    def _finish(self, sr: SchedRequest, status: RequestStatus, *, error: str | None = None,
+    def _finish(self, sr: RequestRecord, status: RequestStatus, *, error: str | None = None,
                 has_output: bool = False, release_output: bool = False) -> Finished:
         sr.status = status
         self._requests.pop(sr.request_id, None)

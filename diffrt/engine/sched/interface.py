@@ -1,8 +1,4 @@
-"""What the schedulers share: per-request scheduling state, results, events.
-
-Schedulers are pure bookkeeping: they never touch the executor, threads or
-clocks of their own (the engine passes ``now``), so every admission and
-lifecycle rule is testable without a model.
+"""What the schedulers share: the scheduler contract, tick results, events.
 """
 
 from __future__ import annotations
@@ -11,39 +7,8 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-    FAILED = "failed"
-
-
-@dataclass
-class SchedRequest:
-    """The scheduler's view of one request (queueing and lifecycle only)."""
-
-    request: DiffusionRequest
-    key: tuple
-    arrival: float
-    seq: int
-    status: RequestStatus = RequestStatus.WAITING
-    #: How many younger requests were admitted past this one (aging).
-    bypassed: int = 0
-    step: int = 0
-    #: Abort arrived while the request was inside an execute call.
-    abort_requested: bool = False
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id  # type: ignore[return-value]
-
-    @property
-    def total_steps(self) -> int:
-        return self.request.sampling_params.num_inference_steps
 
 
 @dataclass
@@ -76,7 +41,7 @@ class Finished:
     error: str | None = None
     #: the execute call produced an output the engine must collect.
     has_output: bool = False
-    #: the call produced an output nobody will read: free it.
+    #: the call produced an output nobody will read: the engine frees it.
     release_output: bool = False
     step: int = 0
     total_steps: int = 0
@@ -113,10 +78,22 @@ class SchedulerOutput:
 
 
 class Scheduler(ABC):
-    """Common surface of RequestScheduler and StepScheduler."""
+    """Common surface of RequestScheduler and StepScheduler.
+
+    Schedulers are pure bookkeeping: they never touch the executor, threads or
+    clocks of their own (the engine passes ``now``), so every admission and
+    lifecycle rule is testable without a model.
+    """
 
     @abstractmethod
-    def add_request(self, request: DiffusionRequest, now: float) -> None: ...
+    def add(self, record: RequestRecord) -> None:
+        """Queue ``record`` (its ``arrival`` is the queueing time)."""
+
+    def add_request(self, request: DiffusionRequest, now: float) -> RequestRecord:
+        """Queue a new record for ``request`` arriving at ``now``."""
+        record = RequestRecord(request, arrival=now)
+        self.add(record)
+        return record
 
     @abstractmethod
     def schedule(self, now: float) -> SchedulerOutput | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from diffrt.engine.sched.interface import SchedRequest
+from diffrt.engine.record import RequestRecord
 
 POLICIES = ("fifo", "skip_ahead")
 
@@ -29,8 +29,8 @@ class AdmissionPolicy(ABC):
 
     @abstractmethod
     def select(
-        self, waiting: Sequence[SchedRequest], key: tuple | None, capacity: int
-    ) -> list[SchedRequest]:
+        self, waiting: Sequence[RequestRecord], key: tuple | None, capacity: int
+    ) -> list[RequestRecord]:
         """Pick up to ``capacity`` requests of ``waiting`` (arrival order) that may
         join a batch of ``key`` (None: a new batch, keyed by the oldest request)."""
 
@@ -43,7 +43,7 @@ class FifoPolicy(AdmissionPolicy):
             return []
         if key is None:
             key = waiting[0].key
-        chosen: list[SchedRequest] = []
+        chosen: list[RequestRecord] = []
         for sr in waiting:
             if len(chosen) >= capacity or sr.key != key:
                 break
@@ -64,8 +64,8 @@ class SkipAheadPolicy(AdmissionPolicy):
             return []
         if key is None:
             key = waiting[0].key
-        chosen: list[SchedRequest] = []
-        skipped: list[SchedRequest] = []
+        chosen: list[RequestRecord] = []
+        skipped: list[RequestRecord] = []
         for sr in waiting:
             if len(chosen) >= capacity:
                 break

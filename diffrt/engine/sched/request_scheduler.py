@@ -9,12 +9,12 @@ gather.
 
 from __future__ import annotations
 
+from diffrt.engine.record import RequestStatus
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sched.base import BaseScheduler
 from diffrt.engine.sched.interface import (
     ExecutionResult,
     Finished,
-    RequestStatus,
     SchedulerOutput,
     UpdateResult,
 )
@@ -27,7 +27,7 @@ class RequestScheduler(BaseScheduler):
     def schedule(self, now: float) -> SchedulerOutput | None:
         if self._running:
             return None  # the current wave has not been updated yet
-        wave = self._admit(None, self.max_num_seqs)
+        wave = self._admit(None, self.max_num_seqs, now)
         if not wave:
             return None
         ids = [sr.request_id for sr in wave]

@@ -14,13 +14,12 @@ running batch never waits.
 
 from __future__ import annotations
 
+from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sched.base import BaseScheduler
 from diffrt.engine.sched.interface import (
     ExecutionResult,
     Progress,
-    RequestStatus,
-    SchedRequest,
     SchedulerOutput,
     UpdateResult,
 )
@@ -46,7 +45,7 @@ class StepScheduler(BaseScheduler):
     def schedule(self, now: float) -> SchedulerOutput | None:
         if self._in_flight:
             return None  # the previous tick has not been updated yet
-        new = self._admit(self.running_key, self.max_num_seqs - len(self._running))
+        new = self._admit(self.running_key, self.max_num_seqs - len(self._running), now)
         drops, self._pending_drops = self._pending_drops, []
         ids = [sr.request_id for sr in self._running]
         out = SchedulerOutput(new=[sr.request for sr in new], scheduled_ids=ids, drop_ids=drops)
@@ -84,7 +83,7 @@ class StepScheduler(BaseScheduler):
                 update.progress.append(Progress(rid, sr.step, sr.total_steps))
         return update
 
-    def _on_running_aborted(self, sr: SchedRequest) -> None:
+    def _on_running_aborted(self, sr: RequestRecord) -> None:
         self._pending_drops.append(sr.request_id)
 
     def fail_all(self, error: str):

@@ -11,7 +11,6 @@ import torch
 
 from diffrt.engine.pipelines import (
     DiffusionRequestBatch,
-    StepInputBatch,
     StepRequestState,
     resolve_pipeline_class,
 )
@@ -49,9 +48,9 @@ def run_steps(pipe, requests, join_tick=None) -> dict[str, torch.Tensor]:
             pipe.prepare_encode(state)
             active.append(state)
         if active:
-            pred = pipe.denoise_step(StepInputBatch(active), states=active)
+            pred = pipe.denoise_step(active)
             for state, part in zip(active, pipe.split_predictions(pred, active), strict=True):
-                pipe.step_scheduler(state, part)
+                pipe.apply_step(state, part)
             for state in [s for s in active if s.finished]:
                 results[state.request_id] = pipe.post_decode(state)
                 active.remove(state)
@@ -238,18 +237,19 @@ def test_cfg_doubles_the_transformer_batch(pipe, monkeypatch):
     assert rows == [4, 2]
 
 
-def test_scheduler_state_is_per_request(pipe):
-    template_timesteps = pipe.scheduler.timesteps.clone()
+def test_noise_scheduler_state_is_per_request(pipe):
+    template_timesteps = pipe.noise_scheduler.timesteps.clone()
     a, b = (
         StepRequestState(make_request(num_inference_steps=2)),
         StepRequestState(make_request(num_inference_steps=5)),
     )
     pipe.prepare_encode(a)
     pipe.prepare_encode(b)
-    assert a.scheduler is not b.scheduler and a.scheduler is not pipe.scheduler
+    assert a.noise_scheduler is not b.noise_scheduler
+    assert a.noise_scheduler is not pipe.noise_scheduler
     assert len(a.timesteps) == 2 and len(b.timesteps) == 5
     run_request(pipe, make_request(num_inference_steps=3))
-    assert torch.equal(pipe.scheduler.timesteps, template_timesteps)
+    assert torch.equal(pipe.noise_scheduler.timesteps, template_timesteps)
 
 
 # -- validation ------------------------------------------------------------------------
@@ -313,7 +313,7 @@ def test_incompatible_batches_are_refused(pipe):
     pipe.prepare_encode(a)
     pipe.prepare_encode(b)
     with pytest.raises(ValueError, match="step_batch_key"):
-        pipe.denoise_step(StepInputBatch([a, b]), states=[a, b])
+        pipe.denoise_step([a, b])
 
 
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3"])

@@ -1,12 +1,12 @@
 """PipelineRunner: the engine's code inside each worker.
 
-The runtime constructs it in every worker (``diffrt.engine.worker_runner:
-PipelineRunner``) and calls one method per scheduler tick:
+The runtime builds it in every worker from ``RunnerSettings`` and hands it the
+engine's typed requests (``runner_messages``), one per scheduler tick:
 
-* ``execute_batch`` (REQUEST_BATCH): whole requests, fused when several. When
+* ``ExecuteBatch`` (REQUEST_BATCH): whole requests, fused when several. When
   a fused forward raises, the members are re-run one by one so the error is
   mapped to the request that caused it and the others still get their output.
-* ``execute_step`` (STEP_BATCH): admits new requests (``prepare_encode``),
+* ``ExecuteStep`` (STEP_BATCH): admits new requests (``prepare_encode``),
   drops the state of aborted ones, advances every scheduled request by one
   denoise step in one batch, and decodes those that reached their step count.
   Request state (``StepRequestState``) lives here, keyed by request id.
@@ -17,48 +17,33 @@ Outputs are device tensors already reduced by the pipeline's ``to_transfer``
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 from typing import Any
 
-import msgspec
 import torch
 
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
     DiffusionRequestBatch,
-    StepInputBatch,
     StepRequestState,
 )
+from diffrt.engine.pipelines.registry import load_pipeline
 from diffrt.engine.request import DiffusionRequest
-from diffrt.runtime.runner import RunnerResult
+from diffrt.engine.runner_messages import (
+    PIPELINE_PROTOCOL,
+    BatchDone,
+    CountStepStates,
+    ExecuteBatch,
+    ExecuteStep,
+    RunnerSettings,
+    StepDone,
+    StepStateCount,
+)
+from diffrt.runtime.types import RunnerResult
 
 logger = logging.getLogger(__name__)
-
-
-class BatchPayload(msgspec.Struct):
-    requests: list[DiffusionRequest]
-
-
-class BatchMeta(msgspec.Struct):
-    errors: dict[str, str] = msgspec.field(default_factory=dict)
-
-
-class StepPayload(msgspec.Struct):
-    new: list[DiffusionRequest] = msgspec.field(default_factory=list)
-    advance: list[str] = msgspec.field(default_factory=list)
-    drop: list[str] = msgspec.field(default_factory=list)
-
-
-class StepMeta(msgspec.Struct):
-    #: request id -> denoise steps done, for requests still running.
-    progress: dict[str, int] = msgspec.field(default_factory=dict)
-    #: ids decoded in this tick (their outputs are in RunnerResult.outputs).
-    finished: list[str] = msgspec.field(default_factory=list)
-    errors: dict[str, str] = msgspec.field(default_factory=dict)
-
-
-def _typed(payload: Any, cls: type) -> Any:
-    return payload if isinstance(payload, cls) else msgspec.convert(payload, cls)
 
 
 def describe_error(exc: BaseException) -> str:
@@ -78,8 +63,6 @@ def cpu_worker_threads(platform: Any, world_size: int) -> int | None:
     """
     if platform.device_type != "cpu":
         return None
-    import os
-
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -90,19 +73,14 @@ def cpu_worker_threads(platform: Any, world_size: int) -> int | None:
 class PipelineRunner:
     """Loads the pipeline once per worker and runs engine ticks on it."""
 
-    def __init__(self, *, rank: int, world_size: int, platform: Any, model: str,
-                 dtype: str = "float32", plugin_modules: list[str] | None = None,
-                 torch_threads: int | None = None):
-        import importlib
+    protocol = PIPELINE_PROTOCOL
 
-        from diffrt.engine.pipelines.registry import load_pipeline
-
-        threads = torch_threads or cpu_worker_threads(platform, world_size)
+    def __init__(self, settings: RunnerSettings, *, rank: int, world_size: int, platform: Any):
+        threads = settings.torch_threads or cpu_worker_threads(platform, world_size)
         if threads:
             torch.set_num_threads(threads)
-
-        for name in plugin_modules or ():
-            importlib.import_module(name)  # lets tests register pipelines in spawned workers
+        for name in settings.plugin_modules:
+            importlib.import_module(name)
         self.rank = rank
         self.world_size = world_size
         self.platform = platform
@@ -110,13 +88,25 @@ class PipelineRunner:
             device = platform.torch_device(None)
         else:
             device = platform.torch_device(rank % max(1, platform.device_count()))
-        self.pipeline: DiffusionPipeline = load_pipeline(model, device=device, dtype=_DTYPES[dtype])
+        self.pipeline: DiffusionPipeline = load_pipeline(settings.model, device=device,
+                                                         dtype=_DTYPES[settings.dtype])
         self.states: dict[str, StepRequestState] = {}
-        logger.info("rank %d: runner ready for %s on %s", rank, model, device)
+        logger.info("rank %d: runner ready for %s on %s", rank, settings.model, device)
+
+    def handle(self, request: ExecuteBatch | ExecuteStep | CountStepStates) -> Any:
+        match request:
+            case ExecuteBatch():
+                return self.execute_batch(request)
+            case ExecuteStep():
+                return self.execute_step(request)
+            case CountStepStates():
+                return StepStateCount(len(self.states))
+            case _:
+                raise TypeError(f"PipelineRunner cannot handle {type(request).__name__}")
 
     # -- REQUEST_BATCH ------------------------------------------------------------
-    def execute_batch(self, payload: Any) -> RunnerResult:
-        requests = _typed(payload, BatchPayload).requests
+    def execute_batch(self, request: ExecuteBatch) -> RunnerResult:
+        requests = request.requests
         outputs: dict[str, Any] = {}
         errors: dict[str, str] = {}
         try:
@@ -133,7 +123,7 @@ class PipelineRunner:
                         self._forward([request], outputs)
                     except Exception as one:
                         errors[request.request_id] = describe_error(one)
-        return RunnerResult(meta=BatchMeta(errors=errors), outputs=outputs)
+        return RunnerResult(reply=BatchDone(errors=errors), outputs=outputs)
 
     def _forward(self, requests: list[DiffusionRequest], outputs: dict[str, Any]) -> None:
         results = self.pipeline.forward(DiffusionRequestBatch(requests=list(requests)))
@@ -144,43 +134,42 @@ class PipelineRunner:
             outputs[request.request_id] = self.pipeline.to_transfer(tensor, request.sampling_params)
 
     # -- STEP_BATCH -----------------------------------------------------------------
-    def execute_step(self, payload: Any) -> RunnerResult:
-        p = _typed(payload, StepPayload)
-        meta = StepMeta()
+    def execute_step(self, step: ExecuteStep) -> RunnerResult:
+        reply = StepDone()
         outputs: dict[str, Any] = {}
-        for rid in p.drop:
+        for rid in step.drop:
             self.states.pop(rid, None)
-        for request in p.new:
+        for request in step.new:
             state = StepRequestState(request=request)
             try:
                 self.pipeline.prepare_encode(state)
             except Exception as exc:
-                meta.errors[request.request_id] = describe_error(exc)
+                reply.errors[request.request_id] = describe_error(exc)
                 continue
             self.states[request.request_id] = state
         states = []
-        for rid in p.advance:
-            if rid in meta.errors:
+        for rid in step.advance:
+            if rid in reply.errors:
                 continue
             if rid not in self.states:
-                meta.errors[rid] = "RuntimeError: no step state for this request in the worker"
+                reply.errors[rid] = "RuntimeError: no step state for this request in the worker"
                 continue
             states.append(self.states[rid])
-        self._advance(states, meta)
-        done = []
+        self._advance(states, reply)
+        finished_states = []
         for state in states:
             rid = state.request_id
-            if rid in meta.errors:
+            if rid in reply.errors:
                 self.states.pop(rid, None)
             elif state.finished:
                 self.states.pop(rid, None)
-                done.append(state)
+                finished_states.append(state)
             else:
-                meta.progress[rid] = state.step_index
-        self._decode(done, meta, outputs)
-        return RunnerResult(meta=meta, outputs=outputs)
+                reply.progress[rid] = state.step_index
+        self._decode(finished_states, reply, outputs)
+        return RunnerResult(reply=reply, outputs=outputs)
 
-    def _decode(self, states: list[StepRequestState], meta: StepMeta,
+    def _decode(self, states: list[StepRequestState], reply: StepDone,
                 outputs: dict[str, Any]) -> None:
         """Decode the requests that finished in this tick in one call; on a
         failure, one by one so the error lands on its own request."""
@@ -193,20 +182,20 @@ class PipelineRunner:
                                    f"for {len(states)} requests")
         except Exception as exc:
             if len(states) == 1:
-                meta.errors[states[0].request_id] = describe_error(exc)
+                reply.errors[states[0].request_id] = describe_error(exc)
                 return
             for state in states:
-                self._decode([state], meta, outputs)
+                self._decode([state], reply, outputs)
             return
         for state, out in zip(states, decoded, strict=True):
             rid = state.request_id
             try:
                 outputs[rid] = self.pipeline.to_transfer(out, state.request.sampling_params)
-                meta.finished.append(rid)
+                reply.finished.append(rid)
             except Exception as exc:
-                meta.errors[rid] = describe_error(exc)
+                reply.errors[rid] = describe_error(exc)
 
-    def _advance(self, states: list[StepRequestState], meta: StepMeta) -> None:
+    def _advance(self, states: list[StepRequestState], reply: StepDone) -> None:
         """One denoise step for all ``states``; on a batch failure, retry each alone."""
         if not states:
             return
@@ -214,33 +203,26 @@ class PipelineRunner:
             preds = self._denoise(states)
         except Exception as exc:
             if len(states) == 1:
-                meta.errors[states[0].request_id] = describe_error(exc)
+                reply.errors[states[0].request_id] = describe_error(exc)
                 return
             logger.warning("step batch of %d failed (%s); isolating", len(states),
                            describe_error(exc))
             for state in states:
-                self._advance([state], meta)
+                self._advance([state], reply)
             return
         for state, pred in zip(states, preds, strict=True):
             try:
-                self.pipeline.step_scheduler(state, pred)
+                self.pipeline.apply_step(state, pred)
             except Exception as exc:
-                meta.errors[state.request_id] = describe_error(exc)
+                reply.errors[state.request_id] = describe_error(exc)
 
     def _denoise(self, states: list[StepRequestState]) -> list[torch.Tensor]:
-        pred = self.pipeline.denoise_step(StepInputBatch(states=states), states=states)
+        pred = self.pipeline.denoise_step(states)
         rows = sum(s.latents.shape[0] if s.latents is not None else 1 for s in states)
         if pred.shape[0] != rows:
             raise RuntimeError(f"denoise_step returned {pred.shape[0]} rows for {rows}")
         return self.pipeline.split_predictions(pred, states)
 
-    # -- control --------------------------------------------------------------------
-    def health(self, payload: Any = None) -> dict[str, Any]:
-        return {"rank": self.rank, "ok": True, "step_states": len(self.states),
-                "torch_threads": torch.get_num_threads()}
-
-    def num_step_states(self, payload: Any = None) -> int:
-        return len(self.states)
-
+    # -- shutdown ---------------------------------------------------------------------
     def close(self) -> None:
         self.states.clear()

@@ -1,0 +1,206 @@
+"""EngineCore: the scheduler, the executor and the tick loop.
+
+One thread (``diffrt-engine-loop``) repeats: wait for work, ask the scheduler
+for a tick, send it to the workers as one typed request (``ExecuteBatch`` or
+``ExecuteStep``), wait for COMPUTE_DONE, apply the reply to the scheduler, and
+report what happened as a ``TickResult`` (progress, terminal events, the ids of
+the outputs now on their way to host memory). The core owns no streams and
+never waits for an output: whoever receives the ``TickResult`` (the engine's
+``OutputProcessor``) delivers it.
+
+Locking: the core's Condition guards the scheduler. It is never held while the
+executor is called or a callback runs, and never together with the output
+processor's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffrt import tracing
+from diffrt.engine.config import EngineMode
+from diffrt.engine.record import RequestRecord
+from diffrt.engine.runner_messages import BatchDone, ExecuteBatch, ExecuteStep, StepDone
+from diffrt.engine.sched import (
+    AbortOutcome,
+    ExecutionResult,
+    Finished,
+    Progress,
+    Scheduler,
+    SchedulerOutput,
+)
+from diffrt.runtime.executor import Executor
+from diffrt.runtime.types import ExecutorDeadError
+
+logger = logging.getLogger(__name__)
+
+#: How long the loop sleeps when the scheduler has work but returned no tick.
+IDLE_RETRY_S = 0.05
+
+
+@dataclass
+class TickResult:
+    """What one execute call did, in engine terms."""
+
+    #: ids run or advanced in this tick, in batch order.
+    scheduled_ids: list[str]
+    started_at: float
+    elapsed: float
+    progress: list[Progress] = field(default_factory=list)
+    #: requests that left the scheduler in this tick.
+    finished: list[Finished] = field(default_factory=list)
+    #: request id -> output id, for the FINISHED events that produced an output.
+    output_ids: dict[str, str] = field(default_factory=dict)
+
+
+class EngineCore:
+    """Runs ticks on its own thread; see the module docstring."""
+
+    def __init__(self, mode: EngineMode, scheduler: Scheduler, executor: Executor, *,
+                 on_tick: Callable[[TickResult], None], on_dead: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self.mode = mode
+        self.scheduler = scheduler
+        self.executor = executor
+        self._on_tick = on_tick
+        self._on_dead = on_dead
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._stopped = False
+        self.dead_reason: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="diffrt-engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- called by the engine's threads ---------------------------------------------
+    def add(self, records: list[RequestRecord]) -> bool:
+        """Queue ``records``; False (nothing queued) once the core has stopped."""
+        with self._cond:
+            if self._stopped or self.dead_reason is not None:
+                return False
+            for record in records:
+                self.scheduler.add(record)
+            self._cond.notify_all()
+        return True
+
+    def abort(self, request_id: str) -> tuple[AbortOutcome, Finished | None]:
+        with self._cond:
+            self._cond.notify_all()  # step mode: the loop sends the drop
+            return self.scheduler.abort(request_id)
+
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self._thread.is_alive()
+
+    def stop(self, grace_s: float) -> None:
+        """Stop taking ticks, let the one in flight finish for up to ``grace_s``,
+        then shut the executor down (which fails a tick still waiting)."""
+        with self._cond:
+            self._stopped = True
+            self.scheduler.fail_all("engine closed")
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(grace_s)
+            if self._thread.is_alive():
+                logger.warning("engine loop still busy after %.1f s; shutting the executor down",
+                               grace_s)
+        self.executor.shutdown()
+        if self._thread.is_alive():
+            self._thread.join(grace_s)
+
+    # -- the loop --------------------------------------------------------------------
+    def _loop(self) -> None:
+        tracing.process_name(tracing.ENGINE_PROCESS)
+        try:
+            while (tick := self._next_tick()) is not None:
+                result = self._run_tick(tick)
+                if result is None:
+                    return
+                self._on_tick(result)
+        except Exception as exc:  # a bug in the engine: fail everything, visibly
+            logger.exception("engine loop crashed")
+            self._die(f"engine loop crashed: {exc!r}")
+
+    def _next_tick(self) -> SchedulerOutput | None:
+        """Block until there is work (or the core stops); None means stop."""
+        with self._cond:
+            while True:
+                if self._stopped or self.dead_reason is not None:
+                    return None
+                if not self.scheduler.has_work():
+                    self._cond.wait()
+                    continue
+                now = self._clock()
+                wait = self.scheduler.admission_wait_s(now)
+                if wait <= 0:
+                    tick = self.scheduler.schedule(now)
+                    if tick is not None:
+                        return tick
+                    wait = IDLE_RETRY_S
+                self._cond.wait(wait)
+
+    def _request(self, tick: SchedulerOutput) -> ExecuteBatch | ExecuteStep:
+        if self.mode is EngineMode.STEP_BATCH:
+            return ExecuteStep(new=tick.new, advance=tick.scheduled_ids, drop=tick.drop_ids)
+        return ExecuteBatch(requests=tick.new)
+
+    def _run_tick(self, tick: SchedulerOutput) -> TickResult | None:
+        start = self._clock()
+        request = self._request(tick)
+        output_ids: dict[str, str] = {}
+        try:
+            with tracing.span(tracing.ENGINE_LOOP_TRACK, request.__struct_config__.tag,
+                              keys=tick.scheduled_ids, drop=tick.drop_ids):
+                ro = self.executor.execute(request)
+            output_ids = dict(ro.output_ids)
+            result = _execution_result(tick, ro.reply, output_ids)
+        except ExecutorDeadError as exc:
+            self._die(f"executor died: {exc}")
+            return None
+        except Exception as exc:  # the runner raised: this tick's requests fail
+            logger.error("%s failed: %s", type(request).__name__, exc)
+            result = ExecutionResult(failed_all=f"{type(exc).__name__}: {exc}")
+        elapsed = self._clock() - start
+        with self._cond:
+            update = self.scheduler.update_from_output(tick, result)
+        kept: dict[str, str] = {}
+        for event in update.finished:
+            oid = output_ids.pop(event.request_id, None)
+            if oid is not None and event.has_output:
+                kept[event.request_id] = oid
+            elif oid is not None:  # failed, aborted or unknown: nobody reads it
+                self.executor.release_output(oid)
+        for oid in output_ids.values():  # outputs of requests that left already
+            self.executor.release_output(oid)
+        return TickResult(scheduled_ids=list(tick.scheduled_ids), started_at=start,
+                          elapsed=elapsed, progress=update.progress, finished=update.finished,
+                          output_ids=kept)
+
+    def _die(self, reason: str) -> None:
+        logger.error("engine is unhealthy: %s", reason)
+        with self._cond:
+            if self.dead_reason is None and not self._stopped:
+                self.dead_reason = reason
+            self.scheduler.fail_all(reason)
+            self._cond.notify_all()
+        self._on_dead(reason)
+
+
+def _execution_result(tick: SchedulerOutput, reply: Any,
+                      output_ids: dict[str, str]) -> ExecutionResult:
+    """The runner's reply in scheduler terms."""
+    match reply:
+        case StepDone():
+            return ExecutionResult(progress=reply.progress, finished=reply.finished,
+                                   errors=reply.errors)
+        case BatchDone():
+            finished = [rid for rid in tick.scheduled_ids
+                        if rid in output_ids and rid not in reply.errors]
+            return ExecutionResult(finished=finished, errors=reply.errors)
+        case _:
+            raise TypeError(f"unexpected runner reply {type(reply).__name__}")

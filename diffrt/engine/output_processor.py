@@ -1,0 +1,294 @@
+"""OutputProcessor: from tick results to each request's output stream.
+
+It holds the active requests' records and streams. For every ``TickResult``
+of the core it records metrics, emits progress, and for a finished request
+registers a callback on the executor's output future. When the output lands in
+host memory, a small thread pool takes it from its lease, runs the model's
+post-processing (to PIL) and emits the final output. Every stream put goes
+through one FIFO delivery thread, so neither the tick loop nor the pool waits
+on a consumer, and a request's outputs keep their order (progress before final).
+
+Lifecycle and delivery are separate: a record always reaches a terminal output
+(``_finalize``, exactly once); the stream is only where outputs go while
+someone listens. A consumer that goes away removes its stream, nothing else.
+
+Locking: one lock guards records and streams. Executor calls (which may write
+to a pipe) and stream puts are made after it is released, and it is never held
+together with the core's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from diffrt import tracing
+from diffrt.engine.core import TickResult
+from diffrt.engine.errors import EngineClosedError, EngineDeadError
+from diffrt.engine.output_streams import OutputStream
+from diffrt.engine.outputs import DiffusionOutput
+from diffrt.engine.record import RequestRecord, RequestStatus
+from diffrt.engine.sampling import InvalidRequestError
+from diffrt.engine.sched import Finished
+from diffrt.runtime.executor import Executor
+from diffrt.runtime.shm_transport import OutputLease
+
+logger = logging.getLogger(__name__)
+
+PostProcess = Callable[[Any, str], tuple[list[Any] | None, Any]]
+#: How long close() waits for the delivery thread to drain.
+DELIVERY_JOIN_S = 5.0
+
+
+class OutputProcessor:
+    def __init__(self, executor: Executor, post_process: PostProcess, *, workers: int,
+                 clock: Callable[[], float] = time.monotonic):
+        self._executor = executor
+        self._post = post_process
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._records: dict[str, RequestRecord] = {}
+        self._streams: dict[str, OutputStream] = {}
+        self._closed: str | None = None     # why new work is refused
+        self._dead = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="diffrt-postprocess")
+        self._deliveries: queue.SimpleQueue = queue.SimpleQueue()
+        self._delivery = threading.Thread(target=self._deliver_loop,
+                                          name="diffrt-engine-delivery", daemon=True)
+        self._delivery.start()
+
+    # -- requests in ---------------------------------------------------------------
+    def add(self, records: list[RequestRecord],
+            loop: asyncio.AbstractEventLoop | None) -> list[OutputStream]:
+        """Register records and open their streams (all or none)."""
+        with self._lock:
+            if self._closed is not None:
+                if self._dead:
+                    raise EngineDeadError(f"engine is not healthy: {self._closed}")
+                raise EngineClosedError("engine is closed")
+            for record in records:
+                if record.request_id in self._records:
+                    raise InvalidRequestError(
+                        "request_id", f"{record.request_id!r} is already active")
+            streams = []
+            for record in records:
+                stream = OutputStream(record.request_id, loop)
+                self._records[record.request_id] = record
+                self._streams[record.request_id] = stream
+                streams.append(stream)
+        return streams
+
+    def discard(self, records: list[RequestRecord]) -> None:
+        """Forget records the core refused (never scheduled; no output emitted)."""
+        with self._lock:
+            for record in records:
+                if self._records.get(record.request_id) is record:
+                    del self._records[record.request_id]
+                    stream = self._streams.pop(record.request_id, None)
+                    if stream is not None:
+                        stream.close()
+
+    def detach(self, stream: OutputStream) -> None:
+        """A consumer went away: forget its stream, keep the request's lifecycle."""
+        stream.close()
+        with self._lock:
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+
+    def mark_aborted(self, request_id: str) -> RequestRecord | None:
+        """The first half of an abort: late outputs of this request are dropped.
+        Returns the record, or None when the request is not active."""
+        with self._lock:
+            record = self._records.get(request_id)
+            if record is not None:
+                record.aborted = True
+            return record
+
+    # -- what happened ---------------------------------------------------------------
+    def on_tick(self, result: TickResult) -> None:
+        """Apply one tick (the core's loop thread calls this)."""
+        to_wait: list[tuple[str, str]] = []
+        to_release: list[str] = []
+        with self._lock:
+            for rid in result.scheduled_ids:
+                record = self._records.get(rid)
+                if record is not None:
+                    record.forward_time += result.elapsed
+            for p in result.progress:
+                if p.request_id in self._records:
+                    self._emit_locked(p.request_id, DiffusionOutput(
+                        p.request_id, step=p.step, total_steps=p.total_steps))
+            for event in result.finished:
+                oid = result.output_ids.get(event.request_id)
+                record = self._records.get(event.request_id)
+                if record is None:  # aborted or closed meanwhile
+                    if oid is not None:
+                        to_release.append(oid)
+                elif event.status is not RequestStatus.FINISHED:
+                    self._finalize_locked(event.request_id, terminal_output(event))
+                elif oid is None:
+                    self._finalize_locked(event.request_id, DiffusionOutput(
+                        event.request_id, finished=True, error="runner reported no output id",
+                        step=event.step, total_steps=event.total_steps))
+                else:
+                    record.output_id = oid
+                    record.compute_done_at = self._clock()
+                    to_wait.append((event.request_id, oid))
+        for oid in to_release:
+            self._executor.release_output(oid)
+        for rid, oid in to_wait:
+            future = self._executor.wait_output_ready(oid)
+            future.add_done_callback(lambda f, rid=rid, oid=oid: self._on_output(rid, oid, f))
+
+    def finish(self, event: Finished) -> None:
+        """A terminal event outside a tick (an abort of a queued request)."""
+        with self._lock:
+            self._finalize_locked(event.request_id, terminal_output(event))
+
+    def finish_aborted(self, request_id: str) -> None:
+        """An abort of a request that already left the scheduler: free its output
+        (computed, maybe still on its way) and end it as aborted."""
+        with self._lock:
+            record = self._records.get(request_id)
+            if record is None:
+                return
+            oid = record.output_id
+            self._finalize_locked(request_id, DiffusionOutput(
+                request_id, finished=True, aborted=True, step=record.step,
+                total_steps=record.total_steps))
+        if oid is not None:
+            self._executor.release_output(oid)
+
+    def fail_all(self, reason: str, *, dead: bool) -> None:
+        """Refuse new work from now on and end every active request with ``reason``."""
+        with self._lock:
+            if self._closed is None:
+                self._closed, self._dead = reason, dead
+            records = list(self._records.values())
+            for record in records:
+                self._finalize_locked(record.request_id, DiffusionOutput(
+                    record.request_id, finished=True, error=reason, step=record.step,
+                    total_steps=record.total_steps))
+        for record in records:
+            if record.output_id is not None:
+                self._executor.release_output(record.output_id)
+
+    # -- outputs landing ------------------------------------------------------------------
+    def _on_output(self, rid: str, oid: str, future: concurrent.futures.Future) -> None:
+        """Runs in the executor's pump thread (or inline): hand off to the pool."""
+        try:
+            self._pool.submit(self._postprocess, rid, oid, future)
+        except RuntimeError:  # pool shut down: the engine is closing
+            _release_quietly(future)
+
+    def _postprocess(self, rid: str, oid: str, future: concurrent.futures.Future) -> None:
+        ready_at = self._clock()
+        try:
+            lease: OutputLease = future.result()
+        except Exception as exc:
+            with self._lock:
+                record = self._records.get(rid)
+                if record is not None and record.output_id == oid:
+                    self._finalize_locked(rid, DiffusionOutput(
+                        rid, finished=True, error=f"output lost: {type(exc).__name__}: {exc}",
+                        step=record.step, total_steps=record.total_steps))
+            return
+        with self._lock:
+            record = self._records.get(rid)
+            wanted = record is not None and record.output_id == oid and not record.aborted
+            listening = wanted and rid in self._streams
+        if not wanted:
+            lease.release()  # a late output of an aborted request: drop it
+            return
+        assert record is not None
+        images = output = error = None
+        post_start = self._clock()
+        if listening:
+            try:
+                with tracing.span(tracing.ENGINE_POST_TRACK, tracing.POSTPROCESS_SPAN,
+                                  request_id=rid):
+                    value = lease.take()
+                    images, output = self._post(value, record.request.sampling_params.output_type)
+            except Exception as exc:
+                logger.exception("post-processing failed for %s", rid)
+                error = f"post-processing failed: {type(exc).__name__}: {exc}"
+        lease.release()
+        done = self._clock()
+        with self._lock:
+            if self._records.get(rid) is not record or record.output_id != oid:
+                return
+            record.metrics.output_wait = ready_at - (record.compute_done_at or ready_at)
+            record.metrics.postprocess_time = done - post_start
+            self._finalize_locked(rid, DiffusionOutput(
+                rid, finished=True, error=error, aborted=record.aborted, images=images,
+                output=output, step=record.total_steps, total_steps=record.total_steps))
+
+    # -- delivery ---------------------------------------------------------------------------
+    def _emit_locked(self, rid: str, output: DiffusionOutput) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            self._deliveries.put((stream, output))
+
+    def _finalize_locked(self, rid: str, output: DiffusionOutput) -> None:
+        """The one place a request becomes terminal: exactly one final output."""
+        record = self._records.pop(rid, None)
+        if record is None:
+            return
+        if record.admitted_at is not None:
+            record.metrics.queue_wait = record.admitted_at - record.arrival
+        record.metrics.forward_time = record.forward_time if record.forward_time > 0 else None
+        record.metrics.finished_time = self._clock()
+        output.metrics = record.metrics
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            self._deliveries.put((stream, output))
+
+    def _deliver_loop(self) -> None:
+        while (item := self._deliveries.get()) is not None:
+            stream, output = item
+            if not stream.put(output):  # its consumer is gone
+                self.detach(stream)
+
+    # -- introspection and shutdown ------------------------------------------------------------
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    def num_streams(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def output_id_of(self, request_id: str) -> str | None:
+        """The id of the output on its way for an active request (diagnostics)."""
+        with self._lock:
+            record = self._records.get(request_id)
+            return record.output_id if record is not None else None
+
+    def close(self) -> None:
+        """Stop post-processing and delivery (after ``fail_all``)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._deliveries.put(None)
+        self._delivery.join(DELIVERY_JOIN_S)
+
+
+def terminal_output(event: Finished) -> DiffusionOutput:
+    """The final output of a request that ended without an image."""
+    return DiffusionOutput(
+        event.request_id, finished=True,
+        error=event.error if event.status is RequestStatus.FAILED else None,
+        aborted=event.status is RequestStatus.ABORTED,
+        step=event.step, total_steps=event.total_steps)
+
+
+def _release_quietly(future: concurrent.futures.Future) -> None:
+    try:
+        future.result(timeout=0).release()
+    except Exception:
+        pass

@@ -1,0 +1,64 @@
+"""RequestRecord: the engine's one lifecycle record per active request.
+
+The engine creates it at submission and both halves of the engine hold the
+same object: the scheduler (inside ``EngineCore``) queues and advances it, the
+``OutputProcessor`` delivers its outputs and metrics. Each field has one
+writer, guarded by that writer's lock, as marked below; the other side reads
+only what is noted. (``StepRequestState`` is a different thing: the worker's
+latents and noise-scheduler state for a step-mode request.)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from diffrt.engine.outputs import RequestMetrics
+from diffrt.engine.request import DiffusionRequest
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    request: DiffusionRequest
+    arrival: float
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    # -- the scheduler's (written under the core's lock) ---------------------------
+    status: RequestStatus = RequestStatus.WAITING
+    #: compatibility key of the batches this request may join.
+    key: tuple = ()
+    #: admission order (ties in arrival time).
+    seq: int = 0
+    #: when it left the waiting queue for its first batch.
+    admitted_at: float | None = None
+    #: how many younger requests were admitted past this one (aging).
+    bypassed: int = 0
+    #: denoise steps done; the output processor reads it for terminal outputs.
+    step: int = 0
+    #: abort arrived while the request was inside an execute call.
+    abort_requested: bool = False
+
+    # -- the output processor's (written under its lock) ----------------------------
+    #: the user aborted it: a late output is dropped, not delivered.
+    aborted: bool = False
+    #: the output being moved off the device for it (after COMPUTE_DONE).
+    output_id: str | None = None
+    compute_done_at: float | None = None
+    #: wall time of the execute calls it took part in.
+    forward_time: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id  # type: ignore[return-value]
+
+    @property
+    def total_steps(self) -> int:
+        return self.request.sampling_params.num_inference_steps

@@ -1,0 +1,71 @@
+"""What the engine asks of the pipeline runner in each worker, and its replies.
+
+Typed msgspec Structs, one tag each; ``PIPELINE_PROTOCOL`` declares them to
+the runtime, which builds the typed decoders from it (workers decode requests,
+the engine decodes replies). A request that is not declared here fails with
+TypeError at the engine before anything is sent.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from diffrt.engine.request import DiffusionRequest
+from diffrt.runtime.types import RunnerProtocol
+
+
+class RunnerSettings(msgspec.Struct, frozen=True):
+    """How each worker builds its pipeline (sent once, at start-up)."""
+
+    model: str
+    dtype: str = "float32"
+    #: torch intra-op threads; None = the runner's choice for the platform.
+    torch_threads: int | None = None
+    #: modules imported before the model loads (e.g. to register custom pipelines).
+    plugin_modules: list[str] = []
+
+
+# -- requests -------------------------------------------------------------------------
+class ExecuteBatch(msgspec.Struct, tag="execute_batch"):
+    """REQUEST_BATCH: run these whole requests (fused when several)."""
+
+    requests: list[DiffusionRequest]
+
+
+class ExecuteStep(msgspec.Struct, tag="execute_step"):
+    """STEP_BATCH: admit ``new``, forget ``drop``, advance ``advance`` by one step."""
+
+    new: list[DiffusionRequest] = []
+    advance: list[str] = []
+    drop: list[str] = []
+
+
+class CountStepStates(msgspec.Struct, tag="count_step_states"):
+    """How many step-mode request states the worker holds (leak checks)."""
+
+
+RunnerRequest = ExecuteBatch | ExecuteStep | CountStepStates
+
+
+# -- replies ----------------------------------------------------------------------------
+class BatchDone(msgspec.Struct, tag="batch_done"):
+    #: request id -> error, for requests that failed (the others have an output).
+    errors: dict[str, str] = {}
+
+
+class StepDone(msgspec.Struct, tag="step_done"):
+    #: request id -> denoise steps done, for requests still running.
+    progress: dict[str, int] = {}
+    #: ids decoded in this tick (their outputs travel on the output path).
+    finished: list[str] = []
+    errors: dict[str, str] = {}
+
+
+class StepStateCount(msgspec.Struct, tag="step_state_count"):
+    count: int
+
+
+RunnerReply = BatchDone | StepDone | StepStateCount
+
+PIPELINE_PROTOCOL = RunnerProtocol(settings=RunnerSettings, requests=RunnerRequest,
+                                   replies=RunnerReply)

@@ -1,0 +1,21 @@
+"""Chooses an executor backend. Nothing in the runtime imports this module:
+the engine does, so the backends can import the contract without a cycle."""
+
+from __future__ import annotations
+
+from diffrt.runtime.executor import Executor
+from diffrt.runtime.inproc_executor import InprocExecutor
+from diffrt.runtime.multiproc_executor import MultiprocExecutor
+from diffrt.runtime.types import ExecutorConfig
+
+BACKENDS = ("mp", "inproc")
+
+
+def make_executor(backend: str, config: ExecutorConfig) -> Executor:
+    """``"mp"`` (default: spawned worker processes) or ``"inproc"`` (a worker thread
+    in this process, same two-phase semantics; for debugging and tests)."""
+    if backend == "mp":
+        return MultiprocExecutor(config)
+    if backend == "inproc":
+        return InprocExecutor(config)
+    raise ValueError(f"unknown executor backend {backend!r}; choose one of {BACKENDS}")

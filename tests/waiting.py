@@ -1,0 +1,44 @@
+"""Polling for a condition another thread or process brings about.
+
+The one ``wait_until`` of the test suite; every test folder imports it as
+``from waiting import wait_until`` (pyproject puts tests/ on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 15.0, interval: float = 0.01,
+               message: str | Callable[[], Any] | None = None) -> T:
+    """Call ``predicate`` every ``interval`` seconds until it returns something true.
+
+    Args:
+        predicate: a cheap check without side effects.
+        timeout: seconds to keep trying; the predicate is called once more at the end.
+        interval: seconds between calls.
+        message: what the AssertionError says on timeout; a callable is called
+            then, so it can show the state at that moment (e.g. counters).
+
+    Returns:
+        The predicate's first true value, so ``assert wait_until(...)`` reads naturally.
+
+    Raises:
+        AssertionError: the predicate was still false after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    value = predicate()
+    if value:
+        return value
+    text = message() if callable(message) else message
+    name = getattr(predicate, "__qualname__", repr(predicate))
+    raise AssertionError(f"{text or 'condition not met'} (waited {timeout:g} s for {name})")
