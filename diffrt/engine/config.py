@@ -25,7 +25,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 #: ExecutorConfig fields that executor_options may set (the others have their own fields).
 _EXECUTOR_OPTIONS = frozenset({"startup_timeout_s", "shutdown_grace_s", "output_queue_depth",
-                               "worker_env", "output_timeout_s", "max_pending_output_bytes"})
+                               "worker_env"})
 
 
 class EngineMode(enum.Enum):
@@ -64,14 +64,14 @@ class EngineConfig:
             may hold the first request of a new wave so a burst can join it.
         step_batch_max_wait_ms: STEP_BATCH only: the same window for a step
             batch that forms while nothing runs (joining a running batch never
-            waits). Not in the seed; 0 keeps its behaviour.
+            waits). 0 (the default) schedules at once.
         async_output: None = auto (on where the platform supports it), True /
             False force the two-phase / synchronous output path.
         executor_backend: "mp" (worker processes, the default) or "inproc".
         world_size: worker processes (ranks) per engine.
         output_timeout_s: how long to wait for an output once its compute is
             done; None = the runtime's default (env DIFFRT_OUTPUT_TIMEOUT_S).
-        scheduling_policy: "fifo" (head-of-line blocking, the seed's behaviour)
+        scheduling_policy: "fifo" (strict arrival order, with head-of-line blocking)
             or "skip_ahead" (compatible younger requests may join past an
             incompatible one, at most ``scheduling_max_bypass`` times each).
         warmup / warmup_timeout_s: run one tiny request at start-up, failing

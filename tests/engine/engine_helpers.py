@@ -25,7 +25,7 @@ def toy_request(prompt: str = "p", *, seed: int = 0, steps: int = 2, size: int =
 def toy_engine(**kw) -> DiffusionEngine:
     kw.setdefault("model", "toy")
     kw.setdefault("executor_backend", "inproc")
-    kw.setdefault("executor_options", {"max_pending_output_bytes": 16 << 20})
+    kw.setdefault("max_pending_output_bytes", 16 << 20)
     return DiffusionEngine.make_engine(EngineConfig(**kw))
 
 

@@ -52,3 +52,33 @@ def test_capabilities_of_the_model_are_checked():
 def test_mode_follows_step_execution():
     assert EngineConfig(model="toy").mode is EngineMode.REQUEST_BATCH
     assert EngineConfig(model="toy", step_execution=True, max_num_seqs=8).mode is EngineMode.STEP_BATCH
+
+
+def test_executor_config_names_the_pipeline_runner_and_its_typed_settings():
+    from diffrt.engine.runner_messages import PIPELINE_PROTOCOL, RunnerSettings
+
+    cfg = EngineConfig(model="toy", dtype="bfloat16", torch_threads=3, plugin_modules=["engine_toy"],
+                       max_pending_output_bytes=1 << 20, output_timeout_s=7.0,
+                       executor_options={"startup_timeout_s": 9.0})
+    ex = cfg.executor_config(platform_async_output=False)
+    assert ex.runner.cls == "diffrt.engine.pipeline_runner:PipelineRunner"
+    assert ex.runner.protocol is PIPELINE_PROTOCOL
+    assert ex.runner.settings == RunnerSettings(model="toy", dtype="bfloat16", torch_threads=3,
+                                                plugin_modules=["engine_toy"])
+    assert (ex.max_pending_output_bytes, ex.output_timeout_s, ex.startup_timeout_s) == \
+        (1 << 20, 7.0, 9.0)
+    assert ex.async_output is False  # auto follows the platform
+    assert EngineConfig(model="toy", async_output=True).executor_config(
+        platform_async_output=False).async_output is True
+
+
+@pytest.mark.parametrize("field,value", [
+    ("plugin_modules", "engine_toy"),          # a str, not a sequence of names
+    ("plugin_modules", ["ok", ""]),
+    ("executor_options", {"runner_kwargs": {}}),
+    ("executor_options", {"max_pending_output_bytes": 1}),  # has its own field
+])
+def test_worker_options_are_checked(field, value):
+    with pytest.raises(EngineConfigError) as info:
+        EngineConfig(model="toy", **{field: value})
+    assert info.value.field == field

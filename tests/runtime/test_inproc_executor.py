@@ -226,3 +226,23 @@ def test_worker_spans_show_forward_and_output_on_their_own_tracks(tmp_path):
     forward = spans[(tracing.worker_main_track(0), tracing.FORWARD_SPAN)]
     assert forward["args"] == {"request": "Make", "keys": ["a"]}
     assert (tracing.worker_output_track(0), tracing.COPY_SPAN) in spans
+
+
+def test_a_protocol_lists_tagged_structs_only():
+    import msgspec
+    from runtime_test_runners import EchoSettings
+
+    from diffrt.runtime import RunnerProtocol
+
+    class Untagged(msgspec.Struct):
+        x: int = 0
+
+    with pytest.raises(TypeError, match="not a tagged msgspec Struct"):
+        RunnerProtocol(settings=EchoSettings, requests=Echo | Untagged, replies=Echoed)
+    with pytest.raises(TypeError, match="not a tagged msgspec Struct"):
+        RunnerProtocol(settings=EchoSettings, requests=Echo, replies=dict)
+
+
+def test_a_runner_class_without_a_protocol_fails_start_up():
+    with pytest.raises(WorkerError, match="no 'protocol'"):
+        make_executor("inproc", config(runner_cls="runtime_helpers:config"))

@@ -317,3 +317,45 @@ def test_dropped_ids_reach_the_writer_so_lost_messages_cannot_leak_slots():
     h.router.wait_output_ready(ids["b"])
     h.router.expire(now=1e12)  # b's waiter times out; the periodic flush sends both ids
     assert sorted(h.freed_ids) == sorted(ids.values())
+
+
+def test_waiting_for_a_dropped_or_claimed_output_fails_at_once():
+    h = Harness()
+    _, _, batch, ids = h.execute(["a", "b"])
+    h.router.release_output(ids["a"])
+    with pytest.raises(Exception, match="already dropped"):
+        h.router.wait_output_ready(ids["a"]).result(timeout=0)
+    fut = h.router.wait_output_ready(ids["b"])
+    h.send(h.output_ready(batch, ids))
+    lease = fut.result(timeout=0)
+    with pytest.raises(Exception, match="already claimed"):
+        h.router.wait_output_ready(ids["b"]).result(timeout=0)
+    lease.release()
+    # a was freed on arrival, b by its holder; the execute itself never completed
+    assert h.router.counts() == {"rpcs": 1, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
+    assert len(h.freed) == 2
+
+
+def test_every_output_state_and_event_pair_is_handled():
+    """The transition function never raises, whatever arrives in whatever state."""
+    from diffrt.runtime.result_router import OutputEvent, OutputState, _Effects
+
+    for state in [None, *OutputState]:
+        for event in OutputEvent:
+            h = Harness(timeout=1.0)
+            _, _, batch, ids = h.execute(["a"])
+            oid = ids["a"]
+            if state is OutputState.WAITING:
+                h.router.wait_output_ready(oid)
+            elif state is OutputState.ARRIVED:
+                h.send(h.output_ready(batch, ids))
+            elif state is OutputState.CLAIMED:
+                h.send(h.output_ready(batch, ids))
+                h.router.wait_output_ready(oid).result(timeout=0)
+            elif state is OutputState.DROPPED:
+                h.router.release_output(oid)
+            fx = _Effects()
+            with h.router._lock:
+                h.router._transition(oid, event, fx, now=1e12, result=RuntimeError("x"),
+                                     future=concurrent.futures.Future())
+            h.router._run(fx)

@@ -4,7 +4,7 @@ Both policies only admit requests whose compatibility key equals the batch's
 key (the running batch's, or the oldest waiting request's for a new batch).
 They differ in what an incompatible request in the queue does:
 
-* ``fifo`` (the seed's behaviour): admission stops at the first incompatible
+* ``fifo`` (strict arrival order): admission stops at the first incompatible
   request, so it blocks every younger request behind it (head-of-line
   blocking), even ones that could have joined.
 * ``skip_ahead``: younger compatible requests may be admitted past an
