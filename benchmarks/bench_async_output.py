@@ -99,6 +99,9 @@ class BenchRunner:
         self._a = torch.randn(512, 512, device=self.device)
         self._blob: torch.Tensor | None = None
 
+    def close(self) -> None:
+        self._blob = None
+
     def handle(self, request: Any) -> RunnerResult:
         match request:
             case RunModel():

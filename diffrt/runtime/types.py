@@ -14,7 +14,8 @@ names a runner class that lives in each worker and declares its messages in a
 * ``handle`` returns a ``RunnerResult`` for an execute (its ``reply`` travels
   back with COMPUTE_DONE, its ``outputs`` through the output path) and a reply
   Struct for a collective call. Replies are decoded on the engine side as
-  ``protocol.replies``.
+  ``protocol.replies``;
+* ``runner.close()`` is called once when the worker stops.
 
 So a request the runner does not declare is a ``TypeError`` at the caller,
 before anything is sent, never a failure inside a worker.

@@ -131,12 +131,10 @@ class WorkerCore:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-        close = getattr(self.runner, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception:
-                logger.warning("runner.close() failed on rank %d", self.rank, exc_info=True)
+        try:
+            self.runner.close()
+        except Exception:
+            logger.warning("runner.close() failed on rank %d", self.rank, exc_info=True)
 
 
 def serve(recv: Callable[[], bytes | None], send: Callable[[Any], None],
