@@ -1,11 +1,14 @@
 """Polling for a condition another thread or process brings about.
 
-The one ``wait_until`` of the test suite; every test folder imports it as
-``from waiting import wait_until`` (pyproject puts tests/ on ``sys.path``).
+The one ``wait_until`` of the test suite (and ``wait_for``, its twin for
+coroutines); every test folder imports them as ``from waiting import
+wait_until`` (pyproject puts tests/ on ``sys.path``). Tests wait for the event
+that matters, never for a fixed time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -36,6 +39,27 @@ def wait_until(predicate: Callable[[], T], timeout: float = 15.0, interval: floa
         if value:
             return value
         time.sleep(interval)
+    return _last_try(predicate, timeout, message)
+
+
+async def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float = 0.01,
+                   message: str | Callable[[], Any] | None = None) -> T:
+    """``wait_until`` inside a coroutine: polls without blocking the event loop,
+    so the loop keeps serving the streams whose progress the predicate watches.
+
+    Args, Returns and Raises as for ``wait_until``.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(interval)
+    return _last_try(predicate, timeout, message)
+
+
+def _last_try(predicate: Callable[[], T], timeout: float,
+              message: str | Callable[[], Any] | None) -> T:
     value = predicate()
     if value:
         return value

@@ -4,6 +4,7 @@ spawned workers): both modes, streams, worker death, nothing left behind."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from leaks import arena_mappings, arena_refs
 from waiting import wait_until
 
 from diffrt.engine import (
@@ -39,17 +41,6 @@ def toy_req(prompt: str) -> DiffusionRequest:
         height=16, width=16, num_inference_steps=2, seed=0))
 
 
-def output_arenas() -> int:
-    """Output arenas this process still maps (memfds: never in /dev/shm)."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += "diffrt-output-arena" in os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
-    return count
-
-
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -62,17 +53,16 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def shm_before():
-    return set(os.listdir("/dev/shm")), output_arenas()
-
-
-@pytest.fixture(scope="module")
-def step_engine(shm_before):
-    engine = DiffusionEngine.make_engine(EngineConfig(
+def make_step_engine() -> DiffusionEngine:
+    return DiffusionEngine.make_engine(EngineConfig(
         model="tiny-flux", step_execution=True, max_num_seqs=4, async_output=True))
-    yield engine
-    engine.close()
+
+
+@pytest.fixture
+def step_engine():
+    """An engine of the test's own: one test closes it, so none is shared."""
+    with make_step_engine() as engine:
+        yield engine
 
 
 def test_step_mode_streams_progress_across_processes(step_engine):
@@ -92,7 +82,7 @@ def test_step_mode_streams_progress_across_processes(step_engine):
     assert step_engine.executor.collective_rpc(CountStepStates()) == [StepStateCount(0)]
 
 
-def test_request_mode_error_mapping_and_worker_death(shm_before):
+def test_request_mode_error_mapping_and_worker_death():
     """The model-free toy pipeline of tests/engine, registered in the spawned
     worker through ``plugin_modules``: a failing request in a fused batch fails
     alone; a worker killed mid-forward fails its request promptly."""
@@ -123,11 +113,22 @@ def test_request_mode_error_mapping_and_worker_death(shm_before):
         engine.close()
 
 
-def test_close_leaves_no_processes_or_shared_memory(step_engine, shm_before):
-    pids = list(step_engine.executor.worker_pids)
-    step_engine.close()
+def test_close_leaves_no_processes_or_shared_memory():
+    """The output arena is a memfd: it lives in the mappings and descriptors of
+    this process and of the output rank, never in /dev/shm."""
+    gc.collect()  # arenas of earlier tests still viewed by garbage go first
+    held_before = arena_refs(os.getpid())
+    engine = make_step_engine()
+    try:
+        pids = list(engine.executor.worker_pids)
+        # where the arena lives while the engine runs: here and in the output rank
+        assert arena_refs(os.getpid()) > held_before and arena_mappings(pids[0]) == 1
+        outs = engine.generate([req(0, 2), req(1, 1)])  # outputs cross through the arena
+        assert all(o.ok for o in outs)
+    finally:
+        engine.close()
     assert wait_until(lambda: not any(alive(p) for p in pids))
-    names, arenas = shm_before
-    assert wait_until(lambda: output_arenas() <= arenas)
-    leftover = {n for n in set(os.listdir("/dev/shm")) - names if "diffrt" in n or "psm_" in n}
-    assert not leftover
+    assert not any(arena_mappings(p) for p in pids)
+    gc.collect()  # a view of the arena still alive would keep its mapping
+    assert wait_until(lambda: arena_refs(os.getpid()) <= held_before,
+                      message=lambda: f"this process still holds {arena_refs(os.getpid())} arena refs")

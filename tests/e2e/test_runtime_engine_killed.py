@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from leaks import arena_mappings
 from waiting import wait_until
 
 RUNTIME_TESTS = Path(__file__).resolve().parents[1] / "runtime"
@@ -45,14 +46,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _maps_arena(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return any("memfd:diffrt-output-arena" in line for line in f)
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("state,ranks", [("busy", 2), ("idle", 1)])
 def test_workers_exit_and_nothing_leaks_when_the_engine_is_sigkilled(tmp_path, state, ranks):
     started = tmp_path / "started"
@@ -67,7 +60,7 @@ def test_workers_exit_and_nothing_leaks_when_the_engine_is_sigkilled(tmp_path, s
         assert line, proc.stderr.read()
         pids = json.loads(line)
         assert all(_alive(p) for p in pids)
-        assert _maps_arena(proc.pid) and _maps_arena(pids[0])  # the output rank maps it
+        assert arena_mappings(proc.pid) and arena_mappings(pids[0])  # the output rank maps it
         if state == "busy":  # the workers are inside forward
             wait_until(started.exists, message="the busy request never started")
         proc.send_signal(signal.SIGKILL)
@@ -80,4 +73,4 @@ def test_workers_exit_and_nothing_leaks_when_the_engine_is_sigkilled(tmp_path, s
             proc.kill()
     assert "resource_tracker" not in stderr and "leaked" not in stderr, stderr
     # Every process that mapped the arena is gone, so the kernel has freed it.
-    assert not any(_maps_arena(p) for p in [proc.pid, *pids])
+    assert not any(arena_mappings(p) for p in [proc.pid, *pids])

@@ -8,6 +8,7 @@ import threading
 import engine_toy as toy
 import numpy as np
 from engine_helpers import assert_clean, toy_engine, toy_request, wait_until
+from waiting import wait_for
 
 from diffrt.engine.runner_messages import CountStepStates, StepStateCount
 
@@ -18,6 +19,12 @@ def first_pixel(out) -> int:
 
 async def collect(engine, request) -> list:
     return [o async for o in engine.step_streaming(request)]
+
+
+def steps_of(request) -> int:
+    """How many denoise steps of ``request`` the toy pipeline has entered (a
+    "block:" request waits at its gate inside the step it entered last)."""
+    return sum(request.request_id in ids for ids in toy.calls("step"))
 
 
 def test_streaming_yields_progress_then_final(step_engine1):
@@ -142,7 +149,7 @@ def test_cancelled_consumer_removes_only_its_stream(step_engine4):
 
     async def main():
         task = asyncio.create_task(consume_one_then_leave())
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: steps_of(r) == 1)  # admitted, blocked in its first step
         toy.gate("cc").set()
         return await task
 
@@ -150,7 +157,7 @@ def test_cancelled_consumer_removes_only_its_stream(step_engine4):
     assert first.step == 1 and not first.finished
     # The request is still run to its end (all 3 steps, not aborted) and cleaned up.
     assert_clean(step_engine4)
-    assert sum(r.request_id in ids for ids in toy.calls("step")) == 3
+    assert steps_of(r) == 3
 
 
 def test_consumer_cancelled_while_waiting(step_engine1):
@@ -159,7 +166,8 @@ def test_consumer_cancelled_while_waiting(step_engine1):
 
     async def main():
         task = asyncio.create_task(collect(step_engine1, r))
-        await asyncio.sleep(0.1)
+        # The consumer waits on its open stream; the request is blocked in its first step.
+        await wait_for(lambda: steps_of(r) == 1 and step_engine1.output_processor.num_streams() == 1)
         task.cancel()
         try:
             await task
@@ -172,7 +180,7 @@ def test_consumer_cancelled_while_waiting(step_engine1):
     assert step_engine1.num_active_requests() == 1  # still running: only the queue left
     toy.gate("cw").set()
     assert_clean(step_engine1)
-    assert sum(r.request_id in ids for ids in toy.calls("step")) == 2  # ran to its end
+    assert steps_of(r) == 2  # ran to its end
 
 
 def test_close_with_open_async_streams():
@@ -180,9 +188,10 @@ def test_close_with_open_async_streams():
     toy.gate("sc").clear()
 
     async def main():
-        streams = [collect(engine, toy_request("block:sc", steps=3)) for _ in range(3)]
-        tasks = [asyncio.create_task(s) for s in streams]
-        await asyncio.sleep(0.1)
+        reqs = [toy_request("block:sc", steps=3) for _ in range(3)]
+        tasks = [asyncio.create_task(collect(engine, r)) for r in reqs]
+        # All three streams are open and the first step batch (two of them) is stuck.
+        await wait_for(lambda: engine.num_active_requests() == 3 and sum(map(steps_of, reqs)) == 2)
         closing = asyncio.get_running_loop().run_in_executor(None, engine.close)
         # Every stream hears while the forward is still stuck in the worker.
         results = await asyncio.gather(*tasks)
@@ -194,6 +203,7 @@ def test_close_with_open_async_streams():
         results = asyncio.run(main())
     finally:
         toy.gate("sc").set()
+        engine.close()  # idempotent; frees the engine if main() failed early
     for outs in results:
         assert outs[-1].finished and outs[-1].error == "engine closed"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_helpers import assert_clean
+from engine_helpers import assert_clean, shared_engine
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 
@@ -20,8 +20,8 @@ def flux_request(seed: int, steps: int = 3, rid: str | None = None, **kw) -> Dif
 @pytest.fixture(scope="module")
 def flux_engines():
     common = dict(model="tiny-flux", executor_backend="inproc", max_num_seqs=2)
-    with DiffusionEngine.make_engine(EngineConfig(**common)) as req, \
-            DiffusionEngine.make_engine(EngineConfig(step_execution=True, **common)) as step:
+    with shared_engine(DiffusionEngine.make_engine(EngineConfig(**common))) as req, \
+            shared_engine(DiffusionEngine.make_engine(EngineConfig(step_execution=True, **common))) as step:
         yield req, step
 
 

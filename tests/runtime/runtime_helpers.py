@@ -24,16 +24,3 @@ def config(*, tag: str = "", runner_cls: str = RUNNER, **kw) -> ExecutorConfig:
     kw.setdefault("worker_env", env)
     kw.setdefault("startup_timeout_s", 120.0)
     return ExecutorConfig(runner=runner_spec(tag, runner_cls), **kw)
-
-
-def memfd_arenas() -> int:
-    """How many output-arena descriptors this process holds (memfds live in /proc, not
-    /dev/shm); each arena holds two while mapped (its fd and mmap's duplicate)."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if "diffrt-output-arena" in os.readlink(f"/proc/self/fd/{fd}"):
-                count += 1
-        except OSError:
-            pass
-    return count

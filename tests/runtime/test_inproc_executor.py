@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import os
 
 import pytest
 import torch
 from faults import delay_outputs, drop_output_ready
-from runtime_helpers import config, memfd_arenas, runner_spec
+from leaks import arena_refs
+from runtime_helpers import config, runner_spec
 from runtime_test_runners import (
     Echo,
     Echoed,
@@ -115,9 +117,10 @@ def test_output_timeout_fails_the_waiter_and_frees_the_late_output(monkeypatch):
 
 def test_shutdown_fails_pending_work_and_later_calls(monkeypatch):
     delay_outputs(monkeypatch, 0.5)
-    before = memfd_arenas()
+    gc.collect()  # arenas of earlier tests still viewed by garbage go first
+    before = arena_refs(os.getpid())
     ex = make_executor("inproc", config(max_pending_output_bytes=1 << 20))
-    assert memfd_arenas() > before
+    assert arena_refs(os.getpid()) > before
     out = ex.execute(Make(keys=["a"], shape=[8]))
     fut = ex.wait_output_ready(out.output_ids["a"])
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -135,7 +138,7 @@ def test_shutdown_fails_pending_work_and_later_calls(monkeypatch):
         ex.wait_output_ready("out-1/0").result(timeout=1)
     ex.shutdown()  # idempotent
     gc.collect()
-    assert memfd_arenas() == before
+    assert arena_refs(os.getpid()) == before
 
 
 def test_inproc_refuses_more_than_one_rank():

@@ -11,6 +11,7 @@ import signal
 import pytest
 import torch
 from faults import crash_pump_on_output_ready
+from leaks import arena_mappings, arena_refs
 from runtime_helpers import config
 from runtime_test_runners import (
     AllReduce,
@@ -31,16 +32,6 @@ from diffrt.runtime import ExecutorDeadError, WorkerError
 from diffrt.runtime.factory import make_executor
 
 EMPTY = {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
-
-
-def arena_mappings(pid: int) -> int:
-    """How many output-arena mappings process ``pid`` has: the arena is a memfd,
-    visible in the process's own maps (never in /dev/shm)."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return sum("memfd:diffrt-output-arena" in line for line in f)
-    except FileNotFoundError:
-        return 0
 
 
 def _busy(path) -> Make:
@@ -133,11 +124,12 @@ def test_terminal_ctrl_c_does_not_kill_workers(mp2):
 
 
 def test_worker_sigkill_mid_forward_fails_pending_work_fast(tmp_path):
-    mapped_before = arena_mappings(os.getpid())
+    gc.collect()  # arenas of earlier tests still viewed by garbage go first
+    held_before = arena_refs(os.getpid())
     ex = make_executor("mp", config(max_pending_output_bytes=1 << 20))
     try:
         [pid] = ex.worker_pids
-        assert arena_mappings(pid) == 1
+        assert arena_mappings(pid) == 1 and arena_refs(os.getpid()) > held_before
         first = ex.execute(Make(keys=["a"], shape=[8]))
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             busy = pool.submit(ex.execute, _busy(tmp_path / "started"))
@@ -157,7 +149,7 @@ def test_worker_sigkill_mid_forward_fails_pending_work_fast(tmp_path):
         ex.shutdown()
     assert _gone(pid)
     gc.collect()
-    assert arena_mappings(os.getpid()) == mapped_before  # the executor unmapped its arena
+    assert arena_refs(os.getpid()) == held_before  # the executor unmapped and closed its arena
 
 
 def test_exception_in_the_pump_fails_pending_work_and_marks_unhealthy(monkeypatch):

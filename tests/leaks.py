@@ -1,0 +1,53 @@
+"""Where an output arena lives, for leak checks.
+
+The arena is a memfd named "diffrt-output-arena" (diffrt/runtime/shm_transport.py):
+it never appears in /dev/shm. A process holds it while it maps it (a
+``memfd:diffrt-output-arena`` line in ``/proc/<pid>/maps``: the engine process and
+the output rank worker) or keeps its descriptor open (a link to
+``/memfd:diffrt-output-arena`` in ``/proc/<pid>/fd``); the kernel frees it when
+the last of both is gone. Every test folder imports these as ``from leaks import
+arena_mappings`` (pyproject puts tests/ on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import os
+
+ARENA_NAME = "diffrt-output-arena"
+
+
+def arena_mappings(pid: int) -> int:
+    """How many mappings of output arenas process ``pid`` has.
+
+    Returns:
+        The count of ``memfd:diffrt-output-arena`` lines in its maps; 0 for a
+        process that is gone (a dead process maps nothing).
+    """
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return sum(f"memfd:{ARENA_NAME}" in line for line in f)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+
+
+def arena_fds(pid: int) -> int:
+    """How many descriptors of output arenas process ``pid`` holds open (an
+    arena's own fd and, while mapped, mmap's duplicate of it); 0 once it is gone."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    count = 0
+    for fd in fds:
+        try:
+            count += f"memfd:{ARENA_NAME}" in os.readlink(f"{fd_dir}/{fd}")
+        except OSError:  # closed since the listing (e.g. listdir's own descriptor)
+            pass
+    return count
+
+
+def arena_refs(pid: int) -> int:
+    """Everything by which process ``pid`` keeps output arenas alive: mappings
+    plus descriptors. A leak check compares this before and after."""
+    return arena_mappings(pid) + arena_fds(pid)
