@@ -124,5 +124,6 @@ def check_requests(model: str, requests: list[Any]) -> None:
 
     cls = resolve_pipeline_class(model)
     for request in requests:
+        request.validate()
         cls.check_inputs(request)
 

@@ -45,8 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--num-images", dest="n", type=positive_int, default=1,
                    help="images per prompt (default: %(default)s)")
     p.add_argument("--output", "-o", default="out.png",
-                   help="image file; with several images out.png becomes out-<prompt>[-<k>].png "
-                        "(default: %(default)s)")
+                   help="image file; with several prompts out.png becomes out-<i>.png (i: the "
+                        "prompt's index), with -n > 1 out[-<i>]-<k>.png (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     add_model_args(p)
     add_engine_args(p, executor=None)
@@ -57,11 +57,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file is not None:
+        name = str(args.prompts_file)
         try:
-            text = sys.stdin.read() if str(args.prompts_file) == "-" else args.prompts_file.read_text()
+            text = sys.stdin.read() if name == "-" else args.prompts_file.read_text("utf-8")
         except OSError as exc:
-            raise CliError(f"cannot read --prompts-file {str(args.prompts_file)!r}: "
-                           f"{exc.strerror or exc}") from None
+            raise CliError(f"cannot read --prompts-file {name!r}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise CliError(f"--prompts-file {name!r} is not UTF-8 text (byte {exc.start} of "
+                           "the file); give one prompt per line") from None
+        if "\x00" in text:
+            raise CliError(f"--prompts-file {name!r} looks binary (it holds NUL bytes); "
+                           "give one prompt per line")
         prompts += [ln.strip() for ln in text.splitlines()
                     if ln.strip() and not ln.lstrip().startswith("#")]
     if not prompts:

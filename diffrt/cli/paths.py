@@ -11,25 +11,35 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 
 
 def check_writable_file(path: str | os.PathLike, what: str) -> Path:
-    """Return ``path`` as a Path, or raise CliError saying why it cannot be written."""
+    """Return ``path`` as a Path, or raise CliError saying why it cannot be written.
+
+    The check opens the file for writing (and removes it again when it did not
+    exist): permission bits say nothing for root, a read-only file system or
+    a special folder, and an image computed for minutes must not be lost.
+    """
     p = Path(path).expanduser()
     if p.is_dir():
         raise CliError(f"cannot write {what} to {str(p)!r}: it is a directory")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise CliError(f"cannot write {what} to {str(p)!r}: folder {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CliError(f"cannot write {what} to {str(p)!r}: folder {str(parent)!r} is not writable")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise CliError(f"cannot write {what} to {str(p)!r}: the file is not writable")
+    existed = p.exists()
+    try:
+        with open(p, "ab"):
+            pass
+    except OSError as exc:
+        raise CliError(f"cannot write {what} to {str(p)!r}: {exc.strerror or exc}") from None
+    if not existed:
+        p.unlink(missing_ok=True)
     return p
 
 
 def image_paths(output: str, num_prompts: int, per_prompt: int) -> list[list[Path]]:
-    """Where each image goes: ``out.png`` for one image, ``out-<prompt>[-<k>].png`` for more.
-
-    Returns one list of paths per prompt, ``per_prompt`` long, every one checked.
-    """
+    """Where each image goes: ``out.png`` for one image; with several prompts
+    ``out-<i>.png`` (``i`` the prompt's index), and ``-<k>`` added per image with
+    several images per prompt. Indexes, not prompt text: prompts may hold any
+    character. Returns one list of paths per prompt, ``per_prompt`` long, every
+    one checked by opening it."""
     base = check_writable_file(output, "images")
     if base.suffix.lower() not in IMAGE_SUFFIXES:
         raise CliError(f"output {output!r} must end in one of {', '.join(IMAGE_SUFFIXES)}")
@@ -42,4 +52,7 @@ def image_paths(output: str, num_prompts: int, per_prompt: int) -> list[list[Pat
             paths.append([base.with_name(f"{stem}{base.suffix}")])
         else:
             paths.append([base.with_name(f"{stem}-{k}{base.suffix}") for k in range(per_prompt)])
+    for group in paths:
+        for path in group:
+            check_writable_file(path, "images")
     return paths

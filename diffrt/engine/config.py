@@ -82,8 +82,19 @@ class EngineConfig:
             on CPU, the usable cores split among the ranks minus one for the
             engine process (OpenMP oversubscription can slow a step down by an
             order of magnitude); elsewhere torch's default.
-        max_pending_output_bytes: bound on outputs waiting to be read
-            (None = the runtime's default).
+        max_pending_output_bytes: bound on the bytes of finished outputs that no
+            consumer has taken yet, wherever they sit (None = the runtime's
+            default, 2 GiB). At the bound the worker waits: nothing is dropped.
+        unread_output_timeout_s: an output nobody has read for this long is
+            released and its request ends with error "output expired"
+            (None = kept while its consumer is connected).
+        max_request_cost: the largest request admitted, in megapixel-steps
+            (height x width x steps x outputs / 10^6, doubled with CFG); None = no
+            limit. The default 1000 admits 1024x1024 x 50 steps x 8 outputs
+            with CFG and refuses e.g. 2048x2048 x 28 steps x 16 outputs.
+        request_timeout_s: seconds from submission to the final output after
+            which a request is ended with an error (``SamplingParams.timeout_s``
+            may lower it); None = no limit.
         plugin_modules: modules each worker imports before loading the model,
             e.g. one that registers a custom pipeline class.
         executor_options: extra ExecutorConfig fields (tuning: startup_timeout_s,
@@ -107,6 +118,9 @@ class EngineConfig:
     postprocess_workers: int = 2
     torch_threads: int | None = None
     max_pending_output_bytes: int | None = None
+    unread_output_timeout_s: float | None = None
+    max_request_cost: float | None = 1000.0
+    request_timeout_s: float | None = 600.0
     plugin_modules: tuple[str, ...] = ()
     executor_options: dict[str, Any] = field(default_factory=dict)
 
@@ -182,6 +196,10 @@ class EngineConfig:
         b = self.max_pending_output_bytes
         if b is not None and (not _is_int(b) or b <= 0):
             raise EngineConfigError("max_pending_output_bytes", f"must be None or an int > 0, got {b!r}")
+        for name in ("unread_output_timeout_s", "max_request_cost", "request_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and (not _is_number(v) or v <= 0):
+                raise EngineConfigError(name, f"must be None or a number > 0, got {v!r}")
         if isinstance(self.plugin_modules, str) or not all(
                 isinstance(m, str) and m for m in self.plugin_modules):
             raise EngineConfigError("plugin_modules",
@@ -193,12 +211,15 @@ class EngineConfig:
                                     f"allowed: {sorted(_EXECUTOR_OPTIONS)}")
 
     def _check_model(self) -> None:
+        from diffrt.engine.pipelines.folder_check import ModelLoadError
         from diffrt.engine.pipelines.registry import UnknownModelError
 
         try:
             cls = self.pipeline_class()
         except UnknownModelError as e:
             raise EngineConfigError("model", str(e)) from e
+        except ModelLoadError as e:
+            raise EngineConfigError("model", f"cannot load {self.model!r}: {e}") from e
         if self.step_execution and not getattr(cls, "supports_step_execution", False):
             raise EngineConfigError(
                 "step_execution",

@@ -28,6 +28,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from diffrt.engine.config import EngineConfig, EngineMode
 from diffrt.engine.core import EngineCore
 from diffrt.engine.errors import (
@@ -37,12 +39,12 @@ from diffrt.engine.errors import (
     EngineWarmupError,
 )
 from diffrt.engine.output_processor import OutputProcessor
-from diffrt.engine.output_streams import OutputStream
+from diffrt.engine.output_streams import FinalSlot, OutputStream, resolve
 from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
 from diffrt.engine.pipelines.registry import get_post_process_func, get_pre_process_func
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import InvalidRequestError, SamplingParams
+from diffrt.engine.sampling import InvalidRequestError, SamplingParams, random_seed
 from diffrt.engine.sched import (
     AbortOutcome,
     RequestScheduler,
@@ -57,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 #: How long close() lets the current tick finish before shutting the executor.
 CLOSE_GRACE_S = 5.0
+#: How often the timer looks for requests past their deadline and unread outputs.
+TIMER_PERIOD_S = 0.1
 
 __all__ = ["DiffusionEngine", "EngineClosedError", "EngineDeadError", "EngineError",
            "EngineWarmupError"]
@@ -83,13 +87,18 @@ class DiffusionEngine:
         self._clock = clock
         self.output_processor = OutputProcessor(
             executor, post_process or self._pipeline_cls.post_process,
-            workers=config.postprocess_workers, clock=clock)
+            workers=config.postprocess_workers,
+            unread_output_timeout_s=config.unread_output_timeout_s, clock=clock)
         self._core = EngineCore(
             self.mode, scheduler or self._make_scheduler(), executor,
             on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock)
         self._closed = False
         self._close_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._timer = threading.Thread(target=self._watch, name="diffrt-engine-timer",
+                                       daemon=True)
         self._core.start()
+        self._timer.start()
 
     @classmethod
     def make_engine(cls, config: EngineConfig, *, scheduler: Scheduler | None = None,
@@ -159,34 +168,51 @@ class DiffusionEngine:
 
         Raises InvalidRequestError (nothing submitted) for a bad request, and
         TimeoutError after ``timeout`` seconds (the unfinished requests are
-        aborted).
+        aborted). Outputs are taken as they finish, whatever the order.
         """
         single = isinstance(requests, DiffusionRequest)
         batch = [requests] if single else list(requests)
-        streams = self._submit(batch, loop=None)
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        streams = self._submit(batch, loop=None, inbox=inbox)
         deadline = None if timeout is None else time.monotonic() + timeout
-        outputs: list[DiffusionOutput] = []
+        finals: dict[str, DiffusionOutput] = {}
         try:
-            for stream in streams:
-                outputs.append(_final_of(stream, deadline))
+            while len(finals) < len(streams):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{len(streams) - len(finals)} request(s) did not "
+                                       f"finish within {timeout} s")
+                try:
+                    rid, item = inbox.get(timeout=remaining)
+                except queue.Empty:
+                    continue
+                if isinstance(item, FinalSlot) or item.finished:
+                    finals[rid] = resolve(item)
         except BaseException:
-            for stream in streams[len(outputs):]:
-                self.output_processor.detach(stream)
-                self.abort(stream.request_id)
+            for stream in streams:
+                if stream.request_id not in finals:
+                    self.output_processor.detach(stream)
+                    self.abort(stream.request_id)
             raise
+        outputs = [finals[stream.request_id] for stream in streams]
         return outputs[0] if single else outputs
 
     async def step_streaming(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:
         """Yield the request's progress outputs, then its final output.
 
         Leaving early (break, cancellation) detaches this consumer only: the
-        request still runs to its end and is cleaned up; use ``abort`` to stop it.
+        request still runs to its end and is cleaned up (an unread output is
+        freed at once); use ``abort`` to stop it.
         """
         [stream] = self._submit([request], loop=asyncio.get_running_loop())
         finished = False
         try:
             while not finished:
-                out = await stream.aget()
+                item = await stream.aget()
+                if isinstance(item, FinalSlot):  # post-processed off the event loop
+                    out = await asyncio.wrap_future(self.output_processor.take_async(item))
+                else:
+                    out = item
                 finished = out.finished
                 yield out
         finally:
@@ -204,15 +230,22 @@ class DiffusionEngine:
     def abort(self, request_id: str) -> None:
         """Stop a waiting or running request at the next step boundary and free
         its outputs. An unknown or finished id does nothing."""
-        if self.output_processor.mark_aborted(request_id) is None:
+        self._stop(request_id, reason=None)
+
+    def _stop(self, request_id: str, reason: str | None) -> None:
+        """Abort, or end with ``reason`` as its error (an expired limit)."""
+        if self.output_processor.mark_aborted(request_id, reason) is None:
             return
         outcome, event = self._core.abort(request_id)
         if outcome is AbortOutcome.DONE:
             assert event is not None
             self.output_processor.finish(event)
-        elif outcome is AbortOutcome.UNKNOWN:  # computed already; its output is on the way
+        elif outcome is AbortOutcome.UNKNOWN or reason is not None:
+            # Computed already (its output is on the way), or an expired limit
+            # that must answer now although the forward in flight (request mode)
+            # cannot be interrupted: end it here; the late output is dropped.
             self.output_processor.finish_aborted(request_id)
-        # DEFERRED: the tick in flight ends it, and the aborted record drops its output.
+        # A user abort in flight: the tick ends it at the next step boundary.
 
     def is_healthy(self) -> bool:
         return not self._closed and self._core.is_alive() and self.executor.is_healthy()
@@ -240,23 +273,20 @@ class DiffusionEngine:
         return self.output_processor.num_active()
 
     # -- internals ---------------------------------------------------------------------
-    def _submit(self, requests: list[DiffusionRequest],
-                loop: asyncio.AbstractEventLoop | None) -> list[OutputStream]:
+    def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,
+                inbox: queue.SimpleQueue | None = None) -> list[OutputStream]:
         records = []
         seen: set[str] = set()
         now = self._clock()
         for request in requests:
-            if not isinstance(request, DiffusionRequest):
-                raise InvalidRequestError(
-                    "request", f"must be a DiffusionRequest, got {type(request).__name__}")
-            self._pipeline_cls.check_inputs(request)
-            request = self._pre(request)
+            request = self._admit(request)
             if request.request_id in seen:
                 raise InvalidRequestError("request_id", f"{request.request_id!r} given twice")
             seen.add(request.request_id)
-            records.append(RequestRecord(request, arrival=now,
-                                         metrics=RequestMetrics(arrival_time=now)))
-        streams = self.output_processor.add(records, loop)  # refuses once closed or dead
+            record = RequestRecord(request, arrival=now, metrics=RequestMetrics(arrival_time=now))
+            record.deadline, record.deadline_reason = self._deadline(request, now)
+            records.append(record)
+        streams = self.output_processor.add(records, loop, inbox)  # refuses once closed or dead
         if not self.executor.is_healthy():
             self.output_processor.discard(records)
             raise EngineDeadError("engine is not healthy: executor is down")
@@ -266,6 +296,54 @@ class DiffusionEngine:
                 raise EngineDeadError(f"engine is not healthy: {self._core.dead_reason}")
             raise EngineClosedError("engine is closed")
         return streams
+
+    def _admit(self, request: Any) -> DiffusionRequest:
+        """Validate one request end to end (InvalidRequestError names the field);
+        returns it as it will run (with its seed drawn when it gave none)."""
+        if not isinstance(request, DiffusionRequest):
+            raise InvalidRequestError(
+                "request", f"must be a DiffusionRequest, got {type(request).__name__}")
+        request.validate()
+        self._pipeline_cls.check_inputs(request)
+        params = request.sampling_params
+        limit = self.config.max_request_cost
+        if limit is not None and params.cost > limit:
+            raise InvalidRequestError(
+                "sampling_params", f"costs {params.cost:g} megapixel-steps (height x width x "
+                f"steps x outputs / 1e6, x2 with CFG), above max_request_cost={limit:g}")
+        # The engine keeps its own copy (a caller mutating its request later
+        # changes nothing), with the seed drawn here when none was given so the
+        # output can name it.
+        seed = random_seed() if params.seed is None else params.seed
+        request = msgspec.structs.replace(
+            request, sampling_params=msgspec.structs.replace(params, seed=seed))
+        request = self._pre(request)
+        try:
+            msgspec.msgpack.encode(request)  # what the worker will receive
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidRequestError("request", f"cannot be sent to a worker: {exc}") from None
+        return request
+
+    def _deadline(self, request: DiffusionRequest, now: float) -> tuple[float | None, str | None]:
+        engine_limit = self.config.request_timeout_s
+        own = request.sampling_params.timeout_s
+        if own is not None and (engine_limit is None or own < engine_limit):
+            return now + own, f"request timed out after {own:g} s (timeout_s={own:g})"
+        if engine_limit is not None:
+            return now + engine_limit, (f"request timed out after {engine_limit:g} s "
+                                        f"(request_timeout_s={engine_limit:g})")
+        return None, None
+
+    def _watch(self) -> None:
+        """The timer thread: ends requests past their deadline and frees outputs
+        left unread, at most ``TIMER_PERIOD_S`` late."""
+        while not self._stopping.wait(TIMER_PERIOD_S):
+            try:
+                for rid, reason in self.output_processor.due(self._clock()):
+                    logger.info("%s: %s", rid, reason)
+                    self._stop(rid, reason)
+            except Exception:  # keep watching: a failed pass is retried next period
+                logger.exception("engine timer pass failed")
 
     def _on_dead(self, reason: str) -> None:
         self.output_processor.fail_all(reason, dead=True)
@@ -279,19 +357,9 @@ class DiffusionEngine:
         # Streams hear at once; a tick still in flight finds its requests gone
         # and frees whatever it produced.
         self.output_processor.fail_all("engine closed", dead=False)
+        self._stopping.set()
         self._core.stop(grace_s)
+        self._timer.join(grace_s)
         self.output_processor.close()
         logger.info("engine closed")
 
-
-def _final_of(stream: OutputStream, deadline: float | None) -> DiffusionOutput:
-    while True:
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            raise TimeoutError(f"request {stream.request_id} did not finish in time")
-        try:
-            out = stream.get(timeout=remaining)
-        except queue.Empty:
-            continue
-        if out.finished:
-            return out

@@ -2,19 +2,25 @@
 
 It holds the active requests' records and streams. For every ``TickResult``
 of the core it records metrics, emits progress, and for a finished request
-registers a callback on the executor's output future. When the output lands in
-host memory, a small thread pool takes it from its lease, runs the model's
-post-processing (to PIL) and emits the final output. Every stream put goes
-through one FIFO delivery thread, so neither the tick loop nor the pool waits
-on a consumer, and a request's outputs keep their order (progress before final).
+registers a callback on the executor's output future. When the output lands
+in host memory it is not copied or converted: a ``FinalSlot`` holding its
+lease goes on the stream, and the consumer's own read post-processes it (to
+PIL) and frees its slot. Unread outputs therefore stay in the shared-memory
+arena, which ``max_pending_output_bytes`` bounds: a slow consumer throttles the
+worker instead of growing the engine's memory. Every stream put goes through
+one FIFO delivery thread, so the tick loop never waits on a consumer and a
+request's outputs keep their order (progress before final).
 
 Lifecycle and delivery are separate: a record always reaches a terminal output
-(``_finalize``, exactly once); the stream is only where outputs go while
-someone listens. A consumer that goes away removes its stream, nothing else.
+(``_finalize_locked``, exactly once); the stream is only where outputs go while
+someone listens. A consumer that goes away removes its stream and frees its
+unread output, nothing else.
 
-Locking: one lock guards records and streams. Executor calls (which may write
-to a pipe) and stream puts are made after it is released, and it is never held
-together with the core's lock.
+Locking: one lock guards records, streams and pending slots. Executor calls
+(which may write to a pipe), stream puts and slot expiry happen after it is
+released, and it is never held together with the core's lock. A slot's own
+lock may be held when this lock is taken (a consumer completing its output),
+never the other way round.
 """
 
 from __future__ import annotations
@@ -28,10 +34,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from diffrt import tracing
 from diffrt.engine.core import TickResult
 from diffrt.engine.errors import EngineClosedError, EngineDeadError
-from diffrt.engine.output_streams import OutputStream
+from diffrt.engine.output_streams import FinalSlot, OutputStream
 from diffrt.engine.outputs import DiffusionOutput
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
@@ -48,15 +53,19 @@ DELIVERY_JOIN_S = 5.0
 
 class OutputProcessor:
     def __init__(self, executor: Executor, post_process: PostProcess, *, workers: int,
+                 unread_output_timeout_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self._executor = executor
         self._post = post_process
         self._clock = clock
+        self._unread_timeout = unread_output_timeout_s
         self._lock = threading.Lock()
         self._records: dict[str, RequestRecord] = {}
         self._streams: dict[str, OutputStream] = {}
+        self._pending: dict[str, FinalSlot] = {}   # landed outputs not yet taken
         self._closed: str | None = None     # why new work is refused
         self._dead = False
+        #: post-processing for asyncio consumers (their event loop must not block).
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="diffrt-postprocess")
         self._deliveries: queue.SimpleQueue = queue.SimpleQueue()
@@ -65,8 +74,8 @@ class OutputProcessor:
         self._delivery.start()
 
     # -- requests in ---------------------------------------------------------------
-    def add(self, records: list[RequestRecord],
-            loop: asyncio.AbstractEventLoop | None) -> list[OutputStream]:
+    def add(self, records: list[RequestRecord], loop: asyncio.AbstractEventLoop | None,
+            inbox: queue.SimpleQueue | None = None) -> list[OutputStream]:
         """Register records and open their streams (all or none)."""
         with self._lock:
             if self._closed is not None:
@@ -79,7 +88,7 @@ class OutputProcessor:
                         "request_id", f"{record.request_id!r} is already active")
             streams = []
             for record in records:
-                stream = OutputStream(record.request_id, loop)
+                stream = OutputStream(record.request_id, loop, inbox)
                 self._records[record.request_id] = record
                 self._streams[record.request_id] = stream
                 streams.append(stream)
@@ -96,19 +105,25 @@ class OutputProcessor:
                         stream.close()
 
     def detach(self, stream: OutputStream) -> None:
-        """A consumer went away: forget its stream, keep the request's lifecycle."""
+        """A consumer went away: forget its stream and free its unread output;
+        the request's lifecycle goes on."""
         stream.close()
         with self._lock:
             if self._streams.get(stream.request_id) is stream:
                 del self._streams[stream.request_id]
+            slot = self._pending.get(stream.request_id)
+        if slot is not None:
+            self._expire(slot, "output released: its consumer went away")
 
-    def mark_aborted(self, request_id: str) -> RequestRecord | None:
-        """The first half of an abort: late outputs of this request are dropped.
+    def mark_aborted(self, request_id: str, reason: str | None = None) -> RequestRecord | None:
+        """The first half of an abort: late outputs of this request are dropped,
+        and ``reason`` (an expired limit) becomes its error instead of "aborted".
         Returns the record, or None when the request is not active."""
         with self._lock:
             record = self._records.get(request_id)
-            if record is not None:
+            if record is not None and not record.aborted:
                 record.aborted = True
+                record.abort_reason = reason
             return record
 
     # -- what happened ---------------------------------------------------------------
@@ -154,16 +169,20 @@ class OutputProcessor:
 
     def finish_aborted(self, request_id: str) -> None:
         """An abort of a request that already left the scheduler: free its output
-        (computed, maybe still on its way) and end it as aborted."""
+        (computed, on its way or waiting unread) and end it as aborted."""
         with self._lock:
             record = self._records.get(request_id)
             if record is None:
                 return
+            slot = self._pending.get(request_id)
+            output = DiffusionOutput(request_id, finished=True, aborted=True, step=record.step,
+                                     total_steps=record.total_steps)
             oid = record.output_id
-            self._finalize_locked(request_id, DiffusionOutput(
-                request_id, finished=True, aborted=True, step=record.step,
-                total_steps=record.total_steps))
-        if oid is not None:
+            if slot is None:
+                self._finalize_locked(request_id, output)
+        if slot is not None:
+            self._expire_with(slot, output)
+        elif oid is not None:
             self._executor.release_output(oid)
 
     def fail_all(self, reason: str, *, dead: bool) -> None:
@@ -171,24 +190,40 @@ class OutputProcessor:
         with self._lock:
             if self._closed is None:
                 self._closed, self._dead = reason, dead
-            records = list(self._records.values())
+            slots = list(self._pending.values())
+            records = [r for r in self._records.values() if r.request_id not in self._pending]
             for record in records:
                 self._finalize_locked(record.request_id, DiffusionOutput(
                     record.request_id, finished=True, error=reason, step=record.step,
                     total_steps=record.total_steps))
+        for slot in slots:
+            self._expire(slot, reason)
         for record in records:
             if record.output_id is not None:
                 self._executor.release_output(record.output_id)
 
+    def due(self, now: float) -> list[tuple[str, str]]:
+        """Housekeeping at ``now``: frees outputs unread past
+        ``unread_output_timeout_s`` (their requests end with "output expired")
+        and returns (request id, reason) of running or waiting requests past
+        their deadline, for the engine to stop."""
+        with self._lock:
+            unread = [] if self._unread_timeout is None else [
+                slot for slot in self._pending.values()
+                if now - slot.ready_at >= self._unread_timeout]
+            late = [(rid, record.deadline_reason or "request timed out")
+                    for rid, record in self._records.items()
+                    if record.deadline is not None and now >= record.deadline
+                    and not record.aborted and rid not in self._pending]
+        for slot in unread:
+            self._expire(slot, f"output expired: unread for {self._unread_timeout:g} s "
+                               f"(unread_output_timeout_s={self._unread_timeout:g})")
+        return late
+
     # -- outputs landing ------------------------------------------------------------------
     def _on_output(self, rid: str, oid: str, future: concurrent.futures.Future) -> None:
-        """Runs in the executor's pump thread (or inline): hand off to the pool."""
-        try:
-            self._pool.submit(self._postprocess, rid, oid, future)
-        except RuntimeError:  # pool shut down: the engine is closing
-            _release_quietly(future)
-
-    def _postprocess(self, rid: str, oid: str, future: concurrent.futures.Future) -> None:
+        """The output is in host memory (or lost). Runs in the executor's pump
+        thread (or inline): it only queues a slot, the consumer converts it."""
         ready_at = self._clock()
         try:
             lease: OutputLease = future.result()
@@ -203,32 +238,63 @@ class OutputProcessor:
         with self._lock:
             record = self._records.get(rid)
             wanted = record is not None and record.output_id == oid and not record.aborted
-            listening = wanted and rid in self._streams
-        if not wanted:
-            lease.release()  # a late output of an aborted request: drop it
-            return
-        assert record is not None
-        images = output = error = None
-        post_start = self._clock()
-        if listening:
-            try:
-                with tracing.span(tracing.ENGINE_POST_TRACK, tracing.POSTPROCESS_SPAN,
-                                  request_id=rid):
-                    value = lease.take()
-                    images, output = self._post(value, record.request.sampling_params.output_type)
-            except Exception as exc:
-                logger.exception("post-processing failed for %s", rid)
-                error = f"post-processing failed: {type(exc).__name__}: {exc}"
-        lease.release()
-        done = self._clock()
-        with self._lock:
-            if self._records.get(rid) is not record or record.output_id != oid:
+            stream = self._streams.get(rid) if wanted else None
+            if stream is not None:
+                assert record is not None
+                slot = FinalSlot(rid, lease, lambda lease, r=record, t=ready_at:
+                                 self._complete(r, lease, t), ready_at)
+                self._pending[rid] = slot
+                self._deliveries.put((stream, slot))
                 return
+            if wanted:  # nobody listens: the request ends without its image
+                assert record is not None
+                self._finalize_locked(rid, DiffusionOutput(
+                    rid, finished=True, step=record.total_steps, total_steps=record.total_steps))
+        lease.release()  # a late output of an aborted request, or nobody listening
+
+    def _complete(self, record: RequestRecord, lease: OutputLease,
+                  ready_at: float) -> DiffusionOutput:
+        """The consumer takes its output: post-process it, free its slot, end it.
+        Runs in the consumer's thread (or the pool, for asyncio consumers)."""
+        rid = record.request_id
+        params = record.request.sampling_params
+        images = value = error = None
+        start = self._clock()
+        try:
+            # PIL images copy the pixels: read the shared view in place
+            source = lease.value if params.output_type == "pil" else lease.take()
+            images, value = self._post(source, params.output_type)
+        except Exception as exc:
+            logger.exception("post-processing failed for %s", rid)
+            error = f"post-processing failed: {type(exc).__name__}: {exc}"
+        finally:
+            lease.release()
+        done = self._clock()
+        output = DiffusionOutput(rid, finished=True, error=error, images=images, output=value,
+                                 step=record.total_steps, total_steps=record.total_steps)
+        with self._lock:
             record.metrics.output_wait = ready_at - (record.compute_done_at or ready_at)
-            record.metrics.postprocess_time = done - post_start
-            self._finalize_locked(rid, DiffusionOutput(
-                rid, finished=True, error=error, aborted=record.aborted, images=images,
-                output=output, step=record.total_steps, total_steps=record.total_steps))
+            record.metrics.postprocess_time = done - start
+            if self._records.get(rid) is record:
+                self._finalize_locked(rid, output, deliver=False)
+        return output
+
+    def take_async(self, slot: FinalSlot) -> concurrent.futures.Future[DiffusionOutput]:
+        """``slot.take()`` on the post-processing pool (for asyncio consumers)."""
+        return self._pool.submit(slot.take)
+
+    def _expire(self, slot: FinalSlot, error: str) -> None:
+        with self._lock:
+            record = self._records.get(slot.request_id)
+            step = record.total_steps if record is not None else 0
+        self._expire_with(slot, DiffusionOutput(slot.request_id, finished=True, error=error,
+                                                step=step, total_steps=step))
+
+    def _expire_with(self, slot: FinalSlot, output: DiffusionOutput) -> None:
+        if slot.expire(output):
+            with self._lock:
+                if self._pending.get(slot.request_id) is slot:
+                    self._finalize_locked(slot.request_id, output, deliver=False)
 
     # -- delivery ---------------------------------------------------------------------------
     def _emit_locked(self, rid: str, output: DiffusionOutput) -> None:
@@ -236,18 +302,23 @@ class OutputProcessor:
         if stream is not None:
             self._deliveries.put((stream, output))
 
-    def _finalize_locked(self, rid: str, output: DiffusionOutput) -> None:
-        """The one place a request becomes terminal: exactly one final output."""
+    def _finalize_locked(self, rid: str, output: DiffusionOutput, *, deliver: bool = True) -> None:
+        """The one place a request becomes terminal: exactly one final output.
+        ``deliver=False``: its consumer holds a FinalSlot that yields ``output``."""
         record = self._records.pop(rid, None)
         if record is None:
             return
+        self._pending.pop(rid, None)
         if record.admitted_at is not None:
             record.metrics.queue_wait = record.admitted_at - record.arrival
         record.metrics.forward_time = record.forward_time if record.forward_time > 0 else None
         record.metrics.finished_time = self._clock()
         output.metrics = record.metrics
+        output.seed = record.request.sampling_params.seed
+        if record.abort_reason is not None and output.aborted:
+            output.aborted, output.error = False, record.abort_reason
         stream = self._streams.pop(rid, None)
-        if stream is not None:
+        if deliver and stream is not None:
             self._deliveries.put((stream, output))
 
     def _deliver_loop(self) -> None:
@@ -264,6 +335,11 @@ class OutputProcessor:
     def num_streams(self) -> int:
         with self._lock:
             return len(self._streams)
+
+    def unread_bytes(self) -> int:
+        """Bytes of landed outputs no consumer has taken yet."""
+        with self._lock:
+            return sum(slot.nbytes for slot in self._pending.values())
 
     def output_id_of(self, request_id: str) -> str | None:
         """The id of the output on its way for an active request (diagnostics)."""
@@ -285,10 +361,3 @@ def terminal_output(event: Finished) -> DiffusionOutput:
         error=event.error if event.status is RequestStatus.FAILED else None,
         aborted=event.status is RequestStatus.ABORTED,
         step=event.step, total_steps=event.total_steps)
-
-
-def _release_quietly(future: concurrent.futures.Future) -> None:
-    try:
-        future.result(timeout=0).release()
-    except Exception:
-        pass

@@ -35,6 +35,9 @@ class DiffusionOutput:
     images: list[Any] | None = None  # PIL images for output_type "pil"
     output: Any = None  # torch tensor for output_type "pt" / "latent"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    #: the seed the request ran with (a random one when it gave none), so any
+    #: image can be reproduced by submitting it again with this seed.
+    seed: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -49,6 +49,11 @@ class RequestRecord:
     # -- the output processor's (written under its lock) ----------------------------
     #: the user aborted it: a late output is dropped, not delivered.
     aborted: bool = False
+    #: an expired limit stopped it: its final output carries this error.
+    abort_reason: str | None = None
+    #: when it has run too long (request_timeout_s / timeout_s), and which limit.
+    deadline: float | None = None
+    deadline_reason: str | None = None
     #: the output being moved off the device for it (after COMPUTE_DONE).
     output_id: str | None = None
     compute_done_at: float | None = None

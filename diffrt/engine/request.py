@@ -8,9 +8,30 @@ import msgspec
 
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 
+MAX_REQUEST_ID_CHARS = 256
+#: prompts and negative prompts, in UTF-8 bytes (text encoders keep far fewer tokens).
+MAX_PROMPT_BYTES = 64 * 1024
+
 
 def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:16]}"
+
+
+def _check_text(field: str, value: object, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        kind = "a str or None" if optional else "a str"
+        raise InvalidRequestError(field, f"must be {kind}, got {type(value).__name__}")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            field, f"must be valid Unicode text (a lone surrogate at position {exc.start})"
+        ) from None
+    if size > MAX_PROMPT_BYTES:
+        raise InvalidRequestError(
+            field, f"must be at most {MAX_PROMPT_BYTES} bytes of UTF-8, got {size}")
 
 
 class DiffusionRequest(msgspec.Struct):
@@ -32,3 +53,19 @@ class DiffusionRequest(msgspec.Struct):
             raise InvalidRequestError("prompt", f"must be a str, got {type(self.prompt).__name__}")
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise InvalidRequestError("negative_prompt", "must be a str or None")
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first field that cannot be carried
+        to a worker and back (the model's own limits are ``check_inputs``')."""
+        rid = self.request_id
+        if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(
+                "request_id", f"must be a non-empty str of at most {MAX_REQUEST_ID_CHARS} "
+                f"characters, got {rid!r:.80}")
+        _check_text("request_id", rid, optional=False)
+        _check_text("prompt", self.prompt, optional=False)
+        _check_text("negative_prompt", self.negative_prompt, optional=True)
+        if not isinstance(self.sampling_params, SamplingParams):
+            raise InvalidRequestError(
+                "sampling_params",
+                f"must be a SamplingParams, got {type(self.sampling_params).__name__}")

@@ -9,6 +9,7 @@ model (the size multiple, the largest size) are checked by the pipeline's
 from __future__ import annotations
 
 import math
+import random
 from typing import Literal
 
 import msgspec
@@ -17,6 +18,15 @@ OutputType = Literal["pil", "pt", "latent"]
 
 MAX_STEPS = 1000
 MAX_OUTPUTS_PER_PROMPT = 16
+#: what ``torch.Generator.manual_seed`` accepts (and msgpack carries).
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+MAX_LORA_NAME_CHARS = 256
+
+
+def random_seed() -> int:
+    """A fresh seed for a request that gave none (non-negative, 63 bits)."""
+    return random.SystemRandom().randrange(2**63)
 
 
 class InvalidRequestError(ValueError):
@@ -38,9 +48,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     num_outputs_per_prompt: int = 1
     output_type: OutputType = "pil"
     lora_name: str | None = None
+    #: seconds this request may take from submission to its final output; it
+    #: can only lower the engine's ``request_timeout_s``. None: the engine's.
+    timeout_s: float | None = None
 
     def validate(self, *, size_multiple: int = 16, max_size: int = 4096) -> None:
-        """Raise InvalidRequestError naming the first bad field."""
+        """Raise InvalidRequestError naming the first bad field and its range."""
         for field in ("height", "width"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -67,12 +80,30 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 "num_outputs_per_prompt",
                 f"must be an int in [1, {MAX_OUTPUTS_PER_PROMPT}], got {n!r}",
             )
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequestError("seed", f"must be an int or None, got {self.seed!r}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not SEED_MIN <= seed <= SEED_MAX):
+            raise InvalidRequestError(
+                "seed", f"must be None or an int in [{SEED_MIN}, {SEED_MAX}], got {seed!r}")
         if self.output_type not in ("pil", "pt", "latent"):
             raise InvalidRequestError(
                 "output_type", f"must be one of 'pil', 'pt', 'latent', got {self.output_type!r}"
             )
+        lora = self.lora_name
+        if lora is not None and (not isinstance(lora, str) or len(lora) > MAX_LORA_NAME_CHARS):
+            raise InvalidRequestError(
+                "lora_name", f"must be None or a str of at most {MAX_LORA_NAME_CHARS} characters")
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not math.isfinite(t) or t <= 0):
+            raise InvalidRequestError("timeout_s", f"must be None or a number > 0, got {t!r}")
+
+    @property
+    def cost(self) -> float:
+        """Megapixel-steps: pixels x steps x outputs / 10^6, doubled with CFG
+        (two transformer rows per output)."""
+        pixels = self.height * self.width * self.num_inference_steps * self.num_outputs_per_prompt
+        return pixels / 1e6 * (2 if self.do_cfg else 1)
 
     @property
     def do_cfg(self) -> bool:

@@ -103,7 +103,8 @@ class RpcResult(ResultMsg, tag=AsyncOutputKind.RPC_RESULT.value):
     rpc_id: int
     rank: int
     reply: msgspec.Raw = NIL                 # the runner's reply Struct, or nil
-    error: str | None = None
+    error: str | None = None                 # "Type: message", one line for the user
+    traceback: str | None = None             # the worker's traceback, for the log
 
 
 class ComputeDone(ResultMsg, tag=AsyncOutputKind.COMPUTE_DONE.value):

@@ -118,7 +118,11 @@ class MultiprocExecutor(PumpedExecutor):
             env.update(worker_device_env(self._platform, rank, self.config.world_size, os.environ))
         env.update(self.config.worker_env)  # an explicit setting wins
         try:
-            popen = subprocess.Popen(cmd, pass_fds=child_fds, env=env, stdin=subprocess.DEVNULL)
+            # Its own session: a Ctrl-C in the terminal reaches the engine only,
+            # at any moment (even while the worker still imports torch), and the
+            # engine stops its workers; they die with it in any case.
+            popen = subprocess.Popen(cmd, pass_fds=child_fds, env=env, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
         finally:
             for fd in child_fds:
                 if fd != self.arena.fd:

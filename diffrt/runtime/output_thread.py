@@ -92,7 +92,7 @@ class OutputWriter:
                 except queue.Full:
                     continue
             raise OutputWriterClosed("output writer closed")
-        self._send(self._pack(batch_id, ids, outputs, event=None, sync=True))
+        self._pack(batch_id, ids, outputs, event=None, sync=True)
         return False
 
     def close(self, timeout: float = 5.0) -> None:
@@ -141,14 +141,15 @@ class OutputWriter:
             if item is None:
                 break
             batch_id, ids, outputs, event = item
-            with tracing.span(track, tracing.COPY_SPAN, output_id=batch_id, keys=list(outputs)):
-                msg = self._pack(batch_id, ids, outputs, event=event, sync=False)
-            del item, outputs  # the sources may be reused only after the copy completed
             try:
-                self._send(msg)
+                with tracing.span(track, tracing.COPY_SPAN, output_id=batch_id,
+                                  keys=list(outputs)):
+                    self._pack(batch_id, ids, outputs, event=event, sync=False)
             except Exception:  # channel gone: the executor is dying
                 logger.debug("could not send OUTPUT_READY %s", batch_id, exc_info=True)
                 break
+            finally:
+                del item, outputs  # the sources may be reused only after the copy completed
 
     def _copy_fn(self, sync: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
         if sync or self._host_outputs:
@@ -157,30 +158,46 @@ class OutputWriter:
         return lambda dst, src: self.platform.copy_async(dst, src, stream)
 
     def _pack(self, batch_id: str, ids: dict[str, str], outputs: dict[str, Any],
-              event: Any, sync: bool) -> OutputReady:
-        with self._pack_lock:
-            return self._pack_locked(batch_id, ids, outputs, event, sync)
+              event: Any, sync: bool) -> None:
+        """Copy ``outputs`` into the arena and send OUTPUT_READY for them.
 
-    def _pack_locked(self, batch_id: str, ids: dict[str, str], outputs: dict[str, Any],
-                     event: Any, sync: bool) -> OutputReady:
+        A batch goes in chunks that each fit the arena: a chunk waits for room
+        only after the previous one was sent, so its consumers can read (and
+        free) it meanwhile. A batch larger than the whole arena is therefore
+        delivered piece by piece instead of failing; only a single output
+        larger than the arena fails (ArenaFullError, that output alone).
+        """
+        with self._pack_lock:
+            try:
+                if sync and not self._host_outputs:
+                    self.platform.synchronize()  # outputs complete before a blocking copy
+                elif event is not None:
+                    if self._side_stream is None:
+                        self._side_stream = self.platform.new_side_stream()
+                    self.platform.wait_event(self._side_stream, event)
+                copy = self._copy_fn(sync)
+                self._drain_frees(0.0)
+                skipped: list[str] = []
+                plans: list[tuple[str, PackPlan]] = []
+                for key, value in outputs.items():
+                    oid = ids[key]
+                    if self._cancelled.pop(oid, "live") is None:
+                        skipped.append(oid)  # released before it was packed: never copied
+                    else:
+                        plans.append((oid, PackPlan(value)))
+            except Exception as exc:
+                self._send(self._failed(batch_id, list(ids.values()), exc, sync))
+                return
+            if skipped or not plans:
+                self._send(OutputReady(batch_id, [], skipped_ids=skipped))
+            for chunk in _chunks(plans, self.arena.size):
+                self._send(self._pack_chunk(batch_id, chunk, copy, event, sync))
+
+    def _pack_chunk(self, batch_id: str, plans: list[tuple[str, PackPlan]],
+                    copy: Callable[[torch.Tensor, torch.Tensor], None], event: Any,
+                    sync: bool) -> OutputReady:
         done: list[KeyOutput] = []
-        skipped: list[str] = []
         try:
-            if sync and not self._host_outputs:
-                self.platform.synchronize()  # outputs complete before a blocking copy
-            elif event is not None:
-                if self._side_stream is None:
-                    self._side_stream = self.platform.new_side_stream()
-                self.platform.wait_event(self._side_stream, event)
-            copy = self._copy_fn(sync)
-            self._drain_frees(0.0)
-            plans: list[tuple[str, PackPlan]] = []
-            for key, value in outputs.items():
-                oid = ids[key]
-                if self._cancelled.pop(oid, "live") is None:
-                    skipped.append(oid)  # released before it was packed: never copied
-                else:
-                    plans.append((oid, PackPlan(value)))
             slots = self._allocate([plan.slot_bytes for _, plan in plans])
             for (oid, plan), (offset, gen) in zip(plans, slots, strict=True):
                 self._slot_of[oid] = (offset, gen)
@@ -193,15 +210,18 @@ class OutputWriter:
                 if copied is None:
                     raise RuntimeError(f"platform {self.platform.name} stopped giving events")
                 self.platform.event_synchronize(copied)  # bytes are in the arena only now
-            return OutputReady(batch_id, done, skipped_ids=skipped)
+            return OutputReady(batch_id, done)
         except Exception as exc:
-            if self._side_stream is not None and not sync:
-                self._quiesce_side_stream()  # no late copy may land in a reused slot
             for k in done:
                 self._free(k.slot_offset, k.generation)
-            logger.warning("packing output %s failed: %s", batch_id, exc)
-            return OutputReady(batch_id, [], error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
-                               failed_ids=list(ids.values()))
+            return self._failed(batch_id, [oid for oid, _ in plans], exc, sync)
+
+    def _failed(self, batch_id: str, oids: list[str], exc: Exception, sync: bool) -> OutputReady:
+        if self._side_stream is not None and not sync:
+            self._quiesce_side_stream()  # no late copy may land in a reused slot
+        logger.warning("packing output %s failed: %s", batch_id, exc)
+        return OutputReady(batch_id, [], error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                           failed_ids=oids)
 
     def _quiesce_side_stream(self) -> None:
         try:
@@ -253,6 +273,21 @@ class OutputWriter:
     @property
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
+
+
+def _chunks(plans: list[tuple[str, PackPlan]], capacity: int) -> list[list[tuple[str, PackPlan]]]:
+    """Consecutive groups of plans whose slots fit ``capacity`` together (a plan
+    larger than ``capacity`` forms a group of its own, which then fails)."""
+    groups: list[list[tuple[str, PackPlan]]] = []
+    size = 0
+    for item in plans:
+        n = item[1].slot_bytes
+        if not groups or size + n > capacity:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+    return groups
 
 
 __all__ = ["ArenaFullError", "OutputWriter", "OutputWriterClosed", "outputs_are_host_memory"]

@@ -346,6 +346,8 @@ class ResultRouter:
         self._run(fx)
 
     def _on_rpc_result(self, msg: RpcResult) -> None:
+        if msg.traceback:
+            logger.debug("rank %d, rpc %d failed:\n%s", msg.rank, msg.rpc_id, msg.traceback)
         fx = _Effects()
         with self._lock:
             pending = self._rpcs.get(msg.rpc_id)

@@ -38,9 +38,12 @@ logger = logging.getLogger(__name__)
 OUTPUT_RANK = 0
 
 
-def error_text(exc: BaseException) -> str:
-    """The one-line reason followed by the worker's traceback."""
-    return f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}"
+def error_reply(rpc_id: int, rank: int, exc: BaseException) -> RpcResult:
+    """An error result: one line a person can act on, and the traceback for the log."""
+    message = str(exc).strip()
+    line = f"{type(exc).__name__}: {message.splitlines()[0]}" if message else type(exc).__name__
+    return RpcResult(rpc_id, rank, error=line,
+                     traceback="".join(traceback.format_exception(exc)))
 
 
 def resolve_runner_cls(path: str) -> type:
@@ -91,7 +94,7 @@ class WorkerCore:
             reply = self.runner.handle(self._requests.decode(rpc.request))
             self._send(RpcResult(rpc.rpc_id, self.rank, reply=encode_raw(reply)))
         except Exception as exc:
-            self._send(RpcResult(rpc.rpc_id, self.rank, error=error_text(exc)))
+            self._send(error_reply(rpc.rpc_id, self.rank, exc))
 
     def _execute(self, rpc: Rpc) -> None:
         start = time.monotonic_ns() / 1000.0
@@ -123,7 +126,7 @@ class WorkerCore:
         except Exception as exc:
             logger.debug("rpc %d (%s) failed on rank %d", rpc.rpc_id, name, self.rank,
                          exc_info=True)
-            self._send(RpcResult(rpc.rpc_id, self.rank, error=error_text(exc)))
+            self._send(error_reply(rpc.rpc_id, self.rank, exc))
         finally:
             tracing.record(self._track, tracing.FORWARD_SPAN, start,
                            time.monotonic_ns() / 1000.0, request=name, keys=keys)
@@ -156,7 +159,7 @@ def serve(recv: Callable[[], bytes | None], send: Callable[[Any], None],
         core = build(init)
     except Exception as exc:
         logger.debug("rank %d start-up failed", init.rank, exc_info=True)
-        send(RpcResult(init.rpc_id, init.rank, error=error_text(exc)))
+        send(error_reply(init.rpc_id, init.rank, exc))
         return False
     send(RpcResult(init.rpc_id, init.rank))
     try:

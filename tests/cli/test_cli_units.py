@@ -84,15 +84,17 @@ def test_image_paths(tmp_path):
         check_writable_file(tmp_path, "images")
 
 
-def test_read_only_folder_is_refused(tmp_path, monkeypatch):
-    # os.access stands in for a read-only mount (root ignores mode bits)
-    import diffrt.cli.paths as paths
-
-    monkeypatch.setattr(paths.os, "access", lambda path, mode: False)
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    with pytest.raises(CliError, match="not writable"):
-        check_writable_file(ro / "x.png", "images")
+def test_a_place_that_cannot_take_files_is_refused_even_for_root(tmp_path):
+    # Permission bits say nothing to root: the check opens the file. /proc takes
+    # no new files whoever asks; a new file is removed again after the check.
+    with pytest.raises(CliError, match="cannot write images to '/proc/x.png'"):
+        check_writable_file("/proc/x.png", "images")
+    assert check_writable_file(tmp_path / "new.png", "images") == tmp_path / "new.png"
+    assert not (tmp_path / "new.png").exists()
+    kept = tmp_path / "kept.png"
+    kept.write_bytes(b"old")
+    check_writable_file(kept, "images")
+    assert kept.read_bytes() == b"old"
 
 
 def test_env_report_renders_sections():

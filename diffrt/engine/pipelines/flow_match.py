@@ -24,7 +24,6 @@ import copy
 import json
 import logging
 import os
-import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,17 +36,17 @@ from diffrt.engine.pipelines.interface import (
 )
 from diffrt.engine.pipelines.text_encoder import HashedTextEncoder
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import InvalidRequestError, SamplingParams
+from diffrt.engine.sampling import InvalidRequestError, SamplingParams, random_seed
 
 logger = logging.getLogger(__name__)
 
-_SEED_RANGE = 2**63 - 1
 CPU = torch.device("cpu")
 
 
 def resolve_seed(seed: int | None) -> int:
-    """The request's seed, or a fresh random one when it gave none."""
-    return random.SystemRandom().randrange(_SEED_RANGE) if seed is None else int(seed)
+    """The request's seed, or a fresh random one when it gave none (the engine
+    draws it at submission; a pipeline called directly may still get None)."""
+    return random_seed() if seed is None else int(seed)
 
 
 def _check_compatible(params: list[SamplingParams], key: str) -> None:

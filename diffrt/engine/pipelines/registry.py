@@ -13,7 +13,6 @@ engine can validate requests at submission with
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -22,6 +21,11 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.pipelines.folder_check import (
+    ModelLoadError,
+    check_model_folder,
+    read_json_object,
+)
 from diffrt.engine.pipelines.interface import DiffusionPipeline
 from diffrt.engine.request import DiffusionRequest
 
@@ -79,20 +83,16 @@ def known_models() -> list[str]:
     return sorted(_PIPELINES)
 
 
-def _read_json(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
-
-
 def _transformer_class_name(folder: str) -> str | None:
     index_path = os.path.join(folder, "model_index.json")
     if os.path.isfile(index_path):
-        entry = _read_json(index_path).get("transformer")
-        if isinstance(entry, list) and len(entry) == 2 and entry[1]:
+        entry = read_json_object(index_path).get("transformer")
+        if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str):
             return entry[1]
     config_path = os.path.join(folder, "transformer", "config.json")
     if os.path.isfile(config_path):
-        return _read_json(config_path).get("_class_name")
+        name = read_json_object(config_path).get("_class_name")
+        return name if isinstance(name, str) else None
     return None
 
 
@@ -100,9 +100,12 @@ def _transformer_class_name(folder: str) -> str | None:
 def _local_pipeline_class(folder: str) -> type[DiffusionPipeline]:
     family_name = _transformer_class_name(folder)
     if family_name is None:
-        raise UnknownModelError(folder, "no model_index.json or transformer/config.json")
+        raise UnknownModelError(folder, "not a diffusers pipeline folder: no model_index.json "
+                                        "and no transformer/config.json")
     if family_name not in _FAMILIES:
         raise UnknownModelError(folder, f"unsupported transformer {family_name}")
+    if os.path.isfile(os.path.join(folder, "model_index.json")):
+        check_model_folder(folder)  # every component whole, before any worker loads it
     family = _load_class(_FAMILIES[family_name])
     attrs: dict[str, Any] = {"pretrained_path": folder, "name": folder}
     limits = getattr(family, "limits_from_config", None)
@@ -111,8 +114,8 @@ def _local_pipeline_class(folder: str) -> type[DiffusionPipeline]:
         vcfg = os.path.join(folder, "vae", "config.json")
         attrs.update(
             limits(
-                _read_json(tcfg) if os.path.isfile(tcfg) else {},
-                _read_json(vcfg) if os.path.isfile(vcfg) else {},
+                read_json_object(tcfg) if os.path.isfile(tcfg) else {},
+                read_json_object(vcfg) if os.path.isfile(vcfg) else {},
             )
         )
     # A per-folder subclass: check_inputs (a classmethod) sees the folder's limits.
@@ -142,7 +145,14 @@ def load_pipeline(
 ) -> DiffusionPipeline:
     """Build the pipeline for `model` on `device` (tiny models: seeded weights)."""
     cls = resolve_pipeline_class(model)
-    pipeline = cls.create(device=torch.device(device), dtype=dtype)
+    try:
+        pipeline = cls.create(device=torch.device(device), dtype=dtype)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # one line for the user; the traceback stays in the log
+        logger.debug("loading %s failed", model, exc_info=True)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ModelLoadError(f"{model}: cannot load ({type(exc).__name__}: {first})") from exc
     logger.info("loaded pipeline %s on %s (%s)", model, device, dtype)
     return pipeline
 

@@ -1,0 +1,73 @@
+"""What the CLI refuses, and how: one line, exit 2, before any engine starts;
+a Ctrl-C at any moment of start-up ends in one line too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from waiting import wait_until
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        kids += [int(k) for k in text]
+    return kids
+
+
+def test_bad_inputs_are_refused_before_any_engine_starts(cli, clean_error, tmp_path):
+    binary = tmp_path / "prompts.bin"
+    binary.write_bytes(bytes(range(256)))
+    cases = [
+        (["-p", "x", "--seed", str(2**70)], "seed: must be None or an int in"),
+        (["-p", "x", "-o", "/proc/diffrt-test.png"], "cannot write images to '/proc/diffrt-test.png'"),
+        (["--prompts-file", str(binary)], f"--prompts-file '{binary}' is not UTF-8 text"),
+    ]
+    for args, needle in cases:
+        proc = cli("generate", *args, "--executor", "inproc", cwd=tmp_path)
+        clean_error(proc, needle)
+        assert proc.returncode == 2
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_broken_model_folder_is_one_line_naming_the_file(cli, clean_error, tmp_path):
+    from diffrt.engine.pipelines import load_pipeline
+
+    folder = tmp_path / "flux"
+    load_pipeline("tiny-flux").save_pretrained(folder)
+    [weights] = (folder / "vae").glob("*.safetensors")
+    os.truncate(weights, weights.stat().st_size // 2)
+    proc = cli("generate", "-p", "x", "--model", str(folder), cwd=tmp_path)
+    clean_error(proc, str(weights), "truncated")
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.e2e
+def test_ctrl_c_during_start_up_ends_in_one_line(tmp_path):
+    """SIGINT to the CLI's process group (what a terminal's Ctrl-C sends) while
+    its worker is still starting: one line, exit 130, no worker left."""
+    script = Path(sys.executable).parent / "diffrt"
+    proc = subprocess.Popen([str(script), "generate", "-p", "x", "--no-progress"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own group, as a terminal job
+    try:
+        workers = wait_until(lambda: _children(proc.pid), timeout=60,
+                             message="the CLI never started its worker")
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip() == "diffrt: interrupted", stderr
+    for pid in workers:
+        wait_until(lambda pid=pid: not Path(f"/proc/{pid}").exists()
+                   or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3],
+                   timeout=20, message=f"worker {pid} outlived the CLI")

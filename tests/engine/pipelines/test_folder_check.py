@@ -1,0 +1,92 @@
+"""A broken model folder is refused in one line naming the file and the problem,
+before any worker starts (EngineConfig) and, for what only loading finds, from
+the worker as one line too."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from diffrt.engine import EngineConfig, EngineConfigError
+from diffrt.engine.pipelines.folder_check import ModelLoadError, check_model_folder
+from diffrt.engine.pipelines.registry import load_pipeline
+
+
+@pytest.fixture(scope="module")
+def good_folder(pipelines, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "flux"
+    pipelines["tiny-flux"].save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def folder(good_folder, tmp_path):
+    copy = tmp_path / "flux"
+    shutil.copytree(good_folder, copy)
+    return copy
+
+
+def weights(folder, component: str = "transformer"):
+    [path] = (folder / component).glob("*.safetensors")
+    return path
+
+
+def _truncate(folder):
+    path = weights(folder)
+    os.truncate(path, path.stat().st_size - 100)
+    return path, "truncated"
+
+
+def _missing_vae(folder):
+    shutil.rmtree(folder / "vae")
+    return folder / "vae", "missing (model_index.json lists component 'vae')"
+
+
+def _corrupt_config(folder):
+    path = folder / "transformer" / "config.json"
+    path.write_text('{"_class_name": "FluxTransformer2DModel",')
+    return path, "not valid JSON"
+
+
+def _index_is_a_list(folder):
+    path = folder / "model_index.json"
+    path.write_text(json.dumps(["transformer", "vae"]))
+    return path, "must hold a JSON object, found a list"
+
+
+def _header_only(folder):
+    path = weights(folder, "vae")
+    path.write_bytes(b"\x10\x00")
+    return path, "truncated"
+
+
+BREAKAGES = [_truncate, _missing_vae, _corrupt_config, _index_is_a_list, _header_only]
+
+
+def test_a_good_folder_passes(good_folder):
+    assert check_model_folder(str(good_folder))["transformer"][1] == "FluxTransformer2DModel"
+
+
+@pytest.mark.parametrize("breakage", BREAKAGES, ids=lambda f: f.__name__.strip("_"))
+def test_a_broken_folder_is_refused_naming_the_file(folder, breakage):
+    path, problem = breakage(folder)
+    with pytest.raises(EngineConfigError) as info:
+        EngineConfig(model=str(folder))
+    message = str(info.value)
+    assert info.value.field == "model"
+    assert str(path.resolve()) in message and problem in message
+    assert "\n" not in message
+
+
+def test_what_only_loading_finds_is_one_line_too(folder):
+    # A config that parses but that diffusers cannot build a model from.
+    config = folder / "vae" / "config.json"
+    data = json.loads(config.read_text())
+    data["block_out_channels"] = "not a list"
+    config.write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError) as info:
+        load_pipeline(str(folder))
+    assert str(folder) in str(info.value) and "\n" not in str(info.value)
