@@ -77,7 +77,8 @@ class EngineConfig:
         warmup / warmup_timeout_s: run one tiny request at start-up, failing
             (and cleaning up) if it does not finish in time.
         dtype: weights dtype in the worker.
-        postprocess_workers: threads that turn host outputs into PIL images.
+        postprocess_workers: threads that turn outputs into PIL images for asyncio
+            consumers (a synchronous consumer converts in its own thread).
         torch_threads: intra-op threads of torch in each worker. None = auto:
             on CPU, the usable cores split among the ranks minus one for the
             engine process (OpenMP oversubscription can slow a step down by an

@@ -261,9 +261,9 @@ class OutputProcessor:
         images = value = error = None
         start = self._clock()
         try:
-            # PIL images copy the pixels: read the shared view in place
-            source = lease.value if params.output_type == "pil" else lease.take()
-            images, value = self._post(source, params.output_type)
+            # An owned copy: PIL may keep referencing the buffer it was built
+            # from, and the slot is reused as soon as it is released.
+            images, value = self._post(lease.take(), params.output_type)
         except Exception as exc:
             logger.exception("post-processing failed for %s", rid)
             error = f"post-processing failed: {type(exc).__name__}: {exc}"

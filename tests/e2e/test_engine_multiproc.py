@@ -58,28 +58,40 @@ def make_step_engine() -> DiffusionEngine:
         model="tiny-flux", step_execution=True, max_num_seqs=4, async_output=True))
 
 
-@pytest.fixture
-def step_engine():
-    """An engine of the test's own: one test closes it, so none is shared."""
-    with make_step_engine() as engine:
-        yield engine
+def test_step_mode_streams_across_processes_and_close_leaves_nothing():
+    """One engine's whole life: progress streamed from a worker process, outputs
+    through the arena, then close. The output arena is a memfd: it lives in the
+    mappings and descriptors of this process and of the output rank, never in
+    /dev/shm, and close leaves neither it nor a process behind."""
+    gc.collect()  # arenas of earlier tests still viewed by garbage go first
+    held_before = arena_refs(os.getpid())
+    engine = make_step_engine()
+    try:
+        pids = list(engine.executor.worker_pids)
+        # where the arena lives while the engine runs: here and in the output rank
+        assert arena_refs(os.getpid()) > held_before and arena_mappings(pids[0]) == 1
 
+        async def collect(request):
+            return [o async for o in engine.step_streaming(request)]
 
-def test_step_mode_streams_progress_across_processes(step_engine):
-    async def collect(request):
-        return [o async for o in step_engine.step_streaming(request)]
+        async def main():
+            return await asyncio.gather(*(collect(req(i, 2 + i)) for i in range(3)))
 
-    async def main():
-        return await asyncio.gather(*(collect(req(i, 2 + i)) for i in range(3)))
-
-    results = asyncio.run(main())
-    for i, outs in enumerate(results):
-        assert [o.step for o in outs] == list(range(1, 3 + i))
-        assert outs[-1].ok and outs[-1].images[0].size == (64, 64)
-        m = outs[-1].metrics
-        assert m.output_wait is not None and m.postprocess_time is not None
-    assert step_engine.is_healthy()
-    assert step_engine.executor.collective_rpc(CountStepStates()) == [StepStateCount(0)]
+        results = asyncio.run(main())
+        for i, outs in enumerate(results):
+            assert [o.step for o in outs] == list(range(1, 3 + i))
+            assert outs[-1].ok and outs[-1].images[0].size == (64, 64)
+            m = outs[-1].metrics
+            assert m.output_wait is not None and m.postprocess_time is not None
+        assert engine.is_healthy()
+        assert engine.executor.collective_rpc(CountStepStates()) == [StepStateCount(0)]
+    finally:
+        engine.close()
+    assert wait_until(lambda: not any(alive(p) for p in pids))
+    assert not any(arena_mappings(p) for p in pids)
+    gc.collect()  # a view of the arena still alive would keep its mapping
+    assert wait_until(lambda: arena_refs(os.getpid()) <= held_before,
+                      message=lambda: f"this process still holds {arena_refs(os.getpid())} arena refs")
 
 
 def test_request_mode_error_mapping_and_worker_death():
@@ -112,23 +124,3 @@ def test_request_mode_error_mapping_and_worker_death():
     finally:
         engine.close()
 
-
-def test_close_leaves_no_processes_or_shared_memory():
-    """The output arena is a memfd: it lives in the mappings and descriptors of
-    this process and of the output rank, never in /dev/shm."""
-    gc.collect()  # arenas of earlier tests still viewed by garbage go first
-    held_before = arena_refs(os.getpid())
-    engine = make_step_engine()
-    try:
-        pids = list(engine.executor.worker_pids)
-        # where the arena lives while the engine runs: here and in the output rank
-        assert arena_refs(os.getpid()) > held_before and arena_mappings(pids[0]) == 1
-        outs = engine.generate([req(0, 2), req(1, 1)])  # outputs cross through the arena
-        assert all(o.ok for o in outs)
-    finally:
-        engine.close()
-    assert wait_until(lambda: not any(alive(p) for p in pids))
-    assert not any(arena_mappings(p) for p in pids)
-    gc.collect()  # a view of the arena still alive would keep its mapping
-    assert wait_until(lambda: arena_refs(os.getpid()) <= held_before,
-                      message=lambda: f"this process still holds {arena_refs(os.getpid())} arena refs")
