@@ -44,14 +44,19 @@ def rss_mib(pids: list[int]) -> float:
 
 
 class Sampler(threading.Thread):
+    """Peak resident memory of the processes together, and of each."""
+
     def __init__(self, pids: list[int], period_s: float = 0.1):
         super().__init__(daemon=True)
         self.pids, self.period_s, self.peak = pids, period_s, 0.0
+        self.peaks = {pid: 0.0 for pid in pids}
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(self.period_s):
             self.peak = max(self.peak, rss_mib(self.pids))
+            for pid in self.pids:
+                self.peaks[pid] = max(self.peaks[pid], rss_mib([pid]))
 
 
 def make_request(i: int, args: argparse.Namespace) -> DiffusionRequest:
@@ -116,6 +121,7 @@ def main() -> None:
         warm = [make_request(-1 - i, args) for i in range(4 * args.max_num_seqs)]
         engine.generate(warm)
         baseline = rss_mib(pids)
+        baselines = {pid: rss_mib([pid]) for pid in pids}
         sampler = Sampler(pids)
         sampler.start()
         start = time.perf_counter()
@@ -137,6 +143,10 @@ def main() -> None:
           f"{counts['silent_image']}, other {counts['silent_other']}")
     print(f"engine + worker RSS          baseline {baseline:.1f} MiB, peak {sampler.peak:.1f} "
           f"MiB, growth {growth:+.1f} MiB")
+    for pid, name in zip(pids, ["engine", *[f"worker {i}" for i in range(len(pids) - 1)]],
+                         strict=True):
+        print(f"  {name:<27}baseline {baselines[pid]:.1f} MiB, peak growth "
+              f"{sampler.peaks[pid] - baselines[pid]:+.1f} MiB")
     print(f"stated bound                 2 x arena + {ALLOWANCE_MIB:g} MiB = {bound:.1f} MiB "
           f"-> {'within' if growth <= bound else 'ABOVE'} ({growth / bound:.0%} of it)")
     print(f"engine healthy at the end    {healthy}")

@@ -5,6 +5,7 @@ executor's worker thread and output thread, and every executor's pump)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -14,18 +15,27 @@ from diffrt.runtime.messages import OutputReady
 from diffrt.runtime.output_thread import OutputWriter
 from diffrt.runtime.result_router import ResultRouter
 
+#: how long a held output thread waits for its gate before giving up
+HOLD_LIMIT_S = 30.0
 
-def delay_outputs(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """The output thread waits ``seconds`` before copying each batch: outputs
-    reach the host late (a slow D2H copy)."""
+
+def hold_outputs(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The output thread holds every batch until the returned event is set: the
+    outputs are computed (COMPUTE_DONE went out) but reach the host only when
+    the test says so (a slow D2H copy, without a race against a timer)."""
+    gate = threading.Event()
     pack = OutputWriter._pack
 
-    def slow_pack(self, batch_id, ids, outputs, event, sync):
-        if not sync:
-            time.sleep(seconds)
+    def held_pack(self, batch_id, ids, outputs, event, sync):
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        # released by the test, or by the writer closing (executor shutdown)
+        while not sync and not gate.wait(0.02) and not self._closed.is_set() \
+                and time.monotonic() < deadline:
+            pass
         return pack(self, batch_id, ids, outputs, event, sync)
 
-    monkeypatch.setattr(OutputWriter, "_pack", slow_pack)
+    monkeypatch.setattr(OutputWriter, "_pack", held_pack)
+    return gate
 
 
 def drop_output_ready(monkeypatch: pytest.MonkeyPatch, count: int = 1) -> None:

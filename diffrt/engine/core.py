@@ -26,6 +26,7 @@ from diffrt import tracing
 from diffrt.engine.config import EngineMode
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.runner_messages import BatchDone, ExecuteBatch, ExecuteStep, StepDone
+from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched import (
     AbortOutcome,
     ExecutionResult,
@@ -80,12 +81,24 @@ class EngineCore:
 
     # -- called by the engine's threads ---------------------------------------------
     def add(self, records: list[RequestRecord]) -> bool:
-        """Queue ``records``; False (nothing queued) once the core has stopped."""
+        """Queue ``records`` (all or none); False once the core has stopped.
+
+        Raises InvalidRequestError when an id is still in the scheduler: a
+        request ended early (a timeout during its forward) keeps its id there
+        until its tick completes. A record aborted before it got here (an
+        abort racing its submission) is not queued: it has ended already.
+        """
         with self._cond:
             if self._stopped or self.dead_reason is not None:
                 return False
             for record in records:
-                self.scheduler.add(record)
+                if self.scheduler.has_request(record.request_id):
+                    raise InvalidRequestError(
+                        "request_id", f"{record.request_id!r} is still finishing; "
+                        "use another id or retry in a moment")
+            for record in records:
+                if not record.aborted:
+                    self.scheduler.add(record)
             self._cond.notify_all()
         return True
 
@@ -173,7 +186,7 @@ class EngineCore:
             oid = output_ids.pop(event.request_id, None)
             if oid is not None and event.has_output:
                 kept[event.request_id] = oid
-            elif oid is not None:  # failed, aborted or unknown: nobody reads it
+            elif oid is not None:  # produced, but the request failed or was aborted
                 self.executor.release_output(oid)
         for oid in output_ids.values():  # outputs of requests that left already
             self.executor.release_output(oid)

@@ -232,9 +232,11 @@ class DiffusionEngine:
         its outputs. An unknown or finished id does nothing."""
         self._stop(request_id, reason=None)
 
-    def _stop(self, request_id: str, reason: str | None) -> None:
-        """Abort, or end with ``reason`` as its error (an expired limit)."""
-        if self.output_processor.mark_aborted(request_id, reason) is None:
+    def _stop(self, request_id: str, reason: str | None,
+              record: RequestRecord | None = None) -> None:
+        """Abort, or end with ``reason`` as its error (an expired limit); with
+        ``record``, only that record (not a newer request reusing its id)."""
+        if self.output_processor.mark_aborted(request_id, reason, record) is None:
             return
         outcome, event = self._core.abort(request_id)
         if outcome is AbortOutcome.DONE:
@@ -290,7 +292,12 @@ class DiffusionEngine:
         if not self.executor.is_healthy():
             self.output_processor.discard(records)
             raise EngineDeadError("engine is not healthy: executor is down")
-        if not self._core.add(records):
+        try:
+            queued = self._core.add(records)
+        except BaseException:
+            self.output_processor.discard(records)
+            raise
+        if not queued:
             self.output_processor.discard(records)
             if self._core.dead_reason is not None:
                 raise EngineDeadError(f"engine is not healthy: {self._core.dead_reason}")
@@ -339,9 +346,9 @@ class DiffusionEngine:
         left unread, at most ``TIMER_PERIOD_S`` late."""
         while not self._stopping.wait(TIMER_PERIOD_S):
             try:
-                for rid, reason in self.output_processor.due(self._clock()):
-                    logger.info("%s: %s", rid, reason)
-                    self._stop(rid, reason)
+                for record, reason in self.output_processor.expire_due(self._clock()):
+                    logger.info("%s: %s", record.request_id, reason)
+                    self._stop(record.request_id, reason, record)
             except Exception:  # keep watching: a failed pass is retried next period
                 logger.exception("engine timer pass failed")
 

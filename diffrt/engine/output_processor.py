@@ -112,19 +112,23 @@ class OutputProcessor:
             if self._streams.get(stream.request_id) is stream:
                 del self._streams[stream.request_id]
             slot = self._pending.get(stream.request_id)
-        if slot is not None:
+        if slot is not None and slot.stream is stream:
             self._expire(slot, "output released: its consumer went away")
 
-    def mark_aborted(self, request_id: str, reason: str | None = None) -> RequestRecord | None:
+    def mark_aborted(self, request_id: str, reason: str | None = None,
+                     record: RequestRecord | None = None) -> RequestRecord | None:
         """The first half of an abort: late outputs of this request are dropped,
         and ``reason`` (an expired limit) becomes its error instead of "aborted".
-        Returns the record, or None when the request is not active."""
+        Returns the record, or None when the request (or, when given, this very
+        ``record``) is not active."""
         with self._lock:
-            record = self._records.get(request_id)
-            if record is not None and not record.aborted:
-                record.aborted = True
-                record.abort_reason = reason
-            return record
+            active = self._records.get(request_id)
+            if active is None or (record is not None and active is not record):
+                return None
+            if not active.aborted:
+                active.aborted = True
+                active.abort_reason = reason
+            return active
 
     # -- what happened ---------------------------------------------------------------
     def on_tick(self, result: TickResult) -> None:
@@ -202,16 +206,16 @@ class OutputProcessor:
             if record.output_id is not None:
                 self._executor.release_output(record.output_id)
 
-    def due(self, now: float) -> list[tuple[str, str]]:
+    def expire_due(self, now: float) -> list[tuple[RequestRecord, str]]:
         """Housekeeping at ``now``: frees outputs unread past
         ``unread_output_timeout_s`` (their requests end with "output expired")
-        and returns (request id, reason) of running or waiting requests past
-        their deadline, for the engine to stop."""
+        and returns (record, reason) of running or waiting requests past their
+        deadline, for the engine to stop."""
         with self._lock:
             unread = [] if self._unread_timeout is None else [
                 slot for slot in self._pending.values()
                 if now - slot.ready_at >= self._unread_timeout]
-            late = [(rid, record.deadline_reason or "request timed out")
+            late = [(record, record.deadline_reason or "request timed out")
                     for rid, record in self._records.items()
                     if record.deadline is not None and now >= record.deadline
                     and not record.aborted and rid not in self._pending]
@@ -242,7 +246,7 @@ class OutputProcessor:
             if stream is not None:
                 assert record is not None
                 slot = FinalSlot(rid, lease, lambda lease, r=record, t=ready_at:
-                                 self._complete(r, lease, t), ready_at)
+                                 self._complete(r, lease, t), ready_at, stream)
                 self._pending[rid] = slot
                 self._deliveries.put((stream, slot))
                 return
@@ -280,8 +284,15 @@ class OutputProcessor:
         return output
 
     def take_async(self, slot: FinalSlot) -> concurrent.futures.Future[DiffusionOutput]:
-        """``slot.take()`` on the post-processing pool (for asyncio consumers)."""
-        return self._pool.submit(slot.take)
+        """``slot.take()`` on the post-processing pool (for asyncio consumers);
+        inline once the pool is closed (the engine closed: the slot has expired,
+        taking it is instant)."""
+        try:
+            return self._pool.submit(slot.take)
+        except RuntimeError:
+            future: concurrent.futures.Future[DiffusionOutput] = concurrent.futures.Future()
+            future.set_result(slot.take())
+            return future
 
     def _expire(self, slot: FinalSlot, error: str) -> None:
         with self._lock:
@@ -349,7 +360,7 @@ class OutputProcessor:
 
     def close(self) -> None:
         """Stop post-processing and delivery (after ``fail_all``)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True)  # takes in flight finish: a consumer gets its output
         self._deliveries.put(None)
         self._delivery.join(DELIVERY_JOIN_S)
 

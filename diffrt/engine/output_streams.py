@@ -32,9 +32,12 @@ class FinalSlot:
     ``expire`` decides the final ``DiffusionOutput``."""
 
     def __init__(self, request_id: str, lease: OutputLease,
-                 complete: Callable[[OutputLease], DiffusionOutput], ready_at: float):
+                 complete: Callable[[OutputLease], DiffusionOutput], ready_at: float,
+                 stream: OutputStream):
         self.request_id = request_id
         self.ready_at = ready_at
+        #: the stream it was delivered to (its consumer leaving frees it)
+        self.stream = stream
         self._lease: OutputLease | None = lease
         self._complete = complete
         self._output: DiffusionOutput | None = None

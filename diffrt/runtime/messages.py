@@ -4,7 +4,7 @@ Three channels, one tagged union and one Decoder each:
 
 * request channel (executor -> every worker): ``InitWorker``, ``Rpc``, ``Shutdown``;
 * result channel (each worker -> executor pump): ``RpcResult``, ``ComputeDone``,
-  ``OutputReady`` (their tags are the ``AsyncOutputKind`` values);
+  ``OutputReady``, ``OutputPending`` (their tags are the ``AsyncOutputKind`` values);
 * free channel (executor -> output rank's output thread): ``FreeSlots``.
 
 Tensors never travel inside messages: ``OutputReady`` carries ``KeyOutput``
@@ -29,6 +29,7 @@ class AsyncOutputKind(str, enum.Enum):
     RPC_RESULT = "rpc_result"      # ordinary RPC return, errors included
     COMPUTE_DONE = "compute_done"  # forward finished; the worker takes the next request
     OUTPUT_READY = "output_ready"  # outputs are in shared memory, ready to read
+    OUTPUT_PENDING = "output_pending"  # outputs wait for arena room (a slow consumer)
 
 
 #: msgpack's nil: an empty reply.
@@ -123,7 +124,19 @@ class OutputReady(ResultMsg, tag=AsyncOutputKind.OUTPUT_READY.value):
     skipped_ids: list[str] = []              # released before they were packed
 
 
-ResultUnion = RpcResult | ComputeDone | OutputReady
+#: how often the writer repeats OutputPending while outputs wait for arena room.
+PENDING_NOTICE_S = 1.0
+
+
+class OutputPending(ResultMsg, tag=AsyncOutputKind.OUTPUT_PENDING.value):
+    """These outputs are computed but wait for room in the arena: their waiters
+    must not time out while consumers of other outputs are slow to read."""
+
+    async_output_id: str
+    output_ids: list[str] = []
+
+
+ResultUnion = RpcResult | ComputeDone | OutputReady | OutputPending
 
 
 # -- free channel ------------------------------------------------------------------

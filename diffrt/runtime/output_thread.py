@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import traceback
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from diffrt import tracing
-from diffrt.runtime.messages import FreeSlots, KeyOutput, OutputReady
+from diffrt.runtime.messages import (
+    PENDING_NOTICE_S,
+    FreeSlots,
+    KeyOutput,
+    OutputPending,
+    OutputReady,
+)
 from diffrt.runtime.shm_transport import Arena, ArenaFullError, PackPlan, SlotAllocator
 
 logger = logging.getLogger(__name__)
@@ -161,11 +167,12 @@ class OutputWriter:
               event: Any, sync: bool) -> None:
         """Copy ``outputs`` into the arena and send OUTPUT_READY for them.
 
-        A batch goes in chunks that each fit the arena: a chunk waits for room
-        only after the previous one was sent, so its consumers can read (and
-        free) it meanwhile. A batch larger than the whole arena is therefore
-        delivered piece by piece instead of failing; only a single output
-        larger than the arena fails (ArenaFullError, that output alone).
+        Async path: outputs go in the largest runs that fit the arena now, each
+        sent as soon as it is copied, so their consumers can read (and free)
+        them while the rest waits for room; an output released meanwhile is
+        skipped, and one larger than the whole arena fails alone. Synchronous
+        path (before COMPUTE_DONE, so nobody can read a first part yet): all
+        outputs of the call at once, or ArenaFullError when they can never fit.
         """
         with self._pack_lock:
             try:
@@ -176,29 +183,48 @@ class OutputWriter:
                         self._side_stream = self.platform.new_side_stream()
                     self.platform.wait_event(self._side_stream, event)
                 copy = self._copy_fn(sync)
-                self._drain_frees(0.0)
-                skipped: list[str] = []
-                plans: list[tuple[str, PackPlan]] = []
-                for key, value in outputs.items():
-                    oid = ids[key]
-                    if self._cancelled.pop(oid, "live") is None:
-                        skipped.append(oid)  # released before it was packed: never copied
-                    else:
-                        plans.append((oid, PackPlan(value)))
             except Exception as exc:
                 self._send(self._failed(batch_id, list(ids.values()), exc, sync))
                 return
-            if skipped or not plans:
-                self._send(OutputReady(batch_id, [], skipped_ids=skipped))
-            for chunk in _chunks(plans, self.arena.size):
-                self._send(self._pack_chunk(batch_id, chunk, copy, event, sync))
+            self._drain_frees(0.0)
+            plans: list[tuple[str, PackPlan]] = []
+            for key, value in outputs.items():
+                try:
+                    plans.append((ids[key], PackPlan(value)))
+                except Exception as exc:  # an output that cannot be packed fails alone
+                    self._send(self._failed(batch_id, [ids[key]], exc, sync))
+            while plans := self._without_released(batch_id, plans):
+                try:
+                    if sync:
+                        slots = self._allocate([plan.slot_bytes for _, plan in plans])
+                    else:
+                        slots = self._allocate_run(batch_id, plans)
+                except ArenaFullError as exc:  # the first output(s) can never fit
+                    n = len(plans) if sync else 1
+                    self._send(self._failed(batch_id, [oid for oid, _ in plans[:n]], exc, sync))
+                    plans = plans[n:]
+                    continue
+                run, plans = plans[:len(slots)], plans[len(slots):]
+                self._send(self._pack_run(batch_id, run, slots, copy, event, sync))
 
-    def _pack_chunk(self, batch_id: str, plans: list[tuple[str, PackPlan]],
-                    copy: Callable[[torch.Tensor, torch.Tensor], None], event: Any,
-                    sync: bool) -> OutputReady:
+    def _without_released(self, batch_id: str,
+                          plans: list[tuple[str, PackPlan]]) -> list[tuple[str, PackPlan]]:
+        """Drop the outputs released before they were copied (and say so)."""
+        keep, skipped = [], []
+        for oid, plan in plans:
+            if self._cancelled.pop(oid, "live") is None:
+                skipped.append(oid)
+            else:
+                keep.append((oid, plan))
+        if skipped:
+            self._send(OutputReady(batch_id, [], skipped_ids=skipped))
+        return keep
+
+    def _pack_run(self, batch_id: str, plans: list[tuple[str, PackPlan]],
+                  slots: list[tuple[int, int]], copy: Callable[[torch.Tensor, torch.Tensor], None],
+                  event: Any, sync: bool) -> OutputReady:
         done: list[KeyOutput] = []
         try:
-            slots = self._allocate([plan.slot_bytes for _, plan in plans])
             for (oid, plan), (offset, gen) in zip(plans, slots, strict=True):
                 self._slot_of[oid] = (offset, gen)
                 self._id_at[offset] = oid
@@ -212,15 +238,16 @@ class OutputWriter:
                 self.platform.event_synchronize(copied)  # bytes are in the arena only now
             return OutputReady(batch_id, done)
         except Exception as exc:
-            for k in done:
-                self._free(k.slot_offset, k.generation)
+            for offset, gen in slots:
+                self._free(offset, gen)
             return self._failed(batch_id, [oid for oid, _ in plans], exc, sync)
 
     def _failed(self, batch_id: str, oids: list[str], exc: Exception, sync: bool) -> OutputReady:
         if self._side_stream is not None and not sync:
             self._quiesce_side_stream()  # no late copy may land in a reused slot
-        logger.warning("packing output %s failed: %s", batch_id, exc)
-        return OutputReady(batch_id, [], error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+        logger.warning("packing output %s failed: %s", batch_id, exc, exc_info=True)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return OutputReady(batch_id, [], error=f"{type(exc).__name__}: {first}",
                            failed_ids=oids)
 
     def _quiesce_side_stream(self) -> None:
@@ -255,6 +282,34 @@ class OutputWriter:
             if oid is not None:
                 self._slot_of.pop(oid, None)
 
+    def _allocate_run(self, batch_id: str,
+                      plans: list[tuple[str, PackPlan]]) -> list[tuple[int, int]]:
+        """Slots for the longest prefix of ``plans`` that fits now, at least one:
+        waits for frees while none fits, telling the executor every
+        ``PENDING_NOTICE_S`` that these outputs wait for room (a consumer that
+        does not read is not a lost output). Raises ArenaFullError when the first
+        can never fit."""
+        notice_at = 0.0  # the first notice as soon as it has to wait
+        waited = False
+        while True:
+            slots = []
+            for _, plan in plans:
+                slot = self._alloc.try_allocate(plan.slot_bytes)
+                if slot is None:
+                    break
+                slots.append(slot)
+            if slots:
+                if waited:
+                    logger.debug("output arena had room again for %s", batch_id)
+                return slots
+            if self._closed.is_set():
+                raise OutputWriterClosed("output writer closed while waiting for arena space")
+            waited = True
+            if time.monotonic() >= notice_at:
+                self._send(OutputPending(batch_id, [oid for oid, _ in plans]))
+                notice_at = time.monotonic() + PENDING_NOTICE_S
+            self._drain_frees(0.2)
+
     def _allocate(self, sizes: list[int]) -> list[tuple[int, int]]:
         """One slot per size, consecutive; waits for the executor to free slots when
         the arena is full (backpressure). Raises ArenaFullError if they can never fit."""
@@ -273,21 +328,6 @@ class OutputWriter:
     @property
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
-
-
-def _chunks(plans: list[tuple[str, PackPlan]], capacity: int) -> list[list[tuple[str, PackPlan]]]:
-    """Consecutive groups of plans whose slots fit ``capacity`` together (a plan
-    larger than ``capacity`` forms a group of its own, which then fails)."""
-    groups: list[list[tuple[str, PackPlan]]] = []
-    size = 0
-    for item in plans:
-        n = item[1].slot_bytes
-        if not groups or size + n > capacity:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += n
-    return groups
 
 
 __all__ = ["ArenaFullError", "OutputWriter", "OutputWriterClosed", "outputs_are_host_memory"]

@@ -12,6 +12,12 @@ below is the whole lifecycle (``-`` = no entry):
     CLAIMED   error            (duplicate freed)   (holder frees)  (LEASE_DONE: -)
     DROPPED   error            -, free             (nothing)       -
 
+PENDING (OutputPending, repeated while an output waits for room in a full
+arena) puts an output nobody waits for yet in BLOCKED and restarts the deadline
+of a BLOCKED or WAITING one: a slow consumer elsewhere is not a lost output.
+WAIT on BLOCKED becomes WAITING; ARRIVE and RELEASE treat BLOCKED as no entry;
+a BLOCKED entry without notices is forgotten at its deadline.
+
 It guarantees:
 
 * OUTPUT_READY may arrive before or after COMPUTE_DONE and before or after its
@@ -44,8 +50,10 @@ import msgspec
 
 from diffrt.runtime.messages import (
     NIL,
+    PENDING_NOTICE_S,
     ComputeDone,
     FreeSlots,
+    OutputPending,
     OutputReady,
     RpcKind,
     RpcResult,
@@ -116,6 +124,7 @@ class _PendingRpc:
 class OutputState(enum.Enum):
     """Where one output id stands, from the router's point of view."""
 
+    BLOCKED = "blocked"   # computed, waits for arena room; nobody has asked yet
     WAITING = "waiting"   # the engine waits for it; not arrived yet
     ARRIVED = "arrived"   # in shared memory (or failed); nobody has asked yet
     CLAIMED = "claimed"   # handed over: the lease holder frees the slot
@@ -127,6 +136,7 @@ class OutputEvent(enum.Enum):
     ARRIVE = "arrive"              # OUTPUT_READY (or its failure) came in
     RELEASE = "release"            # the engine will never read it
     HANDOVER_FAILED = "handover_failed"  # the waiter was cancelled while handing over
+    PENDING = "pending"            # computed, waiting for arena room: the wait goes on
     LEASE_DONE = "lease_done"      # the lease holder released the slot
     EXPIRE = "expire"              # periodic housekeeping at ``now``
 
@@ -199,6 +209,10 @@ class ResultRouter:
             case E.WAIT, None:
                 assert future is not None
                 self._outputs[oid] = _Output(S.WAITING, now + self.output_timeout_s, future=future)
+            case E.WAIT, S.BLOCKED:
+                assert future is not None
+                self._outputs[oid] = _Output(S.WAITING, max(entry.deadline, now + self.output_timeout_s),
+                                             future=future)
             case E.WAIT, S.ARRIVED:
                 assert future is not None
                 self._claim_locked(oid, entry.result)
@@ -207,7 +221,7 @@ class ResultRouter:
                 assert future is not None
                 fx.resolve.append((future, ExecutorError(
                     f"output {oid} was already {state.value}")))
-            case E.ARRIVE, None:
+            case E.ARRIVE, None | S.BLOCKED:
                 self._outputs[oid] = _Output(S.ARRIVED, now + self.output_timeout_s, result=result)
             case E.ARRIVE, S.WAITING:
                 if entry.future.done():  # its waiter was cancelled: keep it for another
@@ -221,7 +235,7 @@ class ResultRouter:
                 fx.discard.append(result)
             case E.ARRIVE, _:  # a duplicate: the first one wins
                 fx.discard.append(result)
-            case E.RELEASE, None:
+            case E.RELEASE, None | S.BLOCKED:
                 self._drop_locked(oid, now)
             case E.RELEASE, S.WAITING:
                 fx.cancel.append(entry.future)
@@ -231,6 +245,12 @@ class ResultRouter:
                 fx.discard.append(entry.result)
             case E.RELEASE, _:
                 pass  # claimed: its lease holder frees it; dropped: already on its way
+            case E.PENDING, None | S.BLOCKED | S.WAITING:  # notices repeat every PENDING_NOTICE_S
+                deadline = now + max(self.output_timeout_s, 3 * PENDING_NOTICE_S)
+                if entry is None:
+                    self._outputs[oid] = _Output(S.BLOCKED, deadline)
+                else:
+                    entry.deadline = deadline
             case E.HANDOVER_FAILED | E.LEASE_DONE, S.CLAIMED:
                 del self._outputs[oid]
             case E.EXPIRE, S.WAITING if entry.future.done():
@@ -244,8 +264,8 @@ class ResultRouter:
                 logger.warning("output %s unclaimed for %.0f s: freed", oid, self.output_timeout_s)
                 del self._outputs[oid]
                 fx.discard.append(entry.result)
-            case E.EXPIRE, S.DROPPED if entry.deadline <= now:
-                del self._outputs[oid]
+            case E.EXPIRE, S.DROPPED | S.BLOCKED if entry.deadline <= now:
+                del self._outputs[oid]  # BLOCKED: no notice for a while, the writer moved on
             case _:
                 pass
 
@@ -316,6 +336,11 @@ class ResultRouter:
                 self._on_output_ready(msg)
             case RpcResult():
                 self._on_rpc_result(msg)
+            case OutputPending():
+                with self._lock:
+                    now = time.monotonic()
+                    for oid in msg.output_ids:
+                        self._transition(oid, OutputEvent.PENDING, _Effects(), now=now)
             case _:
                 raise TypeError(f"unexpected result message {type(msg).__name__}")
 
@@ -323,7 +348,16 @@ class ResultRouter:
         return None if bytes(raw) == bytes(NIL) else self._decode_reply(raw)
 
     def _on_compute_done(self, msg: ComputeDone) -> None:
-        output = RunnerOutput(reply=self._reply(msg.reply), async_output_id=msg.async_output_id,
+        try:
+            reply = self._reply(msg.reply)
+        except Exception as exc:  # the runner answered outside its protocol: fail that call
+            self._on_rpc_result(RpcResult(msg.rpc_id, msg.rank, error=_undeclared(exc)))
+            with self._lock:  # nobody will read its outputs: freed on arrival
+                now = time.monotonic()
+                for oid in msg.output_ids.values():
+                    self._transition(oid, OutputEvent.RELEASE, _Effects(), now=now)
+            return
+        output = RunnerOutput(reply=reply, async_output_id=msg.async_output_id,
                               output_ids=dict(msg.output_ids))
         fx = _Effects()
         with self._lock:
@@ -358,7 +392,11 @@ class ResultRouter:
                     logger.warning("late error from rank %d for rpc %d: %s", msg.rank, msg.rpc_id, msg.error)
                 return
             if msg.error is None:
-                pending.results[msg.rank] = self._reply(msg.reply)
+                try:
+                    pending.results[msg.rank] = self._reply(msg.reply)
+                except Exception as exc:  # outside the runner's protocol: fail that call
+                    msg = RpcResult(msg.rpc_id, msg.rank, error=_undeclared(exc))
+            if msg.error is None:
                 pending.ranks_left -= 1
                 if pending.ranks_left > 0:
                     return
@@ -456,6 +494,10 @@ class ResultRouter:
                 _set_exception(entry.future, err)
             elif entry.state is OutputState.ARRIVED:
                 _discard(entry.result)
+
+
+def _undeclared(exc: Exception) -> str:
+    return f"the runner replied with a message its protocol does not declare ({exc})"
 
 
 def _releaser(freer: SlotFreer, offset: int, generation: int, oid: str,

@@ -40,7 +40,8 @@ class ExecutorError(RuntimeError):
 
 
 class WorkerError(ExecutorError):
-    """The runner raised; the message carries the worker's traceback."""
+    """The runner raised (or answered outside its protocol); the message is one
+    line, the worker's traceback goes to the debug log."""
 
 
 class ExecutorDeadError(ExecutorError):

@@ -8,7 +8,7 @@ import engine_toy as toy
 import numpy as np
 import pytest
 from engine_helpers import assert_clean, toy_engine, toy_request, wait_until
-from faults import crash_pump_on_output_ready, delay_outputs
+from faults import crash_pump_on_output_ready, hold_outputs
 
 from diffrt.engine import DiffusionOutput, InvalidRequestError
 
@@ -160,18 +160,19 @@ def test_abort_while_running_drops_the_output(req_engine1):
 
 def test_late_output_of_an_aborted_request_is_dropped_and_freed(monkeypatch):
     """The output reaches the host only after the abort: it is released, not delivered."""
-    delay_outputs(monkeypatch, 1.0)
+    copy = hold_outputs(monkeypatch)
     with toy_engine(max_num_seqs=1, warmup=False) as engine:
         r = toy_request(size=64)
         got: list = []
         t = threading.Thread(target=lambda: got.append(engine.generate(r)))
         t.start()
-        # Compute done, output still in the (delayed) output thread.
+        # Compute done, output still in the (held) output thread.
         assert wait_until(lambda: engine.output_processor.output_id_of(r.request_id))
         engine.abort(r.request_id)
         router = engine.executor.router
         # The engine told the runtime it will never read it...
         assert router.counts()["dropped"] == 1 and router.counts()["waiting"] == 0
+        copy.set()
         t.join(10)
         assert got[0].aborted and got[0].images is None
         # ...so the late OUTPUT_READY is freed on arrival, never parked.

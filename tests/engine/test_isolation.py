@@ -9,7 +9,7 @@ import engine_toy as toy
 import numpy as np
 import pytest
 from engine_helpers import assert_clean, toy_engine, toy_request
-from waiting import wait_until
+from waiting import wait_for, wait_until
 
 from diffrt.engine import DiffusionOutput, DiffusionRequest, InvalidRequestError, SamplingParams
 from diffrt.engine.request import MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
@@ -95,8 +95,7 @@ def test_the_request_is_copied_at_submission(req_engine1):
     try:
         async def main():
             task = asyncio.create_task(req_engine1.generate_async(r))
-            while req_engine1.scheduler.num_running == 0:  # submitted and in forward
-                await asyncio.sleep(0.01)
+            await wait_for(lambda: req_engine1.scheduler.num_running)  # in its forward
             r.prompt = "\ud800"  # mutated after submission: the engine kept its own copy
             r.sampling_params.seed = 2**70
             toy.gate("copy").set()
@@ -156,8 +155,7 @@ def test_a_waiting_request_times_out_too():
         with toy_engine(max_num_seqs=1, request_timeout_s=0.3, warmup=False) as engine:
             async def main():
                 running = asyncio.create_task(engine.generate_async(toy_request("block:hold")))
-                while engine.scheduler.num_running == 0:  # the blocking one runs first
-                    await asyncio.sleep(0.01)
+                await wait_for(lambda: engine.scheduler.num_running)  # the blocking one first
                 queued = await engine.generate_async(toy_request(seed=9))
                 toy.gate("hold").set()
                 return queued, await running
@@ -176,7 +174,7 @@ def test_unread_outputs_stay_within_the_bound_and_arrive_intact_when_read():
     """20 consumers stop reading after their first progress output: finished
     outputs wait in the arena (a few fit), the worker waits for room, and when
     the consumers come back every output arrives intact."""
-    arena = 64 << 10  # five 64x64 images
+    arena = 64 << 10  # five 64x64 images (12288 bytes each)
     with toy_engine(step_execution=True, max_num_seqs=4, max_pending_output_bytes=arena,
                     warmup=False) as engine:
         requests = [toy_request(seed=s, steps=3, size=64) for s in range(20)]
@@ -191,14 +189,13 @@ def test_unread_outputs_stay_within_the_bound_and_arrive_intact_when_read():
         async def main():
             resume = asyncio.Event()
             tasks = [asyncio.create_task(consumer(r, resume)) for r in requests]
-            # Nobody reads: the arena fills up and the engine stalls instead of
-            # copying outputs into its own memory.
-            while _writer(engine).used_bytes < 4 * 12288:  # a full batch of outputs waits
-                await asyncio.sleep(0.01)
-            for _ in range(20):
-                assert engine.output_processor.unread_bytes() <= arena
-                await asyncio.sleep(0.01)
-            assert engine.num_active_requests() == 20  # nothing dropped
+            # Nobody reads: the arena fills up and the worker waits for room
+            # instead of the engine copying outputs into its own memory.
+            await wait_for(lambda: _writer(engine).used_bytes == 5 * 12288)  # arena full
+            # five outputs landed and wait unread; the others wait in the worker
+            # (its output queue is bounded, then its main thread waits too)
+            assert engine.output_processor.unread_bytes() == 5 * 12288
+            assert engine.num_active_requests() == 20  # nothing dropped, nothing expired
             resume.set()
             return await asyncio.gather(*tasks)
 
@@ -216,10 +213,8 @@ def test_an_output_left_unread_expires_and_frees_its_slot():
         async def main():
             agen = engine.step_streaming(toy_request(seed=1, steps=2, size=64))
             await agen.__anext__()  # progress; then the consumer stalls
-            while engine.output_processor.unread_bytes() == 0:
-                await asyncio.sleep(0.01)
-            while engine.output_processor.unread_bytes():  # freed by the timer, unread
-                await asyncio.sleep(0.01)
+            await wait_for(engine.output_processor.unread_bytes)  # landed
+            await wait_for(lambda: engine.output_processor.unread_bytes() == 0)  # timer freed it
             late = [o async for o in agen]
             other = await engine.generate_async(toy_request(seed=2, steps=2))
             return late[-1], other
@@ -236,8 +231,7 @@ def test_a_consumer_that_leaves_frees_its_output_at_once(step_engine1):
     async def main():
         agen = step_engine1.step_streaming(toy_request(seed=3, steps=2, size=64))
         await agen.__anext__()
-        while step_engine1.output_processor.unread_bytes() == 0:  # landed, unread
-            await asyncio.sleep(0.01)
+        await wait_for(step_engine1.output_processor.unread_bytes)  # landed, unread
         await agen.aclose()
         return step_engine1.output_processor.unread_bytes()
 
@@ -257,4 +251,46 @@ def test_generate_takes_outputs_as_they_finish_whatever_the_order():
         outs = engine.generate([slow, *fast], timeout=60)
         assert [pixels(o) for o in outs] == \
             [{toy.expected_pixel(0, 40)}] + [{toy.expected_pixel(s, 2)} for s in range(1, 6)]
+        assert_clean(engine)
+
+
+def test_an_id_still_finishing_is_refused_and_nothing_leaks():
+    """A request answered early (its timeout expired during a forward that
+    cannot be interrupted) keeps its id in the scheduler until that forward
+    ends: reusing the id meanwhile is refused, and the rest of the list too."""
+    toy.gate("reuse").clear()
+    try:
+        with toy_engine(max_num_seqs=1, request_timeout_s=0.2, warmup=False) as engine:
+            first = toy_request("block:reuse", rid="same")
+            assert "request_timeout_s=0.2" in engine.generate(first, timeout=20).error
+            with pytest.raises(InvalidRequestError, match="still finishing") as info:
+                engine.generate([toy_request(rid="other"), toy_request(rid="same")])
+            assert info.value.field == "request_id"
+            assert engine.num_active_requests() == 0  # "other" was not left behind
+            toy.gate("reuse").set()
+            wait_until(lambda: not engine.scheduler.has_request("same"))
+            assert engine.generate(toy_request(rid="same", seed=6)).ok
+            assert_clean(engine)
+    finally:
+        toy.gate("reuse").set()
+
+
+def test_a_silent_consumer_delays_others_but_never_fails_them():
+    """The arena holds one output. A consumer that stops reading holds it; the
+    next request's output waits for room past output_timeout_s without being
+    declared lost, and arrives once the silent output expires."""
+    with toy_engine(step_execution=True, max_num_seqs=2, max_pending_output_bytes=16 << 10,
+                    output_timeout_s=0.5, unread_output_timeout_s=2.5, warmup=False) as engine:
+        async def main():
+            silent = engine.step_streaming(toy_request(seed=1, steps=2, size=64))
+            await silent.__anext__()
+            await wait_for(engine.output_processor.unread_bytes)  # its output holds the arena
+            reading = await engine.generate_async(toy_request(seed=2, steps=2, size=64))
+            late = [o async for o in silent]
+            return reading, late[-1]
+
+        reading, late = asyncio.run(main())
+        assert reading.ok, reading.error
+        assert reading.metrics.output_wait > 0.5  # waited longer than output_timeout_s
+        assert "output expired" in late.error
         assert_clean(engine)

@@ -97,7 +97,9 @@ def test_every_request_is_refused_by_name_or_served_and_neighbours_never_suffer(
         if isinstance(result, InvalidRequestError):
             assert result.field in FIELDS, result
         else:  # served: finished, with its own seed reported
-            assert result.finished and result.ok, result.error
+            assert result.finished, result
+            # a valid but tiny timeout_s may expire before even a toy request ends
+            assert result.ok or "timed out" in (result.error or ""), result.error
             assert isinstance(result.seed, int)
     assert engine.is_healthy()
     assert_clean(engine)

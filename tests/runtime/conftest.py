@@ -29,7 +29,7 @@ def assert_idle(ex) -> None:
     """A healthy executor that holds nothing: no rpc in flight, no output waited
     for, parked, claimed or dropped but not yet freed."""
     assert ex.is_healthy()
-    idle = {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
+    idle = {"rpcs": 0, "blocked": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
     wait_until(lambda: ex.router.counts() == idle, message=lambda: str(ex.router.counts()))
 
 

@@ -97,6 +97,12 @@ class NotDeclared(msgspec.Struct, tag="not_declared"):
     """A request no runner protocol lists."""
 
 
+class ReplyOutsideProtocol(msgspec.Struct, tag="reply_outside_protocol"):
+    """The runner answers with a Struct its protocol does not declare."""
+
+    collective: bool = False
+
+
 # -- replies ------------------------------------------------------------------------------
 class Echoed(msgspec.Struct, tag="echoed"):
     value: Any = None
@@ -126,7 +132,8 @@ class Reduced(msgspec.Struct, tag="reduced"):
 
 ECHO_PROTOCOL = RunnerProtocol(
     settings=EchoSettings,
-    requests=Make | Nested | Echo | Fail | FailOnRank | WrongType | MakeLate | Pid | Info | AllReduce,
+    requests=(Make | Nested | Echo | Fail | FailOnRank | WrongType | MakeLate | Pid | Info
+              | AllReduce | ReplyOutsideProtocol),
     replies=Echoed | Made | PidReply | InfoReply | Reduced,
 )
 
@@ -159,6 +166,9 @@ class EchoRunner:
                 return RunnerResult(reply=Echoed("ok"))
             case WrongType():
                 return 42
+            case ReplyOutsideProtocol(collective=collective):
+                bad = NotDeclared()
+                return bad if collective else RunnerResult(reply=bad, outputs={"k": torch.ones(4)})
             case Pid():
                 return PidReply(os.getpid())
             case Info():

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from faults import delay_outputs, drop_output_ready
+from faults import drop_output_ready, hold_outputs
 from leaks import arena_refs
 from runtime_helpers import config, runner_spec
 from runtime_test_runners import (
@@ -34,7 +34,7 @@ from diffrt.runtime import (
 )
 from diffrt.runtime.factory import make_executor
 
-EMPTY = {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
+EMPTY = {"rpcs": 0, "blocked": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
 
 
 def test_runner_built_with_settings_and_platform(inproc):
@@ -99,13 +99,14 @@ def test_sync_output_path_keeps_the_same_contract():
 
 
 def test_output_timeout_fails_the_waiter_and_frees_the_late_output(monkeypatch):
-    delay_outputs(monkeypatch, 0.6)
+    copy = hold_outputs(monkeypatch)
     ex = make_executor("inproc", config(output_timeout_s=0.2, max_pending_output_bytes=1 << 20))
     try:
         out = ex.execute(Make(keys=["a"], shape=[8]))
         fut = ex.wait_output_ready(out.output_ids["a"])
         with pytest.raises(OutputTimeoutError):
             fut.result(timeout=10)
+        copy.set()
         # the late output arrives and is freed, not cached; the pump survived
         wait_until(lambda: ex.router.counts()["dropped"] == 0, message=str(ex.router.counts()))
         assert ex.router.counts() == EMPTY
@@ -116,7 +117,7 @@ def test_output_timeout_fails_the_waiter_and_frees_the_late_output(monkeypatch):
 
 
 def test_shutdown_fails_pending_work_and_later_calls(monkeypatch):
-    delay_outputs(monkeypatch, 0.5)
+    hold_outputs(monkeypatch)  # never released: the output is pending at shutdown
     gc.collect()  # arenas of earlier tests still viewed by garbage go first
     before = arena_refs(os.getpid())
     ex = make_executor("inproc", config(max_pending_output_bytes=1 << 20))
@@ -193,11 +194,12 @@ def test_lost_output_ready_does_not_leak_its_slot(monkeypatch):
 
 
 def test_release_while_its_copy_is_queued_frees_everything(monkeypatch):
-    delay_outputs(monkeypatch, 0.3)
+    copy = hold_outputs(monkeypatch)
     ex = make_executor("inproc", config(max_pending_output_bytes=1 << 20))
     try:
         out = ex.execute(Make(keys=["a", "b"], shape=[64]))
         ex.release_output(out.output_ids["a"])  # aborted while its copy is still queued
+        copy.set()
         lease = ex.wait_output_ready(out.output_ids["b"]).result(timeout=10)
         assert torch.equal(lease.take(), make_tensor(1, [64], "float32"))
         lease.release()
@@ -249,3 +251,15 @@ def test_a_protocol_lists_tagged_structs_only():
 def test_a_runner_class_without_a_protocol_fails_start_up():
     with pytest.raises(WorkerError, match="no 'protocol'"):
         make_executor("inproc", config(runner_cls="runtime_helpers:config"))
+
+
+def test_a_reply_outside_the_protocol_fails_that_call_only(inproc):
+    from runtime_test_runners import ReplyOutsideProtocol
+
+    with pytest.raises(WorkerError, match="does not declare"):
+        inproc.execute(ReplyOutsideProtocol())
+    with pytest.raises(WorkerError, match="does not declare"):
+        inproc.collective_rpc(ReplyOutsideProtocol(collective=True))
+    assert inproc.is_healthy()
+    assert inproc.execute(Echo(3)).reply == Echoed(3)
+    wait_until(lambda: inproc.router.counts() == EMPTY, message=lambda: str(inproc.router.counts()))

@@ -31,7 +31,7 @@ from waiting import wait_until
 from diffrt.runtime import ExecutorDeadError, WorkerError
 from diffrt.runtime.factory import make_executor
 
-EMPTY = {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
+EMPTY = {"rpcs": 0, "blocked": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
 
 
 def _busy(path) -> Make:

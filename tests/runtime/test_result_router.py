@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import time
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def test_any_order_of_compute_done_output_ready_and_waiter(order):
     for i, k in enumerate(["a", "b", "c"]):
         _value(waits[k], i)
     assert len(h.freed) == 3
-    assert h.router.counts() == {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
+    assert h.router.counts() == {"rpcs": 0, "blocked": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
 
 
 def test_batch_split_with_some_waiters_before_and_some_after_arrival():
@@ -130,7 +131,7 @@ def test_release_before_arrival_frees_on_arrival_not_cached():
     assert h.router.counts()["arrived"] == 1 and h.router.counts()["dropped"] == 0
     h.router.release_output(ids["b"])  # after arrival: freed at once
     assert len(h.freed) == 2
-    assert h.router.counts() == {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
+    assert h.router.counts() == {"rpcs": 0, "blocked": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
 
 
 def test_release_cancels_a_waiting_future():
@@ -332,7 +333,7 @@ def test_waiting_for_a_dropped_or_claimed_output_fails_at_once():
         h.router.wait_output_ready(ids["b"]).result(timeout=0)
     lease.release()
     # a was freed on arrival, b by its holder; the execute itself never completed
-    assert h.router.counts() == {"rpcs": 1, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
+    assert h.router.counts() == {"rpcs": 1, "blocked": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
     assert len(h.freed) == 2
 
 
@@ -359,3 +360,25 @@ def test_every_output_state_and_event_pair_is_handled():
                 h.router._transition(oid, event, fx, now=1e12, result=RuntimeError("x"),
                                      future=concurrent.futures.Future())
             h.router._run(fx)
+
+
+def test_an_output_waiting_for_arena_room_is_not_declared_lost():
+    from diffrt.runtime.messages import PENDING_NOTICE_S, OutputPending
+
+    h = Harness(timeout=0.1)
+    _, _, batch, ids = h.execute(["a"])
+    h.send(OutputPending(batch, [ids["a"]]))  # before anyone waits: BLOCKED
+    assert h.router.counts()["blocked"] == 1
+    fut = h.router.wait_output_ready(ids["a"])
+    h.router.expire(now=time.monotonic() + 0.5)  # past output_timeout_s, within the notice window
+    assert not fut.done()
+    h.send(OutputPending(batch, [ids["a"]]))  # still waiting for room: the wait goes on
+    h.send(h.output_ready(batch, ids))
+    _value(fut, 0)
+    # without notices the ordinary timeout applies again
+    _, _, batch, ids = h.execute(["b"])
+    h.send(OutputPending(batch, [ids["b"]]))
+    late = h.router.wait_output_ready(ids["b"])
+    h.router.expire(now=time.monotonic() + 3 * PENDING_NOTICE_S + 1)
+    with pytest.raises(OutputTimeoutError):
+        late.result(timeout=0)

@@ -16,7 +16,7 @@ from waiting import wait_until
 from diffrt.platforms.cpu import CpuPlatform
 from diffrt.runtime import WorkerError
 from diffrt.runtime.factory import make_executor
-from diffrt.runtime.messages import FreeSlots, OutputReady, encode, result_decoder
+from diffrt.runtime.messages import FreeSlots, OutputPending, OutputReady, encode, result_decoder
 from diffrt.runtime.output_thread import OutputWriter, OutputWriterClosed
 from diffrt.runtime.shm_transport import (
     ALIGN,
@@ -125,10 +125,14 @@ def test_writer_waits_for_frees_when_the_arena_is_full():
         first = sent.get(timeout=10)
         assert writer.submit("b2", {"k": "b2/0"}, {"k": big * 2})
         wait_until(lambda: waits, message="the writer never waited for room")
-        assert sent.empty()  # no room until the first slot comes back
+        # no room until the first slot comes back: only "still pending" notices
+        pending = sent.get(timeout=10)
+        assert isinstance(pending, OutputPending) and pending.output_ids == ["b2/0"]
         out = first.outputs[0]
         frees.put(FreeSlots([(out.slot_offset, out.generation)]))
         second = sent.get(timeout=10)
+        while isinstance(second, OutputPending):
+            second = sent.get(timeout=10)
         assert torch.equal(read_views(arena, second.outputs[0]), big * 2)
         # an output larger than the whole arena fails cleanly instead of waiting forever
         assert writer.submit("b3", {"k": "b3/0"}, {"k": torch.ones(1 << 20, dtype=torch.uint8)})
@@ -211,7 +215,7 @@ def test_concurrent_waiters_get_their_own_outputs():
         for t in threads:
             t.join(30)
         assert len(results) == 24 and all(results.values())
-        empty = {"rpcs": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
+        empty = {"rpcs": 0, "blocked": 0, "waiting": 0, "arrived": 0, "claimed": 0, "dropped": 0}
         wait_until(lambda: ex.router.counts() == empty, message=lambda: str(ex.router.counts()))
     finally:
         ex.shutdown()
@@ -249,6 +253,24 @@ def test_a_batch_larger_than_the_arena_arrives_piece_by_piece():
             with pytest.raises(WorkerError, match="max_pending_output_bytes"):
                 ex.wait_output_ready(oid).result(timeout=10)
         wait_until(lambda: ex.core.writer.used_bytes == 0)
+        assert ex.is_healthy()
+    finally:
+        ex.shutdown()
+
+
+def test_on_the_synchronous_path_a_batch_larger_than_the_arena_fails_at_once():
+    """Copied before COMPUTE_DONE, nobody could read a first part to make room:
+    the whole call's outputs fail at once instead of waiting for ever."""
+    ex = make_executor("inproc", config(max_pending_output_bytes=64 << 10, async_output=False))
+    try:
+        out = ex.execute(Make(keys=["a", "b"], shape=[40 << 10], dtype="uint8"))
+        for oid in out.output_ids.values():
+            with pytest.raises(WorkerError, match="max_pending_output_bytes"):
+                ex.wait_output_ready(oid).result(timeout=10)
+        fits = ex.execute(Make(keys=["a", "b"], shape=[20 << 10], dtype="uint8"))
+        for i, oid in enumerate(fits.output_ids.values()):
+            assert torch.equal(ex.wait_output_ready(oid).result(timeout=10).take(),
+                               make_tensor(i, [20 << 10], "uint8"))
         assert ex.is_healthy()
     finally:
         ex.shutdown()

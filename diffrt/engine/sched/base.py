@@ -77,6 +77,9 @@ class BaseScheduler(Scheduler):
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
     def admission_wait_s(self, now: float) -> float:
         if self.max_wait_s <= 0 or self._running or not self._waiting:
             return 0.0
@@ -110,9 +113,9 @@ class BaseScheduler(Scheduler):
         """A running request (not in flight) was aborted: step mode drops its state."""
 
     def _finish(self, sr: RequestRecord, status: RequestStatus, *, error: str | None = None,
-                has_output: bool = False, release_output: bool = False) -> Finished:
+                has_output: bool = False) -> Finished:
         sr.status = status
         self._requests.pop(sr.request_id, None)
         self._in_flight.discard(sr.request_id)
         return Finished(sr.request_id, status, error=error, has_output=has_output,
-                        release_output=release_output, step=sr.step, total_steps=sr.total_steps)
+                        step=sr.step, total_steps=sr.total_steps)

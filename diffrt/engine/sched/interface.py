@@ -39,10 +39,9 @@ class Finished:
     request_id: str
     status: RequestStatus
     error: str | None = None
-    #: the execute call produced an output the engine must collect.
+    #: the execute call produced an output the engine must collect (any other
+    #: output produced for this request is freed).
     has_output: bool = False
-    #: the call produced an output nobody will read: the engine frees it.
-    release_output: bool = False
     step: int = 0
     total_steps: int = 0
 
@@ -112,6 +111,10 @@ class Scheduler(ABC):
 
     @abstractmethod
     def has_work(self) -> bool: ...
+
+    @abstractmethod
+    def has_request(self, request_id: str) -> bool:
+        """True while ``request_id`` is queued or running here."""
 
     def admission_wait_s(self, now: float) -> float:
         """Seconds the engine should still hold back the next schedule()."""

@@ -49,13 +49,11 @@ class RequestScheduler(BaseScheduler):
     def _terminal(self, sr, rid: str, result: ExecutionResult, finished_ok: set[str]) -> Finished:
         produced = rid in finished_ok
         if sr.abort_requested:
-            return self._finish(sr, RequestStatus.ABORTED, release_output=produced)
+            return self._finish(sr, RequestStatus.ABORTED)
         if result.failed_all is not None:
-            return self._finish(sr, RequestStatus.FAILED, error=result.failed_all,
-                                release_output=produced)
+            return self._finish(sr, RequestStatus.FAILED, error=result.failed_all)
         if rid in result.errors:
-            return self._finish(sr, RequestStatus.FAILED, error=result.errors[rid],
-                                release_output=produced)
+            return self._finish(sr, RequestStatus.FAILED, error=result.errors[rid])
         if produced:
             return self._finish(sr, RequestStatus.FINISHED, has_output=True)
         return self._finish(sr, RequestStatus.FAILED, error="runner returned no output")

@@ -75,7 +75,7 @@ class StepScheduler(BaseScheduler):
                     self._pending_drops.append(rid)
                 status = RequestStatus.ABORTED if sr.abort_requested else RequestStatus.FAILED
                 update.finished.append(self._finish(sr, status, error=None if sr.abort_requested
-                                                    else failed, release_output=produced))
+                                                    else failed))
             elif produced:
                 self._running.remove(sr)
                 update.finished.append(self._finish(sr, RequestStatus.FINISHED, has_output=True))
