@@ -4,8 +4,9 @@
 worker processes); 300 of them belong to consumers that read their first
 progress output and then never read again, without closing their stream.
 Their finished outputs wait in the shared-memory arena
-(``max_pending_output_bytes``) until ``unread_output_timeout_s`` frees them;
-meanwhile a full arena throttles the worker. Every reading consumer must
+(``max_pending_output_bytes``, 2 MiB by default: fewer 64x64 outputs than there
+are silent consumers) until ``unread_output_timeout_s`` frees them; meanwhile a
+full arena throttles the worker and admission waits. Every reading consumer must
 complete with its image, and the resident memory of the engine process and
 its workers must stay within the stated bound over the warm baseline:
 twice the arena (it is mapped, and its touched pages counted, in the engine
@@ -107,7 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--arena-mib", type=float, default=4.0,
+    parser.add_argument("--arena-mib", type=float, default=2.0,
                         help="max_pending_output_bytes, in MiB")
     parser.add_argument("--unread-timeout", type=float, default=30.0,
                         help="unread_output_timeout_s")

@@ -21,32 +21,50 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def test_bad_inputs_are_refused_before_any_engine_starts(cli, clean_error, tmp_path):
-    binary = tmp_path / "prompts.bin"
-    binary.write_bytes(bytes(range(256)))
-    cases = [
-        (["-p", "x", "--seed", str(2**70)], "seed: must be None or an int in"),
-        (["-p", "x", "-o", "/proc/diffrt-test.png"], "cannot write images to '/proc/diffrt-test.png'"),
-        (["--prompts-file", str(binary)], f"--prompts-file '{binary}' is not UTF-8 text"),
-    ]
-    for args, needle in cases:
-        proc = cli("generate", *args, "--executor", "inproc", cwd=tmp_path)
-        clean_error(proc, needle)
-        assert proc.returncode == 2
-        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+def run_main(*argv: str) -> tuple[int, str]:
+    """The CLI's ``main`` in this process (refusals come before any engine starts)."""
+    import contextlib
+    import io
+
+    from diffrt.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, err.getvalue()
 
 
-def test_a_broken_model_folder_is_one_line_naming_the_file(cli, clean_error, tmp_path):
-    from diffrt.engine.pipelines import load_pipeline
+@pytest.mark.parametrize("case", ["seed", "output", "prompts_file", "broken_folder"])
+def test_bad_inputs_are_refused_in_one_line_before_any_engine_starts(tmp_path, monkeypatch,
+                                                                     case):
+    monkeypatch.chdir(tmp_path)
+    if case == "seed":
+        args, needle = ["-p", "x", "--seed", str(2**70)], "seed: must be None or an int in"
+    elif case == "output":
+        args, needle = ["-p", "x", "-o", "/proc/diffrt-test.png"], \
+            "cannot write images to '/proc/diffrt-test.png'"
+    elif case == "prompts_file":
+        binary = tmp_path / "prompts.bin"
+        binary.write_bytes(bytes(range(256)))
+        args, needle = ["--prompts-file", str(binary)], f"--prompts-file '{binary}' is not UTF-8"
+    else:
+        from diffrt.engine.pipelines import load_pipeline
 
-    folder = tmp_path / "flux"
-    load_pipeline("tiny-flux").save_pretrained(folder)
-    [weights] = (folder / "vae").glob("*.safetensors")
-    os.truncate(weights, weights.stat().st_size // 2)
-    proc = cli("generate", "-p", "x", "--model", str(folder), cwd=tmp_path)
-    clean_error(proc, str(weights), "truncated")
-    assert proc.returncode == 2
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        folder = tmp_path / "flux"
+        load_pipeline("tiny-flux").save_pretrained(folder)
+        [weights] = (folder / "vae").glob("*.safetensors")
+        os.truncate(weights, weights.stat().st_size // 2)
+        args, needle = ["-p", "x", "--model", str(folder)], f"{weights}: truncated"
+    code, stderr = run_main("generate", *args, "--executor", "inproc")
+    assert code == 2, stderr
+    assert needle in stderr and "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_a_refusal_from_the_console_script_is_one_line(cli, clean_error, tmp_path):
+    proc = cli("generate", "-p", "x", "--seed", str(2**70), "--executor", "inproc", cwd=tmp_path)
+    clean_error(proc, "seed: must be None or an int in")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 @pytest.mark.e2e
@@ -56,7 +74,10 @@ def test_ctrl_c_during_start_up_ends_in_one_line(tmp_path):
     script = Path(sys.executable).parent / "diffrt"
     proc = subprocess.Popen([str(script), "generate", "-p", "x", "--no-progress"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own group, as a terminal job
+                            start_new_session=True,  # its own group, as a terminal job
+                            # as from a terminal: a test run in the background of a
+                            # non-interactive shell inherits SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         workers = wait_until(lambda: _children(proc.pid), timeout=60,
                              message="the CLI never started its worker")
