@@ -28,8 +28,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import msgspec
-
+from diffrt.engine.admission import admit, deadline_of
 from diffrt.engine.config import EngineConfig, EngineMode
 from diffrt.engine.core import EngineCore
 from diffrt.engine.errors import (
@@ -44,7 +43,7 @@ from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
 from diffrt.engine.pipelines.registry import get_post_process_func, get_pre_process_func
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import InvalidRequestError, SamplingParams, random_seed
+from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 from diffrt.engine.sched import (
     AbortOutcome,
     RequestScheduler,
@@ -281,12 +280,12 @@ class DiffusionEngine:
         seen: set[str] = set()
         now = self._clock()
         for request in requests:
-            request = self._admit(request)
+            request = admit(request, self._pipeline_cls, self._pre, self.config)
             if request.request_id in seen:
                 raise InvalidRequestError("request_id", f"{request.request_id!r} given twice")
             seen.add(request.request_id)
             record = RequestRecord(request, arrival=now, metrics=RequestMetrics(arrival_time=now))
-            record.deadline, record.deadline_reason = self._deadline(request, now)
+            record.deadline, record.deadline_reason = deadline_of(request, now, self.config)
             records.append(record)
         streams = self.output_processor.add(records, loop, inbox)  # refuses once closed or dead
         if not self.executor.is_healthy():
@@ -303,43 +302,6 @@ class DiffusionEngine:
                 raise EngineDeadError(f"engine is not healthy: {self._core.dead_reason}")
             raise EngineClosedError("engine is closed")
         return streams
-
-    def _admit(self, request: Any) -> DiffusionRequest:
-        """Validate one request end to end (InvalidRequestError names the field);
-        returns it as it will run (with its seed drawn when it gave none)."""
-        if not isinstance(request, DiffusionRequest):
-            raise InvalidRequestError(
-                "request", f"must be a DiffusionRequest, got {type(request).__name__}")
-        request.validate()
-        self._pipeline_cls.check_inputs(request)
-        params = request.sampling_params
-        limit = self.config.max_request_cost
-        if limit is not None and params.cost > limit:
-            raise InvalidRequestError(
-                "sampling_params", f"costs {params.cost:g} megapixel-steps (height x width x "
-                f"steps x outputs / 1e6, x2 with CFG), above max_request_cost={limit:g}")
-        # The engine keeps its own copy (a caller mutating its request later
-        # changes nothing), with the seed drawn here when none was given so the
-        # output can name it.
-        seed = random_seed() if params.seed is None else params.seed
-        request = msgspec.structs.replace(
-            request, sampling_params=msgspec.structs.replace(params, seed=seed))
-        request = self._pre(request)
-        try:
-            msgspec.msgpack.encode(request)  # what the worker will receive
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidRequestError("request", f"cannot be sent to a worker: {exc}") from None
-        return request
-
-    def _deadline(self, request: DiffusionRequest, now: float) -> tuple[float | None, str | None]:
-        engine_limit = self.config.request_timeout_s
-        own = request.sampling_params.timeout_s
-        if own is not None and (engine_limit is None or own < engine_limit):
-            return now + own, f"request timed out after {own:g} s (timeout_s={own:g})"
-        if engine_limit is not None:
-            return now + engine_limit, (f"request timed out after {engine_limit:g} s "
-                                        f"(request_timeout_s={engine_limit:g})")
-        return None, None
 
     def _watch(self) -> None:
         """The timer thread: ends requests past their deadline and frees outputs

@@ -1,0 +1,63 @@
+"""What the engine checks and settles for a request at submission.
+
+A request is admitted only if it can be carried end to end: every field's type
+and range, the model's own limits (``check_inputs``), the engine's cost limit,
+and the message a worker will receive (encoded here, per request, so one
+request that cannot be encoded never reaches a tick its neighbours share).
+Refusals raise ``InvalidRequestError`` naming the field. The admitted request
+is the engine's own copy, with its seed drawn when none was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from diffrt.engine.config import EngineConfig
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.sampling import InvalidRequestError, random_seed
+
+
+def admit(request: Any, pipeline_cls: type, pre_process: Callable[[DiffusionRequest],
+          DiffusionRequest], config: EngineConfig) -> DiffusionRequest:
+    """Validate one request end to end; return it as it will run."""
+    if not isinstance(request, DiffusionRequest):
+        raise InvalidRequestError(
+            "request", f"must be a DiffusionRequest, got {type(request).__name__}")
+    request.validate()
+    pipeline_cls.check_inputs(request)
+    params = request.sampling_params
+    limit = config.max_request_cost
+    if limit is not None and params.cost > limit:
+        raise InvalidRequestError(
+            "sampling_params", f"costs {params.cost:g} megapixel-steps (height x width x "
+            f"steps x outputs / 1e6, x2 with CFG), above max_request_cost={limit:g}")
+    # The engine's own copy (a caller mutating its request later changes
+    # nothing), with the seed drawn here when none was given so the output can
+    # name it.
+    seed = random_seed() if params.seed is None else params.seed
+    request = msgspec.structs.replace(
+        request, sampling_params=msgspec.structs.replace(params, seed=seed))
+    request = pre_process(request)
+    try:
+        msgspec.msgpack.encode(request)  # what the worker will receive
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRequestError("request", f"cannot be sent to a worker: {exc}") from None
+    return request
+
+
+def deadline_of(request: DiffusionRequest, now: float,
+                config: EngineConfig) -> tuple[float | None, str | None]:
+    """When a request submitted at ``now`` has run too long, and the error that
+    names the limit: the engine's ``request_timeout_s`` or the request's own
+    lower ``timeout_s``; (None, None) without a limit."""
+    engine_limit = config.request_timeout_s
+    own = request.sampling_params.timeout_s
+    if own is not None and (engine_limit is None or own < engine_limit):
+        return now + own, f"request timed out after {own:g} s (timeout_s={own:g})"
+    if engine_limit is not None:
+        return now + engine_limit, (f"request timed out after {engine_limit:g} s "
+                                    f"(request_timeout_s={engine_limit:g})")
+    return None, None
