@@ -65,6 +65,7 @@ COMPARE_KEYS = {
     "width": positive_int,
     "steps": positive_int,
     "guidance_scale": non_negative_float,
+    "true_cfg_scale": non_negative_float,
     "model": str,
 }
 

@@ -42,7 +42,11 @@ def add_model_args(p: argparse.ArgumentParser, *, height: int = 128, steps: int 
     p.add_argument("--steps", type=positive_int, default=steps,
                    help="denoising steps (default: %(default)s)")
     p.add_argument("--guidance-scale", type=non_negative_float, default=1.0,
-                   help="classifier-free guidance runs when > 1 (default: %(default)s)")
+                   help="SD3: classifier-free guidance runs when > 1; Flux: the embedded "
+                        "guidance of guidance-distilled checkpoints (default: %(default)s)")
+    p.add_argument("--true-cfg-scale", type=non_negative_float, default=1.0,
+                   help="Flux: true classifier-free guidance, runs when > 1 with a "
+                        "--negative-prompt (default: %(default)s)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None:
@@ -112,7 +116,7 @@ def sampling_params(args: argparse.Namespace, *, seed: int | None, n: int = 1) -
 
     return SamplingParams(height=args.height, width=args.width, num_inference_steps=args.steps,
                           guidance_scale=args.guidance_scale, seed=seed,
-                          num_outputs_per_prompt=n)
+                          num_outputs_per_prompt=n, true_cfg_scale=args.true_cfg_scale)
 
 
 def check_requests(model: str, requests: list[Any]) -> None:

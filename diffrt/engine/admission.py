@@ -30,9 +30,10 @@ def admit(request: Any, pipeline_cls: type, pre_process: Callable[[DiffusionRequ
     pipeline_cls.check_inputs(request)
     params = request.sampling_params
     limit = config.max_request_cost
-    if limit is not None and params.cost > limit:
+    cost = request_cost(request, pipeline_cls)
+    if limit is not None and cost > limit:
         raise InvalidRequestError(
-            "sampling_params", f"costs {params.cost:g} megapixel-steps (height x width x "
+            "sampling_params", f"costs {cost:g} megapixel-steps (height x width x "
             f"steps x outputs / 1e6, x2 with CFG), above max_request_cost={limit:g}")
     # The engine's own copy (a caller mutating its request later changes
     # nothing), with the seed drawn here when none was given so the output can
@@ -46,6 +47,11 @@ def admit(request: Any, pipeline_cls: type, pre_process: Callable[[DiffusionRequ
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidRequestError("request", f"cannot be sent to a worker: {exc}") from None
     return request
+
+
+def request_cost(request: DiffusionRequest, pipeline_cls: type) -> float:
+    """Megapixel-steps, doubled when the model runs CFG for this request."""
+    return request.sampling_params.megapixel_steps * (2 if pipeline_cls.uses_cfg(request) else 1)
 
 
 def deadline_of(request: DiffusionRequest, now: float,

@@ -136,9 +136,11 @@ class DiffusionEngine:
         policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass)
         if self.mode is EngineMode.STEP_BATCH:
             return StepScheduler(c.max_num_seqs, policy,
-                                 max_wait_s=c.step_batch_max_wait_ms / 1000.0)
+                                 max_wait_s=c.step_batch_max_wait_ms / 1000.0,
+                                 key=self._pipeline_cls.step_batch_key)
         wait_ms = c.request_batch_max_wait_ms if self._pipeline_cls.supports_request_batch else 0.0
-        return RequestScheduler(c.max_num_seqs, policy, max_wait_s=wait_ms / 1000.0)
+        return RequestScheduler(c.max_num_seqs, policy, max_wait_s=wait_ms / 1000.0,
+                                key=self._pipeline_cls.request_batch_key)
 
     def _warmup(self) -> None:
         multiple = int(getattr(self._pipeline_cls, "size_multiple", 16))

@@ -51,6 +51,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     #: seconds this request may take from submission to its final output; it
     #: can only lower the engine's ``request_timeout_s``. None: the engine's.
     timeout_s: float | None = None
+    #: classifier-free guidance for families whose ``guidance_scale`` is an
+    #: embedded input (Flux): it runs when > 1 and a negative prompt is given.
+    true_cfg_scale: float = 1.0
 
     def validate(self, *, size_multiple: int = 16, max_size: int = 4096) -> None:
         """Raise InvalidRequestError naming the first bad field and its range."""
@@ -69,11 +72,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(
                 "num_inference_steps", f"must be an int in [1, {MAX_STEPS}], got {steps!r}"
             )
-        gs = self.guidance_scale
-        if isinstance(gs, bool) or not isinstance(gs, (int, float)) or not math.isfinite(gs):
-            raise InvalidRequestError("guidance_scale", f"must be a finite number, got {gs!r}")
-        if gs < 0:
-            raise InvalidRequestError("guidance_scale", f"must be >= 0, got {gs!r}")
+        for name in ("guidance_scale", "true_cfg_scale"):
+            g = getattr(self, name)
+            if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
+                    or g < 0:
+                raise InvalidRequestError(name, f"must be a finite number >= 0, got {g!r}")
         n = self.num_outputs_per_prompt
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_OUTPUTS_PER_PROMPT:
             raise InvalidRequestError(
@@ -99,19 +102,16 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("timeout_s", f"must be None or a number > 0, got {t!r}")
 
     @property
-    def cost(self) -> float:
-        """Megapixel-steps: pixels x steps x outputs / 10^6, doubled with CFG
-        (two transformer rows per output)."""
+    def megapixel_steps(self) -> float:
+        """pixels x steps x outputs / 10^6: the transformer work without CFG
+        (the pipeline knows whether CFG runs, which doubles it)."""
         pixels = self.height * self.width * self.num_inference_steps * self.num_outputs_per_prompt
-        return pixels / 1e6 * (2 if self.do_cfg else 1)
-
-    @property
-    def do_cfg(self) -> bool:
-        """Classifier-free guidance runs when the scale exceeds one."""
-        return self.guidance_scale > 1.0
+        return pixels / 1e6
 
     def request_batch_key(self) -> tuple:
-        """Fields that must match for two requests to share one fused forward.
+        """Parameter fields that must match for two requests to share one fused
+        forward (the pipeline adds whether CFG runs, see
+        ``DiffusionPipeline.request_batch_key``).
 
         Step count is part of the key: a request-level forward runs one loop.
         """
@@ -119,24 +119,23 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.height,
             self.width,
             self.num_inference_steps,
-            self.do_cfg,
             self.guidance_scale,
+            self.true_cfg_scale,
             self.num_outputs_per_prompt,
             self.output_type,
             self.lora_name,
         )
 
     def step_batch_key(self) -> tuple:
-        """Fields that must match for two requests to share a denoise step.
+        """Parameter fields that must match for two requests to share a denoise
+        step (the pipeline adds whether CFG runs).
 
         Step counts may differ: each request keeps its own scheduler state.
-        Guidance scale may differ too (it is applied per request), but whether
-        CFG runs at all changes the batch layout, so `do_cfg` is in the key.
+        Guidance scales may differ too (they are applied per row).
         """
         return (
             self.height,
             self.width,
-            self.do_cfg,
             self.num_outputs_per_prompt,
             self.output_type,
             self.lora_name,

@@ -49,13 +49,13 @@ def resolve_seed(seed: int | None) -> int:
     return random_seed() if seed is None else int(seed)
 
 
-def _check_compatible(params: list[SamplingParams], key: str) -> None:
+def _check_compatible(requests: list[DiffusionRequest], key: Any) -> None:
     """Refuse a batch the engine should not have formed (a bug, not user input)."""
-    first = getattr(params[0], key)()
-    for other in params[1:]:
-        if getattr(other, key)() != first:
+    first = key(requests[0])
+    for other in requests[1:]:
+        if key(other) != first:
             raise ValueError(
-                f"incompatible requests in one batch: {key} {getattr(other, key)()} != {first}"
+                f"incompatible requests in one batch: {key.__name__} {key(other)} != {first}"
             )
 
 
@@ -122,7 +122,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         *,
         device: torch.device = CPU,
         dtype: torch.dtype = torch.float32,
-        text_encoder: HashedTextEncoder | None = None,
+        text_encoder: Any = None,
     ):
         self.device = torch.device(device)
         self.dtype = dtype
@@ -169,18 +169,36 @@ class FlowMatchPipeline(DiffusionPipeline):
     def from_pretrained(
         cls, path: str, *, device: torch.device, dtype: torch.dtype
     ) -> FlowMatchPipeline:
-        """Load transformer, VAE and noise scheduler from a local diffusers folder.
+        """Load a local diffusers folder (nothing is downloaded).
 
-        Text encoders in the folder are not used: conditioning is the hashed
-        token embedding sized to the transformer (see text_encoder.py).
+        A folder whose model_index.json lists text encoders is loaded whole by
+        the family's own diffusers pipeline class, and its prompts are encoded
+        by that pipeline's ``encode_prompt`` (``folder_text.py``), so the
+        conditioning is what diffusers gives. A folder without text encoders
+        (transformer, VAE and scheduler only) is conditioned by the hashed
+        token embedding sized to the transformer (``text_encoder.py``).
         """
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
         kw: dict[str, Any] = {"local_files_only": True}
+        if cls._lists_text_encoders(path):
+            import diffusers
+
+            from diffrt.engine.pipelines.folder_text import FolderTextEncoder
+
+            pipeline_cls = getattr(diffusers, cls.diffusers_pipeline_class)
+            full = pipeline_cls.from_pretrained(path, dtype=dtype, **kw)
+            for name, module in full.components.items():
+                if name.startswith("text_encoder") and module is not None:
+                    _place(module, torch.device(device), dtype)
+            text = FolderTextEncoder(full, cls.encode_with_diffusers, device=torch.device(device))
+            logger.info("loaded %s (with its text encoders) from %s", cls.__name__, path)
+            return cls(full.transformer, full.vae, full.scheduler, device=device, dtype=dtype,
+                       text_encoder=text)
         transformer = cls.transformer_type().from_pretrained(
-            path, subfolder="transformer", torch_dtype=dtype, **kw
+            path, subfolder="transformer", dtype=dtype, **kw
         )
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw)
+        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", dtype=dtype, **kw)
         # "scheduler" is the diffusers folder layout's name for the noise scheduler.
         noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
             path, subfolder="scheduler", **kw
@@ -206,6 +224,20 @@ class FlowMatchPipeline(DiffusionPipeline):
         }
         with open(os.path.join(path, "model_index.json"), "w") as f:
             json.dump(index, f, indent=2)
+
+    @staticmethod
+    def _lists_text_encoders(path: str) -> bool:
+        index_path = os.path.join(path, "model_index.json")
+        if not os.path.isfile(index_path):
+            return False
+        with open(index_path) as f:
+            entry = json.load(f).get("text_encoder")
+        return isinstance(entry, list) and entry[0] is not None
+
+    @staticmethod
+    def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's diffusers ``encode_prompt``: (embeds, pooled) per prompt."""
+        raise NotImplementedError
 
     @classmethod
     def limits_from_config(cls, transformer_config: dict, vae_config: dict) -> dict[str, int]:
@@ -243,13 +275,14 @@ class FlowMatchPipeline(DiffusionPipeline):
         """Embeddings for one request, repeated per output; negatives when CFG runs."""
         params = request.sampling_params
         n = params.num_outputs_per_prompt
+        cfg = self.uses_cfg(request)
         prompts = [request.prompt]
-        if params.do_cfg:
+        if cfg:
             prompts.append(request.negative_prompt or "")
         embeds, pooled = self.text_encoder(prompts)
         embeds = embeds.to(self.device, self.dtype).repeat_interleave(n, dim=0)
         pooled = pooled.to(self.device, self.dtype).repeat_interleave(n, dim=0)
-        if not params.do_cfg:
+        if not cfg:
             return Conditioning(embeds, pooled)
         return Conditioning(embeds[:n], pooled[:n], embeds[n:], pooled[n:])
 
@@ -285,8 +318,10 @@ class FlowMatchPipeline(DiffusionPipeline):
         cond: Conditioning,
         guidance: torch.Tensor,
         params: SamplingParams,
+        cfg_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Transformer call with CFG combined per row (uncond + g * (cond - uncond))."""
+        """Transformer call with CFG combined per row (uncond + s * (cond - uncond),
+        ``s`` from ``cfg_scale``); ``guidance`` is the families' embedded input."""
         if cond.neg_embeds is None:
             return self.transformer_forward(
                 latents, timesteps, cond.embeds, cond.pooled, guidance, params
@@ -300,7 +335,8 @@ class FlowMatchPipeline(DiffusionPipeline):
             params,
         )
         uncond, text = pred.chunk(2)
-        g = guidance.view(-1, *([1] * (pred.dim() - 1))).to(pred.dtype)
+        scale = cfg_scale if cfg_scale is not None else guidance
+        g = scale.view(-1, *([1] * (pred.dim() - 1))).to(pred.dtype)
         return uncond + g * (text - uncond)
 
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -321,13 +357,18 @@ class FlowMatchPipeline(DiffusionPipeline):
             (params.num_outputs_per_prompt,), float(params.guidance_scale), device=self.device
         )
 
+    def _cfg_rows(self, params: SamplingParams) -> torch.Tensor:
+        return torch.full(
+            (params.num_outputs_per_prompt,), self.cfg_scale(params), device=self.device
+        )
+
     # -- request style --------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
         params = batch.sampling_params
         for request in batch.requests:
             self.check_inputs(request)
-        _check_compatible([r.sampling_params for r in batch.requests], "request_batch_key")
+        _check_compatible(batch.requests, self.request_batch_key)
         n = params.num_outputs_per_prompt
         latents = torch.cat(
             [
@@ -337,10 +378,11 @@ class FlowMatchPipeline(DiffusionPipeline):
         )
         cond = Conditioning.cat([self.encode_prompt(r) for r in batch.requests])
         guidance = torch.cat([self._guidance_rows(r.sampling_params) for r in batch.requests])
+        scales = torch.cat([self._cfg_rows(r.sampling_params) for r in batch.requests])
         noise_scheduler, timesteps = self.prepare_timesteps(params)
         for t in timesteps:
             pred = self.guided_prediction(
-                latents, t.expand(latents.shape[0]), cond, guidance, params
+                latents, t.expand(latents.shape[0]), cond, guidance, params, scales
             )
             latents = noise_scheduler.step(pred, t, latents, return_dict=False)[0]
         parts = self.finish(latents, params).split(n, dim=0)
@@ -358,6 +400,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         state.extra["seed"] = seed
         state.extra["cond"] = self.encode_prompt(request)
         state.extra["guidance"] = self._guidance_rows(params)
+        state.extra["cfg_scale"] = self._cfg_rows(params)
         state.latents = self.prepare_latents(params, seed)
         state.noise_scheduler, state.timesteps = self.prepare_timesteps(params)
         state.step_index = 0
@@ -365,14 +408,15 @@ class FlowMatchPipeline(DiffusionPipeline):
     @torch.no_grad()
     def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
         params = states[0].request.sampling_params
-        _check_compatible([s.request.sampling_params for s in states], "step_batch_key")
+        _check_compatible([s.request for s in states], self.step_batch_key)
         latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
         timesteps = torch.cat(
             [s.timesteps[s.step_index].expand(s.latents.shape[0]) for s in states]  # type: ignore[index,union-attr]
         )
         cond = Conditioning.cat([s.extra["cond"] for s in states])
         guidance = torch.cat([s.extra["guidance"] for s in states])
-        return self.guided_prediction(latents, timesteps, cond, guidance, params)
+        scales = torch.cat([s.extra["cfg_scale"] for s in states])
+        return self.guided_prediction(latents, timesteps, cond, guidance, params, scales)
 
     @torch.no_grad()
     def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:

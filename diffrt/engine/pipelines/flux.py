@@ -58,6 +58,25 @@ class FluxPipeline(FlowMatchPipeline):
 
         return FluxTransformer2DModel
 
+    @classmethod
+    def uses_cfg(cls, request: Any) -> bool:
+        """As diffusers' FluxPipeline: ``guidance_scale`` is the embedded guidance
+        of guidance-distilled checkpoints; true CFG runs only with
+        ``true_cfg_scale`` > 1 and a negative prompt."""
+        return request.sampling_params.true_cfg_scale > 1.0 and request.negative_prompt is not None
+
+    @classmethod
+    def cfg_scale(cls, params: SamplingParams) -> float:
+        return float(params.true_cfg_scale)
+
+    @staticmethod
+    def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """CLIP pooled output + T5 hidden states (512 tokens), as FluxPipeline does."""
+        embeds, pooled, _ = pipeline.encode_prompt(
+            prompt=prompts, prompt_2=None, device=pipeline.text_encoder.device,
+            num_images_per_prompt=1, max_sequence_length=512)
+        return embeds, pooled
+
     def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
         n, c, h, w = latents.shape
         latents = latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
@@ -105,8 +124,8 @@ class FluxPipeline(FlowMatchPipeline):
         guidance: torch.Tensor,
         params: SamplingParams,
     ) -> torch.Tensor:
-        # Guidance-distilled checkpoints (guidance_embeds=True) take the scale
-        # as an input; ours also apply true CFG when guidance_scale > 1.
+        # Guidance-distilled checkpoints (guidance_embeds=True) take the scale as
+        # an input; others ignore it (true CFG is true_cfg_scale's business).
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
         return self.transformer(

@@ -100,6 +100,27 @@ class DiffusionPipeline(ABC):
         raise NotImplementedError(f"{cls.__name__} cannot load a local folder")
 
     @classmethod
+    def uses_cfg(cls, request: DiffusionRequest) -> bool:
+        """Whether classifier-free guidance runs for this request (two rows per
+        output). By default when ``guidance_scale`` > 1, as in diffusers' SD3."""
+        return request.sampling_params.guidance_scale > 1.0
+
+    @classmethod
+    def cfg_scale(cls, params: SamplingParams) -> float:
+        """The scale of classifier-free guidance when it runs."""
+        return float(params.guidance_scale)
+
+    @classmethod
+    def request_batch_key(cls, request: DiffusionRequest) -> tuple:
+        """What must match for two requests to share one fused forward."""
+        return (*request.sampling_params.request_batch_key(), cls.uses_cfg(request))
+
+    @classmethod
+    def step_batch_key(cls, request: DiffusionRequest) -> tuple:
+        """What must match for two requests to share a denoise step."""
+        return (*request.sampling_params.step_batch_key(), cls.uses_cfg(request))
+
+    @classmethod
     def check_inputs(cls, request: DiffusionRequest) -> None:
         """Raise InvalidRequestError before any compute. A classmethod so the
         engine validates at submission without loading weights."""

@@ -7,6 +7,8 @@ seeded configuration behind `tiny-sd3`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
@@ -44,6 +46,30 @@ class SD3Pipeline(FlowMatchPipeline):
         from diffusers import SD3Transformer2DModel
 
         return SD3Transformer2DModel
+
+    @staticmethod
+    def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two CLIPs (penultimate hidden states, pooled) and T5 (256 tokens),
+        concatenated as StableDiffusion3Pipeline does."""
+        embeds, _, pooled, _ = pipeline.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=pipeline.text_encoder.device,
+            num_images_per_prompt=1, do_classifier_free_guidance=False, max_sequence_length=256)
+        return embeds, pooled
+
+    def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
+        """``mu`` when the noise scheduler shifts dynamically (SD3.5 configs), from
+        the latent patch count, as StableDiffusion3Pipeline computes it."""
+        cfg = self.noise_scheduler.config
+        if not cfg.get("use_dynamic_shifting", False):
+            return {}
+        from diffrt.engine.pipelines.flux import calculate_shift
+
+        patch = self.transformer.config.patch_size
+        seq_len = (params.height // self.vae_scale_factor // patch) * (
+            params.width // self.vae_scale_factor // patch)
+        return {"mu": calculate_shift(seq_len, cfg.get("base_image_seq_len", 256),
+                                      cfg.get("max_image_seq_len", 4096),
+                                      cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))}
 
     @classmethod
     def limits_from_config(cls, transformer_config: dict, vae_config: dict) -> dict[str, int]:

@@ -4,6 +4,7 @@ in-flight set of the current execute call, and the terminal transitions."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
@@ -20,12 +21,15 @@ class BaseScheduler(Scheduler):
     shutdown. Requests that queued behind running work are never held again."""
 
     def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
-                 max_wait_s: float = 0.0, stable_s: float | None = None):
+                 max_wait_s: float = 0.0, stable_s: float | None = None,
+                 key: Callable[[DiffusionRequest], tuple] | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.max_num_seqs = max_num_seqs
+        #: the compatibility key (the pipeline's; by default the parameters' own)
+        self._key = key
         self.policy = policy or FifoPolicy()
         self.max_wait_s = max_wait_s
         self.stable_s = stable_s if stable_s is not None else max(0.001, max_wait_s / 4)
@@ -38,6 +42,9 @@ class BaseScheduler(Scheduler):
 
     # -- subclasses say which key makes requests compatible ---------------------
     def batch_key(self, request: DiffusionRequest) -> tuple:
+        return self._key(request) if self._key is not None else self.default_key(request)
+
+    def default_key(self, request: DiffusionRequest) -> tuple:
         raise NotImplementedError
 
     # -- public surface -------------------------------------------------------------

@@ -1,7 +1,7 @@
 """REQUEST_BATCH scheduling: whole-request waves of compatible requests.
 
 One wave runs at a time: ``schedule`` admits up to ``max_num_seqs`` requests
-sharing ``SamplingParams.request_batch_key()`` and the wave leaves the
+sharing the pipeline's ``request_batch_key`` and the wave leaves the
 scheduler in ``update_from_output``. The optional coalescing window (see
 ``BaseScheduler``) holds back the first schedule of a new wave so a burst can
 gather.
@@ -21,7 +21,7 @@ from diffrt.engine.sched.interface import (
 
 
 class RequestScheduler(BaseScheduler):
-    def batch_key(self, request: DiffusionRequest) -> tuple:
+    def default_key(self, request: DiffusionRequest) -> tuple:
         return request.sampling_params.request_batch_key()
 
     def schedule(self, now: float) -> SchedulerOutput | None:

@@ -2,7 +2,7 @@
 
 Every tick advances all running requests by one denoise step in one batch.
 Requests join at a step boundary when there is capacity and their
-``SamplingParams.step_batch_key()`` equals the running batch's; they leave
+step batch key (the pipeline's ``step_batch_key``) equals the running batch's; they leave
 when their own step count is reached (counts may differ within a batch), when
 they fail, or when aborted. The worker keeps each request's step state, so a
 request that leaves without finishing there is listed in the next tick's
@@ -13,6 +13,8 @@ running batch never waits.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
@@ -28,11 +30,12 @@ from diffrt.engine.sched.policy import AdmissionPolicy
 
 class StepScheduler(BaseScheduler):
     def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
-                 max_wait_s: float = 0.0, stable_s: float | None = None):
-        super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s)
+                 max_wait_s: float = 0.0, stable_s: float | None = None,
+                 key: Callable[[DiffusionRequest], tuple] | None = None):
+        super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key)
         self._pending_drops: list[str] = []
 
-    def batch_key(self, request: DiffusionRequest) -> tuple:
+    def default_key(self, request: DiffusionRequest) -> tuple:
         return request.sampling_params.step_batch_key()
 
     @property

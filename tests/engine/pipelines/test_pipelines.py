@@ -23,10 +23,17 @@ SIZE = 64
 
 
 def make_request(prompt="a red fox", *, negative_prompt=None, **params) -> DiffusionRequest:
+    """``guidance_scale`` > 1 asks for classifier-free guidance in both families:
+    SD3 runs it from ``guidance_scale``; Flux (as diffusers' FluxPipeline) from
+    ``true_cfg_scale`` with a negative prompt, so both are set (the negative
+    prompt defaults to "", what SD3 uses when none is given)."""
     params.setdefault("height", SIZE)
     params.setdefault("width", SIZE)
     params.setdefault("num_inference_steps", 2)
     params.setdefault("seed", 0)
+    if params.get("guidance_scale", 1.0) > 1.0:
+        params.setdefault("true_cfg_scale", params["guidance_scale"])
+        negative_prompt = "" if negative_prompt is None else negative_prompt
     return DiffusionRequest(prompt, SamplingParams(**params), negative_prompt=negative_prompt)
 
 

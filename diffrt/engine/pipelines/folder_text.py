@@ -1,0 +1,38 @@
+"""A model folder's own text encoders, run exactly as diffusers runs them.
+
+A diffusers folder ships its text encoders and tokenizers (CLIP, T5). Rather
+than re-implementing each family's prompt encoding (CLIP's penultimate hidden
+state, pooled outputs, T5 padding and maximum lengths, how SD3 concatenates
+them), the family's diffusers pipeline is built around the loaded encoders
+alone (no transformer, VAE or scheduler) and its own ``encode_prompt`` is
+called. So a prompt is conditioned exactly as diffusers would condition it,
+and a new family only names its diffusers pipeline and the arguments its
+``encode_prompt`` takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class FolderTextEncoder:
+    """Callable as the pipelines' text encoder: prompts -> (embeds, pooled)."""
+
+    def __init__(self, text_pipeline: Any, encode: Callable[[Any, list[str]], tuple], *,
+                 device: torch.device):
+        self.pipeline = text_pipeline
+        self._encode = encode
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._encode(self.pipeline, list(prompts))
+
+
+def text_components(pipeline: Any) -> dict[str, Any]:
+    """The text encoders and tokenizers of a loaded diffusers pipeline."""
+    return {name: module for name, module in pipeline.components.items()
+            if name.startswith(("text_encoder", "tokenizer"))}

@@ -1,0 +1,482 @@
+"""Complete tiny diffusers folders, built locally and deterministically.
+
+``build_tiny_flux_folder`` and ``build_tiny_sd3_folder`` write folders that
+diffusers' own ``FluxPipeline`` / ``StableDiffusion3Pipeline`` load with
+``from_pretrained(path, local_files_only=True)``: transformer, VAE, scheduler
+and the folder's own tiny text encoders (CLIP, T5) with tokenizers built here
+from a fixed word list, so nothing is ever downloaded.
+
+Same seed, same library versions -> byte-identical files: every module is
+built under its own fixed seed (``seed`` + a per-component offset, so the two
+CLIP encoders of SD3 differ), and the tokenizers come from a deterministic
+byte-level BPE (CLIP) and Unigram (T5) vocabulary.
+
+With default initialisation a tiny transformer barely reacts to its prompt
+(the prompt reaches the image only through a few of hundreds of attention
+keys and a pooled vector next to the timestep embedding). A few weights are
+scaled up after initialisation (``PROMPT_BOOST``) so that two different
+prompts give clearly different images: text tokens carry larger values into
+the joint attention and the pooled prompt modulates the blocks more strongly.
+
+Shapes (read from diffusers' pipelines):
+
+- Flux: latent channels = VAE ``latent_channels`` = transformer
+  ``in_channels // 4`` (latents are packed 2x2); ``joint_attention_dim`` = T5
+  ``d_model``; ``pooled_projection_dim`` = CLIP ``hidden_size`` (the pooled
+  output of ``CLIPTextModel``, not a projection).
+- SD3: the two CLIPs' penultimate hidden states are concatenated and
+  zero-padded to T5's width, so T5 ``d_model`` (= ``joint_attention_dim``)
+  must be at least the sum of the CLIP hidden sizes (diffusers crops silently
+  otherwise: ``F.pad`` with a negative width); ``pooled_projection_dim`` = the
+  sum of the CLIP projection dims.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffrt.engine.pipelines.tiny import seeded_init
+
+# ---------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------
+
+#: CLIP text encoder (both families; SD3 has two of them).
+TINY_CLIP_TEXT: dict[str, Any] = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    max_position_embeddings=77,
+    projection_dim=32,
+    hidden_act="quick_gelu",
+    layer_norm_eps=1e-5,
+)
+
+#: T5 v1.1-style encoder (gated GELU, untied), as in FLUX.1 and SD3.
+TINY_T5: dict[str, Any] = dict(
+    d_model=32,
+    d_kv=8,
+    d_ff=37,
+    num_layers=2,
+    num_heads=2,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    dropout_rate=0.0,
+)
+
+#: SD3's T5 is wider than the two CLIPs together (32 + 32 < 96), as in the
+#: real model (768 + 1280 < 4096): the concatenated CLIP states are zero-padded.
+TINY_SD3_T5: dict[str, Any] = {**TINY_T5, "d_model": 96}
+
+#: VAE shared by both families (8x, 4 latent channels), without quant convs
+#: like the FLUX.1 and SD3 VAEs; scaling/shift factors are the real ones.
+_TINY_VAE: dict[str, Any] = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    block_out_channels=(32, 32, 64, 64),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=1,
+    norm_num_groups=32,
+    sample_size=128,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+TINY_FLUX_VAE: dict[str, Any] = {**_TINY_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
+TINY_SD3_VAE: dict[str, Any] = {**_TINY_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
+
+TINY_FLUX_TRANSFORMER: dict[str, Any] = dict(
+    patch_size=1,
+    in_channels=4 * _TINY_VAE["latent_channels"],
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=TINY_T5["d_model"],
+    pooled_projection_dim=TINY_CLIP_TEXT["hidden_size"],
+    axes_dims_rope=(4, 6, 6),
+)
+
+TINY_SD3_TRANSFORMER: dict[str, Any] = dict(
+    sample_size=16,
+    patch_size=2,
+    in_channels=_TINY_VAE["latent_channels"],
+    out_channels=_TINY_VAE["latent_channels"],
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=TINY_SD3_T5["d_model"],
+    caption_projection_dim=32,  # = num_attention_heads * attention_head_dim
+    pooled_projection_dim=2 * TINY_CLIP_TEXT["projection_dim"],
+    pos_embed_max_size=32,
+)
+
+#: SD3.5 (Medium-style): RMS-normed q/k and a dual-attention first block.
+TINY_SD35_EXTRA: dict[str, Any] = dict(qk_norm="rms_norm", dual_attention_layers=(0,))
+
+#: FLUX.1-dev's scheduler (resolution-dependent shift).
+FLUX_SCHEDULER: dict[str, Any] = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+#: SD3 / SD3.5's scheduler (fixed shift).
+SD3_SCHEDULER: dict[str, Any] = dict(num_train_timesteps=1000, shift=3.0)
+
+#: Factors applied to freshly initialised transformer weights so the prompt
+#: shows in the image (see the module docstring), by parameter-name suffix:
+#: the pooled-prompt projection (added to the timestep embedding, so it
+#: modulates every block), sharper attention from image queries to text keys
+#: (the few prompt tokens otherwise drown among hundreds of padding tokens)
+#: and larger text values. Mean |difference| between two prompts' 64x64
+#: images (4 steps, fp32, CPU), min over 10 prompt pairs: Flux 1.1 -> 20/255,
+#: SD3 2.1 -> 28/255, SD3.5 1.6 -> 22/255; changing only the T5 prompt:
+#: 0.0-0.1 -> 7-10/255.
+_POOLED = "time_text_embed.text_embedder.linear_"
+PROMPT_BOOST: dict[str, dict[str, float]] = {
+    "flux": {
+        _POOLED + "1.weight": 4.0,
+        _POOLED + "2.weight": 4.0,
+        "attn.norm_added_k.weight": 8.0,  # RMS q/k norm: logits scale with its weight
+        "attn.add_v_proj.weight": 8.0,
+    },
+    "sd3": {
+        _POOLED + "1.weight": 2.0,
+        _POOLED + "2.weight": 2.0,
+        "attn.to_q.weight": 2.0,  # no q/k norm: logits scale with the projections
+        "attn.add_k_proj.weight": 16.0,
+        "attn.add_v_proj.weight": 16.0,
+    },
+    "sd35": {
+        _POOLED + "1.weight": 2.0,
+        _POOLED + "2.weight": 2.0,
+        "attn.norm_q.weight": 2.0,
+        "attn.norm_added_k.weight": 8.0,
+        "attn.add_v_proj.weight": 16.0,
+    },
+}
+
+CLIP_MAX_LENGTH = 77
+T5_MAX_LENGTH = 512
+
+# Per-component seed offsets: fixed, so a component's weights do not depend
+# on which other components a folder has.
+_SEED_OFFSETS = {
+    "transformer": 0,
+    "vae": 1,
+    "text_encoder": 2,
+    "text_encoder_2": 3,
+    "text_encoder_3": 4,
+}
+
+# ---------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------
+
+#: The words both tokenizers are built from, most frequent first (their rank
+#: sets their weight when the BPE merges and Unigram scores are derived).
+_WORDS = """
+a the of and in on with to is at by for from an it this that as are was be or
+photo picture painting drawing image portrait landscape close up view of style
+red orange yellow green blue purple pink brown black white gray grey gold silver
+dark light bright colorful small big large tiny huge tall old young new
+cat dog fox bird horse cow sheep lion tiger bear wolf rabbit mouse fish owl deer
+man woman girl boy child person people face eyes hair hand
+tree trees forest flower flowers grass leaf leaves garden field mountain mountains
+river lake sea ocean beach sand snow ice rain cloud clouds sky sun moon star stars
+night day morning evening sunset sunrise winter summer spring autumn fall
+house city street road car bridge castle tower window door room table chair
+water fire stone rock wood glass metal paper
+standing sitting running walking flying sleeping looking holding wearing
+beautiful cute detailed realistic high quality masterpiece digital art oil
+watercolor sketch cinematic lighting sharp focus soft background foreground
+one two three under over near behind between inside outside above below
+very much more most some all no not but if then so his her their its
+""".split()
+
+# bytes_to_unicode() of GPT-2/CLIP: printable bytes map to themselves, the
+# rest to code points from 256 up, in this order.
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+def _word_weights() -> dict[str, int]:
+    weights: dict[str, int] = {}
+    for rank, word in enumerate(_WORDS):
+        if word not in weights:
+            weights[word] = len(_WORDS) - rank
+    return weights
+
+
+def learn_clip_merges(num_merges: int = 400) -> list[tuple[str, str]]:
+    """Byte-level BPE merges (CLIP style: ``</w>`` closes a word) learned from
+    the fixed word list; ties break on the pair itself, so always the same."""
+    words = {tuple(w[:-1]) + (w[-1] + "</w>",): f for w, f in _word_weights().items()}
+    merges: list[tuple[str, str]] = []
+    while len(merges) < num_merges:
+        counts: dict[tuple[str, str], int] = {}
+        for symbols, freq in words.items():
+            for pair in zip(symbols, symbols[1:], strict=False):
+                counts[pair] = counts.get(pair, 0) + freq
+        if not counts:
+            break
+        best = min(counts, key=lambda p: (-counts[p], p))
+        merges.append(best)
+        merged = best[0] + best[1]
+        new_words: dict[tuple[str, ...], int] = {}
+        for symbols, freq in words.items():
+            out: list[str] = []
+            i = 0
+            while i < len(symbols):
+                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(symbols[i])
+                    i += 1
+            new_words[tuple(out)] = freq
+        words = new_words
+    return merges
+
+
+def clip_vocab_and_merges(num_merges: int = 400) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """CLIP's layout: 256 byte symbols, their ``</w>`` forms, one entry per
+    merge, then ``<|startoftext|>`` and ``<|endoftext|>`` (the highest id)."""
+    symbols = list(_bytes_to_unicode().values())
+    tokens = symbols + [s + "</w>" for s in symbols]
+    merges = learn_clip_merges(num_merges)
+    tokens += [a + b for a, b in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab: dict[str, int] = {}
+    for token in tokens:
+        vocab.setdefault(token, len(vocab))
+    return vocab, merges
+
+
+def build_clip_tokenizer(folder: str | os.PathLike) -> Any:
+    """Write a CLIP tokenizer to ``folder`` (``vocab.json`` + ``merges.txt``
+    + ``tokenizer.json`` and its configs) and return it."""
+    from transformers import CLIPTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab, merges = clip_vocab_and_merges()
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False) + "\n",
+                                       encoding="utf-8")
+    (folder / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def t5_pieces() -> list[tuple[str, float]]:
+    """Unigram pieces with SentencePiece-like log-probability scores:
+    ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, then "▁", whole words ("▁red"),
+    frequent sub-words from the BPE merges and single characters. A whole
+    word always scores better than its spelling."""
+    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0),
+                                       ("▁", -2.0)]
+    seen = {p for p, _ in pieces}
+
+    def add(piece: str, score: float) -> None:
+        if piece not in seen:
+            seen.add(piece)
+            pieces.append((piece, round(score, 4)))
+
+    for rank, word in enumerate(_word_weights()):
+        add("▁" + word, -5.0 - 0.01 * rank)
+    for rank, (a, b) in enumerate(learn_clip_merges(200)):
+        sub = (a + b).replace("</w>", "")
+        if len(sub) > 1:
+            add(sub, -8.0 - 0.01 * rank)
+    chars = ("abcdefghijklmnopqrstuvwxyz" "ABCDEFGHIJKLMNOPQRSTUVWXYZ" "0123456789"
+             "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+    for rank, ch in enumerate(chars):
+        add(ch, -12.0 - 0.01 * rank)
+    return pieces
+
+
+def build_t5_tokenizer(folder: str | os.PathLike) -> Any:
+    """Write a T5 (Unigram, Metaspace) tokenizer to ``folder`` and return it."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+    from transformers import T5TokenizerFast
+
+    backend = Tokenizer(Unigram(t5_pieces(), unk_id=2, byte_fallback=False))
+    # The same pipeline as transformers' T5 tokenizer rebuilds on loading.
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+    ])
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    backend.post_processor = processors.TemplateProcessing(
+        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)])
+    tokenizer = T5TokenizerFast(tokenizer_object=backend, extra_ids=0,
+                                model_max_length=T5_MAX_LENGTH)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------
+
+
+def _boost(module: torch.nn.Module, factors: dict[str, float]) -> None:
+    hits = dict.fromkeys(factors, 0)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            for suffix, factor in factors.items():
+                if name.endswith(suffix):
+                    param.mul_(factor)
+                    hits[suffix] += 1
+    missing = [suffix for suffix, n in hits.items() if not n]
+    if missing:  # a diffusers rename would silently undo the boost
+        raise RuntimeError(f"no parameter ends with {missing} in {type(module).__name__}")
+
+
+def _clip_text(cls: type, seed: int, vocab: dict[str, int]) -> Any:
+    from transformers import CLIPTextConfig
+
+    config = CLIPTextConfig(
+        vocab_size=len(vocab),
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+        **TINY_CLIP_TEXT,
+    )
+    with seeded_init(seed):
+        return cls(config).eval()
+
+
+def _t5(seed: int, vocab_size: int, config_kwargs: dict[str, Any]) -> Any:
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1,
+                      decoder_start_token_id=0, is_encoder_decoder=False, **config_kwargs)
+    with seeded_init(seed):
+        return T5EncoderModel(config).eval()
+
+
+def _save(module: Any, folder: Path) -> None:
+    module.save_pretrained(folder, safe_serialization=True)
+
+
+def _write_index(path: Path, class_name: str, components: dict[str, tuple[str, str]]) -> None:
+    import diffusers
+
+    index: dict[str, Any] = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}
+    index.update({name: list(lib_cls) for name, lib_cls in sorted(components.items())})
+    (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def build_tiny_flux_folder(path: str | os.PathLike, *, seed: int = 0,
+                           guidance_embeds: bool = False) -> Path:
+    """A complete tiny FLUX.1 folder at ``path`` (FluxPipeline loads it offline).
+
+    ``guidance_embeds=True`` gives a guidance-distilled ("dev"-style)
+    transformer that takes ``guidance_scale`` as an input.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    clip_tok = build_clip_tokenizer(path / "tokenizer")
+    t5_tok = build_t5_tokenizer(path / "tokenizer_2")
+
+    with seeded_init(seed + _SEED_OFFSETS["transformer"]):
+        transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER,
+                                             guidance_embeds=guidance_embeds)
+    _boost(transformer, PROMPT_BOOST["flux"])
+    _save(transformer, path / "transformer")
+    with seeded_init(seed + _SEED_OFFSETS["vae"]):
+        vae = AutoencoderKL(**TINY_FLUX_VAE)
+    _save(vae, path / "vae")
+    FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER).save_pretrained(path / "scheduler")
+    _save(_clip_text(CLIPTextModel, seed + _SEED_OFFSETS["text_encoder"], clip_tok.get_vocab()),
+          path / "text_encoder")
+    _save(_t5(seed + _SEED_OFFSETS["text_encoder_2"], len(t5_tok), TINY_T5),
+          path / "text_encoder_2")
+    _write_index(path, "FluxPipeline", {
+        "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+        "text_encoder": ("transformers", "CLIPTextModel"),
+        "text_encoder_2": ("transformers", "T5EncoderModel"),
+        "tokenizer": ("transformers", "CLIPTokenizer"),
+        "tokenizer_2": ("transformers", "T5TokenizerFast"),
+        "transformer": ("diffusers", "FluxTransformer2DModel"),
+        "vae": ("diffusers", "AutoencoderKL"),
+    })
+    return path
+
+
+def build_tiny_sd3_folder(path: str | os.PathLike, *, seed: int = 0, sd35: bool = False,
+                          dynamic_shifting: bool = False) -> Path:
+    """A complete tiny SD3 folder at ``path`` (StableDiffusion3Pipeline loads
+    it offline). ``sd35=True``: SD3.5-style transformer (RMS q/k norm, a dual
+    attention block). ``dynamic_shifting=True``: the scheduler shifts by
+    resolution as Flux's does (the pipeline then computes ``mu``).
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    clip_tok = build_clip_tokenizer(path / "tokenizer")
+    build_clip_tokenizer(path / "tokenizer_2")
+    t5_tok = build_t5_tokenizer(path / "tokenizer_3")
+
+    config = {**TINY_SD3_TRANSFORMER, **(TINY_SD35_EXTRA if sd35 else {})}
+    with seeded_init(seed + _SEED_OFFSETS["transformer"]):
+        transformer = SD3Transformer2DModel(**config)
+    _boost(transformer, PROMPT_BOOST["sd35" if sd35 else "sd3"])
+    _save(transformer, path / "transformer")
+    with seeded_init(seed + _SEED_OFFSETS["vae"]):
+        vae = AutoencoderKL(**TINY_SD3_VAE)
+    _save(vae, path / "vae")
+    scheduler = dict(SD3_SCHEDULER)
+    if dynamic_shifting:
+        scheduler.update({k: v for k, v in FLUX_SCHEDULER.items() if k != "shift"})
+    FlowMatchEulerDiscreteScheduler(**scheduler).save_pretrained(path / "scheduler")
+    vocab = clip_tok.get_vocab()
+    for name in ("text_encoder", "text_encoder_2"):
+        _save(_clip_text(CLIPTextModelWithProjection, seed + _SEED_OFFSETS[name], vocab),
+              path / name)
+    _save(_t5(seed + _SEED_OFFSETS["text_encoder_3"], len(t5_tok), TINY_SD3_T5),
+          path / "text_encoder_3")
+    _write_index(path, "StableDiffusion3Pipeline", {
+        "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+        "text_encoder": ("transformers", "CLIPTextModelWithProjection"),
+        "text_encoder_2": ("transformers", "CLIPTextModelWithProjection"),
+        "text_encoder_3": ("transformers", "T5EncoderModel"),
+        "tokenizer": ("transformers", "CLIPTokenizer"),
+        "tokenizer_2": ("transformers", "CLIPTokenizer"),
+        "tokenizer_3": ("transformers", "T5TokenizerFast"),
+        "transformer": ("diffusers", "SD3Transformer2DModel"),
+        "vae": ("diffusers", "AutoencoderKL"),
+    })
+    return path
