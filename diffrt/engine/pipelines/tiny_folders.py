@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from diffrt.engine.pipelines.tiny import seeded_init
+from diffrt.engine.pipelines.tiny import TINY_VAE, seeded_init
 
 # ---------------------------------------------------------------------------
 # Configurations
@@ -77,19 +77,7 @@ TINY_SD3_T5: dict[str, Any] = {**TINY_T5, "d_model": 96}
 
 #: VAE shared by both families (8x, 4 latent channels), without quant convs
 #: like the FLUX.1 and SD3 VAEs; scaling/shift factors are the real ones.
-_TINY_VAE: dict[str, Any] = dict(
-    in_channels=3,
-    out_channels=3,
-    latent_channels=4,
-    block_out_channels=(32, 32, 64, 64),
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    layers_per_block=1,
-    norm_num_groups=32,
-    sample_size=128,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-)
+_TINY_VAE: dict[str, Any] = {**TINY_VAE, "use_quant_conv": False, "use_post_quant_conv": False}
 TINY_FLUX_VAE: dict[str, Any] = {**_TINY_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 TINY_SD3_VAE: dict[str, Any] = {**_TINY_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
 
