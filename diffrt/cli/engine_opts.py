@@ -65,6 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None
     p.add_argument("--executor", choices=("mp", "inproc"), default=executor,
                    help="mp: worker processes; inproc: the runner in this process "
                         "(default: %(default)s)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="weights dtype in the workers; auto: bfloat16 where the device "
+                        "supports it, else float16, float32 on CPU (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads in each worker (default: the engine's choice; "
                         "on a busy CPU, more threads than free cores is much slower)")
@@ -92,6 +95,8 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         settings["executor_backend"] = get("executor")
     if get("threads"):
         settings["torch_threads"] = get("threads")
+    if get("dtype") not in (None, "auto"):  # auto is the engine's default
+        settings["dtype"] = get("dtype")
     if get("policy") != "fifo":
         settings["scheduling_policy"] = get("policy")
     if get("batch_wait_ms"):

@@ -20,7 +20,7 @@ from diffrt.runtime.types import ExecutorConfig, RunnerSpec
 EXECUTOR_BACKENDS = ("mp", "inproc")
 #: the runner every worker builds (imported only inside the workers).
 PIPELINE_RUNNER_CLS = "diffrt.engine.pipeline_runner:PipelineRunner"
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 #: ExecutorConfig fields that executor_options may set (the others have their own fields).
@@ -76,7 +76,8 @@ class EngineConfig:
             incompatible one, at most ``scheduling_max_bypass`` times each).
         warmup / warmup_timeout_s: run one tiny request at start-up, failing
             (and cleaning up) if it does not finish in time.
-        dtype: weights dtype in the worker.
+        dtype: weights dtype in the worker: "auto" (bfloat16 where the device
+            supports it, else float16; float32 on CPU), or a dtype's name.
         postprocess_workers: threads that turn outputs into PIL images for asyncio
             consumers (a synchronous consumer converts in its own thread).
         torch_threads: intra-op threads of torch in each worker. None = auto:
@@ -115,7 +116,7 @@ class EngineConfig:
     scheduling_max_bypass: int = 4
     warmup: bool = True
     warmup_timeout_s: float = 300.0
-    dtype: str = "float32"
+    dtype: str = "auto"
     postprocess_workers: int = 2
     torch_threads: int | None = None
     max_pending_output_bytes: int | None = None

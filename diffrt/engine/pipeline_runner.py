@@ -53,6 +53,21 @@ def describe_error(exc: BaseException) -> str:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def resolve_dtype(name: str, platform: Any) -> torch.dtype:
+    """``"auto"``: float32 on CPU; elsewhere bfloat16 where the device supports
+    it (``torch.<device>.is_bf16_supported``), else float16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if platform.device_type == "cpu":
+        return torch.float32
+    check = getattr(getattr(torch, platform.device_type, None), "is_bf16_supported", None)
+    try:
+        supported = bool(check()) if callable(check) else False
+    except Exception:  # a backend that cannot tell: the safe half type
+        supported = False
+    return torch.bfloat16 if supported else torch.float16
+
+
 def cpu_worker_threads(platform: Any, world_size: int) -> int | None:
     """Default torch threads of a CPU worker: the cores this process may use,
     shared among the ranks, minus one left to the engine process (its pump,
@@ -89,7 +104,8 @@ class PipelineRunner:
         else:
             device = platform.torch_device(rank % max(1, platform.device_count()))
         self.pipeline: DiffusionPipeline = load_pipeline(settings.model, device=device,
-                                                         dtype=_DTYPES[settings.dtype])
+                                                         dtype=resolve_dtype(settings.dtype,
+                                                                             platform))
         self.states: dict[str, StepRequestState] = {}
         logger.info("rank %d: runner ready for %s on %s", rank, settings.model, device)
 

@@ -18,7 +18,7 @@ class RunnerSettings(msgspec.Struct, frozen=True):
     """How each worker builds its pipeline (sent once, at start-up)."""
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"
     #: torch intra-op threads; None = the runner's choice for the platform.
     torch_threads: int | None = None
     #: modules imported before the model loads (e.g. to register custom pipelines).

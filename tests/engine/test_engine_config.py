@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
 
@@ -82,3 +83,17 @@ def test_worker_options_are_checked(field, value):
     with pytest.raises(EngineConfigError) as info:
         EngineConfig(model="toy", **{field: value})
     assert info.value.field == field
+
+
+def test_auto_dtype_is_float32_on_cpu_and_half_on_devices():
+    from diffrt.engine.pipeline_runner import resolve_dtype
+
+    class Device:
+        def __init__(self, device_type):
+            self.device_type = device_type
+
+    assert EngineConfig(model="toy").dtype == "auto"
+    assert resolve_dtype("auto", Device("cpu")) is torch.float32
+    assert resolve_dtype("float16", Device("cpu")) is torch.float16
+    # a device type torch has no module for cannot say it supports bf16: fp16
+    assert resolve_dtype("auto", Device("nosuchdevice")) is torch.float16

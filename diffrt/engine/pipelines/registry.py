@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -53,7 +54,8 @@ class UnknownModelError(ValueError):
         detail = f" ({reason})" if reason else ""
         super().__init__(
             f"model: unknown model {model!r}{detail}; known models: {known}, "
-            "or a path to a local diffusers-format Flux/SD3 folder"
+            "a path to a local diffusers-format Flux/SD3 folder, or a hub id already in the "
+            "local Hugging Face cache"
         )
         self.model = model
 
@@ -134,7 +136,30 @@ def resolve_pipeline_class(model: str) -> type[DiffusionPipeline]:
         return _load_class(_PIPELINES[model])
     if os.path.isdir(model):
         return _local_pipeline_class(os.path.realpath(model))
+    if _HUB_ID.fullmatch(model):
+        return _local_pipeline_class(os.path.realpath(cached_snapshot(model)))
     raise UnknownModelError(model)
+
+
+#: "owner/name" as the Hugging Face hub names a repository.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def cached_snapshot(repo_id: str) -> str:
+    """The folder of ``repo_id`` already in the local Hugging Face cache,
+    resolved offline: nothing is downloaded. Raises UnknownModelError naming
+    the cache folder it looked in."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError) as exc:
+        cache = os.environ.get("HF_HUB_CACHE", constants.HF_HUB_CACHE)
+        raise UnknownModelError(
+            repo_id, f"not a registered model or a folder, and not in the local Hugging Face "
+                     f"cache {cache} ({type(exc).__name__}); nothing is downloaded: fetch it "
+                     f"first, e.g. `huggingface-cli download {repo_id}`") from None
 
 
 def load_pipeline(

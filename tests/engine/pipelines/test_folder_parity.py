@@ -94,3 +94,26 @@ def test_request_and_step_mode_alone_and_batched_match_diffusers(loaded, family,
             assert np.abs(ours(image) - want).max() <= MAX_DIFF
     # the prompt matters: different prompts, different pictures
     assert np.abs(expected[0] - expected[2]).mean() > 2
+
+
+def test_a_hub_id_in_the_local_cache_resolves_offline(folders, tmp_path, monkeypatch):
+    import shutil
+
+    from diffrt.engine.pipelines.registry import UnknownModelError, resolve_pipeline_class
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny--flux" / "snapshots" / "0123abcd"
+    shutil.copytree(folders["flux"], snapshot)
+    (cache / "models--tiny--flux" / "refs").mkdir()
+    (cache / "models--tiny--flux" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+
+    cls = resolve_pipeline_class("tiny/flux")
+    assert cls.pretrained_path == str(snapshot.resolve())
+    pipe = load_pipeline("tiny/flux")
+    assert type(pipe.text_encoder).__name__ == "FolderTextEncoder"
+    with pytest.raises(UnknownModelError, match=f"not in the local Hugging Face cache {cache}"):
+        resolve_pipeline_class("tiny/missing")
