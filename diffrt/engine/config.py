@@ -97,6 +97,8 @@ class EngineConfig:
         request_timeout_s: seconds from submission to the final output after
             which a request is ended with an error (``SamplingParams.timeout_s``
             may lower it); None = no limit.
+        prompt_cache_bytes: prompt embeddings each worker keeps (LRU by bytes,
+            keyed by prompt text per text encoder); 0 disables the cache.
         plugin_modules: modules each worker imports before loading the model,
             e.g. one that registers a custom pipeline class.
         executor_options: extra ExecutorConfig fields (tuning: startup_timeout_s,
@@ -122,6 +124,7 @@ class EngineConfig:
     max_pending_output_bytes: int | None = None
     unread_output_timeout_s: float | None = None
     max_request_cost: float | None = 1000.0
+    prompt_cache_bytes: int = 64 << 20
     request_timeout_s: float | None = 600.0
     plugin_modules: tuple[str, ...] = ()
     executor_options: dict[str, Any] = field(default_factory=dict)
@@ -150,7 +153,8 @@ class EngineConfig:
         async_output = platform_async_output if self.async_output is None else self.async_output
         settings = RunnerSettings(model=self.model, dtype=self.dtype,
                                   torch_threads=self.torch_threads,
-                                  plugin_modules=list(self.plugin_modules))
+                                  plugin_modules=list(self.plugin_modules),
+                                  prompt_cache_bytes=self.prompt_cache_bytes)
         runner = RunnerSpec(PIPELINE_RUNNER_CLS, PIPELINE_PROTOCOL, settings)
         return ExecutorConfig(runner=runner, world_size=self.world_size,
                               async_output=async_output, **kw)
@@ -202,6 +206,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not _is_number(v) or v <= 0):
                 raise EngineConfigError(name, f"must be None or a number > 0, got {v!r}")
+        if not _is_int(self.prompt_cache_bytes) or self.prompt_cache_bytes < 0:
+            raise EngineConfigError("prompt_cache_bytes",
+                                    f"must be an int >= 0, got {self.prompt_cache_bytes!r}")
         if isinstance(self.plugin_modules, str) or not all(
                 isinstance(m, str) and m for m in self.plugin_modules):
             raise EngineConfigError("plugin_modules",

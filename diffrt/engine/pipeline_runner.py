@@ -106,6 +106,7 @@ class PipelineRunner:
         self.pipeline: DiffusionPipeline = load_pipeline(settings.model, device=device,
                                                          dtype=resolve_dtype(settings.dtype,
                                                                              platform))
+        self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes)
         self.states: dict[str, StepRequestState] = {}
         logger.info("rank %d: runner ready for %s on %s", rank, settings.model, device)
 

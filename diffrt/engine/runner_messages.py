@@ -23,6 +23,8 @@ class RunnerSettings(msgspec.Struct, frozen=True):
     torch_threads: int | None = None
     #: modules imported before the model loads (e.g. to register custom pipelines).
     plugin_modules: list[str] = []
+    #: bytes of prompt embeddings kept per worker (0: none).
+    prompt_cache_bytes: int = 0
 
 
 # -- requests -------------------------------------------------------------------------

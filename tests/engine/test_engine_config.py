@@ -65,7 +65,8 @@ def test_executor_config_names_the_pipeline_runner_and_its_typed_settings():
     assert ex.runner.cls == "diffrt.engine.pipeline_runner:PipelineRunner"
     assert ex.runner.protocol is PIPELINE_PROTOCOL
     assert ex.runner.settings == RunnerSettings(model="toy", dtype="bfloat16", torch_threads=3,
-                                                plugin_modules=["engine_toy"])
+                                                plugin_modules=["engine_toy"],
+                                                prompt_cache_bytes=64 << 20)
     assert (ex.max_pending_output_bytes, ex.output_timeout_s, ex.startup_timeout_s) == \
         (1 << 20, 7.0, 9.0)
     assert ex.async_output is False  # auto follows the platform

@@ -225,6 +225,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         with open(os.path.join(path, "model_index.json"), "w") as f:
             json.dump(index, f, indent=2)
 
+    def enable_prompt_cache(self, max_bytes: int) -> None:
+        from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
+
+        if max_bytes > 0 and not isinstance(self.text_encoder, CachedTextEncoder):
+            self.text_encoder = CachedTextEncoder(self.text_encoder, max_bytes)
+
     @staticmethod
     def _lists_text_encoders(path: str) -> bool:
         index_path = os.path.join(path, "model_index.json")
@@ -273,18 +279,31 @@ class FlowMatchPipeline(DiffusionPipeline):
     # -- stages (shared by both execution styles) -----------------------------------
     def encode_prompt(self, request: DiffusionRequest) -> Conditioning:
         """Embeddings for one request, repeated per output; negatives when CFG runs."""
-        params = request.sampling_params
-        n = params.num_outputs_per_prompt
-        cfg = self.uses_cfg(request)
-        prompts = [request.prompt]
-        if cfg:
-            prompts.append(request.negative_prompt or "")
-        embeds, pooled = self.text_encoder(prompts)
-        embeds = embeds.to(self.device, self.dtype).repeat_interleave(n, dim=0)
-        pooled = pooled.to(self.device, self.dtype).repeat_interleave(n, dim=0)
-        if not cfg:
-            return Conditioning(embeds, pooled)
-        return Conditioning(embeds[:n], pooled[:n], embeds[n:], pooled[n:])
+        return self.encode_prompts([request])[0]
+
+    def encode_prompts(self, requests: list[DiffusionRequest]) -> list[Conditioning]:
+        """``encode_prompt`` for several requests with one text-encoder call (each
+        prompt's embedding does not depend on the others: fixed lengths)."""
+        texts: list[str] = []
+        for request in requests:
+            texts.append(request.prompt)
+            if self.uses_cfg(request):
+                texts.append(request.negative_prompt or "")
+        embeds, pooled = self.text_encoder(texts)
+        embeds, pooled = embeds.to(self.device, self.dtype), pooled.to(self.device, self.dtype)
+        out, row = [], 0
+        for request in requests:
+            n = request.sampling_params.num_outputs_per_prompt
+            e, p = embeds[row:row + 1].repeat_interleave(n, 0), pooled[row:row + 1].repeat_interleave(n, 0)
+            row += 1
+            if not self.uses_cfg(request):
+                out.append(Conditioning(e, p))
+                continue
+            ne = embeds[row:row + 1].repeat_interleave(n, 0)
+            np_ = pooled[row:row + 1].repeat_interleave(n, 0)
+            row += 1
+            out.append(Conditioning(e, p, ne, np_))
+        return out
 
     def latent_shape(self, params: SamplingParams) -> tuple[int, int, int, int]:
         f = self.vae_scale_factor
@@ -376,7 +395,7 @@ class FlowMatchPipeline(DiffusionPipeline):
                 for r in batch.requests
             ]
         )
-        cond = Conditioning.cat([self.encode_prompt(r) for r in batch.requests])
+        cond = Conditioning.cat(self.encode_prompts(batch.requests))
         guidance = torch.cat([self._guidance_rows(r.sampling_params) for r in batch.requests])
         scales = torch.cat([self._cfg_rows(r.sampling_params) for r in batch.requests])
         noise_scheduler, timesteps = self.prepare_timesteps(params)

@@ -168,6 +168,10 @@ class DiffusionPipeline(ABC):
         sizes = [s.latents.shape[0] for s in states]  # type: ignore[union-attr]
         return list(noise_pred.split(sizes, dim=0))
 
+    def enable_prompt_cache(self, max_bytes: int) -> None:  # noqa: B027 (optional hook)
+        """Keep prompt embeddings (LRU, at most ``max_bytes``); pipelines without
+        a text encoder of their own ignore it."""
+
     # -- pre/post-processing hooks ------------------------------------------
     @classmethod
     def pre_process(cls, request: DiffusionRequest) -> DiffusionRequest:

@@ -117,3 +117,23 @@ def test_a_hub_id_in_the_local_cache_resolves_offline(folders, tmp_path, monkeyp
     assert type(pipe.text_encoder).__name__ == "FolderTextEncoder"
     with pytest.raises(UnknownModelError, match=f"not in the local Hugging Face cache {cache}"):
         resolve_pipeline_class("tiny/missing")
+
+
+def test_the_prompt_cache_returns_the_same_embeddings_and_stays_bounded(loaded):
+    from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
+
+    encoder = loaded["sd3"][1].text_encoder
+    plain = encoder.encoder if isinstance(encoder, CachedTextEncoder) else encoder
+    one_prompt = sum(t.numel() * t.element_size() for t in plain(["x"]))
+    cache = CachedTextEncoder(plain, max_bytes=2 * one_prompt)
+    embeds, pooled = cache(["a red fox", "", "a red fox"])
+    want_e, want_p = plain(["a red fox", "", "a red fox"])
+    # (encoded in a batch of another size: equal up to float reassociation)
+    assert torch.allclose(embeds, want_e, atol=1e-5) and torch.allclose(pooled, want_p, atol=1e-5)
+    assert (cache.misses, cache.hits) == (2, 1)  # one call for the two new prompts
+    again = cache(["a red fox"])
+    assert torch.equal(again[0], embeds[:1]) and cache.hits == 2  # the kept rows, as they were
+    cache(["a blue circle"])  # a third prompt: the least recently used goes
+    assert len(cache) == 2 and cache.bytes <= cache.max_bytes
+    cache(["", "a red fox"])
+    assert cache.misses == 4  # "" had been evicted, "a red fox" was still there
