@@ -18,6 +18,7 @@ from diffrt.cli.engine_opts import (
     engine_settings,
     make_engine,
     non_negative_float,
+    positive_float,
     positive_int,
     sampling_params,
 )
@@ -39,13 +40,6 @@ def _choice(*allowed: str):
             raise argparse.ArgumentTypeError(f"must be one of {', '.join(allowed)}, got {text!r}")
         return value
     return convert
-
-
-def positive_float(text: str) -> float:
-    value = non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be > 0")
-    return value
 
 
 #: what a --compare spec may change, and how its value is read

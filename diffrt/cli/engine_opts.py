@@ -33,6 +33,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
 def add_model_args(p: argparse.ArgumentParser, *, height: int = 128, steps: int = 4) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help="embedded model name (tiny-flux, tiny-sd3) or a local diffusers folder "
@@ -68,6 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="weights dtype in the workers; auto: bfloat16 where the device "
                         "supports it, else float16, float32 on CPU (default: %(default)s)")
+    p.add_argument("--startup-timeout", type=positive_float, default=None,
+                   help="seconds each worker may take to import and load the model (a "
+                        "multi-GB checkpoint takes minutes; default: the runtime's 300)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads in each worker (default: the engine's choice; "
                         "on a busy CPU, more threads than free cores is much slower)")
@@ -97,6 +107,8 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         settings["torch_threads"] = get("threads")
     if get("dtype") not in (None, "auto"):  # auto is the engine's default
         settings["dtype"] = get("dtype")
+    if get("startup_timeout"):
+        settings["executor_options"] = {"startup_timeout_s": get("startup_timeout")}
     if get("policy") != "fifo":
         settings["scheduling_policy"] = get("policy")
     if get("batch_wait_ms"):

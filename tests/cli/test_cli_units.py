@@ -164,3 +164,19 @@ def test_engine_settings_follow_the_command_line():
     from diffrt.engine import EngineConfig
 
     EngineConfig(**engine_settings(args))  # names the engine knows
+
+
+def test_engine_flags_reach_the_engine_config():
+    import argparse
+
+    from diffrt.cli.engine_opts import add_engine_args, add_model_args, engine_settings
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_engine_args(p, executor=None)
+    args = p.parse_args(["--dtype", "bfloat16", "--startup-timeout", "900", "--true-cfg-scale", "4"])
+    settings = engine_settings(args)
+    assert settings["dtype"] == "bfloat16"
+    assert settings["executor_options"] == {"startup_timeout_s": 900.0}
+    assert args.true_cfg_scale == 4.0
+    assert "dtype" not in engine_settings(p.parse_args([]))  # auto: the engine's default
