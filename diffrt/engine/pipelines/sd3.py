@@ -92,7 +92,7 @@ class SD3Pipeline(FlowMatchPipeline):
             hidden_states=latents,
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
-            timestep=timesteps.to(latents.dtype),
+            timestep=timesteps,  # float32 whatever the model dtype, as diffusers passes them
             return_dict=False,
         )[0]
 
