@@ -1,9 +1,10 @@
 """The engine's pipelines on complete tiny diffusers folders give the pixels
 diffusers' own pipelines give for the same folder, prompt and seed.
 
-Covered so far: the folder's own text encoders (through diffusers'
-``encode_prompt``), SD3 with and without CFG, an SD3.5-style config, and Flux
-without guidance, whole requests and step by step, alone and batched.
+Covered: the folder's own text encoders (through diffusers' ``encode_prompt``),
+SD3 with and without CFG, an SD3.5-style config, Flux without guidance and a
+guidance-distilled Flux (embedded guidance), whole requests and step by step,
+alone and batched, fp32 and bfloat16.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def folders(tmp_path_factory):
         "flux": tiny_folders.build_tiny_flux_folder(root / "flux", seed=0),
         "sd3": tiny_folders.build_tiny_sd3_folder(root / "sd3", seed=0),
         "sd35": tiny_folders.build_tiny_sd3_folder(root / "sd35", seed=0, sd35=True),
+        "flux-distilled": tiny_folders.build_tiny_flux_folder(root / "flux-distilled", seed=0,
+                                                              guidance_embeds=True),
     }
 
 
@@ -39,7 +42,8 @@ def loaded(folders):
 
     out = {}
     for name, folder in folders.items():
-        cls = diffusers.FluxPipeline if name == "flux" else diffusers.StableDiffusion3Pipeline
+        cls = diffusers.FluxPipeline if name.startswith("flux") else \
+            diffusers.StableDiffusion3Pipeline
         out[name] = (cls.from_pretrained(folder, local_files_only=True),
                      load_pipeline(str(folder)))
     return out
@@ -75,7 +79,7 @@ def stepped(pipe, requests: list[DiffusionRequest]) -> list[torch.Tensor]:
     return pipe.post_decode_batch(states)
 
 
-CASES = [("flux", 1.0, None), ("sd3", 1.0, None), ("sd3", 2.0, None),
+CASES = [("flux", 1.0, None), ("flux-distilled", 3.5, None), ("sd3", 1.0, None), ("sd3", 2.0, None),
          ("sd3", 2.0, "a blurry picture"), ("sd35", 2.0, None)]
 
 
