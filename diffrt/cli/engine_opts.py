@@ -75,6 +75,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="weights dtype in the workers; auto: bfloat16 where the device "
                         "supports it, else float16, float32 on CPU (default: %(default)s)")
+    p.add_argument("--vae-tiling", action="store_true",
+                   help="decode in overlapping tiles (large images on one device)")
+    p.add_argument("--vae-slicing", action="store_true",
+                   help="decode one image at a time (large batches on one device)")
+    p.add_argument("--offload-text-encoders", action="store_true",
+                   help="keep text encoders on the CPU between encodings (small devices)")
     p.add_argument("--startup-timeout", type=positive_float, default=None,
                    help="seconds each worker may take to import and load the model (a "
                         "multi-GB checkpoint takes minutes; default: the runtime's 300)")
@@ -107,6 +113,9 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         settings["torch_threads"] = get("threads")
     if get("dtype") not in (None, "auto"):  # auto is the engine's default
         settings["dtype"] = get("dtype")
+    for flag in ("vae_tiling", "vae_slicing", "offload_text_encoders"):
+        if get(flag):
+            settings[flag] = True
     if get("startup_timeout"):
         settings["executor_options"] = {"startup_timeout_s": get("startup_timeout")}
     if get("policy") != "fifo":

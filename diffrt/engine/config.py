@@ -99,6 +99,9 @@ class EngineConfig:
             may lower it); None = no limit.
         prompt_cache_bytes: prompt embeddings each worker keeps (LRU by bytes,
             keyed by prompt text per text encoder); 0 disables the cache.
+        vae_tiling / vae_slicing: decode in overlapping tiles (large images) /
+            one image at a time (large batches), to save device memory.
+        offload_text_encoders: keep text encoders on the CPU between encodings.
         plugin_modules: modules each worker imports before loading the model,
             e.g. one that registers a custom pipeline class.
         executor_options: extra ExecutorConfig fields (tuning: startup_timeout_s,
@@ -125,6 +128,9 @@ class EngineConfig:
     unread_output_timeout_s: float | None = None
     max_request_cost: float | None = 1000.0
     prompt_cache_bytes: int = 64 << 20
+    vae_tiling: bool = False
+    vae_slicing: bool = False
+    offload_text_encoders: bool = False
     request_timeout_s: float | None = 600.0
     plugin_modules: tuple[str, ...] = ()
     executor_options: dict[str, Any] = field(default_factory=dict)
@@ -154,7 +160,9 @@ class EngineConfig:
         settings = RunnerSettings(model=self.model, dtype=self.dtype,
                                   torch_threads=self.torch_threads,
                                   plugin_modules=list(self.plugin_modules),
-                                  prompt_cache_bytes=self.prompt_cache_bytes)
+                                  prompt_cache_bytes=self.prompt_cache_bytes,
+                                  vae_tiling=self.vae_tiling, vae_slicing=self.vae_slicing,
+                                  offload_text_encoders=self.offload_text_encoders)
         runner = RunnerSpec(PIPELINE_RUNNER_CLS, PIPELINE_PROTOCOL, settings)
         return ExecutorConfig(runner=runner, world_size=self.world_size,
                               async_output=async_output, **kw)
@@ -206,6 +214,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not _is_number(v) or v <= 0):
                 raise EngineConfigError(name, f"must be None or a number > 0, got {v!r}")
+        for name in ("vae_tiling", "vae_slicing", "offload_text_encoders"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.prompt_cache_bytes) or self.prompt_cache_bytes < 0:
             raise EngineConfigError("prompt_cache_bytes",
                                     f"must be an int >= 0, got {self.prompt_cache_bytes!r}")

@@ -106,6 +106,9 @@ class PipelineRunner:
         self.pipeline: DiffusionPipeline = load_pipeline(settings.model, device=device,
                                                          dtype=resolve_dtype(settings.dtype,
                                                                              platform))
+        self.pipeline.configure_memory(vae_tiling=settings.vae_tiling,
+                                       vae_slicing=settings.vae_slicing,
+                                       offload_text_encoders=settings.offload_text_encoders)
         self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes)
         self.states: dict[str, StepRequestState] = {}
         logger.info("rank %d: runner ready for %s on %s", rank, settings.model, device)

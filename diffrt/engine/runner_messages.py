@@ -25,6 +25,9 @@ class RunnerSettings(msgspec.Struct, frozen=True):
     plugin_modules: list[str] = []
     #: bytes of prompt embeddings kept per worker (0: none).
     prompt_cache_bytes: int = 0
+    vae_tiling: bool = False
+    vae_slicing: bool = False
+    offload_text_encoders: bool = False
 
 
 # -- requests -------------------------------------------------------------------------

@@ -180,3 +180,4 @@ def test_engine_flags_reach_the_engine_config():
     assert settings["executor_options"] == {"startup_timeout_s": 900.0}
     assert args.true_cfg_scale == 4.0
     assert "dtype" not in engine_settings(p.parse_args([]))  # auto: the engine's default
+    assert engine_settings(p.parse_args(["--vae-tiling"]))["vae_tiling"] is True

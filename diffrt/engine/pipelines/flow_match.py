@@ -225,6 +225,16 @@ class FlowMatchPipeline(DiffusionPipeline):
         with open(os.path.join(path, "model_index.json"), "w") as f:
             json.dump(index, f, indent=2)
 
+    def configure_memory(self, *, vae_tiling: bool = False, vae_slicing: bool = False,
+                         offload_text_encoders: bool = False) -> None:
+        if vae_tiling:
+            self.vae.enable_tiling()  # diffusers blends overlapping tiles
+        if vae_slicing:
+            self.vae.enable_slicing()
+        offload = getattr(self.text_encoder, "offload", None)
+        if offload_text_encoders and callable(offload):
+            offload()
+
     def enable_prompt_cache(self, max_bytes: int) -> None:
         from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
 

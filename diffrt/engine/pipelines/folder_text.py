@@ -26,10 +26,30 @@ class FolderTextEncoder:
         self.pipeline = text_pipeline
         self._encode = encode
         self.device = device
+        self._offloaded = False
+
+    def offload(self) -> None:
+        """Keep the text encoders on the CPU between encodings: each call moves
+        them to the device and back (for devices too small to hold them with
+        the transformer; the prompt cache spares most calls)."""
+        self._offloaded = True
+        self._move(torch.device("cpu"))
+
+    def _move(self, device: torch.device) -> None:
+        for name, module in self.pipeline.components.items():
+            if name.startswith("text_encoder") and module is not None:
+                module.to(device)
 
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._encode(self.pipeline, list(prompts))
+        if not self._offloaded:
+            return self._encode(self.pipeline, list(prompts))
+        self._move(self.device)
+        try:
+            embeds, pooled = self._encode(self.pipeline, list(prompts))
+            return embeds.to(self.device), pooled.to(self.device)
+        finally:
+            self._move(torch.device("cpu"))
 
 
 def text_components(pipeline: Any) -> dict[str, Any]:

@@ -168,6 +168,12 @@ class DiffusionPipeline(ABC):
         sizes = [s.latents.shape[0] for s in states]  # type: ignore[union-attr]
         return list(noise_pred.split(sizes, dim=0))
 
+    def configure_memory(self, *, vae_tiling: bool = False, vae_slicing: bool = False,  # noqa: B027
+                         offload_text_encoders: bool = False) -> None:
+        """Trade speed for device memory: VAE decoding in tiles (large images) or
+        one image at a time (large batches), text encoders kept on the CPU
+        between encodings (small devices). Pipelines without them ignore it."""
+
     def enable_prompt_cache(self, max_bytes: int) -> None:  # noqa: B027 (optional hook)
         """Keep prompt embeddings (LRU, at most ``max_bytes``); pipelines without
         a text encoder of their own ignore it."""

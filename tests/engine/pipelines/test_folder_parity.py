@@ -156,3 +156,29 @@ def test_bfloat16_casts_as_diffusers_does(folders, family, guidance):
     want = reference(theirs, PROMPTS[0], 0, guidance, None)
     got = ours(mine.forward(DiffusionRequestBatch([request(PROMPTS[0], 0, guidance, None)]))[0])
     assert np.abs(got - want).max() <= MAX_DIFF
+
+
+def test_memory_options_keep_the_images(folders):
+    """VAE slicing decodes one image at a time (same pixels); text encoders kept
+    on the CPU between encodings give the same images; tiling decodes
+    overlapping tiles and blends their seams (diffusers' tiled decode: an
+    approximation meant for large images with tiles of hundreds of pixels; forced
+    here with 32-pixel tiles only to see that it runs)."""
+    plain = load_pipeline(str(folders["sd3"]))
+    requests = [request(p, 0, 1.0, None) for p in PROMPTS]
+    want = plain.forward(DiffusionRequestBatch(requests))
+
+    sliced = load_pipeline(str(folders["sd3"]))
+    sliced.configure_memory(vae_slicing=True, offload_text_encoders=True)
+    got = sliced.forward(DiffusionRequestBatch(requests))
+    for a, b in zip(want, got, strict=True):
+        assert np.abs(ours(a) - ours(b)).max() <= 1
+    assert all(m.device.type == "cpu" for n, m in sliced.text_encoder.pipeline.components.items()
+               if n.startswith("text_encoder"))
+
+    tiled = load_pipeline(str(folders["sd3"]))
+    tiled.configure_memory(vae_tiling=True)
+    tiled.vae.tile_sample_min_size, tiled.vae.tile_latent_min_size = 32, 4
+    got = tiled.forward(DiffusionRequestBatch(requests[:1]))[0]
+    assert got.shape == want[0].shape and torch.isfinite(got).all()
+    assert np.abs(ours(want[0]) - ours(got)).max() > 0  # the tiled decode really ran
