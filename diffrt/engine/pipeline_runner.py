@@ -159,14 +159,7 @@ class PipelineRunner:
         outputs: dict[str, Any] = {}
         for rid in step.drop:
             self.states.pop(rid, None)
-        for request in step.new:
-            state = StepRequestState(request=request)
-            try:
-                self.pipeline.prepare_encode(state)
-            except Exception as exc:
-                reply.errors[request.request_id] = describe_error(exc)
-                continue
-            self.states[request.request_id] = state
+        self._admit(step.new, reply)
         states = []
         for rid in step.advance:
             if rid in reply.errors:
@@ -188,6 +181,24 @@ class PipelineRunner:
                 reply.progress[rid] = state.step_index
         self._decode(finished_states, reply, outputs)
         return RunnerResult(reply=reply, outputs=outputs)
+
+    def _admit(self, requests: list[DiffusionRequest], reply: StepDone) -> None:
+        """Prepare the requests admitted in this tick together (one text-encoder
+        call); on a failure, one by one so the error lands on its own request."""
+        if not requests:
+            return
+        states = [StepRequestState(request=r) for r in requests]
+        try:
+            self.pipeline.prepare_encode_batch(states)
+        except Exception as exc:
+            if len(states) == 1:
+                reply.errors[requests[0].request_id] = describe_error(exc)
+                return
+            for request in requests:
+                self._admit([request], reply)
+            return
+        for state in states:
+            self.states[state.request_id] = state
 
     def _decode(self, states: list[StepRequestState], reply: StepDone,
                 outputs: dict[str, Any]) -> None:

@@ -422,12 +422,23 @@ class FlowMatchPipeline(DiffusionPipeline):
     # -- step style ----------------------------------------------------------------
     @torch.no_grad()
     def prepare_encode(self, state: StepRequestState) -> None:
-        request = state.request
-        self.check_inputs(request)
-        params = request.sampling_params
+        self.prepare_encode_batch([state])
+
+    @torch.no_grad()
+    def prepare_encode_batch(self, states: list[StepRequestState]) -> None:
+        """``prepare_encode`` for the requests admitted in one tick, their
+        prompts encoded in one text-encoder call."""
+        for state in states:
+            self.check_inputs(state.request)
+        conds = self.encode_prompts([s.request for s in states])
+        for state, cond in zip(states, conds, strict=True):
+            self._prepare_state(state, cond)
+
+    def _prepare_state(self, state: StepRequestState, cond: Conditioning) -> None:
+        params = state.request.sampling_params
         seed = resolve_seed(params.seed)
         state.extra["seed"] = seed
-        state.extra["cond"] = self.encode_prompt(request)
+        state.extra["cond"] = cond
         state.extra["guidance"] = self._guidance_rows(params)
         state.extra["cfg_scale"] = self._cfg_rows(params)
         state.latents = self.prepare_latents(params, seed)

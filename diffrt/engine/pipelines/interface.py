@@ -137,6 +137,12 @@ class DiffusionPipeline(ABC):
         (a fresh copy of the diffusers noise scheduler)."""
         raise NotImplementedError(f"{type(self).__name__} does not support step execution")
 
+    def prepare_encode_batch(self, states: list[StepRequestState]) -> None:
+        """``prepare_encode`` for the requests admitted in one tick; override to
+        encode their prompts in one call (the default prepares them one by one)."""
+        for state in states:
+            self.prepare_encode(state)
+
     def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
         """One transformer forward for all states; returns noise predictions stacked
         along dim 0 in the order of ``states`` (CFG already combined). Changes no

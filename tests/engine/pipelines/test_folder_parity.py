@@ -182,3 +182,24 @@ def test_memory_options_keep_the_images(folders):
     got = tiled.forward(DiffusionRequestBatch(requests[:1]))[0]
     assert got.shape == want[0].shape and torch.isfinite(got).all()
     assert np.abs(ours(want[0]) - ours(got)).max() > 0  # the tiled decode really ran
+
+
+def test_requests_admitted_together_are_encoded_in_one_call(loaded, monkeypatch):
+    pipe = loaded["flux"][1]
+    calls: list[list[str]] = []
+    encoder = pipe.text_encoder
+
+    def spy(prompts):
+        calls.append(list(prompts))
+        return encoder(prompts)
+
+    monkeypatch.setattr(pipe, "text_encoder", spy)
+    requests = [request(p, s, 1.0, None) for p in PROMPTS for s in (5, 6)]
+    together = [StepRequestState(request=r) for r in requests]
+    pipe.prepare_encode_batch(together)
+    assert len(calls) == 1 and len(calls[0]) == len(requests)
+    for state in together:
+        alone = StepRequestState(request=state.request)
+        pipe.prepare_encode(alone)
+        assert torch.allclose(alone.extra["cond"].embeds, state.extra["cond"].embeds, atol=1e-5)
+        assert torch.equal(alone.latents, state.latents)
