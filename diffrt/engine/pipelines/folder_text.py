@@ -51,8 +51,3 @@ class FolderTextEncoder:
         finally:
             self._move(torch.device("cpu"))
 
-
-def text_components(pipeline: Any) -> dict[str, Any]:
-    """The text encoders and tokenizers of a loaded diffusers pipeline."""
-    return {name: module for name, module in pipeline.components.items()
-            if name.startswith(("text_encoder", "tokenizer"))}
