@@ -1,8 +1,8 @@
 """Per-request output streams, and the final output that waits in shared memory.
 
 The engine's threads ``put`` items; the consumer reads them synchronously
-(``get``, or several streams sharing one inbox, as ``generate`` does) or from
-an asyncio loop (``aget``; items cross into the loop with
+from an inbox (``(request_id, item)`` pairs; ``generate`` gives all its
+streams one inbox and takes outputs as they finish) or from an asyncio loop (``aget``; items cross into the loop with
 ``call_soon_threadsafe``). An item is a progress ``DiffusionOutput`` or, last,
 either a final ``DiffusionOutput`` (errors, aborts) or a ``FinalSlot``.
 
@@ -120,15 +120,9 @@ class OutputStream:
             return False
         return True
 
-    def get(self, timeout: float | None = None) -> StreamItem:
-        """Blocking read of a stream with its own inbox; raises queue.Empty on timeout."""
-        if self._inbox is None:
-            raise RuntimeError("get() on an asyncio stream; use aget()")
-        return self._inbox.get(timeout=timeout)[1]
-
     async def aget(self) -> StreamItem:
         if self._async is None:
-            raise RuntimeError("aget() on a synchronous stream; use get()")
+            raise RuntimeError("aget() on a synchronous stream; read its inbox")
         return await self._async.get()
 
 
