@@ -337,30 +337,62 @@ def test_waiting_for_a_dropped_or_claimed_output_fails_at_once():
     assert len(h.freed) == 2
 
 
-def test_every_output_state_and_event_pair_is_handled():
-    """The transition function never raises, whatever arrives in whatever state."""
-    from diffrt.runtime.result_router import OutputEvent, OutputState, _Effects
+def test_every_output_state_and_event_pair_goes_where_the_table_says():
+    """Each (state, event) pair of the router's output table, from a fresh
+    setup each time: the state the output is in afterwards (None: no entry).
+    The ARRIVE carries an error (no slot); EXPIRE is far past every deadline."""
+    from diffrt.runtime.messages import OutputPending
+    from diffrt.runtime.result_router import OutputEvent as E
+    from diffrt.runtime.result_router import OutputState as S
+    from diffrt.runtime.result_router import _Effects
 
-    for state in [None, *OutputState]:
-        for event in OutputEvent:
+    after = {
+        None: {E.WAIT: S.WAITING, E.ARRIVE: S.ARRIVED, E.RELEASE: S.DROPPED,
+               E.PENDING: S.BLOCKED, E.HANDOVER_FAILED: None, E.LEASE_DONE: None,
+               E.EXPIRE: None},
+        S.BLOCKED: {E.WAIT: S.WAITING, E.ARRIVE: S.ARRIVED, E.RELEASE: S.DROPPED,
+                    E.PENDING: S.BLOCKED, E.HANDOVER_FAILED: S.BLOCKED,
+                    E.LEASE_DONE: S.BLOCKED, E.EXPIRE: None},
+        S.WAITING: {E.WAIT: S.WAITING, E.ARRIVE: None, E.RELEASE: S.DROPPED,
+                    E.PENDING: S.WAITING, E.HANDOVER_FAILED: S.WAITING,
+                    E.LEASE_DONE: S.WAITING, E.EXPIRE: S.DROPPED},
+        S.ARRIVED: {E.WAIT: S.CLAIMED, E.ARRIVE: S.ARRIVED, E.RELEASE: None,
+                    E.PENDING: S.ARRIVED, E.HANDOVER_FAILED: S.ARRIVED,
+                    E.LEASE_DONE: S.ARRIVED, E.EXPIRE: None},
+        S.CLAIMED: {E.WAIT: S.CLAIMED, E.ARRIVE: S.CLAIMED, E.RELEASE: S.CLAIMED,
+                    E.PENDING: S.CLAIMED, E.HANDOVER_FAILED: None, E.LEASE_DONE: None,
+                    E.EXPIRE: S.CLAIMED},
+        S.DROPPED: {E.WAIT: S.DROPPED, E.ARRIVE: None, E.RELEASE: S.DROPPED,
+                    E.PENDING: S.DROPPED, E.HANDOVER_FAILED: S.DROPPED,
+                    E.LEASE_DONE: S.DROPPED, E.EXPIRE: None},
+    }
+    assert set(after) == {None, *S} and all(set(row) == set(E) for row in after.values())
+    for state, row in after.items():
+        for event, expected in row.items():
             h = Harness(timeout=1.0)
             _, _, batch, ids = h.execute(["a"])
             oid = ids["a"]
-            if state is OutputState.WAITING:
+            held = None  # a claimed lease must stay alive, or its release removes the entry
+            if state is S.BLOCKED:
+                h.send(OutputPending(batch, [oid]))
+            elif state is S.WAITING:
                 h.router.wait_output_ready(oid)
-            elif state is OutputState.ARRIVED:
+            elif state is S.ARRIVED:
                 h.send(h.output_ready(batch, ids))
-            elif state is OutputState.CLAIMED:
+            elif state is S.CLAIMED:
                 h.send(h.output_ready(batch, ids))
-                h.router.wait_output_ready(oid).result(timeout=0)
-            elif state is OutputState.DROPPED:
+                held = h.router.wait_output_ready(oid).result(timeout=0)
+            elif state is S.DROPPED:
                 h.router.release_output(oid)
             fx = _Effects()
             with h.router._lock:
                 h.router._transition(oid, event, fx, now=1e12, result=RuntimeError("x"),
                                      future=concurrent.futures.Future())
+                entry = h.router._outputs.get(oid)
+                got = entry.state if entry is not None else None
+            assert got is expected, (state, event, got)
             h.router._run(fx)
-
+            del held
 
 def test_an_output_waiting_for_arena_room_is_not_declared_lost():
     from diffrt.runtime.messages import PENDING_NOTICE_S, OutputPending
