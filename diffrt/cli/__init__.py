@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -46,12 +47,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Shown at INFO whatever --log-level says: loading a large checkpoint takes
+#: minutes, and its progress is what a user watches meanwhile.
+PROGRESS_LOGGERS = ("diffrt.load",)
+
+
+def configure_logging(level: str) -> None:
+    """The terminal's logging: ``level`` for libraries, progress loggers at
+    INFO; spawned workers get the same through ``DIFFRT_LOG_LEVEL`` (unless the
+    user set it)."""
+    logging.basicConfig(level=getattr(logging, level),
+                        format="%(levelname)s %(name)s: %(message)s")
+    progress_level = min(logging.INFO, getattr(logging, level))
+    for name in PROGRESS_LOGGERS:
+        logging.getLogger(name).setLevel(progress_level)
+    os.environ.setdefault("DIFFRT_LOG_LEVEL", ",".join(
+        [level] + [f"{name}={logging.getLevelName(progress_level)}" for name in PROGRESS_LOGGERS]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level),
-                        format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -60,6 +60,7 @@ COMPARE_KEYS = {
     "steps": positive_int,
     "guidance_scale": non_negative_float,
     "true_cfg_scale": non_negative_float,
+    "distinct_prompts": positive_int,
     "model": str,
 }
 
@@ -81,6 +82,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=1,
                    help="unmeasured requests run first on each engine (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="request seeds and arrival times")
+    p.add_argument("--distinct-prompts", type=positive_int, default=None, metavar="K",
+                   help="draw the prompts from K distinct ones, in turn, as real traffic "
+                        "repeats prompts (default: every request its own prompt); the "
+                        "'cache hit' column shows what the prompt-embedding cache saved")
     add_engine_args(p, executor=None)
     p.add_argument("--compare", nargs="+", metavar="SPEC",
                    help="run one configuration per SPEC ('key=value,key=value' on top of the "
@@ -108,7 +113,8 @@ def parse_spec(spec: str) -> dict[str, Any]:
 
 def build_configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """(label, options) for each configuration; without --compare just the base one."""
-    base = {k: getattr(args, k) for k in COMPARE_KEYS}
+    # every option (engine options such as --dtype too), then what a spec changes
+    base = {k: v for k, v in vars(args).items() if k not in ("func", "compare")}
     if base["max_num_seqs"] is None:
         base["max_num_seqs"] = 1
     if not args.compare:
@@ -122,7 +128,8 @@ def _requests(opts: dict[str, Any], count: int, seed: int, tag: str) -> list[Any
     from diffrt.engine.request import DiffusionRequest
 
     ns = argparse.Namespace(**opts)
-    return [DiffusionRequest(prompt=f"bench {tag} prompt {i}",
+    distinct = opts.get("distinct_prompts") or count
+    return [DiffusionRequest(prompt=f"bench {tag} prompt {i % distinct}",
                              sampling_params=sampling_params(ns, seed=seed + i))
             for i in range(count)]
 
@@ -133,10 +140,21 @@ def _run_config(engine: Any, label: str, opts: dict[str, Any], args: argparse.Na
         drive(engine, _requests(opts, args.warmup, args.seed + 10_000, "warmup"),
               concurrency=args.warmup, rate=None)
     requests = _requests(opts, opts["num_requests"], args.seed, "measured")
+    before = engine.stats().text_encoding
     with tw.window(label):  # the trace shows the measured requests only
         samples, wall = drive(engine, requests, concurrency=opts["concurrency"],
                               rate=opts["request_rate"], seed=args.seed)
-    return summarize(samples, wall)
+    return {**summarize(samples, wall),
+            **text_encoding_summary(engine.stats().text_encoding - before, len(requests))}
+
+
+def text_encoding_summary(delta: Any, num_requests: int) -> dict[str, Any]:
+    """Text-encoder time per request and the share of prompts the cache answered
+    (a request with CFG looks up two prompts: its own and the negative one)."""
+    lookups = delta.encoded + delta.cache_hits
+    return {"text_encode_ms": delta.seconds * 1000.0 / num_requests if num_requests else None,
+            "prompts_encoded": delta.encoded,
+            "prompt_cache_hit_rate": delta.cache_hits / lookups if lookups else None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
                 results.append({"label": label, "engine": settings,
                                 "load": {k: opts[k] for k in ("num_requests", "concurrency",
                                                               "request_rate", "height", "width",
-                                                              "steps")},
+                                                              "steps", "distinct_prompts")},
                                 **stats})
                 print(f"{tag}: {stats['throughput_rps'] or 0:.2f} req/s, "
                       f"p50 {stats['latency_p50_ms'] or 0:.0f} ms", file=sys.stderr, flush=True)
@@ -197,19 +215,28 @@ def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
 def _load_text(load: dict[str, Any]) -> str:
     shape = (f"rate {load['request_rate']:g}/s" if load["request_rate"]
              else f"concurrency {load['concurrency']}")
-    return f"{load['num_requests']} req, {shape}, {load['height']}x{load['width']}, {load['steps']} steps"
+    prompts = (f", {load['distinct_prompts']} distinct prompts"
+               if load.get("distinct_prompts") else "")
+    return (f"{load['num_requests']} req, {shape}, {load['height']}x{load['width']}, "
+            f"{load['steps']} steps{prompts}")
 
 
 def _times(value: float | None) -> str | None:
     return None if value is None else f"{value:.2f}x"
 
 
+def _percent(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.0f}%"
+
+
 def render_results(results: list[dict[str, Any]]) -> str:
     headers = ["config", "req/s", "x first", "p50 ms", "p90 ms", "p99 ms", "p50 x first",
-               "queue ms", "forward ms", "out wait ms", "post ms", "failed"]
+               "queue ms", "forward ms", "encode ms", "cache hit", "out wait ms", "post ms",
+               "failed"]
     rows = [[r["label"], r["throughput_rps"], _times(r["throughput_vs_first"]), r["latency_p50_ms"],
              r["latency_p90_ms"], r["latency_p99_ms"], _times(r["p50_vs_first"]), r["queue_wait_ms"],
-             r["forward_ms"], r["output_wait_ms"], r["postprocess_ms"], r["failed"]]
+             r["forward_ms"], r["text_encode_ms"], _percent(r["prompt_cache_hit_rate"]),
+             r["output_wait_ms"], r["postprocess_ms"], r["failed"]]
             for r in results]
     loads = {_load_text(r["load"]) for r in results}
     title = "load: " + (loads.pop() if len(loads) == 1 else "per configuration")

@@ -81,6 +81,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None
                    help="decode one image at a time (large batches on one device)")
     p.add_argument("--offload-text-encoders", action="store_true",
                    help="keep text encoders on the CPU between encodings (small devices)")
+    p.add_argument("--plugin-module", action="append", default=[], metavar="MODULE",
+                   help="import MODULE in every worker before the model loads, e.g. one that "
+                        "registers a pipeline (repeatable)")
     p.add_argument("--startup-timeout", type=positive_float, default=None,
                    help="seconds each worker may take to import and load the model (a "
                         "multi-GB checkpoint takes minutes; default: the runtime's 300)")
@@ -116,6 +119,8 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
     for flag in ("vae_tiling", "vae_slicing", "offload_text_encoders"):
         if get(flag):
             settings[flag] = True
+    if get("plugin_module"):
+        settings["plugin_modules"] = list(get("plugin_module"))
     if get("startup_timeout"):
         settings["executor_options"] = {"startup_timeout_s": get("startup_timeout")}
     if get("policy") != "fifo":

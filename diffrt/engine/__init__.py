@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         EngineError,
         EngineWarmupError,
     )
+    from diffrt.engine.stats import EngineStats, Histogram
 
 _LAZY = {
     "EngineConfig": "diffrt.engine.config",
@@ -37,6 +38,8 @@ _LAZY = {
     "EngineClosedError": "diffrt.engine.errors",
     "EngineDeadError": "diffrt.engine.errors",
     "EngineWarmupError": "diffrt.engine.errors",
+    "EngineStats": "diffrt.engine.stats",
+    "Histogram": "diffrt.engine.stats",
 }
 
 __all__ = [
@@ -49,7 +52,9 @@ __all__ = [
     "EngineDeadError",
     "EngineError",
     "EngineMode",
+    "EngineStats",
     "EngineWarmupError",
+    "Histogram",
     "InvalidRequestError",
     "RequestMetrics",
     "SamplingParams",

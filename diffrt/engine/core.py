@@ -24,6 +24,7 @@ from typing import Any
 
 from diffrt import tracing
 from diffrt.engine.config import EngineMode
+from diffrt.engine.pipelines.prompt_cache import TextEncoderStats
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.runner_messages import BatchDone, ExecuteBatch, ExecuteStep, StepDone
 from diffrt.engine.sampling import InvalidRequestError
@@ -57,6 +58,10 @@ class TickResult:
     finished: list[Finished] = field(default_factory=list)
     #: request id -> output id, for the FINISHED events that produced an output.
     output_ids: dict[str, str] = field(default_factory=dict)
+    #: seconds per denoise step of this tick's batch (None: nothing ran).
+    step_seconds: float | None = None
+    #: the text encoding the workers did in this tick.
+    text_encoding: TextEncoderStats | None = None
 
 
 class EngineCore:
@@ -106,6 +111,11 @@ class EngineCore:
         with self._cond:
             self._cond.notify_all()  # step mode: the loop sends the drop
             return self.scheduler.abort(request_id)
+
+    def queue_sizes(self) -> tuple[int, int]:
+        """(waiting, running) requests in the scheduler."""
+        with self._cond:
+            return self.scheduler.num_waiting, self.scheduler.num_running
 
     def is_alive(self) -> bool:
         return self.dead_reason is None and self._thread.is_alive()
@@ -166,12 +176,14 @@ class EngineCore:
         start = self._clock()
         request = self._request(tick)
         output_ids: dict[str, str] = {}
+        text_encoding = None
         try:
             with tracing.span(tracing.ENGINE_LOOP_TRACK, request.__struct_config__.tag,
                               keys=tick.scheduled_ids, drop=tick.drop_ids):
                 ro = self.executor.execute(request)
             output_ids = dict(ro.output_ids)
             result = _execution_result(tick, ro.reply, output_ids)
+            text_encoding = getattr(ro.reply, "text_encoding", None)
         except ExecutorDeadError as exc:
             self._die(f"executor died: {exc}")
             return None
@@ -192,7 +204,17 @@ class EngineCore:
             self.executor.release_output(oid)
         return TickResult(scheduled_ids=list(tick.scheduled_ids), started_at=start,
                           elapsed=elapsed, progress=update.progress, finished=update.finished,
-                          output_ids=kept)
+                          output_ids=kept, step_seconds=self._step_seconds(tick, elapsed),
+                          text_encoding=text_encoding)
+
+    def _step_seconds(self, tick: SchedulerOutput, elapsed: float) -> float | None:
+        """A step-mode tick is one denoise step; a request-mode tick runs its
+        batch's whole step count (one count per batch: it is in the batch key)."""
+        if not tick.scheduled_ids:
+            return None
+        if self.mode is EngineMode.STEP_BATCH:
+            return elapsed
+        return elapsed / max(1, tick.new[0].sampling_params.num_inference_steps)
 
     def _die(self, reason: str) -> None:
         logger.error("engine is unhealthy: %s", reason)

@@ -51,6 +51,7 @@ from diffrt.engine.sched import (
     StepScheduler,
     make_policy,
 )
+from diffrt.engine.stats import EngineStats
 from diffrt.runtime.executor import Executor
 from diffrt.runtime.factory import make_executor
 
@@ -274,6 +275,14 @@ class DiffusionEngine:
 
     def num_active_requests(self) -> int:
         return self.output_processor.num_active()
+
+    def stats(self) -> EngineStats:
+        """Queue gauges now, plus counters and histograms since start (``stats.py``)."""
+        waiting, running = self._core.queue_sizes()
+        return self.output_processor.stats.snapshot(
+            waiting=waiting, running=running,
+            pending_output_bytes=self.output_processor.unread_bytes(),
+            healthy=self.is_healthy())
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,

@@ -41,6 +41,7 @@ from diffrt.engine.outputs import DiffusionOutput
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched import Finished
+from diffrt.engine.stats import StatsRecorder
 from diffrt.runtime.executor import Executor
 from diffrt.runtime.shm_transport import OutputLease
 
@@ -54,8 +55,10 @@ DELIVERY_JOIN_S = 5.0
 class OutputProcessor:
     def __init__(self, executor: Executor, post_process: PostProcess, *, workers: int,
                  unread_output_timeout_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 stats: StatsRecorder | None = None):
         self._executor = executor
+        self.stats = stats or StatsRecorder()
         self._post = post_process
         self._clock = clock
         self._unread_timeout = unread_output_timeout_s
@@ -135,6 +138,7 @@ class OutputProcessor:
         """Apply one tick (the core's loop thread calls this)."""
         to_wait: list[tuple[str, str]] = []
         to_release: list[str] = []
+        self.stats.on_tick(result.step_seconds, result.text_encoding)
         with self._lock:
             for rid in result.scheduled_ids:
                 record = self._records.get(rid)
@@ -328,6 +332,7 @@ class OutputProcessor:
         output.seed = record.request.sampling_params.seed
         if record.abort_reason is not None and output.aborted:
             output.aborted, output.error = False, record.abort_reason
+        self.stats.on_final(output, timed_out=record.abort_reason is not None)
         stream = self._streams.pop(rid, None)
         if deliver and stream is not None:
             self._deliveries.put((stream, output))

@@ -109,20 +109,30 @@ class PipelineRunner:
         self.pipeline.configure_memory(vae_tiling=settings.vae_tiling,
                                        vae_slicing=settings.vae_slicing,
                                        offload_text_encoders=settings.offload_text_encoders)
-        self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes)
+        self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes,
+                                          synchronize=platform.synchronize)
         self.states: dict[str, StepRequestState] = {}
         logger.info("rank %d: runner ready for %s on %s", rank, settings.model, device)
 
     def handle(self, request: ExecuteBatch | ExecuteStep | CountStepStates) -> Any:
         match request:
             case ExecuteBatch():
-                return self.execute_batch(request)
+                return self._counting_text_encoding(self.execute_batch, request)
             case ExecuteStep():
-                return self.execute_step(request)
+                return self._counting_text_encoding(self.execute_step, request)
             case CountStepStates():
                 return StepStateCount(len(self.states))
             case _:
                 raise TypeError(f"PipelineRunner cannot handle {type(request).__name__}")
+
+    def _counting_text_encoding(self, execute: Any, request: Any) -> RunnerResult:
+        """Run ``execute(request)`` and put the text encoding it did in the reply."""
+        before = self.pipeline.text_encoder_stats()
+        result = execute(request)
+        after = self.pipeline.text_encoder_stats()
+        if before is not None and after is not None:
+            result.reply.text_encoding = after - before
+        return result
 
     # -- REQUEST_BATCH ------------------------------------------------------------
     def execute_batch(self, request: ExecuteBatch) -> RunnerResult:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from diffrt.engine.pipelines.prompt_cache import TextEncoderStats
 from diffrt.engine.request import DiffusionRequest
 from diffrt.runtime.types import RunnerProtocol
 
@@ -56,6 +57,8 @@ RunnerRequest = ExecuteBatch | ExecuteStep | CountStepStates
 class BatchDone(msgspec.Struct, tag="batch_done"):
     #: request id -> error, for requests that failed (the others have an output).
     errors: dict[str, str] = {}
+    #: text encoding done in this tick (None: the pipeline does not count it).
+    text_encoding: TextEncoderStats | None = None
 
 
 class StepDone(msgspec.Struct, tag="step_done"):
@@ -64,6 +67,8 @@ class StepDone(msgspec.Struct, tag="step_done"):
     #: ids decoded in this tick (their outputs travel on the output path).
     finished: list[str] = []
     errors: dict[str, str] = {}
+    #: text encoding done in this tick (new requests are encoded at admission).
+    text_encoding: TextEncoderStats | None = None
 
 
 class StepStateCount(msgspec.Struct, tag="step_state_count"):

@@ -52,6 +52,18 @@ def _free_source(conn: Connection | None):
     return source
 
 
+def configure_logging(spec: str) -> None:
+    """``DIFFRT_LOG_LEVEL``: a root level, then optional ``logger=LEVEL`` pairs,
+    e.g. ``WARNING,diffrt.load=INFO`` (what the CLI passes so that loading
+    progress shows while everything else stays quiet)."""
+    root, *pairs = [part.strip() for part in spec.split(",") if part.strip()] or ["WARNING"]
+    logging.basicConfig(level=root.upper(),
+                        format=f"[worker pid {os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    for pair in pairs:
+        name, _, level = pair.partition("=")
+        logging.getLogger(name).setLevel(level.upper() or "INFO")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--parent-pid", type=int, required=True)
@@ -65,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     # would only turn a clean stop into "executor died" errors.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(args.parent_pid)
-    level = os.environ.get("DIFFRT_LOG_LEVEL", "WARNING").upper()
-    logging.basicConfig(level=level, format=f"[worker pid {os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    configure_logging(os.environ.get("DIFFRT_LOG_LEVEL", "WARNING"))
 
     from diffrt import tracing
     from diffrt.runtime.messages import InitWorker, encode

@@ -4,6 +4,7 @@ a Ctrl-C at any moment of start-up ends in one line too."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,10 +49,10 @@ def test_bad_inputs_are_refused_in_one_line_before_any_engine_starts(tmp_path, m
         binary.write_bytes(bytes(range(256)))
         args, needle = ["--prompts-file", str(binary)], f"--prompts-file '{binary}' is not UTF-8"
     else:
-        from diffrt.engine.pipelines import load_pipeline
+        from diffrt.engine.pipelines.embedded import embedded_folder
 
         folder = tmp_path / "flux"
-        load_pipeline("tiny-flux").save_pretrained(folder)
+        shutil.copytree(embedded_folder("tiny-flux"), folder)
         [weights] = (folder / "vae").glob("*.safetensors")
         os.truncate(weights, weights.stat().st_size // 2)
         args, needle = ["-p", "x", "--model", str(folder)], f"{weights}: truncated"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -35,8 +36,13 @@ def test_generate_writes_pngs_with_progress_and_trace(cli, tmp_path):
     proc = cli("generate", "--prompt", "a red fox", "--prompts-file", str(prompts),
                "--height", "64", "--width", "96", "--steps", "3", "--seed", "7",
                "--step-execution", "-o", "img.png",  # default executor: worker processes
-               "--trace", "gen.json", "--plot", "gen.png", cwd=tmp_path)
+               "--trace", "gen.json", "--plot", "gen.png",
+               "--plugin-module", "progress_for_every_size", cwd=tmp_path,
+               env={"PYTHONPATH": str(Path(__file__).parent)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # loading progress from the worker, at the default --log-level WARNING
+    assert "INFO diffrt.load: [1/4] text_encoder (CLIPTextModel" in proc.stderr, proc.stderr
+    assert "[worker pid" in proc.stderr and "[4/4] vae loaded in" in proc.stderr
     for name in ("img-0.png", "img-1.png"):
         path = tmp_path / name
         assert name in proc.stdout  # tells the user where the image is
@@ -68,14 +74,14 @@ def test_bench_compare_prints_table_json_and_overlapping_trace(cli, tmp_path):
                     "./tests/plugins/diffrt_simdevice (scripts/test.sh does)")
     env = {"DIFFRT_PLATFORM": "simdevice", "DIFFRT_SIMDEVICE_COPY_DELAY_MS": "40"}
     proc = cli("bench", "--executor", "inproc", "--height", "64", "--width", "64",
-               "--steps", "2", "-N", "4", "-c", "2", "--warmup", "1",
+               "--steps", "2", "-N", "4", "-c", "2", "--warmup", "1", "--distinct-prompts", "2",
                "--compare", "async_output=off", "async_output=on",
                "--json", "bench.json", "--trace", "bench-trace.json", "--plot", "timeline.png",
                cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     for header in ("req/s", "x first", "p50 ms", "p90 ms", "p99 ms", "queue ms", "forward ms",
-                   "out wait ms"):
+                   "encode ms", "cache hit", "out wait ms"):
         assert header in out, out
     rows = [ln for ln in out.splitlines() if ln.startswith("async_output=")]
     assert len(rows) == 2, out
@@ -86,6 +92,9 @@ def test_bench_compare_prints_table_json_and_overlapping_trace(cli, tmp_path):
     for r in results:
         assert r["requests"] == 4 and r["failed"] == 0 and r["throughput_rps"] > 0
         assert r["latency_p50_ms"] <= r["latency_p90_ms"] <= r["latency_p99_ms"]
+        assert r["text_encode_ms"] >= 0
+        # two distinct prompts over four requests, on an engine of its own
+        assert r["prompts_encoded"] == 2 and r["prompt_cache_hit_rate"] == 0.5
     assert results[0]["throughput_vs_first"] == 1.0
 
     trace = load_trace(tmp_path / "bench-trace.json")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from diffrt.cli import main
-from diffrt.cli.bench import build_configs, parse_spec, render_results
+from diffrt.cli.bench import build_configs, parse_spec, render_results, text_encoding_summary
 from diffrt.cli.bench_stats import Sample, median, percentile, summarize
 from diffrt.cli.env import render_report
 from diffrt.cli.errors import CliError
 from diffrt.cli.paths import check_writable_file, image_paths
 from diffrt.cli.table import format_table
+from diffrt.engine.pipelines.prompt_cache import TextEncoderStats
 
 
 def test_percentile_interpolates_like_numpy():
@@ -62,14 +63,22 @@ def test_compare_specs_parse_and_apply_over_the_base(tmp_path):
 def test_results_table_shows_ratios_against_the_first():
     load = {"num_requests": 4, "concurrency": 2, "request_rate": None, "height": 64,
             "width": 64, "steps": 2}
+    text_a = text_encoding_summary(TextEncoderStats(encoded=4, cache_hits=0, seconds=0.2), 4)
+    text_b = text_encoding_summary(TextEncoderStats(encoded=1, cache_hits=3, seconds=0.02), 4)
+    assert text_a == {"text_encode_ms": pytest.approx(50.0), "prompts_encoded": 4,
+                      "prompt_cache_hit_rate": 0.0}
+    assert text_b["prompt_cache_hit_rate"] == 0.75 and text_b["text_encode_ms"] == pytest.approx(5)
     rows = [{"label": "a", "load": load, "throughput_vs_first": 1.0, "p50_vs_first": 1.0,
-             **summarize([Sample(0.1, True, 1)], 1.0)},
-            {"label": "b", "load": load, "throughput_vs_first": 2.0, "p50_vs_first": 0.5,
-             **summarize([Sample(0.05, True, 1)], 0.5)}]
+             **summarize([Sample(0.1, True, 1)], 1.0), **text_a},
+            {"label": "b", "load": {**load, "distinct_prompts": 1}, "throughput_vs_first": 2.0,
+             "p50_vs_first": 0.5, **summarize([Sample(0.05, True, 1)], 0.5), **text_b}]
     text = render_results(rows)
-    assert "x first" in text and "4 req, concurrency 2, 64x64, 2 steps" in text
+    assert "x first" in text and "encode ms" in text and "cache hit" in text
+    assert "load: per configuration" in text  # the two loads differ in distinct prompts
     line_b = [ln for ln in text.splitlines() if ln.startswith("b ")][0]
-    assert "2.00x" in line_b and "0.50x" in line_b
+    assert "2.00x" in line_b and "0.50x" in line_b and "75%" in line_b
+    single = render_results(rows[:1])
+    assert "4 req, concurrency 2, 64x64, 2 steps" in single
 
 
 def test_image_paths(tmp_path):
@@ -181,3 +190,16 @@ def test_engine_flags_reach_the_engine_config():
     assert args.true_cfg_scale == 4.0
     assert "dtype" not in engine_settings(p.parse_args([]))  # auto: the engine's default
     assert engine_settings(p.parse_args(["--vae-tiling"]))["vae_tiling"] is True
+    assert engine_settings(p.parse_args(["--plugin-module", "a.b", "--plugin-module", "c"])
+                           )["plugin_modules"] == ["a.b", "c"]
+
+
+def test_bench_configurations_keep_every_engine_flag():
+    from diffrt.cli import build_parser
+    from diffrt.cli.engine_opts import engine_settings
+
+    args = build_parser().parse_args(["bench", "--dtype", "float16", "--vae-slicing",
+                                      "--compare", "mode=step", "max_num_seqs=2"])
+    for _, opts in build_configs(args):
+        settings = engine_settings(opts)
+        assert settings["dtype"] == "float16" and settings["vae_slicing"] is True

@@ -21,9 +21,8 @@ applied per row, so a request's image does not depend on its batch mates
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,7 +33,7 @@ from diffrt.engine.pipelines.interface import (
     DiffusionRequestBatch,
     StepRequestState,
 )
-from diffrt.engine.pipelines.text_encoder import HashedTextEncoder
+from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder, TextEncoderStats
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams, random_seed
 
@@ -106,23 +105,21 @@ class FlowMatchPipeline(DiffusionPipeline):
     supports_request_batch = True
     supports_step_execution = True
 
-    #: diffusers class names written to / expected in model_index.json.
+    #: diffusers class names expected in model_index.json.
     diffusers_pipeline_class: ClassVar[str] = ""
     transformer_class: ClassVar[str] = ""
     #: Set on a per-folder subclass by the registry: `create` loads from it.
     pretrained_path: ClassVar[str | None] = None
-    #: Tokens per prompt of the hashed text encoder.
-    max_prompt_tokens: ClassVar[int] = 32
 
     def __init__(
         self,
         transformer: Any,
         vae: Any,
         noise_scheduler: Any,
+        text_encoder: Any,
         *,
         device: torch.device = CPU,
         dtype: torch.dtype = torch.float32,
-        text_encoder: Any = None,
     ):
         self.device = torch.device(device)
         self.dtype = dtype
@@ -131,12 +128,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         # The diffusers noise scheduler, as a template only: its step() mutates
         # internal state, so every request steps its own deep copy of it.
         self.noise_scheduler = noise_scheduler
-        cfg = transformer.config
-        self.text_encoder = text_encoder or HashedTextEncoder(
-            dim=cfg.joint_attention_dim,
-            pooled_dim=cfg.pooled_projection_dim,
-            max_tokens=self.max_prompt_tokens,
-        )
+        #: prompts -> (embeds, pooled), one row per prompt (FolderTextEncoder).
+        self.text_encoder = text_encoder
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.latent_channels = vae.config.latent_channels
         self.scaling_factor = float(vae.config.scaling_factor)
@@ -162,68 +155,26 @@ class FlowMatchPipeline(DiffusionPipeline):
         return cls.from_pretrained(cls.pretrained_path, device=device, dtype=dtype)
 
     @classmethod
-    def transformer_type(cls) -> type:
-        raise NotImplementedError
-
-    @classmethod
     def from_pretrained(
         cls, path: str, *, device: torch.device, dtype: torch.dtype
     ) -> FlowMatchPipeline:
         """Load a local diffusers folder (nothing is downloaded).
 
-        A folder whose model_index.json lists text encoders is loaded whole by
-        the family's own diffusers pipeline class, and its prompts are encoded
-        by that pipeline's ``encode_prompt`` (``folder_text.py``), so the
-        conditioning is what diffusers gives. A folder without text encoders
-        (transformer, VAE and scheduler only) is conditioned by the hashed
-        token embedding sized to the transformer (``text_encoder.py``).
+        The folder is loaded whole by the family's own diffusers pipeline
+        class (``loading.py``: component by component, with progress), and its
+        prompts are encoded by that pipeline's ``encode_prompt``
+        (``folder_text.py``), so the conditioning is what diffusers gives.
         """
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+        from diffrt.engine.pipelines.folder_text import FolderTextEncoder
+        from diffrt.engine.pipelines.loading import load_diffusers_pipeline
 
-        kw: dict[str, Any] = {"local_files_only": True}
-        if cls._lists_text_encoders(path):
-            import diffusers
-
-            from diffrt.engine.pipelines.folder_text import FolderTextEncoder
-
-            pipeline_cls = getattr(diffusers, cls.diffusers_pipeline_class)
-            full = pipeline_cls.from_pretrained(path, dtype=dtype, **kw)
-            for name, module in full.components.items():
-                if name.startswith("text_encoder") and module is not None:
-                    _place(module, torch.device(device), dtype)
-            text = FolderTextEncoder(full, cls.encode_with_diffusers, device=torch.device(device))
-            logger.info("loaded %s (with its text encoders) from %s", cls.__name__, path)
-            return cls(full.transformer, full.vae, full.scheduler, device=device, dtype=dtype,
-                       text_encoder=text)
-        transformer = cls.transformer_type().from_pretrained(
-            path, subfolder="transformer", dtype=dtype, **kw
-        )
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", dtype=dtype, **kw)
-        # "scheduler" is the diffusers folder layout's name for the noise scheduler.
-        noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-            path, subfolder="scheduler", **kw
-        )
-        logger.info("loaded %s from %s", cls.__name__, path)
-        return cls(transformer, vae, noise_scheduler, device=device, dtype=dtype)
-
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write a diffusers-format folder that `from_pretrained` reads back."""
-        import diffusers
-
-        path = os.fspath(path)
-        os.makedirs(path, exist_ok=True)
-        self.transformer.save_pretrained(os.path.join(path, "transformer"))
-        self.vae.save_pretrained(os.path.join(path, "vae"))
-        self.noise_scheduler.save_pretrained(os.path.join(path, "scheduler"))
-        index = {
-            "_class_name": self.diffusers_pipeline_class,
-            "_diffusers_version": diffusers.__version__,
-            "transformer": ["diffusers", self.transformer_class],
-            "vae": ["diffusers", type(self.vae).__name__],
-            "scheduler": ["diffusers", type(self.noise_scheduler).__name__],
-        }
-        with open(os.path.join(path, "model_index.json"), "w") as f:
-            json.dump(index, f, indent=2)
+        device = torch.device(device)
+        full = load_diffusers_pipeline(path, cls.diffusers_pipeline_class, dtype=dtype)
+        for name, module in full.components.items():
+            if name.startswith("text_encoder") and module is not None:
+                _place(module, device, dtype)
+        text = FolderTextEncoder(full, cls.encode_with_diffusers, device=device)
+        return cls(full.transformer, full.vae, full.scheduler, text, device=device, dtype=dtype)
 
     def configure_memory(self, *, vae_tiling: bool = False, vae_slicing: bool = False,
                          offload_text_encoders: bool = False) -> None:
@@ -235,20 +186,15 @@ class FlowMatchPipeline(DiffusionPipeline):
         if offload_text_encoders and callable(offload):
             offload()
 
-    def enable_prompt_cache(self, max_bytes: int) -> None:
-        from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
+    def enable_prompt_cache(self, max_bytes: int, *,
+                            synchronize: Callable[[], None] | None = None) -> None:
+        if not isinstance(self.text_encoder, CachedTextEncoder):
+            self.text_encoder = CachedTextEncoder(self.text_encoder, max_bytes, synchronize)
 
-        if max_bytes > 0 and not isinstance(self.text_encoder, CachedTextEncoder):
-            self.text_encoder = CachedTextEncoder(self.text_encoder, max_bytes)
-
-    @staticmethod
-    def _lists_text_encoders(path: str) -> bool:
-        index_path = os.path.join(path, "model_index.json")
-        if not os.path.isfile(index_path):
-            return False
-        with open(index_path) as f:
-            entry = json.load(f).get("text_encoder")
-        return isinstance(entry, list) and entry[0] is not None
+    def text_encoder_stats(self) -> TextEncoderStats | None:
+        if isinstance(self.text_encoder, CachedTextEncoder):
+            return self.text_encoder.stats()
+        return None
 
     @staticmethod
     def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,22 +13,7 @@ import numpy as np
 import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
-from diffrt.engine.pipelines.tiny import TINY_VAE, seeded_init
 from diffrt.engine.sampling import SamplingParams
-
-TINY_FLUX_SEED = 20261129
-
-TINY_FLUX_TRANSFORMER = dict(
-    patch_size=1,
-    in_channels=16,
-    num_layers=2,
-    num_single_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    pooled_projection_dim=32,
-    axes_dims_rope=(4, 6, 6),
-)
 
 
 def calculate_shift(
@@ -51,12 +36,6 @@ class FluxPipeline(FlowMatchPipeline):
     transformer_class = "FluxTransformer2DModel"
     size_multiple = 16  # VAE 8x, then 2x2 packing
     max_size = 2048
-
-    @classmethod
-    def transformer_type(cls) -> type:
-        from diffusers import FluxTransformer2DModel
-
-        return FluxTransformer2DModel
 
     @classmethod
     def uses_cfg(cls, request: Any) -> bool:
@@ -138,18 +117,3 @@ class FluxPipeline(FlowMatchPipeline):
             guidance=embedded,
             return_dict=False,
         )[0]
-
-
-class TinyFluxPipeline(FluxPipeline):
-    """`tiny-flux`: a ~120k-parameter Flux with weights drawn from a fixed seed."""
-
-    name = "tiny-flux"
-
-    @classmethod
-    def create(cls, *, device: torch.device, dtype: torch.dtype) -> TinyFluxPipeline:
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-
-        with seeded_init(TINY_FLUX_SEED):
-            transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER)
-            vae = AutoencoderKL(**TINY_VAE)
-        return cls(transformer, vae, FlowMatchEulerDiscreteScheduler(), device=device, dtype=dtype)

@@ -24,13 +24,17 @@ loop) turns the host tensor into what the user asked for.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from diffrt.engine.pipelines.prompt_cache import TextEncoderStats
 
 
 @dataclass
@@ -180,9 +184,17 @@ class DiffusionPipeline(ABC):
         one image at a time (large batches), text encoders kept on the CPU
         between encodings (small devices). Pipelines without them ignore it."""
 
-    def enable_prompt_cache(self, max_bytes: int) -> None:  # noqa: B027 (optional hook)
-        """Keep prompt embeddings (LRU, at most ``max_bytes``); pipelines without
-        a text encoder of their own ignore it."""
+    def enable_prompt_cache(self, max_bytes: int, *,  # noqa: B027 (optional hook)
+                            synchronize: Callable[[], None] | None = None) -> None:
+        """Keep prompt embeddings (LRU, at most ``max_bytes``; 0 keeps none) and
+        count text-encoding work, timed up to ``synchronize()`` (the device's)
+        so the seconds include the device work. Pipelines without a text
+        encoder of their own ignore it."""
+
+    def text_encoder_stats(self) -> TextEncoderStats | None:
+        """Cumulative text-encoding counters (after ``enable_prompt_cache``), or
+        None for a pipeline that does not count."""
+        return None
 
     # -- pre/post-processing hooks ------------------------------------------
     @classmethod

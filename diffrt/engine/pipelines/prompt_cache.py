@@ -6,25 +6,58 @@ has 4.7 B parameters) costs more than a denoise step. The cache wraps any
 pipeline text encoder — a callable ``prompts -> (embeds, pooled)`` with one
 row per prompt — and encodes only the prompts it has not kept, all of them in
 one call. Keys are the prompt text (one cache per text encoder, so the encoder
-is part of the key by construction).
+is part of the key by construction; a negative prompt is a prompt of its own).
+
+It also counts what text encoding costs (``stats``): prompts encoded, prompts
+served from the cache, and the seconds spent in the encoder. With a device
+``synchronize`` the seconds include the device work, not only its launch.
+A ``max_bytes`` of 0 keeps nothing but still counts.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 
 
+class TextEncoderStats(msgspec.Struct, frozen=True):
+    """Cumulative text-encoding counters of one worker (replies carry deltas)."""
+
+    #: prompts run through the text encoder (cache misses).
+    encoded: int = 0
+    #: prompts answered from the cache.
+    cache_hits: int = 0
+    #: seconds spent in the text encoder.
+    seconds: float = 0.0
+
+    def __sub__(self, other: TextEncoderStats) -> TextEncoderStats:
+        return TextEncoderStats(self.encoded - other.encoded, self.cache_hits - other.cache_hits,
+                                self.seconds - other.seconds)
+
+    def __add__(self, other: TextEncoderStats) -> TextEncoderStats:
+        return TextEncoderStats(self.encoded + other.encoded, self.cache_hits + other.cache_hits,
+                                self.seconds + other.seconds)
+
+
 class CachedTextEncoder:
-    def __init__(self, encoder: Any, max_bytes: int):
+    def __init__(self, encoder: Any, max_bytes: int,
+                 synchronize: Callable[[], None] | None = None):
         self.encoder = encoder
         self.max_bytes = max_bytes
+        self._synchronize = synchronize
         self._entries: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.bytes = 0
         self.hits = 0
         self.misses = 0
+        self.seconds = 0.0
+
+    def stats(self) -> TextEncoderStats:
+        return TextEncoderStats(encoded=self.misses, cache_hits=self.hits, seconds=self.seconds)
 
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         missing = list(dict.fromkeys(p for p in prompts if p not in self._entries))
@@ -32,7 +65,11 @@ class CachedTextEncoder:
         self.hits += len(prompts) - len(missing)
         fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if missing:
+            start = time.perf_counter()
             embeds, pooled = self.encoder(missing)
+            if self._synchronize is not None:
+                self._synchronize()
+            self.seconds += time.perf_counter() - start
             fresh = {p: (embeds[i:i + 1], pooled[i:i + 1]) for i, p in enumerate(missing)}
         rows = []
         for prompt in prompts:
@@ -47,7 +84,7 @@ class CachedTextEncoder:
 
     def _put(self, prompt: str, entry: tuple[torch.Tensor, torch.Tensor]) -> None:
         size = sum(t.numel() * t.element_size() for t in entry)
-        if size > self.max_bytes:
+        if size > self.max_bytes:  # also: max_bytes == 0, the cache is off
             return  # larger than the whole cache: never kept
         entry = (entry[0].clone(), entry[1].clone())  # own storage, not a batch's view
         self._entries[prompt] = entry

@@ -1,13 +1,19 @@
 """Model name -> pipeline class, and loading.
 
-A model is either a registered name (`tiny-flux`, `tiny-sd3`, or one added
-with `register_pipeline`) or a path to a local diffusers-format folder, whose
-family is read from model_index.json (or transformer/config.json) and mapped
-through the families registered with `register_family`.
+A model is one of:
 
-Resolving a model never loads weights and never imports diffusers, so the
-engine can validate requests at submission with
-``resolve_pipeline_class(model).check_inputs(request)``.
+- a local diffusers-format folder, whose family is read from its
+  model_index.json and mapped through the families registered with
+  `register_family`;
+- a hub id ("owner/name") already in the local Hugging Face cache (resolved
+  offline to its snapshot folder);
+- an embedded model (`tiny-flux`, `tiny-sd3`): a tiny folder written into the
+  diffrt cache on first use (``embedded.py``) and then treated as any folder;
+- a name added with `register_pipeline` (a class with its own `create`).
+
+Resolving a model never loads weights and, once an embedded folder exists,
+never imports diffusers, so the engine can validate requests at submission
+with ``resolve_pipeline_class(model).check_inputs(request)``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.pipelines.embedded import EMBEDDED_MODELS, embedded_folder
 from diffrt.engine.pipelines.folder_check import (
     ModelLoadError,
     check_model_folder,
@@ -35,10 +42,7 @@ logger = logging.getLogger(__name__)
 CPU = torch.device("cpu")
 
 #: name -> class, or "module:Class" imported on first use.
-_PIPELINES: dict[str, type[DiffusionPipeline] | str] = {
-    "tiny-flux": "diffrt.engine.pipelines.flux:TinyFluxPipeline",
-    "tiny-sd3": "diffrt.engine.pipelines.sd3:TinySD3Pipeline",
-}
+_PIPELINES: dict[str, type[DiffusionPipeline] | str] = {}
 #: diffusers transformer class name -> family class (for local folders).
 _FAMILIES: dict[str, type[DiffusionPipeline] | str] = {
     "FluxTransformer2DModel": "diffrt.engine.pipelines.flux:FluxPipeline",
@@ -81,35 +85,29 @@ def register_family(transformer_class: str, cls: type[DiffusionPipeline] | str) 
 
 
 def known_models() -> list[str]:
-    """The registered model names, sorted."""
-    return sorted(_PIPELINES)
-
-
-def _transformer_class_name(folder: str) -> str | None:
-    index_path = os.path.join(folder, "model_index.json")
-    if os.path.isfile(index_path):
-        entry = read_json_object(index_path).get("transformer")
-        if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str):
-            return entry[1]
-    config_path = os.path.join(folder, "transformer", "config.json")
-    if os.path.isfile(config_path):
-        name = read_json_object(config_path).get("_class_name")
-        return name if isinstance(name, str) else None
-    return None
+    """The embedded and registered model names, sorted."""
+    return sorted({*EMBEDDED_MODELS, *_PIPELINES})
 
 
 @lru_cache(maxsize=64)
-def _local_pipeline_class(folder: str) -> type[DiffusionPipeline]:
-    family_name = _transformer_class_name(folder)
-    if family_name is None:
-        raise UnknownModelError(folder, "not a diffusers pipeline folder: no model_index.json "
-                                        "and no transformer/config.json")
+def _local_pipeline_class(folder: str, name: str | None = None) -> type[DiffusionPipeline]:
+    index_path = os.path.join(folder, "model_index.json")
+    if not os.path.isfile(index_path):
+        raise UnknownModelError(folder, "not a diffusers pipeline folder: no model_index.json")
+    entry = read_json_object(index_path).get("transformer")
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)):
+        raise ModelLoadError(f"{index_path}: names no transformer (expected "
+                             '"transformer": ["diffusers", "<class name>"])')
+    family_name = entry[1]
     if family_name not in _FAMILIES:
         raise UnknownModelError(folder, f"unsupported transformer {family_name}")
-    if os.path.isfile(os.path.join(folder, "model_index.json")):
-        check_model_folder(folder)  # every component whole, before any worker loads it
+    index = check_model_folder(folder)  # every component whole, before any worker loads it
+    encoder = index.get("text_encoder")
+    if not (isinstance(encoder, list) and len(encoder) == 2 and encoder[0] is not None):
+        raise ModelLoadError(f"{index_path}: lists no text_encoder (diffrt conditions images "
+                             "on the prompt with the folder's own text encoders)")
     family = _load_class(_FAMILIES[family_name])
-    attrs: dict[str, Any] = {"pretrained_path": folder, "name": folder}
+    attrs: dict[str, Any] = {"pretrained_path": folder, "name": name or folder}
     limits = getattr(family, "limits_from_config", None)
     if limits is not None:
         tcfg = os.path.join(folder, "transformer", "config.json")
@@ -134,6 +132,8 @@ def resolve_pipeline_class(model: str) -> type[DiffusionPipeline]:
         raise UnknownModelError(repr(model), "must be a non-empty str")
     if model in _PIPELINES:
         return _load_class(_PIPELINES[model])
+    if model in EMBEDDED_MODELS:
+        return _local_pipeline_class(embedded_folder(model), model)
     if os.path.isdir(model):
         return _local_pipeline_class(os.path.realpath(model))
     if _HUB_ID.fullmatch(model):
@@ -168,7 +168,7 @@ def load_pipeline(
     device: torch.device | str = CPU,
     dtype: torch.dtype = torch.float32,
 ) -> DiffusionPipeline:
-    """Build the pipeline for `model` on `device` (tiny models: seeded weights)."""
+    """Load the pipeline for `model` onto `device`."""
     cls = resolve_pipeline_class(model)
     try:
         pipeline = cls.create(device=torch.device(device), dtype=dtype)

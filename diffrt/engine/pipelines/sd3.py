@@ -1,8 +1,7 @@
 """SD3 family: SD3Transformer2DModel on spatial latents (it patchifies itself).
 
 Only what is SD3-specific lives here: the transformer call (timesteps in
-[0, 1000]), the size limit from its positional-embedding grid, and the tiny
-seeded configuration behind `tiny-sd3`.
+[0, 1000]) and the size limit from its positional-embedding grid.
 """
 
 from __future__ import annotations
@@ -12,24 +11,7 @@ from typing import Any
 import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
-from diffrt.engine.pipelines.tiny import TINY_VAE, seeded_init
 from diffrt.engine.sampling import SamplingParams
-
-TINY_SD3_SEED = 20261130
-
-TINY_SD3_TRANSFORMER = dict(
-    sample_size=16,
-    patch_size=2,
-    in_channels=4,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    caption_projection_dim=32,
-    pooled_projection_dim=32,
-    out_channels=4,
-    pos_embed_max_size=32,
-)
 
 
 class SD3Pipeline(FlowMatchPipeline):
@@ -40,12 +22,6 @@ class SD3Pipeline(FlowMatchPipeline):
     transformer_class = "SD3Transformer2DModel"
     size_multiple = 16  # VAE 8x, patch 2
     max_size = 2048
-
-    @classmethod
-    def transformer_type(cls) -> type:
-        from diffusers import SD3Transformer2DModel
-
-        return SD3Transformer2DModel
 
     @staticmethod
     def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,20 +71,3 @@ class SD3Pipeline(FlowMatchPipeline):
             timestep=timesteps,  # float32 whatever the model dtype, as diffusers passes them
             return_dict=False,
         )[0]
-
-
-class TinySD3Pipeline(SD3Pipeline):
-    """`tiny-sd3`: a tiny SD3 with weights drawn from a fixed seed (max 512 px:
-    its positional grid is 32 patches of 2 latents of 8 pixels)."""
-
-    name = "tiny-sd3"
-    max_size = 512
-
-    @classmethod
-    def create(cls, *, device: torch.device, dtype: torch.dtype) -> TinySD3Pipeline:
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-        with seeded_init(TINY_SD3_SEED):
-            transformer = SD3Transformer2DModel(**TINY_SD3_TRANSFORMER)
-            vae = AutoencoderKL(**TINY_VAE)
-        return cls(transformer, vae, FlowMatchEulerDiscreteScheduler(), device=device, dtype=dtype)

@@ -33,14 +33,28 @@ Shapes (read from diffusers' pipelines):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from diffrt.engine.pipelines.tiny import TINY_VAE, seeded_init
+
+@contextlib.contextmanager
+def seeded_init(seed: int) -> Iterator[None]:
+    """Run module construction with the CPU RNG seeded to ``seed``.
+
+    Modules built inside draw their default initialisation from the seeded
+    generator, so every process builds the same weights; the caller's RNG
+    state is restored afterwards (no side effect on user sampling).
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
 
 # ---------------------------------------------------------------------------
 # Configurations
@@ -77,7 +91,19 @@ TINY_SD3_T5: dict[str, Any] = {**TINY_T5, "d_model": 96}
 
 #: VAE shared by both families (8x, 4 latent channels), without quant convs
 #: like the FLUX.1 and SD3 VAEs; scaling/shift factors are the real ones.
-_TINY_VAE: dict[str, Any] = {**TINY_VAE, "use_quant_conv": False, "use_post_quant_conv": False}
+_TINY_VAE: dict[str, Any] = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    block_out_channels=(32, 32, 64, 64),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=1,
+    norm_num_groups=32,
+    sample_size=128,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
 TINY_FLUX_VAE: dict[str, Any] = {**_TINY_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 TINY_SD3_VAE: dict[str, Any] = {**_TINY_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
 

@@ -7,19 +7,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from diffrt.engine import EngineConfig, EngineConfigError
+from diffrt.engine.pipelines.embedded import embedded_folder
 from diffrt.engine.pipelines.folder_check import ModelLoadError, check_model_folder
 from diffrt.engine.pipelines.registry import load_pipeline
 
 
 @pytest.fixture(scope="module")
-def good_folder(pipelines, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("models") / "flux"
-    pipelines["tiny-flux"].save_pretrained(folder)
-    return folder
+def good_folder():
+    return Path(embedded_folder("tiny-flux"))
 
 
 @pytest.fixture
@@ -63,7 +63,16 @@ def _header_only(folder):
     return path, "truncated"
 
 
-BREAKAGES = [_truncate, _missing_vae, _corrupt_config, _index_is_a_list, _header_only]
+def _no_text_encoder(folder):
+    path = folder / "model_index.json"
+    index = json.loads(path.read_text())
+    del index["text_encoder"]
+    path.write_text(json.dumps(index))
+    return path, "lists no text_encoder"
+
+
+BREAKAGES = [_truncate, _missing_vae, _corrupt_config, _index_is_a_list, _header_only,
+             _no_text_encoder]
 
 
 def test_a_good_folder_passes(good_folder):

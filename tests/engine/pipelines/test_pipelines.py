@@ -14,7 +14,6 @@ from diffrt.engine.pipelines import (
     StepRequestState,
     resolve_pipeline_class,
 )
-from diffrt.engine.pipelines.text_encoder import HashedTextEncoder
 from diffrt.engine.postprocess import quantize_images
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
@@ -202,11 +201,12 @@ def test_missing_seed_draws_a_random_one(pipe):
 
 
 def test_prompt_conditions_the_image(pipe):
-    # random weights make the prompt a weak signal (about 1-2/255 on average)
+    # the tiny folders scale their prompt weights up so that this shows
+    # (tiny_folders.PROMPT_BOOST): 20/255 and more on average
     assert_different_image(
         run_request(pipe, make_request(prompt="a red fox"))[0],
         run_request(pipe, make_request(prompt="an old castle"))[0],
-        min_mean=0.5,
+        min_mean=5.0,
     )
 
 
@@ -296,21 +296,6 @@ def test_tiny_sd3_size_is_bounded_by_its_position_grid():
     cls.check_inputs(make_request(height=512, width=512))
     with pytest.raises(InvalidRequestError, match="512"):
         cls.check_inputs(make_request(height=528))
-
-
-# -- text encoder ----------------------------------------------------------------------
-
-
-def test_hashed_text_encoder_is_fixed_length_and_deterministic():
-    enc = HashedTextEncoder(dim=8, pooled_dim=4, max_tokens=5)
-    embeds, pooled = enc(["a red fox", "", "one two three four five six seven"])
-    assert embeds.shape == (3, 5, 8) and pooled.shape == (3, 4)
-    assert torch.equal(embeds[1], torch.zeros(5, 8)) and torch.equal(pooled[1], torch.zeros(4))
-    assert torch.count_nonzero(embeds[0].abs().sum(-1)) == 3
-    again, _ = HashedTextEncoder(dim=8, pooled_dim=4, max_tokens=5)(["A red, fox"])
-    assert torch.equal(again[0, :2], embeds[0, :2])  # case-insensitive tokens
-    swapped, _ = enc(["fox red a"])
-    assert not torch.equal(swapped[0], embeds[0])  # word order matters
 
 
 def test_incompatible_batches_are_refused(pipe):

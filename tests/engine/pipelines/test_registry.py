@@ -1,11 +1,14 @@
-"""Registry: names, local diffusers folders, hooks, seeded weights across processes."""
+"""Registry: names, local diffusers folders, hooks, the embedded folders in the cache."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from diffrt.engine.pipelines import (
     registry,
     resolve_pipeline_class,
 )
+from diffrt.engine.pipelines.embedded import cache_dir, embedded_folder
 from diffrt.engine.postprocess import quantize_images
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
@@ -94,64 +98,87 @@ def test_register_pipeline_and_hooks():
 
 
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3"])
-def test_local_folder_round_trip(pipelines, tmp_path, model):
-    original = pipelines[model]
-    folder = tmp_path / model
-    original.save_pretrained(folder)
-    index = json.loads((folder / "model_index.json").read_text())
-    assert index["transformer"][1] == original.transformer_class
-
-    cls = resolve_pipeline_class(str(folder))
-    assert cls.pretrained_path == str(folder.resolve())
-    assert issubclass(cls, type(original).__mro__[1])  # the family, not the tiny class
-    loaded = load_pipeline(str(folder))
-    assert weights_digest(loaded) == weights_digest(original)
+def test_an_embedded_model_is_a_folder_loaded_like_any_other(pipelines, tmp_path, model):
+    """The embedded name and a copy of its folder elsewhere resolve to the same
+    family and load the same weights: one code path for both."""
+    folder = Path(embedded_folder(model))
+    assert folder.parent == Path(os.environ["DIFFRT_CACHE_DIR"]) / "models"
+    copy = tmp_path / model
+    shutil.copytree(folder, copy)
+    by_name, by_path = resolve_pipeline_class(model), resolve_pipeline_class(str(copy))
+    assert by_name.name == model and by_path.name == str(copy.resolve())
+    assert by_name.__mro__[1] is by_path.__mro__[1]  # the family class
+    assert by_path.pretrained_path == str(copy.resolve())
+    loaded = load_pipeline(str(copy))
+    assert weights_digest(loaded) == weights_digest(pipelines[model])
     req = request(seed=3, guidance_scale=2.0)
-    a = quantize_images(original.forward(DiffusionRequestBatch([req]))[0])
-    b = quantize_images(loaded.forward(DiffusionRequestBatch([req]))[0])
-    # The weights are bit-identical (digest above); a tensor loaded from a file
-    # may sit at another alignment than one built in place, which can change
-    # the CPU kernel's summation order: at most one step of 255 apart.
-    assert (a.int() - b.int()).abs().max() <= 1
+    a = pipelines[model].forward(DiffusionRequestBatch([req]))[0]
+    b = loaded.forward(DiffusionRequestBatch([req]))[0]
+    assert torch.equal(quantize_images(a), quantize_images(b))
 
 
-def test_local_sd3_folder_takes_its_limits_from_config(pipelines, tmp_path):
-    pipelines["tiny-sd3"].save_pretrained(tmp_path)
-    cls = resolve_pipeline_class(str(tmp_path))
+def test_local_sd3_folder_takes_its_limits_from_config():
+    cls = resolve_pipeline_class(embedded_folder("tiny-sd3"))
     assert (cls.size_multiple, cls.max_size) == (16, 512)
     with pytest.raises(InvalidRequestError, match="height"):
         cls.check_inputs(request(height=1024))
 
 
-def test_tiny_weights_are_bit_identical_across_processes(pipelines):
-    """Another process builds the same weights, and resolving a name there
-    neither loads weights nor imports diffusers."""
+def test_resolving_an_existing_folder_imports_no_diffusers():
+    """Once the embedded folder is in the cache, resolving its name in another
+    process reads JSON only: the engine validates requests without diffusers."""
+    embedded_folder("tiny-flux")
     script = (
         "import sys\n"
-        "from diffrt.engine.pipelines import resolve_pipeline_class, load_pipeline\n"
+        "from diffrt.engine.pipelines import resolve_pipeline_class\n"
         "from diffrt.engine.request import DiffusionRequest\n"
         "resolve_pipeline_class('tiny-flux').check_inputs(DiffusionRequest('x'))\n"
-        "print('diffusers' in sys.modules)\n"
-        "sys.path.insert(0, sys.argv[1])\n"
-        "from test_registry import weights_digest\n"
-        "for m in ('tiny-flux', 'tiny-sd3'): print(weights_digest(load_pipeline(m)))\n"
+        "print('diffusers' in sys.modules, 'transformers' in sys.modules)\n"
     )
-    here = str(__import__("pathlib").Path(__file__).parent)
-    out = subprocess.run(
-        [sys.executable, "-c", script, here],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    ).stdout.split()
-    assert out[0] == "False"
-    assert out[1:] == [
-        weights_digest(pipelines["tiny-flux"]),
-        weights_digest(pipelines["tiny-sd3"]),
-    ]
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["False", "False"]
 
 
-def test_construction_leaves_the_callers_rng_alone():
+def test_processes_racing_to_build_an_embedded_folder_share_one(tmp_path):
+    """Three processes start at once on an empty cache: each builds into a
+    temporary folder and renames it into place; all end with the same folder,
+    byte-identical to this process's, and no temporary folder is left."""
+    script = ("from diffrt.engine.pipelines.embedded import embedded_folder\n"
+              "print(embedded_folder('tiny-sd3'))\n")
+    env = {**os.environ, "DIFFRT_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    folders = {out.strip() for out, _ in outs}
+    assert len(folders) == 1
+    [folder] = folders
+    assert sorted(os.listdir(tmp_path / "models")) == [os.path.basename(folder)]
+    assert _tree_digest(Path(folder)) == _tree_digest(Path(embedded_folder("tiny-sd3")))
+
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("DIFFRT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == str(tmp_path / "xdg" / "diffrt")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_dir() == str(tmp_path / ".cache" / "diffrt")
+    monkeypatch.setenv("DIFFRT_CACHE_DIR", "~/models-cache")
+    assert cache_dir() == str(tmp_path / "models-cache")
+
+
+def test_construction_leaves_the_callers_rng_alone(monkeypatch, tmp_path):
+    monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path))  # build, not only load
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)

@@ -1,0 +1,133 @@
+"""Loading a diffusers folder one component at a time, with progress.
+
+A FLUX.1 folder is 30+ GB (the transformer 24 GB, T5-XXL 9.5 GB); loading it
+takes minutes, and a start-up that prints nothing for minutes looks hung. So
+each weight component is loaded by its own class (what diffusers'
+``DiffusionPipeline.from_pretrained`` would call for it: the class named in
+model_index.json, the component's subfolder, the dtype) with a line on the
+``diffrt.load`` logger before and after, and the components are then handed
+to the family's diffusers pipeline, which loads only what is left (tokenizers,
+scheduler). The libraries' own progress bars are turned off meanwhile: from a
+worker they interleave with other processes' output on one terminal.
+
+The lines are INFO for a checkpoint of ``PROGRESS_BYTES`` or more and DEBUG
+below (the embedded tiny models load in a blink). The CLI and the server show
+``diffrt.load`` at INFO whatever their log level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from diffrt.engine.pipelines.folder_check import read_json_object
+
+#: The logger of loading progress (shown by the CLI and the server).
+PROGRESS_LOGGER = "diffrt.load"
+logger = logging.getLogger(PROGRESS_LOGGER)
+
+#: Checkpoints at least this large report each component at INFO.
+PROGRESS_BYTES = 1 << 30
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def component_bytes(folder: str, name: str) -> int:
+    """Bytes of weight files in ``folder/name`` (0 for tokenizers, schedulers)."""
+    sub = os.path.join(folder, name)
+    if not os.path.isdir(sub):
+        return 0
+    return sum(os.path.getsize(os.path.join(sub, f)) for f in os.listdir(sub)
+               if f.endswith(_WEIGHT_SUFFIXES))
+
+
+def weight_components(folder: str) -> list[tuple[str, str, str, int]]:
+    """(name, library, class, bytes) of each component with weights, in the
+    order model_index.json lists them."""
+    index = read_json_object(os.path.join(folder, "model_index.json"))
+    out = []
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
+            continue
+        library, class_name = entry
+        if library is None or class_name is None:
+            continue
+        size = component_bytes(folder, name)
+        if size:
+            out.append((name, library, class_name, size))
+    return out
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@contextlib.contextmanager
+def library_bars_off() -> Iterator[None]:
+    """diffusers' and transformers' tqdm bars off (restored afterwards)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    was = (diffusers_logging.is_progress_bar_enabled(),
+           transformers_logging.is_progress_bar_enabled())
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was[0]:
+            diffusers_logging.enable_progress_bar()
+        if was[1]:
+            transformers_logging.enable_progress_bar()
+
+
+def _diffusers_pipeline_class(name: str) -> type:
+    """``diffusers.<name>``. Importing a pipeline module makes transformers warn
+    that the image processors of IP-adapters want torchvision; text-to-image
+    never builds one, so that warning is held back (only during the import)."""
+    import diffusers
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        return getattr(diffusers, name)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
+def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dtype) -> Any:
+    """``diffusers.<pipeline_class>.from_pretrained(folder)`` offline in
+    ``dtype``, reporting each weight component as it loads."""
+    components = weight_components(folder)
+    total = sum(size for *_, size in components)
+    level = logging.INFO if total >= PROGRESS_BYTES else logging.DEBUG
+    logger.log(level, "loading %s: %d components with weights, %s", folder, len(components),
+               format_bytes(total))
+    start = time.monotonic()
+    loaded: dict[str, Any] = {}
+    pipeline_cls = _diffusers_pipeline_class(pipeline_class)
+    with library_bars_off():
+        for i, (name, library, class_name, size) in enumerate(components, 1):
+            logger.log(level, "[%d/%d] %s (%s, %s)...", i, len(components), name, class_name,
+                       format_bytes(size))
+            began = time.monotonic()
+            cls = getattr(importlib.import_module(library), class_name)
+            loaded[name] = cls.from_pretrained(os.path.join(folder, name), dtype=dtype,
+                                               local_files_only=True)
+            logger.log(level, "[%d/%d] %s loaded in %.1f s", i, len(components), name,
+                       time.monotonic() - began)
+        pipeline = pipeline_cls.from_pretrained(
+            folder, dtype=dtype, local_files_only=True, **loaded)
+    logger.log(level, "loaded %s in %.1f s", folder, time.monotonic() - start)
+    return pipeline

@@ -1,0 +1,133 @@
+"""What ``DiffusionEngine.stats()`` reports, and the recorder behind it.
+
+A server exports these (Prometheus, a dashboard) without reaching into the
+engine's internals: gauges are read when asked, counters and histograms are
+cumulative since the engine started, so any scraper can take differences.
+Histograms keep per-bucket counts against fixed upper bounds, the shape
+Prometheus histograms have; the recorder depends on no metrics library.
+
+The recorder has a lock of its own, held only to update or copy numbers: it
+may be called with the output processor's lock held and never calls out.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+from diffrt.engine.outputs import DiffusionOutput
+from diffrt.engine.pipelines.prompt_cache import TextEncoderStats
+
+#: Upper bounds (seconds) for request-scale durations: latency, queue and output waits.
+REQUEST_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+                     120.0, 300.0, 600.0)
+#: Upper bounds (seconds) for one denoise step.
+STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+#: How a finished request ended (the ``outcome`` of ``requests_total``).
+OUTCOMES = ("success", "error", "aborted", "timeout")
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Counts per bucket: ``counts[i]`` observations <= ``bounds[i]`` and above
+    the previous bound; the last count is above every bound (+Inf)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot; see the module docstring."""
+
+    #: admitted, not yet in a batch.
+    requests_waiting: int
+    #: in a batch (request mode: the forward in flight; step mode: the running set).
+    requests_running: int
+    #: outcome (``OUTCOMES``) -> requests that ended so.
+    requests_total: dict[str, int]
+    #: arrival to final output.
+    request_latency_s: Histogram
+    #: arrival to first batch.
+    queue_wait_s: Histogram
+    #: one denoise step of a batch (request mode: the forward over its steps).
+    step_time_s: Histogram
+    #: compute done to output in host memory.
+    output_wait_s: Histogram
+    text_encoding: TextEncoderStats = field(default_factory=TextEncoderStats)
+    #: bytes of finished outputs waiting for their consumers.
+    pending_output_bytes: int = 0
+    healthy: bool = True
+
+
+def classify(output: DiffusionOutput, timed_out: bool) -> str:
+    if output.ok:
+        return "success"
+    if output.aborted:
+        return "aborted"
+    return "timeout" if timed_out else "error"
+
+
+class _Buckets:
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> Histogram:
+        return Histogram(self.bounds, tuple(self.counts), self.sum)
+
+
+class StatsRecorder:
+    """Cumulative counters and histograms; fed by the output processor."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outcomes = dict.fromkeys(OUTCOMES, 0)
+        self._latency = _Buckets(REQUEST_BUCKETS_S)
+        self._queue = _Buckets(REQUEST_BUCKETS_S)
+        self._step = _Buckets(STEP_BUCKETS_S)
+        self._output_wait = _Buckets(REQUEST_BUCKETS_S)
+        self._text = TextEncoderStats()
+
+    def on_tick(self, step_seconds: float | None, text: TextEncoderStats | None) -> None:
+        with self._lock:
+            if step_seconds is not None:
+                self._step.observe(step_seconds)
+            if text is not None:
+                self._text = self._text + text
+
+    def on_final(self, output: DiffusionOutput, *, timed_out: bool) -> None:
+        m = output.metrics
+        with self._lock:
+            self._outcomes[classify(output, timed_out)] += 1
+            if m.finished_time is not None:
+                self._latency.observe(max(0.0, m.finished_time - m.arrival_time))
+            if m.queue_wait is not None:
+                self._queue.observe(m.queue_wait)
+            if m.output_wait is not None:
+                self._output_wait.observe(m.output_wait)
+
+    def snapshot(self, *, waiting: int, running: int, pending_output_bytes: int,
+                 healthy: bool) -> EngineStats:
+        with self._lock:
+            return EngineStats(
+                requests_waiting=waiting, requests_running=running,
+                requests_total=dict(self._outcomes),
+                request_latency_s=self._latency.snapshot(),
+                queue_wait_s=self._queue.snapshot(),
+                step_time_s=self._step.snapshot(),
+                output_wait_s=self._output_wait.snapshot(),
+                text_encoding=self._text,
+                pending_output_bytes=pending_output_bytes, healthy=healthy)

@@ -1,0 +1,25 @@
+"""Session-wide set-up shared by every test folder.
+
+The embedded models are written on first use into ``$DIFFRT_CACHE_DIR``; the
+tests use a cache of their own (inherited by every worker and console script
+they start), so they neither read nor fill the developer's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+_CACHE: str | None = None
+
+
+def pytest_configure(config):
+    global _CACHE
+    _CACHE = tempfile.mkdtemp(prefix="diffrt-test-cache-")
+    os.environ["DIFFRT_CACHE_DIR"] = _CACHE
+
+
+def pytest_unconfigure(config):
+    if _CACHE:
+        shutil.rmtree(_CACHE, ignore_errors=True)
