@@ -9,6 +9,7 @@ loading weights.
 from __future__ import annotations
 
 import enum
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,8 +103,8 @@ class EngineConfig:
         vae_tiling / vae_slicing: decode in overlapping tiles (large images) /
             one image at a time (large batches), to save device memory.
         offload_text_encoders: keep text encoders on the CPU between encodings.
-        plugin_modules: modules each worker imports before loading the model,
-            e.g. one that registers a custom pipeline class.
+        plugin_modules: modules imported before the model is resolved, here
+            and in each worker, e.g. one that registers a custom pipeline class.
         executor_options: extra ExecutorConfig fields (tuning: startup_timeout_s,
             shutdown_grace_s, output_queue_depth, worker_env).
     """
@@ -234,6 +235,15 @@ class EngineConfig:
         from diffrt.engine.pipelines.folder_check import ModelLoadError
         from diffrt.engine.pipelines.registry import UnknownModelError
 
+        # The engine process resolves the model too (to check requests at
+        # submission), so a plugin that registers it must be imported here as
+        # well as in the workers.
+        for name in self.plugin_modules:
+            try:
+                importlib.import_module(name)
+            except ImportError as e:
+                raise EngineConfigError("plugin_modules",
+                                        f"cannot import {name!r}: {e}") from e
         try:
             cls = self.pipeline_class()
         except UnknownModelError as e:

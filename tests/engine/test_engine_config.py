@@ -86,6 +86,21 @@ def test_worker_options_are_checked(field, value):
     assert info.value.field == field
 
 
+def test_plugin_modules_are_imported_before_the_model_is_resolved():
+    from diffrt.engine.pipelines import registry
+
+    try:
+        with pytest.raises(EngineConfigError, match="toy-from-plugin"):
+            EngineConfig(model="toy-from-plugin")  # not registered without its plugin
+        cfg = EngineConfig(model="toy-from-plugin", plugin_modules=["plugin_registers_model"])
+        assert cfg.pipeline_class().__name__ == "ToyPipeline"
+    finally:
+        registry._PIPELINES.pop("toy-from-plugin", None)
+    with pytest.raises(EngineConfigError, match="cannot import 'no_such_plugin_module'") as info:
+        EngineConfig(model="toy", plugin_modules=["no_such_plugin_module"])
+    assert info.value.field == "plugin_modules"
+
+
 def test_auto_dtype_is_float32_on_cpu_and_half_on_devices():
     from diffrt.engine.pipeline_runner import resolve_dtype
 

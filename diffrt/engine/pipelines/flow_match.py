@@ -58,23 +58,12 @@ def _check_compatible(requests: list[DiffusionRequest], key: Any) -> None:
             )
 
 
-def _place(module: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """Move a diffusers model to the device and dtype.
-
-    diffusers warns on every `.to(dtype)` that some modules may need float32;
-    our families list none, so that warning is silenced for the cast.
-    """
-    module = module.to(device)
-    if module.dtype != dtype:
-        from diffusers.utils import logging as diffusers_logging
-
-        verbosity = diffusers_logging.get_verbosity()
-        diffusers_logging.set_verbosity_error()
-        try:
-            module = module.to(dtype)
-        finally:
-            diffusers_logging.set_verbosity(verbosity)
-    return module.eval()
+def _place(module: Any, device: torch.device) -> Any:
+    """Move a loaded model to the device, in eval mode. Its dtype was set when it
+    was loaded (``from_pretrained(dtype=...)``), which keeps the layers a model
+    declares float32-only (T5's ``wo``) in float32; a later ``.to(dtype)``
+    would cast those too and give other pixels than diffusers."""
+    return module.to(device).eval()
 
 
 @dataclass
@@ -123,8 +112,8 @@ class FlowMatchPipeline(DiffusionPipeline):
     ):
         self.device = torch.device(device)
         self.dtype = dtype
-        self.transformer = _place(transformer, self.device, dtype)
-        self.vae = _place(vae, self.device, dtype)
+        self.transformer = _place(transformer, self.device)
+        self.vae = _place(vae, self.device)
         # The diffusers noise scheduler, as a template only: its step() mutates
         # internal state, so every request steps its own deep copy of it.
         self.noise_scheduler = noise_scheduler
@@ -172,7 +161,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         full = load_diffusers_pipeline(path, cls.diffusers_pipeline_class, dtype=dtype)
         for name, module in full.components.items():
             if name.startswith("text_encoder") and module is not None:
-                _place(module, device, dtype)
+                _place(module, device)
         text = FolderTextEncoder(full, cls.encode_with_diffusers, device=device)
         return cls(full.transformer, full.vae, full.scheduler, text, device=device, dtype=dtype)
 

@@ -143,16 +143,19 @@ def test_the_prompt_cache_returns_the_same_embeddings_and_stays_bounded(loaded):
     assert cache.misses == 4  # "" had been evicted, "a red fox" was still there
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("family,guidance", [("flux", 1.0), ("sd3", 2.0)])
-def test_bfloat16_casts_as_diffusers_does(folders, family, guidance):
+def test_half_precision_casts_as_diffusers_does(folders, family, guidance, dtype):
     """In half precision the order of casts matters (SD3 keeps its timesteps in
     float32, Flux casts them to the model dtype): the same pixels as diffusers
-    in bfloat16, within 2/255 (CPU)."""
+    in bfloat16 and float16, within 2/255 (CPU). diffusers is loaded as its
+    users load it, ``from_pretrained(dtype=...)``, which keeps T5's ``wo``
+    layers in float32 (``.to(dtype)`` would not, and differs by 3/255)."""
     import diffusers
 
     cls = diffusers.FluxPipeline if family == "flux" else diffusers.StableDiffusion3Pipeline
-    theirs = cls.from_pretrained(folders[family], local_files_only=True).to(torch.bfloat16)
-    mine = load_pipeline(str(folders[family]), dtype=torch.bfloat16)
+    theirs = cls.from_pretrained(folders[family], local_files_only=True, dtype=dtype)
+    mine = load_pipeline(str(folders[family]), dtype=dtype)
     want = reference(theirs, PROMPTS[0], 0, guidance, None)
     got = ours(mine.forward(DiffusionRequestBatch([request(PROMPTS[0], 0, guidance, None)]))[0])
     assert np.abs(got - want).max() <= MAX_DIFF
