@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
@@ -48,21 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Shown at INFO whatever --log-level says: loading a large checkpoint takes
-#: minutes, and its progress is what a user watches meanwhile.
+#: minutes, and its progress is what a user watches meanwhile (workers show it
+#: too: see ``diffrt.runtime.worker.DEFAULT_LOG_SPEC``).
 PROGRESS_LOGGERS = ("diffrt.load",)
 
 
 def configure_logging(level: str) -> None:
-    """The terminal's logging: ``level`` for libraries, progress loggers at
-    INFO; spawned workers get the same through ``DIFFRT_LOG_LEVEL`` (unless the
-    user set it)."""
+    """The terminal's logging: ``level`` for libraries, progress loggers at INFO."""
     logging.basicConfig(level=getattr(logging, level),
                         format="%(levelname)s %(name)s: %(message)s")
-    progress_level = min(logging.INFO, getattr(logging, level))
     for name in PROGRESS_LOGGERS:
-        logging.getLogger(name).setLevel(progress_level)
-    os.environ.setdefault("DIFFRT_LOG_LEVEL", ",".join(
-        [level] + [f"{name}={logging.getLevelName(progress_level)}" for name in PROGRESS_LOGGERS]))
+        logging.getLogger(name).setLevel(min(logging.INFO, getattr(logging, level)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from diffrt.cli.engine_opts import (
     check_requests,
     engine_settings,
     make_engine,
+    model_defaults,
     non_negative_float,
     positive_float,
     positive_int,
@@ -72,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "p50/p90/p99 latency, queue wait, forward time and output wait.",
         epilog="--compare example: diffrt bench --compare async_output=off async_output=on "
                "'mode=step,max_num_seqs=8'  (keys: " + ", ".join(COMPARE_KEYS) + ")")
-    add_model_args(p, height=128, steps=4)
+    add_model_args(p)
     p.add_argument("--num-requests", "-N", type=positive_int, default=16,
                    help="measured requests per configuration (default: %(default)s)")
     p.add_argument("--concurrency", "-c", type=positive_int, default=4,
@@ -137,9 +138,11 @@ def _requests(opts: dict[str, Any], count: int, seed: int, tag: str) -> list[Any
 def _run_config(engine: Any, label: str, opts: dict[str, Any], args: argparse.Namespace,
                 tw: TraceWindows) -> dict:
     if args.warmup > 0:
-        drive(engine, _requests(opts, args.warmup, args.seed + 10_000, "warmup"),
+        drive(engine, _requests(opts, args.warmup, args.seed + 10_000, f"{label} warmup"),
               concurrency=args.warmup, rate=None)
-    requests = _requests(opts, opts["num_requests"], args.seed, "measured")
+    # Prompts of their own per configuration: configurations sharing an engine
+    # would otherwise find the previous one's prompts in the prompt cache.
+    requests = _requests(opts, opts["num_requests"], args.seed, f"{label} measured")
     before = engine.stats().text_encoding
     with tw.window(label):  # the trace shows the measured requests only
         samples, wall = drive(engine, requests, concurrency=opts["concurrency"],
@@ -157,6 +160,20 @@ def text_encoding_summary(delta: Any, num_requests: int) -> dict[str, Any]:
             "prompt_cache_hit_rate": delta.cache_hits / lookups if lookups else None}
 
 
+#: bench option -> the SamplingParams field a model gives a default for
+_DEFAULTED = {"height": "height", "width": "width", "steps": "num_inference_steps",
+              "guidance_scale": "guidance_scale"}
+
+
+def _fill_model_defaults(opts: dict[str, Any]) -> None:
+    """Options left unset take the model's defaults, so the table and the JSON
+    say what ran."""
+    defaults = model_defaults(opts["model"], opts["plugin_module"])
+    for option, field in _DEFAULTED.items():
+        if opts.get(option) is None:
+            opts[option] = defaults[field]
+
+
 def run(args: argparse.Namespace) -> int:
     configs = build_configs(args)
     if args.json:
@@ -165,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
     from diffrt.engine import EngineConfig
 
     for _, opts in configs:  # every configuration is checked before the first one runs
-        check_requests(opts["model"], _requests(opts, 1, args.seed, "check"))
+        check_requests(opts["model"], _requests(opts, 1, args.seed, "check"),
+                       opts["plugin_module"])
+        _fill_model_defaults(opts)
         EngineConfig(**engine_settings(opts))
 
     results = []

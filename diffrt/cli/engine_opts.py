@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from diffrt.cli.errors import CliError
+
 DEFAULT_MODEL = "tiny-flux"
 
 
@@ -40,17 +42,22 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_model_args(p: argparse.ArgumentParser, *, height: int = 128, steps: int = 4) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help="embedded model name (tiny-flux, tiny-sd3) or a local diffusers folder "
-                        "(default: %(default)s)")
-    p.add_argument("--height", type=positive_int, default=height, help="pixels (default: %(default)s)")
-    p.add_argument("--width", type=positive_int, default=height, help="pixels (default: %(default)s)")
-    p.add_argument("--steps", type=positive_int, default=steps,
-                   help="denoising steps (default: %(default)s)")
-    p.add_argument("--guidance-scale", type=non_negative_float, default=1.0,
+                   help="embedded model name (tiny-flux, tiny-sd3), a local diffusers folder, "
+                        "or a hub id in the local Hugging Face cache (default: %(default)s)")
+    p.add_argument("--height", type=positive_int, default=None,
+                   help="pixels (default: the model's; 128 for the embedded models, 1024 for "
+                        "FLUX.1 and SD3, as diffusers)")
+    p.add_argument("--width", type=positive_int, default=None,
+                   help="pixels (default: the model's)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="denoising steps (default: the model's; 4 for the embedded models, "
+                        "28 for FLUX.1 and SD3, as diffusers)")
+    p.add_argument("--guidance-scale", type=non_negative_float, default=None,
                    help="SD3: classifier-free guidance runs when > 1; Flux: the embedded "
-                        "guidance of guidance-distilled checkpoints (default: %(default)s)")
+                        "guidance of guidance-distilled checkpoints (default: the model's; "
+                        "3.5 for Flux, 7.0 for SD3, as diffusers)")
     p.add_argument("--true-cfg-scale", type=non_negative_float, default=1.0,
                    help="Flux: true classifier-free guidance, runs when > 1 with a "
                         "--negative-prompt (default: %(default)s)")
@@ -82,8 +89,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None
     p.add_argument("--offload-text-encoders", action="store_true",
                    help="keep text encoders on the CPU between encodings (small devices)")
     p.add_argument("--plugin-module", action="append", default=[], metavar="MODULE",
-                   help="import MODULE in every worker before the model loads, e.g. one that "
-                        "registers a pipeline (repeatable)")
+                   help="import MODULE here and in every worker before the model is "
+                        "resolved, e.g. one that registers a pipeline (repeatable)")
     p.add_argument("--startup-timeout", type=positive_float, default=None,
                    help="seconds each worker may take to import and load the model (a "
                         "multi-GB checkpoint takes minutes; default: the runtime's 300)")
@@ -100,7 +107,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None
 
 def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
     """The EngineConfig keyword arguments for a parsed command line (or a dict of it)."""
-    get = args.get if isinstance(args, dict) else lambda k: getattr(args, k)
+    get = args.get if isinstance(args, dict) else lambda k: getattr(args, k, None)
     settings: dict[str, Any] = {
         "model": get("model"),
         "step_execution": get("mode") == "step",
@@ -121,13 +128,25 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
             settings[flag] = True
     if get("plugin_module"):
         settings["plugin_modules"] = list(get("plugin_module"))
+    options: dict[str, Any] = {}
     if get("startup_timeout"):
-        settings["executor_options"] = {"startup_timeout_s": get("startup_timeout")}
+        options["startup_timeout_s"] = get("startup_timeout")
+    if get("log_level") not in (None, "WARNING"):  # workers log as this process does
+        options["worker_env"] = {"DIFFRT_LOG_LEVEL": worker_log_spec(get("log_level"))}
+    if options:
+        settings["executor_options"] = options
     if get("policy") != "fifo":
         settings["scheduling_policy"] = get("policy")
     if get("batch_wait_ms"):
         settings[batch_wait_field(get("mode"))] = get("batch_wait_ms")
     return settings
+
+
+def worker_log_spec(level: str) -> str:
+    """``DIFFRT_LOG_LEVEL`` for workers of a CLI run at ``level``: that level,
+    loading progress at INFO or more verbose."""
+    progress = "DEBUG" if level == "DEBUG" else "INFO"
+    return f"{level},diffrt.load={progress}"
 
 
 def batch_wait_field(mode: str) -> str:
@@ -150,15 +169,32 @@ def sampling_params(args: argparse.Namespace, *, seed: int | None, n: int = 1) -
                           num_outputs_per_prompt=n, true_cfg_scale=args.true_cfg_scale)
 
 
-def check_requests(model: str, requests: list[Any]) -> None:
+def pipeline_class(model: str, plugin_modules: list[str] = ()) -> Any:
+    """The model's pipeline class, after importing the plugins that may register it."""
+    import importlib
+
+    from diffrt.engine.pipelines.registry import resolve_pipeline_class
+
+    for name in plugin_modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise CliError(f"--plugin-module {name!r}: cannot import it ({exc})") from None
+    return resolve_pipeline_class(model)
+
+
+def check_requests(model: str, requests: list[Any], plugin_modules: list[str] = ()) -> None:
     """Refuse an unknown model or bad sampling parameters before loading anything.
 
     The pipeline class checks without weights; its errors name the field.
     """
-    from diffrt.engine.pipelines.registry import resolve_pipeline_class
-
-    cls = resolve_pipeline_class(model)
+    cls = pipeline_class(model, plugin_modules)
     for request in requests:
         request.validate()
         cls.check_inputs(request)
+
+
+def model_defaults(model: str, plugin_modules: list[str] = ()) -> dict[str, Any]:
+    """The model's sampling defaults (what options left unset become)."""
+    return dict(pipeline_class(model, plugin_modules).sampling_defaults)
 

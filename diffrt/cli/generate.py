@@ -21,6 +21,7 @@ from diffrt.cli.engine_opts import (
     check_requests,
     engine_settings,
     make_engine,
+    model_defaults,
     positive_int,
     sampling_params,
 )
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     requests = [DiffusionRequest(prompt=p, negative_prompt=args.negative_prompt,
                                  sampling_params=sampling_params(args, seed=args.seed + i, n=args.n))
                 for i, p in enumerate(prompts)]
-    check_requests(args.model, requests)
+    check_requests(args.model, requests, args.plugin_module)
     settings = engine_settings(args)
     if args.max_num_seqs is None:
         settings["max_num_seqs"] = len(requests)
@@ -138,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with trace_session(args, title=f"diffrt generate ({args.model}, {len(prompts)} prompts)") as tw:
         engine = make_engine(settings)
-        progress = _Progress(prompts, args.steps, enabled=not args.no_progress)
+        steps = args.steps or model_defaults(args.model, args.plugin_module)[
+            "num_inference_steps"]
+        progress = _Progress(prompts, steps, enabled=not args.no_progress)
         try:
             with tw.window():  # the trace leaves out start-up and warm-up
                 finals = asyncio.run(_run_all(engine, requests, progress))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
+from diffrt.engine.outputs import DiffusionOutput, RequestMetrics, TextEncoderStats
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 
@@ -58,6 +58,7 @@ __all__ = [
     "InvalidRequestError",
     "RequestMetrics",
     "SamplingParams",
+    "TextEncoderStats",
 ]
 
 

@@ -5,7 +5,8 @@ and range, the model's own limits (``check_inputs``), the engine's cost limit,
 and the message a worker will receive (encoded here, per request, so one
 request that cannot be encoded never reaches a tick its neighbours share).
 Refusals raise ``InvalidRequestError`` naming the field. The admitted request
-is the engine's own copy, with its seed drawn when none was given.
+is the engine's own copy, with the model's sampling defaults filled in and its
+seed drawn when none was given.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def admit(request: Any, pipeline_cls: type, pre_process: Callable[[DiffusionRequ
         raise InvalidRequestError(
             "request", f"must be a DiffusionRequest, got {type(request).__name__}")
     request.validate()
+    request = pipeline_cls.with_defaults(request)  # the model's, for fields left at None
     pipeline_cls.check_inputs(request)
     params = request.sampling_params
     limit = config.max_request_cost

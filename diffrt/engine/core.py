@@ -24,7 +24,7 @@ from typing import Any
 
 from diffrt import tracing
 from diffrt.engine.config import EngineMode
-from diffrt.engine.pipelines.prompt_cache import TextEncoderStats
+from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.runner_messages import BatchDone, ExecuteBatch, ExecuteStep, StepDone
 from diffrt.engine.sampling import InvalidRequestError
@@ -191,6 +191,7 @@ class EngineCore:
             logger.error("%s failed: %s", type(request).__name__, exc)
             result = ExecutionResult(failed_all=f"{type(exc).__name__}: {exc}")
         elapsed = self._clock() - start
+        step_seconds = None if result.failed_all else self._step_seconds(tick, elapsed)
         with self._cond:
             update = self.scheduler.update_from_output(tick, result)
         kept: dict[str, str] = {}
@@ -204,7 +205,7 @@ class EngineCore:
             self.executor.release_output(oid)
         return TickResult(scheduled_ids=list(tick.scheduled_ids), started_at=start,
                           elapsed=elapsed, progress=update.progress, finished=update.finished,
-                          output_ids=kept, step_seconds=self._step_seconds(tick, elapsed),
+                          output_ids=kept, step_seconds=step_seconds,
                           text_encoding=text_encoding)
 
     def _step_seconds(self, tick: SchedulerOutput, elapsed: float) -> float | None:

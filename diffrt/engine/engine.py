@@ -161,6 +161,7 @@ class DiffusionEngine:
             ) from None
         if not out.ok:
             raise EngineWarmupError(f"warm-up request failed: {out.error}")
+        self.output_processor.stats.reset()  # stats() describes served requests only
         logger.info("warm-up done in %.2f s", time.monotonic() - start)
 
     # -- public API -------------------------------------------------------------------

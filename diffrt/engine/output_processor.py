@@ -225,7 +225,8 @@ class OutputProcessor:
                     and not record.aborted and rid not in self._pending]
         for slot in unread:
             self._expire(slot, f"output expired: unread for {self._unread_timeout:g} s "
-                               f"(unread_output_timeout_s={self._unread_timeout:g})")
+                               f"(unread_output_timeout_s={self._unread_timeout:g})",
+                         timed_out=True)
         return late
 
     # -- outputs landing ------------------------------------------------------------------
@@ -298,18 +299,21 @@ class OutputProcessor:
             future.set_result(slot.take())
             return future
 
-    def _expire(self, slot: FinalSlot, error: str) -> None:
+    def _expire(self, slot: FinalSlot, error: str, *, timed_out: bool = False) -> None:
         with self._lock:
             record = self._records.get(slot.request_id)
             step = record.total_steps if record is not None else 0
         self._expire_with(slot, DiffusionOutput(slot.request_id, finished=True, error=error,
-                                                step=step, total_steps=step))
+                                                step=step, total_steps=step),
+                          timed_out=timed_out)
 
-    def _expire_with(self, slot: FinalSlot, output: DiffusionOutput) -> None:
+    def _expire_with(self, slot: FinalSlot, output: DiffusionOutput, *,
+                     timed_out: bool = False) -> None:
         if slot.expire(output):
             with self._lock:
                 if self._pending.get(slot.request_id) is slot:
-                    self._finalize_locked(slot.request_id, output, deliver=False)
+                    self._finalize_locked(slot.request_id, output, deliver=False,
+                                          timed_out=timed_out)
 
     # -- delivery ---------------------------------------------------------------------------
     def _emit_locked(self, rid: str, output: DiffusionOutput) -> None:
@@ -317,9 +321,11 @@ class OutputProcessor:
         if stream is not None:
             self._deliveries.put((stream, output))
 
-    def _finalize_locked(self, rid: str, output: DiffusionOutput, *, deliver: bool = True) -> None:
+    def _finalize_locked(self, rid: str, output: DiffusionOutput, *, deliver: bool = True,
+                         timed_out: bool = False) -> None:
         """The one place a request becomes terminal: exactly one final output.
-        ``deliver=False``: its consumer holds a FinalSlot that yields ``output``."""
+        ``deliver=False``: its consumer holds a FinalSlot that yields ``output``;
+        ``timed_out``: a limit ended it (counted as a timeout, not an error)."""
         record = self._records.pop(rid, None)
         if record is None:
             return
@@ -332,7 +338,7 @@ class OutputProcessor:
         output.seed = record.request.sampling_params.seed
         if record.abort_reason is not None and output.aborted:
             output.aborted, output.error = False, record.abort_reason
-        self.stats.on_final(output, timed_out=record.abort_reason is not None)
+        self.stats.on_final(output, timed_out=timed_out or record.abort_reason is not None)
         stream = self._streams.pop(rid, None)
         if deliver and stream is not None:
             self._deliveries.put((stream, output))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 
 @dataclass
 class RequestMetrics:
@@ -42,3 +44,22 @@ class DiffusionOutput:
     @property
     def ok(self) -> bool:
         return self.finished and self.error is None and not self.aborted
+
+
+class TextEncoderStats(msgspec.Struct, frozen=True):
+    """Cumulative text-encoding counters of one worker (replies carry deltas)."""
+
+    #: prompts run through the text encoder (cache misses).
+    encoded: int = 0
+    #: prompts answered from the cache.
+    cache_hits: int = 0
+    #: seconds spent in the text encoder.
+    seconds: float = 0.0
+
+    def __sub__(self, other: TextEncoderStats) -> TextEncoderStats:
+        return TextEncoderStats(self.encoded - other.encoded, self.cache_hits - other.cache_hits,
+                                self.seconds - other.seconds)
+
+    def __add__(self, other: TextEncoderStats) -> TextEncoderStats:
+        return TextEncoderStats(self.encoded + other.encoded, self.cache_hits + other.cache_hits,
+                                self.seconds + other.seconds)

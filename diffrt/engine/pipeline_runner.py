@@ -110,7 +110,9 @@ class PipelineRunner:
                                        vae_slicing=settings.vae_slicing,
                                        offload_text_encoders=settings.offload_text_encoders)
         self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes,
-                                          synchronize=platform.synchronize)
+                                          synchronize=self._wait_for_current_stream)
+        #: text-encoding counters already reported to the engine.
+        self._reported = self.pipeline.text_encoder_stats()
         self.states: dict[str, StepRequestState] = {}
         logger.info("rank %d: runner ready for %s on %s", rank, settings.model, device)
 
@@ -125,13 +127,26 @@ class PipelineRunner:
             case _:
                 raise TypeError(f"PipelineRunner cannot handle {type(request).__name__}")
 
+    def _wait_for_current_stream(self) -> None:
+        """Wait for the work queued on this thread's stream (the text encoder's),
+        not the whole device: a device-wide synchronize would also wait for the
+        output thread's copy of the previous request. A backend without events
+        copies outputs synchronously, so there the device-wide wait costs nothing
+        extra (and on CPU there is nothing to wait for)."""
+        event = self.platform.record_device_event()
+        if event is not None:
+            self.platform.event_synchronize(event)
+        elif self.platform.device_type != "cpu":
+            self.platform.synchronize()
+
     def _counting_text_encoding(self, execute: Any, request: Any) -> RunnerResult:
-        """Run ``execute(request)`` and put the text encoding it did in the reply."""
-        before = self.pipeline.text_encoder_stats()
+        """Run ``execute(request)`` and put in its reply the text encoding done
+        since the last reply (a tick that raised reports its work with the next)."""
         result = execute(request)
-        after = self.pipeline.text_encoder_stats()
-        if before is not None and after is not None:
-            result.reply.text_encoding = after - before
+        now = self.pipeline.text_encoder_stats()
+        if now is not None and self._reported is not None:
+            result.reply.text_encoding = now - self._reported
+            self._reported = now
         return result
 
     # -- REQUEST_BATCH ------------------------------------------------------------

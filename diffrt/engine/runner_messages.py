@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from diffrt.engine.pipelines.prompt_cache import TextEncoderStats
+from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.request import DiffusionRequest
 from diffrt.runtime.types import RunnerProtocol
 

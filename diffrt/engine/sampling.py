@@ -37,13 +37,23 @@ class InvalidRequestError(ValueError):
         self.field = field
 
 
-class SamplingParams(msgspec.Struct, kw_only=True):
-    """What one request asks of the sampler."""
+#: The fields a model may give defaults for (None in a request: the model's).
+MODEL_DEFAULTED = ("height", "width", "num_inference_steps", "guidance_scale")
 
-    height: int = 128
-    width: int = 128
-    num_inference_steps: int = 4
-    guidance_scale: float = 1.0
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """What one request asks of the sampler.
+
+    ``height``, ``width``, ``num_inference_steps`` and ``guidance_scale`` left
+    at None take the model's defaults (``DiffusionPipeline.sampling_defaults``:
+    for a diffusers folder, what its diffusers pipeline would use), filled in
+    when the engine admits the request.
+    """
+
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
     seed: int | None = None
     num_outputs_per_prompt: int = 1
     output_type: OutputType = "pil"
@@ -55,8 +65,16 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     #: embedded input (Flux): it runs when > 1 and a negative prompt is given.
     true_cfg_scale: float = 1.0
 
+    def with_defaults(self, defaults: dict) -> SamplingParams:
+        """A copy with each of ``MODEL_DEFAULTED`` that is None taken from
+        ``defaults`` (self when nothing is missing)."""
+        missing = {f: defaults[f] for f in MODEL_DEFAULTED
+                   if getattr(self, f) is None and f in defaults}
+        return msgspec.structs.replace(self, **missing) if missing else self
+
     def validate(self, *, size_multiple: int = 16, max_size: int = 4096) -> None:
-        """Raise InvalidRequestError naming the first bad field and its range."""
+        """Raise InvalidRequestError naming the first bad field and its range
+        (after ``with_defaults``: a None left here is refused)."""
         for field in ("height", "width"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int):

@@ -16,8 +16,7 @@ import bisect
 import threading
 from dataclasses import dataclass, field
 
-from diffrt.engine.outputs import DiffusionOutput
-from diffrt.engine.pipelines.prompt_cache import TextEncoderStats
+from diffrt.engine.outputs import DiffusionOutput, TextEncoderStats
 
 #: Upper bounds (seconds) for request-scale durations: latency, queue and output waits.
 REQUEST_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
@@ -94,6 +93,14 @@ class StatsRecorder:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to zero (after the engine's warm-up request)."""
+        with self._lock:
+            self._zero()
+
+    def _zero(self) -> None:
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
         self._latency = _Buckets(REQUEST_BUCKETS_S)
         self._queue = _Buckets(REQUEST_BUCKETS_S)

@@ -52,16 +52,22 @@ def _free_source(conn: Connection | None):
     return source
 
 
+#: A worker's logging without ``DIFFRT_LOG_LEVEL``: warnings, plus the
+#: progress of loading a model (minutes for a large checkpoint).
+DEFAULT_LOG_SPEC = "WARNING,diffrt.load=INFO"
+
+
 def configure_logging(spec: str) -> None:
-    """``DIFFRT_LOG_LEVEL``: a root level, then optional ``logger=LEVEL`` pairs,
-    e.g. ``WARNING,diffrt.load=INFO`` (what the CLI passes so that loading
-    progress shows while everything else stays quiet)."""
-    root, *pairs = [part.strip() for part in spec.split(",") if part.strip()] or ["WARNING"]
-    logging.basicConfig(level=root.upper(),
+    """``DIFFRT_LOG_LEVEL``: comma-separated parts, each a root level (``INFO``)
+    or a ``logger=LEVEL`` pair (``diffrt.load=INFO``); the root defaults to WARNING."""
+    parts = [part.strip() for part in spec.split(",") if part.strip()]
+    roots = [p for p in parts if "=" not in p]
+    logging.basicConfig(level=(roots[-1] if roots else "WARNING").upper(),
                         format=f"[worker pid {os.getpid()}] %(levelname)s %(name)s: %(message)s")
-    for pair in pairs:
-        name, _, level = pair.partition("=")
-        logging.getLogger(name).setLevel(level.upper() or "INFO")
+    for pair in parts:
+        if "=" in pair:
+            name, _, level = pair.partition("=")
+            logging.getLogger(name.strip()).setLevel(level.strip().upper() or "INFO")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     # would only turn a clean stop into "executor died" errors.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(args.parent_pid)
-    configure_logging(os.environ.get("DIFFRT_LOG_LEVEL", "WARNING"))
+    configure_logging(os.environ.get("DIFFRT_LOG_LEVEL", DEFAULT_LOG_SPEC))
 
     from diffrt import tracing
     from diffrt.runtime.messages import InitWorker, encode

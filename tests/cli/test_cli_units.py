@@ -11,7 +11,7 @@ from diffrt.cli.env import render_report
 from diffrt.cli.errors import CliError
 from diffrt.cli.paths import check_writable_file, image_paths
 from diffrt.cli.table import format_table
-from diffrt.engine.pipelines.prompt_cache import TextEncoderStats
+from diffrt.engine.outputs import TextEncoderStats
 
 
 def test_percentile_interpolates_like_numpy():

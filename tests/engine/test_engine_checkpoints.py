@@ -92,3 +92,23 @@ def test_engine_with_worker_processes_matches_diffusers(folders, references):
     for (prompt, seed), out in zip(PROMPT_SEEDS, outs, strict=True):
         want = references["flux", _label(kw), prompt, seed]
         assert np.abs(_pixels(out) - want).max() <= MAX_DIFF
+
+
+def test_fields_left_unset_take_diffusers_defaults(folders):
+    """A request that sets only its prompt and seed gets the image diffusers'
+    pipeline gives with its own defaults (SD3: the transformer's sample size,
+    28 steps, guidance 7.0 with CFG)."""
+    import diffusers
+
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(folders["sd3"],
+                                                              local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe("a red fox", generator=torch.Generator("cpu").manual_seed(5),
+                output_type="np").images[0]
+    want = (want * 255).round().astype(np.int16)
+    config = EngineConfig(model=str(folders["sd3"]), executor_backend="inproc", warmup=False)
+    with DiffusionEngine.make_engine(config) as engine:
+        out = engine.generate(DiffusionRequest("a red fox", SamplingParams(seed=5)))
+    assert want.shape == (128, 128, 3)  # sample_size 16 latents x 8
+    assert np.abs(_pixels(out) - want).max() <= MAX_DIFF
+    assert out.total_steps == 28

@@ -86,19 +86,35 @@ def test_worker_options_are_checked(field, value):
     assert info.value.field == field
 
 
-def test_plugin_modules_are_imported_before_the_model_is_resolved():
+def test_plugin_modules_are_imported_before_the_model_is_resolved(tmp_path, capsys):
+    import sys
+
+    from diffrt.cli import main
     from diffrt.engine.pipelines import registry
 
+    sys.modules.pop("plugin_registers_model", None)  # its import is what registers
+    registry._PIPELINES.pop("toy-from-plugin", None)
     try:
         with pytest.raises(EngineConfigError, match="toy-from-plugin"):
             EngineConfig(model="toy-from-plugin")  # not registered without its plugin
         cfg = EngineConfig(model="toy-from-plugin", plugin_modules=["plugin_registers_model"])
         assert cfg.pipeline_class().__name__ == "ToyPipeline"
+        # the CLI checks the request against the plugin's model before any engine starts
+        sys.modules.pop("plugin_registers_model")
+        registry._PIPELINES.pop("toy-from-plugin")
+        code = main(["generate", "--model", "toy-from-plugin", "--plugin-module",
+                     "plugin_registers_model", "--executor", "inproc", "-p", "x",
+                     "--height", "16", "--width", "16", "--steps", "2", "--no-progress",
+                     "-o", str(tmp_path / "x.png")])
+        assert code == 0, capsys.readouterr().err
+        assert (tmp_path / "x.png").exists()
     finally:
         registry._PIPELINES.pop("toy-from-plugin", None)
     with pytest.raises(EngineConfigError, match="cannot import 'no_such_plugin_module'") as info:
         EngineConfig(model="toy", plugin_modules=["no_such_plugin_module"])
     assert info.value.field == "plugin_modules"
+    assert main(["generate", "-p", "x", "--plugin-module", "no_such_plugin_module"]) == 2
+    assert "--plugin-module 'no_such_plugin_module'" in capsys.readouterr().err
 
 
 def test_auto_dtype_is_float32_on_cpu_and_half_on_devices():

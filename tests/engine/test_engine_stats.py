@@ -55,10 +55,22 @@ def test_gauges_and_outcomes(step):
         assert stats.requests_total == {"success": 1, "error": 1, "aborted": 1, "timeout": 1}
         assert stats.requests_waiting == stats.requests_running == 0
         assert stats.request_latency_s.count == 4 and stats.request_latency_s.bounds == REQUEST_BUCKETS_S
-        assert stats.queue_wait_s.count >= 2  # the ones that were admitted to a batch
+        # admitted to a batch: the blocked, the queued and the failing request
+        # (the aborted one never was)
+        assert stats.queue_wait_s.count == 3
         assert stats.output_wait_s.count == 1  # only the success had an output to move
-        assert stats.step_time_s.count >= 1 and stats.step_time_s.sum > 0
+        # one per tick that ran: request mode, the forwards of the blocked, the
+        # queued and the failing request; step mode, the blocked request's step,
+        # the queued one's two, and the tick whose admission failed
+        assert stats.step_time_s.count == (4 if step else 3) and stats.step_time_s.sum > 0
     assert not engine.stats().healthy
+
+
+def test_the_warmup_request_is_not_counted():
+    with toy_engine(max_num_seqs=1) as engine:  # warm-up on
+        stats = engine.stats()
+        assert sum(stats.requests_total.values()) == 0
+        assert stats.request_latency_s.count == stats.step_time_s.count == 0
 
 
 @pytest.fixture(scope="module")

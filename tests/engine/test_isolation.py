@@ -224,6 +224,8 @@ def test_an_output_left_unread_expires_and_frees_its_slot():
         assert late.finished and not late.ok
         assert "output expired" in late.error and "unread_output_timeout_s=0.3" in late.error
         assert other.ok
+        assert engine.stats().requests_total == {"success": 1, "error": 0, "aborted": 0,
+                                                 "timeout": 1}
         assert_clean(engine)
         assert wait_until(lambda: _writer(engine).used_bytes == 0)
 

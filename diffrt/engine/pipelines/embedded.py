@@ -5,9 +5,9 @@ tokenizers, the family's diffusers pipeline).
 
 A folder is built by ``tiny_folders`` from fixed seeds, so the same library
 versions give the same files on every machine. Its name carries a key of the
-builder's arguments and the versions of the libraries that wrote it, so an
-upgrade builds a fresh folder instead of reading one written under other
-initialisation code.
+builders' source, their arguments and the versions of the libraries that wrote
+it, so an upgrade or an edit of the builders writes a fresh folder instead of
+reading one written by other initialisation code.
 
 Several processes may ask for the same folder at once (workers starting
 together, two servers on one host): each builds into its own temporary folder
@@ -24,13 +24,18 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffrt.engine.pipelines.folder_check import ModelLoadError
+
 logger = logging.getLogger(__name__)
 
-#: Bump when the builders change what they write.
-FORMAT_VERSION = 1
+#: The builders' source is part of each folder's key: editing it builds anew.
+_BUILDER_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_folders.py")
+#: A temporary build folder older than this was left by a killed process.
+STALE_BUILD_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -39,14 +44,19 @@ class EmbeddedModel:
 
     builder: str  # a function of ``tiny_folders``
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: sampling defaults on top of the family's (a quick image, not 1024 px in 28 steps).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     # FLUX.1-dev-style: guidance-distilled, so guidance_scale is an input.
     "tiny-flux": EmbeddedModel("build_tiny_flux_folder",
-                               {"seed": 20261129, "guidance_embeds": True}),
-    # SD3 Medium-style: two CLIPs + T5, CFG with an (empty) negative prompt.
-    "tiny-sd3": EmbeddedModel("build_tiny_sd3_folder", {"seed": 20261130}),
+                               {"seed": 20261129, "guidance_embeds": True},
+                               {"height": 128, "width": 128, "num_inference_steps": 4}),
+    # SD3 Medium-style: two CLIPs + T5, CFG with an (empty) negative prompt;
+    # its transformer's sample_size makes the default 128 px.
+    "tiny-sd3": EmbeddedModel("build_tiny_sd3_folder", {"seed": 20261130},
+                              {"num_inference_steps": 4}),
 }
 
 _VERSIONED = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")
@@ -71,24 +81,39 @@ def _version(dist: str) -> str:
 def folder_key(name: str) -> str:
     """12 hex digits naming what a folder was built from (no import of the libraries)."""
     model = EMBEDDED_MODELS[name]
-    blob = json.dumps({"format": FORMAT_VERSION, "name": name, "builder": model.builder,
+    with open(_BUILDER_SOURCE, "rb") as f:
+        source = hashlib.sha256(f.read()).hexdigest()
+    blob = json.dumps({"source": source, "name": name, "builder": model.builder,
                        "kwargs": model.kwargs,
                        "versions": {d: _version(d) for d in _VERSIONED}}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def embedded_folder(name: str) -> str:
-    """The folder of embedded model ``name``, built first if this cache lacks it."""
+    """The folder of embedded model ``name``, built first if this cache lacks it.
+
+    Raises ModelLoadError naming the cache when it cannot be written, or when a
+    folder of that name exists but is not a model (to be deleted by hand).
+    """
     model = EMBEDDED_MODELS[name]
     root = os.path.join(cache_dir(), "models")
     final = os.path.join(root, f"{name}-{folder_key(name)}")
     if os.path.isfile(os.path.join(final, "model_index.json")):
         return final
-    os.makedirs(root, exist_ok=True)
+    if os.path.exists(final):
+        raise ModelLoadError(f"{final}: not a model folder (no model_index.json); delete it "
+                             f"and diffrt writes {name} again")
     from diffrt.engine.pipelines import tiny_folders
     from diffrt.engine.pipelines.loading import library_bars_off
 
-    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=root)
+    try:
+        os.makedirs(root, exist_ok=True)
+        _remove_stale_builds(root, name)
+        tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=root)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot write the embedded model {name} into {root} "
+                             f"({exc.strerror or exc}); set DIFFRT_CACHE_DIR to a writable "
+                             "folder") from None
     os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the model from other users
     try:
         logger.info("writing embedded model %s to %s", name, final)
@@ -103,3 +128,16 @@ def embedded_folder(name: str) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _remove_stale_builds(root: str, name: str) -> None:
+    """Temporary folders of builds killed midway (a worker past its start-up
+    timeout); a build in progress is younger than ``STALE_BUILD_S``."""
+    now = time.time()
+    for entry in os.scandir(root):
+        if entry.name.startswith(f".{name}-") and entry.is_dir(follow_symlinks=False):
+            try:
+                if now - entry.stat().st_mtime > STALE_BUILD_S:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+            except OSError:
+                pass

@@ -28,12 +28,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
     DiffusionRequestBatch,
     StepRequestState,
 )
-from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder, TextEncoderStats
+from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams, random_seed
 
@@ -46,6 +47,11 @@ def resolve_seed(seed: int | None) -> int:
     """The request's seed, or a fresh random one when it gave none (the engine
     draws it at submission; a pipeline called directly may still get None)."""
     return random_seed() if seed is None else int(seed)
+
+
+def _vae_factor(vae_config: dict) -> int:
+    """Pixels per latent of an AutoencoderKL (diffusers' ``vae_scale_factor``)."""
+    return 2 ** (len(vae_config.get("block_out_channels", (0, 0, 0, 0))) - 1)
 
 
 def _check_compatible(requests: list[DiffusionRequest], key: Any) -> None:
@@ -94,9 +100,8 @@ class FlowMatchPipeline(DiffusionPipeline):
     supports_request_batch = True
     supports_step_execution = True
 
-    #: diffusers class names expected in model_index.json.
+    #: the family's diffusers pipeline class (loads folders, encodes prompts).
     diffusers_pipeline_class: ClassVar[str] = ""
-    transformer_class: ClassVar[str] = ""
     #: Set on a per-folder subclass by the registry: `create` loads from it.
     pretrained_path: ClassVar[str | None] = None
 
@@ -191,10 +196,20 @@ class FlowMatchPipeline(DiffusionPipeline):
         raise NotImplementedError
 
     @classmethod
-    def limits_from_config(cls, transformer_config: dict, vae_config: dict) -> dict[str, int]:
-        """size_multiple / max_size for a local folder's components."""
-        factor = 2 ** (len(vae_config.get("block_out_channels", (0, 0, 0, 0))) - 1)
-        return {"size_multiple": factor * 2, "max_size": cls.max_size}
+    def attrs_from_config(cls, transformer_config: dict, vae_config: dict) -> dict[str, Any]:
+        """Class attributes a folder's configs set: ``size_multiple``,
+        ``max_size`` and ``sampling_defaults`` (the default size is what the
+        family's diffusers pipeline uses: ``default_sample_size`` latents of
+        the VAE's factor)."""
+        factor = _vae_factor(vae_config)
+        size = cls.default_sample_size(transformer_config) * factor
+        return {"size_multiple": factor * 2, "max_size": cls.max_size,
+                "sampling_defaults": {**cls.sampling_defaults, "height": size, "width": size}}
+
+    @classmethod
+    def default_sample_size(cls, transformer_config: dict) -> int:
+        """Latent pixels per side of the default image (diffusers' ``default_sample_size``)."""
+        return 128
 
     # -- family hooks -----------------------------------------------------------
     def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
@@ -329,6 +344,9 @@ class FlowMatchPipeline(DiffusionPipeline):
     # -- request style --------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
+        # The engine admits requests with their defaults filled in; a caller
+        # using the pipeline directly may leave them at None.
+        batch = DiffusionRequestBatch([self.with_defaults(r) for r in batch.requests])
         params = batch.sampling_params
         for request in batch.requests:
             self.check_inputs(request)
@@ -364,6 +382,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         """``prepare_encode`` for the requests admitted in one tick, their
         prompts encoded in one text-encoder call."""
         for state in states:
+            state.request = self.with_defaults(state.request)
             self.check_inputs(state.request)
         conds = self.encode_prompts([s.request for s in states])
         for state, cond in zip(states, conds, strict=True):

@@ -33,9 +33,11 @@ class FluxPipeline(FlowMatchPipeline):
 
     name = "flux"
     diffusers_pipeline_class = "FluxPipeline"
-    transformer_class = "FluxTransformer2DModel"
     size_multiple = 16  # VAE 8x, then 2x2 packing
     max_size = 2048
+    #: FluxPipeline.__call__'s defaults.
+    sampling_defaults = {"height": 1024, "width": 1024, "num_inference_steps": 28,
+                         "guidance_scale": 3.5}
 
     @classmethod
     def uses_cfg(cls, request: Any) -> bool:
@@ -111,7 +113,9 @@ class FluxPipeline(FlowMatchPipeline):
             hidden_states=latents,
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
-            timestep=(timesteps / 1000).to(latents.dtype),
+            # as FluxPipeline: cast to the model dtype first, then scale (in bf16
+            # the other order rounds differently)
+            timestep=timesteps.to(latents.dtype) / 1000,
             img_ids=self.image_ids(params),
             txt_ids=txt_ids,
             guidance=embedded,

@@ -26,15 +26,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
 import torch
 
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from diffrt.engine.pipelines.prompt_cache import TextEncoderStats
+    from diffrt.engine.outputs import TextEncoderStats
 
 
 @dataclass
@@ -85,6 +86,9 @@ class DiffusionPipeline(ABC):
     #: Height/width must be multiples of this (VAE factor x patch size).
     size_multiple: int = 16
     max_size: int = 2048
+    #: What a request's sampling fields left at None become (``MODEL_DEFAULTED``).
+    sampling_defaults: ClassVar[dict[str, Any]] = {
+        "height": 128, "width": 128, "num_inference_steps": 4, "guidance_scale": 1.0}
 
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
@@ -125,10 +129,22 @@ class DiffusionPipeline(ABC):
         return (*request.sampling_params.step_batch_key(), cls.uses_cfg(request))
 
     @classmethod
+    def with_defaults(cls, request: DiffusionRequest) -> DiffusionRequest:
+        """``request`` with the sampling fields it left at None taken from
+        ``sampling_defaults`` (the same object when none was left)."""
+        params = request.sampling_params
+        resolved = params.with_defaults(cls.sampling_defaults)
+        if resolved is params:
+            return request
+        return msgspec.structs.replace(request, sampling_params=resolved)
+
+    @classmethod
     def check_inputs(cls, request: DiffusionRequest) -> None:
-        """Raise InvalidRequestError before any compute. A classmethod so the
-        engine validates at submission without loading weights."""
-        request.sampling_params.validate(size_multiple=cls.size_multiple, max_size=cls.max_size)
+        """Raise InvalidRequestError before any compute (on the request as it
+        will run: defaults filled in). A classmethod so the engine validates at
+        submission without loading weights."""
+        cls.with_defaults(request).sampling_params.validate(
+            size_multiple=cls.size_multiple, max_size=cls.max_size)
 
     # -- request style -------------------------------------------------------
     @abstractmethod

@@ -11,8 +11,8 @@ scheduler). The libraries' own progress bars are turned off meanwhile: from a
 worker they interleave with other processes' output on one terminal.
 
 The lines are INFO for a checkpoint of ``PROGRESS_BYTES`` or more and DEBUG
-below (the embedded tiny models load in a blink). The CLI and the server show
-``diffrt.load`` at INFO whatever their log level.
+below (the embedded tiny models load in a blink). The CLI and the workers show
+``diffrt.load`` at INFO whatever the other loggers' level.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import contextlib
 import importlib
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,19 +34,26 @@ from diffrt.engine.pipelines.folder_check import read_json_object
 PROGRESS_LOGGER = "diffrt.load"
 logger = logging.getLogger(PROGRESS_LOGGER)
 
-#: Checkpoints at least this large report each component at INFO.
-PROGRESS_BYTES = 1 << 30
+#: Checkpoints at least this large (1 GB) report each component at INFO.
+PROGRESS_BYTES = 10**9
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+#: "model.fp16.safetensors", "model.fp16-00001-of-00002.safetensors": variants
+#: that the default load (no ``variant=``) leaves alone.
+_VARIANT = re.compile(r"\.(fp16|bf16|fp32|ema|non_ema)[.-]")
 
 
 def component_bytes(folder: str, name: str) -> int:
-    """Bytes of weight files in ``folder/name`` (0 for tokenizers, schedulers)."""
+    """Bytes of the weight files a default load reads from ``folder/name`` (0
+    for tokenizers and schedulers): no variants, and only safetensors where a
+    component ships both safetensors and pickles, as diffusers prefers."""
     sub = os.path.join(folder, name)
     if not os.path.isdir(sub):
         return 0
-    return sum(os.path.getsize(os.path.join(sub, f)) for f in os.listdir(sub)
-               if f.endswith(_WEIGHT_SUFFIXES))
+    files = [f for f in os.listdir(sub) if f.endswith(_WEIGHT_SUFFIXES) and not _VARIANT.search(f)]
+    if any(f.endswith(".safetensors") for f in files):
+        files = [f for f in files if f.endswith(".safetensors")]
+    return sum(os.path.getsize(os.path.join(sub, f)) for f in files)
 
 
 def weight_components(folder: str) -> list[tuple[str, str, str, int]]:

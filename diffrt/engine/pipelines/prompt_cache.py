@@ -9,8 +9,9 @@ one call. Keys are the prompt text (one cache per text encoder, so the encoder
 is part of the key by construction; a negative prompt is a prompt of its own).
 
 It also counts what text encoding costs (``stats``): prompts encoded, prompts
-served from the cache, and the seconds spent in the encoder. With a device
-``synchronize`` the seconds include the device work, not only its launch.
+served from the cache, and the seconds spent in the encoder. With a
+``synchronize`` that waits for the current stream's work, the seconds include
+the device work, not only its launch.
 A ``max_bytes`` of 0 keeps nothing but still counts.
 """
 
@@ -21,27 +22,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import torch
 
-
-class TextEncoderStats(msgspec.Struct, frozen=True):
-    """Cumulative text-encoding counters of one worker (replies carry deltas)."""
-
-    #: prompts run through the text encoder (cache misses).
-    encoded: int = 0
-    #: prompts answered from the cache.
-    cache_hits: int = 0
-    #: seconds spent in the text encoder.
-    seconds: float = 0.0
-
-    def __sub__(self, other: TextEncoderStats) -> TextEncoderStats:
-        return TextEncoderStats(self.encoded - other.encoded, self.cache_hits - other.cache_hits,
-                                self.seconds - other.seconds)
-
-    def __add__(self, other: TextEncoderStats) -> TextEncoderStats:
-        return TextEncoderStats(self.encoded + other.encoded, self.cache_hits + other.cache_hits,
-                                self.seconds + other.seconds)
+from diffrt.engine.outputs import TextEncoderStats
 
 
 class CachedTextEncoder:
@@ -61,8 +44,6 @@ class CachedTextEncoder:
 
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         missing = list(dict.fromkeys(p for p in prompts if p not in self._entries))
-        self.misses += len(missing)
-        self.hits += len(prompts) - len(missing)
         fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if missing:
             start = time.perf_counter()
@@ -71,6 +52,9 @@ class CachedTextEncoder:
                 self._synchronize()
             self.seconds += time.perf_counter() - start
             fresh = {p: (embeds[i:i + 1], pooled[i:i + 1]) for i, p in enumerate(missing)}
+        # counted once the encoder succeeded: a failed call encoded nothing
+        self.misses += len(missing)
+        self.hits += len(prompts) - len(missing)
         rows = []
         for prompt in prompts:
             entry = fresh.get(prompt)

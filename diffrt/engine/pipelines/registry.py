@@ -108,16 +108,15 @@ def _local_pipeline_class(folder: str, name: str | None = None) -> type[Diffusio
                              "on the prompt with the folder's own text encoders)")
     family = _load_class(_FAMILIES[family_name])
     attrs: dict[str, Any] = {"pretrained_path": folder, "name": name or folder}
-    limits = getattr(family, "limits_from_config", None)
-    if limits is not None:
+    from_config = getattr(family, "attrs_from_config", None)
+    if from_config is not None:
         tcfg = os.path.join(folder, "transformer", "config.json")
         vcfg = os.path.join(folder, "vae", "config.json")
-        attrs.update(
-            limits(
-                read_json_object(tcfg) if os.path.isfile(tcfg) else {},
-                read_json_object(vcfg) if os.path.isfile(vcfg) else {},
-            )
-        )
+        attrs.update(from_config(read_json_object(tcfg) if os.path.isfile(tcfg) else {},
+                                 read_json_object(vcfg) if os.path.isfile(vcfg) else {}))
+    if name in EMBEDDED_MODELS:  # quick defaults for the tiny models
+        attrs["sampling_defaults"] = {**attrs.get("sampling_defaults", family.sampling_defaults),
+                                      **EMBEDDED_MODELS[name].sampling_defaults}
     # A per-folder subclass: check_inputs (a classmethod) sees the folder's limits.
     return type(family.__name__, (family,), attrs)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
+from diffrt.engine.pipelines.flow_match import FlowMatchPipeline, _vae_factor
 from diffrt.engine.sampling import SamplingParams
 
 
@@ -19,9 +19,11 @@ class SD3Pipeline(FlowMatchPipeline):
 
     name = "sd3"
     diffusers_pipeline_class = "StableDiffusion3Pipeline"
-    transformer_class = "SD3Transformer2DModel"
     size_multiple = 16  # VAE 8x, patch 2
     max_size = 2048
+    #: StableDiffusion3Pipeline.__call__'s defaults (the size comes from the config).
+    sampling_defaults = {"height": 1024, "width": 1024, "num_inference_steps": 28,
+                         "guidance_scale": 7.0}
 
     @staticmethod
     def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,12 +50,19 @@ class SD3Pipeline(FlowMatchPipeline):
                                       cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))}
 
     @classmethod
-    def limits_from_config(cls, transformer_config: dict, vae_config: dict) -> dict[str, int]:
-        factor = 2 ** (len(vae_config.get("block_out_channels", (0, 0, 0, 0))) - 1)
+    def attrs_from_config(cls, transformer_config: dict, vae_config: dict) -> dict[str, Any]:
+        attrs = super().attrs_from_config(transformer_config, vae_config)
+        factor = _vae_factor(vae_config)
         patch = int(transformer_config.get("patch_size", 2))
         grid = transformer_config.get("pos_embed_max_size")
-        max_size = int(grid) * patch * factor if grid else cls.max_size
-        return {"size_multiple": factor * patch, "max_size": max_size}
+        attrs["size_multiple"] = factor * patch
+        attrs["max_size"] = int(grid) * patch * factor if grid else cls.max_size
+        return attrs
+
+    @classmethod
+    def default_sample_size(cls, transformer_config: dict) -> int:
+        """StableDiffusion3Pipeline: the transformer's ``sample_size``."""
+        return int(transformer_config.get("sample_size", 128))
 
     def transformer_forward(
         self,

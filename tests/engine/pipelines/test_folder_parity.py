@@ -206,3 +206,28 @@ def test_requests_admitted_together_are_encoded_in_one_call(loaded, monkeypatch)
         pipe.prepare_encode(alone)
         assert torch.allclose(alone.extra["cond"].embeds, state.extra["cond"].embeds, atol=1e-5)
         assert torch.equal(alone.latents, state.latents)
+
+
+def test_the_prompt_cache_counts_only_what_an_encoder_call_did():
+    from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
+
+    calls = []
+
+    def encoder(prompts):
+        calls.append(list(prompts))
+        if "boom" in prompts:
+            raise RuntimeError("encoder failed")
+        return torch.ones(len(prompts), 2, 3), torch.ones(len(prompts), 4)
+
+    cache = CachedTextEncoder(encoder, max_bytes=1 << 20)
+    cache(["a", "b", "a"])
+    assert (cache.stats().encoded, cache.stats().cache_hits) == (2, 1)
+    with pytest.raises(RuntimeError):
+        cache(["c", "boom"])  # a failed call encoded nothing, and hit nothing
+    assert (cache.stats().encoded, cache.stats().cache_hits) == (2, 1)
+    cache(["b", "c"])
+    assert (cache.stats().encoded, cache.stats().cache_hits) == (3, 2)
+    assert calls == [["a", "b"], ["c", "boom"], ["c"]]
+    off = CachedTextEncoder(encoder, max_bytes=0)  # keeps nothing, still counts
+    off(["a"]), off(["a"])
+    assert (off.stats().encoded, off.stats().cache_hits, len(off)) == (2, 0, 0)

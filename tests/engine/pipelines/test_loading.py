@@ -53,6 +53,8 @@ def test_a_small_checkpoint_reports_at_debug_only(caplog):
     ("WARNING", logging.WARNING, logging.NOTSET),
     ("warning,diffrt.load=INFO", logging.WARNING, logging.INFO),
     ("DEBUG, diffrt.load=info", logging.DEBUG, logging.INFO),
+    ("diffrt.load=DEBUG", logging.WARNING, logging.DEBUG),  # pairs only: root stays WARNING
+    ("WARNING,diffrt.load=INFO", logging.WARNING, logging.INFO),  # DEFAULT_LOG_SPEC
 ])
 def test_worker_log_spec(monkeypatch, spec, root, load):
     from diffrt.runtime.worker import configure_logging
@@ -67,7 +69,29 @@ def test_worker_log_spec(monkeypatch, spec, root, load):
     assert root_logger.level == root and target.level == load
 
 
-def test_the_cli_shows_the_progress_logger():
+def test_the_cli_and_the_workers_show_the_progress_logger():
     from diffrt.cli import PROGRESS_LOGGERS
+    from diffrt.cli.engine_opts import engine_settings, worker_log_spec
+    from diffrt.runtime.worker import DEFAULT_LOG_SPEC
 
     assert loading.PROGRESS_LOGGER in PROGRESS_LOGGERS
+    assert f"{loading.PROGRESS_LOGGER}=INFO" in DEFAULT_LOG_SPEC
+    assert worker_log_spec("DEBUG") == "DEBUG,diffrt.load=DEBUG"
+    settings = engine_settings({"model": "tiny-flux", "log_level": "INFO"})
+    assert settings["executor_options"]["worker_env"] == {
+        "DIFFRT_LOG_LEVEL": "INFO,diffrt.load=INFO"}
+    assert "executor_options" not in engine_settings({"model": "tiny-flux",
+                                                       "log_level": "WARNING"})
+
+
+def test_variant_and_pickle_duplicates_are_not_counted(tmp_path):
+    sub = tmp_path / "transformer"
+    sub.mkdir()
+    for name, size in [("diffusion_pytorch_model.safetensors", 100),
+                       ("diffusion_pytorch_model.fp16.safetensors", 50),
+                       ("diffusion_pytorch_model.bin", 100),
+                       ("model.fp16-00001-of-00002.safetensors", 25), ("config.json", 10)]:
+        (sub / name).write_bytes(b"x" * size)
+    assert loading.component_bytes(str(tmp_path), "transformer") == 100
+    (sub / "diffusion_pytorch_model.safetensors").unlink()
+    assert loading.component_bytes(str(tmp_path), "transformer") == 100  # the pickle then

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,69 @@ def test_construction_leaves_the_callers_rng_alone(monkeypatch, tmp_path):
     torch.manual_seed(123)
     load_pipeline("tiny-sd3")
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_sampling_defaults_come_from_the_family_the_config_and_the_name(tmp_path):
+    flux_copy = tmp_path / "flux"
+    shutil.copytree(embedded_folder("tiny-flux"), flux_copy)
+    # a Flux folder: FluxPipeline's defaults (128 latents x the VAE's 8, 28 steps, 3.5)
+    assert resolve_pipeline_class(str(flux_copy)).sampling_defaults == {
+        "height": 1024, "width": 1024, "num_inference_steps": 28, "guidance_scale": 3.5}
+    # an SD3 folder: its transformer's sample_size (16 latents) x 8
+    assert resolve_pipeline_class(embedded_folder("tiny-sd3")).sampling_defaults == {
+        "height": 128, "width": 128, "num_inference_steps": 28, "guidance_scale": 7.0}
+    # the embedded names: quick images
+    assert resolve_pipeline_class("tiny-flux").sampling_defaults == {
+        "height": 128, "width": 128, "num_inference_steps": 4, "guidance_scale": 3.5}
+    assert resolve_pipeline_class("tiny-sd3").sampling_defaults["num_inference_steps"] == 4
+    cls = resolve_pipeline_class("tiny-flux")
+    filled = cls.with_defaults(DiffusionRequest("x", SamplingParams(width=64, seed=1)))
+    assert (filled.sampling_params.height, filled.sampling_params.width) == (128, 64)
+    assert filled.sampling_params.num_inference_steps == 4
+    full = DiffusionRequest("x", SamplingParams(height=64, width=64, num_inference_steps=2,
+                                                guidance_scale=1.0))
+    assert cls.with_defaults(full) is full
+
+
+def test_a_broken_or_unwritable_cache_is_one_clear_error(monkeypatch, tmp_path):
+    from diffrt.engine.pipelines.embedded import folder_key
+    from diffrt.engine.pipelines.folder_check import ModelLoadError
+
+    monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path))
+    # a folder of the right name that is not a model (say, copied half-way by hand)
+    broken = tmp_path / "models" / f"tiny-sd3-{folder_key('tiny-sd3')}"
+    broken.mkdir(parents=True)
+    with pytest.raises(ModelLoadError, match="not a model folder") as info:
+        embedded_folder("tiny-sd3")
+    assert str(broken) in str(info.value)
+    # a cache that cannot be created
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DIFFRT_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(ModelLoadError, match="set DIFFRT_CACHE_DIR to a writable folder"):
+        embedded_folder("tiny-sd3")
+
+
+def test_builds_killed_midway_are_cleaned_up(monkeypatch, tmp_path):
+    from diffrt.engine.pipelines import embedded
+
+    monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path))
+    models = tmp_path / "models"
+    stale, fresh = models / ".tiny-sd3-stale", models / ".tiny-sd3-inprogress"
+    for folder in (stale, fresh):
+        folder.mkdir(parents=True)
+    old = time.time() - embedded.STALE_BUILD_S - 60
+    os.utime(stale, (old, old))
+    folder = embedded_folder("tiny-sd3")
+    assert not stale.exists() and fresh.exists()  # a build in progress is left alone
+    assert os.path.isfile(os.path.join(folder, "model_index.json"))
+
+
+def test_the_folder_key_follows_the_builders_source(monkeypatch, tmp_path):
+    from diffrt.engine.pipelines import embedded
+
+    before = embedded.folder_key("tiny-flux")
+    edited = tmp_path / "tiny_folders.py"
+    edited.write_bytes(open(embedded._BUILDER_SOURCE, "rb").read() + b"\n# edited\n")
+    monkeypatch.setattr(embedded, "_BUILDER_SOURCE", str(edited))
+    assert embedded.folder_key("tiny-flux") != before
