@@ -31,6 +31,10 @@ def admit(request: Any, pipeline_cls: type, pre_process: Callable[[DiffusionRequ
     request = pipeline_cls.with_defaults(request)  # the model's, for fields left at None
     pipeline_cls.check_inputs(request)
     params = request.sampling_params
+    if params.partial_images and not config.step_execution:
+        raise InvalidRequestError(
+            "partial_images", "previews need step boundaries: run the engine with "
+            "step_execution=True (request mode runs a request as one forward)")
     limit = config.max_request_cost
     cost = request_cost(request, pipeline_cls)
     if limit is not None and cost > limit:

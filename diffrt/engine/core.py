@@ -58,6 +58,9 @@ class TickResult:
     finished: list[Finished] = field(default_factory=list)
     #: request id -> output id, for the FINISHED events that produced an output.
     output_ids: dict[str, str] = field(default_factory=dict)
+    #: request id -> (output id, preview index), for previews of requests
+    #: still running (``partial_images``).
+    previews: dict[str, tuple[str, int]] = field(default_factory=dict)
     #: seconds per denoise step of this tick's batch (None: nothing ran).
     step_seconds: float | None = None
     #: the text encoding the workers did in this tick.
@@ -177,6 +180,7 @@ class EngineCore:
         request = self._request(tick)
         output_ids: dict[str, str] = {}
         text_encoding = None
+        preview_index: dict[str, int] = {}
         try:
             with tracing.span(tracing.ENGINE_LOOP_TRACK, request.__struct_config__.tag,
                               keys=tick.scheduled_ids, drop=tick.drop_ids):
@@ -184,6 +188,7 @@ class EngineCore:
             output_ids = dict(ro.output_ids)
             result = _execution_result(tick, ro.reply, output_ids)
             text_encoding = getattr(ro.reply, "text_encoding", None)
+            preview_index = dict(getattr(ro.reply, "previews", {}))
         except ExecutorDeadError as exc:
             self._die(f"executor died: {exc}")
             return None
@@ -195,6 +200,9 @@ class EngineCore:
         with self._cond:
             update = self.scheduler.update_from_output(tick, result)
         kept: dict[str, str] = {}
+        ended = {event.request_id for event in update.finished}
+        previews = {rid: (output_ids.pop(rid), index) for rid, index in preview_index.items()
+                    if rid in output_ids and rid not in ended}
         for event in update.finished:
             oid = output_ids.pop(event.request_id, None)
             if oid is not None and event.has_output:
@@ -205,7 +213,7 @@ class EngineCore:
             self.executor.release_output(oid)
         return TickResult(scheduled_ids=list(tick.scheduled_ids), started_at=start,
                           elapsed=elapsed, progress=update.progress, finished=update.finished,
-                          output_ids=kept, step_seconds=step_seconds,
+                          output_ids=kept, previews=previews, step_seconds=step_seconds,
                           text_encoding=text_encoding)
 
     def _step_seconds(self, tick: SchedulerOutput, elapsed: float) -> float | None:

@@ -137,6 +137,7 @@ class OutputProcessor:
     def on_tick(self, result: TickResult) -> None:
         """Apply one tick (the core's loop thread calls this)."""
         to_wait: list[tuple[str, str]] = []
+        to_preview: list[tuple[str, str, int]] = []
         to_release: list[str] = []
         self.stats.on_tick(result.step_seconds, result.text_encoding)
         with self._lock:
@@ -164,8 +165,17 @@ class OutputProcessor:
                     record.output_id = oid
                     record.compute_done_at = self._clock()
                     to_wait.append((event.request_id, oid))
+            for rid, (oid, index) in result.previews.items():
+                if rid in self._streams and not self._records[rid].aborted:
+                    to_preview.append((rid, oid, index))
+                else:  # nobody to show it to
+                    to_release.append(oid)
         for oid in to_release:
             self._executor.release_output(oid)
+        for rid, oid, index in to_preview:
+            future = self._executor.wait_output_ready(oid)
+            future.add_done_callback(
+                lambda f, rid=rid, index=index: self._on_preview(rid, index, f))
         for rid, oid in to_wait:
             future = self._executor.wait_output_ready(oid)
             future.add_done_callback(lambda f, rid=rid, oid=oid: self._on_output(rid, oid, f))
@@ -260,6 +270,34 @@ class OutputProcessor:
                 self._finalize_locked(rid, DiffusionOutput(
                     rid, finished=True, step=record.total_steps, total_steps=record.total_steps))
         lease.release()  # a late output of an aborted request, or nobody listening
+
+    def _on_preview(self, rid: str, index: int, future: concurrent.futures.Future) -> None:
+        """A preview is in host memory: convert it here (previews are small and
+        must stay ahead of the final output in the stream) and emit it as a
+        progress item. A lost preview is skipped: the request goes on."""
+        try:
+            lease: OutputLease = future.result()
+        except Exception as exc:
+            logger.warning("preview %d of %s lost: %s", index, rid, exc)
+            return
+        try:
+            with self._lock:
+                record = self._records.get(rid)
+                wanted = record is not None and not record.aborted and rid in self._streams
+            if not wanted:
+                return
+            assert record is not None
+            images, value = self._post(lease.take(), record.request.sampling_params.output_type)
+            with self._lock:
+                if self._records.get(rid) is record:
+                    step = record.request.sampling_params.preview_steps()[index]
+                    self._emit_locked(rid, DiffusionOutput(
+                        rid, step=step, total_steps=record.total_steps,
+                        preview=images if images is not None else value, preview_index=index))
+        except Exception:
+            logger.exception("preview %d of %s failed", index, rid)
+        finally:
+            lease.release()
 
     def _complete(self, record: RequestRecord, lease: OutputLease,
                   ready_at: float) -> DiffusionOutput:

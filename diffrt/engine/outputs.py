@@ -24,8 +24,9 @@ class RequestMetrics:
 class DiffusionOutput:
     """One item of a request's output stream.
 
-    Progress items have `finished=False` and carry `step`/`total_steps`; the
-    final item has `finished=True` and either `images`/`output` or `error`.
+    Progress items have `finished=False` and carry `step`/`total_steps` (and,
+    at preview steps, `preview`); the final item has `finished=True` and either
+    `images`/`output` or `error`.
     """
 
     request_id: str
@@ -40,6 +41,11 @@ class DiffusionOutput:
     #: the seed the request ran with (a random one when it gave none), so any
     #: image can be reproduced by submitting it again with this seed.
     seed: int | None = None
+    #: a progress item carrying a preview (``partial_images``): the images as
+    #: predicted at this step (PIL for output_type "pil", else a host tensor)
+    #: and the preview's index, 0-based.
+    preview: Any = None
+    preview_index: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -204,8 +204,26 @@ class PipelineRunner:
                 finished_states.append(state)
             else:
                 reply.progress[rid] = state.step_index
+                self._preview(state, reply, outputs)
         self._decode(finished_states, reply, outputs)
         return RunnerResult(reply=reply, outputs=outputs)
+
+    def _preview(self, state: StepRequestState, reply: StepDone,
+                 outputs: dict[str, Any]) -> None:
+        """A running request at one of its preview steps: its predicted image
+        goes out as this tick's output. A failed preview is logged, not fatal:
+        the request goes on to its final image."""
+        steps = state.request.sampling_params.preview_steps()
+        if state.step_index not in steps:
+            return
+        try:
+            image = self.pipeline.decode_preview(state)
+            if image is not None:
+                outputs[state.request_id] = self.pipeline.to_transfer(
+                    image, state.request.sampling_params)
+                reply.previews[state.request_id] = steps.index(state.step_index)
+        except Exception as exc:
+            logger.warning("preview of %s failed: %s", state.request_id, describe_error(exc))
 
     def _admit(self, requests: list[DiffusionRequest], reply: StepDone) -> None:
         """Prepare the requests admitted in this tick together (one text-encoder

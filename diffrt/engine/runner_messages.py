@@ -66,6 +66,9 @@ class StepDone(msgspec.Struct, tag="step_done"):
     progress: dict[str, int] = {}
     #: ids decoded in this tick (their outputs travel on the output path).
     finished: list[str] = []
+    #: id -> preview index (0-based), for running requests whose output in
+    #: this tick is a preview (``partial_images``).
+    previews: dict[str, int] = {}
     errors: dict[str, str] = {}
     #: text encoding done in this tick (new requests are encoded at admission).
     text_encoding: TextEncoderStats | None = None

@@ -22,6 +22,8 @@ MAX_OUTPUTS_PER_PROMPT = 16
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 MAX_LORA_NAME_CHARS = 256
+#: previews a step-mode request may ask for (as OpenAI's ``partial_images``).
+MAX_PARTIAL_IMAGES = 3
 
 
 def random_seed() -> int:
@@ -64,6 +66,16 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     #: classifier-free guidance for families whose ``guidance_scale`` is an
     #: embedded input (Flux): it runs when > 1 and a negative prompt is given.
     true_cfg_scale: float = 1.0
+    #: previews decoded from the current x0 prediction while the request runs
+    #: (step mode only): preview k of N after step ceil(k * T / (N + 1)).
+    partial_images: int = 0
+
+    def preview_steps(self) -> list[int]:
+        """The step counts after which a preview is decoded, in order: distinct
+        and before the last step (the final image comes then)."""
+        n, total = self.partial_images, self.num_inference_steps
+        steps = sorted({-(-k * total // (n + 1)) for k in range(1, n + 1)})
+        return [s for s in steps if 0 < s < total]
 
     def with_defaults(self, defaults: dict) -> SamplingParams:
         """A copy with each of ``MODEL_DEFAULTED`` that is None taken from
@@ -114,6 +126,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if lora is not None and (not isinstance(lora, str) or len(lora) > MAX_LORA_NAME_CHARS):
             raise InvalidRequestError(
                 "lora_name", f"must be None or a str of at most {MAX_LORA_NAME_CHARS} characters")
+        p = self.partial_images
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= MAX_PARTIAL_IMAGES:
+            raise InvalidRequestError(
+                "partial_images", f"must be an int in [0, {MAX_PARTIAL_IMAGES}], got {p!r}")
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
                               or not math.isfinite(t) or t <= 0):

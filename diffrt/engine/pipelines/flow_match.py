@@ -416,8 +416,21 @@ class FlowMatchPipeline(DiffusionPipeline):
     def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
         t = state.timesteps[state.step_index]  # type: ignore[index]
         noise_scheduler = state.noise_scheduler
+        if state.step_index + 1 in state.extra.setdefault(
+                "preview_steps", state.request.sampling_params.preview_steps()):
+            # flow matching: x_t = (1 - sigma) x0 + sigma noise and the model
+            # predicts noise - x0, so x0 = x_t - sigma * prediction
+            sigma = noise_scheduler.sigmas[state.step_index].to(state.latents.dtype)
+            state.extra["x0"] = state.latents - sigma * noise_pred
         state.latents = noise_scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
         state.step_index += 1
+
+    @torch.no_grad()
+    def decode_preview(self, state: StepRequestState) -> torch.Tensor | None:
+        x0 = state.extra.pop("x0", None)
+        if x0 is None:
+            return None
+        return self.finish(x0, state.request.sampling_params)
 
     @torch.no_grad()
     def post_decode(self, state: StepRequestState) -> torch.Tensor:

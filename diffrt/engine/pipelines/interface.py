@@ -186,6 +186,13 @@ class DiffusionPipeline(ABC):
         uses this when requests finish in the same tick)."""
         return [self.post_decode(state) for state in states]
 
+    def decode_preview(self, state: StepRequestState) -> torch.Tensor | None:
+        """The request's image as predicted now (what ``post_decode`` returns,
+        from the current clean-image prediction), or None when this pipeline
+        has none. Called after ``apply_step`` at the request's preview steps
+        (``SamplingParams.preview_steps``)."""
+        return None
+
     def split_predictions(
         self, noise_pred: torch.Tensor, states: list[StepRequestState]
     ) -> list[torch.Tensor]:
