@@ -29,6 +29,7 @@ FORBIDDEN = {
     "diffrt.platforms": ("diffrt.runtime", "diffrt.engine", "diffrt.cli", "diffrt.serve"),
     "diffrt.runtime": ("diffrt.engine", "diffrt.cli", "diffrt.serve"),
     "diffrt.engine": ("diffrt.cli", "diffrt.serve"),
+    "diffrt.serve": ("diffrt.cli",),
 }
 #: shared by every layer, so it imports no other diffrt module
 LEAVES = ("diffrt.tracing",)

@@ -376,7 +376,8 @@ class OutputProcessor:
         output.seed = record.request.sampling_params.seed
         if record.abort_reason is not None and output.aborted:
             output.aborted, output.error = False, record.abort_reason
-        self.stats.on_final(output, timed_out=timed_out or record.abort_reason is not None)
+        output.timed_out = timed_out or record.abort_reason is not None
+        self.stats.on_final(output)
         stream = self._streams.pop(rid, None)
         if deliver and stream is not None:
             self._deliveries.put((stream, output))

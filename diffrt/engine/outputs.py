@@ -46,6 +46,9 @@ class DiffusionOutput:
     #: and the preview's index, 0-based.
     preview: Any = None
     preview_index: int | None = None
+    #: a limit ended it (request_timeout_s, its own timeout_s, or its output
+    #: left unread past unread_output_timeout_s); ``error`` names the limit.
+    timed_out: bool = False
 
     @property
     def ok(self) -> bool:

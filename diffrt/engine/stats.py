@@ -66,12 +66,12 @@ class EngineStats:
     healthy: bool = True
 
 
-def classify(output: DiffusionOutput, timed_out: bool) -> str:
+def classify(output: DiffusionOutput) -> str:
     if output.ok:
         return "success"
     if output.aborted:
         return "aborted"
-    return "timeout" if timed_out else "error"
+    return "timeout" if output.timed_out else "error"
 
 
 class _Buckets:
@@ -115,10 +115,10 @@ class StatsRecorder:
             if text is not None:
                 self._text = self._text + text
 
-    def on_final(self, output: DiffusionOutput, *, timed_out: bool) -> None:
+    def on_final(self, output: DiffusionOutput) -> None:
         m = output.metrics
         with self._lock:
-            self._outcomes[classify(output, timed_out)] += 1
+            self._outcomes[classify(output)] += 1
             if m.finished_time is not None:
                 self._latency.observe(max(0.0, m.finished_time - m.arrival_time))
             if m.queue_wait is not None:

@@ -1,0 +1,73 @@
+"""``build_app``: the whole server as one ASGI app.
+
+The app owns an ``EngineClient``; its lifespan starts the engine in the
+background (so /health and /ready answer while a large model loads) and, at
+shutdown, drains and closes it. Protocol models (``protocol.py``), routes
+(``routes.py``), the engine client, errors, metrics and the request middleware
+live in their own modules; this one only wires them, so another app can mount
+the result (the scale-out issue wraps it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI
+
+from diffrt.engine import DiffusionEngine, EngineConfig
+from diffrt.serve import routes
+from diffrt.serve.engine_client import EngineClient
+from diffrt.serve.errors import install_error_handlers
+from diffrt.serve.images import ImageStore
+from diffrt.serve.metrics import ServerMetrics
+from diffrt.serve.middleware import RequestContext
+from diffrt.serve.settings import ServeSettings
+
+
+def build_app(config: EngineConfig | None = None, settings: ServeSettings | None = None, *,
+              engine: DiffusionEngine | None = None,
+              on_ready: Callable[[], None] | None = None,
+              on_failed: Callable[[str], None] | None = None) -> FastAPI:
+    """The server for ``config`` (an engine started by the app), or around an
+    ``engine`` already started (kept open at shutdown: its owner closes it).
+    ``on_ready`` runs once the engine is warm; ``on_failed(reason)`` if it
+    cannot start."""
+    settings = settings or ServeSettings()
+    client = EngineClient(config, settings, engine=engine, on_ready=on_ready,
+                          on_failed=on_failed)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starting = asyncio.create_task(client.start())
+        try:
+            yield
+        finally:
+            await client.drain(settings.shutdown_timeout_s)
+            await starting
+            await client.close()
+
+    app = FastAPI(title="diffrt", version=_version(), lifespan=lifespan,
+                  description="OpenAI-compatible images API over a diffrt engine.")
+    app.state.client = client
+    app.state.settings = settings
+    app.state.images = ImageStore(ttl_s=settings.url_ttl_s, max_images=settings.url_max_images)
+    app.state.metrics = ServerMetrics(client.stats)
+    app.state.started_at = int(time.time())
+    install_error_handlers(app)
+    app.include_router(routes.router)
+    responses = app.state.metrics.responses
+    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
+                       on_response=lambda code: responses.labels(str(code)).inc())
+    return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("diffrt")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "0+unknown"

@@ -1,0 +1,154 @@
+"""The server's side of the engine: start-up, admission, one request's
+stream, and the drain that ends it all.
+
+States: ``starting`` (the engine loads and warms up; /ready is 503),
+``ready``, ``draining`` (after SIGTERM: new requests get 503, requests in
+flight may finish), ``stopped``, ``failed`` (the engine could not start).
+Whether the engine is alive is the engine's to say (``is_healthy``): a worker
+that died makes /health 503 in any state.
+
+Every request runs through ``run``, which aborts it in the engine when its
+consumer leaves early (a client that disconnected, a cancelled stream), so
+nothing keeps running or holding memory for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
+from diffrt.serve.errors import ApiError
+from diffrt.serve.settings import ServeSettings
+
+logger = logging.getLogger("diffrt.serve")
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig | None, settings: ServeSettings, *,
+                 engine: DiffusionEngine | None = None,
+                 on_ready: Callable[[], None] | None = None,
+                 on_failed: Callable[[str], None] | None = None):
+        if engine is None and config is None:
+            raise ValueError("EngineClient needs an EngineConfig or a started engine")
+        self.config = config if config is not None else engine.config  # type: ignore[union-attr]
+        self.settings = settings
+        self.engine = engine
+        self.state = "starting" if engine is None else "ready"
+        self.failure: str | None = None
+        self._on_ready = on_ready
+        self._on_failed = on_failed
+        self._in_flight = 0
+        self._running: dict[str, None] = {}  # ids in flight, in arrival order
+        self._abort_all = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._owns_engine = engine is None
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model_name or self.config.model
+
+    @property
+    def step_mode(self) -> bool:
+        return self.config.step_execution
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Build and warm up the engine off the event loop (minutes for a large
+        checkpoint), while /health and /ready answer."""
+        if self.engine is None:
+            try:
+                self.engine = await asyncio.to_thread(DiffusionEngine.make_engine, self.config)
+            except Exception as exc:
+                self.state, self.failure = "failed", f"{type(exc).__name__}: {exc}"
+                logger.error("engine failed to start: %s", self.failure)
+                if self._on_failed is not None:
+                    self._on_failed(self.failure)
+                return
+        if self.state == "starting":
+            self.state = "ready"
+            if self._on_ready is not None:
+                self._on_ready()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new work, give requests in flight ``timeout_s`` to finish,
+        then abort the rest (their clients get an error) and wait for their
+        handlers to answer."""
+        if self.state in ("draining", "stopped"):
+            return
+        self.state = "draining"
+        logger.info("draining: %d request(s) in flight, up to %.1f s", self._in_flight, timeout_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            logger.warning("shutdown timeout: aborting %d request(s)", self._in_flight)
+            self._abort_all = True
+            for rid in list(self._running):
+                self.engine.abort(rid)  # type: ignore[union-attr]
+            try:
+                await asyncio.wait_for(self._idle.wait(), 10.0)
+            except TimeoutError:
+                logger.error("%d request(s) did not end after their abort", self._in_flight)
+
+    async def close(self) -> None:
+        """Stop the engine (workers exit, the shared-memory arena is freed)."""
+        self.state = "stopped"
+        if self.engine is not None and self._owns_engine:
+            await asyncio.to_thread(self.engine.close)
+
+    def healthy(self) -> bool:
+        return self.engine is not None and self.engine.is_healthy()
+
+    def ready(self) -> bool:
+        return self.state == "ready" and self.healthy()
+
+    # -- requests ------------------------------------------------------------------------
+    def admit(self) -> DiffusionEngine:
+        """The engine, if it takes work now; else the 503/429 to answer."""
+        if self.state == "starting":
+            raise ApiError(503, "the model is still loading; retry shortly",
+                           code="warming_up", headers={"Retry-After": "5"})
+        if self.state in ("draining", "stopped"):
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        if self.state == "failed" or not self.healthy():
+            reason = self.failure or "the engine is not healthy"
+            raise ApiError(503, f"the engine is down: {reason}", code="engine_down")
+        assert self.engine is not None
+        waiting = self.engine.stats().requests_waiting
+        if waiting >= self.settings.max_pending:
+            raise ApiError(429, f"{waiting} requests are waiting (max_pending="
+                                f"{self.settings.max_pending}); retry later",
+                           code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        return self.engine
+
+    async def run(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:
+        """The request's outputs (progress, previews, then the final one); a
+        consumer that leaves before the final one aborts the request."""
+        engine = self.admit()
+        rid = request.request_id
+        self._running[rid] = None
+        self._in_flight += 1
+        self._idle.clear()
+        finished = False
+        try:
+            async for out in engine.step_streaming(request):
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                engine.abort(rid)
+            self._running.pop(rid, None)
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def shutting_down(self) -> bool:
+        """The drain aborted what was left (an aborted final means shutdown)."""
+        return self._abort_all
+
+    def stats(self) -> Any:
+        return None if self.engine is None else self.engine.stats()

@@ -1,0 +1,303 @@
+"""The HTTP routes: OpenAI's images and models endpoints, health, readiness
+and metrics. Everything a route needs hangs off ``request.app.state``
+(``client``: the EngineClient, ``settings``, ``images``, ``metrics``), so the
+router can be mounted in any app ``build_app`` made.
+
+One image request, followed: ``generate`` checks the body (pydantic, then
+``to_engine_request`` and the engine's own ``validate``: a bad field is a 400
+naming it), asks the EngineClient for capacity (503/429), then either waits
+for the final output while watching for the client to leave (``_final``), or
+streams server-sent events as the outputs come (``_events``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from diffrt.engine import DiffusionOutput, DiffusionRequest, InvalidRequestError, SamplingParams
+from diffrt.engine.errors import EngineError
+from diffrt.serve.engine_client import EngineClient
+from diffrt.serve.errors import ApiError
+from diffrt.serve.images import MEDIA_TYPES, b64, encode_image
+from diffrt.serve.protocol import (
+    DiffrtInfo,
+    ErrorResponse,
+    ImageData,
+    ImageGenerationRequest,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+    Timings,
+)
+
+#: how often a waiting request checks that its client is still there
+DISCONNECT_POLL_S = 0.1
+#: engine field -> the API field a client set it with
+_PARAMS = {"height": "size", "width": "size", "num_outputs_per_prompt": "n",
+           "sampling_params": "size", "num_inference_steps": "num_inference_steps"}
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)}
+
+router = APIRouter()
+
+
+def _client(request: Request) -> EngineClient:
+    return request.app.state.client
+
+
+async def require_api_key(request: Request) -> None:
+    """``Authorization: Bearer <key>`` when the server has a key."""
+    key = request.app.state.settings.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             key.encode()):
+        raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+
+# -- images ---------------------------------------------------------------------------
+@router.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS,
+             dependencies=[Depends(require_api_key)])
+async def generate(body: ImageGenerationRequest, request: Request) -> Any:
+    """Generate images (OpenAI's Images API). ``stream: true`` answers with
+    server-sent events: ``image_generation.partial_image`` previews, then
+    ``image_generation.completed``."""
+    client = _client(request)
+    if body.model is not None and body.model != client.model_name:
+        raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
+                            f"{client.model_name!r}", param="model", code="model_not_found")
+    if body.stream and body.n != 1:
+        raise ApiError(400, "n: must be 1 with stream=true", param="n")
+    if not client.step_mode:
+        for field in ("partial_images", "stream_progress"):
+            if getattr(body, field):
+                raise ApiError(400, f"{field}: needs a server in step mode (diffrt serve "
+                                    "--mode step, the default)", param=field)
+    engine = client.admit()
+    engine_request = to_engine_request(body, request.state.request_id)
+    try:
+        engine.validate(engine_request)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param=_PARAMS.get(exc.field, exc.field),
+                       code="invalid_value") from None
+    if body.stream:
+        return StreamingResponse(_events(client, engine_request, body),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    created = int(time.time())
+    final = await _final(client, engine_request, request)
+    if final is None:  # the client left: nobody reads an answer
+        return Response(status_code=499)
+    raise_for_final(final, client)
+    return await _response(final, body, request, created)
+
+
+def to_engine_request(body: ImageGenerationRequest, request_id: str) -> DiffusionRequest:
+    height, width = parse_size(body.size)
+    return DiffusionRequest(
+        prompt=body.prompt, negative_prompt=body.negative_prompt, request_id=request_id,
+        sampling_params=SamplingParams(
+            height=height, width=width, num_inference_steps=body.num_inference_steps,
+            guidance_scale=body.guidance_scale,
+            true_cfg_scale=1.0 if body.true_cfg_scale is None else body.true_cfg_scale,
+            seed=body.seed, num_outputs_per_prompt=body.n,
+            partial_images=body.partial_images if body.stream else 0))
+
+
+def parse_size(size: str) -> tuple[int | None, int | None]:
+    """``"WxH"`` -> (height, width); ``"auto"`` -> the model's default."""
+    if size == "auto":
+        return None, None
+    match = re.fullmatch(r"(\d{1,5})x(\d{1,5})", size)
+    if match is None:
+        raise ApiError(400, f'size: must be "WxH" in pixels or "auto", got {size!r}',
+                       param="size", code="invalid_value")
+    return int(match.group(2)), int(match.group(1))
+
+
+async def _final(client: EngineClient, engine_request: DiffusionRequest,
+                 request: Request) -> DiffusionOutput | None:
+    """The request's final output, or None once its client disconnected (the
+    request is then aborted in the engine at its next step boundary)."""
+
+    async def consume() -> DiffusionOutput | None:
+        final = None
+        async for out in client.run(engine_request):
+            final = out
+        return final
+
+    task = asyncio.create_task(consume())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return _submitted(task)
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():  # the client left (or this handler was cancelled)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def _submitted(task: asyncio.Task) -> DiffusionOutput:
+    """The task's final output; a refusal at submission as its HTTP answer."""
+    try:
+        final = task.result()
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param=_PARAMS.get(exc.field, exc.field)) from None
+    except EngineError as exc:
+        raise ApiError(503, f"the engine is down: {exc}", code="engine_down") from None
+    if final is None:
+        raise ApiError(500, "the request ended without an output")
+    return final
+
+
+def raise_for_final(out: DiffusionOutput, client: EngineClient) -> None:
+    """The HTTP error for a final output that carries no image."""
+    if out.ok:
+        return
+    if out.timed_out:
+        raise ApiError(504, out.error or "the request timed out", code="timeout")
+    if out.aborted:
+        raise ApiError(503, "the server is shutting down; the request was stopped",
+                       code="shutting_down")
+    if not client.healthy():
+        raise ApiError(503, f"the engine failed: {out.error}", code="engine_down")
+    raise ApiError(500, f"generation failed: {out.error}", code="generation_failed")
+
+
+def _timings(out: DiffusionOutput) -> Timings:
+    m = out.metrics
+    output = None if m.output_wait is None else m.output_wait + (m.postprocess_time or 0.0)
+    total = None if m.finished_time is None else time.monotonic() - m.arrival_time
+    return Timings(queue=m.queue_wait, inference=m.forward_time, output=output, total=total)
+
+
+def _info(out: DiffusionOutput) -> DiffrtInfo:
+    return DiffrtInfo(request_id=out.request_id, seed=out.seed,
+                      num_inference_steps=out.total_steps, timings=_timings(out))
+
+
+async def _response(out: DiffusionOutput, body: ImageGenerationRequest, request: Request,
+                    created: int) -> ImagesResponse:
+    images = out.images or []
+    encoded = await asyncio.to_thread(
+        lambda: [encode_image(im, body.output_format, body.output_compression) for im in images])
+    if body.response_format == "url":
+        store = request.app.state.images
+        media = MEDIA_TYPES[body.output_format]
+        data = [ImageData(url=str(request.url_for("image_content",
+                                                  image_id=store.put(blob, media))))
+                for blob in encoded]
+    else:
+        data = [ImageData(b64_json=b64(blob)) for blob in encoded]
+    width, height = images[0].size if images else (0, 0)
+    return ImagesResponse(created=created, data=data, output_format=body.output_format,
+                          size=f"{width}x{height}", diffrt=_info(out))
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+async def _events(client: EngineClient, engine_request: DiffusionRequest,
+                  body: ImageGenerationRequest) -> AsyncIterator[bytes]:
+    """Server-sent events as OpenAI streams them. A client that disconnects
+    cancels this generator, and ``client.run`` aborts the request."""
+    created = int(time.time())
+    common = {"created_at": created, "output_format": body.output_format, "quality": "auto",
+              "background": "auto"}
+    fmt, compression = body.output_format, body.output_compression
+    try:
+        async for out in client.run(engine_request):
+            if out.preview is not None:
+                image = out.preview[0]
+                blob = await asyncio.to_thread(encode_image, image, fmt, compression)
+                yield _sse("image_generation.partial_image", {
+                    "type": "image_generation.partial_image", "b64_json": b64(blob),
+                    "partial_image_index": out.preview_index,
+                    "size": f"{image.size[0]}x{image.size[1]}", **common})
+            elif not out.finished:
+                if body.stream_progress:
+                    yield _sse("diffrt.progress", {"type": "diffrt.progress", "step": out.step,
+                                                   "total_steps": out.total_steps})
+            else:
+                raise_for_final(out, client)
+                image = out.images[0]  # type: ignore[index]
+                blob = await asyncio.to_thread(encode_image, image, fmt, compression)
+                yield _sse("image_generation.completed", {
+                    "type": "image_generation.completed", "b64_json": b64(blob),
+                    "size": f"{image.size[0]}x{image.size[1]}",
+                    "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                              "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
+                    "diffrt": _info(out).model_dump(), **common})
+    except ApiError as exc:
+        yield _sse("error", {"type": "error", "status": exc.status, **exc.body()})
+    except InvalidRequestError as exc:
+        yield _sse("error", {"type": "error", "status": 400, **ApiError(
+            400, str(exc), param=_PARAMS.get(exc.field, exc.field)).body()})
+    except EngineError as exc:
+        yield _sse("error", {"type": "error", "status": 503, **ApiError(
+            503, f"the engine is down: {exc}", code="engine_down").body()})
+
+
+@router.get("/v1/images/{image_id}/content", name="image_content", responses=_ERRORS,
+            dependencies=[Depends(require_api_key)])
+async def image_content(image_id: str, request: Request) -> Response:
+    """An image generated with ``response_format="url"`` (kept for a bounded
+    time and count)."""
+    item = request.app.state.images.get(image_id)
+    if item is None:
+        raise ApiError(404, f"image {image_id!r} not found (expired or never made)",
+                       param="image_id", code="image_not_found")
+    data, media_type = item
+    return Response(content=data, media_type=media_type)
+
+
+# -- models, health, metrics --------------------------------------------------------
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS,
+            dependencies=[Depends(require_api_key)])
+async def models(request: Request) -> ModelList:
+    return ModelList(data=[ModelCard(id=_client(request).model_name,
+                                     created=request.app.state.started_at)])
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 while the engine lives (loading included), 503 once it is dead."""
+    client = _client(request)
+    alive = client.healthy() or client.state == "starting"
+    return JSONResponse({"status": "ok" if alive else "dead", "state": client.state},
+                        status_code=200 if alive else 503)
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """200 while taking work; 503 while loading, draining or dead."""
+    client = _client(request)
+    ok = client.ready()
+    return JSONResponse({"status": "ready" if ok else "unavailable", "state": client.state},
+                        status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format."""
+    return Response(generate_latest(request.app.state.metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)

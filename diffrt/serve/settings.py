@@ -1,0 +1,34 @@
+"""What a server needs besides the engine's own configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Server options (``diffrt serve`` flags); the engine's are an EngineConfig.
+
+    Attributes:
+        model_name: the id clients send as ``model`` and ``/v1/models`` lists
+            (default: the engine's model).
+        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>``;
+            ``/health``, ``/ready`` and ``/metrics`` stay open.
+        max_pending: more requests than this waiting (admitted, not yet
+            running) and new ones get 429 with Retry-After.
+        retry_after_s: the Retry-After a 429 suggests.
+        shutdown_timeout_s: on SIGTERM/SIGINT, how long requests in flight may
+            take to finish before they are aborted.
+        max_body_bytes: larger request bodies get 413.
+        url_ttl_s / url_max_images: ``response_format="url"`` images are kept
+            this long, and at most this many (the oldest go first).
+    """
+
+    model_name: str | None = None
+    api_key: str | None = None
+    max_pending: int = 64
+    retry_after_s: int = 1
+    shutdown_timeout_s: float = 30.0
+    max_body_bytes: int = 1 << 20
+    url_ttl_s: float = 600.0
+    url_max_images: int = 256
