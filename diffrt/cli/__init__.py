@@ -1,4 +1,4 @@
-"""The `diffrt` command: `env`, `generate`, `bench`, `trace`.
+"""The `diffrt` command: `env`, `generate`, `bench`, `serve`, `trace`.
 
 Each subcommand lives in its own module and imports torch and the engine only
 when it runs, so `diffrt --help` and input errors answer at once. Input the
@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from diffrt.cli import bench, env, generate, trace_cmd
+from diffrt.cli import bench, env, generate, serve, trace_cmd
 from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError, is_user_error
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_parser(sub)
     generate.add_parser(sub)
     bench.add_parser(sub)
+    serve.add_parser(sub)
     trace_cmd.add_parser(sub)
     return parser
 

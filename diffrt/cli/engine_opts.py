@@ -63,8 +63,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "--negative-prompt (default: %(default)s)")
 
 
-def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None:
-    p.add_argument("--mode", choices=("request", "step"), default="request",
+def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
+                    mode: str = "request") -> None:
+    p.add_argument("--mode", choices=("request", "step"), default=mode,
                    help="request: whole-request batches; step: continuous batching at step "
                         "boundaries (default: %(default)s)")
     p.add_argument("--step-execution", dest="mode", action="store_const", const="step",
@@ -91,6 +92,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None) -> None
     p.add_argument("--plugin-module", action="append", default=[], metavar="MODULE",
                    help="import MODULE here and in every worker before the model is "
                         "resolved, e.g. one that registers a pipeline (repeatable)")
+    p.add_argument("--request-timeout", type=positive_float, default=None, metavar="S",
+                   help="end a request still running after S seconds (default: the "
+                        "engine's 600)")
+    p.add_argument("--max-request-cost", type=positive_float, default=None, metavar="MPS",
+                   help="refuse requests above MPS megapixel-steps (height x width x steps x "
+                        "images / 1e6, x2 with CFG; default: the engine's 1000)")
     p.add_argument("--startup-timeout", type=positive_float, default=None,
                    help="seconds each worker may take to import and load the model (a "
                         "multi-GB checkpoint takes minutes; default: the runtime's 300)")
@@ -126,6 +133,10 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
     for flag in ("vae_tiling", "vae_slicing", "offload_text_encoders"):
         if get(flag):
             settings[flag] = True
+    if get("request_timeout"):
+        settings["request_timeout_s"] = get("request_timeout")
+    if get("max_request_cost"):
+        settings["max_request_cost"] = get("max_request_cost")
     if get("plugin_module"):
         settings["plugin_modules"] = list(get("plugin_module"))
     options: dict[str, Any] = {}

@@ -1,18 +1,22 @@
 """One ASGI middleware around every request: its id, the body-size limit,
 the access log line and the count of answers by status.
 
+The body is read here, within the limit, and handed to the app whole (bodies
+are small: a prompt and a few fields); a larger one is answered 413 at once.
+
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which buffers streamed
 responses and hides client disconnects from the handlers.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
 from typing import Any
 
-from diffrt.serve.errors import ApiError, error_body
+from diffrt.serve.errors import error_body
 
 access_log = logging.getLogger("diffrt.serve.access")
 
@@ -43,42 +47,57 @@ class RequestContext:
             await send(message)
 
         try:
-            declared = _content_length(scope)
-            if declared is not None and declared > self.max_body_bytes:
+            body = await self._read_body(scope, receive)
+            if body is None:
                 await self._too_large(send_with_id)
                 return
-            await self.app(scope, self._limited(receive), send_with_id)
+            await self.app(scope, _replay(body, receive), send_with_id)
         finally:
             if self.on_response is not None and status[0]:
                 self.on_response(status[0])
             access_log.info("%s %s %s %d %.3fs", request_id, scope.get("method"),
                             scope.get("path"), status[0], time.monotonic() - start)
 
-    def _limited(self, receive: Any) -> Any:
-        """``receive`` that refuses a body growing past the limit (chunked
-        uploads declare no length)."""
-        seen = [0]
-
-        async def receive_limited() -> dict:
+    async def _read_body(self, scope: dict, receive: Any) -> bytes | None:
+        """The whole request body, or None past the limit (a declared length is
+        refused before reading; a chunked upload as it grows)."""
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            return None
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen[0] += len(message.get("body", b""))
-                if seen[0] > self.max_body_bytes:
-                    raise ApiError(413, f"request body larger than {self.max_body_bytes} bytes",
-                                   code="request_too_large")
-            return message
-
-        return receive_limited
+            if message["type"] != "http.request":  # the client left
+                return b"".join(chunks)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
     async def _too_large(self, send: Any) -> None:
-        import json
-
         body = json.dumps(error_body(413, f"request body larger than {self.max_body_bytes} "
                                           "bytes", code="request_too_large")).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """``receive`` for the app: the body read already, then the client's own
+    messages (so a disconnect still reaches the handler)."""
+    sent = [False]
+
+    async def replay() -> dict:
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _content_length(scope: dict) -> int | None:

@@ -1,0 +1,67 @@
+"""Server test fixtures: apps around engines on the in-process executor, called
+through httpx's ASGI transport (no socket), shared per module. The real-server
+tests (a ``diffrt serve`` process, real clients) are in test_server_*.py."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # engine_toy
+
+import engine_toy  # noqa: E402,F401  (registers the "toy" models)
+
+from diffrt.engine import DiffusionEngine, EngineConfig  # noqa: E402
+from diffrt.serve import ServeSettings, build_app  # noqa: E402
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def call(app, method: str, path: str, **kw) -> httpx.Response:
+    """One request to ``app`` (headers default to the API key)."""
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
+            kw.setdefault("headers", AUTH)
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def flux_engine():
+    with DiffusionEngine.make_engine(EngineConfig(
+            model="tiny-flux", executor_backend="inproc", step_execution=True,
+            max_num_seqs=4)) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def flux_app(flux_engine):
+    return build_app(settings=ServeSettings(api_key=API_KEY), engine=flux_engine)
+
+
+@pytest.fixture
+def toy_app():
+    """A fresh app around a fresh toy engine (step mode, one request at a time,
+    short request timeout): for timeouts, failures, overload and states."""
+    engine_toy.open_gates()
+    engines = []
+
+    def make(settings: ServeSettings | None = None, **engine_kw):
+        kw = dict(model="toy", executor_backend="inproc", step_execution=True,
+                  max_num_seqs=1, warmup=False)
+        kw.update(engine_kw)
+        engine = DiffusionEngine.make_engine(EngineConfig(**kw))
+        engines.append(engine)
+        return build_app(settings=settings or ServeSettings(api_key=API_KEY), engine=engine)
+
+    yield make
+    engine_toy.open_gates()
+    for engine in engines:
+        engine.close()
