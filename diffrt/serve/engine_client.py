@@ -23,7 +23,7 @@ from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, En
 from diffrt.serve.errors import ApiError
 from diffrt.serve.settings import ServeSettings
 
-logger = logging.getLogger("diffrt.serve")
+logger = logging.getLogger(__name__)
 
 
 class EngineClient:

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-logger = logging.getLogger("diffrt.serve")
+logger = logging.getLogger(__name__)
 
 #: status -> OpenAI's error type for it
 ERROR_TYPES = {

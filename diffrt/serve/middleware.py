@@ -18,7 +18,7 @@ from typing import Any
 
 from diffrt.serve.errors import error_body
 
-access_log = logging.getLogger("diffrt.serve.access")
+access_log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = b"x-request-id"
 

@@ -20,7 +20,7 @@ import uvicorn
 
 from diffrt.serve.engine_client import EngineClient
 
-logger = logging.getLogger("diffrt.serve")
+logger = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):

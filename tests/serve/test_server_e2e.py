@@ -1,0 +1,148 @@
+"""A real ``diffrt serve`` process (worker processes, sockets on 127.0.0.1)
+and real clients: the official ``openai`` client, concurrent httpx clients
+that disconnect, schemathesis over the published OpenAPI schema. One server
+is shared by the tests of this module."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+
+import httpx
+import pytest
+import schemathesis
+from conftest import API_KEY, AUTH
+from hypothesis import HealthCheck, settings
+from PIL import Image
+from server_process import ServerProcess
+
+from diffrt.engine import EngineConfig
+from diffrt.serve import ServeSettings, build_app
+
+pytestmark = pytest.mark.e2e
+
+GEN = "/v1/images/generations"
+#: megapixel-steps: requests up to ~1 s each run, larger fuzzed ones (n=10 at
+#: 1000 steps...) are refused at once, so schemathesis stays fast
+COST_LIMIT = "2.0"
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess("--api-key", API_KEY, "--max-num-seqs", "8", "--max-pending", "64",
+                         "--max-request-cost", COST_LIMIT)
+    try:
+        yield proc.wait_ready()
+    finally:
+        assert proc.stop() == 0, proc.output()
+
+
+def _png(b64_json: str) -> Image.Image:
+    image = Image.open(io.BytesIO(base64.b64decode(b64_json)))
+    image.load()
+    return image
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_the_openai_client(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    kw = dict(model="tiny-flux", prompt="a red fox", size="64x64", n=2,
+              extra_body={"num_inference_steps": 4, "seed": 1})
+    first = client.images.generate(**kw)
+    assert len(first.data) == 2
+    images = [_png(d.b64_json) for d in first.data]
+    assert all(im.format == "PNG" and im.size == (64, 64) for im in images)
+    assert first.model_extra["diffrt"]["seed"] == 1
+    again = client.images.generate(**kw)
+    assert [d.b64_json for d in again.data] == [d.b64_json for d in first.data]
+
+    stream = client.images.generate(model="tiny-flux", prompt="a red fox", size="64x64",
+                                    stream=True, partial_images=2,
+                                    extra_body={"num_inference_steps": 6, "seed": 2})
+    events = list(stream)
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + [
+        "image_generation.completed"]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    assert _png(events[-1].b64_json).size == (64, 64)
+
+
+def test_disconnected_clients_free_their_requests(server):
+    """32 concurrent requests; 8 clients leave mid-way (4 close their stream
+    after its first event, 4 hang up while waiting for the image). The other
+    24 get their images; the 8 are aborted in the engine; nothing is left."""
+    aborted_before = _metric(server.url, 'diffrt_requests_total{outcome="aborted"}')
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120,
+                                     limits=httpx.Limits(max_connections=64)) as c:
+            async def stays(i: int) -> httpx.Response:
+                return await c.post(GEN, json={"prompt": f"stay {i}", "size": "64x64",
+                                               "num_inference_steps": 6, "seed": i})
+
+            async def leaves_a_stream(i: int) -> None:
+                body = {"prompt": f"leave {i}", "size": "32x32", "num_inference_steps": 1000,
+                        "stream": True, "stream_progress": True}
+                async with c.stream("POST", GEN, json=body) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        if line.startswith("event: diffrt.progress"):
+                            return  # mid-way: the connection closes with the stream
+
+            async def leaves_a_wait(i: int) -> None:
+                task = asyncio.create_task(c.post(GEN, json={
+                    "prompt": f"leave {i}", "size": "32x32", "num_inference_steps": 1000}))
+                await asyncio.sleep(0.5)
+                task.cancel()  # httpx closes the connection: the server sees a disconnect
+
+            return await asyncio.gather(*[stays(i) for i in range(24)],
+                                        *[leaves_a_stream(i) for i in range(4)],
+                                        *[leaves_a_wait(i) for i in range(4)])
+
+    results = asyncio.run(main())
+    for i, response in enumerate(results[:24]):
+        assert response.status_code == 200, response.text
+        doc = response.json()
+        assert doc["diffrt"]["seed"] == i and _png(doc["data"][0]["b64_json"]).size == (64, 64)
+
+    def settled() -> bool:
+        return (_metric(server.url, "diffrt_requests_running") == 0
+                and _metric(server.url, "diffrt_requests_waiting") == 0
+                and _metric(server.url, "diffrt_pending_output_bytes") == 0)
+
+    from waiting import wait_until
+
+    assert wait_until(settled, timeout=60, interval=0.2)
+    aborted = _metric(server.url, 'diffrt_requests_total{outcome="aborted"}') - aborted_before
+    assert aborted == 8
+
+
+# -- schemathesis over the published schema -------------------------------------------------
+def _schema():
+    app = build_app(EngineConfig(model="tiny-flux", step_execution=True),
+                    ServeSettings(api_key=API_KEY))
+    return schemathesis.openapi.from_dict(app.openapi())
+
+
+schema = _schema()
+
+
+@schema.parametrize()
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_the_api_holds_up_to_generated_requests(case, server):
+    response = case.call(base_url=server.url, headers=AUTH, timeout=60)
+    assert response.status_code < 500, (case.path, case.body, response.text)
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, response.text
+        assert isinstance(error["message"], str) and error["message"]

@@ -1,0 +1,102 @@
+"""A real ``diffrt serve`` process under overload, SIGTERM and a dead worker:
+429 with Retry-After, a drain that lets requests in flight finish and exits 0
+leaving no worker and no arena, and a killed worker answered with errors and
+/health 503, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from leaks import arena_refs
+from server_process import ServerProcess, children
+from waiting import wait_until
+
+pytestmark = pytest.mark.e2e
+
+GEN = "/v1/images/generations"
+#: a request that runs for a few seconds on a 2-core CPU (tiny-flux)
+LONG = {"size": "32x32", "num_inference_steps": 800}
+
+
+def _status(url: str, path: str) -> int:
+    return httpx.get(f"{url}{path}", timeout=10).status_code
+
+
+def test_overload_then_a_drain_on_sigterm():
+    server = ServerProcess("--max-num-seqs", "1", "--max-pending", "1",
+                           "--shutdown-timeout", "60").wait_ready()
+    workers = children(server.proc.pid)
+    assert workers, "the server runs its model in worker processes"
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+                async def metric_is(name: str, value: float) -> None:
+                    for _ in range(300):
+                        text = (await c.get("/metrics")).text
+                        if f"{name} {value}" in text:
+                            return
+                        await asyncio.sleep(0.05)
+                    raise AssertionError(f"{name} never {value}")
+
+                running = asyncio.create_task(c.post(GEN, json={"prompt": "one", **LONG}))
+                await metric_is("diffrt_requests_running", 1.0)
+                waiting = asyncio.create_task(c.post(GEN, json={"prompt": "two", **LONG}))
+                await metric_is("diffrt_requests_waiting", 1.0)
+                overloaded = await c.post(GEN, json={"prompt": "three", **LONG})
+                server.signal(signal.SIGTERM)  # both requests in flight
+                for _ in range(100):
+                    if (await c.get("/ready")).status_code == 503:
+                        break
+                    await asyncio.sleep(0.05)
+                ready = (await c.get("/ready")).status_code
+                refused = await c.post(GEN, json={"prompt": "late", "size": "32x32"})
+                return overloaded, ready, refused, await running, await waiting
+
+        overloaded, ready, refused, running, waiting = asyncio.run(main())
+        assert overloaded.status_code == 429 and overloaded.headers["retry-after"] == "1"
+        assert overloaded.json()["error"]["code"] == "rate_limit_exceeded"
+        assert ready == 503
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "shutting_down"
+        assert running.status_code == waiting.status_code == 200  # finished within the timeout
+        assert server.proc.wait(60) == 0, server.output()
+        assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in workers))
+        assert all(arena_refs(pid) == 0 for pid in [server.proc.pid, *workers])
+        assert "draining" in server.output()
+    finally:
+        server.stop()
+
+
+def test_a_killed_worker_fails_requests_and_health():
+    server = ServerProcess("--max-num-seqs", "2").wait_ready()
+    try:
+        [worker] = children(server.proc.pid)
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                in_flight = asyncio.create_task(c.post(GEN, json={"prompt": "x", **LONG}))
+                for _ in range(200):
+                    if "diffrt_requests_running 1.0" in (await c.get("/metrics")).text:
+                        break
+                    await asyncio.sleep(0.05)
+                os.kill(worker, signal.SIGKILL)
+                started = time.monotonic()
+                response = await in_flight
+                return response, time.monotonic() - started
+
+        response, took = asyncio.run(main())
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "engine_down"
+        assert took < 30  # an error, not a hang
+        assert _status(server.url, "/health") == 503
+        assert _status(server.url, "/ready") == 503
+        late = httpx.post(f"{server.url}{GEN}", json={"prompt": "x"}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_down"
+    finally:
+        code = server.stop()
+    assert code == 0
