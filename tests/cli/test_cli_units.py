@@ -203,3 +203,23 @@ def test_bench_configurations_keep_every_engine_flag():
     for _, opts in build_configs(args):
         settings = engine_settings(opts)
         assert settings["dtype"] == "float16" and settings["vae_slicing"] is True
+
+
+def test_serve_refuses_a_bad_model_before_starting(capsys):
+    assert main(["serve", "--model", "no-such-model", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_defaults_to_step_mode():
+    from diffrt.cli import build_parser
+    from diffrt.cli.engine_opts import engine_settings
+
+    args = build_parser().parse_args(["serve"])
+    assert args.mode == "step" and args.port == 8000 and args.host == "127.0.0.1"
+    assert engine_settings(args)["step_execution"] is True
+    args = build_parser().parse_args(["serve", "--mode", "request", "--request-timeout", "5",
+                                      "--max-request-cost", "2"])
+    settings = engine_settings(args)
+    assert settings["step_execution"] is False
+    assert (settings["request_timeout_s"], settings["max_request_cost"]) == (5.0, 2.0)
