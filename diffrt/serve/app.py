@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 
 from diffrt.engine import DiffusionEngine, EngineConfig
-from diffrt.serve import routes
+from diffrt.serve import playground, routes
 from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.errors import install_error_handlers
 from diffrt.serve.images import ImageStore
@@ -58,6 +58,7 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.include_router(routes.router)
+    app.include_router(playground.router)
     responses = app.state.metrics.responses
     app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
                        on_response=lambda code: responses.labels(str(code)).inc())
