@@ -95,6 +95,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
     p.add_argument("--request-timeout", type=positive_float, default=None, metavar="S",
                    help="end a request still running after S seconds (default: the "
                         "engine's 600)")
+    p.add_argument("--unread-output-timeout", type=positive_float, default=None, metavar="S",
+                   help="free a finished output nobody has read after S seconds (default: "
+                        "never; serve: 120)")
     p.add_argument("--max-request-cost", type=positive_float, default=None, metavar="MPS",
                    help="refuse requests above MPS megapixel-steps (height x width x steps x "
                         "images / 1e6, x2 with CFG; default: the engine's 1000)")
@@ -135,6 +138,8 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
             settings[flag] = True
     if get("request_timeout"):
         settings["request_timeout_s"] = get("request_timeout")
+    if get("unread_output_timeout"):
+        settings["unread_output_timeout_s"] = get("unread_output_timeout")
     if get("max_request_cost"):
         settings["max_request_cost"] = get("max_request_cost")
     if get("plugin_module"):

@@ -24,7 +24,11 @@ from diffrt.cli.engine_opts import (
 )
 from diffrt.cli.errors import EXIT_FAILURE
 
-logger = logging.getLogger("diffrt.serve")
+#: serve's default for --unread-output-timeout (the engine's is None)
+SERVE_UNREAD_OUTPUT_TIMEOUT_S = 120.0
+
+#: serve's default for --unread-output-timeout (the engine's is None)
+SERVE_UNREAD_OUTPUT_TIMEOUT_S = 120.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -71,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     settings = engine_settings(args)
     if args.max_num_seqs is None:
         settings["max_num_seqs"] = 8
+    # a client that stops reading its stream must not hold its image in shared
+    # memory for ever: the arena is shared by every request
+    settings.setdefault("unread_output_timeout_s", SERVE_UNREAD_OUTPUT_TIMEOUT_S)
     config = EngineConfig(**settings)
     serve_settings = ServeSettings(
         model_name=args.served_model_name, api_key=args.api_key or None,

@@ -272,30 +272,43 @@ class OutputProcessor:
         lease.release()  # a late output of an aborted request, or nobody listening
 
     def _on_preview(self, rid: str, index: int, future: concurrent.futures.Future) -> None:
-        """A preview is in host memory: convert it here (previews are small and
-        must stay ahead of the final output in the stream) and emit it as a
-        progress item. A lost preview is skipped: the request goes on."""
+        """A preview is in host memory. Runs in the executor's pump thread (or
+        inline in the core's loop): it only queues the conversion on the
+        delivery thread, which converts it to PIL and puts it on the stream —
+        off the threads the ticks depend on, and ahead of the final output,
+        which lands (and is queued) later. A lost preview is skipped."""
         try:
             lease: OutputLease = future.result()
         except Exception as exc:
             logger.warning("preview %d of %s lost: %s", index, rid, exc)
             return
+        with self._lock:
+            record = self._records.get(rid)
+            stream = self._streams.get(rid)
+            if record is not None and stream is not None and not record.aborted:
+                self._deliveries.put((stream, lambda: self._convert_preview(record, index,
+                                                                           lease)))
+                return
+        lease.release()  # aborted or finished meanwhile, or nobody listening
+
+    def _convert_preview(self, record: RequestRecord, index: int,
+                         lease: OutputLease) -> DiffusionOutput | None:
+        """The preview as a progress item (on the delivery thread); None when
+        its request ended meanwhile or the conversion failed."""
+        rid = record.request_id
         try:
             with self._lock:
-                record = self._records.get(rid)
-                wanted = record is not None and not record.aborted and rid in self._streams
-            if not wanted:
-                return
-            assert record is not None
-            images, value = self._post(lease.take(), record.request.sampling_params.output_type)
-            with self._lock:
-                if self._records.get(rid) is record:
-                    step = record.request.sampling_params.preview_steps()[index]
-                    self._emit_locked(rid, DiffusionOutput(
-                        rid, step=step, total_steps=record.total_steps,
-                        preview=images if images is not None else value, preview_index=index))
+                if self._records.get(rid) is not record or record.aborted:
+                    return None
+            params = record.request.sampling_params
+            images, value = self._post(lease.take(), params.output_type)
+            return DiffusionOutput(rid, step=params.preview_steps()[index],
+                                   total_steps=record.total_steps,
+                                   preview=images if images is not None else value,
+                                   preview_index=index)
         except Exception:
             logger.exception("preview %d of %s failed", index, rid)
+            return None
         finally:
             lease.release()
 
@@ -385,6 +398,10 @@ class OutputProcessor:
     def _deliver_loop(self) -> None:
         while (item := self._deliveries.get()) is not None:
             stream, output = item
+            if callable(output):  # a preview, converted here (see _on_preview)
+                output = output()
+                if output is None:
+                    continue
             if not stream.put(output):  # its consumer is gone
                 self.detach(stream)
 

@@ -2,10 +2,16 @@
 
 The app owns an ``EngineClient``; its lifespan starts the engine in the
 background (so /health and /ready answer while a large model loads) and, at
-shutdown, drains and closes it. Protocol models (``protocol.py``), routes
+shutdown, drains and closes it. Mounted inside another app, run this app's lifespan
+from yours (Starlette does not run a mounted app's lifespan):
+
+    async with diffrt_app.router.lifespan_context(diffrt_app):
+        yield
+
+Protocol models (``protocol.py``), routes
 (``routes.py``), the engine client, errors, metrics and the request middleware
 live in their own modules; this one only wires them, so another app can mount
-the result (the scale-out issue wraps it).
+the result.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
                   description="OpenAI-compatible images API over a diffrt engine.")
     app.state.client = client
     app.state.settings = settings
-    app.state.images = ImageStore(ttl_s=settings.url_ttl_s, max_images=settings.url_max_images)
+    app.state.images = ImageStore(ttl_s=settings.url_ttl_s, max_images=settings.url_max_images,
+                                  max_bytes=settings.url_max_bytes)
     app.state.metrics = ServerMetrics(client.stats)
     app.state.started_at = int(time.time())
     install_error_handlers(app)

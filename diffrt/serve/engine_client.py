@@ -15,7 +15,9 @@ nothing keeps running or holding memory for nobody.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,6 +26,11 @@ from diffrt.serve.errors import ApiError
 from diffrt.serve.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
+
+#: how long the drain waits for aborted requests to reach a step boundary
+ABORT_GRACE_S = 10.0
+#: how often the drain looks at the requests in flight
+IDLE_POLL_S = 0.05
 
 
 class EngineClient:
@@ -42,9 +49,10 @@ class EngineClient:
         self._on_failed = on_failed
         self._in_flight = 0
         self._running: dict[str, None] = {}  # ids in flight, in arrival order
-        self._abort_all = False
-        self._idle = asyncio.Event()
-        self._idle.set()
+        #: the drain stopped waiting for aborted requests: their handlers answer
+        #: 503 at once (a request-mode forward cannot be cut short). Flags polled
+        #: rather than asyncio Events, which bind to one event loop.
+        self._gave_up = False
         self._owns_engine = engine is None
 
     @property
@@ -81,23 +89,31 @@ class EngineClient:
             return
         self.state = "draining"
         logger.info("draining: %d request(s) in flight, up to %.1f s", self._in_flight, timeout_s)
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            logger.warning("shutdown timeout: aborting %d request(s)", self._in_flight)
-            self._abort_all = True
-            for rid in list(self._running):
-                self.engine.abort(rid)  # type: ignore[union-attr]
-            try:
-                await asyncio.wait_for(self._idle.wait(), 10.0)
-            except TimeoutError:
-                logger.error("%d request(s) did not end after their abort", self._in_flight)
+        if await self._until_idle(timeout_s):
+            return
+        logger.warning("shutdown timeout: aborting %d request(s)", self._in_flight)
+        for rid in list(self._running):
+            self.engine.abort(rid)  # type: ignore[union-attr]
+        if await self._until_idle(ABORT_GRACE_S):
+            return
+        logger.error("%d request(s) still running after their abort; answering them 503",
+                     self._in_flight)
+        self._gave_up = True
+        await self._until_idle(ABORT_GRACE_S)
+
+    async def _until_idle(self, timeout_s: float) -> bool:
+        """True once no request is in flight, False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(IDLE_POLL_S)
+        return self._in_flight == 0
 
     async def close(self) -> None:
-        """Stop the engine (workers exit, the shared-memory arena is freed)."""
+        """Stop the engine (workers exit, the shared-memory arena is freed);
+        idempotent."""
         self.state = "stopped"
         if self.engine is not None and self._owns_engine:
-            await asyncio.to_thread(self.engine.close)
+            await asyncio.to_thread(self.engine.close)  # close() is idempotent
 
     def healthy(self) -> bool:
         return self.engine is not None and self.engine.is_healthy()
@@ -127,28 +143,40 @@ class EngineClient:
 
     async def run(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:
         """The request's outputs (progress, previews, then the final one); a
-        consumer that leaves before the final one aborts the request."""
+        consumer that leaves before the final one aborts the request. Raises
+        ApiError (503/429) when the server takes no work, InvalidRequestError
+        or an EngineError at submission (on the first item)."""
         engine = self.admit()
         rid = request.request_id
         self._running[rid] = None
         self._in_flight += 1
-        self._idle.clear()
         finished = False
+        outputs = engine.step_streaming(request)
+        step: asyncio.Future | None = None
         try:
-            async for out in engine.step_streaming(request):
+            while not finished:
+                step = asyncio.ensure_future(outputs.__anext__())
+                while not step.done():
+                    await asyncio.wait({step}, timeout=IDLE_POLL_S * 10)
+                    if self._gave_up and not step.done():
+                        raise ApiError(503, "the server is shutting down; the request was "
+                                            "stopped", code="shutting_down")
+                try:
+                    out = step.result()
+                except StopAsyncIteration:
+                    break
                 finished = out.finished
                 yield out
         finally:
+            if step is not None and not step.done():  # this consumer left mid-wait
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+            await outputs.aclose()
             if not finished:
                 engine.abort(rid)
             self._running.pop(rid, None)
             self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
-
-    def shutting_down(self) -> bool:
-        """The drain aborted what was left (an aborted final means shutdown)."""
-        return self._abort_all
 
     def stats(self) -> Any:
         return None if self.engine is None else self.engine.stats()

@@ -1,8 +1,9 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Every refusal the server makes is an ``ApiError``; the handlers installed by
-``install_error_handlers`` turn it, FastAPI's validation errors and anything
-unexpected into that shape, so a client never sees another body.
+``install_error_handlers`` turn it and FastAPI's validation errors into that
+shape, and the request middleware answers anything unexpected the same way,
+so a client never sees another body.
 """
 
 from __future__ import annotations
@@ -92,8 +93,3 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         return error_response(ApiError(exc.status_code, message,
                                        headers=dict(exc.headers or {})))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}"))

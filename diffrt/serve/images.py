@@ -31,24 +31,28 @@ def b64(data: bytes) -> str:
 
 
 class ImageStore:
-    """Images kept for ``/v1/images/{id}/content``: at most ``max_images``, each
-    for ``ttl_s`` seconds (the oldest go first when full)."""
+    """Images kept for ``/v1/images/{id}/content``: at most ``max_images`` and
+    ``max_bytes``, each for ``ttl_s`` seconds (the oldest go first when full)."""
 
-    def __init__(self, *, ttl_s: float, max_images: int,
+    def __init__(self, *, ttl_s: float, max_images: int, max_bytes: int = 256 << 20,
                  clock: Callable[[], float] = time.monotonic):
         self.ttl_s = ttl_s
         self.max_images = max_images
+        self.max_bytes = max_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self._items: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
+        self._bytes = 0
 
     def put(self, data: bytes, media_type: str) -> str:
         image_id = uuid.uuid4().hex
         with self._lock:
             self._expire_locked()
             self._items[image_id] = (self._clock() + self.ttl_s, data, media_type)
-            while len(self._items) > self.max_images:
-                self._items.popitem(last=False)
+            self._bytes += len(data)
+            while len(self._items) > self.max_images or (
+                    self._bytes > self.max_bytes and len(self._items) > 1):
+                self._pop_oldest()
         return image_id
 
     def get(self, image_id: str) -> tuple[bytes, str] | None:
@@ -65,4 +69,8 @@ class ImageStore:
     def _expire_locked(self) -> None:
         now = self._clock()
         while self._items and next(iter(self._items.values()))[0] <= now:
-            self._items.popitem(last=False)
+            self._pop_oldest()
+
+    def _pop_oldest(self) -> None:
+        _, (_, data, _) = self._items.popitem(last=False)
+        self._bytes -= len(data)

@@ -52,6 +52,13 @@ class RequestContext:
                 await self._too_large(send_with_id)
                 return
             await self.app(scope, _replay(body, receive), send_with_id)
+        except Exception as exc:
+            # what the app's handlers did not turn into a response: still
+            # OpenAI's shape, with the request id
+            access_log.exception("%s: unhandled error", request_id)
+            if not status[0]:
+                await _send_json(send_with_id, 500, error_body(
+                    500, f"internal error: {type(exc).__name__}"))
         finally:
             if self.on_response is not None and status[0]:
                 self.on_response(status[0])
@@ -78,12 +85,17 @@ class RequestContext:
                 return b"".join(chunks)
 
     async def _too_large(self, send: Any) -> None:
-        body = json.dumps(error_body(413, f"request body larger than {self.max_body_bytes} "
-                                          "bytes", code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await _send_json(send, 413, error_body(
+            413, f"request body larger than {self.max_body_bytes} bytes",
+            code="request_too_large"))
+
+
+async def _send_json(send: Any, status: int, doc: dict) -> None:
+    body = json.dumps(doc).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _replay(body: bytes, receive: Any) -> Any:

@@ -14,7 +14,7 @@ router = APIRouter()
 
 @lru_cache(maxsize=1)
 def page() -> str:
-    return resources.files("diffrt.serve").joinpath("static/playground.html").read_text("utf-8")
+    return resources.files(__package__).joinpath("static/playground.html").read_text("utf-8")
 
 
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)

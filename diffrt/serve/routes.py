@@ -5,9 +5,10 @@ router can be mounted in any app ``build_app`` made.
 
 One image request, followed: ``generate`` checks the body (pydantic, then
 ``to_engine_request`` and the engine's own ``validate``: a bad field is a 400
-naming it), asks the EngineClient for capacity (503/429), then either waits
-for the final output while watching for the client to leave (``_final``), or
-streams server-sent events as the outputs come (``_events``).
+naming it), asks the EngineClient for capacity (503/429) and submits; then it
+waits for the final output while watching for the client to leave
+(``_until_done_or_gone``), or, for a stream, for the first output and then
+sends server-sent events as the outputs come (``_events``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -41,6 +43,8 @@ from diffrt.serve.protocol import (
     Timings,
 )
 
+logger = logging.getLogger(__name__)
+
 #: how often a waiting request checks that its client is still there
 DISCONNECT_POLL_S = 0.1
 #: engine field -> the API field a client set it with
@@ -60,7 +64,7 @@ def _client(request: Request) -> EngineClient:
 async def require_api_key(request: Request) -> None:
     """``Authorization: Bearer <key>`` when the server has a key."""
     key = request.app.state.settings.api_key
-    if key is None:
+    if not key:  # None or "": no key required
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
@@ -87,23 +91,46 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:
             if getattr(body, field):
                 raise ApiError(400, f"{field}: needs a server in step mode (diffrt serve "
                                     "--mode step, the default)", param=field)
-    engine = client.admit()
     engine_request = to_engine_request(body, request.state.request_id)
+    engine = client.admit()
     try:
         engine.validate(engine_request)
     except InvalidRequestError as exc:
-        raise ApiError(400, str(exc), param=_PARAMS.get(exc.field, exc.field),
-                       code="invalid_value") from None
+        raise _invalid(exc) from None
+    created = int(time.time())
+    outputs = client.run(engine_request)
     if body.stream:
-        return StreamingResponse(_events(client, engine_request, body),
+        # The first output is awaited here, before the 200 goes out, so a
+        # refusal at submission (429, 503, 400) is an HTTP status, not an
+        # error event inside a 200.
+        first = await _until_done_or_gone(_anext(outputs), request)
+        if first is None:
+            return Response(status_code=499)
+        if first.finished:
+            raise_for_final(first, client)
+        return StreamingResponse(_events(client, outputs, first, body),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    created = int(time.time())
-    final = await _final(client, engine_request, request)
+    final = await _until_done_or_gone(_last(outputs), request)
     if final is None:  # the client left: nobody reads an answer
         return Response(status_code=499)
     raise_for_final(final, client)
     return await _response(final, body, request, created)
+
+
+def _invalid(exc: InvalidRequestError) -> ApiError:
+    return ApiError(400, str(exc), param=_PARAMS.get(exc.field, exc.field), code="invalid_value")
+
+
+async def _anext(outputs: AsyncIterator[DiffusionOutput]) -> DiffusionOutput | None:
+    return await outputs.__anext__()
+
+
+async def _last(outputs: AsyncIterator[DiffusionOutput]) -> DiffusionOutput | None:
+    final = None
+    async for out in outputs:
+        final = out
+    return final
 
 
 def to_engine_request(body: ImageGenerationRequest, request_id: str) -> DiffusionRequest:
@@ -129,18 +156,10 @@ def parse_size(size: str) -> tuple[int | None, int | None]:
     return int(match.group(2)), int(match.group(1))
 
 
-async def _final(client: EngineClient, engine_request: DiffusionRequest,
-                 request: Request) -> DiffusionOutput | None:
-    """The request's final output, or None once its client disconnected (the
-    request is then aborted in the engine at its next step boundary)."""
-
-    async def consume() -> DiffusionOutput | None:
-        final = None
-        async for out in client.run(engine_request):
-            final = out
-        return final
-
-    task = asyncio.create_task(consume())
+async def _until_done_or_gone(work: Any, request: Request) -> DiffusionOutput | None:
+    """``work``'s output, or None once the client disconnected: ``work`` is then
+    cancelled, which aborts the request in the engine (``EngineClient.run``)."""
+    task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -155,17 +174,17 @@ async def _final(client: EngineClient, engine_request: DiffusionRequest,
                 await task
 
 
-def _submitted(task: asyncio.Task) -> DiffusionOutput:
-    """The task's final output; a refusal at submission as its HTTP answer."""
+def _submitted(task: asyncio.Future) -> DiffusionOutput:
+    """The task's output; a refusal at submission as its HTTP answer."""
     try:
-        final = task.result()
+        out = task.result()
     except InvalidRequestError as exc:
-        raise ApiError(400, str(exc), param=_PARAMS.get(exc.field, exc.field)) from None
+        raise _invalid(exc) from None
     except EngineError as exc:
         raise ApiError(503, f"the engine is down: {exc}", code="engine_down") from None
-    if final is None:
+    if out is None:
         raise ApiError(500, "the request ended without an output")
-    return final
+    return out
 
 
 def raise_for_final(out: DiffusionOutput, client: EngineClient) -> None:
@@ -206,7 +225,8 @@ async def _response(out: DiffusionOutput, body: ImageGenerationRequest, request:
                                                   image_id=store.put(blob, media))))
                 for blob in encoded]
     else:
-        data = [ImageData(b64_json=b64(blob)) for blob in encoded]
+        data = [ImageData(b64_json=text)
+                for text in await asyncio.to_thread(lambda: [b64(blob) for blob in encoded])]
     width, height = images[0].size if images else (0, 0)
     return ImagesResponse(created=created, data=data, output_format=body.output_format,
                           size=f"{width}x{height}", diffrt=_info(out))
@@ -216,21 +236,29 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-async def _events(client: EngineClient, engine_request: DiffusionRequest,
-                  body: ImageGenerationRequest) -> AsyncIterator[bytes]:
-    """Server-sent events as OpenAI streams them. A client that disconnects
-    cancels this generator, and ``client.run`` aborts the request."""
+async def _events(client: EngineClient, outputs: AsyncIterator[DiffusionOutput],
+                  first: DiffusionOutput, body: ImageGenerationRequest) -> AsyncIterator[bytes]:
+    """Server-sent events as OpenAI streams them, from ``first`` on. A client
+    that disconnects cancels this generator, and ``client.run`` aborts the
+    request."""
     created = int(time.time())
     common = {"created_at": created, "output_format": body.output_format, "quality": "auto",
               "background": "auto"}
     fmt, compression = body.output_format, body.output_compression
+
+    async def rest() -> AsyncIterator[DiffusionOutput]:
+        yield first
+        async for out in outputs:
+            yield out
+
     try:
-        async for out in client.run(engine_request):
+        async for out in rest():
             if out.preview is not None:
                 image = out.preview[0]
-                blob = await asyncio.to_thread(encode_image, image, fmt, compression)
+                text = await asyncio.to_thread(lambda im=image: b64(encode_image(im, fmt,
+                                                                                 compression)))
                 yield _sse("image_generation.partial_image", {
-                    "type": "image_generation.partial_image", "b64_json": b64(blob),
+                    "type": "image_generation.partial_image", "b64_json": text,
                     "partial_image_index": out.preview_index,
                     "size": f"{image.size[0]}x{image.size[1]}", **common})
             elif not out.finished:
@@ -240,28 +268,36 @@ async def _events(client: EngineClient, engine_request: DiffusionRequest,
             else:
                 raise_for_final(out, client)
                 image = out.images[0]  # type: ignore[index]
-                blob = await asyncio.to_thread(encode_image, image, fmt, compression)
+                text = await asyncio.to_thread(lambda im=image: b64(encode_image(im, fmt,
+                                                                                 compression)))
                 yield _sse("image_generation.completed", {
-                    "type": "image_generation.completed", "b64_json": b64(blob),
+                    "type": "image_generation.completed", "b64_json": text,
                     "size": f"{image.size[0]}x{image.size[1]}",
                     "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
                               "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
                     "diffrt": _info(out).model_dump(), **common})
     except ApiError as exc:
-        yield _sse("error", {"type": "error", "status": exc.status, **exc.body()})
+        yield _error_event(exc)
     except InvalidRequestError as exc:
-        yield _sse("error", {"type": "error", "status": 400, **ApiError(
-            400, str(exc), param=_PARAMS.get(exc.field, exc.field)).body()})
+        yield _error_event(_invalid(exc))
     except EngineError as exc:
-        yield _sse("error", {"type": "error", "status": 503, **ApiError(
-            503, f"the engine is down: {exc}", code="engine_down").body()})
+        yield _error_event(ApiError(503, f"the engine is down: {exc}", code="engine_down"))
+    except Exception as exc:  # never end a stream without saying why
+        logger.exception("stream of %s failed", first.request_id)
+        yield _error_event(ApiError(500, f"internal error: {type(exc).__name__}"))
+    finally:
+        await outputs.aclose()
 
 
-@router.get("/v1/images/{image_id}/content", name="image_content", responses=_ERRORS,
-            dependencies=[Depends(require_api_key)])
+def _error_event(error: ApiError) -> bytes:
+    return _sse("error", {"type": "error", "status": error.status, **error.body()})
+
+
+@router.get("/v1/images/{image_id}/content", name="image_content", responses=_ERRORS)
 async def image_content(image_id: str, request: Request) -> Response:
     """An image generated with ``response_format="url"`` (kept for a bounded
-    time and count)."""
+    time, count and size). No API key: the random 128-bit id is the
+    credential, so the URL works in a browser or an ``<img>``."""
     item = request.app.state.images.get(image_id)
     if item is None:
         raise ApiError(404, f"image {image_id!r} not found (expired or never made)",

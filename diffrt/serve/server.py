@@ -30,10 +30,14 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._drain_task: asyncio.Future | None = None
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        try:
+            await super().serve(sockets)
+        finally:  # a forced exit skips the app's lifespan shutdown: close here too
+            await self.client.close()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._draining or self._loop is None:  # a second signal: stop now
@@ -42,7 +46,10 @@ class DrainingServer(uvicorn.Server):
             return
         self._draining = True
         logger.info("signal %d: draining", sig)
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())  # kept: not collected midway
 
     async def _drain(self) -> None:
         try:

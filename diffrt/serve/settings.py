@@ -20,8 +20,9 @@ class ServeSettings:
         shutdown_timeout_s: on SIGTERM/SIGINT, how long requests in flight may
             take to finish before they are aborted.
         max_body_bytes: larger request bodies get 413.
-        url_ttl_s / url_max_images: ``response_format="url"`` images are kept
-            this long, and at most this many (the oldest go first).
+        url_ttl_s / url_max_images / url_max_bytes: ``response_format="url"``
+            images are kept this long, at most this many and this many bytes
+            (the oldest go first).
     """
 
     model_name: str | None = None
@@ -32,3 +33,4 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     url_ttl_s: float = 600.0
     url_max_images: int = 256
+    url_max_bytes: int = 256 << 20

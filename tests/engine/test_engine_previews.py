@@ -91,3 +91,30 @@ def test_request_mode_refuses_previews():
                                                   warmup=False)) as engine:
         with pytest.raises(InvalidRequestError, match="partial_images: previews need step"):
             engine.generate(DiffusionRequest("x", SamplingParams(partial_images=1)))
+
+
+def test_a_preview_landing_after_its_request_ended_is_freed(monkeypatch):
+    """The request is aborted while its preview is still on its way to the
+    host: the late preview is dropped and its output slot freed."""
+    from faults import hold_outputs
+    from test_isolation import _writer
+
+    gate = hold_outputs(monkeypatch)
+    with DiffusionEngine.make_engine(EngineConfig(
+            model="tiny-flux", executor_backend="inproc", step_execution=True,
+            async_output=True, warmup=False)) as engine:
+        request = _request(5, 1, steps=12)  # its preview after step 6
+
+        async def main():
+            async for out in engine.step_streaming(request):
+                assert out.preview is None  # held: it cannot have landed
+                if out.step >= 8:
+                    engine.abort(request.request_id)
+                    break
+
+        asyncio.run(main())
+        gate.set()
+        assert_clean(engine)
+        from waiting import wait_until
+
+        assert wait_until(lambda: _writer(engine).used_bytes == 0)

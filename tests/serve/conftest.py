@@ -4,33 +4,18 @@ tests (a ``diffrt serve`` process, real clients) are in test_server_*.py."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # engine_toy
 
 import engine_toy  # noqa: E402,F401  (registers the "toy" models)
+from serve_helpers import API_KEY  # noqa: E402
 
 from diffrt.engine import DiffusionEngine, EngineConfig  # noqa: E402
 from diffrt.serve import ServeSettings, build_app  # noqa: E402
-
-API_KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def call(app, method: str, path: str, **kw) -> httpx.Response:
-    """One request to ``app`` (headers default to the API key)."""
-    async def main() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
-            kw.setdefault("headers", AUTH)
-            return await c.request(method, path, **kw)
-
-    return asyncio.run(main())
 
 
 @pytest.fixture(scope="module")

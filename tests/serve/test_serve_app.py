@@ -12,8 +12,8 @@ import re
 import engine_toy
 import httpx
 import pytest
-from conftest import API_KEY, AUTH, call
 from PIL import Image
+from serve_helpers import API_KEY, AUTH, call
 
 from diffrt.serve import ServeSettings
 from diffrt.serve.images import ImageStore
@@ -100,7 +100,9 @@ def test_url_responses_are_served_then_expire(flux_app):
     assert image.status_code == 200 and image.headers["content-type"] == "image/png"
     assert Image.open(io.BytesIO(image.content)).size == (64, 64)
     _error(call(flux_app, "GET", "/v1/images/nope/content"), 404, "image_id")
-    _error(call(flux_app, "GET", url.removeprefix("http://testserver"), headers={}), 401)
+    # no key needed: the random id is the credential (the URL works in an <img>)
+    assert call(flux_app, "GET", url.removeprefix("http://testserver"),
+                headers={}).status_code == 200
 
 
 def test_the_image_store_is_bounded_in_time_and_count():
@@ -220,9 +222,15 @@ def test_a_stream_sends_previews_then_the_image(flux_app):
 
 def test_a_failing_stream_ends_with_an_error_event(toy_app):
     app = toy_app()
-    r = call(app, "POST", GEN, json={"prompt": "fail", "stream": True, "size": "16x16",
-                                     "num_inference_steps": 2})
-    event, data = _events(r.text)[-1]
+    body = {"stream": True, "size": "16x16", "num_inference_steps": 2}
+    # failing before its first output: an HTTP error, not a 200
+    _error(call(app, "POST", GEN, json={"prompt": "fail", **body}), 500, None)
+    # failing after it (its decode fails): the stream ends with an error event
+    r = call(app, "POST", GEN, json={"prompt": "faildecode", "stream_progress": True, **body})
+    assert r.status_code == 200
+    events = _events(r.text)
+    assert events[0][0] == "diffrt.progress"
+    event, data = events[-1]
     assert event == "error" and data["error"]["type"] == "server_error"
     assert "generation failed" in data["error"]["message"]
 
@@ -263,12 +271,15 @@ def test_overload_is_429_with_retry_after(toy_app):
             waiting = asyncio.create_task(c.post(GEN, json={"prompt": "p", **body}))
             await until(1, 1)
             refused = await c.post(GEN, json={"prompt": "p", **body})
+            refused_stream = await c.post(GEN, json={"prompt": "p", "stream": True, **body})
             engine_toy.gate("hold").set()
-            return refused, await running, await waiting
+            return refused, refused_stream, await running, await waiting
 
-    refused, running, waiting = asyncio.run(main())
-    error = _error(refused, 429, None)
-    assert refused.headers["retry-after"] == "3" and error["code"] == "rate_limit_exceeded"
+    refused, refused_stream, running, waiting = asyncio.run(main())
+    for response in (refused, refused_stream):  # a stream too: a status, not an event
+        error = _error(response, 429, None)
+        assert response.headers["retry-after"] == "3"
+        assert error["code"] == "rate_limit_exceeded"
     assert running.status_code == waiting.status_code == 200
 
 
@@ -307,6 +318,8 @@ def test_a_drain_lets_requests_finish_then_aborts_the_rest(toy_app):
                 if client.engine.stats().requests_running == 1:
                     break
                 await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the request never ran")
             loop = asyncio.get_running_loop()
             loop.call_later(open_after_s, engine_toy.gate(gate).set)  # the step ends then
             await client.drain(timeout_s)
@@ -316,8 +329,24 @@ def test_a_drain_lets_requests_finish_then_aborts_the_rest(toy_app):
     finished, late = asyncio.run(scenario(toy_app(), "slow-step", 5.0, 0.2))
     assert finished.status_code == 200
     assert _error(late, 503)["code"] == "shutting_down"
-    aborted, _ = asyncio.run(scenario(toy_app(), "stuck-step", 0.2, 0.6))
+    app = toy_app()
+    aborted, _ = asyncio.run(scenario(app, "stuck-step", 0.2, 0.6))
     assert _error(aborted, 503)["code"] == "shutting_down"
+    assert app.state.client.engine.stats().requests_total["aborted"] == 1
+
+
+def test_an_unexpected_error_is_still_an_openai_500_with_an_id(toy_app, monkeypatch):
+    app = toy_app()
+    engine = app.state.client.engine
+
+    def broken(request):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(engine, "validate", broken)
+    r = call(app, "POST", GEN, json={"prompt": "x"})
+    error = _error(r, 500, None)
+    assert "RuntimeError" in error["message"]
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
 
 
 # -- metrics ----------------------------------------------------------------------------

@@ -13,9 +13,9 @@ import re
 import httpx
 import pytest
 import schemathesis
-from conftest import API_KEY, AUTH
 from hypothesis import HealthCheck, settings
 from PIL import Image
+from serve_helpers import API_KEY, AUTH
 from server_process import ServerProcess
 
 from diffrt.engine import EngineConfig
@@ -101,7 +101,7 @@ def test_disconnected_clients_free_their_requests(server):
             async def leaves_a_wait(i: int) -> None:
                 task = asyncio.create_task(c.post(GEN, json={
                     "prompt": f"leave {i}", "size": "32x32", "num_inference_steps": 1000}))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(1.0)  # admitted by then (it runs for seconds)
                 task.cancel()  # httpx closes the connection: the server sees a disconnect
 
             return await asyncio.gather(*[stays(i) for i in range(24)],

@@ -1,0 +1,21 @@
+"""Helpers of the server tests (imported by name: ``from serve_helpers import ...``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def call(app, method: str, path: str, **kw) -> httpx.Response:
+    """One request to ``app`` (headers default to the API key)."""
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
+            kw.setdefault("headers", AUTH)
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(main())
