@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# Install diffrt with its test extras (torch pinned to the CPU build) and run
-# ruff plus the whole test suite. pytest's exit code 5 ("no tests ran") fails.
+# Install diffrt with its test extras (torch pinned to the CPU build) and
+# Debian's chromium (the playground's browser test), then run ruff plus the
+# whole test suite. Idempotent. pytest's exit code 5 ("no tests ran") fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q -c requirements/cpu.txt -e '.[test]' ./tests/plugins/diffrt_simdevice
+if ! command -v chromium >/dev/null 2>&1; then
+    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get install -y -qq chromium >/dev/null \
+        || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null; }
+fi
 .venv/bin/ruff check diffrt tests benchmarks
 .venv/bin/python -m pytest -q "$@"

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # engin
 
 import engine_toy  # noqa: E402,F401  (registers the "toy" models)
 from serve_helpers import API_KEY  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
 
 from diffrt.engine import DiffusionEngine, EngineConfig  # noqa: E402
 from diffrt.serve import ServeSettings, build_app  # noqa: E402
@@ -50,3 +51,20 @@ def toy_app():
     engine_toy.open_gates()
     for engine in engines:
         engine.close()
+
+
+#: megapixel-steps: requests up to ~1 s each run, larger fuzzed ones (n=10 at
+#: 1000 steps...) are refused at once, so schemathesis stays fast
+COST_LIMIT = "2.0"
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """One ``diffrt serve`` process (tiny-flux, step mode, an API key) shared
+    by the end-to-end tests that can share it."""
+    proc = ServerProcess("--api-key", API_KEY, "--max-num-seqs", "8", "--max-pending", "64",
+                         "--max-request-cost", COST_LIMIT)
+    try:
+        yield proc.wait_ready()
+    finally:
+        assert proc.stop() == 0, proc.output()

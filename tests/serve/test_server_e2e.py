@@ -1,7 +1,7 @@
 """A real ``diffrt serve`` process (worker processes, sockets on 127.0.0.1)
 and real clients: the official ``openai`` client, concurrent httpx clients
-that disconnect, schemathesis over the published OpenAPI schema. One server
-is shared by the tests of this module."""
+that disconnect, schemathesis over the published OpenAPI schema. The server is
+the session's shared one (``real_server`` in conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from PIL import Image
 from serve_helpers import API_KEY, AUTH
-from server_process import ServerProcess
 
 from diffrt.engine import EngineConfig
 from diffrt.serve import ServeSettings, build_app
@@ -24,19 +23,6 @@ from diffrt.serve import ServeSettings, build_app
 pytestmark = pytest.mark.e2e
 
 GEN = "/v1/images/generations"
-#: megapixel-steps: requests up to ~1 s each run, larger fuzzed ones (n=10 at
-#: 1000 steps...) are refused at once, so schemathesis stays fast
-COST_LIMIT = "2.0"
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess("--api-key", API_KEY, "--max-num-seqs", "8", "--max-pending", "64",
-                         "--max-request-cost", COST_LIMIT)
-    try:
-        yield proc.wait_ready()
-    finally:
-        assert proc.stop() == 0, proc.output()
 
 
 def _png(b64_json: str) -> Image.Image:
@@ -52,10 +38,10 @@ def _metric(url: str, name: str) -> float:
     return float(match.group(1))
 
 
-def test_the_openai_client(server):
+def test_the_openai_client(real_server):
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    client = OpenAI(base_url=f"{real_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     kw = dict(model="tiny-flux", prompt="a red fox", size="64x64", n=2,
               extra_body={"num_inference_steps": 4, "seed": 1})
     first = client.images.generate(**kw)
@@ -76,14 +62,14 @@ def test_the_openai_client(server):
     assert _png(events[-1].b64_json).size == (64, 64)
 
 
-def test_disconnected_clients_free_their_requests(server):
+def test_disconnected_clients_free_their_requests(real_server):
     """32 concurrent requests; 8 clients leave mid-way (4 close their stream
     after its first event, 4 hang up while waiting for the image). The other
     24 get their images; the 8 are aborted in the engine; nothing is left."""
-    aborted_before = _metric(server.url, 'diffrt_requests_total{outcome="aborted"}')
+    aborted_before = _metric(real_server.url, 'diffrt_requests_total{outcome="aborted"}')
 
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120,
+        async with httpx.AsyncClient(base_url=real_server.url, headers=AUTH, timeout=120,
                                      limits=httpx.Limits(max_connections=64)) as c:
             async def stays(i: int) -> httpx.Response:
                 return await c.post(GEN, json={"prompt": f"stay {i}", "size": "64x64",
@@ -115,14 +101,14 @@ def test_disconnected_clients_free_their_requests(server):
         assert doc["diffrt"]["seed"] == i and _png(doc["data"][0]["b64_json"]).size == (64, 64)
 
     def settled() -> bool:
-        return (_metric(server.url, "diffrt_requests_running") == 0
-                and _metric(server.url, "diffrt_requests_waiting") == 0
-                and _metric(server.url, "diffrt_pending_output_bytes") == 0)
+        return (_metric(real_server.url, "diffrt_requests_running") == 0
+                and _metric(real_server.url, "diffrt_requests_waiting") == 0
+                and _metric(real_server.url, "diffrt_pending_output_bytes") == 0)
 
     from waiting import wait_until
 
     assert wait_until(settled, timeout=60, interval=0.2)
-    aborted = _metric(server.url, 'diffrt_requests_total{outcome="aborted"}') - aborted_before
+    aborted = _metric(real_server.url, 'diffrt_requests_total{outcome="aborted"}') - aborted_before
     assert aborted == 8
 
 
@@ -139,8 +125,8 @@ schema = _schema()
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
-def test_the_api_holds_up_to_generated_requests(case, server):
-    response = case.call(base_url=server.url, headers=AUTH, timeout=60)
+def test_the_api_holds_up_to_generated_requests(case, real_server):
+    response = case.call(base_url=real_server.url, headers=AUTH, timeout=60)
     assert response.status_code < 500, (case.path, case.body, response.text)
     if response.status_code >= 400:
         error = response.json()["error"]

@@ -1,0 +1,77 @@
+"""The playground page in a real headless browser (Debian's chromium, driven by
+playwright-python with ``executable_path``: no browser download), against the
+session's real server: a prompt typed and generated shows progress, previews
+and an image of the requested size; a bad size shows the API's message."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from serve_helpers import API_KEY
+
+pytestmark = pytest.mark.e2e
+
+#: where scripts/test.sh installs it (apt's chromium)
+CHROMIUM = os.environ.get("DIFFRT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"no chromium at {CHROMIUM}: scripts/test.sh installs Debian's chromium")
+    with sync_playwright() as p:
+        # --no-sandbox: CI runs as root, where chromium's sandbox cannot start
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                              args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def page(browser, real_server):
+    page = browser.new_page(viewport={"width": 1000, "height": 640})
+    page.goto(f"{real_server.url}/")
+    page.fill("#apikey", API_KEY)
+    yield page
+    page.close()
+
+
+def test_generating_shows_progress_previews_and_the_image(page, tmp_path):
+    page.fill("#prompt", "a red fox in the snow")
+    page.fill("#size", "96x64")
+    page.fill("#steps", "12")
+    page.fill("#seed", "3")
+    # record every value the progress bar takes (value is a reflected attribute)
+    page.evaluate("""() => {
+        const bar = document.getElementById('progress');
+        window.progressSeen = [];
+        new MutationObserver(() => window.progressSeen.push(Number(bar.value)))
+            .observe(bar, {attributes: true, attributeFilter: ['value']});
+    }""")
+    page.click("#generate")
+    page.wait_for_function("document.getElementById('status').textContent === 'Done.'",
+                           timeout=60_000)
+    size = page.eval_on_selector("#result", "e => [e.naturalWidth, e.naturalHeight]")
+    assert size == [96, 64]
+    seen = page.evaluate("window.progressSeen")
+    assert any(0 < v < 12 for v in seen), seen  # it moved before the end
+    assert page.locator("#previews img").count() >= 1
+    assert "seed 3" in page.text_content("#caption")
+    assert page.locator("#history li").count() == 1
+    assert page.text_content("#error") == ""
+    page.screenshot(path=str(tmp_path / "playground.png"))
+
+
+def test_an_api_error_shows_its_message(page):
+    page.fill("#size", "65x64")
+    page.click("#generate")
+    page.wait_for_function("document.getElementById('error').textContent.length > 0",
+                           timeout=30_000)
+    assert "multiple of 16" in page.text_content("#error")
+    assert page.is_hidden("#result")
