@@ -20,7 +20,7 @@ import argparse
 import statistics
 import time
 
-from diffrt.cli.bench_load import drive
+from diffrt.cli.bench_load import EngineTarget, drive
 from diffrt.cli.bench_stats import median, percentile
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 
@@ -39,7 +39,7 @@ def run_closed_loop(engine: DiffusionEngine, requests: list[DiffusionRequest],
                     concurrency: int) -> tuple[float, list[float]]:
     """``diffrt bench``'s closed loop (at most ``concurrency`` requests in flight).
     Returns (wall seconds, per-request latencies); a failed request raises."""
-    samples, wall = drive(engine, requests, concurrency=concurrency, rate=None)
+    samples, wall = drive(EngineTarget(engine), requests, concurrency=concurrency, rate=None)
     for request, sample in zip(requests, samples, strict=True):
         if not sample.ok:
             raise RuntimeError(f"{request.request_id}: {sample.error}")

@@ -1,15 +1,17 @@
-"""`diffrt bench`: load an engine, print throughput, latency percentiles and
-where the time went; `--compare` runs several configurations in one go."""
+"""`diffrt bench`: load an engine (or, with `--base-url`, a running server),
+print throughput, latency percentiles and where the time went; `--compare`
+runs several configurations in one go."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from diffrt.cli.bench_load import drive
+from diffrt.cli.bench_load import EngineTarget, drive
 from diffrt.cli.bench_stats import ratio, summarize
 from diffrt.cli.engine_opts import (
     add_engine_args,
@@ -92,6 +94,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="run one configuration per SPEC ('key=value,key=value' on top of the "
                         "other options) and print ratios against the first")
     p.add_argument("--json", metavar="RESULTS.json", help="also write the results as JSON")
+    p.add_argument("--base-url", metavar="URL",
+                   help="load a running server over HTTP (POST URL/v1/images/generations) "
+                        "instead of an in-process engine; engine options do not apply")
+    p.add_argument("--api-key", default=os.environ.get("DIFFRT_API_KEY"),
+                   help="with --base-url: the server's key (default: $DIFFRT_API_KEY)")
+    p.add_argument("--http-timeout", type=positive_float, default=600.0, metavar="S",
+                   help="with --base-url: a request unanswered after S seconds fails "
+                        "(default: %(default)s)")
     add_trace_args(p)
     p.set_defaults(func=run)
 
@@ -138,14 +148,15 @@ def _requests(opts: dict[str, Any], count: int, seed: int, tag: str) -> list[Any
 def _run_config(engine: Any, label: str, opts: dict[str, Any], args: argparse.Namespace,
                 tw: TraceWindows) -> dict:
     if args.warmup > 0:
-        drive(engine, _requests(opts, args.warmup, args.seed + 10_000, f"{label} warmup"),
+        drive(EngineTarget(engine),
+              _requests(opts, args.warmup, args.seed + 10_000, f"{label} warmup"),
               concurrency=args.warmup, rate=None)
     # Prompts of their own per configuration: configurations sharing an engine
     # would otherwise find the previous one's prompts in the prompt cache.
     requests = _requests(opts, opts["num_requests"], args.seed, f"{label} measured")
     before = engine.stats().text_encoding
     with tw.window(label):  # the trace shows the measured requests only
-        samples, wall = drive(engine, requests, concurrency=opts["concurrency"],
+        samples, wall = drive(EngineTarget(engine), requests, concurrency=opts["concurrency"],
                               rate=opts["request_rate"], seed=args.seed)
     return {**summarize(samples, wall),
             **text_encoding_summary(engine.stats().text_encoding - before, len(requests))}
@@ -174,10 +185,17 @@ def _fill_model_defaults(opts: dict[str, Any]) -> None:
             opts[option] = defaults[field]
 
 
+#: what a --compare spec may change when the bench drives a server (the load)
+LOAD_KEYS = ("concurrency", "request_rate", "num_requests", "height", "width", "steps",
+             "guidance_scale", "true_cfg_scale", "distinct_prompts")
+
+
 def run(args: argparse.Namespace) -> int:
     configs = build_configs(args)
     if args.json:
         check_writable_file(args.json, "the results")
+    if args.base_url:
+        return _run_http(args, configs)
     check_trace_args(args)
     from diffrt.engine import EngineConfig
 
@@ -217,6 +235,46 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if any(r["failed"] for r in results) else 0
 
 
+def _run_http(args: argparse.Namespace, configs: list[tuple[str, dict[str, Any]]]) -> int:
+    """The same load on a running server, over HTTP (``bench_http.py``)."""
+    from diffrt.cli.bench_http import HttpTarget, served_model
+
+    if args.trace or args.plot:
+        raise CliError("--trace/--plot record this process's engine: not with --base-url")
+    for spec in args.compare or ():
+        engine_keys = set(parse_spec(spec)) - set(LOAD_KEYS)
+        if engine_keys:
+            raise CliError(f"--compare {spec!r}: {', '.join(sorted(engine_keys))} would change "
+                           "the engine; with --base-url only the load can change "
+                           f"({', '.join(LOAD_KEYS)})")
+    model = served_model(args.base_url, args.api_key)
+    results = []
+    for i, (label, opts) in enumerate(configs, 1):
+        tag = f"[{i}/{len(configs)}] {label}"
+
+        def target() -> HttpTarget:
+            return HttpTarget(args.base_url, api_key=args.api_key, timeout_s=args.http_timeout)
+
+        if args.warmup > 0:
+            drive(target(), _requests(opts, args.warmup, args.seed + 10_000, f"{label} warmup"),
+                  concurrency=args.warmup, rate=None)
+        requests = _requests(opts, opts["num_requests"], args.seed, f"{label} measured")
+        samples, wall = drive(target(), requests, concurrency=opts["concurrency"],
+                              rate=opts["request_rate"], seed=args.seed)
+        stats = {**summarize(samples, wall), "text_encode_ms": None, "prompts_encoded": None,
+                 "prompt_cache_hit_rate": None}
+        results.append({"label": label, "engine": {"base_url": args.base_url, "model": model},
+                        "load": {k: opts[k] for k in ("num_requests", "concurrency",
+                                                      "request_rate", "height", "width", "steps",
+                                                      "distinct_prompts")},
+                        **stats})
+        print(f"{tag}: {stats['throughput_rps'] or 0:.2f} req/s, "
+              f"p50 {stats['latency_p50_ms'] or 0:.0f} ms, {stats['failed']} failed",
+              file=sys.stderr, flush=True)
+    _report(results, args)
+    return EXIT_FAILURE if any(r["failed"] for r in results) else 0
+
+
 def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     base = results[0]
     for r in results:
@@ -236,8 +294,17 @@ def _load_text(load: dict[str, Any]) -> str:
              else f"concurrency {load['concurrency']}")
     prompts = (f", {load['distinct_prompts']} distinct prompts"
                if load.get("distinct_prompts") else "")
-    return (f"{load['num_requests']} req, {shape}, {load['height']}x{load['width']}, "
-            f"{load['steps']} steps{prompts}")
+    size = (f"{load['height']}x{load['width']}" if load["height"] and load["width"]
+            else "the model's size")
+    steps = f"{load['steps']} steps" if load["steps"] else "the model's steps"
+    return f"{load['num_requests']} req, {shape}, {size}, {steps}{prompts}"
+
+
+def _failed(r: dict[str, Any]) -> str:
+    """``3 (429: 2, no answer: 1)``: failures, and their statuses over HTTP."""
+    by_status = {k: v for k, v in r.get("failed_by_status", {}).items() if k != "error"}
+    detail = ", ".join(f"{k}: {v}" for k, v in by_status.items())
+    return f"{r['failed']} ({detail})" if detail else str(r["failed"])
 
 
 def _times(value: float | None) -> str | None:
@@ -255,7 +322,7 @@ def render_results(results: list[dict[str, Any]]) -> str:
     rows = [[r["label"], r["throughput_rps"], _times(r["throughput_vs_first"]), r["latency_p50_ms"],
              r["latency_p90_ms"], r["latency_p99_ms"], _times(r["p50_vs_first"]), r["queue_wait_ms"],
              r["forward_ms"], r["text_encode_ms"], _percent(r["prompt_cache_hit_rate"]),
-             r["output_wait_ms"], r["postprocess_ms"], r["failed"]]
+             r["output_wait_ms"], r["postprocess_ms"], _failed(r)]
             for r in results]
     loads = {_load_text(r["load"]) for r in results}
     title = "load: " + (loads.pop() if len(loads) == 1 else "per configuration")

@@ -25,6 +25,8 @@ class Sample:
     postprocess_time: float | None = None
     #: why the request failed (None when it succeeded)
     error: str | None = None
+    #: the HTTP status (HTTP targets; 0 when no answer came; None in-process)
+    status: int | None = None
 
     @classmethod
     def from_output(cls, latency: float, output: Any) -> Sample:
@@ -70,9 +72,16 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
     over the requests that succeeded."""
     ok = [s for s in samples if s.ok]
     lat = [s.latency * 1000.0 for s in ok]
+    by_status: dict[str, int] = {}
+    for s in samples:
+        if not s.ok:
+            key = ("error" if s.status is None  # in-process: the engine's error
+                   else "no answer" if s.status == 0 else str(s.status))
+            by_status[key] = by_status.get(key, 0) + 1
     return {
         "requests": len(samples),
         "failed": len(samples) - len(ok),
+        "failed_by_status": dict(sorted(by_status.items())),
         "wall_s": wall_s,
         "throughput_rps": len(ok) / wall_s if wall_s > 0 else None,
         "images_per_s": sum(s.images for s in ok) / wall_s if wall_s > 0 else None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from diffrt.cli.bench_load import drive
+from diffrt.cli.bench_load import EngineTarget, drive
 from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
 
 
@@ -36,7 +36,7 @@ class FakeEngine:
 def test_closed_loop_keeps_at_most_concurrency_in_flight():
     engine = FakeEngine(fail={"r3"})
     requests = [f"r{i}" for i in range(10)]
-    samples, wall = drive(engine, requests, concurrency=3, rate=None)
+    samples, wall = drive(EngineTarget(engine), requests, concurrency=3, rate=None)
     assert engine.peak == 3 and sorted(engine.seen) == sorted(requests)
     assert len(samples) == 10 and wall > 0
     assert [s.ok for s in samples].count(False) == 1 and not samples[3].ok
@@ -48,6 +48,6 @@ def test_open_loop_arrivals_do_not_wait_for_earlier_requests():
     # Poisson arrivals at 10000/s (mean gap 0.1 ms) against 4 ms requests: an
     # open loop lets them pile up, whatever the concurrency setting says.
     engine = FakeEngine()
-    samples, _ = drive(engine, [f"r{i}" for i in range(6)], concurrency=1, rate=10000.0, seed=1)
+    samples, _ = drive(EngineTarget(engine), [f"r{i}" for i in range(6)], concurrency=1, rate=10000.0, seed=1)
     assert len(samples) == 6 and all(s.ok for s in samples)
     assert engine.peak > 1

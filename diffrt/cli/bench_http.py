@@ -1,0 +1,101 @@
+"""`diffrt bench --base-url`: the bench's load on a running server, over HTTP.
+
+``HttpTarget`` sends each request as the OpenAI images API body (non-streamed,
+``b64_json``) and measures it as a client sees it; the server's own phase
+timings come back in the response's ``diffrt`` field. A request that fails,
+times out or loses its connection is counted as a failure with its status
+(0: no answer) and never holds the bench up past ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from diffrt.cli.bench_stats import Sample
+from diffrt.cli.errors import CliError
+
+
+def request_body(request: Any) -> dict[str, Any]:
+    """A DiffusionRequest as the body of POST /v1/images/generations."""
+    params = request.sampling_params
+    body: dict[str, Any] = {"prompt": request.prompt, "n": params.num_outputs_per_prompt,
+                            "response_format": "b64_json"}
+    if params.height is not None and params.width is not None:
+        body["size"] = f"{params.width}x{params.height}"
+    optional = {"negative_prompt": request.negative_prompt,
+                "num_inference_steps": params.num_inference_steps,
+                "guidance_scale": params.guidance_scale, "seed": params.seed,
+                "true_cfg_scale": params.true_cfg_scale if params.true_cfg_scale != 1.0 else None}
+    body.update({k: v for k, v in optional.items() if v is not None})
+    return body
+
+
+class HttpTarget:
+    """A running ``diffrt serve`` (or any OpenAI images server) as a load target."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 max_connections: int = 256):
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout_s = timeout_s
+        self.max_connections = max_connections
+        self._client: Any = None
+
+    def _session(self) -> Any:
+        import httpx
+
+        if self._client is None:  # made inside the running event loop
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url, headers=self.headers, timeout=self.timeout_s,
+                limits=httpx.Limits(max_connections=self.max_connections))
+        return self._client
+
+    async def run_request(self, request: Any) -> Sample:
+        import httpx
+
+        start = time.perf_counter()
+        try:
+            response = await self._session().post("/v1/images/generations",
+                                                  json=request_body(request))
+        except httpx.HTTPError as exc:
+            return Sample(latency=time.perf_counter() - start, ok=False, status=0,
+                          error=f"no answer: {type(exc).__name__}: {exc}")
+        latency = time.perf_counter() - start
+        try:
+            doc = response.json()
+        except ValueError:
+            doc = {}
+        if response.status_code != 200:
+            message = (doc.get("error") or {}).get("message") if isinstance(doc, dict) else None
+            return Sample(latency=latency, ok=False, status=response.status_code,
+                          error=f"HTTP {response.status_code}: {message or response.text[:200]}")
+        timings = (doc.get("diffrt") or {}).get("timings") or {}
+        return Sample(latency=latency, ok=True, images=len(doc.get("data") or []),
+                      queue_wait=timings.get("queue"), forward_time=timings.get("inference"),
+                      output_wait=timings.get("output"), status=200)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+def served_model(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> str:
+    """The model the server serves (GET /v1/models); a clear error when there is
+    no server there."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers,
+                             timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise CliError(f"--base-url {base_url}: no server answers ({exc})") from None
+    if response.status_code == 401:
+        raise CliError(f"--base-url {base_url}: the server wants an API key (--api-key)")
+    try:
+        return ", ".join(m["id"] for m in response.json()["data"])
+    except (ValueError, KeyError, TypeError):
+        raise CliError(f"--base-url {base_url}: /v1/models answered {response.status_code}, "
+                       "not an OpenAI model list") from None
