@@ -128,6 +128,8 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     base = {k: v for k, v in vars(args).items() if k not in ("func", "compare")}
     if base["max_num_seqs"] is None:
         base["max_num_seqs"] = 1
+    if not args.compare and getattr(args, "base_url", None):
+        return [(args.base_url, base)]
     if not args.compare:
         label = (f"{base['mode']} mode, max_num_seqs={base['max_num_seqs']}, "
                  f"async_output={base['async_output']}, executor={base['executor'] or 'mp'}")
