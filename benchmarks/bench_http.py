@@ -85,10 +85,11 @@ def main() -> int:
     args = ap.parse_args()
 
     server, url = start_server(args)
-    engine = DiffusionEngine.make_engine(EngineConfig(
-        model="tiny-flux", step_execution=True, max_num_seqs=args.max_num_seqs))
+    engine = None
     rows: dict[str, list[dict]] = {"in-process": [], "http": []}
     try:
+        engine = DiffusionEngine.make_engine(EngineConfig(
+            model="tiny-flux", step_execution=True, max_num_seqs=args.max_num_seqs))
         measure(EngineTarget(engine), args, "warm-up")
         measure(HttpTarget(url), args, "warm-up")
         for r in range(args.rounds):
@@ -98,9 +99,13 @@ def main() -> int:
             for name, target in order:
                 rows[name].append(measure(target(), args, f"{name} round {r}"))
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
         server.terminate()
-        server.wait(60)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
     def med(name: str, key: str) -> float:
         return statistics.median(s[key] for s in rows[name])

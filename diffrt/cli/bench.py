@@ -99,9 +99,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "instead of an in-process engine; engine options do not apply")
     p.add_argument("--api-key", default=os.environ.get("DIFFRT_API_KEY"),
                    help="with --base-url: the server's key (default: $DIFFRT_API_KEY)")
-    p.add_argument("--http-timeout", type=positive_float, default=600.0, metavar="S",
-                   help="with --base-url: a request unanswered after S seconds fails "
-                        "(default: %(default)s)")
+    p.add_argument("--http-timeout", type=positive_float, default=300.0, metavar="S",
+                   help="with --base-url: a request unanswered after S seconds fails; after "
+                        "3 in a row the rest are not sent (default: %(default)s)")
     add_trace_args(p)
     p.set_defaults(func=run)
 

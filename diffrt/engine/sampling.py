@@ -27,8 +27,10 @@ MAX_PARTIAL_IMAGES = 3
 
 
 def random_seed() -> int:
-    """A fresh seed for a request that gave none (non-negative, 63 bits)."""
-    return random.SystemRandom().randrange(2**63)
+    """A fresh seed for a request that gave none: below 2**53, so it survives a
+    JSON number in any client (JavaScript rounds larger integers) and can be
+    sent back to reproduce the image."""
+    return random.SystemRandom().randrange(2**53)
 
 
 class InvalidRequestError(ValueError):

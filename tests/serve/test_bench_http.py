@@ -61,3 +61,43 @@ def test_bench_drives_a_running_server(real_server, tmp_path, capsys):
     [r] = json.loads(out.read_text())["results"]
     assert r["failed"] == 3 and r["failed_by_status"] == {"400": 3}
     assert "3 (400: 3)" in capsys.readouterr().out
+
+
+def _run(target, count: int) -> list:
+    async def main_():
+        try:
+            return [await target.run_request(DiffusionRequest("x")) for _ in range(count)]
+        finally:
+            await target.aclose()
+
+    return asyncio.run(main_())
+
+
+def test_a_malformed_answer_is_a_failure():
+    import httpx
+
+    answers = iter([httpx.Response(200, text="<html>not the API</html>"),
+                    httpx.Response(200, json=[1, 2]),
+                    httpx.Response(200, json={"data": []}),
+                    httpx.Response(200, json={"data": [{"b64_json": "x"}], "diffrt": {
+                        "timings": {"queue": 0.1, "inference": 0.2, "output": 0.01}}})])
+    target = HttpTarget("http://server", transport=httpx.MockTransport(lambda r: next(answers)))
+    samples = _run(target, 4)
+    assert [s.ok for s in samples] == [False, False, False, True]
+    assert all("malformed answer" in s.error for s in samples[:3])
+    assert (samples[3].queue_wait, samples[3].forward_time) == (0.1, 0.2)
+
+
+def test_a_server_that_stops_answering_is_not_waited_for_again():
+    import httpx
+
+    sent = []
+
+    def refuse(request):
+        sent.append(request)
+        raise httpx.ConnectError("connection refused")
+
+    samples = _run(HttpTarget("http://server", transport=httpx.MockTransport(refuse)), 6)
+    assert len(sent) == HttpTarget.GONE_AFTER  # the rest were not sent
+    assert all(s.status == 0 and not s.ok for s in samples)
+    assert "not sent" in samples[-1].error

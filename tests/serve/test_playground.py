@@ -47,17 +47,21 @@ def test_generating_shows_progress_previews_and_the_image(page, tmp_path):
     page.fill("#size", "96x64")
     page.fill("#steps", "12")
     page.fill("#seed", "3")
-    # record every value the progress bar takes (value is a reflected attribute)
+    # record every value the progress bar takes (value is a reflected
+    # attribute: each change leaves a record with the value it replaced)
     page.evaluate("""() => {
         const bar = document.getElementById('progress');
         window.progressSeen = [];
-        new MutationObserver(() => window.progressSeen.push(Number(bar.value)))
-            .observe(bar, {attributes: true, attributeFilter: ['value']});
+        new MutationObserver((records) => {
+            for (const r of records) window.progressSeen.push(Number(r.oldValue));
+            window.progressSeen.push(Number(bar.value));
+        }).observe(bar, {attributes: true, attributeFilter: ['value'], attributeOldValue: true});
     }""")
     page.click("#generate")
     page.wait_for_function("document.getElementById('status').textContent === 'Done.'",
                            timeout=60_000)
-    size = page.eval_on_selector("#result", "e => [e.naturalWidth, e.naturalHeight]")
+    size = page.eval_on_selector(
+        "#result", "async e => { await e.decode(); return [e.naturalWidth, e.naturalHeight]; }")
     assert size == [96, 64]
     seen = page.evaluate("window.progressSeen")
     assert any(0 < v < 12 for v in seen), seen  # it moved before the end
@@ -68,10 +72,24 @@ def test_generating_shows_progress_previews_and_the_image(page, tmp_path):
     page.screenshot(path=str(tmp_path / "playground.png"))
 
 
-def test_an_api_error_shows_its_message(page):
+def _generate(page) -> str:
+    page.click("#generate")
+    page.wait_for_function("document.getElementById('status').textContent === 'Done.'",
+                           timeout=60_000)
+    return page.get_attribute("#result", "src")
+
+
+def test_reuse_reproduces_a_random_seed_and_errors_show_their_message(page):
+    page.fill("#size", "64x64")
+    page.fill("#steps", "3")
+    page.fill("#seed", "")  # the server draws one
+    first = _generate(page)
+    page.click("#history li button")  # Reuse: the drawn seed comes back into the form
+    assert page.input_value("#seed") != ""
+    assert _generate(page) == first  # the same image
     page.fill("#size", "65x64")
     page.click("#generate")
     page.wait_for_function("document.getElementById('error').textContent.length > 0",
                            timeout=30_000)
     assert "multiple of 16" in page.text_content("#error")
-    assert page.is_hidden("#result")
+    assert page.is_hidden("#result")  # the last image is not left beside the error
