@@ -47,7 +47,16 @@ logger = logging.getLogger(__name__)
 
 
 def describe_error(exc: BaseException) -> str:
+    if is_out_of_memory(exc):
+        return f"device out of memory: {type(exc).__name__}: {exc}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError, or a vendor's RuntimeError saying so (torch_npu,
+    torch_musa and older stacks raise plain RuntimeErrors)."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -139,6 +148,18 @@ class PipelineRunner:
         elif self.platform.device_type != "cpu":
             self.platform.synchronize()
 
+    def _failed(self, exc: BaseException) -> str:
+        """The error a request gets for ``exc``; after an out-of-memory error the
+        device's cached memory is given back first, so the retries (one request
+        at a time) and the next ticks start from a clean allocator."""
+        if is_out_of_memory(exc):
+            logger.warning("device out of memory (%s); freeing the cache", exc)
+            try:
+                self.platform.empty_cache()
+            except Exception:
+                logger.exception("empty_cache failed")
+        return describe_error(exc)
+
     def _counting_text_encoding(self, execute: Any, request: Any) -> RunnerResult:
         """Run ``execute(request)`` and put in its reply the text encoding done
         since the last reply (a tick that raised reports its work with the next)."""
@@ -158,16 +179,16 @@ class PipelineRunner:
             self._forward(requests, outputs)
         except Exception as exc:
             if len(requests) == 1:
-                errors[requests[0].request_id] = describe_error(exc)
+                errors[requests[0].request_id] = self._failed(exc)
             else:
                 logger.warning("fused batch of %d failed (%s); isolating", len(requests),
-                               describe_error(exc))
+                               self._failed(exc))
                 outputs.clear()
                 for request in requests:
                     try:
                         self._forward([request], outputs)
                     except Exception as one:
-                        errors[request.request_id] = describe_error(one)
+                        errors[request.request_id] = self._failed(one)
         return RunnerResult(reply=BatchDone(errors=errors), outputs=outputs)
 
     def _forward(self, requests: list[DiffusionRequest], outputs: dict[str, Any]) -> None:
@@ -235,8 +256,10 @@ class PipelineRunner:
             self.pipeline.prepare_encode_batch(states)
         except Exception as exc:
             if len(states) == 1:
-                reply.errors[requests[0].request_id] = describe_error(exc)
+                reply.errors[requests[0].request_id] = self._failed(exc)
                 return
+            logger.warning("admitting %d together failed (%s); one by one", len(states),
+                           self._failed(exc))
             for request in requests:
                 self._admit([request], reply)
             return
@@ -256,8 +279,10 @@ class PipelineRunner:
                                    f"for {len(states)} requests")
         except Exception as exc:
             if len(states) == 1:
-                reply.errors[states[0].request_id] = describe_error(exc)
+                reply.errors[states[0].request_id] = self._failed(exc)
                 return
+            logger.warning("decoding %d together failed (%s); one by one", len(states),
+                           self._failed(exc))
             for state in states:
                 self._decode([state], reply, outputs)
             return
@@ -267,7 +292,7 @@ class PipelineRunner:
                 outputs[rid] = self.pipeline.to_transfer(out, state.request.sampling_params)
                 reply.finished.append(rid)
             except Exception as exc:
-                reply.errors[rid] = describe_error(exc)
+                reply.errors[rid] = self._failed(exc)
 
     def _advance(self, states: list[StepRequestState], reply: StepDone) -> None:
         """One denoise step for all ``states``; on a batch failure, retry each alone."""
@@ -277,10 +302,10 @@ class PipelineRunner:
             preds = self._denoise(states)
         except Exception as exc:
             if len(states) == 1:
-                reply.errors[states[0].request_id] = describe_error(exc)
+                reply.errors[states[0].request_id] = self._failed(exc)
                 return
             logger.warning("step batch of %d failed (%s); isolating", len(states),
-                           describe_error(exc))
+                           self._failed(exc))
             for state in states:
                 self._advance([state], reply)
             return
@@ -288,7 +313,7 @@ class PipelineRunner:
             try:
                 self.pipeline.apply_step(state, pred)
             except Exception as exc:
-                reply.errors[state.request_id] = describe_error(exc)
+                reply.errors[state.request_id] = self._failed(exc)
 
     def _denoise(self, states: list[StepRequestState]) -> list[torch.Tensor]:
         pred = self.pipeline.denoise_step(states)

@@ -81,6 +81,11 @@ class TorchAcceleratorPlatform(Platform):
     def synchronize(self) -> None:
         self.device_module().synchronize()
 
+    def empty_cache(self) -> None:
+        empty = getattr(self.device_module(), "empty_cache", None)
+        if callable(empty):
+            empty()
+
     # -- streams ---------------------------------------------------------------
     def current_stream(self) -> Any:
         """The calling thread's current stream of this family.

@@ -62,6 +62,11 @@ class Platform:
     def synchronize(self) -> None:
         raise PlatformFeatureError(self.name, "synchronize")
 
+    def empty_cache(self) -> None:
+        """Give the caching allocator's unused device memory back (after an
+        out-of-memory error). A platform without a device cache has nothing to
+        give back: the default does nothing."""
+
     # -- streams ---------------------------------------------------------------
     def current_stream(self) -> Any:
         raise PlatformFeatureError(self.name, "current_stream")

@@ -7,7 +7,8 @@ pixel value = (seed * 7 + steps) % 200 / 100 - 1 before quantisation.
 
 Prompts steer faults: "fail" raises in forward / prepare_encode, "failstep"
 raises in denoise_step when that request is in the batch, "faildecode" in
-post_decode, and "block:NAME"
+post_decode, "oom" raises torch.OutOfMemoryError in forward / denoise_step
+and "oom-batched" does so only when batched with another request, and "block:NAME"
 waits (bounded) on ``gate(NAME)`` in forward or denoise_step.
 """
 
@@ -66,6 +67,11 @@ def _maybe_block(prompt: str) -> None:
             raise TimeoutError(f"gate {prompt[6:]!r} never opened")
 
 
+def _maybe_oom(prompts: list[str]) -> None:
+    if "oom" in prompts or ("oom-batched" in prompts and len(prompts) > 1):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (toy)")
+
+
 def _record(kind: str, ids: list[str]) -> None:
     with _calls_lock:
         CALLS.append((kind, ids))
@@ -90,6 +96,7 @@ class ToyPipeline(DiffusionPipeline):
     def forward(self, batch):
         ids = [r.request_id for r in batch.requests]
         _record("forward", ids)
+        _maybe_oom([r.prompt for r in batch.requests])
         for r in batch.requests:
             _maybe_block(r.prompt)
             if r.prompt == "fail":
@@ -105,6 +112,7 @@ class ToyPipeline(DiffusionPipeline):
 
     def denoise_step(self, states):
         _record("step", [s.request_id for s in states])
+        _maybe_oom([s.request.prompt for s in states])
         for s in states:
             _maybe_block(s.request.prompt)
             if s.request.prompt == "failstep":

@@ -297,3 +297,27 @@ def test_a_silent_consumer_delays_others_but_never_fails_them():
         assert reading.metrics.output_wait > 0.2  # waited longer than output_timeout_s
         assert "output expired" in late.error
         assert_clean(engine)
+
+
+@pytest.mark.parametrize("step", [False, True], ids=["request", "step"])
+def test_device_out_of_memory_is_a_request_error(step):
+    """An OOM fails only the requests of its tick; a batch that ran out is
+    retried one by one (which fits); the cache is freed; the engine serves on."""
+    with toy_engine(step_execution=step, max_num_seqs=2, request_batch_max_wait_ms=200,
+                    step_batch_max_wait_ms=200, warmup=False) as engine:
+        runner = engine.executor.core.runner
+        freed = []
+        runner.platform.empty_cache = lambda: freed.append(1)
+        alone = engine.generate(toy_request("oom", steps=2))
+        assert not alone.ok and "device out of memory" in alone.error
+        assert freed
+        toy.reset()
+        batched = engine.generate([toy_request("oom-batched", seed=1, steps=2),
+                                   toy_request("p", seed=2, steps=2)])
+        assert all(o.ok for o in batched), [o.error for o in batched]
+        kind = "step" if step else "forward"
+        assert [len(ids) for ids in toy.calls(kind)][:3] == [2, 1, 1]  # ran out together, then alone
+        assert engine.is_healthy()
+        assert engine.generate(toy_request("p", steps=2)).ok
+        assert engine.stats().requests_total["error"] == 1
+        assert_clean(engine)

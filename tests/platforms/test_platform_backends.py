@@ -166,3 +166,28 @@ def test_current_stream_cache_is_per_thread(backend):
         t.start()
         t.join()
     assert seen[0] is not side and seen[0].name == "default"
+
+
+def test_empty_cache_gives_the_device_cache_back_where_there_is_one():
+    from types import SimpleNamespace
+
+    from diffrt.platforms.accelerator import TorchAcceleratorPlatform
+    from diffrt.platforms.cpu import CpuPlatform
+
+    calls = []
+    with_cache = SimpleNamespace(empty_cache=lambda: calls.append("empty"))
+
+    class Fake(TorchAcceleratorPlatform):
+        name = "fake"
+        device_type = "fake"
+
+        def device_module(self):
+            return self.module
+
+    platform = Fake()
+    platform.module = with_cache
+    platform.empty_cache()
+    assert calls == ["empty"]
+    platform.module = SimpleNamespace()  # a backend without a cache: nothing to do
+    platform.empty_cache()
+    CpuPlatform().empty_cache()  # the base: nothing cached
