@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
 
-from diffrt.platforms.detect import BUILTIN_CLASSES, BUILTIN_PROBES
+from diffrt.platforms.detect import BUILTIN_CLASSES, BUILTIN_PROBES, missing_runtime
 from diffrt.platforms.interface import Platform, PlatformFeatureError
 
 if TYPE_CHECKING:
@@ -140,6 +140,9 @@ def resolve_platform() -> tuple[str, PlatformChoice]:
                 )
             return path, PlatformChoice(key, path, how, reason)
         if key in BUILTIN_CLASSES:
+            missing = missing_runtime(key)
+            if missing is not None:
+                raise PlatformResolutionError(f"{ENV_VAR}={override}: {missing}")
             path = BUILTIN_CLASSES[key]
             return path, PlatformChoice(key, path, how, reason)
         raise PlatformResolutionError(

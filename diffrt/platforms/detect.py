@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -125,6 +126,38 @@ BUILTIN_PROBES: dict[str, Callable[[], str | None]] = {
     "musa": detect_musa,
     "cpu": detect_cpu,
 }
+
+def _module_present(name: str) -> bool:
+    """Whether ``name`` can be imported (without importing it)."""
+    if name in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing_runtime(name: str) -> str | None:
+    """What the installed torch stack lacks for built-in platform ``name``
+    (None: nothing). Checked when ``DIFFRT_PLATFORM`` forces a built-in, so a
+    forced platform without its runtime fails at once with what to install,
+    not later inside a worker. Never initialises a device."""
+    version = torch.__version__
+    if name == "cuda" and getattr(torch.version, "cuda", None) is None:
+        return (f"needs a CUDA build of torch, this is torch {version}: install torch "
+                "from https://download.pytorch.org/whl/cu128 (or your CUDA version)")
+    if name == "rocm" and not getattr(torch.version, "hip", None):
+        return (f"needs a ROCm build of torch, this is torch {version}: install torch "
+                "from https://download.pytorch.org/whl/rocm6.4 (or your ROCm version)")
+    if name == "npu" and not _module_present("torch_npu"):
+        return "needs torch_npu: pip install torch-npu (Ascend's build for this torch)"
+    if name == "musa" and not _module_present("torch_musa"):
+        return "needs torch_musa: install Moore Threads' torch_musa wheel for this torch"
+    if name == "xpu" and getattr(torch, "xpu", None) is None:
+        return (f"needs a torch with XPU support, this is torch {version}: install torch "
+                "from https://download.pytorch.org/whl/xpu")
+    return None
+
 
 #: Class path of each built-in, used when ``DIFFRT_PLATFORM`` names one.
 BUILTIN_CLASSES: dict[str, str] = {

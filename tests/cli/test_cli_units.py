@@ -223,3 +223,20 @@ def test_serve_defaults_to_step_mode():
     settings = engine_settings(args)
     assert settings["step_execution"] is False
     assert (settings["request_timeout_s"], settings["max_request_cost"]) == (5.0, 2.0)
+
+
+def test_env_refuses_a_forced_platform_without_its_package(monkeypatch, capsys):
+    import sys
+
+    import diffrt.platforms as platforms
+
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setenv("DIFFRT_PLATFORM", "npu")
+    platforms.reset_platform()
+    try:
+        assert main(["env"]) == 2
+    finally:
+        platforms.reset_platform()
+    err = capsys.readouterr().err.strip()
+    assert err == ("diffrt env: error: DIFFRT_PLATFORM=npu: needs torch_npu: pip install "
+                   "torch-npu (Ascend's build for this torch)")

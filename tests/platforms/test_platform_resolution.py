@@ -9,6 +9,7 @@ from importlib.metadata import EntryPoint
 from types import ModuleType
 
 import pytest
+import torch
 
 import diffrt.platforms as platforms
 from diffrt.platforms import PlatformResolutionError, detect
@@ -116,8 +117,33 @@ def test_override_beats_everything(plugins, builtins, monkeypatch):
 
 
 def test_override_forces_a_builtin_even_if_its_probe_is_inactive(plugins, builtins, monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)  # a ROCm build
     monkeypatch.setenv("DIFFRT_PLATFORM", "rocm")
     assert platforms.resolve_platform()[0] == detect.ROCM
+
+
+@pytest.mark.parametrize(("name", "needle"), [
+    ("cuda", "needs a CUDA build of torch"), ("rocm", "needs a ROCm build of torch"),
+    ("npu", "pip install torch-npu"), ("musa", "torch_musa")])
+def test_forcing_a_builtin_without_its_runtime_fails_at_once(plugins, builtins, monkeypatch,
+                                                               name, needle):
+    monkeypatch.setattr(torch.version, "cuda", None, raising=False)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    for module in ("torch_npu", "torch_musa"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setenv("DIFFRT_PLATFORM", name)
+    with pytest.raises(PlatformResolutionError, match=needle) as info:
+        platforms.resolve_platform()
+    assert str(info.value).startswith(f"DIFFRT_PLATFORM={name}: ")
+    assert "\n" not in str(info.value)
+
+
+def test_a_vendor_package_present_satisfies_the_override(plugins, builtins, monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setenv("DIFFRT_PLATFORM", "npu")
+    assert platforms.resolve_platform()[0] == detect.NPU
 
 
 def test_override_names_a_plugin(plugins, builtins, monkeypatch):
