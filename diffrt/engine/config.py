@@ -98,6 +98,11 @@ class EngineConfig:
         request_timeout_s: seconds from submission to the final output after
             which a request is ended with an error (``SamplingParams.timeout_s``
             may lower it); None = no limit.
+        execute_timeout_s: seconds an execute call may go without a sign of
+            progress (a tick's reply, a per-denoise-step heartbeat) before the
+            workers are declared hung, killed, and every pending request
+            fails; None disables. Enforced by the multiprocess executor only
+            (the in-process one cannot kill its worker thread).
         prompt_cache_bytes: prompt embeddings each worker keeps (LRU by bytes,
             keyed by prompt text per text encoder); 0 disables the cache.
         vae_tiling / vae_slicing: decode in overlapping tiles (large images) /
@@ -133,6 +138,7 @@ class EngineConfig:
     vae_slicing: bool = False
     offload_text_encoders: bool = False
     request_timeout_s: float | None = 600.0
+    execute_timeout_s: float | None = 300.0
     plugin_modules: tuple[str, ...] = ()
     executor_options: dict[str, Any] = field(default_factory=dict)
 
@@ -157,6 +163,7 @@ class EngineConfig:
             kw["output_timeout_s"] = self.output_timeout_s
         if self.max_pending_output_bytes is not None:
             kw["max_pending_output_bytes"] = self.max_pending_output_bytes
+        kw["execute_timeout_s"] = self.execute_timeout_s
         async_output = platform_async_output if self.async_output is None else self.async_output
         settings = RunnerSettings(model=self.model, dtype=self.dtype,
                                   torch_threads=self.torch_threads,
@@ -211,7 +218,8 @@ class EngineConfig:
         b = self.max_pending_output_bytes
         if b is not None and (not _is_int(b) or b <= 0):
             raise EngineConfigError("max_pending_output_bytes", f"must be None or an int > 0, got {b!r}")
-        for name in ("unread_output_timeout_s", "max_request_cost", "request_timeout_s"):
+        for name in ("unread_output_timeout_s", "max_request_cost", "request_timeout_s",
+                     "execute_timeout_s"):
             v = getattr(self, name)
             if v is not None and (not _is_number(v) or v <= 0):
                 raise EngineConfigError(name, f"must be None or a number > 0, got {v!r}")

@@ -123,6 +123,8 @@ class PipelineRunner:
         #: text-encoding counters already reported to the engine.
         self._reported = self.pipeline.text_encoder_stats()
         self.states: dict[str, StepRequestState] = {}
+        # progress from inside a forward reaches the executor's watchdog
+        self.pipeline.step_hook = lambda: self.heartbeat()
         logger.info("rank %d: runner ready for %s on %s", rank, settings.model, device)
 
     def handle(self, request: ExecuteBatch | ExecuteStep | CountStepStates) -> Any:
@@ -147,6 +149,10 @@ class PipelineRunner:
             self.platform.event_synchronize(event)
         elif self.platform.device_type != "cpu":
             self.platform.synchronize()
+
+    def heartbeat(self) -> None:
+        """Replaced by the runtime's worker with one that tells the executor
+        this worker made progress (``WorkerCore``); a no-op until then."""
 
     def _failed(self, exc: BaseException) -> str:
         """The error a request gets for ``exc``; after an out-of-memory error the

@@ -30,6 +30,7 @@ class AsyncOutputKind(str, enum.Enum):
     COMPUTE_DONE = "compute_done"  # forward finished; the worker takes the next request
     OUTPUT_READY = "output_ready"  # outputs are in shared memory, ready to read
     OUTPUT_PENDING = "output_pending"  # outputs wait for arena room (a slow consumer)
+    HEARTBEAT = "heartbeat"        # the runner made progress inside a long execute
 
 
 #: msgpack's nil: an empty reply.
@@ -136,7 +137,18 @@ class OutputPending(ResultMsg, tag=AsyncOutputKind.OUTPUT_PENDING.value):
     output_ids: list[str] = []
 
 
-ResultUnion = RpcResult | ComputeDone | OutputReady | OutputPending
+class Heartbeat(ResultMsg, tag=AsyncOutputKind.HEARTBEAT.value):
+    """A sign of progress from inside an execute call (one per denoise step,
+    at most one per ``HEARTBEAT_MIN_S``): the watchdog then tells a long
+    request-mode forward from a hung one."""
+
+    rank: int
+
+
+#: the least time between two heartbeats of a rank.
+HEARTBEAT_MIN_S = 0.5
+
+ResultUnion = RpcResult | ComputeDone | OutputReady | OutputPending | Heartbeat
 
 
 # -- free channel ------------------------------------------------------------------

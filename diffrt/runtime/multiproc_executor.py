@@ -172,6 +172,12 @@ class MultiprocExecutor(PumpedExecutor):
     def _workers_alive(self) -> bool:
         return all(p.popen.poll() is None for p in self._procs)
 
+    def _kill_workers(self) -> bool:
+        for proc in self._procs:
+            if proc.popen.poll() is None:
+                proc.popen.kill()  # SIGKILL: also ends a stopped (SIGSTOP) process
+        return True
+
     def _stop_workers(self) -> None:
         for proc in self._procs:
             try:

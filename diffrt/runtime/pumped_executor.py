@@ -53,6 +53,11 @@ class PumpedExecutor(Executor):
         self.arena = Arena.create(config.max_pending_output_bytes)
         self.router: ResultRouter  # set by _make_router once the free channel exists
         self._pump_thread: threading.Thread | None = None
+        # The watchdog's view: execute calls in flight and the last sign of
+        # progress (any message from a worker, or the start of a call).
+        self._executing = 0
+        self._last_progress = time.monotonic()
+        self._exec_lock = threading.Lock()
 
     def _make_router(self, send_free: Callable[[FreeSlots], None]) -> ResultRouter:
         replies = msgspec.msgpack.Decoder(self.protocol.replies)
@@ -74,6 +79,12 @@ class PumpedExecutor(Executor):
 
     @abstractmethod
     def _workers_alive(self) -> bool: ...
+
+    def _kill_workers(self) -> bool:
+        """Kill every worker at once (a hang); False when this executor cannot
+        (the in-process one runs its worker on a thread), which leaves
+        ``execute_timeout_s`` unenforced."""
+        return False
 
     # -- start-up -------------------------------------------------------------------
     def _init_messages(self, dist_init_method: str | None) -> tuple[int, concurrent.futures.Future, list[bytes]]:
@@ -105,10 +116,12 @@ class PumpedExecutor(Executor):
         try:
             while not self._stopping.is_set():
                 for data in self._poll_results(PUMP_POLL_S):
+                    self._last_progress = time.monotonic()
                     self.router.on_message(result_decoder.decode(data))
                 now = time.monotonic()
                 if now >= next_expire:
                     self.router.expire(now)
+                    self._watch(now)
                     next_expire = now + EXPIRE_EVERY_S
         except WorkerDied as exc:
             if not self._stopping.is_set():
@@ -117,6 +130,22 @@ class PumpedExecutor(Executor):
         except BaseException as exc:  # a dead pump must never look healthy
             logger.exception("result pump died")
             self.router.fail_all(ExecutorDeadError(f"result pump died: {type(exc).__name__}: {exc}"))
+
+    def _watch(self, now: float) -> None:
+        """The hang watchdog: an execute call without progress for longer than
+        ``execute_timeout_s`` kills the workers and fails everything."""
+        limit = self.config.execute_timeout_s
+        if limit is None or not self._executing or self.router.dead is not None:
+            return
+        idle = now - self._last_progress
+        if idle <= limit:
+            return
+        if not self._kill_workers():
+            return
+        message = (f"worker hung: no progress for {idle:.0f} s "
+                   f"(execute_timeout_s={limit:g}); its processes were killed")
+        logger.error("%s", message)
+        self.router.fail_all(ExecutorDeadError(message))
 
     # -- Executor API ------------------------------------------------------------------------
     def _call(self, kind: RpcKind, request: Any, timeout: float | None) -> Any:
@@ -136,7 +165,14 @@ class PumpedExecutor(Executor):
         return self.router.wait_rpc(rpc_id, fut, timeout)
 
     def execute(self, request: Any, timeout: float | None = None) -> RunnerOutput:
-        return self._call(RpcKind.EXECUTE, request, timeout)
+        with self._exec_lock:
+            self._executing += 1
+            self._last_progress = time.monotonic()  # the clock starts with the call
+        try:
+            return self._call(RpcKind.EXECUTE, request, timeout)
+        finally:
+            with self._exec_lock:
+                self._executing -= 1
 
     def collective_rpc(self, request: Any, timeout: float | None = None) -> list[Any]:
         return self._call(RpcKind.COLLECTIVE, request, timeout)

@@ -53,6 +53,7 @@ from diffrt.runtime.messages import (
     PENDING_NOTICE_S,
     ComputeDone,
     FreeSlots,
+    Heartbeat,
     OutputPending,
     OutputReady,
     RpcKind,
@@ -336,6 +337,8 @@ class ResultRouter:
                 self._on_output_ready(msg)
             case RpcResult():
                 self._on_rpc_result(msg)
+            case Heartbeat():
+                pass  # a sign of life: the pump noted it
             case OutputPending():
                 with self._lock:
                     now = time.monotonic()

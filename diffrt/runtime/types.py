@@ -164,6 +164,10 @@ class ExecutorConfig:
     startup_timeout_s: float = 300.0
     #: seconds shutdown waits for a polite exit before terminate, then kill.
     shutdown_grace_s: float = 5.0
+    #: seconds an execute call may go without a sign of progress (a reply, an
+    #: output, a heartbeat) before its workers are declared hung and killed;
+    #: None: never. Only an executor that can kill its workers enforces it.
+    execute_timeout_s: float | None = None
     #: extra environment for spawned workers (mp backend).
     worker_env: dict[str, str] = field(default_factory=dict)
 
@@ -177,5 +181,7 @@ class ExecutorConfig:
         if self.max_pending_output_bytes < 4096:
             raise ValueError(
                 f"max_pending_output_bytes must be >= 4096, got {self.max_pending_output_bytes}")
+        if self.execute_timeout_s is not None and not self.execute_timeout_s > 0:
+            raise ValueError(f"execute_timeout_s must be > 0 or None, got {self.execute_timeout_s}")
         if self.output_queue_depth < 1:
             raise ValueError(f"output_queue_depth must be >= 1, got {self.output_queue_depth}")

@@ -19,7 +19,9 @@ import msgspec
 
 from diffrt import tracing
 from diffrt.runtime.messages import (
+    HEARTBEAT_MIN_S,
     ComputeDone,
+    Heartbeat,
     InitWorker,
     Rpc,
     RpcKind,
@@ -75,6 +77,10 @@ class WorkerCore:
         self._requests = msgspec.msgpack.Decoder(protocol.requests)
         settings = msgspec.msgpack.decode(init.runner_settings, type=protocol.settings)
         self.runner = cls(settings, rank=init.rank, world_size=init.world_size, platform=platform)
+        # A runner may call ``heartbeat()`` from inside a long execute (one per
+        # denoise step): the executor's watchdog counts it as progress.
+        self.runner.heartbeat = self._heartbeat
+        self._last_heartbeat = 0.0
         self.writer: OutputWriter | None = None
         if self.rank == OUTPUT_RANK:
             if arena is None or free_source is None:
@@ -82,6 +88,12 @@ class WorkerCore:
             self.writer = OutputWriter(platform, arena, free_source, send, rank=self.rank,
                                        queue_depth=init.output_queue_depth,
                                        async_output=init.async_output)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat >= HEARTBEAT_MIN_S:
+            self._last_heartbeat = now
+            self._send(Heartbeat(self.rank))
 
     def handle(self, rpc: Rpc) -> None:
         if rpc.kind == RpcKind.COLLECTIVE:

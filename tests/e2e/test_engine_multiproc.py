@@ -36,9 +36,9 @@ sys.path.insert(0, str(ENGINE_TESTS))
 import engine_toy  # noqa: E402,F401  (registers "toy" here too: the engine validates requests)
 
 
-def toy_req(prompt: str) -> DiffusionRequest:
+def toy_req(prompt: str, steps: int = 2) -> DiffusionRequest:
     return DiffusionRequest(prompt=prompt, sampling_params=SamplingParams(
-        height=16, width=16, num_inference_steps=2, seed=0))
+        height=16, width=16, num_inference_steps=steps, seed=0))
 
 
 def alive(pid: int) -> bool:
@@ -124,3 +124,35 @@ def test_request_mode_error_mapping_and_worker_death():
     finally:
         engine.close()
 
+
+
+def test_the_watchdog_kills_a_hung_worker_not_a_long_forward():
+    """execute_timeout_s bounds the time without progress, not a forward's
+    length: a request-mode forward longer than the limit that reports its
+    steps runs to its end; a worker stopped mid-forward (SIGSTOP) is declared
+    hung, killed, and its request fails saying so; close() then returns at once."""
+    engine = DiffusionEngine.make_engine(EngineConfig(
+        model="toy", plugin_modules=["engine_toy"], execute_timeout_s=1.5, warmup=False,
+        executor_options={"worker_env": {"PYTHONPATH": str(ENGINE_TESTS)}}))
+    try:
+        long = engine.generate(toy_req("slowsteps", steps=6), timeout=60)  # 2.4 s in all
+        assert long.ok, long.error
+        [pid] = engine.executor.worker_pids
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(
+            engine.generate(toy_req("slowsteps", steps=20), timeout=60)))
+        t.start()
+        assert wait_until(lambda: engine.scheduler.num_running == 1)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGSTOP)  # no more heartbeats, nor anything else
+        start = time.monotonic()
+        t.join(30)
+        assert got and not got[0].ok and "worker hung" in got[0].error, got
+        assert "execute_timeout_s=1.5" in got[0].error
+        assert time.monotonic() - start < 10
+        assert wait_until(lambda: not engine.is_healthy())
+        assert wait_until(lambda: not alive(pid))
+    finally:
+        start = time.monotonic()
+        engine.close()
+        assert time.monotonic() - start < 10

@@ -8,13 +8,16 @@ pixel value = (seed * 7 + steps) % 200 / 100 - 1 before quantisation.
 Prompts steer faults: "fail" raises in forward / prepare_encode, "failstep"
 raises in denoise_step when that request is in the batch, "faildecode" in
 post_decode, "oom" raises torch.OutOfMemoryError in forward / denoise_step
-and "oom-batched" does so only when batched with another request, and "block:NAME"
+and "oom-batched" does so only when batched with another request, "slowsteps"
+runs its steps 0.4 s each in forward (reporting each, as a real forward does),
+and "block:NAME"
 waits (bounded) on ``gate(NAME)`` in forward or denoise_step.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 
 import torch
@@ -24,6 +27,7 @@ from diffrt.engine.pipelines.interface import DiffusionPipeline
 from diffrt.engine.postprocess import quantize_images
 
 BLOCK_TIMEOUT_S = 30.0
+SLOW_STEP_S = 0.4
 
 _gates: dict[str, threading.Event] = defaultdict(threading.Event)
 #: what ran, in order: ("forward" | "step" | "decode", [ids])
@@ -98,6 +102,10 @@ class ToyPipeline(DiffusionPipeline):
         _record("forward", ids)
         _maybe_oom([r.prompt for r in batch.requests])
         for r in batch.requests:
+            if r.prompt == "slowsteps":
+                for _ in range(r.sampling_params.num_inference_steps):
+                    time.sleep(SLOW_STEP_S)
+                    self.report_step()
             _maybe_block(r.prompt)
             if r.prompt == "fail":
                 raise RuntimeError(f"toy failure in {r.request_id}")

@@ -367,6 +367,7 @@ class FlowMatchPipeline(DiffusionPipeline):
                 latents, t.expand(latents.shape[0]), cond, guidance, params, scales
             )
             latents = noise_scheduler.step(pred, t, latents, return_dict=False)[0]
+            self.report_step()
         parts = self.finish(latents, params).split(n, dim=0)
         # Each request's tensor owns its storage: a view would carry (and, once
         # shared or pickled, ship) the whole batch's bytes.

@@ -92,6 +92,15 @@ class DiffusionPipeline(ABC):
 
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
+    #: set by the runner: called by ``report_step`` (a sign of progress for
+    #: the hang watchdog during a long request-style forward).
+    step_hook: Callable[[], None] | None = None
+
+    def report_step(self) -> None:
+        """Call once per denoise step inside ``forward``: a forward of many
+        steps is then not mistaken for a hung worker."""
+        if self.step_hook is not None:
+            self.step_hook()
 
     # -- construction (the registry calls these) -----------------------------
     @classmethod
