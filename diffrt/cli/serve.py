@@ -57,6 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="largest request body (default: %(default)s)")
     p.add_argument("--url-ttl", type=non_negative_float, default=600.0,
                    help='seconds a response_format="url" image is kept (default: %(default)s)')
+    p.add_argument("--no-restart", dest="restart_workers", action="store_false",
+                   help="do not replace workers that died or hung (by default fresh ones "
+                        "are started and /health turns 200 again)")
     add_engine_args(p, executor=None, mode="step")
     p.set_defaults(func=run)
 
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     # a client that stops reading its stream must not hold its image in shared
     # memory for ever: the arena is shared by every request
     settings.setdefault("unread_output_timeout_s", SERVE_UNREAD_OUTPUT_TIMEOUT_S)
+    settings["restart_workers"] = args.restart_workers
     config = EngineConfig(**settings)
     serve_settings = ServeSettings(
         model_name=args.served_model_name, api_key=args.api_key or None,

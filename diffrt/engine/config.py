@@ -103,6 +103,10 @@ class EngineConfig:
             workers are declared hung, killed, and every pending request
             fails; None disables. Enforced by the multiprocess executor only
             (the in-process one cannot kill its worker thread).
+        restart_workers: after the workers died or hung, fail only the
+            requests that were running, start fresh workers (3 attempts,
+            back-off from 1 s), warm them up and serve the waiting requests;
+            ``is_healthy()`` is False only while no worker serves.
         prompt_cache_bytes: prompt embeddings each worker keeps (LRU by bytes,
             keyed by prompt text per text encoder); 0 disables the cache.
         vae_tiling / vae_slicing: decode in overlapping tiles (large images) /
@@ -139,6 +143,7 @@ class EngineConfig:
     offload_text_encoders: bool = False
     request_timeout_s: float | None = 600.0
     execute_timeout_s: float | None = 300.0
+    restart_workers: bool = False
     plugin_modules: tuple[str, ...] = ()
     executor_options: dict[str, Any] = field(default_factory=dict)
 
@@ -223,7 +228,7 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not _is_number(v) or v <= 0):
                 raise EngineConfigError(name, f"must be None or a number > 0, got {v!r}")
-        for name in ("vae_tiling", "vae_slicing", "offload_text_encoders"):
+        for name in ("vae_tiling", "vae_slicing", "offload_text_encoders", "restart_workers"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.prompt_cache_bytes) or self.prompt_cache_bytes < 0:

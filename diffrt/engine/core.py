@@ -43,6 +43,12 @@ logger = logging.getLogger(__name__)
 
 #: How long the loop sleeps when the scheduler has work but returned no tick.
 IDLE_RETRY_S = 0.05
+#: With restarts on, how often an idle loop looks at the workers' health.
+RESTART_CHECK_S = 0.5
+#: The first wait after a failed restart attempt (doubling each time).
+RESTART_BACKOFF_S = 1.0
+#: ``_next_tick``'s answer when the workers died and fresh ones are to be started.
+_RESTART = object()
 
 
 @dataclass
@@ -72,7 +78,10 @@ class EngineCore:
 
     def __init__(self, mode: EngineMode, scheduler: Scheduler, executor: Executor, *,
                  on_tick: Callable[[TickResult], None], on_dead: Callable[[str], None],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 restart: Callable[[], Executor] | None = None,
+                 on_restart: Callable[[Executor], None] | None = None,
+                 restart_attempts: int = 3):
         self.mode = mode
         self.scheduler = scheduler
         self.executor = executor
@@ -82,6 +91,11 @@ class EngineCore:
         self._cond = threading.Condition()
         self._stopped = False
         self.dead_reason: str | None = None
+        #: builds fresh (warm) workers after the old ones died; None: no restart
+        self._restart = restart
+        self._on_restart = on_restart
+        self._restart_attempts = restart_attempts
+        self.restarts = 0
         self._thread = threading.Thread(target=self._loop, name="diffrt-engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -144,6 +158,10 @@ class EngineCore:
         tracing.process_name(tracing.ENGINE_PROCESS)
         try:
             while (tick := self._next_tick()) is not None:
+                if tick is _RESTART:
+                    if not self._restart_workers():
+                        return
+                    continue
                 result = self._run_tick(tick)
                 if result is None:
                     return
@@ -152,14 +170,18 @@ class EngineCore:
             logger.exception("engine loop crashed")
             self._die(f"engine loop crashed: {exc!r}")
 
-    def _next_tick(self) -> SchedulerOutput | None:
-        """Block until there is work (or the core stops); None means stop."""
+    def _next_tick(self) -> SchedulerOutput | object | None:
+        """Block until there is work (or the core stops); None means stop,
+        ``_RESTART`` that the workers died and fresh ones are to be started."""
         with self._cond:
             while True:
                 if self._stopped or self.dead_reason is not None:
                     return None
+                if self._restart is not None and not self.executor.is_healthy():
+                    return _RESTART
                 if not self.scheduler.has_work():
-                    self._cond.wait()
+                    # with restarts on, look at the workers' health now and then
+                    self._cond.wait(None if self._restart is None else RESTART_CHECK_S)
                     continue
                 now = self._clock()
                 wait = self.scheduler.admission_wait_s(now)
@@ -169,6 +191,43 @@ class EngineCore:
                         return tick
                     wait = IDLE_RETRY_S
                 self._cond.wait(wait)
+
+    def _restart_workers(self) -> bool:
+        """Fail the requests that were running (their state died with the
+        workers), start fresh workers (bounded attempts, with back-off) and
+        serve the waiting requests with them; False when it gave up."""
+        old = self.executor
+        with self._cond:
+            events = self.scheduler.fail_running("workers died; the request was running on them")
+        if events:
+            self._on_tick(TickResult(scheduled_ids=[], started_at=self._clock(), elapsed=0.0,
+                                     finished=events))
+        old.shutdown()
+        error = None
+        for attempt in range(1, self._restart_attempts + 1):
+            if self._stopped:
+                return False
+            logger.warning("workers died; starting fresh ones (attempt %d of %d)", attempt,
+                           self._restart_attempts)
+            try:
+                new = self._restart()  # type: ignore[misc]
+            except Exception as exc:
+                error = exc
+                logger.error("restart attempt %d failed: %s", attempt, exc)
+                time.sleep(min(RESTART_BACKOFF_S * 2 ** (attempt - 1), 30.0))
+                continue
+            with self._cond:
+                if self._stopped:
+                    new.shutdown()
+                    return False
+                self.executor = new
+                self.restarts += 1
+            if self._on_restart is not None:
+                self._on_restart(new)
+            logger.warning("fresh workers serving (restart %d)", self.restarts)
+            return True
+        self._die(f"executor died and {self._restart_attempts} restarts failed: {error}")
+        return False
 
     def _request(self, tick: SchedulerOutput) -> ExecuteBatch | ExecuteStep:
         if self.mode is EngineMode.STEP_BATCH:
@@ -190,8 +249,13 @@ class EngineCore:
             text_encoding = getattr(ro.reply, "text_encoding", None)
             preview_index = dict(getattr(ro.reply, "previews", {}))
         except ExecutorDeadError as exc:
-            self._die(f"executor died: {exc}")
-            return None
+            if self._restart is None:
+                self._die(f"executor died: {exc}")
+                return None
+            # this tick's requests (and any other running one) fail in
+            # _restart_workers, which the loop runs next
+            logger.error("executor died: %s", exc)
+            return TickResult(scheduled_ids=[], started_at=start, elapsed=self._clock() - start)
         except Exception as exc:  # the runner raised: this tick's requests fail
             logger.error("%s failed: %s", type(request).__name__, exc)
             result = ExecutionResult(failed_all=f"{type(exc).__name__}: {exc}")

@@ -43,6 +43,7 @@ from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
 from diffrt.engine.pipelines.registry import get_post_process_func, get_pre_process_func
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.runner_messages import ExecuteBatch
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 from diffrt.engine.sched import (
     AbortOutcome,
@@ -91,7 +92,9 @@ class DiffusionEngine:
             unread_output_timeout_s=config.unread_output_timeout_s, clock=clock)
         self._core = EngineCore(
             self.mode, scheduler or self._make_scheduler(), executor,
-            on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock)
+            on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock,
+            restart=self._fresh_executor if config.restart_workers else None,
+            on_restart=self.output_processor.use_executor)
         self._closed = False
         self._close_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -143,15 +146,35 @@ class DiffusionEngine:
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=wait_ms / 1000.0,
                                 key=self._pipeline_cls.request_batch_key)
 
-    def _warmup(self) -> None:
+    def _warmup_request(self) -> DiffusionRequest:
+        """A one-step request of about 64 px: loads kernels, allocates buffers."""
         multiple = int(getattr(self._pipeline_cls, "size_multiple", 16))
         largest = int(getattr(self._pipeline_cls, "max_size", 4096)) // multiple * multiple
         size = max(multiple, min(multiple * -(-64 // multiple), largest))  # ~64 px
-        request = DiffusionRequest(
+        return DiffusionRequest(
             prompt="warm-up", request_id=f"warmup-{uuid.uuid4().hex[:8]}",
             sampling_params=SamplingParams(height=size, width=size, num_inference_steps=1,
-                                           seed=0),
-        )
+                                           seed=0, guidance_scale=1.0))
+
+    def _fresh_executor(self) -> Executor:
+        """New workers for a restart, warmed up by one request run on them
+        directly (its output is dropped); the core swaps them in."""
+        from diffrt.platforms import current_platform
+
+        executor = make_executor(self.config.executor_backend, self.config.executor_config(
+            platform_async_output=bool(current_platform.supports_async_output)))
+        try:
+            out = executor.execute(ExecuteBatch(requests=[self._warmup_request()]),
+                                   timeout=self.config.warmup_timeout_s)
+            for oid in out.output_ids.values():
+                executor.release_output(oid)
+        except BaseException:
+            executor.shutdown()
+            raise
+        return executor
+
+    def _warmup(self) -> None:
+        request = self._warmup_request()
         start = time.monotonic()
         try:
             out = self.generate(request, timeout=self.config.warmup_timeout_s)
@@ -289,7 +312,7 @@ class DiffusionEngine:
         return self.output_processor.stats.snapshot(
             waiting=waiting, running=running,
             pending_output_bytes=self.output_processor.unread_bytes(),
-            healthy=self.is_healthy())
+            healthy=self.is_healthy(), worker_restarts=self._core.restarts)
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,

@@ -76,6 +76,11 @@ class OutputProcessor:
                                           name="diffrt-engine-delivery", daemon=True)
         self._delivery.start()
 
+    def use_executor(self, executor: Executor) -> None:
+        """Fresh workers replaced dead ones (``restart_workers``): outputs of new
+        ticks come from them. Outputs of the old ones failed with them."""
+        self._executor = executor
+
     # -- requests in ---------------------------------------------------------------
     def add(self, records: list[RequestRecord], loop: asyncio.AbstractEventLoop | None,
             inbox: queue.SimpleQueue | None = None) -> list[OutputStream]:

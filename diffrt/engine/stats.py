@@ -64,6 +64,8 @@ class EngineStats:
     #: bytes of finished outputs waiting for their consumers.
     pending_output_bytes: int = 0
     healthy: bool = True
+    #: times fresh workers replaced dead or hung ones (``restart_workers``)
+    worker_restarts: int = 0
 
 
 def classify(output: DiffusionOutput) -> str:
@@ -127,7 +129,7 @@ class StatsRecorder:
                 self._output_wait.observe(m.output_wait)
 
     def snapshot(self, *, waiting: int, running: int, pending_output_bytes: int,
-                 healthy: bool) -> EngineStats:
+                 healthy: bool, worker_restarts: int = 0) -> EngineStats:
         with self._lock:
             return EngineStats(
                 requests_waiting=waiting, requests_running=running,
@@ -137,4 +139,5 @@ class StatsRecorder:
                 step_time_s=self._step.snapshot(),
                 output_wait_s=self._output_wait.snapshot(),
                 text_encoding=self._text,
-                pending_output_bytes=pending_output_bytes, healthy=healthy)
+                pending_output_bytes=pending_output_bytes, healthy=healthy,
+                worker_restarts=worker_restarts)

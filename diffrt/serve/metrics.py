@@ -72,6 +72,8 @@ class EngineCollector(Collector):
                                 value=stats.pending_output_bytes)
         yield GaugeMetricFamily("diffrt_engine_healthy", "1 while the engine is healthy",
                                 value=1.0 if stats.healthy else 0.0)
+        yield CounterMetricFamily("diffrt_worker_restarts", "Times fresh workers replaced "
+                                  "dead or hung ones", value=stats.worker_restarts)
 
 
 class ServerMetrics:

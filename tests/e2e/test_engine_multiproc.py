@@ -156,3 +156,32 @@ def test_the_watchdog_kills_a_hung_worker_not_a_long_forward():
         start = time.monotonic()
         engine.close()
         assert time.monotonic() - start < 10
+
+
+def test_restart_workers_replaces_a_dead_worker():
+    """With restart_workers: the request running on a killed worker fails, a
+    waiting one is served by the fresh worker, and so is everything after."""
+    engine = DiffusionEngine.make_engine(EngineConfig(
+        model="toy", plugin_modules=["engine_toy"], restart_workers=True, warmup=False,
+        executor_options={"worker_env": {"PYTHONPATH": str(ENGINE_TESTS)}}))
+    try:
+        [pid] = engine.executor.worker_pids
+        got: list = []
+        running, waiting = toy_req("slowsteps", steps=20), toy_req("after")
+        t = threading.Thread(target=lambda: got.extend(
+            engine.generate([running, waiting], timeout=120)))
+        t.start()
+        assert wait_until(lambda: engine.scheduler.num_running == 1
+                          and engine.scheduler.num_waiting == 1)
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not engine.is_healthy(), timeout=10)
+        t.join(90)
+        assert got and not got[0].ok and "workers died" in got[0].error
+        assert got[1].ok, got[1].error  # it waited, then ran on the fresh worker
+        assert wait_until(engine.is_healthy, timeout=60)
+        [fresh] = engine.executor.worker_pids
+        assert fresh != pid and not alive(pid)
+        assert engine.generate(toy_req("later"), timeout=60).ok
+        assert engine.stats().worker_restarts == 1
+    finally:
+        engine.close()

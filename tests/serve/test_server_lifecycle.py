@@ -1,7 +1,7 @@
 """A real ``diffrt serve`` process under overload, SIGTERM and a dead worker:
 429 with Retry-After, a drain that lets requests in flight finish and exits 0
-leaving no worker and no arena, and a killed worker answered with errors and
-/health 503, never a hang."""
+leaving no worker and no arena, and a killed worker answered with an error,
+/health 503 until fresh workers serve — never a hang."""
 
 from __future__ import annotations
 
@@ -72,7 +72,10 @@ def test_overload_then_a_drain_on_sigterm():
         server.stop()
 
 
-def test_a_killed_worker_fails_requests_and_health():
+def test_a_killed_worker_fails_its_request_and_is_replaced():
+    """The request running on a SIGKILLed worker answers 503 (never a hang);
+    /health is 503 until fresh workers serve, then 200, and requests succeed
+    again (``diffrt serve`` restarts workers by default)."""
     server = ServerProcess("--max-num-seqs", "2").wait_ready()
     try:
         [worker] = children(server.proc.pid)
@@ -93,10 +96,14 @@ def test_a_killed_worker_fails_requests_and_health():
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "engine_down"
         assert took < 30  # an error, not a hang
-        assert _status(server.url, "/health") == 503
-        assert _status(server.url, "/ready") == 503
-        late = httpx.post(f"{server.url}{GEN}", json={"prompt": "x"}, timeout=10)
-        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_down"
+        assert _status(server.url, "/health") == 503  # fresh workers are still starting
+        assert wait_until(lambda: _status(server.url, "/health") == 200, timeout=120)
+        assert _status(server.url, "/ready") == 200
+        [fresh] = children(server.proc.pid)
+        assert fresh != worker
+        late = httpx.post(f"{server.url}{GEN}", json={"prompt": "x", "size": "32x32"}, timeout=60)
+        assert late.status_code == 200, late.text
+        assert "diffrt_worker_restarts_total 1.0" in httpx.get(f"{server.url}/metrics").text
     finally:
         code = server.stop()
     assert code == 0

@@ -73,6 +73,12 @@ class BaseScheduler(Scheduler):
             self._on_running_aborted(sr)
         return AbortOutcome.DONE, self._finish(sr, RequestStatus.ABORTED)
 
+    def fail_running(self, error: str) -> list[Finished]:
+        events = [self._finish(sr, RequestStatus.FAILED, error=error) for sr in self._running]
+        self._running.clear()
+        self._in_flight.clear()
+        return events
+
     def fail_all(self, error: str) -> list[Finished]:
         events = [self._finish(sr, RequestStatus.FAILED, error=error)
                   for sr in list(self._requests.values())]

@@ -106,6 +106,11 @@ class Scheduler(ABC):
     def abort(self, request_id: str) -> tuple[AbortOutcome, Finished | None]: ...
 
     @abstractmethod
+    def fail_running(self, error: str) -> list[Finished]:
+        """End the requests in a batch (their state died with a worker); the
+        waiting ones stay queued for the next workers."""
+
+    @abstractmethod
     def fail_all(self, error: str) -> list[Finished]:
         """Executor gone: every request leaves the scheduler as failed."""
 

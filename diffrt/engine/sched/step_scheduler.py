@@ -92,3 +92,7 @@ class StepScheduler(BaseScheduler):
     def fail_all(self, error: str):
         self._pending_drops.clear()
         return super().fail_all(error)
+
+    def fail_running(self, error: str):
+        self._pending_drops.clear()  # the states to drop died with the worker
+        return super().fail_running(error)
