@@ -9,10 +9,12 @@ chosen platform is imported later, by the platform itself.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -44,30 +46,55 @@ def _nvml_style_count(name: str) -> int:
         return -1
 
 
+#: seconds the subprocess device count may take (it initialises the driver)
+SUBPROCESS_PROBE_TIMEOUT_S = 60.0
+
+
+@functools.lru_cache(maxsize=1)
+def subprocess_device_count() -> int:
+    """``torch.cuda.device_count()`` in a short-lived child process (the driver
+    is initialised there, never in this process, so fork stays safe); -1 when
+    the child fails or times out."""
+    code = "import torch; print(torch.cuda.device_count())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=SUBPROCESS_PROBE_TIMEOUT_S, check=True)
+        return int(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as exc:
+        logger.warning("the subprocess device count failed: %s", exc)
+        return -1
+
+
+def _count_or_probe(library: str, name: str) -> int:
+    """The management library's count; when that library is unusable, a count
+    from a subprocess, with a warning naming the library that failed (a GPU
+    machine must not be served on CPU in silence)."""
+    count = _nvml_style_count(name)
+    if count >= 0:
+        return count
+    count = subprocess_device_count()
+    logger.warning("%s is unusable here; a subprocess counted %d device(s)", library,
+                   max(count, 0))
+    return count
+
+
 def detect_cuda() -> str | None:
-    """NVIDIA GPUs: a CUDA build of torch and NVML counting at least one device."""
+    """NVIDIA GPUs: a CUDA build of torch and NVML counting at least one device
+    (NVML unusable: a count from a subprocess; Jetson has no NVML)."""
     if getattr(torch.version, "cuda", None) is None or getattr(torch.version, "hip", None):
         return None
-    count = _nvml_style_count("_device_count_nvml")
-    if count > 0:
-        return CUDA
-    if count < 0 and os.path.exists("/etc/nv_tegra_release"):
+    if os.path.exists("/etc/nv_tegra_release") and _nvml_style_count("_device_count_nvml") < 0:
         return CUDA  # Jetson has no NVML
-    if count < 0:
-        logger.debug("CUDA build but NVML is unusable; set DIFFRT_PLATFORM=cuda to force")
-    return None
+    return CUDA if _count_or_probe("NVML", "_device_count_nvml") > 0 else None
 
 
 def detect_rocm() -> str | None:
     """AMD GPUs: a HIP build of torch (build-time fact) and a GPU present."""
     if not getattr(torch.version, "hip", None):
         return None
-    count = _nvml_style_count("_device_count_amdsmi")
-    if count > 0:
-        return ROCM
-    if count < 0 and os.path.exists("/dev/kfd"):
+    if _nvml_style_count("_device_count_amdsmi") < 0 and os.path.exists("/dev/kfd"):
         return ROCM  # amdsmi not installed: the kernel driver node says a GPU is there
-    return None
+    return ROCM if _count_or_probe("amdsmi", "_device_count_amdsmi") > 0 else None
 
 
 def _vendor_available(package: str, attr: str) -> bool:

@@ -37,6 +37,16 @@ class Platform:
     device_type: ClassVar[str] = "cpu"
     dist_backend: ClassVar[str] = "gloo"
     device_control_env_var: ClassVar[str | None] = None
+    #: every variable that narrows the visible devices, innermost first: a
+    #: worker is pinned through the first one the caller set (its indices are
+    #: the caller's), else through ``device_control_env_var``. Empty: just that one.
+    device_control_env_vars: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def visibility_vars(cls) -> tuple[str, ...]:
+        if cls.device_control_env_vars:
+            return cls.device_control_env_vars
+        return (cls.device_control_env_var,) if cls.device_control_env_var else ()
     #: True when outputs may be copied off the device by a background thread.
     supports_async_output: ClassVar[bool] = False
 

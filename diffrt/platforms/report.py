@@ -89,6 +89,7 @@ def platform_report() -> dict[str, Any]:
         "device_type": p.device_type,
         "dist_backend": p.dist_backend,
         "device_control_env_var": p.device_control_env_var,
+        "device_control_env_vars": ",".join(p.visibility_vars()) or None,
         "class_path": choice.class_path,
         "chosen_by": choice.how,
         "reason": choice.reason,

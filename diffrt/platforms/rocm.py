@@ -7,6 +7,10 @@ from diffrt.platforms.cuda import CudaPlatform
 
 class RocmPlatform(CudaPlatform):
     name = "rocm"
-    # RCCL answers to the "nccl" backend name; HIP honours CUDA_VISIBLE_DEVICES.
+    # RCCL answers to the "nccl" backend name.
     dist_backend = "nccl"
-    device_control_env_var = "CUDA_VISIBLE_DEVICES"
+    device_control_env_var = "HIP_VISIBLE_DEVICES"
+    # ROCR_VISIBLE_DEVICES filters in the ROCm runtime; HIP_VISIBLE_DEVICES (or
+    # its alias CUDA_VISIBLE_DEVICES) then indexes what is left.
+    device_control_env_vars = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+                               "ROCR_VISIBLE_DEVICES")

@@ -37,10 +37,15 @@ def worker_device_env(platform: Any, rank: int, world_size: int,
                       environ: Mapping[str, str]) -> dict[str, str]:
     """Pin rank ``rank`` to one device through the vendor's visibility variable
     (e.g. CUDA_VISIBLE_DEVICES), so its compute stream and its output thread's
-    side stream live on the same, right device (index 0 inside the worker)."""
-    var = getattr(platform, "device_control_env_var", None)
-    if world_size <= 1 or not var or platform.device_type == "cpu":
+    side stream live on the same, right device (index 0 inside the worker). A
+    platform with several such variables (ROCm: HIP_, CUDA_, ROCR_VISIBLE_DEVICES)
+    is pinned through the innermost one the caller set, whose indices are the
+    caller's."""
+    names = platform.visibility_vars() if hasattr(platform, "visibility_vars") else \
+        tuple(v for v in [getattr(platform, "device_control_env_var", None)] if v)
+    if world_size <= 1 or not names or platform.device_type == "cpu":
         return {}
+    var = next((n for n in names if environ.get(n)), names[0])
     visible = environ.get(var)
     ids = [v for v in visible.split(",") if v.strip()] if visible else \
         [str(i) for i in range(platform.device_count())]

@@ -40,11 +40,13 @@ def import_spy(monkeypatch):
     return imported
 
 
-def set_build(monkeypatch, cuda=None, hip=None, nvml=-1, amdsmi=-1):
+def set_build(monkeypatch, cuda=None, hip=None, nvml=-1, amdsmi=-1, child=-1):
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: nvml)
     monkeypatch.setattr(torch.cuda, "_device_count_amdsmi", lambda: amdsmi)
+    # the count a short-lived child process would report
+    monkeypatch.setattr(detect, "subprocess_device_count", lambda: child)
 
 
 def test_cpu_machine_has_no_accelerator_and_imports_nothing(import_spy, no_device_init):
@@ -61,15 +63,44 @@ def test_cpu_machine_has_no_accelerator_and_imports_nothing(import_spy, no_devic
     [
         (dict(cuda="12.8", nvml=2), detect.CUDA),
         (dict(cuda="12.8", nvml=0), None),  # NVML works, no GPU
-        (dict(cuda="12.8", nvml=-1), None),  # NVML unusable, not a Jetson
+        (dict(cuda="12.8", nvml=-1, child=-1), None),  # NVML unusable, the child failed
+        (dict(cuda="12.8", nvml=-1, child=0), None),  # NVML unusable, no GPU
+        (dict(cuda="12.8", nvml=-1, child=2), detect.CUDA),  # NVML unusable, GPUs there
         (dict(cuda=None, nvml=2), None),  # CPU build
     ],
 )
-def test_detect_cuda_uses_nvml_only(monkeypatch, no_device_init, build, expected):
+def test_detect_cuda_never_initialises_the_driver_here(monkeypatch, no_device_init, caplog,
+                                                       build, expected):
+    """NVML counts; when NVML is unusable a child process counts (the driver is
+    initialised there, not here), with a warning naming NVML."""
     set_build(monkeypatch, **build)
     monkeypatch.setattr(detect.os.path, "exists", lambda p: False)
     assert detect.detect_cuda() == expected
     assert detect.detect_rocm() is None
+    if build.get("nvml", 0) < 0 and build["cuda"]:
+        assert "NVML is unusable here" in caplog.text
+
+
+def test_the_subprocess_count_runs_in_a_child(monkeypatch):
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return detect.subprocess.CompletedProcess(cmd, 0, stdout="3\n", stderr="")
+
+    monkeypatch.setattr(detect.subprocess, "run", fake_run)
+    detect.subprocess_device_count.cache_clear()  # counted once per process
+    assert detect.subprocess_device_count() == 3
+    assert detect.subprocess_device_count() == 3 and len(calls) == 1
+    assert calls[0][0] == sys.executable and "device_count" in calls[0][-1]
+
+    def failing(cmd, **kw):
+        raise detect.subprocess.TimeoutExpired(cmd, 60)
+
+    monkeypatch.setattr(detect.subprocess, "run", failing)
+    detect.subprocess_device_count.cache_clear()
+    assert detect.subprocess_device_count() == -1
+    detect.subprocess_device_count.cache_clear()
 
 
 def test_detect_rocm_from_hip_build(monkeypatch, no_device_init):
@@ -80,6 +111,9 @@ def test_detect_rocm_from_hip_build(monkeypatch, no_device_init):
     assert detect.detect_rocm() is None
     set_build(monkeypatch, hip="6.2.4", amdsmi=-1)  # no amdsmi: fall back to /dev/kfd
     monkeypatch.setattr(detect.os.path, "exists", lambda p: p == "/dev/kfd")
+    assert detect.detect_rocm() == detect.ROCM
+    set_build(monkeypatch, hip="6.2.4", amdsmi=-1, child=2)  # no amdsmi, no /dev/kfd: a child
+    monkeypatch.setattr(detect.os.path, "exists", lambda p: False)
     assert detect.detect_rocm() == detect.ROCM
 
 

@@ -214,6 +214,21 @@ def test_each_rank_is_pinned_to_its_own_device():
     assert worker_device_env(gpu, 1, 2, {"CUDA_VISIBLE_DEVICES": "5,7"}) == \
         {"CUDA_VISIBLE_DEVICES": "7"}
     assert worker_device_env(gpu, 0, 1, {}) == {}  # one rank keeps the caller's view
+    from diffrt.platforms.rocm import RocmPlatform
+
+    class FakeRocm(RocmPlatform):
+        def device_count(self) -> int:
+            return 4
+
+    rocm = FakeRocm()
+    assert worker_device_env(rocm, 1, 2, {}) == {"HIP_VISIBLE_DEVICES": "1"}
+    # the caller narrowed with ROCR_VISIBLE_DEVICES only: pinned through it
+    assert worker_device_env(rocm, 1, 2, {"ROCR_VISIBLE_DEVICES": "2,3"}) == \
+        {"ROCR_VISIBLE_DEVICES": "3"}
+    # HIP indexes inside ROCR's selection: the innermost the caller set wins
+    assert worker_device_env(rocm, 0, 2, {"ROCR_VISIBLE_DEVICES": "2,3",
+                                          "HIP_VISIBLE_DEVICES": "1,0"}) == \
+        {"HIP_VISIBLE_DEVICES": "1"}
     from diffrt.platforms.cpu import CpuPlatform
 
     assert worker_device_env(CpuPlatform(), 1, 2, {}) == {}
