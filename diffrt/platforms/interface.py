@@ -114,6 +114,17 @@ class Platform:
     def pinned_memory_available(self) -> bool:
         return False
 
+    def register_host_memory(self, tensor: torch.Tensor) -> Any | None:
+        """Page-lock existing host memory (the output arena) so a device-to-host
+        copy into it is a real asynchronous DMA; returns a handle for
+        ``unregister_host_memory``, or None where the platform cannot (copies
+        into that memory are then staged by the driver and block the issuing
+        thread on CUDA-like devices)."""
+        return None
+
+    def unregister_host_memory(self, handle: Any) -> None:
+        """Undo ``register_host_memory`` (the memory stays valid)."""
+
     def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host buffer, or ordinary host memory where pinning is impossible."""
         if self.pinned_memory_available():

@@ -75,6 +75,18 @@ class OutputWriter:
         self._pack_lock = threading.Lock()  # the allocator is used by one packer at a time
         self._side_stream: Any = None
         self._queue: queue.Queue[tuple | None] = queue.Queue(maxsize=queue_depth)
+        # The arena page-locked where the platform can: a device-to-host copy
+        # into pageable memory is staged by the driver and blocks the issuing
+        # thread, which is not the asynchronous copy this writer is for.
+        self._registration = None
+        if not self._host_outputs:
+            self._registration = platform.register_host_memory(arena.bytes_view(0, arena.size))
+        #: how outputs reach host memory: "host" (cpu), "page-locked" or "pageable"
+        self.host_path = "host" if self._host_outputs else (
+            "page-locked" if self._registration is not None else "pageable")
+        if self.host_path == "pageable":
+            logger.info("%s cannot page-lock the output arena: device-to-host copies go "
+                        "to pageable memory", platform.name)
         self._thread = threading.Thread(target=self._run, name=f"diffrt-output-{rank}", daemon=True)
         self._thread.start()
 
@@ -108,6 +120,10 @@ class OutputWriter:
         except queue.Full:
             pass
         self._thread.join(timeout)
+        if self._registration is not None and not self._thread.is_alive():
+            # only once no copy can still be landing in it
+            self.platform.unregister_host_memory(self._registration)
+            self._registration = None
 
     # -- output thread ---------------------------------------------------------------
     def _run(self) -> None:

@@ -31,7 +31,7 @@ def test_report_of_an_async_platform():
     assert report["platform"] == "simdevice" and report["chosen_by"] == "explicit"
     caps = report["capabilities"]
     assert caps["events"] and caps["side_streams"] and caps["async_output"]
-    assert not caps["pinned_memory"]
+    assert caps["pinned_memory"]  # simulated: registered ordinary memory
 
 
 def test_report_names_failing_capabilities(device_module_factory, monkeypatch):
@@ -55,3 +55,17 @@ def test_report_names_failing_capabilities(device_module_factory, monkeypatch):
     caps = platform_report()["capabilities"]
     assert caps["events"] is True and caps["side_streams"] is False
     assert "driver says no" in caps["errors"]["side_streams"]
+
+
+def test_the_output_path_each_platform_takes():
+    from diffrt_simdevice.platform import SimDevicePlatform
+
+    from diffrt.platforms.cpu import CpuPlatform
+    from diffrt.platforms.cuda import CudaPlatform
+    from diffrt.platforms.npu import NpuPlatform
+    from diffrt.platforms.report import output_path
+
+    assert output_path(CpuPlatform()) == "host"
+    assert output_path(CudaPlatform()) == "page-locked"  # cudaHostRegister
+    assert output_path(NpuPlatform()) == "pageable"  # not wired yet: said, not hidden
+    assert output_path(SimDevicePlatform(copy_delay_s=0.0)) == "page-locked"

@@ -22,6 +22,12 @@ def sim():
     platform.synchronize()
 
 
+def locked(sim, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, page-locked: copies into it are asynchronous."""
+    sim.register_host_memory(tensor)
+    return tensor
+
+
 def gate(sim, stream=None) -> threading.Event:
     """Stall ``stream`` until the returned flag is set (no timing assumptions)."""
     flag = threading.Event()
@@ -31,7 +37,7 @@ def gate(sim, stream=None) -> threading.Event:
 
 def test_copy_read_before_its_event_is_stale_and_right_after(sim):
     side = sim.new_side_stream()
-    dst, src = torch.zeros(1000), torch.arange(1000.0)
+    dst, src = locked(sim, torch.zeros(1000)), torch.arange(1000.0)
     release = gate(sim, side)
     sim.copy_async(dst, src, side)
     event = sim.record_device_event(side)
@@ -56,7 +62,7 @@ def test_event_completes_only_after_work_queued_before_it(sim):
 
 def test_wait_event_orders_streams(sim):
     """A late "forward" on the compute stream, then a copy on a side stream."""
-    out, host = torch.zeros(8), torch.zeros(8)
+    out, host = torch.zeros(8), locked(sim, torch.zeros(8))
     side = sim.new_side_stream()
     sim.launch(lambda: out.fill_(7.0), delay_s=DELAY)  # forward produces its output late
     sim.wait_event(side, sim.record_device_event())
@@ -67,7 +73,7 @@ def test_wait_event_orders_streams(sim):
 
 
 def test_without_wait_event_the_copy_reads_unfinished_output(sim):
-    out, host = torch.zeros(8), torch.ones(8)
+    out, host = torch.zeros(8), locked(sim, torch.ones(8))
     side = sim.new_side_stream()
     forward_done = gate(sim)  # compute stream stalls until released
     sim.launch(lambda: out.fill_(7.0))
@@ -77,6 +83,24 @@ def test_without_wait_event_the_copy_reads_unfinished_output(sim):
     forward_done.set()
     sim.synchronize()
     assert torch.all(out == 7.0)
+
+
+def test_a_copy_into_pageable_memory_blocks_its_thread_until_it_landed(sim):
+    """As on CUDA: only page-locked memory gets an asynchronous copy."""
+    side = sim.new_side_stream()
+    pageable, src = torch.zeros(16), torch.arange(16.0)
+    release = gate(sim, side)
+    returned = threading.Event()
+    t = threading.Thread(target=lambda: (sim.copy_async(pageable, src, side), returned.set()))
+    t.start()
+    assert not returned.wait(0.2)  # still blocked behind the stalled stream
+    release.set()
+    assert returned.wait(10) and torch.equal(pageable, src)  # landed when it returned
+    t.join()
+    handle = sim.register_host_memory(pageable)
+    sim.copy_async(pageable, src, side)  # page-locked: returns at once
+    sim.unregister_host_memory(handle)
+    sim.synchronize()
 
 
 def test_stream_context_is_thread_local(sim):

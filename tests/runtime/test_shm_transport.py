@@ -274,3 +274,33 @@ def test_on_the_synchronous_path_a_batch_larger_than_the_arena_fails_at_once():
         assert ex.is_healthy()
     finally:
         ex.shutdown()
+
+
+def test_the_writer_page_locks_the_arena_where_the_platform_can():
+    """The arena is registered for the writer's life (device-to-host copies
+    into it are then real asynchronous DMA), unregistered when it closes; the
+    CPU platform has nothing to copy and registers nothing."""
+    from diffrt_simdevice.platform import SimDevicePlatform
+
+    sim = SimDevicePlatform(copy_delay_s=0.0)
+    arena = Arena.create(1 << 20)
+    try:
+        writer = OutputWriter(sim, arena, lambda timeout: None, lambda msg: None)
+        assert writer.host_path == "page-locked"
+        assert sim.is_page_locked(arena.bytes_view(4096, 1024))
+        writer.close()
+        assert not sim.is_page_locked(arena.bytes_view(4096, 1024))
+
+        class NoRegistration(SimDevicePlatform):
+            def register_host_memory(self, tensor):
+                return None
+
+        writer = OutputWriter(NoRegistration(copy_delay_s=0.0), arena, lambda t: None,
+                              lambda msg: None)
+        assert writer.host_path == "pageable"
+        writer.close()
+        writer = OutputWriter(CpuPlatform(), arena, lambda t: None, lambda msg: None)
+        assert writer.host_path == "host"
+        writer.close()
+    finally:
+        arena.close()

@@ -132,6 +132,9 @@ class SimDevicePlatform(Platform):
         self.copy_delay_s = copy_delay_s
         self._tls = threading.local()
         self._default = SimStream("simdevice-compute")
+        #: page-locked ranges (start, end) of host memory (register_host_memory)
+        self._registered: dict[int, tuple[int, int]] = {}
+        self._next_handle = 0
         self._streams: weakref.WeakSet[SimStream] = weakref.WeakSet([self._default])
 
     # -- device facts -------------------------------------------------------------
@@ -208,7 +211,10 @@ class SimDevicePlatform(Platform):
 
     # -- work -----------------------------------------------------------------------------
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
-        """Enqueue ``dst.copy_(src)``; it lands ``copy_delay_s`` after the stream reaches it."""
+        """Enqueue ``dst.copy_(src)``; it lands ``copy_delay_s`` after the stream
+        reaches it. As on CUDA, only a copy into page-locked (registered)
+        memory is asynchronous: into pageable memory the
+        issuing thread waits until the copy has landed."""
         delay = self.copy_delay_s
 
         def copy() -> None:
@@ -216,7 +222,25 @@ class SimDevicePlatform(Platform):
                 time.sleep(delay)
             dst.copy_(src)
 
-        self._stream(stream).enqueue(copy)
+        target = self._stream(stream)
+        target.enqueue(copy)
+        if not self.is_page_locked(dst):
+            target.synchronize()
+
+    # -- host memory: page-locking is simulated by address ranges ---------------------
+    def register_host_memory(self, tensor: torch.Tensor) -> int:
+        start = tensor.data_ptr()
+        self._next_handle += 1
+        self._registered[self._next_handle] = (start, start + tensor.numel() * tensor.element_size())
+        return self._next_handle
+
+    def unregister_host_memory(self, handle: Any) -> None:
+        del self._registered[handle]
+
+    def is_page_locked(self, tensor: torch.Tensor) -> bool:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        return any(lo <= start and end <= hi for lo, hi in self._registered.values())
 
     def launch(self, fn: Callable[[], Any], stream: Any = None, delay_s: float = 0.0) -> None:
         """Enqueue an arbitrary "kernel" (e.g. a fake forward writing its output late)."""
@@ -228,6 +252,14 @@ class SimDevicePlatform(Platform):
             kernel = fn
         self._stream(stream).enqueue(kernel)
 
-    # -- host memory: CPU torch cannot pin; ordinary memory behaves the same here --
+    # -- host memory ----------------------------------------------------------------
     def pinned_memory_available(self) -> bool:
-        return False
+        return True
+
+    def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Ordinary memory, registered: "pinned" for this device's copies."""
+        tensor = torch.empty(shape, dtype=dtype)
+        # unregistered with the tensor: a later pageable tensor at the same
+        # address must not pass for page-locked
+        weakref.finalize(tensor, self._registered.pop, self.register_host_memory(tensor), None)
+        return tensor
