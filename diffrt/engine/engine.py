@@ -253,12 +253,6 @@ class DiffusionEngine:
         assert final is not None
         return final
 
-    def validate(self, request: DiffusionRequest) -> None:
-        """Raise InvalidRequestError (naming the field) for a request this engine
-        would refuse at submission, without submitting it: a server answers 400
-        before it starts a response stream."""
-        admit(request, self._pipeline_cls, self._pre, self.config)
-
     def abort(self, request_id: str) -> None:
         """Stop a waiting or running request at the next step boundary and free
         its outputs. An unknown or finished id does nothing."""

@@ -4,11 +4,11 @@ and metrics. Everything a route needs hangs off ``request.app.state``
 router can be mounted in any app ``build_app`` made.
 
 One image request, followed: ``generate`` checks the body (pydantic, then
-``to_engine_request`` and the engine's own ``validate``: a bad field is a 400
-naming it), asks the EngineClient for capacity (503/429) and submits; then it
-waits for the final output while watching for the client to leave
-(``_until_done_or_gone``), or, for a stream, for the first output and then
-sends server-sent events as the outputs come (``_events``).
+``to_engine_request``) and hands it to ``EngineClient.run``, whose first output
+brings any refusal (capacity: 503/429; the engine's own checks at submission:
+a 400 naming the field); then it waits for the final output while watching for
+the client to leave (``_until_done_or_gone``), or, for a stream, for the first
+output and then sends server-sent events as the outputs come (``_events``).
 """
 
 from __future__ import annotations
@@ -92,12 +92,9 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:
                 raise ApiError(400, f"{field}: needs a server in step mode (diffrt serve "
                                     "--mode step, the default)", param=field)
     engine_request = to_engine_request(body, request.state.request_id)
-    engine = client.admit()
-    try:
-        engine.validate(engine_request)
-    except InvalidRequestError as exc:
-        raise _invalid(exc) from None
     created = int(time.time())
+    # capacity (429/503) and the engine's checks (400) answer on the first
+    # output, which both paths below await before any response goes out
     outputs = client.run(engine_request)
     if body.stream:
         # The first output is awaited here, before the 200 goes out, so a

@@ -336,13 +336,14 @@ def test_a_drain_lets_requests_finish_then_aborts_the_rest(toy_app):
 
 
 def test_an_unexpected_error_is_still_an_openai_500_with_an_id(toy_app, monkeypatch):
-    app = toy_app()
-    engine = app.state.client.engine
+    from diffrt.serve import routes
 
-    def broken(request):
+    app = toy_app()
+
+    def broken(body, request_id):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(engine, "validate", broken)
+    monkeypatch.setattr(routes, "to_engine_request", broken)
     r = call(app, "POST", GEN, json={"prompt": "x"})
     error = _error(r, 500, None)
     assert "RuntimeError" in error["message"]
