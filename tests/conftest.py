@@ -11,6 +11,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 _CACHE: str | None = None
 
 
@@ -23,3 +25,16 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _CACHE:
         shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def flux_step_engine():
+    """tiny-flux in step mode on the in-process executor, shared by the tests
+    of every folder that only submit requests to it (each measures what it
+    checks as a difference, or uses prompts of its own)."""
+    from diffrt.engine import DiffusionEngine, EngineConfig
+
+    with DiffusionEngine.make_engine(EngineConfig(
+            model="tiny-flux", executor_backend="inproc", step_execution=True,
+            max_num_seqs=4)) as engine:
+        yield engine

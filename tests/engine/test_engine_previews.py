@@ -32,12 +32,9 @@ def test_partial_images_range(bad):
                        partial_images=bad).validate()
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with DiffusionEngine.make_engine(EngineConfig(
-            model="tiny-flux", executor_backend="inproc", step_execution=True,
-            max_num_seqs=4)) as engine:
-        yield engine
+@pytest.fixture
+def engine(flux_step_engine):
+    return flux_step_engine
 
 
 def _request(seed: int, partial_images: int, steps: int = 8) -> DiffusionRequest:

@@ -11,7 +11,7 @@ import pytest
 from engine_helpers import toy_engine, toy_request
 from waiting import wait_until
 
-from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
+from diffrt.engine import DiffusionRequest, SamplingParams
 from diffrt.engine.stats import REQUEST_BUCKETS_S, Histogram, StatsRecorder
 
 
@@ -73,14 +73,6 @@ def test_the_warmup_request_is_not_counted():
         assert stats.request_latency_s.count == stats.step_time_s.count == 0
 
 
-@pytest.fixture(scope="module")
-def flux_step_engine():
-    with DiffusionEngine.make_engine(EngineConfig(
-            model="tiny-flux", executor_backend="inproc", step_execution=True,
-            max_num_seqs=4)) as engine:
-        yield engine
-
-
 def _flux(prompt: str, seed: int) -> DiffusionRequest:
     return DiffusionRequest(prompt, SamplingParams(height=64, width=64, num_inference_steps=2,
                                                    seed=seed))
@@ -89,7 +81,9 @@ def _flux(prompt: str, seed: int) -> DiffusionRequest:
 def test_text_encoding_is_counted_per_prompt(flux_step_engine):
     engine = flux_step_engine
     before = engine.stats().text_encoding
-    outs = engine.generate([_flux("a red fox", 1), _flux("a red fox", 2), _flux("an owl", 3)])
+    # prompts no other test uses: the engine (and its prompt cache) is shared
+    outs = engine.generate([_flux("a stats fox", 1), _flux("a stats fox", 2),
+                            _flux("a stats owl", 3)])
     assert all(o.ok for o in outs)
     delta = engine.stats().text_encoding - before
     # one call for the tick: two distinct prompts encoded, the repeat answered by the cache
@@ -97,8 +91,8 @@ def test_text_encoding_is_counted_per_prompt(flux_step_engine):
     before = engine.stats().text_encoding
     # true CFG with a negative prompt: the negative is a prompt of its own
     out = engine.generate(DiffusionRequest(
-        "an owl", SamplingParams(height=64, width=64, num_inference_steps=2, seed=4,
-                                 true_cfg_scale=2.0), negative_prompt="blurry"))
+        "a stats owl", SamplingParams(height=64, width=64, num_inference_steps=2, seed=4,
+                                      true_cfg_scale=2.0), negative_prompt="a stats blur"))
     assert out.ok, out.error
     delta = engine.stats().text_encoding - before
     assert (delta.encoded, delta.cache_hits) == (1, 1)

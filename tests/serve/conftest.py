@@ -20,16 +20,8 @@ from diffrt.serve import ServeSettings, build_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def flux_engine():
-    with DiffusionEngine.make_engine(EngineConfig(
-            model="tiny-flux", executor_backend="inproc", step_execution=True,
-            max_num_seqs=4)) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def flux_app(flux_engine):
-    return build_app(settings=ServeSettings(api_key=API_KEY), engine=flux_engine)
+def flux_app(flux_step_engine):
+    return build_app(settings=ServeSettings(api_key=API_KEY), engine=flux_step_engine)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ others discard theirs, so a reader never sees a half-written folder.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -80,8 +81,16 @@ def _version(dist: str) -> str:
 
 def folder_key(name: str) -> str:
     """12 hex digits naming what a folder was built from (no import of the libraries)."""
+    return _folder_key(name, _BUILDER_SOURCE)
+
+
+@functools.cache
+def _folder_key(name: str, source_path: str) -> str:
+    """Computed once per process: every resolution of an embedded name asks for
+    it, and reading the builders' source and five distributions' metadata each
+    time would be wasted (neither changes while the process runs)."""
     model = EMBEDDED_MODELS[name]
-    with open(_BUILDER_SOURCE, "rb") as f:
+    with open(source_path, "rb") as f:
         source = hashlib.sha256(f.read()).hexdigest()
     blob = json.dumps({"source": source, "name": name, "builder": model.builder,
                        "kwargs": model.kwargs,
