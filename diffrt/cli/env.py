@@ -15,6 +15,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Show the platform diffrt detected, how it was chosen, torch and vendor "
                     "package versions, and each capability. Run it first on a new machine.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--check", action="store_true",
+                   help="run the prepared device check (D2H rates, async == sync outputs, "
+                        "output bubble at 1024x1024 with Flux widths, engine overhead) and "
+                        "print one JSON; exit 1 when a part fails")
+    p.add_argument("--quick", action="store_true",
+                   help="with --check: small sizes and tiny widths (a CPU smoke run)")
     p.set_defaults(func=run)
 
 
@@ -40,6 +46,13 @@ def render_report(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from diffrt.platforms.report import platform_report
+
+    if args.check:
+        from diffrt.cli.device_check import CheckOptions, run_check
+
+        result, ok = run_check(CheckOptions.quick() if args.quick else CheckOptions())
+        print(json.dumps(result, indent=2, default=str))
+        return 0 if ok else 1
 
     report = platform_report()
     if args.json:

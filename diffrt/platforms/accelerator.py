@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any, ClassVar
@@ -21,6 +23,21 @@ from typing import Any, ClassVar
 import torch
 
 from diffrt.platforms.interface import Platform, PlatformFeatureError
+
+logger = logging.getLogger(__name__)
+
+#: the longest sleep between two queries of an event that cannot block
+POLL_MAX_S = 0.001
+
+
+def poll_until(done: Any) -> None:
+    """Wait for ``done()`` with sleeps that grow from 20 µs to ``POLL_MAX_S``:
+    a waiting thread that cannot block on the device must not spin a core for
+    the whole copy, and a short copy must not wait a whole millisecond."""
+    pause = 20e-6
+    while not done():
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_MAX_S)
 
 
 class TorchAcceleratorPlatform(Platform):
@@ -40,6 +57,22 @@ class TorchAcceleratorPlatform(Platform):
     module_attr: ClassVar[str] = ""
     #: Vendor package that registers ``torch.<module_attr>`` when imported, if any.
     vendor_package: ClassVar[str | None] = None
+    #: keyword arguments of every ``Event`` this platform creates
+    event_options: ClassVar[dict[str, Any]] = {}
+    #: True where ``Event.synchronize()`` puts the waiting thread to sleep (CUDA's
+    #: ``blocking=True`` events); elsewhere a host wait polls ``query()`` with
+    #: growing sleeps instead of letting the vendor spin a core for the whole copy.
+    event_sync_sleeps: ClassVar[bool] = False
+    #: True where an event recorded after a device-to-host copy may complete
+    #: before the bytes are in host memory; ``wait_copied`` then also
+    #: synchronises the copy's stream.
+    copy_event_may_precede_copy: ClassVar[bool] = False
+    #: (runtime binding of the device module, register call, unregister call)
+    #: for page-locking existing host memory, e.g. ``torch.cuda.cudart()
+    #: .cudaHostRegister``; None where the vendor offers no such call.
+    host_register_api: ClassVar[tuple[str, str, str] | None] = None
+    #: flags passed to the register call
+    host_register_flags: ClassVar[int] = 0
 
     def device_module(self) -> ModuleType:
         """The ``torch.<vendor>`` module. A vendor package is imported here, only
@@ -131,7 +164,7 @@ class TorchAcceleratorPlatform(Platform):
     def record_device_event(self, stream: Any = None) -> Any | None:
         """Record a ``torch.<vendor>.Event`` on ``stream`` (default: current)."""
         target = self.current_stream() if stream is None else self._check(stream, "Stream")
-        event = self.device_module().Event()
+        event = self.device_module().Event(**self.event_options)
         event.record(target)
         return event
 
@@ -144,8 +177,65 @@ class TorchAcceleratorPlatform(Platform):
         return bool(self._check(event, "Event").query())
 
     def event_synchronize(self, event: Any) -> None:
-        self._check(event, "Event").synchronize()
+        event = self._check(event, "Event")
+        if self.event_sync_sleeps:
+            event.synchronize()
+        else:
+            poll_until(event.query)
+
+    def wait_copied(self, event: Any, stream: Any) -> None:
+        self.event_synchronize(event)
+        if self.copy_event_may_precede_copy:
+            self._check(stream, "Stream").synchronize()
 
     # -- host memory ---------------------------------------------------------------
     def pinned_memory_available(self) -> bool:
         return self.is_available()
+
+    def _host_register_calls(self) -> tuple[Any, Any] | None:
+        """The vendor's (register, unregister) callables, or None when this
+        platform or this vendor build has none."""
+        if self.host_register_api is None:
+            return None
+        binding, register, unregister = self.host_register_api
+        try:
+            runtime = getattr(self.device_module(), binding)()
+            return getattr(runtime, register), getattr(runtime, unregister)
+        except Exception as exc:  # an older vendor build: the staging path
+            logger.info("%s: no %s.%s() to page-lock host memory (%s)", self.name,
+                        binding, register, exc)
+            return None
+
+    def can_register_host_memory(self) -> bool:
+        return self._host_register_calls() is not None
+
+    def register_host_memory(self, tensor: torch.Tensor) -> Any | None:
+        """Page-lock ``tensor``'s memory in place through the vendor runtime's
+        host-register call. The calls return an error code instead of raising;
+        anything but 0 means "not registered" (the caller then stages copies)."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
+            return None
+        calls = self._host_register_calls()
+        if calls is None:
+            return None
+        register, unregister = calls
+        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        try:
+            err = register(ptr, nbytes, self.host_register_flags)
+        except Exception as exc:
+            logger.warning("%s: cannot page-lock host memory (%s)", self.name, exc)
+            return None
+        if err is not None and int(err) != 0:
+            logger.warning("%s: page-locking %d bytes failed (error %s)", self.name, nbytes, err)
+            return None
+        return (unregister, ptr)
+
+    def unregister_host_memory(self, handle: Any) -> None:
+        unregister, ptr = handle
+        try:
+            err = unregister(ptr)
+        except Exception as exc:
+            logger.warning("%s: unregistering host memory failed: %s", self.name, exc)
+            return
+        if err is not None and int(err) != 0:
+            logger.warning("%s: unregistering host memory failed (error %s)", self.name, err)

@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
-import torch
-
 from diffrt.platforms.accelerator import TorchAcceleratorPlatform
-
-logger = logging.getLogger(__name__)
 
 
 class CudaPlatform(TorchAcceleratorPlatform):
@@ -18,27 +11,8 @@ class CudaPlatform(TorchAcceleratorPlatform):
     dist_backend = "nccl"
     device_control_env_var = "CUDA_VISIBLE_DEVICES"
     module_attr = "cuda"
-
-    def register_host_memory(self, tensor: torch.Tensor) -> Any | None:
-        """cudaHostRegister through torch's public ``torch.cuda.cudart()``
-        binding (ROCm's torch maps it to hipHostRegister)."""
-        if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
-            return None
-        try:
-            cudart = torch.cuda.cudart()
-            ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-            err = cudart.cudaHostRegister(ptr, nbytes, 0)
-        except Exception as exc:  # no runtime binding here: the pageable path
-            logger.warning("%s: cannot page-lock host memory (%s)", self.name, exc)
-            return None
-        if int(err) != 0:
-            logger.warning("%s: cudaHostRegister of %d bytes failed (error %s)", self.name,
-                           nbytes, err)
-            return None
-        return ptr
-
-    def unregister_host_memory(self, handle: Any) -> None:
-        try:
-            torch.cuda.cudart().cudaHostUnregister(handle)
-        except Exception as exc:
-            logger.warning("%s: cudaHostUnregister failed: %s", self.name, exc)
+    # cudaEventBlockingSync: a thread waiting for a copy sleeps instead of spinning
+    event_options = {"blocking": True}
+    event_sync_sleeps = True
+    # torch's public cudart() binding (ROCm's torch maps it to hipHostRegister)
+    host_register_api = ("cudart", "cudaHostRegister", "cudaHostUnregister")

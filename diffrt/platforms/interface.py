@@ -103,6 +103,13 @@ class Platform:
     def event_synchronize(self, event: Any) -> None:
         event.synchronize()
 
+    def wait_copied(self, event: Any, stream: Any) -> None:
+        """Block until the device-to-host copies enqueued on ``stream`` before
+        ``event`` are in host memory (only then may a reader see the bytes).
+        A backend whose event can complete before such a copy landed also
+        synchronises ``stream``."""
+        self.event_synchronize(event)
+
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
         """Enqueue ``dst.copy_(src)`` on ``stream`` (default: current) without
         waiting for it; the copy is complete only once an event recorded on
@@ -125,6 +132,10 @@ class Platform:
     def unregister_host_memory(self, handle: Any) -> None:
         """Undo ``register_host_memory`` (the memory stays valid)."""
 
+    def can_register_host_memory(self) -> bool:
+        """Whether ``register_host_memory`` can succeed here (without trying)."""
+        return type(self).register_host_memory is not Platform.register_host_memory
+
     def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host buffer, or ordinary host memory where pinning is impossible."""
         if self.pinned_memory_available():
@@ -139,3 +150,17 @@ class Platform:
 
     def __repr__(self) -> str:
         return f"<Platform {self.name} ({self.device_type})>"
+
+
+def output_path(platform: Platform, registered: bool | None = None) -> str:
+    """How outputs reach host memory on ``platform``: "host" (forward's outputs
+    are host memory already), "page-locked" (the output arena is registered:
+    asynchronous DMA into it), "staged" (pinned staging buffers, then a host
+    memcpy into the arena) or "pageable" (neither: the driver stages each copy
+    and the issuing thread waits). ``registered`` is whether registering the
+    arena succeeded; None asks whether the platform can."""
+    if platform.name == "cpu":
+        return "host"
+    if platform.can_register_host_memory() if registered is None else registered:
+        return "page-locked"
+    return "staged" if platform.pinned_memory_available() else "pageable"

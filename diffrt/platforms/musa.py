@@ -12,3 +12,7 @@ class MusaPlatform(TorchAcceleratorPlatform):
     device_control_env_var = "MUSA_VISIBLE_DEVICES"
     module_attr = "musa"
     vendor_package = "torch_musa"
+    # torch_musa maps Event(blocking=True) to musaEventBlockingSync like CUDA
+    event_options = {"blocking": True}
+    event_sync_sleeps = True
+    host_register_api = ("musart", "musaHostRegister", "musaHostUnregister")

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from diffrt.platforms.interface import output_path
+
 logger = logging.getLogger(__name__)
 
 #: Distributions whose versions are reported when installed.
@@ -98,15 +100,3 @@ def platform_report() -> dict[str, Any]:
         "capabilities": _capabilities(p),
         "output_path": output_path(p),
     }
-
-
-def output_path(p: Any) -> str:
-    """How outputs reach the host: "host" (they are host memory already),
-    "page-locked" (the platform registers the output arena: asynchronous DMA)
-    or "pageable" (it cannot: the driver stages each copy)."""
-    from diffrt.platforms.interface import Platform
-
-    if p.name == "cpu":  # outputs are host memory (as outputs_are_host_memory says)
-        return "host"
-    registers = type(p).register_host_memory is not Platform.register_host_memory
-    return "page-locked" if registers else "pageable"

@@ -61,6 +61,14 @@ class XpuPlatform(TorchAcceleratorPlatform):
 
     module_attr = "xpu"
     _ipex_checked = False
+    # torch.xpu.Event has no blocking-sync mode: host waits poll query().
+    event_sync_sleeps = False
+    # On some stacks Event.synchronize() returned before a device-to-host copy
+    # had landed (torch-xpu-ops #4349): the copy's stream is synchronised too.
+    copy_event_may_precede_copy = True
+    # No host-register call in torch.xpu: the output writer stages copies
+    # through a pinned buffer (pin_memory works on XPU).
+    host_register_api = None
 
     def device_module(self) -> ModuleType:
         if not self._ipex_checked:

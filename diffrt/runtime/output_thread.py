@@ -4,9 +4,17 @@ Async path (two-phase output): the worker's main thread records an
 event on the compute stream after forward, hands ``(outputs, event)`` to the
 background thread and sends COMPUTE_DONE at once. The thread makes its side
 stream wait on that event, enqueues ``platform.copy_async`` of every tensor
-into its slot, records and synchronises its own event (only then are the
-bytes in shared memory), and sends OUTPUT_READY. It holds the source tensors
-until that event completed, so the device allocator cannot reuse them early.
+into its slot, records its own event and waits until the copies landed
+(``platform.wait_copied``: only then are the bytes in shared memory), and
+sends OUTPUT_READY. It holds the source tensors until then, so the device
+allocator cannot reuse them early.
+
+The arena is page-locked in place where the platform can (``host_path``
+"page-locked"), so each copy is a real asynchronous DMA into shared memory.
+Where it cannot but pinned buffers exist ("staged"), copies go through reused
+pinned staging buffers and a host memcpy on this thread (``StagedCopier``).
+Otherwise ("pageable") the copy goes straight to pageable memory, which blocks
+the output thread, though still not the main one.
 
 Where the platform has no usable events and outputs are device memory, the
 copy runs synchronously on the main thread (never "copy anyway and hope").
@@ -26,6 +34,7 @@ from typing import Any
 import torch
 
 from diffrt import tracing
+from diffrt.platforms.interface import output_path
 from diffrt.runtime.messages import (
     PENDING_NOTICE_S,
     FreeSlots,
@@ -34,6 +43,7 @@ from diffrt.runtime.messages import (
     OutputReady,
 )
 from diffrt.runtime.shm_transport import Arena, ArenaFullError, PackPlan, SlotAllocator
+from diffrt.runtime.staged_copy import StagedCopier
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +89,16 @@ class OutputWriter:
         # into pageable memory is staged by the driver and blocks the issuing
         # thread, which is not the asynchronous copy this writer is for.
         self._registration = None
+        self._staging: StagedCopier | None = None
         if not self._host_outputs:
             self._registration = platform.register_host_memory(arena.bytes_view(0, arena.size))
-        #: how outputs reach host memory: "host" (cpu), "page-locked" or "pageable"
-        self.host_path = "host" if self._host_outputs else (
-            "page-locked" if self._registration is not None else "pageable")
-        if self.host_path == "pageable":
-            logger.info("%s cannot page-lock the output arena: device-to-host copies go "
-                        "to pageable memory", platform.name)
+        #: how outputs reach host memory: "host" (cpu), "page-locked", "staged" or "pageable"
+        self.host_path = output_path(platform, self._registration is not None)
+        if self.host_path == "staged":
+            self._staging = StagedCopier(platform)
+        elif self.host_path == "pageable":
+            logger.info("%s can neither page-lock the output arena nor pin buffers: "
+                        "device-to-host copies go to pageable memory", platform.name)
         self._thread = threading.Thread(target=self._run, name=f"diffrt-output-{rank}", daemon=True)
         self._thread.start()
 
@@ -174,9 +186,13 @@ class OutputWriter:
                 del item, outputs  # the sources may be reused only after the copy completed
 
     def _copy_fn(self, sync: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        if sync or self._host_outputs:
+        if self._host_outputs:
             return lambda dst, src: dst.copy_(src)
+        if sync:  # on the compute stream; _pack_run synchronises after the run
+            return lambda dst, src: self.platform.copy_async(dst, src, None)
         stream = self._side_stream
+        if self._staging is not None:
+            return lambda dst, src: self._staging.copy(dst, src, stream)
         return lambda dst, src: self.platform.copy_async(dst, src, stream)
 
     def _pack(self, batch_id: str, ids: dict[str, str], outputs: dict[str, Any],
@@ -247,16 +263,23 @@ class OutputWriter:
                 done.append(plan.key_output(oid, offset, gen))
             for (_, plan), (offset, _) in zip(plans, slots, strict=True):
                 plan.copy_into(self.arena, offset, copy)
-            if event is not None and not sync:
+            if sync and not self._host_outputs:
+                self.platform.synchronize()
+            elif event is not None:
                 copied = self.platform.record_device_event(self._side_stream)
                 if copied is None:
                     raise RuntimeError(f"platform {self.platform.name} stopped giving events")
-                self.platform.event_synchronize(copied)  # bytes are in the arena only now
-            return OutputReady(batch_id, done)
+                self.platform.wait_copied(copied, self._side_stream)
+                if self._staging is not None:
+                    self._staging.finish()
+            return OutputReady(batch_id, done)  # the bytes are in the arena only now
         except Exception as exc:
             for offset, gen in slots:
                 self._free(offset, gen)
-            return self._failed(batch_id, [oid for oid, _ in plans], exc, sync)
+            failed = self._failed(batch_id, [oid for oid, _ in plans], exc, sync)
+            if self._staging is not None:
+                self._staging.discard()  # after _failed quiesced the side stream
+            return failed
 
     def _failed(self, batch_id: str, oids: list[str], exc: Exception, sync: bool) -> OutputReady:
         if self._side_stream is not None and not sync:

@@ -158,6 +158,39 @@ def test_the_watchdog_kills_a_hung_worker_not_a_long_forward():
         assert time.monotonic() - start < 10
 
 
+def test_close_returns_within_its_grace_when_a_worker_is_stopped():
+    """No watchdog (execute_timeout_s=None) and a worker stopped mid-forward
+    (SIGSTOP): close() still returns — the tick in flight is waited for up to
+    the engine's grace, the worker up to shutdown_grace_s, then it is killed
+    (SIGKILL reaches a stopped process) — the caller's request fails, and
+    neither a process nor an arena mapping is left behind."""
+    mapped_before = arena_mappings(os.getpid())  # other tests' engines may map theirs
+    engine = DiffusionEngine.make_engine(EngineConfig(
+        model="toy", plugin_modules=["engine_toy"], execute_timeout_s=None, warmup=False,
+        executor_options={"worker_env": {"PYTHONPATH": str(ENGINE_TESTS)},
+                          "shutdown_grace_s": 1.0}))
+    [pid] = engine.executor.worker_pids
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(
+        engine.generate(toy_req("slowsteps", steps=50), timeout=120)))
+    t.start()
+    try:
+        assert wait_until(lambda: engine.scheduler.num_running == 1)
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        engine.close()
+        # engine grace 5 s + worker grace 1 s + SIGTERM 2 s + SIGKILL: well under 30 s
+        assert time.monotonic() - start < 30
+        t.join(10)
+        assert got and not got[0].ok and "closed" in got[0].error, got
+        assert not alive(pid)
+        assert arena_mappings(os.getpid()) == mapped_before
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        engine.close()
+
+
 def test_restart_workers_replaces_a_dead_worker():
     """With restart_workers: the request running on a killed worker fails, a
     waiting one is served by the fresh worker, and so is everything after."""

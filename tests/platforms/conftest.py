@@ -42,6 +42,9 @@ def make_device_module(family: str, available: bool = True, count: int = 2) -> M
                 raise TypeError(f"{family}.Stream.wait_event: foreign event {event!r}")
             calls.append(("wait_event", self.name, event))
 
+        def synchronize(self) -> None:
+            calls.append(("stream_synchronize", self.name))
+
         def __eq__(self, other: object) -> bool:
             return isinstance(other, Stream) and other.name == self.name
 
@@ -49,9 +52,14 @@ def make_device_module(family: str, available: bool = True, count: int = 2) -> M
             return hash(self.name)
 
     class Event:
-        def __init__(self) -> None:
+        def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                     interprocess: bool = False) -> None:
             self.recorded_on: str | None = None
+            self.blocking = blocking
             self.done = False
+            self.queries = 0
+            #: queries answered False before the event completes by itself
+            self.busy_queries = 0
 
         def record(self, stream: object = None) -> None:
             if not isinstance(stream, Stream):
@@ -60,6 +68,9 @@ def make_device_module(family: str, available: bool = True, count: int = 2) -> M
             calls.append(("record", stream.name, self))
 
         def query(self) -> bool:
+            self.queries += 1
+            if not self.done and self.busy_queries and self.queries > self.busy_queries:
+                self.done = True
             return self.done
 
         def synchronize(self) -> None:

@@ -69,6 +69,7 @@ def test_record_and_wait_use_one_family(backend):
     on_side = platform.record_device_event(side)
     assert on_side.recorded_on == "side"
     assert platform.event_query(on_side) is False
+    on_side.busy_queries = 4  # completes by itself, for backends that poll
     platform.event_synchronize(on_side)
     assert platform.event_query(on_side) is True
 
@@ -191,3 +192,94 @@ def test_empty_cache_gives_the_device_cache_back_where_there_is_one():
     platform.module = SimpleNamespace()  # a backend without a cache: nothing to do
     platform.empty_cache()
     CpuPlatform().empty_cache()  # the base: nothing cached
+
+
+# -- how each vendor waits for a copy ------------------------------------------------
+SLEEPING_EVENTS = {"cuda", "rocm", "musa"}  # Event(blocking=True) sleeps on these
+
+
+def test_host_waits_never_spin_on_the_vendor_event(backend):
+    """CUDA-like backends create blocking-sync events and let them sleep; NPU
+    and XPU (whose blocking flag does nothing) poll query() with sleeps
+    instead of calling the spinning synchronize()."""
+    platform, mod = backend
+    event = platform.record_device_event()
+    sleeps = platform.name in SLEEPING_EVENTS
+    assert event.blocking is sleeps
+    event.busy_queries = 5
+    platform.event_synchronize(event)
+    assert event.done
+    synchronized = ("event_synchronize", event) in mod.calls
+    assert synchronized is sleeps
+    assert event.queries == (0 if sleeps else 6)
+
+
+def test_only_xpu_also_synchronises_the_copy_stream(backend):
+    """XPU's event once completed before a device-to-host copy landed: waiting
+    for a copy there synchronises the side stream as well."""
+    platform, mod = backend
+    side = platform.new_side_stream()
+    event = platform.record_device_event(side)
+    event.busy_queries = 1
+    platform.wait_copied(event, side)
+    assert event.done
+    assert (("stream_synchronize", "side") in mod.calls) is (platform.name == "xpu")
+
+
+REGISTER_API = {  # platform -> (runtime binding, register, unregister, flags)
+    "cuda": ("cudart", "cudaHostRegister", "cudaHostUnregister", 0),
+    "rocm": ("cudart", "cudaHostRegister", "cudaHostUnregister", 0),
+    "npu": ("npurt", "npuHostRegister", "npuHostUnregister", 2),
+    "musa": ("musart", "musaHostRegister", "musaHostUnregister", 0),
+}
+
+
+def _fake_runtime(mod, binding, register, unregister, result=0):
+    from types import SimpleNamespace
+
+    calls = []
+
+    def reg(ptr, nbytes, flags):
+        calls.append(("register", ptr, nbytes, flags))
+        return result
+
+    def unreg(ptr):
+        calls.append(("unregister", ptr))
+        return 0
+
+    runtime = SimpleNamespace(**{register: reg, unregister: unreg})
+    setattr(mod, binding, lambda: runtime)
+    return calls
+
+
+def test_each_vendor_page_locks_through_its_runtime_binding(backend):
+    from diffrt.platforms.interface import output_path
+
+    platform, mod = backend
+    arena = torch.zeros(1 << 16, dtype=torch.uint8)
+    if platform.name == "xpu":  # torch.xpu has no host-register call
+        assert platform.can_register_host_memory() is False
+        assert platform.register_host_memory(arena) is None
+        assert output_path(platform) == "staged"  # pinned buffers still exist
+        return
+    assert platform.can_register_host_memory() is False  # this vendor build lacks it
+    assert output_path(platform) == "staged"
+    binding, register, unregister, flags = REGISTER_API[platform.name]
+    calls = _fake_runtime(mod, binding, register, unregister)
+    assert platform.can_register_host_memory() is True
+    assert output_path(platform) == "page-locked"
+    handle = platform.register_host_memory(arena)
+    assert calls == [("register", arena.data_ptr(), arena.numel(), flags)]
+    platform.unregister_host_memory(handle)
+    assert calls[-1] == ("unregister", arena.data_ptr())
+    assert platform.register_host_memory(arena[::2]) is None  # not contiguous: never registered
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b[0].name in REGISTER_API],
+                         ids=lambda b: b[0].name, indirect=True)
+def test_a_failed_registration_is_the_unregistered_path(backend, caplog):
+    platform, mod = backend
+    binding, register, unregister, _ = REGISTER_API[platform.name]
+    _fake_runtime(mod, binding, register, unregister, result=2)  # e.g. out of memory
+    assert platform.register_host_memory(torch.zeros(4096, dtype=torch.uint8)) is None
+    assert any("page-locking 4096 bytes failed" in r.message for r in caplog.records)

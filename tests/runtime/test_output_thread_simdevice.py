@@ -82,3 +82,39 @@ def test_async_output_disabled_in_config_is_synchronous():
         assert out.async_output_id is None
     finally:
         ex.shutdown()
+
+
+HOST_PATHS = {  # host path -> what the simulated device can do
+    "page-locked": {},
+    "staged": {"host_register": False},
+    "pageable": {"host_register": False, "pinned": False},
+}
+
+
+@pytest.mark.parametrize("path", list(HOST_PATHS))
+def test_every_host_path_delivers_the_right_bytes(path):
+    """Registered arena, pinned staging, or pageable: the same bytes arrive. Only
+    the pageable path makes copies that block their issuing thread (counted
+    by the simulated device, which blocks them as CUDA does)."""
+    sim = simdevice.SimDevicePlatform(copy_delay_s=0.01, **HOST_PATHS[path])
+    ex = _executor(sim)
+    try:
+        for seed in range(3):
+            out = _check(ex, 200 + seed * 10, ["a", "b"], dtype=["float32", "bfloat16"][seed % 2])
+            assert out.async_output_id is not None
+        assert ex.core.writer.host_path == path
+        assert (sim.blocking_copies > 0) == (path == "pageable")
+    finally:
+        ex.shutdown()
+
+
+def test_staged_copies_reuse_their_pinned_buffers():
+    sim = simdevice.SimDevicePlatform(copy_delay_s=0.0, host_register=False)
+    ex = _executor(sim)
+    try:
+        for seed in range(4):
+            _check(ex, 300 + seed, ["a"])
+        pool = ex.core.writer._staging.pool
+        assert pool.allocations == 1 and pool.reuses == 3
+    finally:
+        ex.shutdown()

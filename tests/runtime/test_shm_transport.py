@@ -291,12 +291,14 @@ def test_the_writer_page_locks_the_arena_where_the_platform_can():
         writer.close()
         assert not sim.is_page_locked(arena.bytes_view(4096, 1024))
 
-        class NoRegistration(SimDevicePlatform):
-            def register_host_memory(self, tensor):
-                return None
-
-        writer = OutputWriter(NoRegistration(copy_delay_s=0.0), arena, lambda t: None,
-                              lambda msg: None)
+        # no in-place registration (XPU): staged through pinned buffers
+        writer = OutputWriter(SimDevicePlatform(copy_delay_s=0.0, host_register=False), arena,
+                              lambda t: None, lambda msg: None)
+        assert writer.host_path == "staged"
+        writer.close()
+        writer = OutputWriter(SimDevicePlatform(copy_delay_s=0.0, host_register=False,
+                                                pinned=False),
+                              arena, lambda t: None, lambda msg: None)
         assert writer.host_path == "pageable"
         writer.close()
         writer = OutputWriter(CpuPlatform(), arena, lambda t: None, lambda msg: None)

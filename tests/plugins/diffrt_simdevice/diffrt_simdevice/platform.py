@@ -3,9 +3,17 @@
 Tensors are ordinary CPU tensors (device_type "cpu"), but work is asynchronous
 the way a GPU's is: each ``SimStream`` runs its queued work, in order, on its
 own background thread. ``copy_async`` enqueues a copy that lands only after a
-delay (30 ms by default, env ``DIFFRT_SIMDEVICE_COPY_DELAY_MS``), so a reader
-that skips the wait sees stale bytes — a missing wait shows up as wrong data,
-not as luck. Events complete only when the work queued before them has run.
+delay (30 ms by default, env ``DIFFRT_SIMDEVICE_COPY_DELAY_MS``, plus the
+bytes over ``DIFFRT_SIMDEVICE_COPY_GBPS`` when that is set, half that rate
+into pageable memory), so a reader that
+skips the wait sees stale bytes — a missing wait shows up as wrong data, not
+as luck. Events complete only when the work queued before them has run.
+
+As on CUDA, a copy into pageable memory blocks the thread that issued it. Two
+switches take the page-locking abilities away, for the host paths a real
+vendor may leave us with: ``DIFFRT_SIMDEVICE_HOST_REGISTER=0`` (no in-place
+registration, like XPU: the output writer stages through pinned buffers) and
+``DIFFRT_SIMDEVICE_PINNED=0`` (no pinned memory at all: pageable copies).
 """
 
 from __future__ import annotations
@@ -125,11 +133,23 @@ class SimDevicePlatform(Platform):
     device_control_env_var = None
     supports_async_output = True
 
-    def __init__(self, copy_delay_s: float | None = None) -> None:
+    def __init__(self, copy_delay_s: float | None = None, copy_gbps: float | None = None,
+                 host_register: bool | None = None, pinned: bool | None = None) -> None:
         if copy_delay_s is None:
             ms = os.environ.get("DIFFRT_SIMDEVICE_COPY_DELAY_MS")
             copy_delay_s = float(ms) / 1000 if ms else DEFAULT_COPY_DELAY_S
+        if copy_gbps is None and os.environ.get("DIFFRT_SIMDEVICE_COPY_GBPS"):
+            copy_gbps = float(os.environ["DIFFRT_SIMDEVICE_COPY_GBPS"])
+        if host_register is None:
+            host_register = os.environ.get("DIFFRT_SIMDEVICE_HOST_REGISTER", "1") != "0"
+        if pinned is None:
+            pinned = os.environ.get("DIFFRT_SIMDEVICE_PINNED", "1") != "0"
         self.copy_delay_s = copy_delay_s
+        self.copy_gbps = copy_gbps
+        self.host_register = host_register
+        self.pinned = pinned
+        #: copies into pageable memory, each of which blocked its issuing thread
+        self.blocking_copies = 0
         self._tls = threading.local()
         self._default = SimStream("simdevice-compute")
         #: page-locked ranges (start, end) of host memory (register_host_memory)
@@ -216,6 +236,11 @@ class SimDevicePlatform(Platform):
         memory is asynchronous: into pageable memory the
         issuing thread waits until the copy has landed."""
         delay = self.copy_delay_s
+        page_locked = self.is_page_locked(dst)
+        if self.copy_gbps:
+            # pageable copies go through the driver's bounce buffer: half the bandwidth
+            gbps = self.copy_gbps if page_locked else self.copy_gbps / 2
+            delay += src.numel() * src.element_size() / (gbps * 1e9)
 
         def copy() -> None:
             if delay:
@@ -224,15 +249,22 @@ class SimDevicePlatform(Platform):
 
         target = self._stream(stream)
         target.enqueue(copy)
-        if not self.is_page_locked(dst):
+        if not page_locked:
+            self.blocking_copies += 1
             target.synchronize()
 
     # -- host memory: page-locking is simulated by address ranges ---------------------
-    def register_host_memory(self, tensor: torch.Tensor) -> int:
+    def _lock_range(self, tensor: torch.Tensor) -> int:
         start = tensor.data_ptr()
         self._next_handle += 1
         self._registered[self._next_handle] = (start, start + tensor.numel() * tensor.element_size())
         return self._next_handle
+
+    def can_register_host_memory(self) -> bool:
+        return self.host_register
+
+    def register_host_memory(self, tensor: torch.Tensor) -> int | None:
+        return self._lock_range(tensor) if self.host_register else None
 
     def unregister_host_memory(self, handle: Any) -> None:
         del self._registered[handle]
@@ -254,12 +286,14 @@ class SimDevicePlatform(Platform):
 
     # -- host memory ----------------------------------------------------------------
     def pinned_memory_available(self) -> bool:
-        return True
+        return self.pinned
 
     def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Ordinary memory, registered: "pinned" for this device's copies."""
+        """Ordinary memory, registered: "pinned" for this device's copies
+        (pageable without pinned memory)."""
         tensor = torch.empty(shape, dtype=dtype)
-        # unregistered with the tensor: a later pageable tensor at the same
-        # address must not pass for page-locked
-        weakref.finalize(tensor, self._registered.pop, self.register_host_memory(tensor), None)
+        if self.pinned:
+            # unregistered with the tensor: a later pageable tensor at the same
+            # address must not pass for page-locked
+            weakref.finalize(tensor, self._registered.pop, self._lock_range(tensor), None)
         return tensor
