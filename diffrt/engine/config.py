@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffrt.engine.cpu_policy import cpu_worker_env
 from diffrt.engine.runner_messages import PIPELINE_PROTOCOL, RunnerSettings
 from diffrt.engine.sched.policy import POLICIES
 from diffrt.runtime.types import ExecutorConfig, RunnerSpec
@@ -160,10 +161,13 @@ class EngineConfig:
 
         return resolve_pipeline_class(self.model)
 
-    def executor_config(self, *, platform_async_output: bool) -> ExecutorConfig:
-        """The runtime settings this config implies (``platform_async_output``:
-        whether the platform supports the two-phase output, for ``async_output=None``)."""
+    def executor_config(self, *, platform: Any) -> ExecutorConfig:
+        """The runtime settings this config implies on ``platform`` (whether it
+        supports the two-phase output decides ``async_output=None``; a CPU
+        worker starts with the allocator policy of ``cpu_policy``)."""
         kw: dict[str, Any] = dict(self.executor_options)
+        kw["worker_env"] = {**cpu_worker_env(platform), **kw.get("worker_env", {})}
+        platform_async_output = bool(platform.supports_async_output)
         if self.output_timeout_s is not None:
             kw["output_timeout_s"] = self.output_timeout_s
         if self.max_pending_output_bytes is not None:

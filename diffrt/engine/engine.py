@@ -115,7 +115,7 @@ class DiffusionEngine:
         pre, post = get_pre_process_func(config.model), get_post_process_func(config.model)
         if executor is None:
             executor = make_executor(config.executor_backend, config.executor_config(
-                platform_async_output=bool(current_platform.supports_async_output)))
+                platform=current_platform))
         try:
             engine = cls(config, executor, scheduler, pipeline_cls=pipeline_cls,
                          pre_process=pre, post_process=post)
@@ -162,7 +162,7 @@ class DiffusionEngine:
         from diffrt.platforms import current_platform
 
         executor = make_executor(self.config.executor_backend, self.config.executor_config(
-            platform_async_output=bool(current_platform.supports_async_output)))
+            platform=current_platform))
         try:
             out = executor.execute(ExecuteBatch(requests=[self._warmup_request()]),
                                    timeout=self.config.warmup_timeout_s)

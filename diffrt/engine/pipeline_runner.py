@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from typing import Any
 
 import torch
 
+from diffrt.engine.cpu_policy import cpu_worker_threads
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
     DiffusionRequestBatch,
@@ -75,23 +75,6 @@ def resolve_dtype(name: str, platform: Any) -> torch.dtype:
     except Exception:  # a backend that cannot tell: the safe half type
         supported = False
     return torch.bfloat16 if supported else torch.float16
-
-
-def cpu_worker_threads(platform: Any, world_size: int) -> int | None:
-    """Default torch threads of a CPU worker: the cores this process may use,
-    shared among the ranks, minus one left to the engine process (its pump,
-    post-processing and event loop). None (torch's default) off CPU.
-
-    Oversubscribed OpenMP is pathological: with 2 threads on a 2-core box that
-    is also running the engine, one small ``round`` took 16 ms instead of 16 us.
-    """
-    if platform.device_type != "cpu":
-        return None
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, world_size) - 1)
 
 
 class PipelineRunner:

@@ -61,7 +61,10 @@ def test_executor_config_names_the_pipeline_runner_and_its_typed_settings():
     cfg = EngineConfig(model="toy", dtype="bfloat16", torch_threads=3, plugin_modules=["engine_toy"],
                        max_pending_output_bytes=1 << 20, output_timeout_s=7.0,
                        executor_options={"startup_timeout_s": 9.0})
-    ex = cfg.executor_config(platform_async_output=False)
+    from types import SimpleNamespace
+
+    no_async_cpu = SimpleNamespace(supports_async_output=False, device_type="cpu")
+    ex = cfg.executor_config(platform=no_async_cpu)
     assert ex.runner.cls == "diffrt.engine.pipeline_runner:PipelineRunner"
     assert ex.runner.protocol is PIPELINE_PROTOCOL
     assert ex.runner.settings == RunnerSettings(model="toy", dtype="bfloat16", torch_threads=3,
@@ -71,7 +74,32 @@ def test_executor_config_names_the_pipeline_runner_and_its_typed_settings():
         (1 << 20, 7.0, 9.0)
     assert ex.async_output is False  # auto follows the platform
     assert EngineConfig(model="toy", async_output=True).executor_config(
-        platform_async_output=False).async_output is True
+        platform=no_async_cpu).async_output is True
+
+
+def test_cpu_workers_start_with_the_cpu_policy_and_the_user_wins(monkeypatch):
+    """A CPU worker keeps freed memory for reuse (no per-request page faults)
+    and takes every core; an accelerator's worker gets neither; a value the
+    user set, in the environment or in executor_options, wins."""
+    from types import SimpleNamespace
+
+    from diffrt.engine.cpu_policy import cpu_worker_threads
+
+    cpu = SimpleNamespace(supports_async_output=True, device_type="cpu")
+    gpu = SimpleNamespace(supports_async_output=True, device_type="cuda")
+    monkeypatch.delenv("MALLOC_MMAP_MAX_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    env = EngineConfig(model="toy").executor_config(platform=cpu).worker_env
+    assert env["MALLOC_MMAP_MAX_"] == "0" and int(env["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 30
+    assert EngineConfig(model="toy").executor_config(platform=gpu).worker_env == {}
+    mine = EngineConfig(model="toy", executor_options={"worker_env": {"MALLOC_MMAP_MAX_": "7"}})
+    assert mine.executor_config(platform=cpu).worker_env["MALLOC_MMAP_MAX_"] == "7"
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
+    assert "MALLOC_TRIM_THRESHOLD_" not in EngineConfig(model="toy").executor_config(
+        platform=cpu).worker_env  # inherited from the user's environment as it is
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert cpu_worker_threads(cpu, 1) == 4 and cpu_worker_threads(cpu, 2) == 2
+    assert cpu_worker_threads(gpu, 1) is None
 
 
 @pytest.mark.parametrize("field,value", [
