@@ -112,7 +112,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
                         "may pass an incompatible one, with aging) (default: %(default)s)")
     p.add_argument("--batch-wait-ms", type=non_negative_float, default=None,
                    help="how long an idle engine holds a new batch open so a burst can join "
-                        "it (default: 20 for several prompts in generate, else 0)")
+                        "it; 0 schedules at once (default: 20 for several prompts in generate, "
+                        "else sized from measured request times, at most 50)")
 
 
 def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +154,7 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         settings["executor_options"] = options
     if get("policy") != "fifo":
         settings["scheduling_policy"] = get("policy")
-    if get("batch_wait_ms"):
+    if get("batch_wait_ms") is not None:
         settings[batch_wait_field(get("mode"))] = get("batch_wait_ms")
     return settings
 

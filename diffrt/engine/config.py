@@ -66,7 +66,9 @@ class EngineConfig:
             may hold the first request of a new wave so a burst can join it.
         step_batch_max_wait_ms: STEP_BATCH only: the same window for a step
             batch that forms while nothing runs (joining a running batch never
-            waits). 0 (the default) schedules at once.
+            waits). None (the default) sizes the window from measured request
+            run times (a tenth of their moving average, at most 50 ms; see
+            ``sched.base``); 0 schedules at once. Irrelevant with max_num_seqs=1.
         async_output: None = auto (on where the platform supports it), True /
             False force the two-phase / synchronous output path.
         executor_backend: "mp" (worker processes, the default) or "inproc".
@@ -122,8 +124,8 @@ class EngineConfig:
     model: str = "tiny-flux"
     step_execution: bool = False
     max_num_seqs: int = 1
-    request_batch_max_wait_ms: float = 0.0
-    step_batch_max_wait_ms: float = 0.0
+    request_batch_max_wait_ms: float | None = None
+    step_batch_max_wait_ms: float | None = None
     async_output: bool | None = None
     executor_backend: str = "mp"
     world_size: int = 1
@@ -194,8 +196,9 @@ class EngineConfig:
             raise EngineConfigError("max_num_seqs", f"must be an int >= 1, got {self.max_num_seqs!r}")
         for name in ("request_batch_max_wait_ms", "step_batch_max_wait_ms"):
             wait = getattr(self, name)
-            if not _is_number(wait) or wait < 0:
-                raise EngineConfigError(name, f"must be a finite number >= 0, got {wait!r}")
+            if wait is not None and (not _is_number(wait) or wait < 0):
+                raise EngineConfigError(name, f"must be None or a finite number >= 0, "
+                                              f"got {wait!r}")
         if self.async_output not in (None, True, False):
             raise EngineConfigError("async_output", f"must be None, True or False, got {self.async_output!r}")
         if self.executor_backend not in EXECUTOR_BACKENDS:

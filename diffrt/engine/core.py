@@ -25,7 +25,7 @@ from typing import Any
 from diffrt import tracing
 from diffrt.engine.config import EngineMode
 from diffrt.engine.outputs import TextEncoderStats
-from diffrt.engine.record import RequestRecord
+from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.runner_messages import BatchDone, ExecuteBatch, ExecuteStep, StepDone
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched import (
@@ -263,6 +263,10 @@ class EngineCore:
         step_seconds = None if result.failed_all else self._step_seconds(tick, elapsed)
         with self._cond:
             update = self.scheduler.update_from_output(tick, result)
+            done_at = self._clock()
+            for event in update.finished:  # the automatic batching window learns from them
+                if event.status is RequestStatus.FINISHED and event.admitted_at is not None:
+                    self.scheduler.observe_run_time(done_at - event.admitted_at)
         kept: dict[str, str] = {}
         ended = {event.request_id for event in update.finished}
         previews = {rid: (output_ids.pop(rid), index) for rid, index in preview_index.items()

@@ -140,10 +140,10 @@ class DiffusionEngine:
         policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass)
         if self.mode is EngineMode.STEP_BATCH:
             return StepScheduler(c.max_num_seqs, policy,
-                                 max_wait_s=c.step_batch_max_wait_ms / 1000.0,
+                                 max_wait_s=_seconds(c.step_batch_max_wait_ms),
                                  key=self._pipeline_cls.step_batch_key)
         wait_ms = c.request_batch_max_wait_ms if self._pipeline_cls.supports_request_batch else 0.0
-        return RequestScheduler(c.max_num_seqs, policy, max_wait_s=wait_ms / 1000.0,
+        return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
                                 key=self._pipeline_cls.request_batch_key)
 
     def _warmup_request(self) -> DiffusionRequest:
@@ -367,3 +367,7 @@ class DiffusionEngine:
         self.output_processor.close()
         logger.info("engine closed")
 
+
+def _seconds(ms: float | None) -> float | None:
+    """A window in ms as seconds; None (automatic) stays None."""
+    return None if ms is None else ms / 1000.0

@@ -138,6 +138,26 @@ class TestCoalescingWindow:
         s.add_request(req("a"), now=0.0)
         assert s.admission_wait_s(now=0.0) == 0.0
 
+    def test_the_automatic_window_follows_measured_run_times(self):
+        """max_wait_s=None: no hold before anything ran; then a tenth of the
+        moving average of run times (a lone request waits a quarter of that),
+        capped at 50 ms; a fixed window ignores the measurements."""
+        s = RequestScheduler(max_num_seqs=4, max_wait_s=None)
+        s.add_request(req("a"), now=0.0)
+        assert s.admission_wait_s(now=0.0) == 0.0  # nothing measured yet
+        s.observe_run_time(0.200)
+        assert s.max_wait_s == pytest.approx(0.020) and s.stable_s == pytest.approx(0.005)
+        assert s.admission_wait_s(now=0.0) == pytest.approx(0.005)
+        s.observe_run_time(0.400)  # the average moves halfway to each new time
+        assert s.max_wait_s == pytest.approx(0.030)
+        for _ in range(50):
+            s.observe_run_time(30.0)
+        assert s.max_wait_s == pytest.approx(0.050)  # capped
+        fixed = RequestScheduler(max_num_seqs=4, max_wait_s=0.0)
+        fixed.observe_run_time(1.0)
+        fixed.add_request(req("b"), now=0.0)
+        assert fixed.admission_wait_s(now=0.0) == 0.0
+
     def test_waits_while_queue_grows_until_stable(self):
         s = self.make()
         s.add_request(req("a"), now=0.000)

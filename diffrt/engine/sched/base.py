@@ -11,28 +11,46 @@ from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sched.interface import AbortOutcome, Finished, Scheduler
 from diffrt.engine.sched.policy import AdmissionPolicy, FifoPolicy
 
+#: the automatic window: this share of the recent requests' run time ...
+AUTO_WINDOW_FRACTION = 0.1
+#: ... and never longer than this
+AUTO_WINDOW_MAX_S = 0.05
+#: weight of the newest run time in the window's moving average
+AUTO_WINDOW_EMA = 0.5
+
 
 class BaseScheduler(Scheduler):
-    """Also owns the optional coalescing window: when nothing runs, the first
-    schedule of a new batch may be held for up to ``max_wait_s`` so a burst can
-    gather. It ends when the queue reaches capacity, when no request arrived for
+    """Also owns the coalescing window: when nothing runs, the first schedule of
+    a new batch may be held for up to ``max_wait_s`` so a burst can gather. It
+    ends when the queue reaches capacity, when no request arrived for
     ``stable_s`` (default: a quarter of the window, at least 1 ms), or at the
     deadline (the oldest arrival plus ``max_wait_s``); the engine ends it at
-    shutdown. Requests that queued behind running work are never held again."""
+    shutdown. Requests that queued behind running work are never held again.
+
+    ``max_wait_s=None`` sizes the window automatically: a tenth of the moving
+    average of how long recent requests ran (admission to finish), at most
+    50 ms, so a lone request waits at most a quarter of that (``stable_s``)
+    while a closed-loop burst — clients resubmitting as a batch finishes —
+    gathers into one batch instead of alternating a batch of one with a batch
+    of the rest. Nothing is held before the first request finished."""
 
     def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
-                 max_wait_s: float = 0.0, stable_s: float | None = None,
+                 max_wait_s: float | None = 0.0, stable_s: float | None = None,
                  key: Callable[[DiffusionRequest], tuple] | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_wait_s < 0:
+        if max_wait_s is not None and max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.max_num_seqs = max_num_seqs
         #: the compatibility key (the pipeline's; by default the parameters' own)
         self._key = key
         self.policy = policy or FifoPolicy()
-        self.max_wait_s = max_wait_s
-        self.stable_s = stable_s if stable_s is not None else max(0.001, max_wait_s / 4)
+        self.auto_window = max_wait_s is None
+        self._fixed_stable_s = stable_s
+        self._run_s_ema: float | None = None
+        self.max_wait_s = 0.0
+        self.stable_s = 0.0
+        self._set_window(max_wait_s or 0.0)
         self._seq = itertools.count()
         self._requests: dict[str, RequestRecord] = {}
         self._waiting: list[RequestRecord] = []  # arrival order
@@ -93,6 +111,21 @@ class BaseScheduler(Scheduler):
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def _set_window(self, max_wait_s: float) -> None:
+        self.max_wait_s = max_wait_s
+        self.stable_s = (self._fixed_stable_s if self._fixed_stable_s is not None
+                         else max(0.001, max_wait_s / 4))
+
+    def observe_run_time(self, seconds: float) -> None:
+        """A request ran ``seconds`` from admission to its end: the automatic
+        window follows the moving average (a fixed window ignores it)."""
+        if not self.auto_window or seconds < 0:
+            return
+        ema = self._run_s_ema
+        ema = seconds if ema is None else (1 - AUTO_WINDOW_EMA) * ema + AUTO_WINDOW_EMA * seconds
+        self._run_s_ema = ema
+        self._set_window(min(AUTO_WINDOW_MAX_S, AUTO_WINDOW_FRACTION * ema))
+
     def admission_wait_s(self, now: float) -> float:
         if self.max_wait_s <= 0 or self._running or not self._waiting:
             return 0.0
@@ -131,4 +164,4 @@ class BaseScheduler(Scheduler):
         self._requests.pop(sr.request_id, None)
         self._in_flight.discard(sr.request_id)
         return Finished(sr.request_id, status, error=error, has_output=has_output,
-                        step=sr.step, total_steps=sr.total_steps)
+                        step=sr.step, total_steps=sr.total_steps, admitted_at=sr.admitted_at)

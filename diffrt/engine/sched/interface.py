@@ -44,6 +44,8 @@ class Finished:
     has_output: bool = False
     step: int = 0
     total_steps: int = 0
+    #: when it was admitted (None: it never ran), on the clock ``schedule`` is given
+    admitted_at: float | None = None
 
 
 @dataclass
@@ -124,6 +126,11 @@ class Scheduler(ABC):
     def admission_wait_s(self, now: float) -> float:
         """Seconds the engine should still hold back the next schedule()."""
         return 0.0
+
+    def observe_run_time(self, seconds: float) -> None:
+        """A request finished ``seconds`` after its admission (a scheduler that
+        sizes its batching window from run times listens; others ignore it)."""
+        return None
 
     @property
     @abstractmethod

@@ -30,7 +30,7 @@ from diffrt.engine.sched.policy import AdmissionPolicy
 
 class StepScheduler(BaseScheduler):
     def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
-                 max_wait_s: float = 0.0, stable_s: float | None = None,
+                 max_wait_s: float | None = 0.0, stable_s: float | None = None,
                  key: Callable[[DiffusionRequest], tuple] | None = None):
         super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key)
         self._pending_drops: list[str] = []
