@@ -236,9 +236,17 @@ def latency_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the parent: fresh processes, interleaved rounds, medians -----------------------------------
+#: set by --peer-malloc: diffusers' processes get the allocator setting diffrt
+#: gives its CPU workers, to separate that gain from the rest
+PEER_ENV: dict[str, str] = {}
+
+
 def _child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ)
+    if spec["system"].startswith("diffusers"):
+        env.update(PEER_ENV)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} {spec} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -317,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", type=json.loads, default={},
                     help='extra EngineConfig fields for every diffrt system, as JSON')
+    ap.add_argument("--peer-malloc", action="store_true",
+                    help="give diffusers the allocator setting of diffrt's CPU workers "
+                         "(MALLOC_MMAP_MAX_=0, ...), to see what the rest of diffrt adds")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--child-timeout", type=float, default=900)
@@ -326,12 +337,17 @@ def main(argv: list[str] | None = None) -> int:
         fn = throughput_child if kind == "throughput" else latency_child
         print(json.dumps(fn(spec)))
         return 0
+    if args.peer_malloc:
+        from diffrt.engine.cpu_policy import CPU_WORKER_MALLOC_ENV
+
+        PEER_ENV.update(CPU_WORKER_MALLOC_ENV)
     if args.quick:
         args.sizes, args.requests, args.rounds, args.latency_requests = [64, 256], 16, 3, 60
     import torch
 
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; diffrt engine extras: "
-          f"{args.engine or 'none'}")
+          f"{args.engine or 'none'}; diffusers with diffrt's allocator setting: "
+          f"{'yes' if PEER_ENV else 'no'}")
     if not args.skip_throughput:
         bench_throughput(args)
     if not args.skip_latency:

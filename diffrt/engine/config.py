@@ -69,6 +69,10 @@ class EngineConfig:
             waits). None (the default) sizes the window from measured request
             run times (a tenth of their moving average, at most 50 ms; see
             ``sched.base``); 0 schedules at once. Irrelevant with max_num_seqs=1.
+        max_steps_per_tick: STEP_BATCH only: denoise steps one worker call may
+            run while no request waits to join (fewer round trips; a request
+            arriving meanwhile waits at most this many steps). 1 = one step per
+            call.
         async_output: None = auto (on where the platform supports it), True /
             False force the two-phase / synchronous output path.
         executor_backend: "mp" (worker processes, the default) or "inproc".
@@ -126,6 +130,7 @@ class EngineConfig:
     max_num_seqs: int = 1
     request_batch_max_wait_ms: float | None = None
     step_batch_max_wait_ms: float | None = None
+    max_steps_per_tick: int = 4
     async_output: bool | None = None
     executor_backend: str = "mp"
     world_size: int = 1
@@ -194,6 +199,9 @@ class EngineConfig:
             raise EngineConfigError("step_execution", f"must be a bool, got {self.step_execution!r}")
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise EngineConfigError("max_num_seqs", f"must be an int >= 1, got {self.max_num_seqs!r}")
+        if not _is_int(self.max_steps_per_tick) or self.max_steps_per_tick < 1:
+            raise EngineConfigError("max_steps_per_tick",
+                                    f"must be an int >= 1, got {self.max_steps_per_tick!r}")
         for name in ("request_batch_max_wait_ms", "step_batch_max_wait_ms"):
             wait = getattr(self, name)
             if wait is not None and (not _is_number(wait) or wait < 0):

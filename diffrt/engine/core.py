@@ -231,7 +231,8 @@ class EngineCore:
 
     def _request(self, tick: SchedulerOutput) -> ExecuteBatch | ExecuteStep:
         if self.mode is EngineMode.STEP_BATCH:
-            return ExecuteStep(new=tick.new, advance=tick.scheduled_ids, drop=tick.drop_ids)
+            return ExecuteStep(new=tick.new, advance=tick.scheduled_ids, drop=tick.drop_ids,
+                               steps=tick.steps)
         return ExecuteBatch(requests=tick.new)
 
     def _run_tick(self, tick: SchedulerOutput) -> TickResult | None:
@@ -285,12 +286,12 @@ class EngineCore:
                           text_encoding=text_encoding)
 
     def _step_seconds(self, tick: SchedulerOutput, elapsed: float) -> float | None:
-        """A step-mode tick is one denoise step; a request-mode tick runs its
+        """A step-mode tick is ``tick.steps`` denoise steps; a request-mode tick runs its
         batch's whole step count (one count per batch: it is in the batch key)."""
         if not tick.scheduled_ids:
             return None
         if self.mode is EngineMode.STEP_BATCH:
-            return elapsed
+            return elapsed / max(1, tick.steps)  # a tick may carry several steps
         return elapsed / max(1, tick.new[0].sampling_params.num_inference_steps)
 
     def _die(self, reason: str) -> None:

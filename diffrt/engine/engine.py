@@ -141,7 +141,8 @@ class DiffusionEngine:
         if self.mode is EngineMode.STEP_BATCH:
             return StepScheduler(c.max_num_seqs, policy,
                                  max_wait_s=_seconds(c.step_batch_max_wait_ms),
-                                 key=self._pipeline_cls.step_batch_key)
+                                 key=self._pipeline_cls.step_batch_key,
+                                 max_steps_per_tick=c.max_steps_per_tick)
         wait_ms = c.request_batch_max_wait_ms if self._pipeline_cls.supports_request_batch else 0.0
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
                                 key=self._pipeline_cls.request_batch_key)

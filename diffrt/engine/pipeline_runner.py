@@ -203,7 +203,10 @@ class PipelineRunner:
                 reply.errors[rid] = "RuntimeError: no step state for this request in the worker"
                 continue
             states.append(self.states[rid])
-        self._advance(states, reply)
+        for _ in range(max(1, step.steps)):
+            self._advance(states, reply)
+            if any(self._boundary(state, reply) for state in states):
+                break  # the batch changes here: back to the engine
         finished_states = []
         for state in states:
             rid = state.request_id
@@ -217,6 +220,12 @@ class PipelineRunner:
                 self._preview(state, reply, outputs)
         self._decode(finished_states, reply, outputs)
         return RunnerResult(reply=reply, outputs=outputs)
+
+    @staticmethod
+    def _boundary(state: StepRequestState, reply: StepDone) -> bool:
+        """After this step ``state`` leaves the batch or wants an output."""
+        return (state.request_id in reply.errors or state.finished
+                or state.step_index in state.request.sampling_params.preview_steps())
 
     def _preview(self, state: StepRequestState, reply: StepDone,
                  outputs: dict[str, Any]) -> None:

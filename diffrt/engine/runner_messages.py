@@ -39,11 +39,14 @@ class ExecuteBatch(msgspec.Struct, tag="execute_batch"):
 
 
 class ExecuteStep(msgspec.Struct, tag="execute_step"):
-    """STEP_BATCH: admit ``new``, forget ``drop``, advance ``advance`` by one step."""
+    """STEP_BATCH: admit ``new``, forget ``drop``, advance ``advance`` by one
+    step — or by up to ``steps``, stopping after a step in which a request
+    finished, failed or reached a preview."""
 
     new: list[DiffusionRequest] = []
     advance: list[str] = []
     drop: list[str] = []
+    steps: int = 1
 
 
 class CountStepStates(msgspec.Struct, tag="count_step_states"):

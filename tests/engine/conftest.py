@@ -33,7 +33,10 @@ def step_engine1():
 
 @pytest.fixture(scope="module")
 def step_engine4():
-    with shared_engine(toy_engine(max_num_seqs=4, step_execution=True)) as e:
+    """One step per worker call: these tests pin down where requests join and
+    leave (multi-step ticks have tests of their own)."""
+    with shared_engine(toy_engine(max_num_seqs=4, step_execution=True,
+                                  max_steps_per_tick=1)) as e:
         yield e
 
 

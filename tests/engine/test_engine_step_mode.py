@@ -243,3 +243,71 @@ def test_dozens_of_threads_on_a_request_engine(req_engine4):
     for i, r in enumerate(reqs):
         assert first_pixel(results[r.request_id]) == toy.expected_pixel(i, 1 + i % 3)
     assert_clean(req_engine4)
+
+
+# -- several steps per worker call --------------------------------------------------
+def _count_calls(engine, monkeypatch) -> list:
+    """The ExecuteStep messages the engine sends (one per worker round trip)."""
+    sent: list = []
+    real = engine.executor.execute
+
+    def execute(request, *args, **kw):
+        sent.append(request)
+        return real(request, *args, **kw)
+
+    monkeypatch.setattr(engine.executor, "execute", execute)
+    return sent
+
+
+def test_a_lone_batch_runs_several_steps_per_call_with_every_progress(monkeypatch):
+    """Nothing waiting: the worker runs up to max_steps_per_tick steps per call
+    (never past a request's end); every step still yields its progress item."""
+    engine = toy_engine(max_num_seqs=4, step_execution=True, max_steps_per_tick=3,
+                        step_batch_max_wait_ms=0)
+    try:
+        toy.reset()
+        sent = _count_calls(engine, monkeypatch)
+        short, long_ = toy_request(seed=1, steps=2), toy_request(seed=2, steps=7)
+        got = engine.generate([short, long_])
+        assert [first_pixel(o) for o in got] == [toy.expected_pixel(1, 2),
+                                                toy.expected_pixel(2, 7)]
+        s, lg = short.request_id, long_.request_id
+        # one denoise call per step, as with single-step ticks ...
+        assert toy.calls("step") == [[s, lg], [s, lg]] + [[lg]] * 5
+        # ... in 3 round trips: 2 steps (the short one ends), then 3, then 2
+        assert [m.steps for m in sent] == [2, 3, 2]
+        r = toy_request(seed=5, steps=7)
+        stream = asyncio.run(collect(engine, r))
+        assert [o.step for o in stream] == [1, 2, 3, 4, 5, 6, 7]
+        assert stream[-1].finished and first_pixel(stream[-1]) == toy.expected_pixel(5, 7)
+    finally:
+        engine.close()
+
+
+def test_a_waiting_request_turns_multi_step_calls_back_to_single_steps(monkeypatch):
+    """A request waiting to join makes the next call one step long, so it joins
+    at the next boundary; it waited at most one multi-step call."""
+    engine = toy_engine(max_num_seqs=4, step_execution=True, max_steps_per_tick=4,
+                        step_batch_max_wait_ms=0)
+    try:
+        toy.reset()
+        toy.gate("multi").clear()
+        sent = _count_calls(engine, monkeypatch)
+        first = toy_request("block:multi", steps=8)
+        got: list = []
+        t1 = threading.Thread(target=lambda: got.append(engine.generate(first)))
+        t1.start()
+        assert wait_until(lambda: toy.calls("step"))
+        later = toy_request(steps=2)
+        t2 = threading.Thread(target=lambda: got.append(engine.generate(later)))
+        t2.start()
+        assert wait_until(lambda: engine.scheduler.num_waiting == 1)
+        toy.gate("multi").set()
+        t1.join(10)
+        t2.join(10)
+        assert all(o.ok for o in got)
+        f, lt = first.request_id, later.request_id
+        assert sent[0].steps == 4 and sent[1].new[0].request_id == lt
+        assert toy.calls("step")[:6] == [[f]] * 4 + [[f, lt]] * 2
+    finally:
+        engine.close()

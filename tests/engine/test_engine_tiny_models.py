@@ -81,3 +81,19 @@ def test_several_outputs_per_prompt_decoded_together(flux_engines):
         a = np.asarray(alone.images[i]).astype(np.int16)
         b = np.asarray(both[0].images[i]).astype(np.int16)
         assert np.abs(a - b).max() <= 1
+
+
+def test_multi_step_ticks_are_bit_identical_to_one_step_per_tick(flux_engines):
+    """Running several denoise steps per worker call changes only how often
+    the engine and the worker talk, never the arithmetic: the same requests
+    (batched, different step counts) give the same bytes with 1 step per call."""
+    _, multi = flux_engines
+    assert multi.config.max_steps_per_tick > 1
+    with shared_engine(DiffusionEngine.make_engine(EngineConfig(
+            model="tiny-flux", executor_backend="inproc", max_num_seqs=2, step_execution=True,
+            max_steps_per_tick=1))) as single:
+        batch = [flux_request(21, steps=5), flux_request(22, steps=3)]
+        got = [multi.generate(batch), single.generate([flux_request(21, steps=5),
+                                                      flux_request(22, steps=3)])]
+    for a, b in zip(*got, strict=True):
+        assert np.array_equal(image(a), image(b))

@@ -72,6 +72,9 @@ class SchedulerOutput:
     scheduled_ids: list[str] = field(default_factory=list)
     #: ids whose worker-side state must be dropped (step mode).
     drop_ids: list[str] = field(default_factory=list)
+    #: step mode: denoise steps the worker may run in this call (it stops
+    #: early after a step that finishes a request or reaches a preview)
+    steps: int = 1
 
     @property
     def is_empty(self) -> bool:

@@ -1,6 +1,12 @@
 """STEP_BATCH scheduling: continuous batching at denoise-step granularity.
 
-Every tick advances all running requests by one denoise step in one batch.
+Every tick advances all running requests by one denoise step in one batch —
+or by up to ``max_steps_per_tick`` steps while nothing waits to join and
+nothing is to be dropped: one round trip engine -> worker -> engine then
+carries several steps (the worker stops early after a step that finishes a
+request or reaches a preview, so every exit still happens at its own step).
+A request that arrives meanwhile waits at most that many steps; the progress
+of every step is still reported, one item per step.
 Requests join at a step boundary when there is capacity and their
 step batch key (the pipeline's ``step_batch_key``) equals the running batch's; they leave
 when their own step count is reached (counts may differ within a batch), when
@@ -31,8 +37,12 @@ from diffrt.engine.sched.policy import AdmissionPolicy
 class StepScheduler(BaseScheduler):
     def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
                  max_wait_s: float | None = 0.0, stable_s: float | None = None,
-                 key: Callable[[DiffusionRequest], tuple] | None = None):
+                 key: Callable[[DiffusionRequest], tuple] | None = None,
+                 max_steps_per_tick: int = 1):
         super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key)
+        if max_steps_per_tick < 1:
+            raise ValueError(f"max_steps_per_tick must be >= 1, got {max_steps_per_tick}")
+        self.max_steps_per_tick = max_steps_per_tick
         self._pending_drops: list[str] = []
 
     def default_key(self, request: DiffusionRequest) -> tuple:
@@ -51,11 +61,23 @@ class StepScheduler(BaseScheduler):
         new = self._admit(self.running_key, self.max_num_seqs - len(self._running), now)
         drops, self._pending_drops = self._pending_drops, []
         ids = [sr.request_id for sr in self._running]
-        out = SchedulerOutput(new=[sr.request for sr in new], scheduled_ids=ids, drop_ids=drops)
+        out = SchedulerOutput(new=[sr.request for sr in new], scheduled_ids=ids, drop_ids=drops,
+                              steps=self._steps_for_tick(drops))
         if out.is_empty:
             return None
         self._in_flight.update(ids)
         return out
+
+    def _steps_for_tick(self, drops: list[str]) -> int:
+        """Several steps only while the batch cannot change at a boundary
+        anyway: nobody waiting, nothing to drop, no abort pending; never past
+        the step that finishes the first request."""
+        if self.max_steps_per_tick == 1 or self._waiting or drops or not self._running:
+            return 1
+        if any(sr.abort_requested for sr in self._running):
+            return 1
+        left = min(sr.total_steps - sr.step for sr in self._running)
+        return max(1, min(self.max_steps_per_tick, left))
 
     def update_from_output(self, output: SchedulerOutput, result: ExecutionResult) -> UpdateResult:
         update = UpdateResult()
@@ -67,6 +89,7 @@ class StepScheduler(BaseScheduler):
             self._in_flight.discard(rid)
             produced = rid in finished_ok
             failed = result.failed_all if result.failed_all is not None else result.errors.get(rid)
+            before = sr.step
             if produced:
                 sr.step = sr.total_steps
             elif rid in result.progress:
@@ -81,9 +104,13 @@ class StepScheduler(BaseScheduler):
                                                     else failed))
             elif produced:
                 self._running.remove(sr)
+                # the steps a multi-step tick ran before the last one
+                update.progress.extend(Progress(rid, step, sr.total_steps)
+                                       for step in range(before + 1, sr.total_steps))
                 update.finished.append(self._finish(sr, RequestStatus.FINISHED, has_output=True))
-            else:
-                update.progress.append(Progress(rid, sr.step, sr.total_steps))
+            else:  # one progress item per step, also when a tick ran several
+                update.progress.extend(Progress(rid, step, sr.total_steps)
+                                       for step in range(min(before + 1, sr.step), sr.step + 1))
         return update
 
     def _on_running_aborted(self, sr: RequestRecord) -> None:
