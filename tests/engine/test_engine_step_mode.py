@@ -60,24 +60,30 @@ def test_different_step_counts_share_step_batches(step_engine4):
     assert toy.calls("step") == [[s, lg], [s, lg], [lg], [lg], [lg]]
 
 
-def test_a_request_joins_a_running_batch_at_a_step_boundary(step_engine4):
+def join_while_blocked(engine, first_steps: int) -> tuple[str, str]:
+    """A request blocked inside its first step, a second one arriving meanwhile;
+    both run to their end. Returns their ids."""
     toy.reset()
     toy.gate("join").clear()
-    first = toy_request("block:join", steps=3)
+    first = toy_request("block:join", steps=first_steps)
     got: list = []
-    t1 = threading.Thread(target=lambda: got.append(step_engine4.generate(first)))
+    t1 = threading.Thread(target=lambda: got.append(engine.generate(first)))
     t1.start()
     assert wait_until(lambda: toy.calls("step"))
     later = toy_request(steps=2)
-    t2 = threading.Thread(target=lambda: got.append(step_engine4.generate(later)))
+    t2 = threading.Thread(target=lambda: got.append(engine.generate(later)))
     t2.start()
-    assert wait_until(lambda: step_engine4.scheduler.num_waiting == 1)
+    assert wait_until(lambda: engine.scheduler.num_waiting == 1)
     toy.gate("join").set()
     t1.join(10)
     t2.join(10)
-    f, lt = first.request_id, later.request_id
+    assert len(got) == 2 and all(o.ok for o in got)
+    return first.request_id, later.request_id
+
+
+def test_a_request_joins_a_running_batch_at_a_step_boundary(step_engine4):
+    f, lt = join_while_blocked(step_engine4, first_steps=3)
     assert toy.calls("step") == [[f], [f, lt], [f, lt]]
-    assert all(o.ok for o in got)
 
 
 def test_requests_finishing_together_are_decoded_together(step_engine4):
@@ -290,23 +296,8 @@ def test_a_waiting_request_turns_multi_step_calls_back_to_single_steps(monkeypat
     engine = toy_engine(max_num_seqs=4, step_execution=True, max_steps_per_tick=4,
                         step_batch_max_wait_ms=0)
     try:
-        toy.reset()
-        toy.gate("multi").clear()
         sent = _count_calls(engine, monkeypatch)
-        first = toy_request("block:multi", steps=8)
-        got: list = []
-        t1 = threading.Thread(target=lambda: got.append(engine.generate(first)))
-        t1.start()
-        assert wait_until(lambda: toy.calls("step"))
-        later = toy_request(steps=2)
-        t2 = threading.Thread(target=lambda: got.append(engine.generate(later)))
-        t2.start()
-        assert wait_until(lambda: engine.scheduler.num_waiting == 1)
-        toy.gate("multi").set()
-        t1.join(10)
-        t2.join(10)
-        assert all(o.ok for o in got)
-        f, lt = first.request_id, later.request_id
+        f, lt = join_while_blocked(engine, first_steps=8)
         assert sent[0].steps == 4 and sent[1].new[0].request_id == lt
         assert toy.calls("step")[:6] == [[f]] * 4 + [[f, lt]] * 2
     finally:
