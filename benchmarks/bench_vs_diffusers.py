@@ -264,7 +264,9 @@ def bench_throughput(args: argparse.Namespace) -> None:
     results: dict[tuple[str, int], list[float]] = defaultdict(list)
     for rnd in range(args.rounds):
         for size in args.sizes:
-            order = THROUGHPUT_SYSTEMS[rnd % 5:] + THROUGHPUT_SYSTEMS[:rnd % 5]
+            systems = [x for x in THROUGHPUT_SYSTEMS if x in args.systems]
+            k = rnd % len(systems)
+            order = systems[k:] + systems[:k]
             for system in order:
                 spec = {"system": system, "size": size, "steps": args.steps,
                         "requests": args.requests, "engine": args.engine}
@@ -275,11 +277,14 @@ def bench_throughput(args: argparse.Namespace) -> None:
     header = "".join(f"{s:>10}" for s in args.sizes)
     print(f"{'images/s':<28}{header}")
     for system in THROUGHPUT_SYSTEMS:
-        print(f"{system:<28}" + "".join(f"{med[(system, s)]:>10.2f}" for s in args.sizes))
+        if system in args.systems:
+            print(f"{system:<28}" + "".join(f"{med[(system, s)]:>10.2f}" for s in args.sizes))
     print(f"{'ratio':<28}{header}")
     for ours, peer in (("diffrt serial", "diffusers serial"),
                        ("diffrt step x8", "diffusers batch 8"),
                        ("diffrt request x8", "diffusers batch 8")):
+        if ours not in args.systems or peer not in args.systems:
+            continue
         print(f"{ours + ' / ' + peer:<40}"[:40] + "".join(
             f"{med[(ours, s)] / med[(peer, s)]:>10.2f}" for s in args.sizes))
 
@@ -317,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="sizes 64 and 256, 16 requests, 3 rounds, 60-request latency mix")
     ap.add_argument("--sizes", type=int, nargs="*", default=[64, 256, 512])
+    ap.add_argument("--systems", nargs="*", default=THROUGHPUT_SYSTEMS, choices=THROUGHPUT_SYSTEMS,
+                    metavar="SYSTEM", help="throughput: which systems (default: all five)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)

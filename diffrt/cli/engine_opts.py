@@ -110,6 +110,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
     p.add_argument("--policy", choices=("fifo", "skip_ahead"), default="fifo",
                    help="scheduling policy: fifo, or skip_ahead (compatible younger requests "
                         "may pass an incompatible one, with aging) (default: %(default)s)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile each worker's denoiser (BACKEND, default inductor); "
+                        "each new image or batch size compiles once on first use")
+    p.add_argument("--steps-per-tick", type=positive_int, default=None, metavar="N",
+                   help="step mode: denoise steps one worker call may run while no request "
+                        "waits to join (default: the engine's 4; 1 = one step per call)")
     p.add_argument("--batch-wait-ms", type=non_negative_float, default=None,
                    help="how long an idle engine holds a new batch open so a burst can join "
                         "it; 0 schedules at once (default: 20 for several prompts in generate, "
@@ -152,6 +158,11 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         options["worker_env"] = {"DIFFRT_LOG_LEVEL": worker_log_spec(get("log_level"))}
     if options:
         settings["executor_options"] = options
+    if get("compile"):
+        settings["compile"] = True
+        settings["compile_backend"] = get("compile")
+    if get("steps_per_tick"):
+        settings["max_steps_per_tick"] = get("steps_per_tick")
     if get("policy") != "fifo":
         settings["scheduling_policy"] = get("policy")
     if get("batch_wait_ms") is not None:

@@ -69,6 +69,9 @@ class EngineConfig:
             waits). None (the default) sizes the window from measured request
             run times (a tenth of their moving average, at most 50 ms; see
             ``sched.base``); 0 schedules at once. Irrelevant with max_num_seqs=1.
+        compile: ``torch.compile`` each worker's denoiser (``compile_backend``,
+            default inductor); every new (size, batch) shape compiles once on
+            first use (the warm-up request's shape during warm-up).
         max_steps_per_tick: STEP_BATCH only: denoise steps one worker call may
             run while no request waits to join (fewer round trips; a request
             arriving meanwhile waits at most this many steps). 1 = one step per
@@ -131,6 +134,8 @@ class EngineConfig:
     request_batch_max_wait_ms: float | None = None
     step_batch_max_wait_ms: float | None = None
     max_steps_per_tick: int = 4
+    compile: bool = False
+    compile_backend: str = "inductor"
     async_output: bool | None = None
     executor_backend: str = "mp"
     world_size: int = 1
@@ -186,7 +191,8 @@ class EngineConfig:
                                   plugin_modules=list(self.plugin_modules),
                                   prompt_cache_bytes=self.prompt_cache_bytes,
                                   vae_tiling=self.vae_tiling, vae_slicing=self.vae_slicing,
-                                  offload_text_encoders=self.offload_text_encoders)
+                                  offload_text_encoders=self.offload_text_encoders,
+                                  compile_backend=self.compile_backend if self.compile else None)
         runner = RunnerSpec(PIPELINE_RUNNER_CLS, PIPELINE_PROTOCOL, settings)
         return ExecutorConfig(runner=runner, world_size=self.world_size,
                               async_output=async_output, **kw)
@@ -199,6 +205,11 @@ class EngineConfig:
             raise EngineConfigError("step_execution", f"must be a bool, got {self.step_execution!r}")
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise EngineConfigError("max_num_seqs", f"must be an int >= 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.compile, bool):
+            raise EngineConfigError("compile", f"must be a bool, got {self.compile!r}")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise EngineConfigError("compile_backend",
+                                    f"must be a backend name, got {self.compile_backend!r}")
         if not _is_int(self.max_steps_per_tick) or self.max_steps_per_tick < 1:
             raise EngineConfigError("max_steps_per_tick",
                                     f"must be an int >= 1, got {self.max_steps_per_tick!r}")

@@ -101,6 +101,8 @@ class PipelineRunner:
         self.pipeline.configure_memory(vae_tiling=settings.vae_tiling,
                                        vae_slicing=settings.vae_slicing,
                                        offload_text_encoders=settings.offload_text_encoders)
+        if settings.compile_backend:
+            self.pipeline.compile_models(settings.compile_backend)
         self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes,
                                           synchronize=self._wait_for_current_stream)
         #: text-encoding counters already reported to the engine.

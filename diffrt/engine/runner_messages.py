@@ -29,6 +29,8 @@ class RunnerSettings(msgspec.Struct, frozen=True):
     vae_tiling: bool = False
     vae_slicing: bool = False
     offload_text_encoders: bool = False
+    #: torch.compile backend of the denoiser (None: eager)
+    compile_backend: str | None = None
 
 
 # -- requests -------------------------------------------------------------------------

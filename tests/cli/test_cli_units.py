@@ -192,6 +192,13 @@ def test_engine_flags_reach_the_engine_config():
     assert engine_settings(p.parse_args(["--vae-tiling"]))["vae_tiling"] is True
     assert engine_settings(p.parse_args(["--plugin-module", "a.b", "--plugin-module", "c"])
                            )["plugin_modules"] == ["a.b", "c"]
+    compiled = engine_settings(p.parse_args(["--compile"]))
+    assert compiled["compile"] is True and compiled["compile_backend"] == "inductor"
+    assert engine_settings(p.parse_args(["--compile", "aot_eager"]))["compile_backend"] == "aot_eager"
+    assert "compile" not in engine_settings(p.parse_args([]))
+    assert engine_settings(p.parse_args(["--steps-per-tick", "1"]))["max_steps_per_tick"] == 1
+    assert engine_settings(p.parse_args(["--batch-wait-ms", "0"]))[
+        "request_batch_max_wait_ms"] == 0.0  # 0 turns the automatic window off
 
 
 def test_bench_configurations_keep_every_engine_flag():

@@ -97,3 +97,19 @@ def test_multi_step_ticks_are_bit_identical_to_one_step_per_tick(flux_engines):
                                                       flux_request(22, steps=3)])]
     for a, b in zip(*got, strict=True):
         assert np.array_equal(image(a), image(b))
+
+
+def test_a_compiled_denoiser_matches_eager_within_2_of_255(flux_engines):
+    """compile=True: torch.compile of the transformer (the cheap aot_eager
+    backend here; the benchmark measures inductor) gives the eager images
+    within 2/255, in both modes."""
+    req, step = flux_engines
+    for eager, mode in ((req, False), (step, True)):
+        with shared_engine(DiffusionEngine.make_engine(EngineConfig(
+                model="tiny-flux", executor_backend="inproc", step_execution=mode,
+                compile=True, compile_backend="aot_eager"))) as compiled:
+            runner = compiled.executor.core.runner
+            assert type(runner.pipeline.transformer).__name__ == "OptimizedModule"
+            a = image(eager.generate(flux_request(31, steps=3)))
+            b = image(compiled.generate(flux_request(31, steps=3)))
+        assert np.abs(a - b).max() <= 2

@@ -170,6 +170,17 @@ class FlowMatchPipeline(DiffusionPipeline):
         text = FolderTextEncoder(full, cls.encode_with_diffusers, device=device)
         return cls(full.transformer, full.vae, full.scheduler, text, device=device, dtype=dtype)
 
+    def compile_models(self, backend: str) -> None:
+        """The transformer only: it is the denoising loop's whole cost on an
+        accelerator. The VAE decoder stays eager (under ``aot_eager`` its
+        group norms meet non-contiguous inputs and fail; on CPU inductor
+        gained nothing on it)."""
+        import torch._dynamo
+
+        # every (size, batch) shape is its own graph: allow many before eager fallback
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        self.transformer = torch.compile(self.transformer, backend=backend, dynamic=False)
+
     def configure_memory(self, *, vae_tiling: bool = False, vae_slicing: bool = False,
                          offload_text_encoders: bool = False) -> None:
         if vae_tiling:

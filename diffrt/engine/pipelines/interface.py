@@ -216,6 +216,11 @@ class DiffusionPipeline(ABC):
         one image at a time (large batches), text encoders kept on the CPU
         between encodings (small devices). Pipelines without them ignore it."""
 
+    def compile_models(self, backend: str) -> None:  # noqa: B027 (optional hook)
+        """``torch.compile`` the denoiser with ``backend`` (shapes are static:
+        each new image size or batch size compiles once, on first use).
+        Pipelines without a compilable denoiser ignore it."""
+
     def enable_prompt_cache(self, max_bytes: int, *,  # noqa: B027 (optional hook)
                             synchronize: Callable[[], None] | None = None) -> None:
         """Keep prompt embeddings (LRU, at most ``max_bytes``; 0 keeps none) and
