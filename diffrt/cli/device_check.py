@@ -31,6 +31,9 @@ from typing import Any
 
 from diffrt.cli.bench_stats import median
 
+#: no request of the check may take longer (a hang fails its part, not the check)
+REQUEST_TIMEOUT_S = 300.0
+
 
 @dataclass
 class CheckOptions:
@@ -72,19 +75,24 @@ def serve_back_to_back(ex: Any, payloads: list[Any], consume: Callable[[Any], No
     """
     pending: list[Any] = []
     finished: list[float] = []
+    failed: list[BaseException] = []
     cond = threading.Condition()
     done = threading.Event()
 
     def consumer() -> None:
-        while len(finished) < len(payloads):
-            with cond:
-                while not pending:
-                    cond.wait()
-                oid = pending.pop(0)
-            if oid is not None:
-                consume(ex.wait_output_ready(oid).result())
-                finished.append(time.perf_counter())
-        done.set()
+        try:
+            while len(finished) < len(payloads):
+                with cond:
+                    while not pending:
+                        cond.wait()
+                    oid = pending.pop(0)
+                if oid is not None:
+                    consume(ex.wait_output_ready(oid).result())
+                    finished.append(time.perf_counter())
+        except BaseException as exc:  # an output that never came: the caller raises it
+            failed.append(exc)
+        finally:
+            done.set()
 
     thread = threading.Thread(target=consumer, daemon=True)
     forward = 0.0
@@ -101,6 +109,8 @@ def serve_back_to_back(ex: Any, payloads: list[Any], consume: Callable[[Any], No
             pending.append(oid)
             cond.notify()
     done.wait()
+    if failed:
+        raise failed[0]
     n = len(payloads)
     if n > 2:
         per_request = (finished[-1] - finished[1]) / (n - 2)
@@ -178,17 +188,19 @@ def async_vs_sync(opts: CheckOptions) -> dict[str, Any]:
     per_model = math.ceil(opts.identical_requests / len(models))
     result: dict[str, Any] = {"requests": 0, "identical": 0, "mismatched_ids": []}
     for model in models:
-        engines = [DiffusionEngine.make_engine(EngineConfig(
-            model=model, async_output=flag, executor_backend=opts.executor))
-            for flag in (True, False)]
+        engines: list[Any] = []
         try:
+            for flag in (True, False):  # inside the try: a failed start closes the first
+                engines.append(DiffusionEngine.make_engine(EngineConfig(
+                    model=model, async_output=flag, executor_backend=opts.executor)))
             for i in range(per_model):
                 params = SamplingParams(height=opts.identical_size, width=opts.identical_size,
                                         num_inference_steps=opts.identical_steps, seed=i,
                                         output_type="pt")
                 outs = [engine.generate(DiffusionRequest(prompt=f"check {i}",
                                                          request_id=f"{model}-{i}-{k}",
-                                                         sampling_params=params))
+                                                         sampling_params=params),
+                                        timeout=REQUEST_TIMEOUT_S)
                         for k, engine in enumerate(engines)]
                 for o in outs:
                     if not o.ok:
@@ -214,9 +226,11 @@ def bubble(opts: CheckOptions) -> dict[str, Any]:
     settings = CheckSettings(size=opts.size, widths=opts.widths,
                              double_blocks=opts.double_blocks, single_blocks=opts.single_blocks)
     spec = RunnerSpec("diffrt.cli.check_runner:FluxWidthRunner", CHECK_PROTOCOL, settings)
-    executors = {mode: make_executor(opts.executor, ExecutorConfig(
-        runner=spec, async_output=mode == "async")) for mode in ("async", "sync")}
+    executors: dict[str, Any] = {}
     try:
+        for mode in ("async", "sync"):  # inside the try: a failed start shuts the first
+            executors[mode] = make_executor(opts.executor, ExecutorConfig(
+                runner=spec, async_output=mode == "async"))
         step_s = executors["async"].execute(Calibrate()).reply.seconds
         steps = max(1, math.ceil(opts.min_forward_s / step_s)) if step_s > 0 else 1
 
@@ -279,7 +293,7 @@ def engine_overhead(opts: CheckOptions) -> dict[str, Any]:
             image.cpu()
 
         def via_engine(i: int) -> None:
-            out = engine.generate(request(i, "engine"))
+            out = engine.generate(request(i, "engine"), timeout=REQUEST_TIMEOUT_S)
             if not out.ok:
                 raise RuntimeError(out.error)
 

@@ -112,7 +112,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
                         "may pass an incompatible one, with aging) (default: %(default)s)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile each worker's denoiser (BACKEND, default inductor); "
-                        "each new image or batch size compiles once on first use")
+                        "it compiles at warm-up and once more when a shape first changes")
     p.add_argument("--steps-per-tick", type=positive_int, default=None, metavar="N",
                    help="step mode: denoise steps one worker call may run while no request "
                         "waits to join (default: the engine's 4; 1 = one step per call)")

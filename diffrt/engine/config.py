@@ -63,15 +63,17 @@ class EngineConfig:
         max_num_seqs: capacity of the scheduler: how many requests share one
             forward (REQUEST_BATCH) or one denoise step (STEP_BATCH).
         request_batch_max_wait_ms: REQUEST_BATCH only: how long an idle engine
-            may hold the first request of a new wave so a burst can join it.
+            may hold the first request of a new wave so a burst can join it
+            (None, the default: automatic, as for step_batch_max_wait_ms).
         step_batch_max_wait_ms: STEP_BATCH only: the same window for a step
             batch that forms while nothing runs (joining a running batch never
             waits). None (the default) sizes the window from measured request
             run times (a tenth of their moving average, at most 50 ms; see
             ``sched.base``); 0 schedules at once. Irrelevant with max_num_seqs=1.
         compile: ``torch.compile`` each worker's denoiser (``compile_backend``,
-            default inductor); every new (size, batch) shape compiles once on
-            first use (the warm-up request's shape during warm-up).
+            default inductor); it compiles on first use (the warm-up request)
+            and once more when a shape first changes (then dynamic in it). A
+            compile is a worker call without heartbeats: mind execute_timeout_s.
         max_steps_per_tick: STEP_BATCH only: denoise steps one worker call may
             run while no request waits to join (fewer round trips; a request
             arriving meanwhile waits at most this many steps). 1 = one step per

@@ -69,6 +69,8 @@ class TickResult:
     previews: dict[str, tuple[str, int]] = field(default_factory=dict)
     #: seconds per denoise step of this tick's batch (None: nothing ran).
     step_seconds: float | None = None
+    #: how many denoise steps ``step_seconds`` stands for (a multi-step tick)
+    steps: int = 1
     #: the text encoding the workers did in this tick.
     text_encoding: TextEncoderStats | None = None
 
@@ -241,6 +243,7 @@ class EngineCore:
         output_ids: dict[str, str] = {}
         text_encoding = None
         preview_index: dict[str, int] = {}
+        steps_run = 1
         try:
             with tracing.span(tracing.ENGINE_LOOP_TRACK, request.__struct_config__.tag,
                               keys=tick.scheduled_ids, drop=tick.drop_ids):
@@ -249,6 +252,7 @@ class EngineCore:
             result = _execution_result(tick, ro.reply, output_ids)
             text_encoding = getattr(ro.reply, "text_encoding", None)
             preview_index = dict(getattr(ro.reply, "previews", {}))
+            steps_run = getattr(ro.reply, "steps_run", 1)
         except ExecutorDeadError as exc:
             if self._restart is None:
                 self._die(f"executor died: {exc}")
@@ -261,7 +265,7 @@ class EngineCore:
             logger.error("%s failed: %s", type(request).__name__, exc)
             result = ExecutionResult(failed_all=f"{type(exc).__name__}: {exc}")
         elapsed = self._clock() - start
-        step_seconds = None if result.failed_all else self._step_seconds(tick, elapsed)
+        step_seconds = None if result.failed_all else self._step_seconds(tick, elapsed, steps_run)
         with self._cond:
             update = self.scheduler.update_from_output(tick, result)
             done_at = self._clock()
@@ -283,15 +287,17 @@ class EngineCore:
         return TickResult(scheduled_ids=list(tick.scheduled_ids), started_at=start,
                           elapsed=elapsed, progress=update.progress, finished=update.finished,
                           output_ids=kept, previews=previews, step_seconds=step_seconds,
+                          steps=steps_run if self.mode is EngineMode.STEP_BATCH else 1,
                           text_encoding=text_encoding)
 
-    def _step_seconds(self, tick: SchedulerOutput, elapsed: float) -> float | None:
-        """A step-mode tick is ``tick.steps`` denoise steps; a request-mode tick runs its
+    def _step_seconds(self, tick: SchedulerOutput, elapsed: float,
+                      steps_run: int) -> float | None:
+        """A step-mode tick ran ``steps_run`` denoise steps; a request-mode tick runs its
         batch's whole step count (one count per batch: it is in the batch key)."""
         if not tick.scheduled_ids:
             return None
         if self.mode is EngineMode.STEP_BATCH:
-            return elapsed / max(1, tick.steps)  # a tick may carry several steps
+            return elapsed / max(1, steps_run)  # a tick may carry several steps
         return elapsed / max(1, tick.new[0].sampling_params.num_inference_steps)
 
     def _die(self, reason: str) -> None:

@@ -10,7 +10,7 @@ Both were measured on the 2-core CI machine with tiny-flux at 256x256
   came from a second OpenMP team in the worker — the output thread running
   torch copies, which made libgomp stop spinning at barriers — and the
   output thread no longer runs torch ops on CPU
-  (``diffrt.runtime.output_thread.copy_host``).
+  (``diffrt.runtime.shm_transport.copy_host``).
 - **The allocator.** A diffusion forward allocates and frees activations of
   tens of MB per layer; glibc serves those from fresh ``mmap`` regions and
   gives them back at ``free``, so every request pays their page faults again

@@ -186,6 +186,7 @@ class DiffusionEngine:
         if not out.ok:
             raise EngineWarmupError(f"warm-up request failed: {out.error}")
         self.output_processor.stats.reset()  # stats() describes served requests only
+        self.scheduler.forget_run_times()  # a cold one-step request sizes no window
         logger.info("warm-up done in %.2f s", time.monotonic() - start)
 
     # -- public API -------------------------------------------------------------------

@@ -144,7 +144,7 @@ class OutputProcessor:
         to_wait: list[tuple[str, str]] = []
         to_preview: list[tuple[str, str, int]] = []
         to_release: list[str] = []
-        self.stats.on_tick(result.step_seconds, result.text_encoding)
+        self.stats.on_tick(result.step_seconds, result.text_encoding, result.steps)
         with self._lock:
             for rid in result.scheduled_ids:
                 record = self._records.get(rid)

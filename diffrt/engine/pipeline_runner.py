@@ -205,8 +205,9 @@ class PipelineRunner:
                 reply.errors[rid] = "RuntimeError: no step state for this request in the worker"
                 continue
             states.append(self.states[rid])
-        for _ in range(max(1, step.steps)):
+        for run in range(1, max(1, step.steps) + 1):
             self._advance(states, reply)
+            reply.steps_run = run
             if any(self._boundary(state, reply) for state in states):
                 break  # the batch changes here: back to the engine
         finished_states = []
@@ -221,6 +222,9 @@ class PipelineRunner:
                 reply.progress[rid] = state.step_index
                 self._preview(state, reply, outputs)
         self._decode(finished_states, reply, outputs)
+        for state in states:  # a failure still reports the steps it had done
+            if state.request_id in reply.errors and state.step_index:
+                reply.progress.setdefault(state.request_id, state.step_index)
         return RunnerResult(reply=reply, outputs=outputs)
 
     @staticmethod

@@ -77,6 +77,8 @@ class StepDone(msgspec.Struct, tag="step_done"):
     errors: dict[str, str] = {}
     #: text encoding done in this tick (new requests are encoded at admission).
     text_encoding: TextEncoderStats | None = None
+    #: denoise steps this call ran (``ExecuteStep.steps`` or fewer)
+    steps_run: int = 1
 
 
 class StepStateCount(msgspec.Struct, tag="step_state_count"):

@@ -110,10 +110,14 @@ class StatsRecorder:
         self._output_wait = _Buckets(REQUEST_BUCKETS_S)
         self._text = TextEncoderStats()
 
-    def on_tick(self, step_seconds: float | None, text: TextEncoderStats | None) -> None:
+    def on_tick(self, step_seconds: float | None, text: TextEncoderStats | None,
+                steps: int = 1) -> None:
+        """A tick that ran ``steps`` denoise steps of ``step_seconds`` each (one
+        observation per step: a multi-step tick counts as its steps)."""
         with self._lock:
             if step_seconds is not None:
-                self._step.observe(step_seconds)
+                for _ in range(max(1, steps)):
+                    self._step.observe(step_seconds)
             if text is not None:
                 self._text = self._text + text
 

@@ -133,7 +133,9 @@ class Platform:
         """Undo ``register_host_memory`` (the memory stays valid)."""
 
     def can_register_host_memory(self) -> bool:
-        """Whether ``register_host_memory`` can succeed here (without trying)."""
+        """Whether this platform has a host-register call (without registering
+        anything; a vendor backend looks up its runtime binding, which may
+        initialise the vendor runtime in this process)."""
         return type(self).register_host_memory is not Platform.register_host_memory
 
     def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -31,7 +31,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from diffrt import tracing
@@ -43,7 +42,13 @@ from diffrt.runtime.messages import (
     OutputPending,
     OutputReady,
 )
-from diffrt.runtime.shm_transport import Arena, ArenaFullError, PackPlan, SlotAllocator
+from diffrt.runtime.shm_transport import (
+    Arena,
+    ArenaFullError,
+    PackPlan,
+    SlotAllocator,
+    copy_host,
+)
 from diffrt.runtime.staged_copy import StagedCopier
 
 logger = logging.getLogger(__name__)
@@ -63,23 +68,6 @@ def outputs_are_host_memory(platform: Any) -> bool:
     """True where forward's outputs are already host memory (the CPU platform):
     no event is needed before reading them."""
     return platform.name == "cpu"
-
-
-def copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for host tensors, as one single-threaded memcpy.
-
-    A torch op on the output thread would make that thread an OpenMP master
-    with a team of its own; libgomp then counts more threads than cores and
-    stops spinning at barriers, so every parallel region of the main thread's
-    forward pays a futex wake-up (measured: a 256x256 tiny-flux request went
-    from 110 to 170 ms on 2 cores). numpy copies without OpenMP.
-    """
-    if (src.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous()
-            and dst.is_contiguous() and src.numel() == dst.numel() and not src.requires_grad):
-        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(),
-                  src.reshape(-1).view(torch.uint8).numpy())
-    else:
-        dst.copy_(src)
 
 
 class OutputWriter:
@@ -310,8 +298,8 @@ class OutputWriter:
     def _quiesce_side_stream(self) -> None:
         try:
             ev = self.platform.record_device_event(self._side_stream)
-            if ev is not None:
-                self.platform.event_synchronize(ev)
+            if ev is not None:  # "landed", not just "event done" (XPU)
+                self.platform.wait_copied(ev, self._side_stream)
             else:
                 self.platform.synchronize()
         except Exception:

@@ -17,6 +17,10 @@ from typing import Any
 import torch
 
 from diffrt.platforms.pinned_pool import PinnedBufferPool, PinnedSlot
+from diffrt.runtime.shm_transport import copy_host
+
+#: pinned staging buffers kept (soft cap: a run with more outputs grows the pool)
+MAX_STAGING_BUFFERS = 4
 
 
 class StagedCopier:
@@ -26,7 +30,7 @@ class StagedCopier:
 
     def __init__(self, platform: Any) -> None:
         self.platform = platform
-        self.pool = PinnedBufferPool(platform)
+        self.pool = PinnedBufferPool(platform, max_buffers=MAX_STAGING_BUFFERS)
         self._pending: list[tuple[torch.Tensor, PinnedSlot]] = []
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
@@ -38,9 +42,12 @@ class StagedCopier:
         """Move every staged output into the arena; call only once the copies
         into the staging buffers are known to have landed."""
         pending, self._pending = self._pending, []
-        for dst, slot in pending:
-            dst.copy_(slot.tensor)
-            self.pool.release(slot)
+        try:
+            for dst, slot in pending:
+                copy_host(dst, slot.tensor)
+        finally:
+            for _, slot in pending:
+                self.pool.release(slot)
 
     def discard(self) -> None:
         """Give the buffers of a failed run back; call only once the side

@@ -35,7 +35,8 @@ def test_generate_writes_pngs_with_progress_and_trace(cli, tmp_path):
     prompts.write_text("# a comment\na lighthouse at dusk\n\n")
     proc = cli("generate", "--prompt", "a red fox", "--prompts-file", str(prompts),
                "--height", "64", "--width", "96", "--steps", "3", "--seed", "7",
-               "--step-execution", "-o", "img.png",  # default executor: worker processes
+               "--step-execution", "--steps-per-tick", "1",  # one worker call per step
+               "-o", "img.png",  # default executor: worker processes
                "--trace", "gen.json", "--plot", "gen.png",
                "--plugin-module", "progress_for_every_size", cwd=tmp_path,
                env={"PYTHONPATH": str(Path(__file__).parent)})

@@ -29,7 +29,10 @@ def test_histogram_buckets_are_prometheus_shaped():
 
 @pytest.mark.parametrize("step", [False, True])
 def test_gauges_and_outcomes(step):
-    with toy_engine(step_execution=step, max_num_seqs=1, warmup=False) as engine:
+    # one step per call: the step-time count below follows the calls exactly
+    # (a multi-step tick counts once per step it ran: tested below)
+    with toy_engine(step_execution=step, max_num_seqs=1, warmup=False,
+                    max_steps_per_tick=1) as engine:
         base = engine.stats()
         assert base.requests_total == {"success": 0, "error": 0, "aborted": 0, "timeout": 0}
         assert base.requests_waiting == base.requests_running == 0 and base.healthy
@@ -96,3 +99,13 @@ def test_text_encoding_is_counted_per_prompt(flux_step_engine):
     assert out.ok, out.error
     delta = engine.stats().text_encoding - before
     assert (delta.encoded, delta.cache_hits) == (1, 1)
+
+
+def test_a_multi_step_tick_counts_once_per_step():
+    """step_time_s is per denoise step: a tick that ran 3 steps adds 3
+    observations of a third of its time each."""
+    with toy_engine(step_execution=True, max_num_seqs=1, warmup=False,
+                    max_steps_per_tick=3) as engine:
+        assert engine.generate(toy_request(steps=3)).ok
+        stats = engine.stats()
+        assert stats.step_time_s.count == 3

@@ -215,3 +215,29 @@ def test_coalescing_window_only_for_a_batch_forming_from_scratch():
     s.add_request(req("c", steps=3), now=0.040)
     assert s.admission_wait_s(now=0.040) == 0.0  # joining a running batch never waits
     assert s.schedule(0.040).scheduled_ids == ["a", "b", "c"]
+
+
+def test_ticks_run_several_steps_after_admission_never_past_a_finish():
+    """max_steps_per_tick: every tick admits first, then asks for several steps,
+    never past the first running request's end; a waiting request the policy
+    refused (another size behind FIFO's head, or no room) does not shorten
+    ticks; a tick with state to drop runs one step."""
+    s = StepScheduler(max_num_seqs=2, max_steps_per_tick=4)
+    s.add_request(req("a", steps=10), now=0.0)
+    out = s.schedule(now=0.0)
+    assert out.steps == 4
+    s.update_from_output(out, ExecutionResult(progress={"a": 4}))
+    s.add_request(req("b", steps=3), now=0.1)  # joins at this boundary, ends first
+    out = s.schedule(now=0.1)
+    assert out.scheduled_ids == ["a", "b"] and out.steps == 3
+    up = s.update_from_output(out, ExecutionResult(progress={"a": 7}, finished=["b"]))
+    assert [(p.request_id, p.step) for p in up.progress] == [
+        ("a", 5), ("a", 6), ("a", 7), ("b", 1), ("b", 2)]  # one progress item per step
+    s.add_request(req("other-size", size=128, steps=3), now=0.2)  # cannot join a 64 batch
+    s.add_request(req("c", steps=3), now=0.3)  # FIFO: behind the head, refused too
+    out = s.schedule(now=0.3)
+    assert out.scheduled_ids == ["a"] and out.steps == 3  # a has 3 steps left
+    s.update_from_output(out, ExecutionResult(progress={"a": 8}))  # stopped early (a preview)
+    s.abort("a")  # not in flight: leaves now, its worker state is dropped next tick
+    out = s.schedule(now=0.4)
+    assert out.drop_ids == ["a"] and out.scheduled_ids == ["other-size"] and out.steps == 1

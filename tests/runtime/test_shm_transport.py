@@ -314,7 +314,7 @@ def test_host_copies_on_the_output_thread_are_plain_memcpy():
     what it cannot memcpy (a strided source) still copies correctly."""
     from unittest import mock
 
-    from diffrt.runtime.output_thread import copy_host
+    from diffrt.runtime.shm_transport import copy_host
 
     for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int64):
         src = (torch.arange(4096) % 251).to(dtype).reshape(64, 64)

@@ -177,9 +177,11 @@ class FlowMatchPipeline(DiffusionPipeline):
         gained nothing on it)."""
         import torch._dynamo
 
-        # every (size, batch) shape is its own graph: allow many before eager fallback
+        # dynamic=None: the first shape compiles static; a shape that changes
+        # later (batch size, image size) is recompiled once with that dimension
+        # dynamic, instead of once per value
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        self.transformer = torch.compile(self.transformer, backend=backend, dynamic=False)
+        self.transformer = torch.compile(self.transformer, backend=backend, dynamic=None)
 
     def configure_memory(self, *, vae_tiling: bool = False, vae_slicing: bool = False,
                          offload_text_encoders: bool = False) -> None:

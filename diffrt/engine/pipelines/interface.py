@@ -217,9 +217,11 @@ class DiffusionPipeline(ABC):
         between encodings (small devices). Pipelines without them ignore it."""
 
     def compile_models(self, backend: str) -> None:  # noqa: B027 (optional hook)
-        """``torch.compile`` the denoiser with ``backend`` (shapes are static:
-        each new image size or batch size compiles once, on first use).
-        Pipelines without a compilable denoiser ignore it."""
+        """``torch.compile`` the denoiser with ``backend``. It compiles on first
+        use, and again when a shape first changes (then with that dimension
+        dynamic). A long compile is a worker call without heartbeats: with a
+        large model raise ``execute_timeout_s`` accordingly. Pipelines without
+        a compilable denoiser ignore it."""
 
     def enable_prompt_cache(self, max_bytes: int, *,  # noqa: B027 (optional hook)
                             synchronize: Callable[[], None] | None = None) -> None:

@@ -126,6 +126,11 @@ class BaseScheduler(Scheduler):
         self._run_s_ema = ema
         self._set_window(min(AUTO_WINDOW_MAX_S, AUTO_WINDOW_FRACTION * ema))
 
+    def forget_run_times(self) -> None:
+        if self.auto_window:
+            self._run_s_ema = None
+            self._set_window(0.0)
+
     def admission_wait_s(self, now: float) -> float:
         if self.max_wait_s <= 0 or self._running or not self._waiting:
             return 0.0

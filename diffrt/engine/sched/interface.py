@@ -135,6 +135,10 @@ class Scheduler(ABC):
         sizes its batching window from run times listens; others ignore it)."""
         return None
 
+    def forget_run_times(self) -> None:
+        """Drop what ``observe_run_time`` learnt (e.g. from the warm-up request)."""
+        return None
+
     @property
     @abstractmethod
     def num_waiting(self) -> int: ...

@@ -1,12 +1,12 @@
 """STEP_BATCH scheduling: continuous batching at denoise-step granularity.
 
 Every tick advances all running requests by one denoise step in one batch —
-or by up to ``max_steps_per_tick`` steps while nothing waits to join and
-nothing is to be dropped: one round trip engine -> worker -> engine then
+or by up to ``max_steps_per_tick`` steps when nothing is to be dropped
+(admission happens first, every tick): one round trip engine -> worker -> engine then
 carries several steps (the worker stops early after a step that finishes a
 request or reaches a preview, so every exit still happens at its own step).
-A request that arrives meanwhile waits at most that many steps; the progress
-of every step is still reported, one item per step.
+A request that arrives meanwhile, or an abort, waits at most that many steps;
+the progress of every step is still reported, one item per step.
 Requests join at a step boundary when there is capacity and their
 step batch key (the pipeline's ``step_batch_key``) equals the running batch's; they leave
 when their own step count is reached (counts may differ within a batch), when
@@ -69,12 +69,13 @@ class StepScheduler(BaseScheduler):
         return out
 
     def _steps_for_tick(self, drops: list[str]) -> int:
-        """Several steps only while the batch cannot change at a boundary
-        anyway: nobody waiting, nothing to drop, no abort pending; never past
-        the step that finishes the first request."""
-        if self.max_steps_per_tick == 1 or self._waiting or drops or not self._running:
-            return 1
-        if any(sr.abort_requested for sr in self._running):
+        """Several steps unless worker state is to be dropped; never past the
+        step that finishes the first request. Called after this tick's
+        admission: whoever still waits was refused by the policy (no room, an
+        incompatible key, or FIFO's head of line) and would be refused at the
+        next boundary too, so only a request that arrives during the call
+        waits for it — at most ``max_steps_per_tick`` steps."""
+        if self.max_steps_per_tick == 1 or drops or not self._running:
             return 1
         left = min(sr.total_steps - sr.step for sr in self._running)
         return max(1, min(self.max_steps_per_tick, left))
@@ -96,6 +97,10 @@ class StepScheduler(BaseScheduler):
                 sr.step = result.progress[rid]
             if sr.abort_requested or failed is not None:
                 self._running.remove(sr)
+                if not sr.abort_requested:  # a failure: the steps it finished in this call
+                    update.progress.extend(Progress(rid, step, sr.total_steps)
+                                           for step in range(before + 1,
+                                                             min(sr.step, sr.total_steps - 1) + 1))
                 # After a failed call the worker may still hold its state.
                 if not produced and (sr.abort_requested or result.failed_all is not None):
                     self._pending_drops.append(rid)
