@@ -267,8 +267,10 @@ def read_views(arena: Arena, out: KeyOutput) -> Any:
 
 
 def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
+    if isinstance(value, torch.Tensor):  # a memcpy: no OpenMP team in the reader's process
+        owned = torch.empty_like(value, memory_format=torch.contiguous_format)
+        copy_host(owned, value)
+        return owned
     if isinstance(value, list):
         return [_clone(v) for v in value]
     if isinstance(value, tuple):
