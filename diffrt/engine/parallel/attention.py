@@ -1,0 +1,115 @@
+"""Sequence-parallel attention: each rank holds a slice of the sequence.
+
+Shapes follow ``torch.nn.functional.scaled_dot_product_attention``:
+``(batch, heads, sequence, head_dim)``, here with this rank's slice of the
+sequence (every rank the same length: pad before splitting). Both functions
+return this rank's slice of the output, equal (up to float rounding) to
+full attention over the whole sequence.
+
+- **Ulysses** (DeepSpeed-Ulysses, as in xDiT's USP and vllm-omni): one
+  ``all_to_all_single`` turns "my tokens, all heads" into "all tokens, my
+  heads", attention runs locally on whole sequences, a second all-to-all
+  turns it back. Needs ``heads % world == 0``; moves q, k, v and the output
+  once each.
+- **Ring**: queries stay; key/value slices travel round the ring, each rank
+  attends to one slice per hop and merges the partial results by their
+  log-sum-exp. Any head count; world - 1 hops of k and v.
+
+gloo (the CPU backend) has ``all_to_all_single`` but not the list form, so
+only the former is used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def _seq_to_heads(x: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(B, H, S, D), this rank's tokens -> (B, H/world, world*S, D), its heads."""
+    b, h, s, d = x.shape
+    chunks = x.reshape(b, world, h // world, s, d).permute(1, 0, 2, 3, 4).contiguous()
+    received = torch.empty_like(chunks)
+    dist.all_to_all_single(received, chunks, group=group)  # [j]: rank j's tokens, my heads
+    return received.permute(1, 2, 0, 3, 4).reshape(b, h // world, world * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(B, H/world, world*S, D), this rank's heads -> (B, H, S, D), its tokens."""
+    b, h, ss, d = x.shape
+    s = ss // world
+    chunks = x.reshape(b, h, world, s, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(chunks)
+    dist.all_to_all_single(received, chunks, group=group)  # [j]: my tokens, rank j's heads
+    return received.permute(1, 0, 2, 3, 4).reshape(b, world * h, s, d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Attention over the whole sequence from this rank's slice of it (see the
+    module docstring); ``heads`` must divide by the group's size."""
+    world = _world(group)
+    if world == 1:
+        return F.scaled_dot_product_attention(q, k, v)
+    heads = q.shape[1]
+    if heads % world:
+        raise ValueError(f"Ulysses attention needs heads ({heads}) divisible by the "
+                         f"sequence-parallel degree ({world}); use ring attention")
+    out = F.scaled_dot_product_attention(_seq_to_heads(q, world, group),
+                                         _seq_to_heads(k, world, group),
+                                         _seq_to_heads(v, world, group))
+    return _heads_to_seq(out, world, group)
+
+
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q over one block of k, v and the log-sum-exp of its
+    scores (B, H, Sq), in float32 so blocks merge without loss."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
+    return out, lse
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial softmax results over disjoint key blocks -> one."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out = (out * torch.exp(lse - new_lse).unsqueeze(-1)
+           + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    return out, new_lse
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Attention over the whole sequence from this rank's slice of it, passing
+    key/value slices round the ring (any head count)."""
+    world = _world(group)
+    if world == 1:
+        return F.scaled_dot_product_attention(q, k, v)
+    rank = dist.get_rank(group)
+    to_rank = dist.get_global_rank(group, (rank + 1) % world) if group else (rank + 1) % world
+    from_rank = (dist.get_global_rank(group, (rank - 1) % world) if group
+                 else (rank - 1) % world)
+    out, lse = _attend_with_lse(q, k, v)
+    kv = torch.stack([k, v]).contiguous()
+    for _ in range(world - 1):
+        incoming = torch.empty_like(kv)
+        ops = [dist.P2POp(dist.isend, kv, to_rank, group),
+               dist.P2POp(dist.irecv, incoming, from_rank, group)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        kv = incoming
+        block_out, block_lse = _attend_with_lse(q, kv[0], kv[1])
+        out, lse = _merge(out, lse, block_out, block_lse)
+    return out.to(q.dtype)
+
+
+__all__ = ["ring_attention", "ulysses_attention"]
