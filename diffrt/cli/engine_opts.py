@@ -110,6 +110,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
     p.add_argument("--policy", choices=("fifo", "skip_ahead"), default="fifo",
                    help="scheduling policy: fifo, or skip_ahead (compatible younger requests "
                         "may pass an incompatible one, with aging) (default: %(default)s)")
+    p.add_argument("--cfg-parallel-size", type=int, choices=(1, 2), default=1,
+                   help="2: split classifier-free guidance's two branches across two worker "
+                        "ranks (implies --world-size 2)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile each worker's denoiser (BACKEND, default inductor); "
                         "it compiles at warm-up and once more when a shape first changes")
@@ -158,6 +161,9 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         options["worker_env"] = {"DIFFRT_LOG_LEVEL": worker_log_spec(get("log_level"))}
     if options:
         settings["executor_options"] = options
+    if get("cfg_parallel_size") == 2:
+        settings["cfg_parallel_size"] = 2
+        settings.setdefault("world_size", 2)  # another explicit size is the config's error
     if get("compile"):
         settings["compile"] = True
         settings["compile_backend"] = get("compile")

@@ -74,6 +74,10 @@ class EngineConfig:
             default inductor); it compiles on first use (the warm-up request)
             and once more when a shape first changes (then dynamic in it). A
             compile is a worker call without heartbeats: mind execute_timeout_s.
+        cfg_parallel_size: 2 splits classifier-free guidance across the two
+            ranks of ``world_size=2`` (rank 0 the conditional branch, rank 1 the
+            unconditional; one all_gather per step). Requests without CFG run
+            whole on both ranks. 1: off.
         max_steps_per_tick: STEP_BATCH only: denoise steps one worker call may
             run while no request waits to join (fewer round trips; a request
             arriving meanwhile waits at most this many steps). 1 = one step per
@@ -138,6 +142,7 @@ class EngineConfig:
     max_steps_per_tick: int = 4
     compile: bool = False
     compile_backend: str = "inductor"
+    cfg_parallel_size: int = 1
     async_output: bool | None = None
     executor_backend: str = "mp"
     world_size: int = 1
@@ -194,7 +199,8 @@ class EngineConfig:
                                   prompt_cache_bytes=self.prompt_cache_bytes,
                                   vae_tiling=self.vae_tiling, vae_slicing=self.vae_slicing,
                                   offload_text_encoders=self.offload_text_encoders,
-                                  compile_backend=self.compile_backend if self.compile else None)
+                                  compile_backend=self.compile_backend if self.compile else None,
+                                  cfg_parallel_size=self.cfg_parallel_size)
         runner = RunnerSpec(PIPELINE_RUNNER_CLS, PIPELINE_PROTOCOL, settings)
         return ExecutorConfig(runner=runner, world_size=self.world_size,
                               async_output=async_output, **kw)
@@ -227,6 +233,12 @@ class EngineConfig:
                                     f"must be one of {EXECUTOR_BACKENDS}, got {self.executor_backend!r}")
         if not _is_int(self.world_size) or self.world_size < 1:
             raise EngineConfigError("world_size", f"must be an int >= 1, got {self.world_size!r}")
+        if self.cfg_parallel_size not in (1, 2):
+            raise EngineConfigError("cfg_parallel_size",
+                                    f"must be 1 or 2, got {self.cfg_parallel_size!r}")
+        if self.cfg_parallel_size == 2 and self.world_size != 2:
+            raise EngineConfigError("world_size", f"cfg_parallel_size=2 runs on exactly two "
+                                                  f"ranks: set world_size=2, got {self.world_size!r}")
         if self.executor_backend == "inproc" and self.world_size != 1:
             raise EngineConfigError("world_size", "the inproc executor runs exactly one rank")
         t = self.output_timeout_s

@@ -103,6 +103,12 @@ class PipelineRunner:
                                        offload_text_encoders=settings.offload_text_encoders)
         if settings.compile_backend:
             self.pipeline.compile_models(settings.compile_backend)
+        if settings.cfg_parallel_size == 2:
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_world_size() != 2:
+                raise RuntimeError("cfg_parallel_size=2 needs a process group of two ranks")
+            self.pipeline.cfg_parallel_group = dist.group.WORLD
         self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes,
                                           synchronize=self._wait_for_current_stream)
         #: text-encoding counters already reported to the engine.

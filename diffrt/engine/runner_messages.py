@@ -31,6 +31,8 @@ class RunnerSettings(msgspec.Struct, frozen=True):
     offload_text_encoders: bool = False
     #: torch.compile backend of the denoiser (None: eager)
     compile_backend: str | None = None
+    #: 2: the two ranks split classifier-free guidance's branches
+    cfg_parallel_size: int = 1
 
 
 # -- requests -------------------------------------------------------------------------

@@ -17,6 +17,10 @@ from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
     ({"executor_backend": "ray"}, "executor_backend"),
     ({"world_size": 0}, "world_size"),
     ({"executor_backend": "inproc", "world_size": 2}, "world_size"),
+    ({"cfg_parallel_size": 3}, "cfg_parallel_size"),
+    ({"cfg_parallel_size": 2}, "world_size"),  # two ranks or none
+    ({"compile": "yes"}, "compile"),
+    ({"max_steps_per_tick": 0}, "max_steps_per_tick"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ({"scheduling_max_bypass": -1}, "scheduling_max_bypass"),
     ({"async_output": "yes"}, "async_output"),

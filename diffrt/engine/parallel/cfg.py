@@ -15,16 +15,24 @@ import torch.distributed as dist
 COND_RANK, UNCOND_RANK = 0, 1
 
 
-def cfg_parallel_combine(pred: torch.Tensor, guidance_scale: float,
+def cfg_parallel_combine(pred: torch.Tensor, guidance_scale: float | torch.Tensor,
                          group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``uncond + scale * (cond - uncond)`` from this rank's branch ``pred``
-    (conditional on rank 0, unconditional on rank 1 of ``group``)."""
+    (conditional on rank 0, unconditional on rank 1 of ``group``); a tensor
+    ``guidance_scale`` holds one scale per row of ``pred``."""
     if dist.get_world_size(group) != 2:
         raise ValueError("CFG parallel runs on a group of exactly two ranks")
     both = [torch.empty_like(pred) for _ in range(2)]
     dist.all_gather(both, pred.contiguous(), group=group)
     cond, uncond = both[COND_RANK], both[UNCOND_RANK]
+    if isinstance(guidance_scale, torch.Tensor):
+        guidance_scale = guidance_scale.view(-1, *([1] * (pred.dim() - 1))).to(pred.dtype)
     return uncond + guidance_scale * (cond - uncond)
 
 
-__all__ = ["COND_RANK", "UNCOND_RANK", "cfg_parallel_combine"]
+def cfg_branch(group: dist.ProcessGroup | None = None) -> bool:
+    """True on the rank that computes the conditional branch."""
+    return dist.get_rank(group) == COND_RANK
+
+
+__all__ = ["COND_RANK", "UNCOND_RANK", "cfg_branch", "cfg_parallel_combine"]

@@ -318,6 +318,15 @@ class FlowMatchPipeline(DiffusionPipeline):
             return self.transformer_forward(
                 latents, timesteps, cond.embeds, cond.pooled, guidance, params
             )
+        scale = cfg_scale if cfg_scale is not None else guidance
+        if self.cfg_parallel_group is not None:  # one branch here, the other on the peer
+            from diffrt.engine.parallel.cfg import cfg_branch, cfg_parallel_combine
+
+            conditional = cfg_branch(self.cfg_parallel_group)
+            pred = self.transformer_forward(
+                latents, timesteps, cond.embeds if conditional else cond.neg_embeds,
+                cond.pooled if conditional else cond.neg_pooled, guidance, params)
+            return cfg_parallel_combine(pred, scale, self.cfg_parallel_group)
         pred = self.transformer_forward(
             torch.cat([latents, latents]),
             torch.cat([timesteps, timesteps]),
@@ -327,7 +336,6 @@ class FlowMatchPipeline(DiffusionPipeline):
             params,
         )
         uncond, text = pred.chunk(2)
-        scale = cfg_scale if cfg_scale is not None else guidance
         g = scale.view(-1, *([1] * (pred.dim() - 1))).to(pred.dtype)
         return uncond + g * (text - uncond)
 

@@ -95,6 +95,10 @@ class DiffusionPipeline(ABC):
     #: set by the runner: called by ``report_step`` (a sign of progress for
     #: the hang watchdog during a long request-style forward).
     step_hook: Callable[[], None] | None = None
+    #: set by the runner with ``cfg_parallel_size=2``: the two-rank group whose
+    #: rank 0 computes the conditional branch of CFG and rank 1 the other
+    #: (``engine.parallel.cfg``); None computes both branches here.
+    cfg_parallel_group: Any = None
 
     def report_step(self) -> None:
         """Call once per denoise step inside ``forward``: a forward of many
