@@ -103,12 +103,17 @@ class PipelineRunner:
                                        offload_text_encoders=settings.offload_text_encoders)
         if settings.compile_backend:
             self.pipeline.compile_models(settings.compile_backend)
-        if settings.cfg_parallel_size == 2:
+        if settings.cfg_parallel_size == 2 or settings.ulysses_degree > 1:
             import torch.distributed as dist
 
-            if not dist.is_initialized() or dist.get_world_size() != 2:
-                raise RuntimeError("cfg_parallel_size=2 needs a process group of two ranks")
-            self.pipeline.cfg_parallel_group = dist.group.WORLD
+            size = max(settings.cfg_parallel_size, settings.ulysses_degree)
+            if not dist.is_initialized() or dist.get_world_size() != size:
+                raise RuntimeError(f"this parallel configuration needs a process group of "
+                                   f"{size} ranks")
+            if settings.cfg_parallel_size == 2:
+                self.pipeline.cfg_parallel_group = dist.group.WORLD
+            else:
+                self.pipeline.enable_sequence_parallel(dist.group.WORLD)
         self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes,
                                           synchronize=self._wait_for_current_stream)
         #: text-encoding counters already reported to the engine.

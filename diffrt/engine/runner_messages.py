@@ -33,6 +33,8 @@ class RunnerSettings(msgspec.Struct, frozen=True):
     compile_backend: str | None = None
     #: 2: the two ranks split classifier-free guidance's branches
     cfg_parallel_size: int = 1
+    #: > 1: the ranks split each transformer call's image tokens (Ulysses)
+    ulysses_degree: int = 1
 
 
 # -- requests -------------------------------------------------------------------------

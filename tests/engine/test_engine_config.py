@@ -20,6 +20,9 @@ from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
     ({"cfg_parallel_size": 3}, "cfg_parallel_size"),
     ({"cfg_parallel_size": 2}, "world_size"),  # two ranks or none
     ({"compile": "yes"}, "compile"),
+    ({"ulysses_degree": 0}, "ulysses_degree"),
+    ({"ulysses_degree": 2}, "world_size"),  # as many ranks as the degree
+    ({"ulysses_degree": 2, "world_size": 2, "cfg_parallel_size": 2}, "ulysses_degree"),
     ({"max_steps_per_tick": 0}, "max_steps_per_tick"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ({"scheduling_max_bypass": -1}, "scheduling_max_bypass"),

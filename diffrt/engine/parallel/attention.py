@@ -55,17 +55,38 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Attention over the whole sequence from this rank's slice of it (see the
     module docstring); ``heads`` must divide by the group's size."""
+    return joint_ulysses_attention(q, k, v, 0, group)
+
+
+def joint_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len: int,
+                            group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Ulysses for joint attention (Flux, SD3): the first ``text_len`` tokens
+    are text, the same on every rank; the rest is this rank's slice of the
+    image tokens. Text takes this rank's heads by slicing (it is replicated),
+    image tokens by the all-to-all; after attention the text output is
+    gathered over heads and the image output sent back to its tokens.
+    Layout (B, H, tokens, D); returns the same shape as ``q``."""
     world = _world(group)
     if world == 1:
         return F.scaled_dot_product_attention(q, k, v)
     heads = q.shape[1]
     if heads % world:
         raise ValueError(f"Ulysses attention needs heads ({heads}) divisible by the "
-                         f"sequence-parallel degree ({world}); use ring attention")
-    out = F.scaled_dot_product_attention(_seq_to_heads(q, world, group),
-                                         _seq_to_heads(k, world, group),
-                                         _seq_to_heads(v, world, group))
-    return _heads_to_seq(out, world, group)
+                         f"sequence-parallel degree ({world}); ring attention takes any count")
+    rank = dist.get_rank(group)
+    mine = slice(rank * heads // world, (rank + 1) * heads // world)
+
+    def local(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:, mine, :text_len], _seq_to_heads(x[:, :, text_len:], world, group)],
+                         dim=2)
+
+    out = F.scaled_dot_product_attention(local(q), local(k), local(v))
+    image = _heads_to_seq(out[:, :, text_len:].contiguous(), world, group)
+    if not text_len:
+        return image
+    text = [torch.empty_like(out[:, :, :text_len]) for _ in range(world)]
+    dist.all_gather(text, out[:, :, :text_len].contiguous(), group=group)
+    return torch.cat([torch.cat(text, dim=1), image], dim=2)
 
 
 def _attend_with_lse(q: torch.Tensor, k: torch.Tensor,
@@ -112,4 +133,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.to(q.dtype)
 
 
-__all__ = ["ring_attention", "ulysses_attention"]
+__all__ = ["joint_ulysses_attention", "ring_attention", "ulysses_attention"]

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.sampling import SamplingParams
@@ -109,15 +110,47 @@ class FluxPipeline(FlowMatchPipeline):
         # an input; others ignore it (true CFG is true_cfg_scale's business).
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
-        return self.transformer(
+        img_ids = self.image_ids(params)
+        group = self._sp_group
+        if group is not None:  # this rank's slice of the image tokens
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+            if latents.shape[1] % world:
+                raise ValueError(f"{latents.shape[1]} image tokens do not split over {world} "
+                                 "sequence-parallel ranks")
+            latents = latents.chunk(world, dim=1)[rank]
+            img_ids = img_ids.chunk(world, dim=0)[rank]
+            self._sp_processor.text_len = embeds.shape[1]
+        out = self.transformer(
             hidden_states=latents,
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
             # as FluxPipeline: cast to the model dtype first, then scale (in bf16
             # the other order rounds differently)
             timestep=timesteps.to(latents.dtype) / 1000,
-            img_ids=self.image_ids(params),
+            img_ids=img_ids,
             txt_ids=txt_ids,
             guidance=embedded,
             return_dict=False,
         )[0]
+        if group is None:
+            return out
+        parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, out.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    _sp_group = None
+    _sp_processor = None
+
+    def enable_sequence_parallel(self, group: Any) -> None:
+        """Ulysses over ``group``: each rank runs the transformer on its slice of
+        the image tokens (text replicated), attention exchanges heads for
+        tokens (``engine.parallel.flux_attention``), the output is gathered."""
+        from diffrt.engine.parallel.flux_attention import UlyssesFluxAttnProcessor
+
+        heads, world = self.transformer.config.num_attention_heads, dist.get_world_size(group)
+        if heads % world:
+            raise ValueError(f"ulysses_degree={world} does not divide the transformer's "
+                             f"{heads} attention heads")
+        self._sp_processor = UlyssesFluxAttnProcessor(group)
+        self.transformer.set_attn_processor(self._sp_processor)
+        self._sp_group = group

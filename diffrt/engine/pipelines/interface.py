@@ -220,6 +220,12 @@ class DiffusionPipeline(ABC):
         one image at a time (large batches), text encoders kept on the CPU
         between encodings (small devices). Pipelines without them ignore it."""
 
+    def enable_sequence_parallel(self, group: Any) -> None:
+        """Split each transformer call's image tokens across the ranks of
+        ``group`` (Ulysses; every rank holds the full weights). A pipeline
+        without it refuses, so an impossible configuration fails at start-up."""
+        raise NotImplementedError(f"pipeline {self.name!r} has no sequence parallelism")
+
     def compile_models(self, backend: str) -> None:  # noqa: B027 (optional hook)
         """``torch.compile`` the denoiser with ``backend``. It compiles on first
         use, and again when a shape first changes (then with that dimension
