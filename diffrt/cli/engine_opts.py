@@ -116,6 +116,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
     p.add_argument("--ulysses-degree", type=positive_int, default=1, metavar="N",
                    help="split each transformer call's image tokens across N worker ranks "
                         "(Ulysses sequence parallelism; implies --world-size N)")
+    p.add_argument("--ring-degree", type=positive_int, default=1, metavar="N",
+                   help="the same split with ring attention (any head count; implies "
+                        "--world-size N)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile each worker's denoiser (BACKEND, default inductor); "
                         "it compiles at warm-up and once more when a shape first changes")
@@ -167,9 +170,10 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
     if get("cfg_parallel_size") == 2:
         settings["cfg_parallel_size"] = 2
         settings.setdefault("world_size", 2)  # another explicit size is the config's error
-    if (get("ulysses_degree") or 1) > 1:
-        settings["ulysses_degree"] = get("ulysses_degree")
-        settings.setdefault("world_size", get("ulysses_degree"))
+    for degree in ("ulysses_degree", "ring_degree"):
+        if (get(degree) or 1) > 1:
+            settings[degree] = get(degree)
+            settings.setdefault("world_size", get(degree))
     if get("compile"):
         settings["compile"] = True
         settings["compile_backend"] = get("compile")

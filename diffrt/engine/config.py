@@ -82,6 +82,9 @@ class EngineConfig:
             the N ranks of ``world_size=N`` (Ulysses sequence parallelism; Flux
             only so far; the heads and the image tokens must divide by N). Not
             combined with cfg_parallel_size yet.
+        ring_degree: N > 1 the same split with ring attention instead (key/value
+            slices passed round the ranks; any head count). One of the three
+            parallel options at a time.
         max_steps_per_tick: STEP_BATCH only: denoise steps one worker call may
             run while no request waits to join (fewer round trips; a request
             arriving meanwhile waits at most this many steps). 1 = one step per
@@ -148,6 +151,7 @@ class EngineConfig:
     compile_backend: str = "inductor"
     cfg_parallel_size: int = 1
     ulysses_degree: int = 1
+    ring_degree: int = 1
     async_output: bool | None = None
     executor_backend: str = "mp"
     world_size: int = 1
@@ -206,7 +210,8 @@ class EngineConfig:
                                   offload_text_encoders=self.offload_text_encoders,
                                   compile_backend=self.compile_backend if self.compile else None,
                                   cfg_parallel_size=self.cfg_parallel_size,
-                                  ulysses_degree=self.ulysses_degree)
+                                  ulysses_degree=self.ulysses_degree,
+                                  ring_degree=self.ring_degree)
         runner = RunnerSpec(PIPELINE_RUNNER_CLS, PIPELINE_PROTOCOL, settings)
         return ExecutorConfig(runner=runner, world_size=self.world_size,
                               async_output=async_output, **kw)
@@ -245,16 +250,19 @@ class EngineConfig:
         if self.cfg_parallel_size == 2 and self.world_size != 2:
             raise EngineConfigError("world_size", f"cfg_parallel_size=2 runs on exactly two "
                                                   f"ranks: set world_size=2, got {self.world_size!r}")
-        if not _is_int(self.ulysses_degree) or self.ulysses_degree < 1:
-            raise EngineConfigError("ulysses_degree",
-                                    f"must be an int >= 1, got {self.ulysses_degree!r}")
-        if self.ulysses_degree > 1 and self.cfg_parallel_size > 1:
-            raise EngineConfigError("ulysses_degree", "CFG parallel and Ulysses do not combine "
-                                                      "yet: use one of them")
-        if self.ulysses_degree > 1 and self.world_size != self.ulysses_degree:
-            raise EngineConfigError("world_size", f"ulysses_degree={self.ulysses_degree} runs on "
-                                                  f"that many ranks: set world_size="
-                                                  f"{self.ulysses_degree}, got {self.world_size!r}")
+        for name in ("ulysses_degree", "ring_degree"):
+            degree = getattr(self, name)
+            if not _is_int(degree) or degree < 1:
+                raise EngineConfigError(name, f"must be an int >= 1, got {degree!r}")
+            if degree > 1 and self.world_size != degree:
+                raise EngineConfigError("world_size", f"{name}={degree} runs on that many ranks: "
+                                                      f"set world_size={degree}, "
+                                                      f"got {self.world_size!r}")
+        used = [n for n in ("cfg_parallel_size", "ulysses_degree", "ring_degree")
+                if getattr(self, n) > 1]
+        if len(used) > 1:
+            raise EngineConfigError(used[1], f"{' and '.join(used)} do not combine yet: "
+                                             "use one of them")
         if self.executor_backend == "inproc" and self.world_size != 1:
             raise EngineConfigError("world_size", "the inproc executor runs exactly one rank")
         t = self.output_timeout_s

@@ -103,17 +103,18 @@ class PipelineRunner:
                                        offload_text_encoders=settings.offload_text_encoders)
         if settings.compile_backend:
             self.pipeline.compile_models(settings.compile_backend)
-        if settings.cfg_parallel_size == 2 or settings.ulysses_degree > 1:
+        if max(settings.cfg_parallel_size, settings.ulysses_degree, settings.ring_degree) > 1:
             import torch.distributed as dist
 
-            size = max(settings.cfg_parallel_size, settings.ulysses_degree)
+            size = max(settings.cfg_parallel_size, settings.ulysses_degree, settings.ring_degree)
             if not dist.is_initialized() or dist.get_world_size() != size:
                 raise RuntimeError(f"this parallel configuration needs a process group of "
                                    f"{size} ranks")
             if settings.cfg_parallel_size == 2:
                 self.pipeline.cfg_parallel_group = dist.group.WORLD
             else:
-                self.pipeline.enable_sequence_parallel(dist.group.WORLD)
+                self.pipeline.enable_sequence_parallel(
+                    dist.group.WORLD, "ring" if settings.ring_degree > 1 else "ulysses")
         self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes,
                                           synchronize=self._wait_for_current_stream)
         #: text-encoding counters already reported to the engine.

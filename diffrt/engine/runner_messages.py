@@ -33,8 +33,9 @@ class RunnerSettings(msgspec.Struct, frozen=True):
     compile_backend: str | None = None
     #: 2: the two ranks split classifier-free guidance's branches
     cfg_parallel_size: int = 1
-    #: > 1: the ranks split each transformer call's image tokens (Ulysses)
+    #: > 1: the ranks split each transformer call's image tokens (Ulysses / ring)
     ulysses_degree: int = 1
+    ring_degree: int = 1
 
 
 # -- requests -------------------------------------------------------------------------

@@ -201,6 +201,7 @@ def test_engine_flags_reach_the_engine_config():
     assert cfg["cfg_parallel_size"] == 2 and cfg["world_size"] == 2
     sp = engine_settings(p.parse_args(["--ulysses-degree", "4"]))
     assert sp["ulysses_degree"] == 4 and sp["world_size"] == 4
+    assert engine_settings(p.parse_args(["--ring-degree", "2"]))["ring_degree"] == 2
     assert engine_settings(p.parse_args(["--batch-wait-ms", "0"]))[
         "request_batch_max_wait_ms"] == 0.0  # 0 turns the automatic window off
 

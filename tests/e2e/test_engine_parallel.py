@@ -47,20 +47,26 @@ def test_cfg_parallel_matches_one_rank_batched(step, reference):
         assert np.abs(a - b).max() <= 1  # two one-branch forwards vs one two-row forward
 
 
-@pytest.mark.parametrize("step", [False, True], ids=["request", "step"])
-def test_ulysses_flux_matches_one_rank_batched(step):
-    """tiny-flux with its image tokens split over two ranks (Ulysses): the
-    images equal one rank's."""
-    def flux_requests(tag: str) -> list[DiffusionRequest]:
-        return [DiffusionRequest(prompt=f"a red fox {i}", request_id=f"{tag}-{i}",
-                                 sampling_params=SamplingParams(height=64, width=64,
-                                                                num_inference_steps=s, seed=i))
-                for i, s in ((1, 3), (2, 2))]
+def flux_requests(tag: str) -> list[DiffusionRequest]:
+    return [DiffusionRequest(prompt=f"a red fox {i}", request_id=f"{tag}-{i}",
+                             sampling_params=SamplingParams(height=64, width=64,
+                                                            num_inference_steps=s, seed=i))
+            for i, s in ((1, 3), (2, 2))]
 
+
+@pytest.fixture(scope="module")
+def flux_reference():
     with DiffusionEngine.make_engine(EngineConfig(model="tiny-flux", executor_backend="inproc",
                                                   max_num_seqs=2)) as one:
-        want = pixels(one.generate(flux_requests("ref"), timeout=120))
-    got = on_two_ranks(flux_requests("sp"), model="tiny-flux", ulysses_degree=2,
-                       step_execution=step)
-    for a, b in zip(got, want, strict=True):
+        yield pixels(one.generate(flux_requests("ref"), timeout=120))
+
+
+@pytest.mark.parametrize("method,step", [("ulysses_degree", False), ("ulysses_degree", True),
+                                         ("ring_degree", True)])
+def test_sequence_parallel_flux_matches_one_rank_batched(method, step, flux_reference):
+    """tiny-flux with its image tokens split over two ranks (Ulysses, ring):
+    the images equal one rank's."""
+    got = on_two_ranks(flux_requests("sp"), model="tiny-flux", step_execution=step,
+                       **{method: 2})
+    for a, b in zip(got, flux_reference, strict=True):
         assert np.abs(a - b).max() <= 1

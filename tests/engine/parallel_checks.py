@@ -33,16 +33,16 @@ def run_checks(rank: int, world: int, init_method: str) -> None:
             err = (got - want).abs().max().item()
             assert err < 1e-5, f"{name} attention differs from full attention by {err}"
         # joint attention: 5 text tokens on every rank, the image tokens split
-        from diffrt.engine.parallel.attention import joint_ulysses_attention
+        from diffrt.engine.parallel.attention import joint_ring_attention, joint_ulysses_attention
 
         q, k, v = (_full(seed, (2, 2 * world, 5 + 4 * world, 16)) for seed in (7, 8, 9))
         full = F.scaled_dot_product_attention(q, k, v)
         mine = [torch.cat([x[:, :, :5], _my_slice(x[:, :, 5:], rank, world)], dim=2)
                 for x in (q, k, v)]
-        got = joint_ulysses_attention(*mine, text_len=5)
         want = torch.cat([full[:, :, :5], _my_slice(full[:, :, 5:], rank, world)], dim=2)
-        err = (got - want).abs().max().item()
-        assert err < 1e-5, f"joint Ulysses attention differs from full attention by {err}"
+        for name, fn in (("Ulysses", joint_ulysses_attention), ("ring", joint_ring_attention)):
+            err = (fn(*mine, text_len=5) - want).abs().max().item()
+            assert err < 1e-5, f"joint {name} attention differs from full attention by {err}"
         if world > 1:
             q = _full(4, (1, 3, 2 * world, 8))
             try:

@@ -23,6 +23,8 @@ from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
     ({"ulysses_degree": 0}, "ulysses_degree"),
     ({"ulysses_degree": 2}, "world_size"),  # as many ranks as the degree
     ({"ulysses_degree": 2, "world_size": 2, "cfg_parallel_size": 2}, "ulysses_degree"),
+    ({"ring_degree": 2}, "world_size"),
+    ({"ring_degree": 2, "ulysses_degree": 2, "world_size": 2}, "ring_degree"),
     ({"max_steps_per_tick": 0}, "max_steps_per_tick"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ({"scheduling_max_bypass": -1}, "scheduling_max_bypass"),

@@ -112,6 +112,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Attention over the whole sequence from this rank's slice of it, passing
     key/value slices round the ring (any head count)."""
+    return joint_ring_attention(q, k, v, 0, group)
+
+
+def joint_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len: int,
+                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Ring attention for joint attention: the first ``text_len`` tokens are
+    text, the same on every rank, attended to once (in the local block); only
+    the image slices travel. Every rank's text queries see every key, so the
+    text output needs no exchange. Layout (B, H, tokens, D)."""
     world = _world(group)
     if world == 1:
         return F.scaled_dot_product_attention(q, k, v)
@@ -120,7 +129,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     from_rank = (dist.get_global_rank(group, (rank - 1) % world) if group
                  else (rank - 1) % world)
     out, lse = _attend_with_lse(q, k, v)
-    kv = torch.stack([k, v]).contiguous()
+    kv = torch.stack([k[:, :, text_len:], v[:, :, text_len:]]).contiguous()
     for _ in range(world - 1):
         incoming = torch.empty_like(kv)
         ops = [dist.P2POp(dist.isend, kv, to_rank, group),
@@ -133,4 +142,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.to(q.dtype)
 
 
-__all__ = ["joint_ulysses_attention", "ring_attention", "ulysses_attention"]
+__all__ = ["joint_ring_attention", "joint_ulysses_attention", "ring_attention",
+           "ulysses_attention"]

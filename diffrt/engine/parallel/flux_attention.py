@@ -1,8 +1,8 @@
-"""diffusers' Flux attention with Ulysses sequence parallelism.
+"""diffusers' Flux attention with sequence parallelism (Ulysses or ring).
 
 The same projections, norms and rotary embedding as diffusers'
 ``FluxAttnProcessor``; only the attention call changes, to
-``joint_ulysses_attention`` over the group. The pipeline sets ``text_len``
+``joint_ulysses_attention`` or ``joint_ring_attention`` over the group. The pipeline sets ``text_len``
 before each transformer call (single-stream blocks receive text and image
 tokens already concatenated, so the processor cannot tell them apart).
 """
@@ -15,12 +15,16 @@ import torch
 import torch.distributed as dist
 from diffusers.models.embeddings import apply_rotary_emb
 
-from diffrt.engine.parallel.attention import joint_ulysses_attention
+from diffrt.engine.parallel.attention import joint_ring_attention, joint_ulysses_attention
+
+#: sequence-parallel method -> its joint attention
+JOINT_ATTENTION = {"ulysses": joint_ulysses_attention, "ring": joint_ring_attention}
 
 
-class UlyssesFluxAttnProcessor:
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+class SequenceParallelFluxAttnProcessor:
+    def __init__(self, group: dist.ProcessGroup | None, method: str = "ulysses") -> None:
         self.group = group
+        self.attend = JOINT_ATTENTION[method]
         self.text_len = 0
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor,
@@ -45,8 +49,8 @@ class UlyssesFluxAttnProcessor:
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        out = joint_ulysses_attention(query.transpose(1, 2), key.transpose(1, 2),
-                                      value.transpose(1, 2), self.text_len, self.group)
+        out = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                          self.text_len, self.group)
         out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out
@@ -56,4 +60,4 @@ class UlyssesFluxAttnProcessor:
         return image, attn.to_add_out(text.contiguous())
 
 
-__all__ = ["UlyssesFluxAttnProcessor"]
+__all__ = ["JOINT_ATTENTION", "SequenceParallelFluxAttnProcessor"]

@@ -141,16 +141,17 @@ class FluxPipeline(FlowMatchPipeline):
     _sp_group = None
     _sp_processor = None
 
-    def enable_sequence_parallel(self, group: Any) -> None:
-        """Ulysses over ``group``: each rank runs the transformer on its slice of
-        the image tokens (text replicated), attention exchanges heads for
-        tokens (``engine.parallel.flux_attention``), the output is gathered."""
-        from diffrt.engine.parallel.flux_attention import UlyssesFluxAttnProcessor
+    def enable_sequence_parallel(self, group: Any, method: str = "ulysses") -> None:
+        """Sequence parallelism over ``group``: each rank runs the transformer on
+        its slice of the image tokens (text replicated); attention exchanges
+        heads for tokens (Ulysses) or passes key/value slices round the ring
+        (``engine.parallel.flux_attention``); the output is gathered."""
+        from diffrt.engine.parallel.flux_attention import SequenceParallelFluxAttnProcessor
 
         heads, world = self.transformer.config.num_attention_heads, dist.get_world_size(group)
-        if heads % world:
+        if method == "ulysses" and heads % world:
             raise ValueError(f"ulysses_degree={world} does not divide the transformer's "
-                             f"{heads} attention heads")
-        self._sp_processor = UlyssesFluxAttnProcessor(group)
+                             f"{heads} attention heads (ring_degree takes any count)")
+        self._sp_processor = SequenceParallelFluxAttnProcessor(group, method)
         self.transformer.set_attn_processor(self._sp_processor)
         self._sp_group = group

@@ -220,10 +220,11 @@ class DiffusionPipeline(ABC):
         one image at a time (large batches), text encoders kept on the CPU
         between encodings (small devices). Pipelines without them ignore it."""
 
-    def enable_sequence_parallel(self, group: Any) -> None:
+    def enable_sequence_parallel(self, group: Any, method: str = "ulysses") -> None:
         """Split each transformer call's image tokens across the ranks of
-        ``group`` (Ulysses; every rank holds the full weights). A pipeline
-        without it refuses, so an impossible configuration fails at start-up."""
+        ``group`` (``method`` "ulysses" or "ring"; every rank holds the full
+        weights). A pipeline without it refuses, so an impossible configuration
+        fails at start-up."""
         raise NotImplementedError(f"pipeline {self.name!r} has no sequence parallelism")
 
     def compile_models(self, backend: str) -> None:  # noqa: B027 (optional hook)
