@@ -38,6 +38,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from diffrt.cli.bench_stats import median
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 THROUGHPUT_SYSTEMS = ["diffusers serial", "diffusers batch 8", "diffrt serial",
@@ -252,12 +254,6 @@ def _child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _median(values: list[float]) -> float:
-    from diffrt.cli.bench_stats import median
-
-    return median(values)
-
-
 def bench_throughput(args: argparse.Namespace) -> None:
     print(f"\n== throughput: images/s, tiny-flux, {args.steps} steps, {args.requests} requests, "
           f"median of {args.rounds} interleaved rounds, each in a fresh process ==")
@@ -273,7 +269,7 @@ def bench_throughput(args: argparse.Namespace) -> None:
                 results[(system, size)].append(
                     _child("throughput", spec, args.child_timeout)["images_per_s"])
         print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
-    med = {k: _median(v) for k, v in results.items()}
+    med = {k: median(v) for k, v in results.items()}
     header = "".join(f"{s:>10}" for s in args.sizes)
     print(f"{'images/s':<28}{header}")
     for system in THROUGHPUT_SYSTEMS:

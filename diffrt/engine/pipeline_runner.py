@@ -103,10 +103,10 @@ class PipelineRunner:
                                        offload_text_encoders=settings.offload_text_encoders)
         if settings.compile_backend:
             self.pipeline.compile_models(settings.compile_backend)
-        if max(settings.cfg_parallel_size, settings.ulysses_degree, settings.ring_degree) > 1:
+        size = max(settings.cfg_parallel_size, settings.ulysses_degree, settings.ring_degree)
+        if size > 1:  # one parallel option at a time (EngineConfig refuses more)
             import torch.distributed as dist
 
-            size = max(settings.cfg_parallel_size, settings.ulysses_degree, settings.ring_degree)
             if not dist.is_initialized() or dist.get_world_size() != size:
                 raise RuntimeError(f"this parallel configuration needs a process group of "
                                    f"{size} ranks")

@@ -154,6 +154,12 @@ class Platform:
         return f"<Platform {self.name} ({self.device_type})>"
 
 
+def outputs_are_host_memory(platform: Platform) -> bool:
+    """True where forward's outputs are already host memory (the CPU platform):
+    no event is needed before reading them, nothing to page-lock."""
+    return platform.name == "cpu"
+
+
 def output_path(platform: Platform, registered: bool | None = None) -> str:
     """How outputs reach host memory on ``platform``: "host" (forward's outputs
     are host memory already), "page-locked" (the output arena is registered:
@@ -161,7 +167,7 @@ def output_path(platform: Platform, registered: bool | None = None) -> str:
     memcpy into the arena) or "pageable" (neither: the driver stages each copy
     and the issuing thread waits). ``registered`` is whether registering the
     arena succeeded; None asks whether the platform can."""
-    if platform.name == "cpu":
+    if outputs_are_host_memory(platform):
         return "host"
     if platform.can_register_host_memory() if registered is None else registered:
         return "page-locked"

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from diffrt import tracing
-from diffrt.platforms.interface import output_path
+from diffrt.platforms.interface import output_path, outputs_are_host_memory
 from diffrt.runtime.messages import (
     PENDING_NOTICE_S,
     FreeSlots,
@@ -62,12 +62,6 @@ MAX_CANCELLED_IDS = 4096
 
 class OutputWriterClosed(RuntimeError):
     pass
-
-
-def outputs_are_host_memory(platform: Any) -> bool:
-    """True where forward's outputs are already host memory (the CPU platform):
-    no event is needed before reading them."""
-    return platform.name == "cpu"
 
 
 class OutputWriter:

@@ -98,9 +98,7 @@ class StepScheduler(BaseScheduler):
             if sr.abort_requested or failed is not None:
                 self._running.remove(sr)
                 if not sr.abort_requested:  # a failure: the steps it finished in this call
-                    update.progress.extend(Progress(rid, step, sr.total_steps)
-                                           for step in range(before + 1,
-                                                             min(sr.step, sr.total_steps - 1) + 1))
+                    update.progress += _steps(sr, before + 1, min(sr.step, sr.total_steps - 1))
                 # After a failed call the worker may still hold its state.
                 if not produced and (sr.abort_requested or result.failed_all is not None):
                     self._pending_drops.append(rid)
@@ -110,12 +108,10 @@ class StepScheduler(BaseScheduler):
             elif produced:
                 self._running.remove(sr)
                 # the steps a multi-step tick ran before the last one
-                update.progress.extend(Progress(rid, step, sr.total_steps)
-                                       for step in range(before + 1, sr.total_steps))
+                update.progress += _steps(sr, before + 1, sr.total_steps - 1)
                 update.finished.append(self._finish(sr, RequestStatus.FINISHED, has_output=True))
             else:  # one progress item per step, also when a tick ran several
-                update.progress.extend(Progress(rid, step, sr.total_steps)
-                                       for step in range(min(before + 1, sr.step), sr.step + 1))
+                update.progress += _steps(sr, min(before + 1, sr.step), sr.step)
         return update
 
     def _on_running_aborted(self, sr: RequestRecord) -> None:
@@ -128,3 +124,9 @@ class StepScheduler(BaseScheduler):
     def fail_running(self, error: str):
         self._pending_drops.clear()  # the states to drop died with the worker
         return super().fail_running(error)
+
+
+def _steps(sr: RequestRecord, first: int, last: int) -> list[Progress]:
+    """Progress items of ``sr`` for steps ``first`` .. ``last`` (none when
+    ``first > last``): one per step, also when a call ran several."""
+    return [Progress(sr.request_id, step, sr.total_steps) for step in range(first, last + 1)]
