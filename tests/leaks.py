@@ -1,4 +1,4 @@
-"""Where an output arena lives, for leak checks.
+"""Where an output arena lives, and whether a process does, for leak checks.
 
 The arena is a memfd named "diffrt-output-arena" (diffrt/runtime/shm_transport.py):
 it never appears in /dev/shm. A process holds it while it maps it (a
@@ -51,3 +51,16 @@ def arena_refs(pid: int) -> int:
     """Everything by which process ``pid`` keeps output arenas alive: mappings
     plus descriptors. A leak check compares this before and after."""
     return arena_mappings(pid) + arena_fds(pid)
+
+
+def alive(pid: int) -> bool:
+    """Process ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

@@ -75,8 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
                         "for generate, 1 for bench)")
     p.add_argument("--async-output", choices=("auto", "on", "off"), default="auto",
                    help="copy outputs off the device on a background thread (default: auto)")
-    p.add_argument("--world-size", type=positive_int, default=1,
-                   help="worker processes (ranks) per engine (default: %(default)s)")
+    p.add_argument("--world-size", type=positive_int, default=None,
+                   help="worker processes (ranks) per engine; must equal the product of "
+                        "the parallel degrees below, which is the default")
     p.add_argument("--executor", choices=("mp", "inproc"), default=executor,
                    help="mp: worker processes; inproc: the runner in this process "
                         "(default: %(default)s)")
@@ -112,13 +113,17 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
                         "may pass an incompatible one, with aging) (default: %(default)s)")
     p.add_argument("--cfg-parallel-size", type=int, choices=(1, 2), default=1,
                    help="2: split classifier-free guidance's two branches across two worker "
-                        "ranks (implies --world-size 2)")
+                        "ranks (a batch without CFG: its rows)")
     p.add_argument("--ulysses-degree", type=positive_int, default=1, metavar="N",
                    help="split each transformer call's image tokens across N worker ranks "
-                        "(Ulysses sequence parallelism; implies --world-size N)")
+                        "(Ulysses sequence parallelism; the heads must divide by N)")
     p.add_argument("--ring-degree", type=positive_int, default=1, metavar="N",
-                   help="the same split with ring attention (any head count; implies "
-                        "--world-size N)")
+                   help="the same split with ring attention (any head count); with "
+                        "--ulysses-degree, Ulysses inside and the ring across. The ranks are "
+                        "the product of the three degrees")
+    p.add_argument("--vae-parallel", action="store_true",
+                   help="decode each image in bands of rows, one per rank (exact: halo rows "
+                        "and shared norm statistics)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile each worker's denoiser (BACKEND, default inductor); "
                         "it compiles at warm-up and once more when a shape first changes")
@@ -141,7 +146,7 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
     }
     if get("async_output") != "auto":
         settings["async_output"] = get("async_output") == "on"
-    if get("world_size") != 1:
+    if get("world_size") is not None:
         settings["world_size"] = get("world_size")
     if get("executor"):
         settings["executor_backend"] = get("executor")
@@ -149,7 +154,7 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         settings["torch_threads"] = get("threads")
     if get("dtype") not in (None, "auto"):  # auto is the engine's default
         settings["dtype"] = get("dtype")
-    for flag in ("vae_tiling", "vae_slicing", "offload_text_encoders"):
+    for flag in ("vae_tiling", "vae_slicing", "offload_text_encoders", "vae_parallel"):
         if get(flag):
             settings[flag] = True
     if get("request_timeout"):
@@ -167,13 +172,9 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         options["worker_env"] = {"DIFFRT_LOG_LEVEL": worker_log_spec(get("log_level"))}
     if options:
         settings["executor_options"] = options
-    if get("cfg_parallel_size") == 2:
-        settings["cfg_parallel_size"] = 2
-        settings.setdefault("world_size", 2)  # another explicit size is the config's error
-    for degree in ("ulysses_degree", "ring_degree"):
-        if (get(degree) or 1) > 1:
+    for degree in ("cfg_parallel_size", "ulysses_degree", "ring_degree"):
+        if (get(degree) or 1) > 1:  # the engine derives world_size from them
             settings[degree] = get(degree)
-            settings.setdefault("world_size", get(degree))
     if get("compile"):
         settings["compile"] = True
         settings["compile_backend"] = get("compile")

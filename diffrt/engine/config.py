@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffrt.engine.cpu_policy import cpu_worker_env
+from diffrt.engine.parallel.degrees import ParallelConfigError, ParallelDegrees
 from diffrt.engine.runner_messages import PIPELINE_PROTOCOL, RunnerSettings
 from diffrt.engine.sched.policy import POLICIES
 from diffrt.runtime.types import ExecutorConfig, RunnerSpec
@@ -74,17 +75,20 @@ class EngineConfig:
             default inductor); it compiles on first use (the warm-up request)
             and once more when a shape first changes (then dynamic in it). A
             compile is a worker call without heartbeats: mind execute_timeout_s.
-        cfg_parallel_size: 2 splits classifier-free guidance across the two
-            ranks of ``world_size=2`` (rank 0 the conditional branch, rank 1 the
-            unconditional; one all_gather per step). Requests without CFG run
-            whole on both ranks. 1: off.
+        cfg_parallel_size: 2 splits classifier-free guidance across two ranks
+            (one computes the conditional branch, the other the unconditional;
+            one all_gather per step). A batch without CFG shares its rows out
+            between them instead. 1: off.
         ulysses_degree: N > 1 splits each transformer call's image tokens across
-            the N ranks of ``world_size=N`` (Ulysses sequence parallelism; Flux
-            only so far; the heads and the image tokens must divide by N). Not
-            combined with cfg_parallel_size yet.
-        ring_degree: N > 1 the same split with ring attention instead (key/value
-            slices passed round the ranks; any head count). One of the three
-            parallel options at a time.
+            N ranks, attention exchanging heads for tokens (Ulysses; the
+            transformer's heads must divide by N).
+        ring_degree: N > 1 splits the image tokens across N ranks with ring
+            attention (key/value slices passed round the ranks; any head
+            count). With ulysses_degree too: Ulysses inside, ring across (USP).
+        vae_parallel: decode each image in horizontal bands, one per rank (the
+            ranks the options above give), exchanging halo rows and norm
+            statistics: the untiled decode's pixels. Not with vae_tiling.
+            See docs/parallelism.md.
         max_steps_per_tick: STEP_BATCH only: denoise steps one worker call may
             run while no request waits to join (fewer round trips; a request
             arriving meanwhile waits at most this many steps). 1 = one step per
@@ -92,7 +96,9 @@ class EngineConfig:
         async_output: None = auto (on where the platform supports it), True /
             False force the two-phase / synchronous output path.
         executor_backend: "mp" (worker processes, the default) or "inproc".
-        world_size: worker processes (ranks) per engine.
+        world_size: worker processes (ranks) per engine: None (the default) is
+            cfg_parallel_size x ulysses_degree x ring_degree; a value given
+            must equal that product. Every rank holds the full weights.
         output_timeout_s: how long to wait for an output once its compute is
             done; None = the runtime's default (env DIFFRT_OUTPUT_TIMEOUT_S).
         scheduling_policy: "fifo" (strict arrival order, with head-of-line blocking)
@@ -152,9 +158,10 @@ class EngineConfig:
     cfg_parallel_size: int = 1
     ulysses_degree: int = 1
     ring_degree: int = 1
+    vae_parallel: bool = False
     async_output: bool | None = None
     executor_backend: str = "mp"
-    world_size: int = 1
+    world_size: int | None = None
     output_timeout_s: float | None = None
     scheduling_policy: str = "fifo"
     scheduling_max_bypass: int = 4
@@ -211,10 +218,16 @@ class EngineConfig:
                                   compile_backend=self.compile_backend if self.compile else None,
                                   cfg_parallel_size=self.cfg_parallel_size,
                                   ulysses_degree=self.ulysses_degree,
-                                  ring_degree=self.ring_degree)
+                                  ring_degree=self.ring_degree,
+                                  vae_parallel=self.vae_parallel)
         runner = RunnerSpec(PIPELINE_RUNNER_CLS, PIPELINE_PROTOCOL, settings)
         return ExecutorConfig(runner=runner, world_size=self.world_size,
                               async_output=async_output, **kw)
+
+    def parallel_degrees(self) -> ParallelDegrees:
+        """How each request is split over the ranks."""
+        return ParallelDegrees(cfg=self.cfg_parallel_size, ulysses=self.ulysses_degree,
+                               ring=self.ring_degree)
 
     # -- validation -------------------------------------------------------------
     def _check_fields(self) -> None:
@@ -242,27 +255,35 @@ class EngineConfig:
         if self.executor_backend not in EXECUTOR_BACKENDS:
             raise EngineConfigError("executor_backend",
                                     f"must be one of {EXECUTOR_BACKENDS}, got {self.executor_backend!r}")
-        if not _is_int(self.world_size) or self.world_size < 1:
-            raise EngineConfigError("world_size", f"must be an int >= 1, got {self.world_size!r}")
         if self.cfg_parallel_size not in (1, 2):
             raise EngineConfigError("cfg_parallel_size",
                                     f"must be 1 or 2, got {self.cfg_parallel_size!r}")
-        if self.cfg_parallel_size == 2 and self.world_size != 2:
-            raise EngineConfigError("world_size", f"cfg_parallel_size=2 runs on exactly two "
-                                                  f"ranks: set world_size=2, got {self.world_size!r}")
         for name in ("ulysses_degree", "ring_degree"):
             degree = getattr(self, name)
             if not _is_int(degree) or degree < 1:
                 raise EngineConfigError(name, f"must be an int >= 1, got {degree!r}")
-            if degree > 1 and self.world_size != degree:
-                raise EngineConfigError("world_size", f"{name}={degree} runs on that many ranks: "
-                                                      f"set world_size={degree}, "
-                                                      f"got {self.world_size!r}")
-        used = [n for n in ("cfg_parallel_size", "ulysses_degree", "ring_degree")
-                if getattr(self, n) > 1]
-        if len(used) > 1:
-            raise EngineConfigError(used[1], f"{' and '.join(used)} do not combine yet: "
-                                             "use one of them")
+        ranks = self.parallel_degrees().world_size
+        if self.world_size is None:
+            self.world_size = ranks
+        elif not _is_int(self.world_size) or self.world_size < 1:
+            raise EngineConfigError("world_size", f"must be None or an int >= 1, "
+                                                  f"got {self.world_size!r}")
+        elif self.world_size != ranks:
+            raise EngineConfigError("world_size", (
+                f"{self.world_size} ranks, but cfg_parallel_size x ulysses_degree x ring_degree "
+                f"= {self.cfg_parallel_size} x {self.ulysses_degree} x {self.ring_degree} = "
+                f"{ranks}; leave world_size unset (it is their product). Ranks that would "
+                "each run the whole pipeline add nothing"))
+        if not isinstance(self.vae_parallel, bool):
+            raise EngineConfigError("vae_parallel", f"must be a bool, got {self.vae_parallel!r}")
+        if self.vae_parallel and ranks == 1:
+            raise EngineConfigError("vae_parallel", "splits the decode over the ranks that "
+                                    "cfg_parallel_size, ulysses_degree or ring_degree give; "
+                                    "with one rank there is nothing to split")
+        if self.vae_parallel and self.vae_tiling:
+            raise EngineConfigError("vae_parallel", "decodes in bands over the ranks; "
+                                    "vae_tiling is the one-rank way to save decode memory: "
+                                    "use one of them")
         if self.executor_backend == "inproc" and self.world_size != 1:
             raise EngineConfigError("world_size", "the inproc executor runs exactly one rank")
         t = self.output_timeout_s
@@ -327,6 +348,10 @@ class EngineConfig:
             raise EngineConfigError("model", str(e)) from e
         except ModelLoadError as e:
             raise EngineConfigError("model", f"cannot load {self.model!r}: {e}") from e
+        try:
+            cls.check_parallel(self.parallel_degrees(), self.vae_parallel)
+        except ParallelConfigError as e:
+            raise EngineConfigError(e.field, str(e)) from e
         if self.step_execution and not getattr(cls, "supports_step_execution", False):
             raise EngineConfigError(
                 "step_execution",

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from diffrt.engine.cpu_policy import cpu_worker_threads
+from diffrt.engine.parallel.degrees import ParallelDegrees
+from diffrt.engine.parallel.groups import build_groups
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
     DiffusionRequestBatch,
@@ -103,18 +105,11 @@ class PipelineRunner:
                                        offload_text_encoders=settings.offload_text_encoders)
         if settings.compile_backend:
             self.pipeline.compile_models(settings.compile_backend)
-        size = max(settings.cfg_parallel_size, settings.ulysses_degree, settings.ring_degree)
-        if size > 1:  # one parallel option at a time (EngineConfig refuses more)
-            import torch.distributed as dist
-
-            if not dist.is_initialized() or dist.get_world_size() != size:
-                raise RuntimeError(f"this parallel configuration needs a process group of "
-                                   f"{size} ranks")
-            if settings.cfg_parallel_size == 2:
-                self.pipeline.cfg_parallel_group = dist.group.WORLD
-            else:
-                self.pipeline.enable_sequence_parallel(
-                    dist.group.WORLD, "ring" if settings.ring_degree > 1 else "ulysses")
+        degrees = ParallelDegrees(cfg=settings.cfg_parallel_size, ulysses=settings.ulysses_degree,
+                                  ring=settings.ring_degree)
+        if degrees.world_size > 1:  # every rank builds the same groups, in the same order
+            self.pipeline.enable_parallel(build_groups(degrees),
+                                          vae_parallel=settings.vae_parallel)
         self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes,
                                           synchronize=self._wait_for_current_stream)
         #: text-encoding counters already reported to the engine.

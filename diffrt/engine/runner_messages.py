@@ -36,6 +36,8 @@ class RunnerSettings(msgspec.Struct, frozen=True):
     #: > 1: the ranks split each transformer call's image tokens (Ulysses / ring)
     ulysses_degree: int = 1
     ring_degree: int = 1
+    #: decode in bands of rows, one per rank
+    vae_parallel: bool = False
 
 
 # -- requests -------------------------------------------------------------------------

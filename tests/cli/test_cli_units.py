@@ -164,11 +164,11 @@ def test_engine_settings_follow_the_command_line():
                                      "max_num_seqs": 1}
     args = build_parser().parse_args([
         "bench", "--step-execution", "--max-num-seqs", "4", "--async-output", "off",
-        "--world-size", "2", "--executor", "mp", "--threads", "1", "--policy", "skip_ahead",
-        "--batch-wait-ms", "5"])
+        "--cfg-parallel-size", "2", "--world-size", "2", "--executor", "mp", "--threads", "1",
+        "--policy", "skip_ahead", "--batch-wait-ms", "5"])
     assert engine_settings(args) == {
         "model": "tiny-flux", "step_execution": True, "max_num_seqs": 4, "async_output": False,
-        "world_size": 2, "executor_backend": "mp", "torch_threads": 1,
+        "world_size": 2, "executor_backend": "mp", "torch_threads": 1, "cfg_parallel_size": 2,
         "scheduling_policy": "skip_ahead", "step_batch_max_wait_ms": 5.0}
     from diffrt.engine import EngineConfig
 
@@ -198,9 +198,9 @@ def test_engine_flags_reach_the_engine_config():
     assert "compile" not in engine_settings(p.parse_args([]))
     assert engine_settings(p.parse_args(["--steps-per-tick", "1"]))["max_steps_per_tick"] == 1
     cfg = engine_settings(p.parse_args(["--cfg-parallel-size", "2"]))
-    assert cfg["cfg_parallel_size"] == 2 and cfg["world_size"] == 2
-    sp = engine_settings(p.parse_args(["--ulysses-degree", "4"]))
-    assert sp["ulysses_degree"] == 4 and sp["world_size"] == 4
+    assert cfg["cfg_parallel_size"] == 2 and "world_size" not in cfg  # the engine derives it
+    sp = engine_settings(p.parse_args(["--ulysses-degree", "4", "--vae-parallel"]))
+    assert sp["ulysses_degree"] == 4 and sp["vae_parallel"] is True
     assert engine_settings(p.parse_args(["--ring-degree", "2"]))["ring_degree"] == 2
     assert engine_settings(p.parse_args(["--batch-wait-ms", "0"]))[
         "request_batch_max_wait_ms"] == 0.0  # 0 turns the automatic window off

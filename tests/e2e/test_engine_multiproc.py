@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from leaks import arena_mappings, arena_refs
+from leaks import alive, arena_mappings, arena_refs
 from waiting import wait_until
 
 from diffrt.engine import (
@@ -39,18 +39,6 @@ import engine_toy  # noqa: E402,F401  (registers "toy" here too: the engine vali
 def toy_req(prompt: str, steps: int = 2) -> DiffusionRequest:
     return DiffusionRequest(prompt=prompt, sampling_params=SamplingParams(
         height=16, width=16, num_inference_steps=steps, seed=0))
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def make_step_engine() -> DiffusionEngine:

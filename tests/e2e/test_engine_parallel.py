@@ -1,22 +1,48 @@
-"""Parallelism through the whole engine, two worker ranks (gloo on loopback):
-CFG parallel splits guidance's branches, Ulysses the image tokens; the
-images equal one rank's."""
+"""Parallelism through the whole engine, worker ranks on gloo over loopback:
+CFG parallel splits guidance's branches (or a CFG-less batch's rows),
+Ulysses / ring the image tokens, both combined over four ranks, the VAE
+decode in bands; the images equal one rank's (within 1/255: the same
+arithmetic in another order). A rank killed mid-request fails it and the
+engine leaves nothing behind."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
+from leaks import alive
+from waiting import wait_until
 
-from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
+from diffrt.engine import (
+    DiffusionEngine,
+    DiffusionRequest,
+    EngineConfig,
+    EngineDeadError,
+    SamplingParams,
+)
+
+LOOPBACK = {"worker_env": {"GLOO_SOCKET_IFNAME": "lo"}}
 
 
-def requests(tag: str) -> list[DiffusionRequest]:
+def requests(tag: str, *, cfg: bool = True, model: str = "tiny-sd3") -> list[DiffusionRequest]:
+    """Two requests of different step counts (they leave a step batch apart)
+    and one whose 9 image tokens (48x48) split over no even number of ranks
+    (it runs whole on each; its 6 latent rows make uneven VAE bands); with
+    ``cfg`` they run classifier-free guidance (SD3: guidance_scale > 1;
+    Flux: true CFG)."""
+    scale = {"guidance_scale": 5.0 if cfg else 1.0}
+    if model == "tiny-flux":
+        scale = {"true_cfg_scale": 4.0 if cfg else 1.0}
     return [DiffusionRequest(prompt=f"a lighthouse {i}", request_id=f"{tag}-{i}",
-                             negative_prompt="blurry",
-                             sampling_params=SamplingParams(height=64, width=64,
+                             negative_prompt="blurry" if cfg else None,
+                             sampling_params=SamplingParams(height=size, width=size,
                                                             num_inference_steps=s, seed=i,
-                                                            guidance_scale=5.0))
-            for i, s in ((1, 3), (2, 2))]
+                                                            **scale))
+            for i, s, size in ((1, 3, 64), (2, 2, 64), (3, 2, 48))]
 
 
 def pixels(outs) -> list[np.ndarray]:
@@ -24,49 +50,88 @@ def pixels(outs) -> list[np.ndarray]:
     return [np.asarray(o.images[0]).astype(np.int16) for o in outs]
 
 
+def assert_close(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert np.abs(a - b).max() <= 1
+
+
 @pytest.fixture(scope="module")
-def reference():
-    with DiffusionEngine.make_engine(EngineConfig(model="tiny-sd3", executor_backend="inproc",
-                                                  max_num_seqs=2)) as engine:
-        yield pixels(engine.generate(requests("ref"), timeout=120))
+def one_rank():
+    """Reference images from one rank (in-process), per model and CFG or not."""
+    refs = {}
+    for model in ("tiny-sd3", "tiny-flux"):
+        with DiffusionEngine.make_engine(EngineConfig(model=model, executor_backend="inproc",
+                                                      max_num_seqs=2)) as engine:
+            for cfg in (True, False):
+                refs[model, cfg] = pixels(engine.generate(
+                    requests("ref", cfg=cfg, model=model), timeout=120))
+    return refs
 
 
-def on_two_ranks(batch: list[DiffusionRequest], **config) -> list[np.ndarray]:
-    """``batch`` through an engine of two worker ranks (gloo on loopback)."""
-    with DiffusionEngine.make_engine(EngineConfig(
-            world_size=2, max_num_seqs=2,
-            executor_options={"worker_env": {"GLOO_SOCKET_IFNAME": "lo"}}, **config)) as engine:
-        return pixels(engine.generate(batch, timeout=120))
+def on_ranks(batches: list[list[DiffusionRequest]], **config) -> list[list[np.ndarray]]:
+    """Each batch, in turn, through one engine of several worker ranks."""
+    with DiffusionEngine.make_engine(EngineConfig(max_num_seqs=2, executor_options=LOOPBACK,
+                                                  **config)) as engine:
+        return [pixels(engine.generate(batch, timeout=120)) for batch in batches]
 
 
 @pytest.mark.parametrize("step", [False, True], ids=["request", "step"])
-def test_cfg_parallel_matches_one_rank_batched(step, reference):
-    got = on_two_ranks(requests("cfg"), model="tiny-sd3", cfg_parallel_size=2,
-                       step_execution=step)
-    for a, b in zip(got, reference, strict=True):
-        assert np.abs(a - b).max() <= 1  # two one-branch forwards vs one two-row forward
+def test_cfg_parallel_matches_one_rank_batched(step, one_rank):
+    """Two ranks: a CFG batch runs a branch on each; a CFG-less batch shares
+    its rows out. Request mode also decodes in bands (vae_parallel)."""
+    with_cfg, without = on_ranks([requests("cfg"), requests("plain", cfg=False)],
+                                 model="tiny-sd3", cfg_parallel_size=2, step_execution=step,
+                                 vae_parallel=not step)
+    assert_close(with_cfg, one_rank["tiny-sd3", True])
+    assert_close(without, one_rank["tiny-sd3", False])
 
 
-def flux_requests(tag: str) -> list[DiffusionRequest]:
-    return [DiffusionRequest(prompt=f"a red fox {i}", request_id=f"{tag}-{i}",
-                             sampling_params=SamplingParams(height=64, width=64,
-                                                            num_inference_steps=s, seed=i))
-            for i, s in ((1, 3), (2, 2))]
+@pytest.mark.parametrize("model,method,step", [
+    ("tiny-flux", "ulysses_degree", False), ("tiny-flux", "ulysses_degree", True),
+    ("tiny-flux", "ring_degree", True), ("tiny-sd3", "ulysses_degree", True),
+    ("tiny-sd3", "ring_degree", False)])
+def test_sequence_parallel_matches_one_rank_batched(model, method, step, one_rank):
+    """The image tokens split over two ranks (Ulysses, ring), Flux and SD3."""
+    [got] = on_ranks([requests("sp", model=model)], model=model, step_execution=step,
+                     **{method: 2})
+    assert_close(got, one_rank[model, True])
 
 
-@pytest.fixture(scope="module")
-def flux_reference():
-    with DiffusionEngine.make_engine(EngineConfig(model="tiny-flux", executor_backend="inproc",
-                                                  max_num_seqs=2)) as one:
-        yield pixels(one.generate(flux_requests("ref"), timeout=120))
+def test_cfg_and_ulysses_on_four_ranks_with_parallel_decode(one_rank):
+    """CFG 2 × Ulysses 2: each CFG branch's image tokens split over two ranks,
+    the decode in four bands; Flux with true CFG, then without (rows shared)."""
+    with_cfg, without = on_ranks(
+        [requests("usp", model="tiny-flux"), requests("usp-plain", model="tiny-flux", cfg=False)],
+        model="tiny-flux", cfg_parallel_size=2, ulysses_degree=2, vae_parallel=True,
+        step_execution=True)
+    assert_close(with_cfg, one_rank["tiny-flux", True])
+    assert_close(without, one_rank["tiny-flux", False])
 
 
-@pytest.mark.parametrize("method,step", [("ulysses_degree", False), ("ulysses_degree", True),
-                                         ("ring_degree", True)])
-def test_sequence_parallel_flux_matches_one_rank_batched(method, step, flux_reference):
-    """tiny-flux with its image tokens split over two ranks (Ulysses, ring):
-    the images equal one rank's."""
-    got = on_two_ranks(flux_requests("sp"), model="tiny-flux", step_execution=step,
-                       **{method: 2})
-    for a, b in zip(got, flux_reference, strict=True):
-        assert np.abs(a - b).max() <= 1
+def test_a_rank_killed_mid_request_fails_it_and_leaves_nothing_behind():
+    """The second rank of a Ulysses pair dies while a request runs: the
+    request fails promptly (its peer would wait in a collective: the engine
+    kills it), the engine reports itself dead, and close leaves no process."""
+    engine = DiffusionEngine.make_engine(EngineConfig(
+        model="tiny-flux", ulysses_degree=2, executor_options=LOOPBACK))
+    pids = list(engine.executor.worker_pids)
+    try:
+        long = DiffusionRequest(prompt="a long one", sampling_params=SamplingParams(
+            height=128, width=128, num_inference_steps=1000, seed=0))
+        got: list = []
+        runner = threading.Thread(target=lambda: got.append(engine.generate(long, timeout=60)))
+        runner.start()
+        assert wait_until(lambda: engine.scheduler.num_running == 1)
+        time.sleep(0.3)  # inside the forward, between collectives
+        started = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        runner.join(30)
+        assert got and not got[0].ok and "died" in got[0].error, got
+        assert time.monotonic() - started < 15
+        assert wait_until(lambda: not engine.is_healthy())
+        with pytest.raises(EngineDeadError):
+            engine.generate(requests("after")[0])
+    finally:
+        engine.close()
+    assert wait_until(lambda: not any(alive(p) for p in pids))

@@ -56,5 +56,75 @@ def run_checks(rank: int, world: int, init_method: str) -> None:
             mine = cond if rank == 0 else uncond
             got = cfg_parallel_combine(mine, 4.0)
             assert torch.equal(got, uncond + 4.0 * (cond - uncond))
+            _check_cfg_rows()
+        if world == 4:
+            _check_usp(rank)
+        _check_vae_decode(world)
     finally:
         dist.destroy_process_group()
+
+
+def _check_cfg_rows() -> None:
+    """A CFG-less batch of 3 rows: rank 0 computes 2, rank 1 one; both get all 3."""
+    from diffrt.engine.parallel.cfg import gather_rows, rows_here
+
+    batch = _full(10, (3, 4, 8))
+    mine = rows_here(3)
+    assert torch.equal(gather_rows(batch[mine] * 2, 3), batch * 2)
+    one = _full(11, (1, 4, 8))
+    assert rows_here(1) == slice(0, 1) and torch.equal(gather_rows(one, 1), one)
+
+
+def _check_usp(rank: int) -> None:
+    """Four ranks as ring 2 × Ulysses 2 (USP): each holds a quarter of the image
+    tokens; joint attention over the sequence group equals full attention.
+    Then CFG 2 × Ulysses 2: the groups hold the ranks the layout says."""
+    from diffrt.engine.parallel import ParallelDegrees
+    from diffrt.engine.parallel.groups import build_groups
+
+    groups = build_groups(ParallelDegrees(ulysses=2, ring=2))
+    q, k, v = (_full(seed, (2, 4, 5 + 16, 8)) for seed in (12, 13, 14))
+    full = F.scaled_dot_product_attention(q, k, v)
+    quarter = dist.get_rank(groups.sequence)
+    assert quarter == rank  # cfg 1: the sequence group is the world, in rank order
+    mine = [torch.cat([x[:, :, :5], x[:, :, 5:].chunk(4, dim=2)[quarter]], dim=2)
+            for x in (q, k, v)]
+    want = torch.cat([full[:, :, :5], full[:, :, 5:].chunk(4, dim=2)[quarter]], dim=2)
+    err = (groups.sequence_attention()(*mine, 5) - want).abs().max().item()
+    assert err < 1e-5, f"USP joint attention differs from full attention by {err}"
+
+    groups = build_groups(ParallelDegrees(cfg=2, ulysses=2))
+    assert groups.ring is None
+    assert dist.get_process_group_ranks(groups.cfg) == [rank % 2, rank % 2 + 2]
+    assert dist.get_process_group_ranks(groups.ulysses) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert dist.get_process_group_ranks(groups.sequence) == dist.get_process_group_ranks(
+        groups.ulysses)
+
+
+def _check_vae_decode(world: int) -> None:
+    """A seeded AutoencoderKL (with its mid-block attention) decoded in bands
+    over the ranks equals its untiled decode: bands of unequal height
+    (5 latent rows) and an image with fewer rows than ranks (decoded whole)."""
+    import copy
+
+    from diffusers import AutoencoderKL
+
+    from diffrt.engine.parallel.vae import convert_decoder, parallel_decode
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4,
+                        norm_num_groups=4, layers_per_block=1).eval()
+    with torch.no_grad():  # random weights give the norms and convolutions real work
+        for p in vae.decoder.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    split = copy.deepcopy(vae)
+    bands = convert_decoder(split.decoder, dist.group.WORLD)
+    for rows in (5, 2 * world, max(1, world - 1)):
+        z = _full(rows, (2, 4, rows, 6))
+        with torch.no_grad():
+            want = vae.decode(z, return_dict=False)[0]
+            got = parallel_decode(split, z, bands)
+        assert got.shape == want.shape, (got.shape, want.shape)
+        err = (got - want).abs().max().item()
+        assert err < 1e-4, f"parallel VAE decode ({rows} latent rows) differs by {err}"

@@ -18,13 +18,16 @@ from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
     ({"world_size": 0}, "world_size"),
     ({"executor_backend": "inproc", "world_size": 2}, "world_size"),
     ({"cfg_parallel_size": 3}, "cfg_parallel_size"),
-    ({"cfg_parallel_size": 2}, "world_size"),  # two ranks or none
+    ({"cfg_parallel_size": 2, "world_size": 4}, "world_size"),  # the product or unset
+    ({"world_size": 2}, "world_size"),  # replicated ranks add nothing: refused
+    ({"executor_backend": "inproc", "cfg_parallel_size": 2}, "world_size"),
+    ({"vae_parallel": True}, "vae_parallel"),  # one rank: nothing to split
+    ({"vae_parallel": True, "cfg_parallel_size": 2, "vae_tiling": True}, "vae_parallel"),
+    ({"vae_parallel": 1, "cfg_parallel_size": 2}, "vae_parallel"),
     ({"compile": "yes"}, "compile"),
     ({"ulysses_degree": 0}, "ulysses_degree"),
-    ({"ulysses_degree": 2}, "world_size"),  # as many ranks as the degree
-    ({"ulysses_degree": 2, "world_size": 2, "cfg_parallel_size": 2}, "ulysses_degree"),
-    ({"ring_degree": 2}, "world_size"),
-    ({"ring_degree": 2, "ulysses_degree": 2, "world_size": 2}, "ring_degree"),
+    ({"ulysses_degree": 2, "world_size": 2, "cfg_parallel_size": 2}, "world_size"),
+    ({"ring_degree": 2, "ulysses_degree": 2, "world_size": 2}, "world_size"),
     ({"max_steps_per_tick": 0}, "max_steps_per_tick"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ({"scheduling_max_bypass": -1}, "scheduling_max_bypass"),
@@ -40,6 +43,26 @@ def test_bad_field_is_named(kw, field):
         EngineConfig(model="toy", **kw)
     assert info.value.field == field
     assert str(info.value).startswith(field)
+
+
+@pytest.mark.parametrize("model, kw, field, reason", [
+    ("tiny-flux", {"ulysses_degree": 3}, "ulysses_degree", "2 attention heads"),
+    ("tiny-sd3", {"ulysses_degree": 4, "ring_degree": 2}, "ulysses_degree", "2 attention heads"),
+    ("toy", {"cfg_parallel_size": 2}, "world_size", "one rank only"),
+])
+def test_parallel_configurations_the_model_cannot_run_are_refused(model, kw, field, reason):
+    """Refused at construction (make_engine), before any worker starts."""
+    with pytest.raises(EngineConfigError, match=reason) as info:
+        EngineConfig(model=model, **kw)
+    assert info.value.field == field
+
+
+def test_world_size_is_the_product_of_the_parallel_degrees():
+    config = EngineConfig(model="tiny-flux", cfg_parallel_size=2, ulysses_degree=2, ring_degree=2,
+                          vae_parallel=True)
+    assert config.world_size == 8
+    assert EngineConfig(model="tiny-flux").world_size == 1
+    assert EngineConfig(model="tiny-flux", ring_degree=3, world_size=3).world_size == 3
 
 
 def test_unknown_model_names_the_model_and_lists_known_ones():

@@ -22,6 +22,7 @@ only the former is used.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,17 +59,32 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return joint_ulysses_attention(q, k, v, 0, group)
 
 
+#: attention over (q, k, v) whose first ``text_len`` tokens are text
+JointAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    text_len: int = 0) -> torch.Tensor:
+    """Attention over the tokens held here (text and image alike)."""
+    return F.scaled_dot_product_attention(q, k, v)
+
+
 def joint_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len: int,
-                            group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                            group: dist.ProcessGroup | None = None,
+                            inner: JointAttention = local_attention) -> torch.Tensor:
     """Ulysses for joint attention (Flux, SD3): the first ``text_len`` tokens
     are text, the same on every rank; the rest is this rank's slice of the
     image tokens. Text takes this rank's heads by slicing (it is replicated),
     image tokens by the all-to-all; after attention the text output is
     gathered over heads and the image output sent back to its tokens.
-    Layout (B, H, tokens, D); returns the same shape as ``q``."""
+    Layout (B, H, tokens, D); returns the same shape as ``q``.
+
+    ``inner`` attends over what the all-to-all gathered; ring attention there
+    makes the two combined (USP): Ulysses inside a group of ranks, the ring
+    across such groups, each holding a contiguous block of the image."""
     world = _world(group)
     if world == 1:
-        return F.scaled_dot_product_attention(q, k, v)
+        return inner(q, k, v, text_len)
     heads = q.shape[1]
     if heads % world:
         raise ValueError(f"Ulysses attention needs heads ({heads}) divisible by the "
@@ -80,7 +96,7 @@ def joint_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
         return torch.cat([x[:, mine, :text_len], _seq_to_heads(x[:, :, text_len:], world, group)],
                          dim=2)
 
-    out = F.scaled_dot_product_attention(local(q), local(k), local(v))
+    out = inner(local(q), local(k), local(v), text_len)
     image = _heads_to_seq(out[:, :, text_len:].contiguous(), world, group)
     if not text_len:
         return image
@@ -142,5 +158,5 @@ def joint_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text
     return out.to(q.dtype)
 
 
-__all__ = ["joint_ring_attention", "joint_ulysses_attention", "ring_attention",
-           "ulysses_attention"]
+__all__ = ["JointAttention", "joint_ring_attention", "joint_ulysses_attention",
+           "local_attention", "ring_attention", "ulysses_attention"]

@@ -4,12 +4,18 @@ Rank 0 of the group runs the conditional branch, rank 1 the unconditional
 one, each a forward of half the batch rows; one ``all_gather`` before the
 noise-scheduler step gives both ranks both predictions, and both apply the
 same guidance, so they keep identical latents (the next step needs them).
+
+A batch without CFG has no second branch: its rows are shared out between
+the two ranks instead (``rows_here``, ``gather_rows``); a single row is
+computed by both (sending it would cost more than the idle rank saves).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from diffrt.engine.parallel.collectives import gather_uneven, share
 
 #: which branch each rank of a CFG group computes
 COND_RANK, UNCOND_RANK = 0, 1
@@ -35,4 +41,16 @@ def cfg_branch(group: dist.ProcessGroup | None = None) -> bool:
     return dist.get_rank(group) == COND_RANK
 
 
-__all__ = ["COND_RANK", "UNCOND_RANK", "cfg_branch", "cfg_parallel_combine"]
+def rows_here(rows: int, group: dist.ProcessGroup | None = None) -> slice:
+    """The rows of a CFG-less batch this rank computes (all of a single row)."""
+    return share(rows, group) if rows > 1 else slice(0, rows)
+
+
+def gather_rows(pred: torch.Tensor, rows: int,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Both ranks' ``rows_here`` predictions, in row order, on both ranks."""
+    return gather_uneven(pred, 0, group) if rows > 1 else pred
+
+
+__all__ = ["COND_RANK", "UNCOND_RANK", "cfg_branch", "cfg_parallel_combine", "gather_rows",
+           "rows_here"]

@@ -1,10 +1,10 @@
-"""diffusers' Flux attention with sequence parallelism (Ulysses or ring).
+"""diffusers' Flux attention with sequence parallelism (Ulysses, ring, both).
 
 The same projections, norms and rotary embedding as diffusers'
-``FluxAttnProcessor``; only the attention call changes, to
-``joint_ulysses_attention`` or ``joint_ring_attention`` over the group. The pipeline sets ``text_len``
-before each transformer call (single-stream blocks receive text and image
-tokens already concatenated, so the processor cannot tell them apart).
+``FluxAttnProcessor``; only the attention call changes, to the
+``SequenceSplit``'s. The pipeline sets ``split.text_len`` before each
+transformer call (single-stream blocks receive text and image tokens
+already concatenated, so the processor cannot tell them apart).
 """
 
 from __future__ import annotations
@@ -12,27 +12,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from diffusers.models.embeddings import apply_rotary_emb
 
-from diffrt.engine.parallel.attention import joint_ring_attention, joint_ulysses_attention
-
-#: sequence-parallel method -> its joint attention
-JOINT_ATTENTION = {"ulysses": joint_ulysses_attention, "ring": joint_ring_attention}
+from diffrt.engine.parallel.sequence import SequenceSplit
 
 
 class SequenceParallelFluxAttnProcessor:
-    def __init__(self, group: dist.ProcessGroup | None, method: str = "ulysses") -> None:
-        self.group = group
-        self.attend = JOINT_ATTENTION[method]
-        self.text_len = 0
+    def __init__(self, split: SequenceSplit) -> None:
+        self.split = split
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
                  image_rotary_emb: Any = None) -> Any:
         if attention_mask is not None:
-            raise ValueError("Ulysses attention does not take an attention mask")
+            raise ValueError("sequence-parallel attention does not take an attention mask")
 
         def heads(x: torch.Tensor) -> torch.Tensor:
             return x.unflatten(-1, (-1, attn.head_dim))
@@ -49,8 +43,8 @@ class SequenceParallelFluxAttnProcessor:
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        out = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                          self.text_len, self.group)
+        out = self.split.attention(query.transpose(1, 2), key.transpose(1, 2),
+                                   value.transpose(1, 2), self.split.text_len)
         out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out
@@ -60,4 +54,4 @@ class SequenceParallelFluxAttnProcessor:
         return image, attn.to_add_out(text.contiguous())
 
 
-__all__ = ["JOINT_ATTENTION", "SequenceParallelFluxAttnProcessor"]
+__all__ = ["SequenceParallelFluxAttnProcessor"]

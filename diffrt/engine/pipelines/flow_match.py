@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from diffrt.engine.outputs import TextEncoderStats
+from diffrt.engine.parallel.degrees import ParallelConfigError
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
     DiffusionRequestBatch,
@@ -52,6 +53,13 @@ def resolve_seed(seed: int | None) -> int:
 def _vae_factor(vae_config: dict) -> int:
     """Pixels per latent of an AutoencoderKL (diffusers' ``vae_scale_factor``)."""
     return 2 ** (len(vae_config.get("block_out_channels", (0, 0, 0, 0))) - 1)
+
+
+def _check_heads(heads: int | None, ulysses: int) -> None:
+    if ulysses > 1 and heads and heads % ulysses:
+        raise ParallelConfigError("ulysses_degree", (
+            f"{ulysses} does not divide the transformer's {heads} attention heads "
+            "(ring_degree takes any count)"))
 
 
 def _check_compatible(requests: list[DiffusionRequest], key: Any) -> None:
@@ -193,6 +201,44 @@ class FlowMatchPipeline(DiffusionPipeline):
         if offload_text_encoders and callable(offload):
             offload()
 
+    #: the family splits its transformer's image tokens (``enable_sequence_parallel``)
+    supports_sequence_parallel: ClassVar[bool] = False
+    #: set from a folder's configs by ``attrs_from_config``
+    attention_heads: ClassVar[int | None] = None
+    vae_class_name: ClassVar[str] = "AutoencoderKL"
+
+    @classmethod
+    def check_parallel(cls, degrees: Any, vae_parallel: bool = False) -> None:
+        if degrees.sequence > 1 and not cls.supports_sequence_parallel:
+            raise ParallelConfigError(
+                "ulysses_degree" if degrees.ulysses > 1 else "ring_degree",
+                f"{cls.name}: its transformer has no sequence parallelism")
+        _check_heads(cls.attention_heads, degrees.ulysses)
+        if vae_parallel and cls.vae_class_name != "AutoencoderKL":
+            raise ParallelConfigError("vae_parallel", f"splits an AutoencoderKL's decoder; "
+                                                      f"{cls.name} has a {cls.vae_class_name}")
+
+    def enable_parallel(self, groups: Any, *, vae_parallel: bool = False) -> None:
+        """CFG branches over ``groups.cfg``, image tokens over
+        ``groups.sequence`` (the family's ``enable_sequence_parallel``), the
+        VAE decode in bands over all ranks (``engine.parallel.vae``)."""
+        self.check_parallel(groups.degrees, vae_parallel)
+        _check_heads(getattr(self.transformer.config, "num_attention_heads", None),
+                     groups.degrees.ulysses)  # the loaded model's, whatever the class said
+        self.cfg_parallel_group = groups.cfg
+        if groups.sequence is not None:
+            self.enable_sequence_parallel(groups)
+        if vae_parallel:
+            from diffrt.engine.parallel.vae import convert_decoder
+
+            self._vae_bands = convert_decoder(self.vae.decoder, groups.world)
+
+    def enable_sequence_parallel(self, groups: Any) -> None:
+        """Split each transformer call's image tokens over ``groups.sequence``."""
+        raise NotImplementedError(f"{self.name} has no sequence parallelism")
+
+    _vae_bands: Any = None
+
     def enable_prompt_cache(self, max_bytes: int, *,
                             synchronize: Callable[[], None] | None = None) -> None:
         if not isinstance(self.text_encoder, CachedTextEncoder):
@@ -217,7 +263,9 @@ class FlowMatchPipeline(DiffusionPipeline):
         factor = _vae_factor(vae_config)
         size = cls.default_sample_size(transformer_config) * factor
         return {"size_multiple": factor * 2, "max_size": cls.max_size,
-                "sampling_defaults": {**cls.sampling_defaults, "height": size, "width": size}}
+                "sampling_defaults": {**cls.sampling_defaults, "height": size, "width": size},
+                "attention_heads": transformer_config.get("num_attention_heads"),
+                "vae_class_name": vae_config.get("_class_name", "AutoencoderKL")}
 
     @classmethod
     def default_sample_size(cls, transformer_config: dict) -> int:
@@ -315,6 +363,14 @@ class FlowMatchPipeline(DiffusionPipeline):
         """Transformer call with CFG combined per row (uncond + s * (cond - uncond),
         ``s`` from ``cfg_scale``); ``guidance`` is the families' embedded input."""
         if cond.neg_embeds is None:
+            if self.cfg_parallel_group is not None:  # no branches: the rows are shared out
+                from diffrt.engine.parallel.cfg import gather_rows, rows_here
+
+                rows = latents.shape[0]
+                mine = rows_here(rows, self.cfg_parallel_group)
+                pred = self.transformer_forward(latents[mine], timesteps[mine], cond.embeds[mine],
+                                                cond.pooled[mine], guidance[mine], params)
+                return gather_rows(pred, rows, self.cfg_parallel_group)
             return self.transformer_forward(
                 latents, timesteps, cond.embeds, cond.pooled, guidance, params
             )
@@ -343,7 +399,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         """Transformer-layout latents -> images in [-1, 1], (N, 3, H, W), on the device."""
         spatial = self.unpack_latents(latents, params)
         spatial = spatial / self.scaling_factor + self.shift_factor
-        images = self.vae.decode(spatial.to(self.dtype), return_dict=False)[0]
+        if self._vae_bands is not None:  # each rank its band of rows, then gathered
+            from diffrt.engine.parallel.vae import parallel_decode
+
+            images = parallel_decode(self.vae, spatial.to(self.dtype), self._vae_bands)
+        else:
+            images = self.vae.decode(spatial.to(self.dtype), return_dict=False)[0]
         return images.clamp(-1, 1)
 
     def finish(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:

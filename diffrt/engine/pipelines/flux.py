@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.sampling import SamplingParams
@@ -35,6 +34,7 @@ class FluxPipeline(FlowMatchPipeline):
     name = "flux"
     diffusers_pipeline_class = "FluxPipeline"
     size_multiple = 16  # VAE 8x, then 2x2 packing
+    supports_sequence_parallel = True
     max_size = 2048
     #: FluxPipeline.__call__'s defaults.
     sampling_defaults = {"height": 1024, "width": 1024, "num_inference_steps": 28,
@@ -111,15 +111,10 @@ class FluxPipeline(FlowMatchPipeline):
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
         img_ids = self.image_ids(params)
-        group = self._sp_group
-        if group is not None:  # this rank's slice of the image tokens
-            world, rank = dist.get_world_size(group), dist.get_rank(group)
-            if latents.shape[1] % world:
-                raise ValueError(f"{latents.shape[1]} image tokens do not split over {world} "
-                                 "sequence-parallel ranks")
-            latents = latents.chunk(world, dim=1)[rank]
-            img_ids = img_ids.chunk(world, dim=0)[rank]
-            self._sp_processor.text_len = embeds.shape[1]
+        split = self._sequence_split
+        if split is not None and split.begin(latents.shape[1]):  # this rank's image tokens
+            latents, img_ids = split.shard(latents, 1), split.shard(img_ids, 0)
+            split.text_len = embeds.shape[1]
         out = self.transformer(
             hidden_states=latents,
             encoder_hidden_states=embeds,
@@ -132,26 +127,22 @@ class FluxPipeline(FlowMatchPipeline):
             guidance=embedded,
             return_dict=False,
         )[0]
-        if group is None:
+        if split is None:
             return out
-        parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, out.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+        out = split.gather(out, 1)
+        split.split = False
+        return out
 
-    _sp_group = None
-    _sp_processor = None
+    _sequence_split = None
 
-    def enable_sequence_parallel(self, group: Any, method: str = "ulysses") -> None:
-        """Sequence parallelism over ``group``: each rank runs the transformer on
-        its slice of the image tokens (text replicated); attention exchanges
-        heads for tokens (Ulysses) or passes key/value slices round the ring
-        (``engine.parallel.flux_attention``); the output is gathered."""
+    def enable_sequence_parallel(self, groups: Any) -> None:
+        """Each rank runs the transformer on its slice of the image tokens (and
+        of their position ids; the text whole); attention goes over the
+        sequence group (``engine.parallel.flux_attention``); the output is
+        gathered."""
         from diffrt.engine.parallel.flux_attention import SequenceParallelFluxAttnProcessor
+        from diffrt.engine.parallel.sequence import SequenceSplit
 
-        heads, world = self.transformer.config.num_attention_heads, dist.get_world_size(group)
-        if method == "ulysses" and heads % world:
-            raise ValueError(f"ulysses_degree={world} does not divide the transformer's "
-                             f"{heads} attention heads (ring_degree takes any count)")
-        self._sp_processor = SequenceParallelFluxAttnProcessor(group, method)
-        self.transformer.set_attn_processor(self._sp_processor)
-        self._sp_group = group
+        self._sequence_split = SequenceSplit(groups.sequence, groups.sequence_attention())
+        self.transformer.set_attn_processor(SequenceParallelFluxAttnProcessor(
+            self._sequence_split))

@@ -95,9 +95,9 @@ class DiffusionPipeline(ABC):
     #: set by the runner: called by ``report_step`` (a sign of progress for
     #: the hang watchdog during a long request-style forward).
     step_hook: Callable[[], None] | None = None
-    #: set by the runner with ``cfg_parallel_size=2``: the two-rank group whose
-    #: rank 0 computes the conditional branch of CFG and rank 1 the other
-    #: (``engine.parallel.cfg``); None computes both branches here.
+    #: set by ``enable_parallel`` with ``cfg_parallel_size=2``: the two-rank
+    #: group whose rank 0 computes the conditional branch of CFG and rank 1
+    #: the other (``engine.parallel.cfg``); None computes both branches here.
     cfg_parallel_group: Any = None
 
     def report_step(self) -> None:
@@ -220,12 +220,23 @@ class DiffusionPipeline(ABC):
         one image at a time (large batches), text encoders kept on the CPU
         between encodings (small devices). Pipelines without them ignore it."""
 
-    def enable_sequence_parallel(self, group: Any, method: str = "ulysses") -> None:
-        """Split each transformer call's image tokens across the ranks of
-        ``group`` (``method`` "ulysses" or "ring"; every rank holds the full
-        weights). A pipeline without it refuses, so an impossible configuration
-        fails at start-up."""
-        raise NotImplementedError(f"pipeline {self.name!r} has no sequence parallelism")
+    @classmethod
+    def check_parallel(cls, degrees: Any, vae_parallel: bool = False) -> None:
+        """Raise ``ParallelConfigError`` saying why this model cannot run split as
+        ``degrees`` (an ``engine.parallel.ParallelDegrees``) and
+        ``vae_parallel`` say; the engine calls it before starting workers. A
+        pipeline without parallelism refuses anything but one rank."""
+        if degrees.world_size > 1 or vae_parallel:
+            from diffrt.engine.parallel.degrees import ParallelConfigError
+
+            raise ParallelConfigError("world_size", f"pipeline {cls.name!r} runs on one rank only")
+
+    def enable_parallel(self, groups: Any, *, vae_parallel: bool = False) -> None:
+        """Split each request across the ranks of ``groups`` (an
+        ``engine.parallel.ParallelGroups``; every rank holds the full weights),
+        on every rank alike; called once, after loading. A pipeline without
+        parallelism refuses."""
+        raise NotImplementedError(f"pipeline {self.name!r} has no multi-rank parallelism")
 
     def compile_models(self, backend: str) -> None:  # noqa: B027 (optional hook)
         """``torch.compile`` the denoiser with ``backend``. It compiles on first

@@ -20,6 +20,7 @@ class SD3Pipeline(FlowMatchPipeline):
     name = "sd3"
     diffusers_pipeline_class = "StableDiffusion3Pipeline"
     size_multiple = 16  # VAE 8x, patch 2
+    supports_sequence_parallel = True
     max_size = 2048
     #: StableDiffusion3Pipeline.__call__'s defaults (the size comes from the config).
     sampling_defaults = {"height": 1024, "width": 1024, "num_inference_steps": 28,
@@ -80,3 +81,18 @@ class SD3Pipeline(FlowMatchPipeline):
             timestep=timesteps,  # float32 whatever the model dtype, as diffusers passes them
             return_dict=False,
         )[0]
+
+    def enable_sequence_parallel(self, groups: Any) -> None:
+        """Each rank runs the transformer blocks on its slice of the image
+        tokens: the patch embedding (which adds the positional embedding, so
+        it sees the whole latent) is followed by the split, the last
+        projection by the gather; the attention goes over the sequence group
+        (``engine.parallel.sd3_attention``), text whole on every rank."""
+        from diffrt.engine.parallel.sd3_attention import SequenceParallelJointAttnProcessor
+        from diffrt.engine.parallel.sequence import GatherTokens, SequenceSplit, ShardTokens
+
+        split = SequenceSplit(groups.sequence, groups.sequence_attention())
+        model = self.transformer
+        model.set_attn_processor(SequenceParallelJointAttnProcessor(split))
+        model.pos_embed = ShardTokens(model.pos_embed, split)
+        model.proj_out = GatherTokens(model.proj_out, split)

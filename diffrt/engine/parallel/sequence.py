@@ -1,0 +1,94 @@
+"""One transformer call's image tokens shared out over the sequence group.
+
+``SequenceSplit`` is the state a family's transformer hooks share: the
+group, the joint attention over it (Ulysses, ring, or both), and whether
+the current call is split at all. A call whose image tokens do not divide
+by the group's size runs whole on every rank (the same numbers, no saving):
+splitting it would need padded tokens masked out of every attention.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from diffrt.engine.parallel.attention import JointAttention, local_attention
+
+logger = logging.getLogger(__name__)
+
+
+class SequenceSplit:
+    def __init__(self, group: Any, attend: JointAttention) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.attend = attend
+        #: True while a transformer call runs on this rank's slice of the tokens
+        self.split = False
+        #: leading text tokens of the joint sequence (set per call where the
+        #: attention cannot tell them from image tokens: Flux's single blocks)
+        self.text_len = 0
+        self._whole_logged: set[int] = set()
+
+    def begin(self, image_tokens: int) -> bool:
+        """Start a transformer call over ``image_tokens``; True when it splits."""
+        self.split = image_tokens % self.world == 0
+        if not self.split and image_tokens not in self._whole_logged:
+            self._whole_logged.add(image_tokens)
+            logger.info("%d image tokens do not split over %d ranks: such calls run whole "
+                        "on every rank", image_tokens, self.world)
+        return self.split
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of ``x`` along ``dim`` (when the call splits)."""
+        return x.chunk(self.world, dim=dim)[self.rank] if self.split else x
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's slice of ``x`` concatenated along ``dim``, in rank order."""
+        if not self.split:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  text_len: int) -> torch.Tensor:
+        """Joint attention, (B, H, tokens, D), text first: over the group when split."""
+        if self.split:
+            return self.attend(q, k, v, text_len)
+        return local_attention(q, k, v, text_len)
+
+
+class ShardTokens(nn.Module):
+    """Wraps the layer that turns latents into tokens (SD3's patch embedding,
+    which also adds the positional embedding): its output, this rank's slice."""
+
+    def __init__(self, inner: nn.Module, split: SequenceSplit) -> None:
+        super().__init__()
+        self.inner, self.sequence_split = inner, split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        self.sequence_split.begin(out.shape[1])
+        return self.sequence_split.shard(out, 1)
+
+
+class GatherTokens(nn.Module):
+    """Wraps the transformer's last per-token layer: its output gathered, so
+    the model un-patchifies the whole image on every rank."""
+
+    def __init__(self, inner: nn.Module, split: SequenceSplit) -> None:
+        super().__init__()
+        self.inner, self.sequence_split = inner, split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.sequence_split.gather(self.inner(x), 1)
+        self.sequence_split.split = False
+        return out
+
+
+__all__ = ["GatherTokens", "SequenceSplit", "ShardTokens"]
