@@ -135,3 +135,19 @@ def test_a_rank_killed_mid_request_fails_it_and_leaves_nothing_behind():
     finally:
         engine.close()
     assert wait_until(lambda: not any(alive(p) for p in pids))
+
+
+def test_sd35_style_folder_with_dual_attention_splits_exactly(tmp_path_factory):
+    """A complete SD3.5-style folder (RMS q/k norms, a block with a second,
+    image-only attention): Ulysses 2 and the banded decode give one rank's
+    images."""
+    from diffrt.engine.pipelines.tiny_folders import build_tiny_sd3_folder
+
+    folder = str(build_tiny_sd3_folder(tmp_path_factory.mktemp("sd35") / "sd35", seed=5,
+                                       sd35=True))
+    batch = requests("sd35", model=folder)
+    with DiffusionEngine.make_engine(EngineConfig(model=folder, executor_backend="inproc",
+                                                  max_num_seqs=2)) as engine:
+        want = pixels(engine.generate(batch, timeout=120))
+    [got] = on_ranks([batch], model=folder, ulysses_degree=2, vae_parallel=True)
+    assert_close(got, want)
