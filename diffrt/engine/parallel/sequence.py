@@ -34,6 +34,9 @@ class SequenceSplit:
         self.text_len = 0
         self._whole_logged: set[int] = set()
 
+    # The exchanges run eagerly under torch.compile (a graph break each): a
+    # compiled transformer keeps its kernels, the collectives stay as written.
+    @torch.compiler.disable
     def begin(self, image_tokens: int) -> bool:
         """Start a transformer call over ``image_tokens``; True when it splits."""
         self.split = image_tokens % self.world == 0
@@ -47,6 +50,7 @@ class SequenceSplit:
         """This rank's slice of ``x`` along ``dim`` (when the call splits)."""
         return x.chunk(self.world, dim=dim)[self.rank] if self.split else x
 
+    @torch.compiler.disable
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's slice of ``x`` concatenated along ``dim``, in rank order."""
         if not self.split:
@@ -55,6 +59,7 @@ class SequenceSplit:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    @torch.compiler.disable
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   text_len: int) -> torch.Tensor:
         """Joint attention, (B, H, tokens, D), text first: over the group when split."""
