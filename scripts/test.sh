@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Install diffrt with its test extras (torch pinned to the CPU build) and
+# Install diffrt with its test and Ray extras (torch pinned to the CPU build) and
 # Debian's chromium (the playground's browser test), then run ruff plus the
 # whole test suite. Idempotent. pytest's exit code 5 ("no tests ran") fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/pip install -q -c requirements/cpu.txt -e '.[test]' ./tests/plugins/diffrt_simdevice
+.venv/bin/pip install -q -c requirements/cpu.txt -e '.[test,ray]' ./tests/plugins/diffrt_simdevice
 # the playground's browser test (DIFFRT_CHROMIUM names another one)
 if [ -z "${DIFFRT_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)

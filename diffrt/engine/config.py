@@ -20,7 +20,7 @@ from diffrt.engine.runner_messages import PIPELINE_PROTOCOL, RunnerSettings
 from diffrt.engine.sched.policy import POLICIES
 from diffrt.runtime.types import ExecutorConfig, RunnerSpec
 
-EXECUTOR_BACKENDS = ("mp", "inproc")
+EXECUTOR_BACKENDS = ("mp", "inproc", "ray")
 #: the runner every worker builds (imported only inside the workers).
 PIPELINE_RUNNER_CLS = "diffrt.engine.pipeline_runner:PipelineRunner"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -28,7 +28,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 #: ExecutorConfig fields that executor_options may set (the others have their own fields).
 _EXECUTOR_OPTIONS = frozenset({"startup_timeout_s", "shutdown_grace_s", "output_queue_depth",
-                               "worker_env"})
+                               "worker_env", "ray_address", "ray_output_transport",
+                               "ray_cpus_per_rank"})
 
 
 class EngineMode(enum.Enum):
@@ -95,7 +96,10 @@ class EngineConfig:
             call.
         async_output: None = auto (on where the platform supports it), True /
             False force the two-phase / synchronous output path.
-        executor_backend: "mp" (worker processes, the default) or "inproc".
+        executor_backend: "mp" (worker processes, the default), "inproc" (one
+            rank on a thread of this process) or "ray" (the ranks as Ray actors
+            in a placement group, across machines if need be; the ``ray``
+            extra; docs/scale-out.md).
         world_size: worker processes (ranks) per engine: None (the default) is
             cfg_parallel_size x ulysses_degree x ring_degree; a value given
             must equal that product. Every rank holds the full weights.

@@ -9,6 +9,7 @@ class CudaPlatform(TorchAcceleratorPlatform):
     name = "cuda"
     device_type = "cuda"
     dist_backend = "nccl"
+    ray_resource = "GPU"
     device_control_env_var = "CUDA_VISIBLE_DEVICES"
     module_attr = "cuda"
     # cudaEventBlockingSync: a thread waiting for a copy sleeps instead of spinning

@@ -36,6 +36,8 @@ class Platform:
     name: ClassVar[str] = "base"
     device_type: ClassVar[str] = "cpu"
     dist_backend: ClassVar[str] = "gloo"
+    #: the Ray resource that counts this platform's devices (None: CPU only)
+    ray_resource: ClassVar[str | None] = None
     device_control_env_var: ClassVar[str | None] = None
     #: every variable that narrows the visible devices, innermost first: a
     #: worker is pinned through the first one the caller set (its indices are

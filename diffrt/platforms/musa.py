@@ -9,6 +9,7 @@ class MusaPlatform(TorchAcceleratorPlatform):
     name = "musa"
     device_type = "musa"
     dist_backend = "mccl"
+    ray_resource = "MUSA"
     device_control_env_var = "MUSA_VISIBLE_DEVICES"
     module_attr = "musa"
     vendor_package = "torch_musa"

@@ -9,6 +9,7 @@ class NpuPlatform(TorchAcceleratorPlatform):
     name = "npu"
     device_type = "npu"
     dist_backend = "hccl"
+    ray_resource = "NPU"
     device_control_env_var = "ASCEND_RT_VISIBLE_DEVICES"
     module_attr = "npu"
     vendor_package = "torch_npu"

@@ -57,6 +57,7 @@ class XpuPlatform(TorchAcceleratorPlatform):
     device_type = "xpu"
     # torch 2.8 ships XCCL for XPU; earlier stacks use oneCCL bindings ("ccl").
     dist_backend = "xccl" if _major_minor(torch.__version__) >= (2, 8) else "ccl"
+    ray_resource = "GPU"
     device_control_env_var = "ZE_AFFINITY_MASK"
 
     module_attr = "xpu"

@@ -8,12 +8,18 @@ from diffrt.runtime.inproc_executor import InprocExecutor
 from diffrt.runtime.multiproc_executor import MultiprocExecutor
 from diffrt.runtime.types import ExecutorConfig
 
-BACKENDS = ("mp", "inproc")
+BACKENDS = ("mp", "inproc", "ray")
 
 
 def make_executor(backend: str, config: ExecutorConfig) -> Executor:
-    """``"mp"`` (default: spawned worker processes) or ``"inproc"`` (a worker thread
-    in this process, same two-phase semantics; for debugging and tests)."""
+    """``"mp"`` (default: spawned worker processes), ``"inproc"`` (a worker thread
+    in this process, same two-phase semantics; for debugging and tests) or
+    ``"ray"`` (Ray actors in a placement group, possibly across machines;
+    needs the ``ray`` extra)."""
+    if backend == "ray":
+        from diffrt.runtime.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     if backend == "mp":
         return MultiprocExecutor(config)
     if backend == "inproc":

@@ -37,13 +37,13 @@ class InprocExecutor(PumpedExecutor):
         self._worker_error: BaseException | None = None
         self.core: WorkerCore | None = None  # for tests and debugging
         self.router = self._make_router(self._frees.put)
-        rpc_id, fut, msgs = self._init_messages(None)
-        self._requests.put(msgs[0])
         self._worker = threading.Thread(target=self._worker_main, name="diffrt-inproc-worker0",
                                         daemon=True)
+        self._launch(self._start_worker, None)
+
+    def _start_worker(self, init_messages: list[bytes]) -> None:
+        self._requests.put(init_messages[0])
         self._worker.start()
-        self._start_pump()
-        self._wait_started(rpc_id, fut)
 
     # -- the worker thread ------------------------------------------------------------------
     def _send(self, msg: Any) -> None:

@@ -91,17 +91,13 @@ class MultiprocExecutor(PumpedExecutor):
         self._free_lock = threading.Lock()
         self.router = self._make_router(self._send_free)
         dist = f"tcp://127.0.0.1:{_free_port()}" if config.world_size > 1 else None
-        rpc_id, fut, msgs = self._init_messages(dist)
-        try:
-            for rank in range(config.world_size):
-                self._spawn(rank)
-            for proc, msg in zip(self._procs, msgs, strict=True):
-                proc.requests.send_bytes(msg)
-        except BaseException:
-            self.shutdown()
-            raise
-        self._start_pump()
-        self._wait_started(rpc_id, fut)
+        self._launch(self._spawn_all, dist)
+
+    def _spawn_all(self, init_messages: list[bytes]) -> None:
+        for rank in range(self.config.world_size):
+            self._spawn(rank)
+        for proc, msg in zip(self._procs, init_messages, strict=True):
+            proc.requests.send_bytes(msg)
 
     @property
     def worker_pids(self) -> list[int]:

@@ -99,16 +99,24 @@ class PumpedExecutor(Executor):
             for rank in range(self.config.world_size)]
         return rpc_id, fut, msgs
 
-    def _wait_started(self, rpc_id: int, fut: concurrent.futures.Future) -> None:
+    def _launch(self, send_init: Callable[[list[bytes]], None],
+                dist_init_method: str | None) -> None:
+        """Start the ranks: ``send_init`` delivers each rank its InitWorker
+        (in rank order), then the pump runs and every rank's acknowledgement
+        is awaited. Any failure shuts the executor down before it propagates."""
+        try:
+            rpc_id, fut, msgs = self._init_messages(dist_init_method)
+            send_init(msgs)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._pump_thread = threading.Thread(target=self._pump, name="diffrt-result-pump", daemon=True)
+        self._pump_thread.start()
         try:
             self.router.wait_rpc(rpc_id, fut, self.config.startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
-
-    def _start_pump(self) -> None:
-        self._pump_thread = threading.Thread(target=self._pump, name="diffrt-result-pump", daemon=True)
-        self._pump_thread.start()
 
     # -- the pump -------------------------------------------------------------------------
     def _pump(self) -> None:

@@ -168,8 +168,17 @@ class ExecutorConfig:
     #: output, a heartbeat) before its workers are declared hung and killed;
     #: None: never. Only an executor that can kill its workers enforces it.
     execute_timeout_s: float | None = None
-    #: extra environment for spawned workers (mp backend).
+    #: extra environment for the workers (mp: spawned processes; ray: actors).
     worker_env: dict[str, str] = field(default_factory=dict)
+    #: ray backend: the cluster to join when this process has not joined one
+    #: (None: ``ray.init()``'s own choice, RAY_ADDRESS or a new local instance)
+    ray_address: str | None = None
+    #: ray backend: how outputs reach the engine: "auto" (shared memory when
+    #: rank 0 shares the engine's node, else the object store), "shm", or
+    #: "object_store" (forced: the cross-node path, testable on one node)
+    ray_output_transport: str = "auto"
+    #: ray backend: CPUs in each rank's placement-group bundle (fractional allowed)
+    ray_cpus_per_rank: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.runner, RunnerSpec):
@@ -183,5 +192,10 @@ class ExecutorConfig:
                 f"max_pending_output_bytes must be >= 4096, got {self.max_pending_output_bytes}")
         if self.execute_timeout_s is not None and not self.execute_timeout_s > 0:
             raise ValueError(f"execute_timeout_s must be > 0 or None, got {self.execute_timeout_s}")
+        if self.ray_output_transport not in ("auto", "shm", "object_store"):
+            raise ValueError(f"ray_output_transport must be auto, shm or object_store, "
+                             f"got {self.ray_output_transport!r}")
+        if not self.ray_cpus_per_rank >= 0:
+            raise ValueError(f"ray_cpus_per_rank must be >= 0, got {self.ray_cpus_per_rank}")
         if self.output_queue_depth < 1:
             raise ValueError(f"output_queue_depth must be >= 1, got {self.output_queue_depth}")

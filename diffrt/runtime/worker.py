@@ -85,10 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(args.parent_pid)
     configure_logging(os.environ.get("DIFFRT_LOG_LEVEL", DEFAULT_LOG_SPEC))
 
-    from diffrt import tracing
     from diffrt.runtime.messages import InitWorker, encode
     from diffrt.runtime.shm_transport import Arena
-    from diffrt.runtime.worker_core import WorkerCore, serve
+    from diffrt.runtime.worker_core import WorkerCore, build_core, leave_process_group, serve
 
     requests = Connection(args.request_fd, writable=False)
     results = Connection(args.result_fd, readable=False)
@@ -110,30 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     def build(init: InitWorker) -> WorkerCore:
         nonlocal world_size
         world_size = init.world_size
-        trace_dir = os.environ.get(tracing.TRACE_DIR_ENV)
-        if trace_dir:
-            os.makedirs(trace_dir, exist_ok=True)
-            tracing.process_name(tracing.worker_process(init.rank))
-        from diffrt.platforms import current_platform
-
-        if init.dist_init_method and init.world_size > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group(backend=current_platform.dist_backend,
-                                    init_method=init.dist_init_method,
-                                    rank=init.rank, world_size=init.world_size)
         arena = Arena.attach(args.arena_fd, init.arena_bytes) if args.arena_fd >= 0 else None
-        return WorkerCore(init, current_platform, send, arena, _free_source(frees))
+        return build_core(init, send, arena, _free_source(frees))
 
     try:
         if not serve(recv, send, build):
             return 1
     finally:
         if world_size > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            leave_process_group()
     return 0
 
 

@@ -152,6 +152,36 @@ class WorkerCore:
             logger.warning("runner.close() failed on rank %d", self.rank, exc_info=True)
 
 
+def build_core(init: InitWorker, send: Callable[[Any], None], arena: Arena | None,
+               free_source: FreeSource | None) -> WorkerCore:
+    """A rank's start-up wherever it runs (a spawned process, a Ray actor):
+    its trace track, the process group over the platform's dist backend when
+    there are several ranks, then the runner."""
+    import os
+
+    trace_dir = os.environ.get(tracing.TRACE_DIR_ENV)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        tracing.process_name(tracing.worker_process(init.rank))
+    from diffrt.platforms import current_platform
+
+    if init.dist_init_method and init.world_size > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend=current_platform.dist_backend,
+                                init_method=init.dist_init_method,
+                                rank=init.rank, world_size=init.world_size)
+    return WorkerCore(init, current_platform, send, arena, free_source)
+
+
+def leave_process_group() -> None:
+    """Undo ``build_core``'s process group, if it made one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def serve(recv: Callable[[], bytes | None], send: Callable[[Any], None],
           build: Callable[[InitWorker], WorkerCore]) -> bool:
     """The serve loop of one rank, whatever carries its messages.

@@ -14,7 +14,7 @@ from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
     ({"step_batch_max_wait_ms": -0.5}, "step_batch_max_wait_ms"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"max_num_seqs": 2.0}, "max_num_seqs"),
-    ({"executor_backend": "ray"}, "executor_backend"),
+    ({"executor_backend": "slurm"}, "executor_backend"),
     ({"world_size": 0}, "world_size"),
     ({"executor_backend": "inproc", "world_size": 2}, "world_size"),
     ({"cfg_parallel_size": 3}, "cfg_parallel_size"),

@@ -151,7 +151,7 @@ def test_unknown_backend_and_bad_config():
     from runtime_test_runners import ECHO_PROTOCOL, EchoSettings, Pid
 
     with pytest.raises(ValueError, match="backend"):
-        make_executor("ray", config())
+        make_executor("slurm", config())
     with pytest.raises(ValueError, match="runner cls"):
         RunnerSpec("nocolon", ECHO_PROTOCOL, EchoSettings())
     with pytest.raises(TypeError, match="settings"):

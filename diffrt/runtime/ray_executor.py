@@ -1,0 +1,327 @@
+"""Ray executor: the ranks of one engine as Ray actors in a placement group.
+
+One bundle per rank (its device and ``ray_cpus_per_rank`` CPUs), PACK:
+ranks share a node where they fit, spill to others where they do not. The
+ranks run the same serve loop as a spawned worker (``worker_core.serve``),
+on a thread of their actor; the messages travel as Ray actor calls:
+
+- requests: ``push(seq, data)`` to every rank (numbered: a threaded actor
+  may run two calls out of order, the serve loop must not);
+- results: the pump keeps one ``poll`` call outstanding per rank, which
+  returns what the rank sent (or an empty list after a short wait); a dead
+  actor fails that call at once, so a dead rank fails pending work within
+  one poll;
+- frees of output slots: ``push_free`` to rank 0.
+
+The output arena: on the engine's node, rank 0 maps the engine's own memfd
+(opened through ``/proc/<pid>/fd``), the same zero-copy path as a spawned
+worker. On another node it writes into an arena of its own, and the pump,
+before it routes an OUTPUT_READY, fetches the slots it names through the Ray
+object store into the same offsets of the engine's arena (rank 0 reuses a
+slot only after the engine freed it, so the mirror stays consistent).
+``ray_output_transport="object_store"`` forces that path on one node.
+
+Ray is an optional dependency (``pip install 'diffrt[ray]'``); the engine
+joins the Ray instance this process is connected to, or starts a local one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from diffrt.runtime.messages import FreeSlots, OutputReady, Shutdown, encode, result_decoder
+from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
+from diffrt.runtime.types import ExecutorConfig
+
+logger = logging.getLogger(__name__)
+
+#: how long one ``poll`` call waits in the actor for a result
+POLL_WAIT_S = 0.5
+RAY_EXTRA_HINT = "the ray executor needs Ray: pip install 'diffrt[ray]'"
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise RuntimeError(RAY_EXTRA_HINT) from exc
+    return ray
+
+
+class RankActor:
+    """One rank inside a Ray actor (made remote by ``RayExecutor``)."""
+
+    def __init__(self, rank: int, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        self.rank = rank
+        self._results: queue.Queue[bytes] = queue.Queue()
+        self._frees: queue.Queue[bytes] = queue.Queue()
+        self._init: bytes | None = None
+        self._pending: list[tuple[int, bytes]] = []  # heap of (seq, data) not yet served
+        self._next_seq = 0
+        self._ready = threading.Condition()
+        self._arena: Any = None
+        self._thread: threading.Thread | None = None
+
+    def where(self) -> tuple[str, str, int]:
+        """(node id, node address, a free TCP port there) — rank 0's make the
+        process group's rendezvous."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port)
+
+    def start(self, init: bytes, arena_bytes: int, arena_source: tuple[int, int] | None) -> None:
+        """Start the serve loop; rank 0 maps the engine's arena (``arena_source``:
+        the engine's (pid, fd) on this node) or, elsewhere, an arena of its own."""
+        from diffrt.runtime.shm_transport import Arena
+
+        if self.rank == 0:
+            if arena_source is not None:
+                pid, fd = arena_source
+                self._arena = Arena.attach(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR),
+                                           arena_bytes)
+            else:
+                self._arena = Arena.create(arena_bytes)
+        self._init = init
+        self._thread = threading.Thread(target=self._serve, name=f"diffrt-rank-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        from diffrt.runtime.messages import free_decoder
+        from diffrt.runtime.worker_core import build_core, leave_process_group, serve
+
+        send_lock = threading.Lock()
+
+        def send(msg: Any) -> None:
+            data = encode(msg)
+            with send_lock:
+                self._results.put(data)
+
+        def frees(timeout: float) -> Any:
+            try:
+                return free_decoder.decode(self._frees.get(timeout=timeout))
+            except queue.Empty:
+                return None
+
+        try:
+            serve(self._recv, send, lambda init: build_core(init, send, self._arena, frees))
+        except Exception:
+            logger.exception("rank %d: serve loop failed", self.rank)
+        finally:
+            leave_process_group()
+
+    def _recv(self) -> bytes | None:
+        """The next request in the executor's order (InitWorker first)."""
+        if self._init is not None:
+            init, self._init = self._init, None
+            return init
+        with self._ready:
+            while not (self._pending and self._pending[0][0] == self._next_seq):
+                self._ready.wait()
+            self._next_seq += 1
+            return heapq.heappop(self._pending)[1]
+
+    def push(self, seq: int, data: bytes) -> None:
+        with self._ready:
+            heapq.heappush(self._pending, (seq, data))
+            self._ready.notify_all()
+
+    def push_free(self, data: bytes) -> None:
+        self._frees.put(data)
+
+    def poll(self, wait_s: float) -> list[bytes]:
+        """What this rank sent since the last poll (waits up to ``wait_s`` for
+        the first message)."""
+        out: list[bytes] = []
+        try:
+            out.append(self._results.get(timeout=wait_s))
+            while True:
+                out.append(self._results.get_nowait())
+        except queue.Empty:
+            return out
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        """Bytes of this rank's own arena (the object-store output path)."""
+        return self._arena.bytes_view(offset, nbytes).numpy()  # serialised on return
+
+    def stopped(self, wait_s: float) -> bool:
+        if self._thread is not None:
+            self._thread.join(wait_s)
+        return self._thread is None or not self._thread.is_alive()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayExecutor(PumpedExecutor):
+    def __init__(self, config: ExecutorConfig):
+        super().__init__(config)
+        ray = import_ray()
+        if not ray.is_initialized():
+            ray.init(address=config.ray_address, ignore_reinit_error=True,
+                     log_to_driver=False)
+        self._ray = ray
+        self._death: str | None = None
+        self._seq = 0
+        self._mirror = False
+        self._actors: list[Any] = []
+        self._polls: dict[Any, int] = {}  # outstanding poll ref -> rank
+        self.router = self._make_router(self._send_free)
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._remove_pg = remove_placement_group
+        from diffrt.platforms import current_platform
+
+        bundle = ray_bundle(current_platform, config.ray_cpus_per_rank)
+        self._pg = placement_group([dict(bundle) for _ in range(config.world_size)],
+                                   strategy="PACK")
+        try:
+            ray.get(self._pg.ready(), timeout=config.startup_timeout_s)
+            actor_cls = ray.remote(RankActor)
+            env = {**config.worker_env}
+            for rank in range(config.world_size):
+                self._actors.append(actor_cls.options(
+                    num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                    resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                    max_concurrency=4, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self._pg, placement_group_bundle_index=rank),
+                ).remote(rank, env))
+            node, address, port = ray.get(self._actors[0].where.remote(),
+                                          timeout=config.startup_timeout_s)
+            here = ray.get_runtime_context().get_node_id()
+            self._mirror = (config.ray_output_transport == "object_store"
+                            or (config.ray_output_transport == "auto" and node != here))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._launch(self._start_ranks, f"tcp://{address}:{port}" if config.world_size > 1 else None)
+
+    def _start_ranks(self, init_messages: list[bytes]) -> None:
+        source = None if self._mirror else (os.getpid(), self.arena.fd)
+        self._ray.get([actor.start.remote(msg, self.arena.size, source)
+                       for actor, msg in zip(self._actors, init_messages, strict=True)],
+                      timeout=self.config.startup_timeout_s)
+        for rank, actor in enumerate(self._actors):
+            self._polls[actor.poll.remote(POLL_WAIT_S)] = rank
+
+    @property
+    def actors(self) -> list[Any]:
+        """The ranks' actor handles, in rank order."""
+        return list(self._actors)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self._ray.get([a.pid.remote() for a in self._actors], timeout=30)
+
+    @property
+    def output_transport(self) -> str:
+        """"shm" (rank 0 writes into this process's arena) or "object_store"."""
+        return "object_store" if self._mirror else "shm"
+
+    # -- PumpedExecutor hooks -----------------------------------------------------------
+    def _send_free(self, msg: FreeSlots) -> None:
+        if self._actors and self._death is None:
+            self._actors[0].push_free.remote(encode(msg))
+
+    def _broadcast(self, data: bytes) -> None:
+        if self._death is not None:
+            raise WorkerDied(self._death)
+        seq, self._seq = self._seq, self._seq + 1
+        for actor in self._actors:
+            actor.push.remote(seq, data)
+
+    def _poll_results(self, timeout: float) -> list[bytes]:
+        if self._death is not None:
+            raise WorkerDied(self._death)
+        ray = self._ray
+        ready, _ = ray.wait(list(self._polls), num_returns=1, timeout=timeout)
+        if ready:  # and whatever else is ready by now
+            ready, _ = ray.wait(list(self._polls), num_returns=len(self._polls), timeout=0)
+        out: list[bytes] = []
+        for ref in ready:
+            rank = self._polls.pop(ref)
+            try:
+                messages = ray.get(ref)
+            except Exception as exc:  # RayActorError and kin: the rank is gone
+                if not self._stopping.is_set():
+                    self._death = (f"worker rank {rank} (Ray actor) died "
+                                   f"({type(exc).__name__}); failing all pending work")
+                continue
+            if rank == 0 and self._mirror:
+                self._fetch_outputs(messages)
+            out.extend(messages)
+            self._polls[self._actors[rank].poll.remote(POLL_WAIT_S)] = rank
+        return out
+
+    def _fetch_outputs(self, messages: list[bytes]) -> None:
+        """The object-store path: copy the slots an OUTPUT_READY names from rank
+        0's arena into the same offsets of this one, before it is routed."""
+        for data in messages:
+            msg = result_decoder.decode(data)
+            if not isinstance(msg, OutputReady):
+                continue
+            refs = [(out.slot_offset, self._actors[0].read.remote(out.slot_offset, out.slot_bytes))
+                    for out in msg.outputs]
+            for offset, ref in refs:
+                chunk = self._ray.get(ref)  # read-only, in the object store
+                self.arena.bytes_view(offset, chunk.size).numpy()[:] = chunk
+
+    def _workers_alive(self) -> bool:
+        return self._death is None
+
+    def _kill_workers(self) -> bool:
+        for actor in self._actors:
+            self._ray.kill(actor, no_restart=True)
+        return True
+
+    def _stop_workers(self) -> None:
+        ray = self._ray
+        try:
+            if self._death is None and self._actors:
+                for actor in self._actors:
+                    actor.push.remote(self._seq, encode(Shutdown()))
+                self._seq += 1
+                deadline = time.monotonic() + self.config.shutdown_grace_s
+                refs = [a.stopped.remote(self.config.shutdown_grace_s) for a in self._actors]
+                ray.wait(refs, num_returns=len(refs),
+                         timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:
+            logger.debug("polite stop of the Ray ranks failed", exc_info=True)
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                logger.debug("ray.kill failed", exc_info=True)
+        try:
+            self._remove_pg(self._pg)
+        except Exception:
+            logger.debug("removing the placement group failed", exc_info=True)
+
+
+def ray_bundle(platform: Any, cpus_per_rank: float) -> dict[str, float]:
+    """One rank's placement-group bundle: its CPUs and one of the platform's
+    devices under the Ray resource that counts them (``Platform.ray_resource``:
+    "GPU" for CUDA, ROCm and XPU, "NPU" for Ascend; a custom resource such as
+    "MUSA" must be declared with ``ray start --resources``)."""
+    bundle: dict[str, float] = {"CPU": float(cpus_per_rank)}
+    resource = getattr(platform, "ray_resource", None)
+    if resource:
+        bundle[resource] = 1.0
+    return bundle
+
+
+__all__ = ["RankActor", "RayExecutor", "import_ray", "ray_bundle"]

@@ -1,0 +1,87 @@
+"""``executor_backend="ray"``: the ranks of one engine as Ray actors. Images
+equal the other executors' (CFG parallel over two actors), on the
+shared-memory output path and on the object-store one (forced on one node,
+as across nodes); a killed actor fails its request and the engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from waiting import wait_until
+
+from diffrt.engine import (
+    DiffusionEngine,
+    DiffusionRequest,
+    EngineConfig,
+    EngineDeadError,
+    SamplingParams,
+)
+
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def requests(tag: str) -> list[DiffusionRequest]:
+    return [DiffusionRequest(prompt=f"a lighthouse {i}", request_id=f"{tag}-{i}",
+                             negative_prompt="blurry",
+                             sampling_params=SamplingParams(height=64, width=64, seed=i,
+                                                            num_inference_steps=2,
+                                                            guidance_scale=5.0))
+            for i in range(2)]
+
+
+def pixels(outs) -> list[np.ndarray]:
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    return [np.asarray(o.images[0]).astype(np.int16) for o in outs]
+
+
+def ray_engine(**config) -> DiffusionEngine:
+    options = {"worker_env": LOOPBACK, "ray_cpus_per_rank": 0.5,
+               **config.pop("executor_options", {})}
+    return DiffusionEngine.make_engine(EngineConfig(
+        model="tiny-sd3", executor_backend="ray", max_num_seqs=2, executor_options=options,
+        **config))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with DiffusionEngine.make_engine(EngineConfig(model="tiny-sd3", executor_backend="inproc",
+                                                  max_num_seqs=2)) as engine:
+        return pixels(engine.generate(requests("ref"), timeout=120))
+
+
+@pytest.mark.parametrize("transport", ["shm", "object_store"])
+def test_cfg_parallel_on_ray_actors_matches_one_rank(transport, reference, ray_cluster):
+    with ray_engine(cfg_parallel_size=2, step_execution=transport == "shm",
+                    executor_options={"ray_output_transport": transport}) as engine:
+        assert engine.executor.output_transport == transport
+        got = pixels(engine.generate(requests(transport), timeout=120))
+        again = pixels(engine.generate(requests(transport + "-2"), timeout=120))
+    for a, b, c in zip(got, again, reference, strict=True):
+        assert np.abs(a - c).max() <= 1 and np.array_equal(a, b)
+
+
+def test_a_killed_actor_fails_its_request_and_the_engine(ray_cluster):
+    engine = ray_engine(cfg_parallel_size=2)
+    try:
+        long = DiffusionRequest(prompt="a long one", sampling_params=SamplingParams(
+            height=128, width=128, num_inference_steps=1000, seed=0))
+        got: list = []
+        runner = threading.Thread(target=lambda: got.append(engine.generate(long, timeout=60)))
+        runner.start()
+        assert wait_until(lambda: engine.scheduler.num_running == 1)
+        time.sleep(0.3)
+        started = time.monotonic()
+        ray_cluster.kill(engine.executor.actors[1], no_restart=True)
+        runner.join(30)
+        assert got and not got[0].ok and "died" in got[0].error, got
+        assert time.monotonic() - started < 15
+        assert wait_until(lambda: not engine.is_healthy())
+        with pytest.raises(EngineDeadError):
+            engine.generate(requests("after")[0])
+    finally:
+        engine.close()
+    assert not ray_cluster.util.placement_group_table() or all(
+        pg["state"] == "REMOVED" for pg in ray_cluster.util.placement_group_table().values())
