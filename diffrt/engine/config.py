@@ -205,6 +205,7 @@ class EngineConfig:
         supports the two-phase output decides ``async_output=None``; a CPU
         worker starts with the allocator policy of ``cpu_policy``)."""
         kw: dict[str, Any] = dict(self.executor_options)
+        self._check_devices(platform)
         kw["worker_env"] = {**cpu_worker_env(platform), **kw.get("worker_env", {})}
         platform_async_output = bool(platform.supports_async_output)
         if self.output_timeout_s is not None:
@@ -225,8 +226,28 @@ class EngineConfig:
                                   ring_degree=self.ring_degree,
                                   vae_parallel=self.vae_parallel)
         runner = RunnerSpec(PIPELINE_RUNNER_CLS, PIPELINE_PROTOCOL, settings)
-        return ExecutorConfig(runner=runner, world_size=self.world_size,
+        return ExecutorConfig(runner=runner, world_size=self.ranks,
                               async_output=async_output, **kw)
+
+    def _check_devices(self, platform: Any) -> None:
+        """One device per rank on an accelerator (two ranks on one device would
+        fail in the first collective). The ray backend takes its devices from
+        the cluster, which checks them itself."""
+        if platform.device_type == "cpu" or self.executor_backend == "ray" or self.ranks == 1:
+            return
+        devices = platform.device_count()
+        if self.ranks > devices:
+            field = next(n for n in ("ulysses_degree", "ring_degree", "cfg_parallel_size")
+                         if getattr(self, n) > 1)
+            raise EngineConfigError(field, (
+                f"cfg_parallel_size x ulysses_degree x ring_degree = {self.ranks} ranks, one "
+                f"device each, but {devices} {platform.device_type} device(s) are visible"))
+
+    @property
+    def ranks(self) -> int:
+        """Worker ranks of the engine: the product of the parallel degrees
+        (``world_size``, when given, equals it)."""
+        return self.parallel_degrees().world_size
 
     def parallel_degrees(self) -> ParallelDegrees:
         """How each request is split over the ranks."""
@@ -266,9 +287,9 @@ class EngineConfig:
             degree = getattr(self, name)
             if not _is_int(degree) or degree < 1:
                 raise EngineConfigError(name, f"must be an int >= 1, got {degree!r}")
-        ranks = self.parallel_degrees().world_size
+        ranks = self.ranks
         if self.world_size is None:
-            self.world_size = ranks
+            pass
         elif not _is_int(self.world_size) or self.world_size < 1:
             raise EngineConfigError("world_size", f"must be None or an int >= 1, "
                                                   f"got {self.world_size!r}")
@@ -288,8 +309,9 @@ class EngineConfig:
             raise EngineConfigError("vae_parallel", "decodes in bands over the ranks; "
                                     "vae_tiling is the one-rank way to save decode memory: "
                                     "use one of them")
-        if self.executor_backend == "inproc" and self.world_size != 1:
-            raise EngineConfigError("world_size", "the inproc executor runs exactly one rank")
+        if self.executor_backend == "inproc" and self.ranks != 1:
+            raise EngineConfigError("executor_backend", f"inproc runs exactly one rank; "
+                                    f"{self.ranks} ranks need 'mp' or 'ray'")
         t = self.output_timeout_s
         if t is not None and (not _is_number(t) or t <= 0):
             raise EngineConfigError("output_timeout_s", f"must be None or a number > 0, got {t!r}")

@@ -43,7 +43,7 @@ from diffrt.engine.runner_messages import (
     StepDone,
     StepStateCount,
 )
-from diffrt.runtime.types import RunnerResult
+from diffrt.runtime.types import RankFailure, RunnerResult
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +103,16 @@ class PipelineRunner:
         self.pipeline.configure_memory(vae_tiling=settings.vae_tiling,
                                        vae_slicing=settings.vae_slicing,
                                        offload_text_encoders=settings.offload_text_encoders)
-        if settings.compile_backend:
-            self.pipeline.compile_models(settings.compile_backend)
         degrees = ParallelDegrees(cfg=settings.cfg_parallel_size, ulysses=settings.ulysses_degree,
                                   ring=settings.ring_degree)
-        if degrees.world_size > 1:  # every rank builds the same groups, in the same order
+        #: several ranks share each request: a rank-local failure ends the rank
+        self.parallel = degrees.world_size > 1
+        self.vae_parallel = settings.vae_parallel
+        if self.parallel:  # every rank builds the same groups, in the same order
             self.pipeline.enable_parallel(build_groups(degrees),
                                           vae_parallel=settings.vae_parallel)
+        if settings.compile_backend:  # after the parallel hooks: they patch the eager model
+            self.pipeline.compile_models(settings.compile_backend)
         self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes,
                                           synchronize=self._wait_for_current_stream)
         #: text-encoding counters already reported to the engine.
@@ -176,6 +179,7 @@ class PipelineRunner:
         try:
             self._forward(requests, outputs)
         except Exception as exc:
+            self._end_if_shared(exc)
             if len(requests) == 1:
                 errors[requests[0].request_id] = self._failed(exc)
             else:
@@ -204,6 +208,8 @@ class PipelineRunner:
         for rid in step.drop:
             self.states.pop(rid, None)
         self._admit(step.new, reply)
+        if self.parallel and step.new:
+            self._agree_on_admission(step.new, reply)
         states = []
         for rid in step.advance:
             if rid in reply.errors:
@@ -255,6 +261,8 @@ class PipelineRunner:
                     image, state.request.sampling_params)
                 reply.previews[state.request_id] = steps.index(state.step_index)
         except Exception as exc:
+            if self.vae_parallel:
+                self._end_if_shared(exc)
             logger.warning("preview of %s failed: %s", state.request_id, describe_error(exc))
 
     def _admit(self, requests: list[DiffusionRequest], reply: StepDone) -> None:
@@ -277,6 +285,29 @@ class PipelineRunner:
         for state in states:
             self.states[state.request_id] = state
 
+    def _agree_on_admission(self, requests: list[DiffusionRequest], reply: StepDone) -> None:
+        """With several ranks, keep a new request only where every rank admitted
+        it (admission is local: a rank-local failure, out of memory on one
+        device, must not leave the ranks with different batches)."""
+        import torch.distributed as dist
+
+        here = torch.tensor([r.request_id in self.states for r in requests], dtype=torch.int32,
+                            device=self.pipeline.device)
+        dist.all_reduce(here, op=dist.ReduceOp.MIN)
+        for request, everywhere in zip(requests, here.tolist(), strict=True):
+            rid = request.request_id
+            if not everywhere and rid in self.states:
+                del self.states[rid]
+                reply.errors.setdefault(rid, "RuntimeError: admission failed on another rank")
+
+    def _end_if_shared(self, exc: BaseException) -> None:
+        """With several ranks, a failure inside work they share ends this rank
+        (``RankFailure``): retrying alone would call collectives its peers are
+        not in."""
+        if self.parallel:
+            raise RankFailure(f"failed in work shared with the other ranks: "
+                              f"{describe_error(exc)}") from exc
+
     def _decode(self, states: list[StepRequestState], reply: StepDone,
                 outputs: dict[str, Any]) -> None:
         """Decode the requests that finished in this tick in one call; on a
@@ -289,6 +320,8 @@ class PipelineRunner:
                 raise RuntimeError(f"post_decode_batch returned {len(decoded)} outputs "
                                    f"for {len(states)} requests")
         except Exception as exc:
+            if self.vae_parallel:
+                self._end_if_shared(exc)
             if len(states) == 1:
                 reply.errors[states[0].request_id] = self._failed(exc)
                 return
@@ -312,6 +345,7 @@ class PipelineRunner:
         try:
             preds = self._denoise(states)
         except Exception as exc:
+            self._end_if_shared(exc)
             if len(states) == 1:
                 reply.errors[states[0].request_id] = self._failed(exc)
                 return

@@ -118,7 +118,11 @@ class RankActor:
         try:
             serve(self._recv, send, lambda init: build_core(init, send, self._arena, frees))
         except Exception:
-            logger.exception("rank %d: serve loop failed", self.rank)
+            # as a worker process would: the actor ends, its pending poll fails,
+            # and the executor fails the work (a RankFailure, or a broken loop)
+            logger.exception("rank %d: serve loop failed; ending the actor", self.rank)
+            time.sleep(POLL_WAIT_S * 2)  # the error reply reaches the engine first
+            os._exit(1)
         finally:
             leave_process_group()
 

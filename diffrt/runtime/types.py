@@ -48,6 +48,14 @@ class ExecutorDeadError(ExecutorError):
     """A worker or the result pump died, or the executor was shut down."""
 
 
+class RankFailure(Exception):
+    """Raised by a runner whose rank cannot go on: it failed alone inside work
+    its peers share, so they may be waiting in a collective it will never
+    join. The rank reports the error and ends (its process exits), and the
+    executor's dead-worker path fails the pending work (or the engine
+    restarts its workers) rather than letting the ranks drift apart."""
+
+
 class OutputTimeoutError(ExecutorError, TimeoutError):
     """OUTPUT_READY did not arrive within ``output_timeout_s``."""
 

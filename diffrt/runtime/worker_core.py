@@ -33,7 +33,7 @@ from diffrt.runtime.messages import (
 )
 from diffrt.runtime.output_thread import FreeSource, OutputWriter
 from diffrt.runtime.shm_transport import Arena
-from diffrt.runtime.types import RunnerProtocol, RunnerResult
+from diffrt.runtime.types import RankFailure, RunnerProtocol, RunnerResult
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,10 @@ class WorkerCore:
             self._send(ComputeDone(rpc.rpc_id, self.rank, reply=reply,
                                    async_output_id=batch_id if is_async else None,
                                    output_ids=ids))
+        except RankFailure as exc:
+            logger.error("rank %d cannot go on (%s): ending it", self.rank, exc.__cause__ or exc)
+            self._send(error_reply(rpc.rpc_id, self.rank, exc))
+            raise
         except Exception as exc:
             logger.debug("rpc %d (%s) failed on rank %d", rpc.rpc_id, name, self.rank,
                          exc_info=True)

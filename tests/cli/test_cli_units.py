@@ -121,7 +121,8 @@ def test_env_report_renders_sections():
     (["generate", "-p", "x", "--prompts-file", "/nonexistent/prompts.txt"], "prompts-file"),
     (["bench", "--compare", "mode=sideways"], "mode"),
     # a bad later configuration is refused before the first one runs
-    (["bench", "--executor", "inproc", "--compare", "max_num_seqs=1", "world_size=2"], "world_size"),
+    (["bench", "--executor", "inproc", "--compare", "max_num_seqs=1", "cfg_parallel_size=2"],
+     "executor_backend"),
     (["bench", "--json", "/nonexistent/r.json"], "does not exist"),
     (["generate", "-p", "x", "--trace", "/nonexistent/t.json"], "does not exist"),
 ])
@@ -215,6 +216,11 @@ def test_bench_configurations_keep_every_engine_flag():
     for _, opts in build_configs(args):
         settings = engine_settings(opts)
         assert settings["dtype"] == "float16" and settings["vae_slicing"] is True
+    args = build_parser().parse_args(["bench", "--compare", "cfg_parallel_size=2,vae_parallel=on",
+                                      "ulysses_degree=2,vae_parallel=off"])
+    first, second = (engine_settings(opts) for _, opts in build_configs(args))
+    assert first["cfg_parallel_size"] == 2 and first["vae_parallel"] is True
+    assert second["ulysses_degree"] == 2 and "vae_parallel" not in second
 
 
 def test_serve_refuses_a_bad_model_before_starting(capsys):

@@ -22,7 +22,8 @@ def run_checks(rank: int, world: int, init_method: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
-        from diffrt.engine.parallel import cfg_parallel_combine, ring_attention, ulysses_attention
+        from diffrt.engine.parallel.attention import ring_attention, ulysses_attention
+        from diffrt.engine.parallel.cfg import cfg_parallel_combine
 
         for name, fn, heads in (("ulysses", ulysses_attention, 2 * world),
                                 ("ring", ring_attention, 3)):  # ring: heads need not divide
@@ -43,6 +44,14 @@ def run_checks(rank: int, world: int, init_method: str) -> None:
         for name, fn in (("Ulysses", joint_ulysses_attention), ("ring", joint_ring_attention)):
             err = (fn(*mine, text_len=5) - want).abs().max().item()
             assert err < 1e-5, f"joint {name} attention differs from full attention by {err}"
+        from diffrt.engine.parallel import attention
+
+        budget, attention.SCORE_BUDGET = attention.SCORE_BUDGET, 100  # queries in chunks of 1-2
+        try:
+            err = (joint_ring_attention(*mine, text_len=5) - want).abs().max().item()
+            assert err < 1e-5, f"ring attention in query chunks differs by {err}"
+        finally:
+            attention.SCORE_BUDGET = budget
         if world > 1:
             q = _full(4, (1, 3, 2 * world, 8))
             try:

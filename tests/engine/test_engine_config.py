@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,10 +19,10 @@ from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
     ({"executor_backend": "slurm"}, "executor_backend"),
     ({"world_size": 0}, "world_size"),
     ({"executor_backend": "inproc", "world_size": 2}, "world_size"),
+    ({"executor_backend": "inproc", "ulysses_degree": 2}, "executor_backend"),
     ({"cfg_parallel_size": 3}, "cfg_parallel_size"),
     ({"cfg_parallel_size": 2, "world_size": 4}, "world_size"),  # the product or unset
     ({"world_size": 2}, "world_size"),  # replicated ranks add nothing: refused
-    ({"executor_backend": "inproc", "cfg_parallel_size": 2}, "world_size"),
     ({"vae_parallel": True}, "vae_parallel"),  # one rank: nothing to split
     ({"vae_parallel": True, "cfg_parallel_size": 2, "vae_tiling": True}, "vae_parallel"),
     ({"vae_parallel": 1, "cfg_parallel_size": 2}, "vae_parallel"),
@@ -60,9 +62,29 @@ def test_parallel_configurations_the_model_cannot_run_are_refused(model, kw, fie
 def test_world_size_is_the_product_of_the_parallel_degrees():
     config = EngineConfig(model="tiny-flux", cfg_parallel_size=2, ulysses_degree=2, ring_degree=2,
                           vae_parallel=True)
-    assert config.world_size == 8
-    assert EngineConfig(model="tiny-flux").world_size == 1
-    assert EngineConfig(model="tiny-flux", ring_degree=3, world_size=3).world_size == 3
+    from diffrt.platforms import current_platform
+
+    assert config.ranks == 8 and config.executor_config(platform=current_platform).world_size == 8
+    assert EngineConfig(model="tiny-flux").ranks == 1
+    assert EngineConfig(model="tiny-flux", ring_degree=3, world_size=3).ranks == 3
+    # the derived size is not written back: a copy with other degrees is valid
+    assert dataclasses.replace(config, cfg_parallel_size=1).ranks == 4
+
+
+def test_more_ranks_than_devices_are_refused():
+    class TwoGpus:
+        device_type = "cuda"
+        supports_async_output = True
+
+        @staticmethod
+        def device_count() -> int:
+            return 2
+
+    config = EngineConfig(model="tiny-flux", cfg_parallel_size=2, ulysses_degree=2)
+    with pytest.raises(EngineConfigError, match="4 ranks.*2 cuda device") as info:
+        config.executor_config(platform=TwoGpus())
+    assert info.value.field == "ulysses_degree"
+    EngineConfig(model="tiny-flux", cfg_parallel_size=2).executor_config(platform=TwoGpus())
 
 
 def test_unknown_model_names_the_model_and_lists_known_ones():

@@ -14,12 +14,10 @@
 Every rank holds the full weights: nothing here shards parameters. All
 collectives take the group they run in, through the platform's
 ``dist_backend`` (gloo on CPU, which has ``all_to_all_single`` but not the
-list form; only the former is used).
+list form; only the former is used). This package imports only ``degrees``
+(no torch), so the engine's configuration stays light to import.
 """
 
-from diffrt.engine.parallel.attention import ring_attention, ulysses_attention
-from diffrt.engine.parallel.cfg import cfg_parallel_combine
 from diffrt.engine.parallel.degrees import ParallelConfigError, ParallelDegrees
 
-__all__ = ["ParallelConfigError", "ParallelDegrees", "cfg_parallel_combine", "ring_attention",
-           "ulysses_attention"]
+__all__ = ["ParallelConfigError", "ParallelDegrees"]

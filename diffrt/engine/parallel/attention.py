@@ -2,15 +2,15 @@
 
 Shapes follow ``torch.nn.functional.scaled_dot_product_attention``:
 ``(batch, heads, sequence, head_dim)``, here with this rank's slice of the
-sequence (every rank the same length: pad before splitting). Both functions
+sequence (every rank the same length: the callers split only sequences that
+divide). Both functions
 return this rank's slice of the output, equal (up to float rounding) to
 full attention over the whole sequence.
 
 - **Ulysses** (DeepSpeed-Ulysses, as in xDiT's USP and vllm-omni): one
-  ``all_to_all_single`` turns "my tokens, all heads" into "all tokens, my
-  heads", attention runs locally on whole sequences, a second all-to-all
-  turns it back. Needs ``heads % world == 0``; moves q, k, v and the output
-  once each.
+  ``all_to_all_single`` (q, k and v together) turns "my tokens, all heads"
+  into "all tokens, my heads", attention runs locally on whole sequences, a
+  second all-to-all turns the output back. Needs ``heads % world == 0``.
 - **Ring**: queries stay; key/value slices travel round the ring, each rank
   attends to one slice per hop and merges the partial results by their
   log-sum-exp. Any head count; world - 1 hops of k and v.
@@ -92,11 +92,13 @@ def joint_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
     rank = dist.get_rank(group)
     mine = slice(rank * heads // world, (rank + 1) * heads // world)
 
-    def local(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x[:, mine, :text_len], _seq_to_heads(x[:, :, text_len:], world, group)],
-                         dim=2)
-
-    out = inner(local(q), local(k), local(v), text_len)
+    b = q.shape[0]
+    # q, k and v in one all-to-all (stacked along the batch)
+    image = _seq_to_heads(torch.cat([q[:, :, text_len:], k[:, :, text_len:],
+                                     v[:, :, text_len:]]), world, group)
+    lq, lk, lv = (torch.cat([x[:, mine, :text_len], image[i * b:(i + 1) * b]], dim=2)
+                  for i, x in enumerate((q, k, v)))
+    out = inner(lq, lk, lv, text_len)
     image = _heads_to_seq(out[:, :, text_len:].contiguous(), world, group)
     if not text_len:
         return image
@@ -105,14 +107,26 @@ def joint_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
     return torch.cat([torch.cat(text, dim=1), image], dim=2)
 
 
+#: float32 score elements one block of queries may hold (256 MiB)
+SCORE_BUDGET = 64 << 20
+
+
 def _attend_with_lse(q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q over one block of k, v and the log-sum-exp of its
-    scores (B, H, Sq), in float32 so blocks merge without loss."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
-    return out, lse
+    scores (B, H, Sq), in float32 so blocks merge without loss. Queries go in
+    chunks so the score matrix stays within ``SCORE_BUDGET`` elements
+    (Flux at 2048² would otherwise hold gigabytes of scores per hop)."""
+    b, h, sq, _ = q.shape
+    step = max(1, SCORE_BUDGET // max(1, b * h * k.shape[2]))
+    kf, vf, scale = k.float().transpose(-1, -2), v.float(), 1.0 / math.sqrt(q.shape[-1])
+    outs, lses = [], []
+    for start in range(0, sq, step):
+        scores = torch.matmul(q[:, :, start:start + step].float(), kf) * scale
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), vf))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from diffrt.engine.parallel.collectives import gather_uneven, share
+from diffrt.engine.parallel.collectives import gather_uneven, share, shares
 
 #: which branch each rank of a CFG group computes
 COND_RANK, UNCOND_RANK = 0, 1
@@ -49,7 +49,7 @@ def rows_here(rows: int, group: dist.ProcessGroup | None = None) -> slice:
 def gather_rows(pred: torch.Tensor, rows: int,
                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Both ranks' ``rows_here`` predictions, in row order, on both ranks."""
-    return gather_uneven(pred, 0, group) if rows > 1 else pred
+    return gather_uneven(pred, 0, group, shares(rows, 2)) if rows > 1 else pred
 
 
 __all__ = ["COND_RANK", "UNCOND_RANK", "cfg_branch", "cfg_parallel_combine", "gather_rows",

@@ -27,7 +27,7 @@ class ParallelDegrees:
         return self.cfg * self.ring * self.ulysses
 
     @property
-    def sequence(self) -> int:
+    def sequence_size(self) -> int:
         """Ranks that share one transformer call's image tokens."""
         return self.ring * self.ulysses
 

@@ -2,7 +2,7 @@
 
 The same projections, norms and rotary embedding as diffusers'
 ``FluxAttnProcessor``; only the attention call changes, to the
-``SequenceSplit``'s. The pipeline sets ``split.text_len`` before each
+``SequenceSplit``'s. The pipeline sets ``sequence.text_len`` before each
 transformer call (single-stream blocks receive text and image tokens
 already concatenated, so the processor cannot tell them apart).
 """
@@ -18,8 +18,8 @@ from diffrt.engine.parallel.sequence import SequenceSplit
 
 
 class SequenceParallelFluxAttnProcessor:
-    def __init__(self, split: SequenceSplit) -> None:
-        self.split = split
+    def __init__(self, sequence: SequenceSplit) -> None:
+        self.sequence = sequence
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
@@ -43,8 +43,8 @@ class SequenceParallelFluxAttnProcessor:
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        out = self.split.attention(query.transpose(1, 2), key.transpose(1, 2),
-                                   value.transpose(1, 2), self.split.text_len)
+        out = self.sequence.attention(query.transpose(1, 2), key.transpose(1, 2),
+                                   value.transpose(1, 2), self.sequence.text_len)
         out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out

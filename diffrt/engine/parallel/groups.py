@@ -39,7 +39,7 @@ from diffrt.engine.parallel.degrees import ParallelDegrees
 @dataclass
 class ParallelGroups:
     """This rank's process groups, one per parallel dimension (None where the
-    dimension has one rank), and the whole world (the VAE decode's group)."""
+    dimension has one rank), and all ranks together (the VAE decode's group)."""
 
     degrees: ParallelDegrees
     cfg: Any = None
@@ -47,7 +47,7 @@ class ParallelGroups:
     ring: Any = None
     #: ranks sharing the image tokens (ring × Ulysses): shard and gather
     sequence: Any = None
-    world: Any = None
+    all_ranks: Any = None
 
     def sequence_attention(self) -> JointAttention:
         """Joint attention (text first, then this rank's image tokens) over the
@@ -68,7 +68,7 @@ def build_groups(degrees: ParallelDegrees) -> ParallelGroups:
         raise RuntimeError(f"the parallel degrees {degrees} need {degrees.world_size} ranks, "
                            f"the process group has {world}")
     c0, r0, u0 = degrees.coords(dist.get_rank())
-    groups = ParallelGroups(degrees=degrees, world=dist.group.WORLD)
+    groups = ParallelGroups(degrees=degrees, all_ranks=dist.group.WORLD)
     cs, rs, us = range(degrees.cfg), range(degrees.ring), range(degrees.ulysses)
 
     def build(dimension: str, members: Any) -> None:
@@ -88,8 +88,10 @@ def build_groups(degrees: ParallelDegrees) -> ParallelGroups:
     if degrees.ulysses > 1:
         build("ulysses", (((c, r), [degrees.rank_of(c, r, u) for u in us])
                           for c, r in itertools.product(cs, rs)))
-    if degrees.sequence > 1:
+    if degrees.ring > 1 and degrees.ulysses > 1:  # else the one that splits is the same group
         build("sequence", ((c, [degrees.rank_of(c, r, u) for r in rs for u in us]) for c in cs))
+    else:
+        groups.sequence = groups.ring if degrees.ring > 1 else groups.ulysses
     return groups
 
 

@@ -17,8 +17,8 @@ from diffrt.engine.parallel.sequence import SequenceSplit
 
 
 class SequenceParallelJointAttnProcessor:
-    def __init__(self, split: SequenceSplit) -> None:
-        self.split = split
+    def __init__(self, sequence: SequenceSplit) -> None:
+        self.sequence = sequence
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
@@ -50,7 +50,7 @@ class SequenceParallelJointAttnProcessor:
                 tk = attn.norm_added_k(tk)
             query, key = torch.cat([tq, query], dim=2), torch.cat([tk, key], dim=2)
             value = torch.cat([tv, value], dim=2)
-        out = self.split.attention(query, key, value, text_len)
+        out = self.sequence.attention(query, key, value, text_len)
         out = out.transpose(1, 2).reshape(b, -1, attn.heads * head_dim).to(query.dtype)
         text, image = out[:, :text_len], out[:, text_len:]
         image = attn.to_out[1](attn.to_out[0](image))

@@ -24,11 +24,11 @@ logger = logging.getLogger(__name__)
 class SequenceSplit:
     def __init__(self, group: Any, attend: JointAttention) -> None:
         self.group = group
-        self.world = dist.get_world_size(group)
+        self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.attend = attend
         #: True while a transformer call runs on this rank's slice of the tokens
-        self.split = False
+        self.active = False
         #: leading text tokens of the joint sequence (set per call where the
         #: attention cannot tell them from image tokens: Flux's single blocks)
         self.text_len = 0
@@ -39,31 +39,37 @@ class SequenceSplit:
     @torch.compiler.disable
     def begin(self, image_tokens: int) -> bool:
         """Start a transformer call over ``image_tokens``; True when it splits."""
-        self.split = image_tokens % self.world == 0
-        if not self.split and image_tokens not in self._whole_logged:
+        self.active = image_tokens % self.size == 0
+        if not self.active and image_tokens not in self._whole_logged:
             self._whole_logged.add(image_tokens)
             logger.info("%d image tokens do not split over %d ranks: such calls run whole "
-                        "on every rank", image_tokens, self.world)
-        return self.split
+                        "on every rank", image_tokens, self.size)
+        return self.active
 
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of ``x`` along ``dim`` (when the call splits)."""
-        return x.chunk(self.world, dim=dim)[self.rank] if self.split else x
+        return x.chunk(self.size, dim=dim)[self.rank] if self.active else x
 
     @torch.compiler.disable
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's slice of ``x`` concatenated along ``dim``, in rank order."""
-        if not self.split:
+        if not self.active:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world)]
+        parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def end(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """End the call: its output gathered (see ``gather``)."""
+        out = self.gather(x, dim)
+        self.active = False
+        return out
 
     @torch.compiler.disable
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   text_len: int) -> torch.Tensor:
         """Joint attention, (B, H, tokens, D), text first: over the group when split."""
-        if self.split:
+        if self.active:
             return self.attend(q, k, v, text_len)
         return local_attention(q, k, v, text_len)
 
@@ -74,12 +80,12 @@ class ShardTokens(nn.Module):
 
     def __init__(self, inner: nn.Module, split: SequenceSplit) -> None:
         super().__init__()
-        self.inner, self.sequence_split = inner, split
+        self.inner, self.sequence = inner, split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.inner(x)
-        self.sequence_split.begin(out.shape[1])
-        return self.sequence_split.shard(out, 1)
+        self.sequence.begin(out.shape[1])
+        return self.sequence.shard(out, 1)
 
 
 class GatherTokens(nn.Module):
@@ -88,12 +94,10 @@ class GatherTokens(nn.Module):
 
     def __init__(self, inner: nn.Module, split: SequenceSplit) -> None:
         super().__init__()
-        self.inner, self.sequence_split = inner, split
+        self.inner, self.sequence = inner, split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.sequence_split.gather(self.inner(x), 1)
-        self.sequence_split.split = False
-        return out
+        return self.sequence.end(self.inner(x), 1)
 
 
 __all__ = ["GatherTokens", "SequenceSplit", "ShardTokens"]

@@ -10,7 +10,8 @@ gets what it needs from the other ranks, so the result is the untiled decode
   the convolution's padding) and convolve without vertical padding; the
   top and bottom ranks pad with zeros as the untiled convolution does;
 - a group norm needs the statistics of the whole image: each rank's
-  per-group mean and variance are gathered and combined exactly (float32);
+  per-group mean, variance and count are all-gathered and combined exactly
+  (float32);
 - the mid-block's self-attention needs every key and value: they are
   all-gathered (the queries stay).
 
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from diffrt.engine.parallel.collectives import gather_uneven, share
+from diffrt.engine.parallel.collectives import gather_uneven, share, shares
 
 
 class Bands:
@@ -47,6 +48,14 @@ class Bands:
     def __init__(self, group: Any) -> None:
         self.group = group
         self.split = False
+        #: every rank's latent rows in the current decode
+        self.latent_rows: list[int] = []
+
+    def lengths(self, rows_here: int, per_row: int) -> list[int]:
+        """Every rank's share of a tensor whose band here has ``rows_here``
+        rows of ``per_row`` items, at whatever resolution the decoder is."""
+        scale = rows_here // self.latent_rows[dist.get_rank(self.group)]
+        return [rows * scale * per_row for rows in self.latent_rows]
 
 
 def _peer(group: Any, rank: int) -> int:
@@ -111,26 +120,32 @@ class BandGroupNorm(nn.Module):
             return norm(x)
         b, c = x.shape[:2]
         groups = norm.num_groups
-        # the local statistics from torch's own group norm kernel (one fused,
-        # vectorised pass; a reduction over (b, groups, -1) is several times slower)
-        _, mean, rstd = torch.native_group_norm(x.float().contiguous(), None, None, b, c,
-                                                x[0, 0].numel(), groups, norm.eps)
-        mean, var = mean.view(b, groups), (rstd.view(b, groups) ** -2 - norm.eps)
+        # torch's own group-norm kernel (one fused, vectorised pass; a reduction
+        # over (b, groups, -1) is several times slower) normalises with this
+        # band's statistics; the whole image's differ by a per-group affine
+        # map, applied in place to that output
+        local, mean, rstd = torch.native_group_norm(x.float().contiguous(), None, None, b, c,
+                                                    x[0, 0].numel(), groups, norm.eps)
+        mean, rstd = mean.view(b, groups), rstd.view(b, groups)
+        var = rstd ** -2 - norm.eps
         count = torch.full_like(mean, x[0].numel() / groups)
         mine = torch.stack([mean, var, count]).contiguous()
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.bands.group))]
         dist.all_gather(parts, mine, group=self.bands.group)
         means, variances, counts = torch.stack(parts).unbind(1)  # each (ranks, b, groups)
         total = counts.sum(0)
-        mean = (means * counts).sum(0) / total
-        var = ((variances + (means - mean) ** 2) * counts).sum(0) / total
-        scale = torch.rsqrt(var + norm.eps).repeat_interleave(c // groups, dim=1)  # (b, c)
-        shift = -mean.repeat_interleave(c // groups, dim=1) * scale
+        whole_mean = (means * counts).sum(0) / total
+        whole_var = ((variances + (means - whole_mean) ** 2) * counts).sum(0) / total
+        whole_rstd = torch.rsqrt(whole_var + norm.eps)
+        # (x - m) r = local * (r / rstd) + (mean - m) r, per group, then the affine
+        scale = (whole_rstd / rstd).repeat_interleave(c // groups, dim=1)  # (b, c)
+        shift = ((mean - whole_mean) * whole_rstd).repeat_interleave(c // groups, dim=1)
         if norm.affine:
-            scale = scale * norm.weight.float()
-            shift = shift * norm.weight.float() + norm.bias.float()
+            weight = norm.weight.float()
+            shift = shift * weight + norm.bias.float()
+            scale = scale * weight
         shape = (b, c) + (1,) * (x.dim() - 2)
-        return torch.addcmul(shift.view(shape), x.float(), scale.view(shape)).to(x.dtype)
+        return local.mul_(scale.view(shape)).add_(shift.view(shape)).to(x.dtype)
 
 
 class BandAttnProcessor:
@@ -153,8 +168,9 @@ class BandAttnProcessor:
             x = attn.group_norm(x.transpose(1, 2)).transpose(1, 2)
         query, key, value = attn.to_q(x), attn.to_k(x), attn.to_v(x)
         if self.bands.split:
-            key = gather_uneven(key, 1, self.bands.group)
-            value = gather_uneven(value, 1, self.bands.group)
+            lengths = self.bands.lengths(h, w)
+            key = gather_uneven(key, 1, self.bands.group, lengths)
+            value = gather_uneven(value, 1, self.bands.group, lengths)
         head_dim = key.shape[-1] // attn.heads
 
         def heads(t: torch.Tensor) -> torch.Tensor:
@@ -205,15 +221,15 @@ def parallel_decode(vae: Any, latents: torch.Tensor, bands: Bands) -> torch.Tens
     this rank's band decoded, the bands all-gathered. An image with fewer
     latent rows than ranks is decoded whole on every rank."""
     group = bands.group
-    rows = latents.shape[2]
-    if rows < dist.get_world_size(group):
+    rows, world = latents.shape[2], dist.get_world_size(group)
+    if rows < world:
         return vae.decode(latents, return_dict=False)[0]
-    bands.split = True
+    bands.split, bands.latent_rows = True, shares(rows, world)
     try:
         image = vae.decode(latents[:, :, share(rows, group)], return_dict=False)[0]
+        return gather_uneven(image, 2, group, bands.lengths(image.shape[2], 1))
     finally:
         bands.split = False
-    return gather_uneven(image, 2, group)
 
 
 __all__ = ["BandAttnProcessor", "BandGroupNorm", "Bands", "HaloConv2d", "convert_decoder",

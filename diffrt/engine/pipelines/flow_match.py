@@ -209,7 +209,7 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     @classmethod
     def check_parallel(cls, degrees: Any, vae_parallel: bool = False) -> None:
-        if degrees.sequence > 1 and not cls.supports_sequence_parallel:
+        if degrees.sequence_size > 1 and not cls.supports_sequence_parallel:
             raise ParallelConfigError(
                 "ulysses_degree" if degrees.ulysses > 1 else "ring_degree",
                 f"{cls.name}: its transformer has no sequence parallelism")
@@ -231,7 +231,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         if vae_parallel:
             from diffrt.engine.parallel.vae import convert_decoder
 
-            self._vae_bands = convert_decoder(self.vae.decoder, groups.world)
+            self._vae_bands = convert_decoder(self.vae.decoder, groups.all_ranks)
 
     def enable_sequence_parallel(self, groups: Any) -> None:
         """Split each transformer call's image tokens over ``groups.sequence``."""

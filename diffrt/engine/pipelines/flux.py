@@ -111,10 +111,10 @@ class FluxPipeline(FlowMatchPipeline):
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
         img_ids = self.image_ids(params)
-        split = self._sequence_split
-        if split is not None and split.begin(latents.shape[1]):  # this rank's image tokens
-            latents, img_ids = split.shard(latents, 1), split.shard(img_ids, 0)
-            split.text_len = embeds.shape[1]
+        sequence = self._sequence_split
+        if sequence is not None and sequence.begin(latents.shape[1]):  # this rank's image tokens
+            latents, img_ids = sequence.shard(latents, 1), sequence.shard(img_ids, 0)
+            sequence.text_len = embeds.shape[1]
         out = self.transformer(
             hidden_states=latents,
             encoder_hidden_states=embeds,
@@ -127,11 +127,7 @@ class FluxPipeline(FlowMatchPipeline):
             guidance=embedded,
             return_dict=False,
         )[0]
-        if split is None:
-            return out
-        out = split.gather(out, 1)
-        split.split = False
-        return out
+        return out if sequence is None else sequence.end(out, 1)
 
     _sequence_split = None
 

@@ -91,8 +91,8 @@ class SD3Pipeline(FlowMatchPipeline):
         from diffrt.engine.parallel.sd3_attention import SequenceParallelJointAttnProcessor
         from diffrt.engine.parallel.sequence import GatherTokens, SequenceSplit, ShardTokens
 
-        split = SequenceSplit(groups.sequence, groups.sequence_attention())
+        sequence = SequenceSplit(groups.sequence, groups.sequence_attention())
         model = self.transformer
-        model.set_attn_processor(SequenceParallelJointAttnProcessor(split))
-        model.pos_embed = ShardTokens(model.pos_embed, split)
-        model.proj_out = GatherTokens(model.proj_out, split)
+        model.set_attn_processor(SequenceParallelJointAttnProcessor(sequence))
+        model.pos_embed = ShardTokens(model.pos_embed, sequence)
+        model.proj_out = GatherTokens(model.proj_out, sequence)
