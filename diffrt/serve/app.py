@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -36,14 +37,18 @@ from diffrt.serve.settings import ServeSettings
 def build_app(config: EngineConfig | None = None, settings: ServeSettings | None = None, *,
               engine: DiffusionEngine | None = None,
               on_ready: Callable[[], None] | None = None,
-              on_failed: Callable[[str], None] | None = None) -> FastAPI:
+              on_failed: Callable[[str], None] | None = None,
+              client: Any = None, replica: str | None = None) -> FastAPI:
     """The server for ``config`` (an engine started by the app), or around an
     ``engine`` already started (kept open at shutdown: its owner closes it).
     ``on_ready`` runs once the engine is warm; ``on_failed(reason)`` if it
-    cannot start."""
+    cannot start. ``client`` replaces the engine client altogether (the Ray
+    Serve ingress passes one that sends requests to model replicas;
+    ``replica`` then names this process in the metrics)."""
     settings = settings or ServeSettings()
-    client = EngineClient(config, settings, engine=engine, on_ready=on_ready,
-                          on_failed=on_failed)
+    if client is None:
+        client = EngineClient(config, settings, engine=engine, on_ready=on_ready,
+                              on_failed=on_failed)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,14 +66,13 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
     app.state.settings = settings
     app.state.images = ImageStore(ttl_s=settings.url_ttl_s, max_images=settings.url_max_images,
                                   max_bytes=settings.url_max_bytes)
-    app.state.metrics = ServerMetrics(client.stats)
+    app.state.metrics = ServerMetrics(client.metric_snapshots, replica=replica)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.include_router(routes.router)
     app.include_router(playground.router)
-    responses = app.state.metrics.responses
     app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
-                       on_response=lambda code: responses.labels(str(code)).inc())
+                       on_response=app.state.metrics.count_response)
     return app
 
 

@@ -178,5 +178,10 @@ class EngineClient:
             self._running.pop(rid, None)
             self._in_flight -= 1
 
-    def stats(self) -> Any:
-        return None if self.engine is None else self.engine.stats()
+    def metric_snapshots(self) -> list[tuple[dict[str, str], Any]]:
+        """The engine's stats for /metrics (none while it starts)."""
+        return [] if self.engine is None else [({}, self.engine.stats())]
+
+    def response_headers(self, request_id: str) -> dict[str, str]:
+        """Extra headers of a request's answer (one engine here: none)."""
+        return {}

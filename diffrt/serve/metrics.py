@@ -39,48 +39,83 @@ def _buckets(h: Any) -> list[tuple[str, float]]:
     return out
 
 
+#: (extra labels, an engine's stats snapshot) for every engine behind the server
+Snapshots = Callable[[], list[tuple[dict[str, str], Any]]]
+
+
 class EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], Any]):
-        self._stats = stats
+    """One metric family per series, a sample per engine: one engine (no
+    extra labels) behind ``diffrt serve``, one per replica (``replica="..."``)
+    behind the Ray Serve application."""
+
+    def __init__(self, snapshots: Snapshots):
+        self._snapshots = snapshots
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        if stats is None:  # the engine is still starting
+        snapshots = self._snapshots()
+        if not snapshots:  # the engine is still starting
             return
-        yield GaugeMetricFamily("diffrt_requests_running", "Requests in a batch now",
-                                value=stats.requests_running)
-        yield GaugeMetricFamily("diffrt_requests_waiting",
-                                "Requests admitted but not yet in a batch",
-                                value=stats.requests_waiting)
+        names = sorted({key for labels, _ in snapshots for key in labels})
+
+        def values(labels: dict[str, str]) -> list[str]:
+            return [labels.get(name, "") for name in names]
+
+        def gauge(name: str, help_text: str, read: Callable[[Any], float]) -> Metric:
+            family = GaugeMetricFamily(name, help_text, labels=names)
+            for labels, stats in snapshots:
+                family.add_metric(values(labels), read(stats))
+            return family
+
+        def counter(name: str, help_text: str, read: Callable[[Any], float]) -> Metric:
+            family = CounterMetricFamily(name, help_text, labels=names)
+            for labels, stats in snapshots:
+                family.add_metric(values(labels), read(stats))
+            return family
+
+        yield gauge("diffrt_requests_running", "Requests in a batch now",
+                    lambda s: s.requests_running)
+        yield gauge("diffrt_requests_waiting", "Requests admitted but not yet in a batch",
+                    lambda s: s.requests_waiting)
         total = CounterMetricFamily("diffrt_requests", "Finished requests by outcome",
-                                    labels=["outcome"])
-        for outcome, count in stats.requests_total.items():
-            total.add_metric([outcome], count)
+                                    labels=[*names, "outcome"])
+        for labels, stats in snapshots:
+            for outcome, count in stats.requests_total.items():
+                total.add_metric([*values(labels), outcome], count)
         yield total
         for name, field, help_text in HISTOGRAMS:
-            h = getattr(stats, field)
-            yield HistogramMetricFamily(name, help_text, buckets=_buckets(h), sum_value=h.sum)
-        text = stats.text_encoding
-        yield CounterMetricFamily("diffrt_prompts_encoded", "Prompts run through the text "
-                                  "encoders", value=text.encoded)
-        yield CounterMetricFamily("diffrt_prompt_cache_hits", "Prompts answered by the "
-                                  "prompt-embedding cache", value=text.cache_hits)
-        yield CounterMetricFamily("diffrt_text_encode_seconds", "Seconds in the text encoders",
-                                  value=text.seconds)
-        yield GaugeMetricFamily("diffrt_pending_output_bytes",
-                                "Finished outputs waiting for their consumers",
-                                value=stats.pending_output_bytes)
-        yield GaugeMetricFamily("diffrt_engine_healthy", "1 while the engine is healthy",
-                                value=1.0 if stats.healthy else 0.0)
-        yield CounterMetricFamily("diffrt_worker_restarts", "Times fresh workers replaced "
-                                  "dead or hung ones", value=stats.worker_restarts)
+            family = HistogramMetricFamily(name, help_text, labels=names)
+            for labels, stats in snapshots:
+                h = getattr(stats, field)
+                family.add_metric(values(labels), buckets=_buckets(h), sum_value=h.sum)
+            yield family
+        yield counter("diffrt_prompts_encoded", "Prompts run through the text encoders",
+                      lambda s: s.text_encoding.encoded)
+        yield counter("diffrt_prompt_cache_hits", "Prompts answered by the prompt-embedding "
+                      "cache", lambda s: s.text_encoding.cache_hits)
+        yield counter("diffrt_text_encode_seconds", "Seconds in the text encoders",
+                      lambda s: s.text_encoding.seconds)
+        yield gauge("diffrt_pending_output_bytes", "Finished outputs waiting for their "
+                    "consumers", lambda s: s.pending_output_bytes)
+        yield gauge("diffrt_engine_healthy", "1 while the engine is healthy",
+                    lambda s: 1.0 if s.healthy else 0.0)
+        yield counter("diffrt_worker_restarts", "Times fresh workers replaced dead or hung "
+                      "ones", lambda s: s.worker_restarts)
 
 
 class ServerMetrics:
-    """The registry /metrics exposes: the engine's metrics and the HTTP answers."""
+    """The registry /metrics exposes: the engines' metrics and the HTTP answers
+    (labelled with the serving process's ``replica`` when it is one of several)."""
 
-    def __init__(self, stats: Callable[[], Any]):
+    def __init__(self, snapshots: Snapshots, replica: str | None = None):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(stats))
-        self.responses = Counter("diffrt_http_responses", "HTTP responses by status code",
-                                 ["code"], registry=self.registry)
+        self.registry.register(EngineCollector(snapshots))
+        labels = ["code"] if replica is None else ["code", "replica"]
+        counter = Counter("diffrt_http_responses", "HTTP responses by status code", labels,
+                          registry=self.registry)
+        self._counter, self._replica = counter, replica
+
+    def count_response(self, code: int) -> None:
+        if self._replica is None:
+            self._counter.labels(str(code)).inc()
+        else:
+            self._counter.labels(str(code), self._replica).inc()

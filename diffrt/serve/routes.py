@@ -107,12 +107,15 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:
             raise_for_final(first, client)
         return StreamingResponse(_events(client, outputs, first, body),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache",
+                                          **client.response_headers(first.request_id)})
     final = await _until_done_or_gone(_last(outputs), request)
     if final is None:  # the client left: nobody reads an answer
         return Response(status_code=499)
     raise_for_final(final, client)
-    return await _response(final, body, request, created)
+    response = await _response(final, body, request, created)
+    response.headers.update(client.response_headers(final.request_id))
+    return response
 
 
 def _invalid(exc: InvalidRequestError) -> ApiError:

@@ -1,0 +1,306 @@
+"""The images API as a Ray Serve application: engine replicas behind one endpoint.
+
+Two deployments (``build_application``):
+
+- ``ModelReplica``: one ``DiffusionEngine`` per replica, on the replica's own
+  device(s) (``ray_actor_options`` from the engine's ranks and the
+  platform's Ray resource; fractional CPUs on CPU). It streams a request's
+  outputs through ``EngineClient.run``, so a call cancelled by the ingress
+  aborts the request in the engine. Ray's health check calls the engine's
+  ``is_healthy()``; Ray drains a replica (no new requests, those in flight
+  finish, up to ``graceful_shutdown_timeout_s``) before it removes it.
+  ``max_ongoing_requests`` is the engine's batch capacity (``max_num_seqs``),
+  so everything a replica holds runs; ``max_queued_requests`` is
+  ``--max-pending``: beyond it the handle refuses (429 with Retry-After).
+- ``Ingress``: the FastAPI app of ``build_app`` (routes, errors, image URLs,
+  metrics) with a ``ReplicaClient`` in place of the local engine client. One
+  replica: it keeps the ``response_format="url"`` images.
+
+Every model replica publishes its engine's statistics once a second to a
+``StatsBoard`` actor (created by whoever deploys the application and handed
+to both deployments); the ingress reads it for ``/metrics`` (every series
+labelled ``replica``) and for ``/health``. Each answer names the replica that
+served it in an ``x-diffrt-replica`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
+from diffrt.serve.errors import ApiError
+from diffrt.serve.settings import ServeSettings
+
+logger = logging.getLogger(__name__)
+
+#: the application's name in Ray Serve (``serve.status()``, ``serve.delete``)
+APP_NAME = "diffrt"
+REPLICA_HEADER = "x-diffrt-replica"
+#: how often a replica publishes its statistics, and when they count as gone
+PUBLISH_EVERY_S = 1.0
+STALE_AFTER_S = 10.0
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """How many model replicas, and what each asks of Ray.
+
+    Attributes:
+        replicas: a fixed count (None with autoscaling).
+        min_replicas / max_replicas / target_ongoing_requests: autoscaling
+            (Ray Serve's ``autoscaling_config``) when ``max_replicas`` is set.
+        upscale_delay_s / downscale_delay_s: how long load must stay above /
+            below target before a replica is added / removed.
+        replica_cpus: CPUs each replica reserves (fractional on CPU; the
+            engine's worker processes are its own, outside Ray's count).
+    """
+
+    replicas: int | None = 1
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    replica_cpus: float = 1.0
+
+    def deployment_options(self, config: EngineConfig, settings: ServeSettings,
+                           platform: Any) -> dict[str, Any]:
+        """The model deployment's Ray Serve options."""
+        actor: dict[str, Any] = {"num_cpus": self.replica_cpus}
+        resource = getattr(platform, "ray_resource", None)
+        if resource == "GPU":
+            actor["num_gpus"] = config.ranks
+        elif resource:
+            actor["resources"] = {resource: config.ranks}
+        options: dict[str, Any] = {
+            "ray_actor_options": actor,
+            "max_ongoing_requests": config.max_num_seqs,
+            "max_queued_requests": settings.max_pending,
+            "graceful_shutdown_timeout_s": settings.shutdown_timeout_s,
+            "graceful_shutdown_wait_loop_s": 0.5,
+            "health_check_period_s": 2.0,
+            "health_check_timeout_s": 30.0,
+        }
+        if self.max_replicas is not None:
+            options["autoscaling_config"] = {
+                "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "initial_replicas": self.replicas or self.min_replicas,
+                "target_ongoing_requests": (self.target_ongoing_requests
+                                            or float(config.max_num_seqs)),
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+            }
+        else:
+            options["num_replicas"] = self.replicas or 1
+        return options
+
+
+class StatsBoard:
+    """The latest engine statistics of every model replica (a Ray actor)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[float, Any]] = {}
+
+    def put(self, replica: str, stats: Any) -> None:
+        self._entries[replica] = (time.monotonic(), stats)
+
+    def remove(self, replica: str) -> None:
+        self._entries.pop(replica, None)
+
+    def snapshot(self, max_age_s: float = STALE_AFTER_S) -> list[tuple[str, Any]]:
+        """(replica, stats) of the replicas heard from within ``max_age_s``."""
+        now = time.monotonic()
+        for replica, (when, _) in list(self._entries.items()):
+            if now - when > max_age_s:
+                del self._entries[replica]
+        return sorted((replica, stats) for replica, (_, stats) in self._entries.items())
+
+
+class ModelReplica:
+    """One engine behind the application (a Ray Serve deployment)."""
+
+    def __init__(self, config: EngineConfig, settings: ServeSettings, board: Any) -> None:
+        from ray import serve
+
+        from diffrt.serve.engine_client import EngineClient
+
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.engine = DiffusionEngine.make_engine(config)
+        self.client = EngineClient(None, settings, engine=self.engine)
+        self.board = board
+        self._stop = threading.Event()
+        self._publisher = threading.Thread(target=self._publish, name="diffrt-stats",
+                                           daemon=True)
+        self._publisher.start()
+
+    def _publish(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.board.put.remote(self.name, self.engine.stats())
+            except Exception:  # the board may be gone while the app shuts down
+                logger.debug("publishing statistics failed", exc_info=True)
+            self._stop.wait(PUBLISH_EVERY_S)
+
+    async def generate(self, request: DiffusionRequest) -> AsyncIterator[tuple[str, Any]]:
+        """The request's outputs, each with this replica's name."""
+        async for out in self.client.run(request):
+            yield self.name, out
+
+    def check_health(self) -> None:
+        if not self.engine.is_healthy():
+            raise RuntimeError("the engine is not healthy")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def __del__(self) -> None:
+        self._stop.set()
+        try:
+            self.board.remove.remote(self.name)
+        except Exception:
+            pass
+        self.engine.close()
+
+
+class ReplicaClient:
+    """The ingress's engine client: the same interface as ``EngineClient``,
+    answered by the model replicas through a Ray Serve handle."""
+
+    def __init__(self, model: Any, board: Any, settings: ServeSettings, model_name: str,
+                 step_mode: bool) -> None:
+        self.model = model
+        self.board = board
+        self.settings = settings
+        self.model_name = settings.model_name or model_name
+        self.step_mode = step_mode
+        self.state = "starting"
+        self.failure: str | None = None
+        self._in_flight = 0
+        self._served_by: dict[str, str] = {}
+        self._snapshots: list[tuple[str, Any]] = []
+        self._watch: asyncio.Task | None = None
+
+    # -- lifecycle (the app's lifespan) ---------------------------------------------
+    async def start(self) -> None:
+        self._watch = asyncio.create_task(self._read_board())
+        self.state = "ready"
+
+    async def _read_board(self) -> None:
+        while True:
+            try:
+                self._snapshots = await self.board.snapshot.remote()
+            except Exception:
+                logger.debug("reading the statistics board failed", exc_info=True)
+            await asyncio.sleep(PUBLISH_EVERY_S)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new work; give requests in flight ``timeout_s`` to finish
+        (the handler of one still running then answers when its replica does)."""
+        if self.state in ("draining", "stopped"):
+            return
+        self.state = "draining"
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        self.state = "stopped"
+        if self._watch is not None:
+            self._watch.cancel()
+
+    def healthy(self) -> bool:
+        """Some replica's engine is healthy (or none has reported yet: Ray
+        deploys the ingress once the replicas passed their health checks)."""
+        return not self._snapshots or any(stats.healthy for _, stats in self._snapshots)
+
+    def ready(self) -> bool:
+        return self.state == "ready" and self.healthy()
+
+    # -- requests -----------------------------------------------------------------------
+    async def run(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:
+        """The request's outputs from whichever replica Ray picks; leaving
+        early cancels the call, which aborts the request in that replica."""
+        from ray.exceptions import RayActorError, RayTaskError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+        if self.state != "ready":
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        self._in_flight += 1
+        finished = False
+        stream = self.model.options(stream=True).generate.remote(request)
+        try:
+            async for replica, out in stream:
+                self._served_by[out.request_id] = replica
+                finished = out.finished
+                yield out
+        except BackPressureError:
+            raise ApiError(429, f"every replica is busy and {self.settings.max_pending} "
+                                "requests wait (max_pending); retry later",
+                           code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        except (RayActorError, DeploymentUnavailableError) as exc:
+            raise ApiError(503, f"the replica serving the request died ({type(exc).__name__})",
+                           code="engine_down") from None
+        except RayTaskError as exc:  # an error of ours, raised in the replica
+            cause = exc.as_instanceof_cause()
+            raise cause from None
+        finally:
+            if not finished:
+                stream.cancel()
+            self._in_flight -= 1
+            if len(self._served_by) > 4096:  # answers never collected (errors)
+                self._served_by.clear()
+
+    def metric_snapshots(self) -> list[tuple[dict[str, str], Any]]:
+        return [({"replica": replica}, stats) for replica, stats in self._snapshots]
+
+    def response_headers(self, request_id: str) -> dict[str, str]:
+        replica = self._served_by.pop(request_id, None)
+        return {} if replica is None else {REPLICA_HEADER: replica}
+
+
+class Ingress:
+    """The FastAPI app of ``build_app`` over a ``ReplicaClient`` (a Ray Serve
+    ingress deployment; the app is built in the replica, after __init__)."""
+
+    def __init__(self, model: Any, board: Any, settings: ServeSettings, model_name: str,
+                 step_mode: bool) -> None:
+        from ray import serve
+
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.client = ReplicaClient(model, board, settings, model_name, step_mode)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from diffrt.serve.app import build_app
+
+        return build_app(settings=self.client.settings, client=self.client,
+                         replica=self.replica)
+
+
+def build_application(config: EngineConfig, settings: ServeSettings,
+                      replicas: ReplicaSettings, board: Any, platform: Any = None) -> Any:
+    """The Ray Serve application: ``serve.run(build_application(...),
+    name=APP_NAME, route_prefix="/")``. ``board`` is a ``StatsBoard`` actor
+    the caller created (``ray.remote(StatsBoard).remote()``) and keeps alive."""
+    from ray import serve
+
+    if platform is None:
+        from diffrt.platforms import current_platform as platform
+    model = serve.deployment(ModelReplica, name="ModelReplica").options(
+        **replicas.deployment_options(config, settings, platform))
+    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress").options(
+        num_replicas=1, max_ongoing_requests=max(100, 4 * settings.max_pending),
+        ray_actor_options={"num_cpus": min(0.5, replicas.replica_cpus)})
+    return ingress.bind(model.bind(config, settings, board), board, settings, config.model,
+                        config.step_execution)
+
+
+__all__ = ["APP_NAME", "REPLICA_HEADER", "Ingress", "ModelReplica", "ReplicaClient",
+           "ReplicaSettings", "StatsBoard", "build_application"]
