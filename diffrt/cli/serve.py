@@ -1,4 +1,6 @@
-"""`diffrt serve`: the OpenAI-compatible images API over one engine.
+"""`diffrt serve`: the OpenAI-compatible images API over one engine (or, with
+``--replicas`` and the other Ray flags, over engine replicas on Ray Serve:
+``serve_ray.py``).
 
 The engine starts in the background: /health and /ready answer while the
 model loads, and the URL is printed once it is warm. The first SIGTERM or
@@ -20,12 +22,10 @@ from diffrt.cli.engine_opts import (
     engine_settings,
     non_negative_float,
     pipeline_class,
+    positive_float,
     positive_int,
 )
 from diffrt.cli.errors import EXIT_FAILURE
-
-#: serve's default for --unread-output-timeout (the engine's is None)
-SERVE_UNREAD_OUTPUT_TIMEOUT_S = 120.0
 
 #: serve's default for --unread-output-timeout (the engine's is None)
 SERVE_UNREAD_OUTPUT_TIMEOUT_S = 120.0
@@ -60,8 +60,41 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-restart", dest="restart_workers", action="store_false",
                    help="do not replace workers that died or hung (by default fresh ones "
                         "are started and /health turns 200 again)")
+    ray = p.add_argument_group(
+        "replicas on Ray Serve (the ray extra; docs/scale-out.md)",
+        "Any of these serves the same API as a Ray Serve application: an ingress and "
+        "model replicas, each owning one engine on its own device(s).")
+    ray.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                     help="model replicas (with autoscaling: the initial count)")
+    ray.add_argument("--min-replicas", type=positive_int, default=None, metavar="N",
+                     help="autoscaling: the fewest replicas (default 1)")
+    ray.add_argument("--max-replicas", type=positive_int, default=None, metavar="N",
+                     help="autoscaling: the most replicas (turns autoscaling on)")
+    ray.add_argument("--target-ongoing-requests", type=positive_float, default=None,
+                     metavar="R", help="autoscaling: requests per replica to aim for "
+                                       "(default: --max-num-seqs)")
+    ray.add_argument("--upscale-delay", type=non_negative_float, default=None, metavar="S",
+                     help="autoscaling: seconds above target before a replica is added "
+                          "(default 30)")
+    ray.add_argument("--downscale-delay", type=non_negative_float, default=None, metavar="S",
+                     help="autoscaling: seconds below target before one is removed "
+                          "(default 600)")
+    ray.add_argument("--replica-cpus", type=positive_float, default=None, metavar="C",
+                     help="CPUs each replica reserves in Ray (fractions allowed; default 1)")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto); without it a "
+                          "local Ray instance is started and stopped with the server")
     add_engine_args(p, executor=None, mode="step")
     p.set_defaults(func=run)
+
+
+#: the flags that put the server on Ray Serve
+RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
+             "upscale_delay", "downscale_delay", "replica_cpus", "ray_address")
+
+
+def on_ray(args: argparse.Namespace) -> bool:
+    return any(getattr(args, flag, None) is not None for flag in RAY_FLAGS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.served_model_name, api_key=args.api_key or None,
         max_pending=args.max_pending, shutdown_timeout_s=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, url_ttl_s=args.url_ttl)
+    if on_ray(args):
+        from diffrt.cli.serve_ray import serve_on_ray
+
+        return serve_on_ray(args, config, serve_settings)
     failure: list[str] = []
     server = None
 

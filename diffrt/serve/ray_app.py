@@ -58,6 +58,7 @@ class ReplicaSettings:
             (Ray Serve's ``autoscaling_config``) when ``max_replicas`` is set.
         upscale_delay_s / downscale_delay_s: how long load must stay above /
             below target before a replica is added / removed.
+        look_back_s: the window over which the load is averaged.
         replica_cpus: CPUs each replica reserves (fractional on CPU; the
             engine's worker processes are its own, outside Ray's count).
     """
@@ -68,6 +69,8 @@ class ReplicaSettings:
     target_ongoing_requests: float | None = None
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
+    #: autoscaling: the window of load it averages (Ray's default 30 s)
+    look_back_s: float = 30.0
     replica_cpus: float = 1.0
 
     def deployment_options(self, config: EngineConfig, settings: ServeSettings,
@@ -96,6 +99,8 @@ class ReplicaSettings:
                                             or float(config.max_num_seqs)),
                 "upscale_delay_s": self.upscale_delay_s,
                 "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_s,
+                "metrics_interval_s": min(10.0, self.look_back_s / 3),
             }
         else:
             options["num_replicas"] = self.replicas or 1
@@ -180,7 +185,10 @@ class ReplicaClient:
         self.settings = settings
         self.model_name = settings.model_name or model_name
         self.step_mode = step_mode
-        self.state = "starting"
+        # ready from the start: Ray deploys the ingress once the model replicas
+        # passed their health checks (and may route to it before the app's
+        # lifespan has run)
+        self.state = "ready"
         self.failure: str | None = None
         self._in_flight = 0
         self._served_by: dict[str, str] = {}
@@ -189,8 +197,9 @@ class ReplicaClient:
 
     # -- lifecycle (the app's lifespan) ---------------------------------------------
     async def start(self) -> None:
-        self._watch = asyncio.create_task(self._read_board())
-        self.state = "ready"
+        """Start reading the statistics board (also done by the first request)."""
+        if self._watch is None:
+            self._watch = asyncio.create_task(self._read_board())
 
     async def _read_board(self) -> None:
         while True:
@@ -232,10 +241,12 @@ class ReplicaClient:
 
         if self.state != "ready":
             raise ApiError(503, "the server is shutting down", code="shutting_down")
+        await self.start()
         self._in_flight += 1
         finished = False
-        stream = self.model.options(stream=True).generate.remote(request)
+        stream = None
         try:
+            stream = self.model.options(stream=True).generate.remote(request)
             async for replica, out in stream:
                 self._served_by[out.request_id] = replica
                 finished = out.finished
@@ -252,8 +263,11 @@ class ReplicaClient:
             cause = exc.as_instanceof_cause()
             raise cause from None
         finally:
-            if not finished:
-                stream.cancel()
+            if stream is not None and not finished:
+                try:  # a call that already failed re-raises its error here
+                    stream.cancel()
+                except Exception:
+                    logger.debug("cancelling the replica call failed", exc_info=True)
             self._in_flight -= 1
             if len(self._served_by) > 4096:  # answers never collected (errors)
                 self._served_by.clear()

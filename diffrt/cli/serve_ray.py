@@ -1,0 +1,84 @@
+"""`diffrt serve --replicas N ...`: the images API as a Ray Serve application.
+
+Joins the cluster ``--ray-address`` names, or starts a local Ray instance
+(bound to ``--host`` when that is a loopback address) and stops it at exit.
+Ray Serve's HTTP proxy listens on ``--host:--port``. The first SIGTERM or
+SIGINT deletes the application — Ray drains each replica (no new requests,
+those in flight get ``--shutdown-timeout`` seconds) — and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE
+
+RAY_EXTRA_HINT = "needs Ray: pip install 'diffrt[ray]'"
+
+
+def replica_settings(args: argparse.Namespace) -> Any:
+    """The ``ReplicaSettings`` of the command line (unset flags: the defaults)."""
+    from diffrt.serve.ray_app import ReplicaSettings
+
+    given = {"replicas": args.replicas, "min_replicas": args.min_replicas,
+             "max_replicas": args.max_replicas,
+             "target_ongoing_requests": args.target_ongoing_requests,
+             "upscale_delay_s": args.upscale_delay, "downscale_delay_s": args.downscale_delay,
+             "replica_cpus": args.replica_cpus}
+    return ReplicaSettings(**{k: v for k, v in given.items() if v is not None})
+
+
+def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        print(f"diffrt serve: error: --replicas (and the other Ray flags) {RAY_EXTRA_HINT}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    from diffrt.serve.ray_app import APP_NAME, StatsBoard, build_application
+
+    replicas = replica_settings(args)
+    local = args.ray_address is None
+    init: dict[str, Any] = {"address": args.ray_address, "log_to_driver": False}
+    if local:
+        init["include_dashboard"] = False
+        if args.host in ("127.0.0.1", "localhost"):
+            init["_node_ip_address"] = "127.0.0.1"
+    ray.init(**init)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        board = ray.remote(StatsBoard).options(num_cpus=0).remote()
+        print(f"diffrt serve: deploying {config.model} on Ray ({_describe(replicas)})",
+              file=sys.stderr, flush=True)
+        try:
+            serve.run(build_application(config, settings, replicas, board), name=APP_NAME,
+                      route_prefix="/")
+        except Exception as exc:
+            print(f"diffrt serve: error: the application could not start: "
+                  f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+            return EXIT_FAILURE
+        print(f"diffrt serve: {config.model} ready at http://{args.host}:{args.port} "
+              f"({config.mode.value} mode, {_describe(replicas)} on Ray)", flush=True)
+        stop.wait()
+        print("diffrt serve: draining the replicas", file=sys.stderr, flush=True)
+        serve.delete(APP_NAME)
+        return 0
+    finally:
+        if local:
+            serve.shutdown()
+        ray.shutdown()
+
+
+def _describe(replicas: Any) -> str:
+    if replicas.max_replicas is not None:
+        return f"{replicas.min_replicas} to {replicas.max_replicas} replicas, autoscaling"
+    count = replicas.replicas or 1
+    return f"{count} replica{'s' if count != 1 else ''}"

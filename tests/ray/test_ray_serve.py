@@ -1,0 +1,198 @@
+"""The images API on Ray Serve: two tiny-flux replicas behind one endpoint,
+on the session's local Ray instance, Serve's HTTP on loopback.
+
+Concurrent requests through the openai client spread over both replicas and
+give one engine's pixels; /metrics labels every series with its replica;
+overload answers 429; a client that leaves aborts its request in the
+replica; a killed replica fails only its own requests and is replaced; the
+autoscaling flags reach Ray Serve, which adds a replica under load and
+removes it when idle."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import io
+import os
+import signal
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from waiting import wait_until
+
+from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
+from diffrt.serve import ServeSettings
+
+CONFIG = EngineConfig(model="tiny-flux", step_execution=True, max_num_seqs=4)
+#: queued beyond the replicas' 2 x 4 running requests before 429
+MAX_PENDING = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_url(ray_cluster):
+    from ray import serve
+
+    from diffrt.serve.ray_app import APP_NAME, ReplicaSettings, StatsBoard, build_application
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    board = ray_cluster.remote(StatsBoard).options(num_cpus=0).remote()
+    serve.run(build_application(CONFIG, ServeSettings(max_pending=MAX_PENDING),
+                                ReplicaSettings(replicas=2, replica_cpus=0.25), board),
+              name=APP_NAME, route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.delete(APP_NAME)
+        serve.shutdown()
+
+
+def png_pixels(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64)))).astype(np.int16)
+
+
+def generate(url: str, i: int, steps: int = 2, timeout: float = 120) -> httpx.Response:
+    return httpx.post(f"{url}/v1/images/generations", timeout=timeout, json={
+        "prompt": f"a red fox {i}", "size": "64x64", "seed": i,
+        "num_inference_steps": steps})
+
+
+def test_two_replicas_serve_concurrent_requests_as_one_engine_would(serve_url):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
+
+    def one(i: int):
+        raw = client.images.with_raw_response.generate(
+            prompt=f"a red fox {i}", size="64x64",
+            extra_body={"seed": i, "num_inference_steps": 2})
+        return raw.headers["x-diffrt-replica"], png_pixels(raw.parse().data[0].b64_json)
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(one, range(16)))
+    assert len({replica for replica, _ in answers}) == 2  # both replicas served
+    with DiffusionEngine.make_engine(EngineConfig(model="tiny-flux", executor_backend="inproc",
+                                                  max_num_seqs=4)) as engine:
+        want = engine.generate([DiffusionRequest(
+            prompt=f"a red fox {i}", sampling_params=SamplingParams(
+                height=64, width=64, num_inference_steps=2, seed=i)) for i in range(16)])
+    for (_, got), ref in zip(answers, want, strict=True):
+        # other batch mates than here: float reassociation, at most one level
+        assert np.abs(got - np.asarray(ref.images[0]).astype(np.int16)).max() <= 1
+
+
+def test_metrics_label_every_series_with_its_replica(serve_url):
+    generate(serve_url, 100).raise_for_status()
+
+    def replicas_in_metrics() -> set[str]:
+        text = httpx.get(f"{serve_url}/metrics").text
+        return {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith("diffrt_requests_total{")}
+
+    assert wait_until(lambda: len(replicas_in_metrics()) == 2, timeout=20)
+    text = httpx.get(f"{serve_url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(("diffrt_requests_running", "diffrt_step_seconds_count",
+                            "diffrt_http_responses")):
+            assert 'replica="' in line, line
+    assert httpx.get(f"{serve_url}/health").status_code == 200
+    assert httpx.get(f"{serve_url}/ready").status_code == 200
+
+
+def test_overload_answers_429_with_retry_after(serve_url):
+    with cf.ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(lambda i: generate(serve_url, 200 + i, steps=60), range(32)))
+    refused = [a for a in answers if a.status_code == 429]
+    assert all(a.status_code in (200, 429) for a in answers), [
+        (a.status_code, a.text[:200]) for a in answers if a.status_code not in (200, 429)]
+    assert refused and all(a.headers.get("retry-after") for a in refused)
+    assert sum(a.status_code == 200 for a in answers) >= 2 * CONFIG.max_num_seqs
+
+
+def aborted_total(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('diffrt_requests_total{outcome="aborted"'))
+
+
+def test_a_client_that_leaves_aborts_its_request_in_the_replica(serve_url):
+    before = aborted_total(serve_url)
+    with httpx.stream("POST", f"{serve_url}/v1/images/generations", timeout=60, json={
+            "prompt": "a long walk", "size": "64x64", "num_inference_steps": 1000,
+            "stream": True, "stream_progress": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("event: diffrt.progress"):
+                break  # the request runs in a replica: leave now
+    assert wait_until(lambda: aborted_total(serve_url) > before, timeout=30)
+
+
+def test_a_killed_replica_fails_its_own_requests_and_is_replaced(serve_url, ray_cluster):
+    from ray import serve
+
+    from diffrt.serve.ray_app import APP_NAME
+
+    handle = serve.get_deployment_handle("ModelReplica", app_name=APP_NAME)
+    pids: set[int] = set()
+    for _ in range(50):  # the router picks replicas at random: ask until both answered
+        pids.add(handle.pid.remote().result(timeout_s=30))
+        if len(pids) == 2:
+            break
+    assert len(pids) == 2
+    victim = min(pids)
+    with cf.ThreadPoolExecutor(6) as pool:
+        running = [pool.submit(generate, serve_url, 300 + i, 400) for i in range(6)]
+        time.sleep(1.5)  # all six are running, three or so on each replica
+        os.kill(victim, signal.SIGKILL)
+        answers = [f.result() for f in running]
+    codes = sorted(a.status_code for a in answers)
+    assert 200 in codes and any(c >= 500 for c in codes), codes
+    assert all(c == 200 or c >= 500 for c in codes)
+
+    def two_fresh_replicas() -> bool:
+        seen = {generate(serve_url, 400 + i).headers.get("x-diffrt-replica") for i in range(6)}
+        return len(seen) == 2
+    assert wait_until(two_fresh_replicas, timeout=90, interval=1.0)
+    new_pids = {handle.pid.remote().result(timeout_s=30) for _ in range(20)}
+    assert victim not in new_pids
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(serve_url, ray_cluster):
+    from ray import serve
+
+    from diffrt.serve.ray_app import ReplicaSettings, StatsBoard, build_application
+
+    scale = ReplicaSettings(replicas=1, min_replicas=1, max_replicas=2,
+                            target_ongoing_requests=1, upscale_delay_s=0.5,
+                            downscale_delay_s=2.0, look_back_s=1.0, replica_cpus=0.25)
+    options = scale.deployment_options(CONFIG, ServeSettings(), platform=None)
+    assert options["autoscaling_config"]["max_replicas"] == 2 and "num_replicas" not in options
+    board = ray_cluster.remote(StatsBoard).options(num_cpus=0).remote()
+    serve.run(build_application(CONFIG, ServeSettings(), scale, board), name="diffrt-auto",
+              route_prefix="/auto")
+
+    def running() -> int:
+        app = serve.status().applications["diffrt-auto"]
+        return app.deployments["ModelReplica"].replica_states.get("RUNNING", 0)
+
+    try:
+        assert running() == 1
+        url = f"{serve_url}/auto"
+        with cf.ThreadPoolExecutor(6) as pool:
+            load = [pool.submit(generate, url, 500 + i, 600, 300) for i in range(6)]
+            assert wait_until(lambda: running() == 2, timeout=60, interval=0.5)
+            assert all(f.result().status_code == 200 for f in load)
+        assert wait_until(lambda: running() == 1, timeout=60, interval=0.5)
+    finally:
+        serve.delete("diffrt-auto")
+
