@@ -78,9 +78,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="worker processes (ranks) per engine; must equal the product of "
                         "the parallel degrees below, which is the default")
-    p.add_argument("--executor", choices=("mp", "inproc"), default=executor,
-                   help="mp: worker processes; inproc: the runner in this process "
-                        "(default: %(default)s)")
+    p.add_argument("--executor", choices=("mp", "inproc", "ray"), default=executor,
+                   help="mp: worker processes; inproc: the runner in this process; ray: the "
+                        "ranks as Ray actors, across machines if need be (the ray extra; "
+                        "joins $RAY_ADDRESS or starts a local instance) (default: %(default)s)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="weights dtype in the workers; auto: bfloat16 where the device "
                         "supports it, else float16, float32 on CPU (default: %(default)s)")

@@ -78,7 +78,9 @@ class ReplicaSettings:
         """The model deployment's Ray Serve options."""
         actor: dict[str, Any] = {"num_cpus": self.replica_cpus}
         resource = getattr(platform, "ray_resource", None)
-        if resource == "GPU":
+        if config.executor_backend == "ray":
+            pass  # the engine's ranks are Ray actors that reserve their devices themselves
+        elif resource == "GPU":
             actor["num_gpus"] = config.ranks
         elif resource:
             actor["resources"] = {resource: config.ranks}

@@ -85,3 +85,17 @@ def test_a_killed_actor_fails_its_request_and_the_engine(ray_cluster):
         engine.close()
     assert not ray_cluster.util.placement_group_table() or all(
         pg["state"] == "REMOVED" for pg in ray_cluster.util.placement_group_table().values())
+
+
+def test_restart_workers_brings_fresh_actors(ray_cluster):
+    """With restart_workers, a killed actor's engine starts fresh ranks (a new
+    placement group) and serves again."""
+    engine = ray_engine(cfg_parallel_size=2, restart_workers=True)
+    try:
+        old = engine.executor.actors
+        ray_cluster.kill(old[0], no_restart=True)
+        assert wait_until(lambda: engine.executor.actors != old and engine.is_healthy(),
+                          timeout=90, interval=0.5)
+        assert all(o.ok for o in engine.generate(requests("restarted"), timeout=120))
+    finally:
+        engine.close()
