@@ -28,8 +28,9 @@ from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, Sampl
 from diffrt.serve import ServeSettings
 
 CONFIG = EngineConfig(model="tiny-flux", step_execution=True, max_num_seqs=4)
-#: queued beyond the replicas' 2 x 4 running requests before 429
-MAX_PENDING = 12
+#: queued beyond the replicas' running requests before 429 (room for every test's
+#: burst: Ray's router may refuse a little early under a burst)
+MAX_PENDING = 64
 
 
 def _free_port() -> int:
@@ -109,14 +110,29 @@ def test_metrics_label_every_series_with_its_replica(serve_url):
     assert httpx.get(f"{serve_url}/ready").status_code == 200
 
 
-def test_overload_answers_429_with_retry_after(serve_url):
-    with cf.ThreadPoolExecutor(32) as pool:
-        answers = list(pool.map(lambda i: generate(serve_url, 200 + i, steps=60), range(32)))
+def test_overload_answers_429_with_retry_after(serve_url, ray_cluster):
+    """An application of one replica running one request with one more
+    allowed to wait: of ten at once, the excess is refused with Retry-After."""
+    from ray import serve
+
+    from diffrt.serve.ray_app import ReplicaSettings, StatsBoard, build_application
+
+    board = ray_cluster.remote(StatsBoard).options(num_cpus=0).remote()
+    tight = EngineConfig(model="tiny-flux", step_execution=True, max_num_seqs=1)
+    serve.run(build_application(tight, ServeSettings(max_pending=1),
+                                ReplicaSettings(replicas=1, replica_cpus=0.25), board),
+              name="diffrt-tight", route_prefix="/tight")
+    try:
+        with cf.ThreadPoolExecutor(10) as pool:
+            answers = list(pool.map(lambda i: generate(f"{serve_url}/tight", 200 + i, 60),
+                                    range(10)))
+    finally:
+        serve.delete("diffrt-tight")
     refused = [a for a in answers if a.status_code == 429]
     assert all(a.status_code in (200, 429) for a in answers), [
         (a.status_code, a.text[:200]) for a in answers if a.status_code not in (200, 429)]
-    assert refused and all(a.headers.get("retry-after") for a in refused)
-    assert sum(a.status_code == 200 for a in answers) >= 2 * CONFIG.max_num_seqs
+    assert len(refused) >= 5 and all(a.headers.get("retry-after") for a in refused)
+    assert any(a.status_code == 200 for a in answers)
 
 
 def aborted_total(url: str) -> float:
@@ -189,7 +205,7 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(serve_ur
         assert running() == 1
         url = f"{serve_url}/auto"
         with cf.ThreadPoolExecutor(6) as pool:
-            load = [pool.submit(generate, url, 500 + i, 600, 300) for i in range(6)]
+            load = [pool.submit(generate, url, 500 + i, 300, 300) for i in range(6)]
             assert wait_until(lambda: running() == 2, timeout=60, interval=0.5)
             assert all(f.result().status_code == 200 for f in load)
         assert wait_until(lambda: running() == 1, timeout=60, interval=0.5)
