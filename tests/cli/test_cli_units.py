@@ -258,3 +258,13 @@ def test_env_refuses_a_forced_platform_without_its_package(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("diffrt env: error: DIFFRT_PLATFORM=npu: needs torch_npu: pip install "
                    "torch-npu (Ascend's build for this torch)")
+
+
+def test_serve_on_ray_without_the_extra_names_it(monkeypatch, capsys):
+    """--replicas with Ray missing: one line naming the extra, exit 2."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    assert main(["serve", "--replicas", "2", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'diffrt[ray]'" in err and len(err.strip().splitlines()) == 1

@@ -112,7 +112,8 @@ def test_metrics_label_every_series_with_its_replica(serve_url):
 
 def test_overload_answers_429_with_retry_after(serve_url, ray_cluster):
     """An application of one replica running one request with one more
-    allowed to wait: of ten at once, the excess is refused with Retry-After."""
+    allowed to wait: of ten at once, the excess is refused with Retry-After.
+    Deleting the application then lets the request in flight finish."""
     from ray import serve
 
     from diffrt.serve.ray_app import ReplicaSettings, StatsBoard, build_application
@@ -126,8 +127,14 @@ def test_overload_answers_429_with_retry_after(serve_url, ray_cluster):
         with cf.ThreadPoolExecutor(10) as pool:
             answers = list(pool.map(lambda i: generate(f"{serve_url}/tight", 200 + i, 60),
                                     range(10)))
+            # deleting the application drains it: a request in flight finishes
+            running = pool.submit(generate, f"{serve_url}/tight", 299, 200)
+            time.sleep(1.0)
+            serve.delete("diffrt-tight")
+            assert running.result().status_code == 200
     finally:
-        serve.delete("diffrt-tight")
+        if "diffrt-tight" in serve.status().applications:
+            serve.delete("diffrt-tight")
     refused = [a for a in answers if a.status_code == 429]
     assert all(a.status_code in (200, 429) for a in answers), [
         (a.status_code, a.text[:200]) for a in answers if a.status_code not in (200, 429)]
