@@ -30,7 +30,7 @@ def request_body(request: Any) -> dict[str, Any]:
     optional = {"negative_prompt": request.negative_prompt,
                 "num_inference_steps": params.num_inference_steps,
                 "guidance_scale": params.guidance_scale, "seed": params.seed,
-                "true_cfg_scale": params.true_cfg_scale if params.true_cfg_scale != 1.0 else None}
+                "true_cfg_scale": params.true_cfg_scale}
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
 

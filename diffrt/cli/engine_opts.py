@@ -58,9 +58,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="SD3: classifier-free guidance runs when > 1; Flux: the embedded "
                         "guidance of guidance-distilled checkpoints (default: the model's; "
                         "3.5 for Flux, 7.0 for SD3, as diffusers)")
-    p.add_argument("--true-cfg-scale", type=non_negative_float, default=1.0,
-                   help="Flux: true classifier-free guidance, runs when > 1 with a "
-                        "--negative-prompt (default: %(default)s)")
+    p.add_argument("--true-cfg-scale", type=non_negative_float, default=None,
+                   help="Flux, Qwen-Image: true classifier-free guidance, runs when > 1 with "
+                        "a --negative-prompt (default: the model's: 4.0 for Qwen-Image, as "
+                        "diffusers, else 1.0)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,

@@ -42,16 +42,19 @@ class InvalidRequestError(ValueError):
 
 
 #: The fields a model may give defaults for (None in a request: the model's).
-MODEL_DEFAULTED = ("height", "width", "num_inference_steps", "guidance_scale")
+MODEL_DEFAULTED = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale")
+#: what a model without a default of its own gives these fields
+FALLBACK_DEFAULTS = {"true_cfg_scale": 1.0}
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """What one request asks of the sampler.
 
-    ``height``, ``width``, ``num_inference_steps`` and ``guidance_scale`` left
-    at None take the model's defaults (``DiffusionPipeline.sampling_defaults``:
-    for a diffusers folder, what its diffusers pipeline would use), filled in
-    when the engine admits the request.
+    ``height``, ``width``, ``num_inference_steps``, ``guidance_scale`` and
+    ``true_cfg_scale`` left at None take the model's defaults
+    (``DiffusionPipeline.sampling_defaults``: for a diffusers folder, what its
+    diffusers pipeline would use), filled in when the engine admits the
+    request.
     """
 
     height: int | None = None
@@ -66,8 +69,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     #: can only lower the engine's ``request_timeout_s``. None: the engine's.
     timeout_s: float | None = None
     #: classifier-free guidance for families whose ``guidance_scale`` is an
-    #: embedded input (Flux): it runs when > 1 and a negative prompt is given.
-    true_cfg_scale: float = 1.0
+    #: embedded input or unused (Flux, Qwen-Image): it runs when > 1 and a
+    #: negative prompt is given. None: the model's (Qwen-Image 4.0, else 1.0).
+    true_cfg_scale: float | None = None
     #: previews decoded from the current x0 prediction while the request runs
     #: (step mode only): preview k of N after step ceil(k * T / (N + 1)).
     partial_images: int = 0
@@ -82,8 +86,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def with_defaults(self, defaults: dict) -> SamplingParams:
         """A copy with each of ``MODEL_DEFAULTED`` that is None taken from
         ``defaults`` (self when nothing is missing)."""
-        missing = {f: defaults[f] for f in MODEL_DEFAULTED
-                   if getattr(self, f) is None and f in defaults}
+        merged = {**FALLBACK_DEFAULTS, **defaults}
+        missing = {f: merged[f] for f in MODEL_DEFAULTED
+                   if getattr(self, f) is None and f in merged}
         return msgspec.structs.replace(self, **missing) if missing else self
 
     def validate(self, *, size_multiple: int = 16, max_size: int = 4096) -> None:

@@ -140,7 +140,7 @@ def to_engine_request(body: ImageGenerationRequest, request_id: str) -> Diffusio
         sampling_params=SamplingParams(
             height=height, width=width, num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale,
-            true_cfg_scale=1.0 if body.true_cfg_scale is None else body.true_cfg_scale,
+            true_cfg_scale=body.true_cfg_scale,
             seed=body.seed, num_outputs_per_prompt=body.n,
             partial_images=body.partial_images if body.stream else 0))
 

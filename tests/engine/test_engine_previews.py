@@ -29,6 +29,7 @@ def test_preview_steps(steps, n, expected):
 def test_partial_images_range(bad):
     with pytest.raises(InvalidRequestError, match="partial_images"):
         SamplingParams(height=64, width=64, num_inference_steps=2, guidance_scale=1.0,
+                       true_cfg_scale=1.0,
                        partial_images=bad).validate()
 
 

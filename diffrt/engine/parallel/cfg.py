@@ -21,16 +21,24 @@ from diffrt.engine.parallel.collectives import gather_uneven, share, shares
 COND_RANK, UNCOND_RANK = 0, 1
 
 
-def cfg_parallel_combine(pred: torch.Tensor, guidance_scale: float | torch.Tensor,
-                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``uncond + scale * (cond - uncond)`` from this rank's branch ``pred``
-    (conditional on rank 0, unconditional on rank 1 of ``group``); a tensor
-    ``guidance_scale`` holds one scale per row of ``pred``."""
+def gather_branches(pred: torch.Tensor,
+                    group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conditional, unconditional) predictions on both ranks, from this
+    rank's branch ``pred`` (conditional on rank 0 of ``group``, unconditional
+    on rank 1); the family then combines them (``combine_guidance``)."""
     if dist.get_world_size(group) != 2:
         raise ValueError("CFG parallel runs on a group of exactly two ranks")
     both = [torch.empty_like(pred) for _ in range(2)]
     dist.all_gather(both, pred.contiguous(), group=group)
-    cond, uncond = both[COND_RANK], both[UNCOND_RANK]
+    return both[COND_RANK], both[UNCOND_RANK]
+
+
+def cfg_parallel_combine(pred: torch.Tensor, guidance_scale: float | torch.Tensor,
+                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``uncond + scale * (cond - uncond)`` from this rank's branch ``pred``
+    (``gather_branches``); a tensor ``guidance_scale`` holds one scale per
+    row of ``pred``."""
+    cond, uncond = gather_branches(pred, group)
     if isinstance(guidance_scale, torch.Tensor):
         guidance_scale = guidance_scale.view(-1, *([1] * (pred.dim() - 1))).to(pred.dtype)
     return uncond + guidance_scale * (cond - uncond)
@@ -52,5 +60,5 @@ def gather_rows(pred: torch.Tensor, rows: int,
     return gather_uneven(pred, 0, group, shares(rows, 2)) if rows > 1 else pred
 
 
-__all__ = ["COND_RANK", "UNCOND_RANK", "cfg_branch", "cfg_parallel_combine", "gather_rows",
-           "rows_here"]
+__all__ = ["COND_RANK", "UNCOND_RANK", "cfg_branch", "cfg_parallel_combine", "gather_branches",
+           "gather_rows", "rows_here"]

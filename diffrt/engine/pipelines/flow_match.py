@@ -35,7 +35,7 @@ from diffrt.engine.pipelines.interface import (
     DiffusionRequestBatch,
     StepRequestState,
 )
-from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
+from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder, cat_rows
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams, random_seed
 
@@ -82,23 +82,25 @@ def _place(module: Any, device: torch.device) -> Any:
 
 @dataclass
 class Conditioning:
-    """Prompt embeddings for a group of rows (uncond only when CFG runs)."""
+    """Prompt embeddings for a group of rows (uncond only when CFG runs).
+    ``extra`` is the family's second text output: CLIP's pooled embedding
+    (Flux, SD3), the text mask (Qwen-Image)."""
 
     embeds: torch.Tensor
-    pooled: torch.Tensor
+    extra: torch.Tensor
     neg_embeds: torch.Tensor | None = None
-    neg_pooled: torch.Tensor | None = None
+    neg_extra: torch.Tensor | None = None
 
     @staticmethod
     def cat(parts: list[Conditioning]) -> Conditioning:
         def cat_opt(xs: list[torch.Tensor | None]) -> torch.Tensor | None:
-            return None if xs[0] is None else torch.cat(xs)  # type: ignore[arg-type]
+            return None if xs[0] is None else cat_rows(xs)  # type: ignore[arg-type]
 
         return Conditioning(
-            embeds=torch.cat([p.embeds for p in parts]),
-            pooled=torch.cat([p.pooled for p in parts]),
+            embeds=cat_rows([p.embeds for p in parts]),
+            extra=cat_rows([p.extra for p in parts]),
             neg_embeds=cat_opt([p.neg_embeds for p in parts]),
-            neg_pooled=cat_opt([p.neg_pooled for p in parts]),
+            neg_extra=cat_opt([p.neg_extra for p in parts]),
         )
 
 
@@ -130,13 +132,23 @@ class FlowMatchPipeline(DiffusionPipeline):
         # The diffusers noise scheduler, as a template only: its step() mutates
         # internal state, so every request steps its own deep copy of it.
         self.noise_scheduler = noise_scheduler
-        #: prompts -> (embeds, pooled), one row per prompt (FolderTextEncoder).
+        #: prompts -> (embeds, extra), one row per prompt (FolderTextEncoder).
         self.text_encoder = text_encoder
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        self.latent_channels = vae.config.latent_channels
-        self.scaling_factor = float(vae.config.scaling_factor)
+        self.vae_scale_factor = self.vae_factor(dict(vae.config))
+        self.latent_channels = self.vae_latent_channels(dict(vae.config))
+        scaling = getattr(vae.config, "scaling_factor", None)
+        self.scaling_factor = float(scaling) if scaling is not None else 1.0
         shift = getattr(vae.config, "shift_factor", None)
         self.shift_factor = float(shift) if shift is not None else 0.0
+
+    @staticmethod
+    def vae_factor(vae_config: dict) -> int:
+        """Pixels per latent of the family's VAE (diffusers' ``vae_scale_factor``)."""
+        return _vae_factor(vae_config)
+
+    @staticmethod
+    def vae_latent_channels(vae_config: dict) -> int:
+        return int(vae_config["latent_channels"])
 
     @classmethod
     def check_inputs(cls, request: DiffusionRequest) -> None:
@@ -251,7 +263,7 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     @staticmethod
     def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The family's diffusers ``encode_prompt``: (embeds, pooled) per prompt."""
+        """The family's diffusers ``encode_prompt``: (embeds, extra) per prompt."""
         raise NotImplementedError
 
     @classmethod
@@ -260,7 +272,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         ``max_size`` and ``sampling_defaults`` (the default size is what the
         family's diffusers pipeline uses: ``default_sample_size`` latents of
         the VAE's factor)."""
-        factor = _vae_factor(vae_config)
+        factor = cls.vae_factor(vae_config)
         size = cls.default_sample_size(transformer_config) * factor
         return {"size_multiple": factor * 2, "max_size": cls.max_size,
                 "sampling_defaults": {**cls.sampling_defaults, "height": size, "width": size},
@@ -290,7 +302,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         latents: torch.Tensor,
         timesteps: torch.Tensor,
         embeds: torch.Tensor,
-        pooled: torch.Tensor,
+        extra: torch.Tensor,
         guidance: torch.Tensor,
         params: SamplingParams,
     ) -> torch.Tensor:
@@ -310,20 +322,20 @@ class FlowMatchPipeline(DiffusionPipeline):
             texts.append(request.prompt)
             if self.uses_cfg(request):
                 texts.append(request.negative_prompt or "")
-        embeds, pooled = self.text_encoder(texts)
-        embeds, pooled = embeds.to(self.device, self.dtype), pooled.to(self.device, self.dtype)
+        embeds, extra = self.text_encoder(texts)
+        embeds, extra = embeds.to(self.device, self.dtype), extra.to(self.device, self.dtype)
         out, row = [], 0
         for request in requests:
             n = request.sampling_params.num_outputs_per_prompt
-            e, p = embeds[row:row + 1].repeat_interleave(n, 0), pooled[row:row + 1].repeat_interleave(n, 0)
+            e, x = embeds[row:row + 1].repeat_interleave(n, 0), extra[row:row + 1].repeat_interleave(n, 0)
             row += 1
             if not self.uses_cfg(request):
-                out.append(Conditioning(e, p))
+                out.append(Conditioning(e, x))
                 continue
             ne = embeds[row:row + 1].repeat_interleave(n, 0)
-            np_ = pooled[row:row + 1].repeat_interleave(n, 0)
+            nx = extra[row:row + 1].repeat_interleave(n, 0)
             row += 1
-            out.append(Conditioning(e, p, ne, np_))
+            out.append(Conditioning(e, x, ne, nx))
         return out
 
     def latent_shape(self, params: SamplingParams) -> tuple[int, int, int, int]:
@@ -369,31 +381,36 @@ class FlowMatchPipeline(DiffusionPipeline):
                 rows = latents.shape[0]
                 mine = rows_here(rows, self.cfg_parallel_group)
                 pred = self.transformer_forward(latents[mine], timesteps[mine], cond.embeds[mine],
-                                                cond.pooled[mine], guidance[mine], params)
+                                                cond.extra[mine], guidance[mine], params)
                 return gather_rows(pred, rows, self.cfg_parallel_group)
             return self.transformer_forward(
-                latents, timesteps, cond.embeds, cond.pooled, guidance, params
+                latents, timesteps, cond.embeds, cond.extra, guidance, params
             )
         scale = cfg_scale if cfg_scale is not None else guidance
         if self.cfg_parallel_group is not None:  # one branch here, the other on the peer
-            from diffrt.engine.parallel.cfg import cfg_branch, cfg_parallel_combine
+            from diffrt.engine.parallel.cfg import cfg_branch, gather_branches
 
             conditional = cfg_branch(self.cfg_parallel_group)
             pred = self.transformer_forward(
                 latents, timesteps, cond.embeds if conditional else cond.neg_embeds,
-                cond.pooled if conditional else cond.neg_pooled, guidance, params)
-            return cfg_parallel_combine(pred, scale, self.cfg_parallel_group)
+                cond.extra if conditional else cond.neg_extra, guidance, params)
+            return self.combine_guidance(*gather_branches(pred, self.cfg_parallel_group), scale)
         pred = self.transformer_forward(
             torch.cat([latents, latents]),
             torch.cat([timesteps, timesteps]),
-            torch.cat([cond.neg_embeds, cond.embeds]),
-            torch.cat([cond.neg_pooled, cond.pooled]),  # type: ignore[list-item]
+            cat_rows([cond.neg_embeds, cond.embeds]),  # type: ignore[list-item]
+            cat_rows([cond.neg_extra, cond.extra]),  # type: ignore[list-item]
             torch.cat([guidance, guidance]),
             params,
         )
         uncond, text = pred.chunk(2)
-        g = scale.view(-1, *([1] * (pred.dim() - 1))).to(pred.dtype)
-        return uncond + g * (text - uncond)
+        return self.combine_guidance(text, uncond, scale)
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor,
+                         scale: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance per row: ``uncond + s * (cond - uncond)``."""
+        g = scale.view(-1, *([1] * (cond.dim() - 1))).to(cond.dtype)
+        return uncond + g * (cond - uncond)
 
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Transformer-layout latents -> images in [-1, 1], (N, 3, H, W), on the device."""

@@ -3,8 +3,8 @@
 Serving traffic repeats prompts (retries, several seeds of one prompt, the
 empty negative prompt of every CFG request), and a real text encoder (T5-XXL
 has 4.7 B parameters) costs more than a denoise step. The cache wraps any
-pipeline text encoder — a callable ``prompts -> (embeds, pooled)`` with one
-row per prompt — and encodes only the prompts it has not kept, all of them in
+pipeline text encoder — a callable ``prompts -> (embeds, extra)`` with one
+row per prompt (rows of different text lengths are zero-padded when joined) — and encodes only the prompts it has not kept, all of them in
 one call. Keys are the prompt text (one cache per text encoder, so the encoder
 is part of the key by construction; a negative prompt is a prompt of its own).
 
@@ -27,6 +27,20 @@ import torch
 from diffrt.engine.outputs import TextEncoderStats
 
 
+def cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of several prompts in one tensor. Text of different lengths (a
+    family whose prompts are not padded to a fixed length: Qwen-Image) is
+    zero-padded along dim 1 to the longest, as diffusers pads a batch (the
+    padding is masked out)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    if tensors[0].dim() >= 2 and len({t.shape[1] for t in tensors}) > 1:
+        longest = max(t.shape[1] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1]))
+                   for t in tensors]
+    return torch.cat(tensors)
+
+
 class CachedTextEncoder:
     def __init__(self, encoder: Any, max_bytes: int,
                  synchronize: Callable[[], None] | None = None):
@@ -47,11 +61,11 @@ class CachedTextEncoder:
         fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if missing:
             start = time.perf_counter()
-            embeds, pooled = self.encoder(missing)
+            embeds, extra = self.encoder(missing)
             if self._synchronize is not None:
                 self._synchronize()
             self.seconds += time.perf_counter() - start
-            fresh = {p: (embeds[i:i + 1], pooled[i:i + 1]) for i, p in enumerate(missing)}
+            fresh = {p: (embeds[i:i + 1], extra[i:i + 1]) for i, p in enumerate(missing)}
         # counted once the encoder succeeded: a failed call encoded nothing
         self.misses += len(missing)
         self.hits += len(prompts) - len(missing)
@@ -64,7 +78,7 @@ class CachedTextEncoder:
             rows.append(entry)
         for prompt, entry in fresh.items():
             self._put(prompt, entry)
-        return torch.cat([e for e, _ in rows]), torch.cat([p for _, p in rows])
+        return cat_rows([e for e, _ in rows]), cat_rows([p for _, p in rows])
 
     def _put(self, prompt: str, entry: tuple[torch.Tensor, torch.Tensor]) -> None:
         size = sum(t.numel() * t.element_size() for t in entry)

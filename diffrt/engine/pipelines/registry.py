@@ -47,6 +47,7 @@ _PIPELINES: dict[str, type[DiffusionPipeline] | str] = {}
 _FAMILIES: dict[str, type[DiffusionPipeline] | str] = {
     "FluxTransformer2DModel": "diffrt.engine.pipelines.flux:FluxPipeline",
     "SD3Transformer2DModel": "diffrt.engine.pipelines.sd3:SD3Pipeline",
+    "QwenImageTransformer2DModel": "diffrt.engine.pipelines.qwen_image:QwenImagePipeline",
 }
 
 
@@ -58,7 +59,7 @@ class UnknownModelError(ValueError):
         detail = f" ({reason})" if reason else ""
         super().__init__(
             f"model: unknown model {model!r}{detail}; known models: {known}, "
-            "a path to a local diffusers-format Flux/SD3 folder, or a hub id already in the "
+            "a path to a local diffusers-format Flux/SD3/Qwen-Image folder, or a hub id already in the "
             "local Hugging Face cache"
         )
         self.model = model

@@ -75,12 +75,13 @@ QWEN_SCHEDULER: dict[str, Any] = dict(
     max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
     time_shift_type="exponential",
 )
-#: See the module docstring. Sharper attention from image queries to the text
-#: keys and larger text values; the prompt embedding's own projection. Mean
-#: |difference| between two prompts' 64x64 images is tested to stay clear.
+#: See the module docstring: sharper attention from image queries to the text
+#: keys (RMS q/k norm: the logits scale with its weight), larger text values,
+#: a stronger text projection. Mean |difference| between the 64x64 images of
+#: four prompts (4 steps, fp32, CPU): 0.1-0.2/255 before, 7.0-9.0 after.
 QWEN_BOOST: dict[str, float] = {
-    "attn.norm_added_k.weight": 8.0,
-    "attn.add_v_proj.weight": 8.0,
+    "attn.norm_added_k.weight": 16.0,
+    "attn.add_v_proj.weight": 32.0,
     "txt_in.weight": 4.0,
 }
 _SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2}

@@ -204,8 +204,9 @@ def test_sampling_defaults_come_from_the_family_the_config_and_the_name(tmp_path
     filled = cls.with_defaults(DiffusionRequest("x", SamplingParams(width=64, seed=1)))
     assert (filled.sampling_params.height, filled.sampling_params.width) == (128, 64)
     assert filled.sampling_params.num_inference_steps == 4
+    assert filled.sampling_params.true_cfg_scale == 1.0  # no model default: the fallback
     full = DiffusionRequest("x", SamplingParams(height=64, width=64, num_inference_steps=2,
-                                                guidance_scale=1.0))
+                                                guidance_scale=1.0, true_cfg_scale=1.0))
     assert cls.with_defaults(full) is full
 
 

@@ -1,0 +1,135 @@
+"""Qwen-Image family: QwenImageTransformer2DModel behind Qwen2.5-VL prompts.
+
+It shares Flux's latent layout (2x2-packed tokens), sigma schedule
+(``linspace(1, 1/n, n)`` shifted by the image's token count) and true-CFG
+semantics (``true_cfg_scale`` > 1 with a negative prompt; diffusers'
+default scale 4.0), so it derives from ``FluxPipeline``. What is its own:
+
+- prompts: Qwen2.5-VL in a chat template, the template's 34 leading tokens
+  dropped (diffusers' ``encode_prompt``), **no fixed length**: a prompt's
+  embedding is as long as its tokens, so the text mask travels with it
+  (``Conditioning.extra``) and rows of different lengths are zero-padded and
+  masked when they share a batch, as diffusers pads a batch;
+- guidance: after combining the two branches, the result is rescaled to the
+  conditional prediction's norm per token (``combine_guidance``);
+- the transformer call (image shapes for its rotary embedding, the mask);
+- the VAE (``AutoencoderKLQwenImage``): 3-D latents with one frame,
+  per-channel ``latents_mean``/``latents_std`` instead of a scaling factor,
+  8x from its temporal-downsample list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from diffrt.engine.pipelines.flux import FluxPipeline
+from diffrt.engine.sampling import SamplingParams
+
+
+class QwenImagePipeline(FluxPipeline):
+    """Text-to-image with a diffusers QwenImageTransformer2DModel."""
+
+    name = "qwen-image"
+    diffusers_pipeline_class = "QwenImagePipeline"
+    vae_class_name = "AutoencoderKLQwenImage"
+    #: QwenImagePipeline.__call__'s defaults (guidance_scale is unused: the
+    #: released checkpoints are not guidance-distilled)
+    sampling_defaults = {"height": 1024, "width": 1024, "num_inference_steps": 50,
+                         "guidance_scale": 1.0, "true_cfg_scale": 4.0}
+
+    @staticmethod
+    def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen2.5-VL's last hidden states without the template prefix, padded
+        to the longest prompt, and their mask (1 = a token)."""
+        embeds, mask = pipeline.encode_prompt(prompt=prompts,
+                                              device=pipeline.text_encoder.device,
+                                              num_images_per_prompt=1, max_sequence_length=1024)
+        if mask is None:  # diffusers drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return embeds, mask
+
+    @staticmethod
+    def vae_factor(vae_config: dict) -> int:
+        return 2 ** len(vae_config.get("temperal_downsample", (False, True, True)))
+
+    @staticmethod
+    def vae_latent_channels(vae_config: dict) -> int:
+        return int(vae_config.get("z_dim", 16))
+
+    @classmethod
+    def default_sample_size(cls, transformer_config: dict) -> int:
+        return 128
+
+    def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
+        """As QwenImagePipeline: stepping starts at index 0 (``set_begin_index``);
+        with its terminal sigma the scheduler cannot find the first timestep
+        by value."""
+        noise_scheduler, timesteps = super().prepare_timesteps(params)
+        noise_scheduler.set_begin_index(0)
+        return noise_scheduler, timesteps
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor,
+                         scale: torch.Tensor) -> torch.Tensor:
+        """As QwenImagePipeline: the guided prediction rescaled per token to
+        the conditional prediction's norm."""
+        combined = super().combine_guidance(cond, uncond, scale)
+        cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+        return combined * (cond_norm / torch.norm(combined, dim=-1, keepdim=True))
+
+    def image_shapes(self, params: SamplingParams, rows: int) -> list[list[tuple[int, int, int]]]:
+        """The transformer's rotary embedding input: one frame of packed tokens."""
+        h = params.height // self.vae_scale_factor // 2
+        w = params.width // self.vae_scale_factor // 2
+        return [[(1, h, w)]] * rows
+
+    def transformer_forward(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        embeds: torch.Tensor,
+        extra: torch.Tensor,
+        guidance: torch.Tensor,
+        params: SamplingParams,
+    ) -> torch.Tensor:
+        mask = extra.to(torch.bool)
+        embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
+        sequence = self._sequence_split
+        if sequence is not None:
+            sequence.text_len = embeds.shape[1]
+            sequence.text_mask = None if mask.all() else mask
+        out = self.transformer(
+            hidden_states=latents,
+            # as QwenImagePipeline: the model dtype first, then scaled
+            timestep=timesteps.to(latents.dtype) / 1000,
+            guidance=embedded,
+            encoder_hidden_states_mask=None if mask.all() else mask,
+            encoder_hidden_states=embeds,
+            img_shapes=self.image_shapes(params, latents.shape[0]),
+            return_dict=False,
+        )[0]
+        return out
+
+    def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Packed latents -> images in [-1, 1], with the VAE's per-channel
+        statistics (computed as QwenImagePipeline does, for the same bits)."""
+        spatial = self.unpack_latents(latents, params).unsqueeze(2).to(self.dtype)
+        config = self.vae.config
+        mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(spatial.device,
+                                                                          spatial.dtype)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(spatial.device,
+                                                                                  spatial.dtype)
+        spatial = spatial / inv_std + mean
+        images = self.vae.decode(spatial, return_dict=False)[0][:, :, 0]
+        return images.clamp(-1, 1)
+
+    def enable_sequence_parallel(self, groups: Any) -> None:
+        """Each rank runs the transformer blocks on its slice of the image
+        tokens and of their rotary embedding (``engine.parallel.qwen_attention``);
+        the text (and its mask) whole on every rank; the output gathered."""
+        from diffrt.engine.parallel.qwen_attention import enable_qwen_sequence_parallel
+        from diffrt.engine.parallel.sequence import SequenceSplit
+
+        self._sequence_split = SequenceSplit(groups.sequence, groups.sequence_attention())
+        enable_qwen_sequence_parallel(self.transformer, self._sequence_split)
