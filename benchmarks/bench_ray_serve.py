@@ -80,7 +80,8 @@ def main() -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     board = ray.remote(StatsBoard).options(num_cpus=0).remote()
     settings = ServeSettings(max_pending=4 * args.requests)
-    threads = {"one": args.threads or None, "two": max(1, args.threads // 2) or None}
+    threads = {"one": args.threads or None,
+               "two": max(1, args.threads // 2) if args.threads else None}
     try:
         for name, count in (("one", 1), ("two", 2)):
             config = EngineConfig(model=args.model, step_execution=True, max_num_seqs=4,
@@ -127,7 +128,11 @@ def main() -> int:
         print(f"a killed replica replaced (two running again) after "
               f"{time.perf_counter() - start:.1f} s")
     finally:
-        serve.shutdown()
+        for name in ("bench-one", "bench-two"):
+            if name in serve.status().applications:
+                serve.delete(name)
+        if not args.ray_address:
+            serve.shutdown()
         ray.shutdown()
     return 0
 

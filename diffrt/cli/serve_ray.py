@@ -15,15 +15,17 @@ import sys
 import threading
 from typing import Any
 
-from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE
-
-RAY_EXTRA_HINT = "needs Ray: pip install 'diffrt[ray]'"
+from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 
 
 def replica_settings(args: argparse.Namespace) -> Any:
     """The ``ReplicaSettings`` of the command line (unset flags: the defaults)."""
     from diffrt.serve.ray_app import ReplicaSettings
 
+    autoscaling = ("min_replicas", "target_ongoing_requests", "upscale_delay", "downscale_delay")
+    if args.max_replicas is None and any(getattr(args, a) is not None for a in autoscaling):
+        raise CliError("--min-replicas, --target-ongoing-requests and the delays need "
+                         "--max-replicas (which turns autoscaling on)")
     given = {"replicas": args.replicas, "min_replicas": args.min_replicas,
              "max_replicas": args.max_replicas,
              "target_ongoing_requests": args.target_ongoing_requests,
@@ -37,41 +39,48 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
         import ray
         from ray import serve
     except ImportError:
-        print(f"diffrt serve: error: --replicas (and the other Ray flags) {RAY_EXTRA_HINT}",
+        from diffrt.runtime.ray_executor import RAY_EXTRA_HINT
+
+        print(f"diffrt serve: error: --replicas (and the other Ray flags): {RAY_EXTRA_HINT}",
               file=sys.stderr)
         return EXIT_USAGE
     from diffrt.serve.ray_app import APP_NAME, StatsBoard, build_application
 
     replicas = replica_settings(args)
     local = args.ray_address is None
-    init: dict[str, Any] = {"address": args.ray_address, "log_to_driver": False}
+    # "local": a new instance of our own, never a cluster $RAY_ADDRESS names
+    init: dict[str, Any] = {"address": "local" if local else args.ray_address,
+                            "log_to_driver": False}
     if local:
         init["include_dashboard"] = False
         if args.host in ("127.0.0.1", "localhost"):
             init["_node_ip_address"] = "127.0.0.1"
     ray.init(**init)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    deployed = False
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         board = ray.remote(StatsBoard).options(num_cpus=0).remote()
         print(f"diffrt serve: deploying {config.model} on Ray ({_describe(replicas)})",
               file=sys.stderr, flush=True)
         try:
+            deployed = True  # from here a failure leaves something to delete
             serve.run(build_application(config, settings, replicas, board), name=APP_NAME,
                       route_prefix="/")
         except Exception as exc:
             print(f"diffrt serve: error: the application could not start: "
                   f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
             return EXIT_FAILURE
+        stop = threading.Event()  # the first signal drains; Ctrl-C before this interrupts
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         print(f"diffrt serve: {config.model} ready at http://{args.host}:{args.port} "
               f"({config.mode.value} mode, {_describe(replicas)} on Ray)", flush=True)
         stop.wait()
         print("diffrt serve: draining the replicas", file=sys.stderr, flush=True)
-        serve.delete(APP_NAME)
         return 0
     finally:
+        if deployed:
+            serve.delete(APP_NAME)  # Ray drains the replicas first
         if local:
             serve.shutdown()
         ray.shutdown()

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 #: how long one ``poll`` call waits in the actor for a result
 POLL_WAIT_S = 0.5
-RAY_EXTRA_HINT = "the ray executor needs Ray: pip install 'diffrt[ray]'"
+RAY_EXTRA_HINT = "Ray is not installed: pip install 'diffrt[ray]'"
 
 
 def import_ray() -> Any:
@@ -81,22 +81,43 @@ class RankActor:
             port = s.getsockname()[1]
         return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port)
 
-    def start(self, init: bytes, arena_bytes: int, arena_source: tuple[int, int] | None) -> None:
+    def start(self, init: bytes, arena_bytes: int, arena_source: tuple[int, int, int] | None,
+              required: bool = False) -> str:
         """Start the serve loop; rank 0 maps the engine's arena (``arena_source``:
-        the engine's (pid, fd) on this node) or, elsewhere, an arena of its own."""
+        the engine's (pid, fd, inode) on this node) or an arena of its own.
+        Returns the output path taken ("shm" or "object_store"): the engine's
+        memfd is used only when the file opened is that very memfd (another
+        PID namespace would show another process); ``required`` makes a
+        failure an error instead of a fallback."""
         from diffrt.runtime.shm_transport import Arena
 
+        path = "shm"
         if self.rank == 0:
-            if arena_source is not None:
-                pid, fd = arena_source
-                self._arena = Arena.attach(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR),
-                                           arena_bytes)
-            else:
-                self._arena = Arena.create(arena_bytes)
+            self._arena = self._engine_arena(arena_source, arena_bytes) if arena_source else None
+            if self._arena is None:
+                if required:
+                    raise RuntimeError("rank 0 cannot map the engine's output arena "
+                                       "(ray_output_transport='shm')")
+                self._arena, path = Arena.create(arena_bytes), "object_store"
         self._init = init
         self._thread = threading.Thread(target=self._serve, name=f"diffrt-rank-{self.rank}",
                                         daemon=True)
         self._thread.start()
+        return path
+
+    @staticmethod
+    def _engine_arena(source: tuple[int, int, int], size: int) -> Any:
+        from diffrt.runtime.shm_transport import Arena
+
+        pid, fd, inode = source
+        try:
+            handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        except OSError:
+            return None
+        if os.fstat(handle).st_ino != inode:
+            os.close(handle)
+            return None
+        return Arena.attach(handle, size)
 
     def _serve(self) -> None:
         from diffrt.runtime.messages import free_decoder
@@ -121,7 +142,10 @@ class RankActor:
             # as a worker process would: the actor ends, its pending poll fails,
             # and the executor fails the work (a RankFailure, or a broken loop)
             logger.exception("rank %d: serve loop failed; ending the actor", self.rank)
-            time.sleep(POLL_WAIT_S * 2)  # the error reply reaches the engine first
+            deadline = time.monotonic() + 5.0  # its error reply reaches the engine first
+            while not self._results.empty() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(POLL_WAIT_S)
             os._exit(1)
         finally:
             leave_process_group()
@@ -181,6 +205,7 @@ class RayExecutor(PumpedExecutor):
         self._seq = 0
         self._mirror = False
         self._actors: list[Any] = []
+        self._pg: Any = None
         self._polls: dict[Any, int] = {}  # outstanding poll ref -> rank
         self.router = self._make_router(self._send_free)
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -189,18 +214,22 @@ class RayExecutor(PumpedExecutor):
         self._remove_pg = remove_placement_group
         from diffrt.platforms import current_platform
 
-        bundle = ray_bundle(current_platform, config.ray_cpus_per_rank)
-        self._pg = placement_group([dict(bundle) for _ in range(config.world_size)],
-                                   strategy="PACK")
         try:
-            ray.get(self._pg.ready(), timeout=config.startup_timeout_s)
+            bundle = ray_bundle(current_platform, config.ray_cpus_per_rank)
+            self._pg = placement_group([dict(bundle) for _ in range(config.world_size)],
+                                       strategy="PACK")
+            try:
+                ray.get(self._pg.ready(), timeout=config.startup_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(f"Ray could not place {config.world_size} rank(s) of "
+                                   f"{bundle} within {config.startup_timeout_s:g} s "
+                                   f"(cluster: {ray.cluster_resources()})") from None
             actor_cls = ray.remote(RankActor)
-            env = {**config.worker_env}
+            env = rank_environment(config.worker_env)
             for rank in range(config.world_size):
                 self._actors.append(actor_cls.options(
-                    num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-                    resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-                    max_concurrency=4, max_restarts=0,
+                    num_cpus=bundle["CPU"], **ray_device_options(current_platform, 1),
+                    max_concurrency=4, max_restarts=0, runtime_env={"env_vars": env},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self._pg, placement_group_bundle_index=rank),
                 ).remote(rank, env))
@@ -215,10 +244,14 @@ class RayExecutor(PumpedExecutor):
         self._launch(self._start_ranks, f"tcp://{address}:{port}" if config.world_size > 1 else None)
 
     def _start_ranks(self, init_messages: list[bytes]) -> None:
-        source = None if self._mirror else (os.getpid(), self.arena.fd)
-        self._ray.get([actor.start.remote(msg, self.arena.size, source)
-                       for actor, msg in zip(self._actors, init_messages, strict=True)],
-                      timeout=self.config.startup_timeout_s)
+        source = None if self._mirror else (os.getpid(), self.arena.fd,
+                                            os.fstat(self.arena.fd).st_ino)
+        paths = self._ray.get([
+            actor.start.remote(msg, self.arena.size, source,
+                               self.config.ray_output_transport == "shm")
+            for actor, msg in zip(self._actors, init_messages, strict=True)],
+            timeout=self.config.startup_timeout_s)
+        self._mirror = paths[0] == "object_store"
         for rank, actor in enumerate(self._actors):
             self._polls[actor.poll.remote(POLL_WAIT_S)] = rank
 
@@ -281,7 +314,11 @@ class RayExecutor(PumpedExecutor):
             refs = [(out.slot_offset, self._actors[0].read.remote(out.slot_offset, out.slot_bytes))
                     for out in msg.outputs]
             for offset, ref in refs:
-                chunk = self._ray.get(ref)  # read-only, in the object store
+                try:  # read-only, in the object store
+                    chunk = self._ray.get(ref, timeout=self.config.output_timeout_s)
+                except Exception as exc:
+                    raise WorkerDied(f"worker rank 0 (Ray actor): reading its outputs failed "
+                                     f"({type(exc).__name__})") from exc
                 self.arena.bytes_view(offset, chunk.size).numpy()[:] = chunk
 
     def _workers_alive(self) -> bool:
@@ -296,9 +333,8 @@ class RayExecutor(PumpedExecutor):
         ray = self._ray
         try:
             if self._death is None and self._actors:
-                for actor in self._actors:
-                    actor.push.remote(self._seq, encode(Shutdown()))
-                self._seq += 1
+                with self._send_lock:  # numbered after every request already sent
+                    self._broadcast(encode(Shutdown()))
                 deadline = time.monotonic() + self.config.shutdown_grace_s
                 refs = [a.stopped.remote(self.config.shutdown_grace_s) for a in self._actors]
                 ray.wait(refs, num_returns=len(refs),
@@ -311,21 +347,50 @@ class RayExecutor(PumpedExecutor):
             except Exception:
                 logger.debug("ray.kill failed", exc_info=True)
         try:
-            self._remove_pg(self._pg)
+            if self._pg is not None:
+                self._remove_pg(self._pg)
         except Exception:
             logger.debug("removing the placement group failed", exc_info=True)
 
 
-def ray_bundle(platform: Any, cpus_per_rank: float) -> dict[str, float]:
-    """One rank's placement-group bundle: its CPUs and one of the platform's
-    devices under the Ray resource that counts them (``Platform.ray_resource``:
-    "GPU" for CUDA, ROCm and XPU, "NPU" for Ascend; a custom resource such as
-    "MUSA" must be declared with ``ray start --resources``)."""
-    bundle: dict[str, float] = {"CPU": float(cpus_per_rank)}
+def ray_device_options(platform: Any, devices: int) -> dict[str, Any]:
+    """Ray actor options reserving ``devices`` of the platform's devices, under
+    the Ray resource that counts them (``Platform.ray_resource``: "GPU" for
+    CUDA, ROCm and XPU, "NPU" for Ascend; a custom resource such as "MUSA"
+    must be declared with ``ray start --resources``, and Ray then sets no
+    visibility variable for it). Nothing on CPU."""
     resource = getattr(platform, "ray_resource", None)
-    if resource:
-        bundle[resource] = 1.0
+    if not resource:
+        return {}
+    if resource == "GPU":
+        return {"num_gpus": devices}
+    return {"resources": {resource: devices}}
+
+
+def ray_bundle(platform: Any, cpus_per_rank: float) -> dict[str, float]:
+    """One rank's placement-group bundle: its CPUs and one device."""
+    bundle: dict[str, float] = {"CPU": float(cpus_per_rank)}
+    options = ray_device_options(platform, 1)
+    if "num_gpus" in options:
+        bundle["GPU"] = float(options["num_gpus"])
+    bundle.update(options.get("resources", {}))
     return bundle
 
 
-__all__ = ["RankActor", "RayExecutor", "import_ray", "ray_bundle"]
+#: environment variables a rank actor inherits from the engine's process (an
+#: actor starts from Ray's environment, not the engine's)
+FORWARDED_ENV_PREFIXES = ("DIFFRT_", "HF_", "NCCL_", "GLOO_", "HCCL_", "CCL_", "MCCL_",
+                          "TORCH_", "OMP_", "MALLOC_")
+
+
+def rank_environment(worker_env: dict[str, str]) -> dict[str, str]:
+    """What a rank actor starts with (Ray's ``runtime_env``, so glibc's and
+    torch's start-up variables take effect): the engine's own variables with
+    the prefixes above, then ``worker_env``."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    env.update(worker_env)
+    return env
+
+
+__all__ = ["RankActor", "RayExecutor", "import_ray", "rank_environment", "ray_bundle",
+           "ray_device_options"]

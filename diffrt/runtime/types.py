@@ -203,7 +203,7 @@ class ExecutorConfig:
         if self.ray_output_transport not in ("auto", "shm", "object_store"):
             raise ValueError(f"ray_output_transport must be auto, shm or object_store, "
                              f"got {self.ray_output_transport!r}")
-        if not self.ray_cpus_per_rank >= 0:
-            raise ValueError(f"ray_cpus_per_rank must be >= 0, got {self.ray_cpus_per_rank}")
+        if not self.ray_cpus_per_rank > 0:
+            raise ValueError(f"ray_cpus_per_rank must be > 0, got {self.ray_cpus_per_rank}")
         if self.output_queue_depth < 1:
             raise ValueError(f"output_queue_depth must be >= 1, got {self.output_queue_depth}")

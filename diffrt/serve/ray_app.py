@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -76,14 +77,11 @@ class ReplicaSettings:
     def deployment_options(self, config: EngineConfig, settings: ServeSettings,
                            platform: Any) -> dict[str, Any]:
         """The model deployment's Ray Serve options."""
+        from diffrt.runtime.ray_executor import ray_device_options
+
         actor: dict[str, Any] = {"num_cpus": self.replica_cpus}
-        resource = getattr(platform, "ray_resource", None)
-        if config.executor_backend == "ray":
-            pass  # the engine's ranks are Ray actors that reserve their devices themselves
-        elif resource == "GPU":
-            actor["num_gpus"] = config.ranks
-        elif resource:
-            actor["resources"] = {resource: config.ranks}
+        if config.executor_backend != "ray":  # else the rank actors reserve their devices
+            actor.update(ray_device_options(platform, config.ranks))
         options: dict[str, Any] = {
             "ray_actor_options": actor,
             "max_ongoing_requests": config.max_num_seqs,
@@ -102,6 +100,8 @@ class ReplicaSettings:
                 "upscale_delay_s": self.upscale_delay_s,
                 "downscale_delay_s": self.downscale_delay_s,
                 "look_back_period_s": self.look_back_s,
+                # deprecated in Ray 2.60 (to become environment variables) but
+                # still what sets how often load is reported: within the window
                 "metrics_interval_s": min(10.0, self.look_back_s / 3),
             }
         else:
@@ -133,16 +133,27 @@ class StatsBoard:
 class ModelReplica:
     """One engine behind the application (a Ray Serve deployment)."""
 
-    def __init__(self, config: EngineConfig, settings: ServeSettings, board: Any) -> None:
+    def __init__(self, config: EngineConfig, settings: ServeSettings, board: Any,
+                 cpus: float = 1.0) -> None:
+        import dataclasses
+
         from ray import serve
 
         from diffrt.serve.engine_client import EngineClient
 
         self.name = serve.get_replica_context().replica_id.unique_id
-        self.engine = DiffusionEngine.make_engine(config)
-        self.client = EngineClient(None, settings, engine=self.engine)
         self.board = board
         self._stop = threading.Event()
+        self.engine: DiffusionEngine | None = None
+        # Ray replaces a replica whose health check fails, which is this
+        # engine's own restart; on CPU its threads follow the CPUs reserved
+        changes: dict[str, Any] = {"restart_workers": False}
+        from diffrt.platforms import current_platform
+
+        if current_platform.device_type == "cpu" and config.torch_threads is None:
+            changes["torch_threads"] = max(1, round(cpus / max(1, config.ranks)))
+        self.engine = DiffusionEngine.make_engine(dataclasses.replace(config, **changes))
+        self.client = EngineClient(None, settings, engine=self.engine)
         self._publisher = threading.Thread(target=self._publish, name="diffrt-stats",
                                            daemon=True)
         self._publisher.start()
@@ -168,12 +179,19 @@ class ModelReplica:
         return os.getpid()
 
     def __del__(self) -> None:
-        self._stop.set()
+        stop = getattr(self, "_stop", None)
+        if stop is None:  # construction failed early
+            return
+        stop.set()
+        publisher = getattr(self, "_publisher", None)
+        if publisher is not None:
+            publisher.join(timeout=2 * PUBLISH_EVERY_S)
         try:
             self.board.remove.remote(self.name)
         except Exception:
-            pass
-        self.engine.close()
+            logger.debug("removing this replica's statistics failed", exc_info=True)
+        if self.engine is not None:
+            self.engine.close()
 
 
 class ReplicaClient:
@@ -193,8 +211,11 @@ class ReplicaClient:
         self.state = "ready"
         self.failure: str | None = None
         self._in_flight = 0
-        self._served_by: dict[str, str] = {}
+        #: request id -> the replica that answered it, until the route reads it
+        #: (bounded: the answers of failed requests are never read)
+        self._served_by: OrderedDict[str, str] = OrderedDict()
         self._snapshots: list[tuple[str, Any]] = []
+        self._heard_from_replicas = False
         self._watch: asyncio.Task | None = None
 
     # -- lifecycle (the app's lifespan) ---------------------------------------------
@@ -207,8 +228,10 @@ class ReplicaClient:
         while True:
             try:
                 self._snapshots = await self.board.snapshot.remote()
-            except Exception:
+                self._heard_from_replicas |= bool(self._snapshots)
+            except Exception:  # no board: nothing known about the replicas
                 logger.debug("reading the statistics board failed", exc_info=True)
+                self._snapshots = []
             await asyncio.sleep(PUBLISH_EVERY_S)
 
     async def drain(self, timeout_s: float) -> None:
@@ -227,9 +250,12 @@ class ReplicaClient:
             self._watch.cancel()
 
     def healthy(self) -> bool:
-        """Some replica's engine is healthy (or none has reported yet: Ray
-        deploys the ingress once the replicas passed their health checks)."""
-        return not self._snapshots or any(stats.healthy for _, stats in self._snapshots)
+        """Some replica's engine reported itself healthy within the last
+        ``STALE_AFTER_S`` (before the first report: assumed, since Ray deploys
+        the ingress once the replicas passed their health checks)."""
+        if not self._heard_from_replicas:
+            return True
+        return any(stats.healthy for _, stats in self._snapshots)
 
     def ready(self) -> bool:
         return self.state == "ready" and self.healthy()
@@ -250,7 +276,10 @@ class ReplicaClient:
         try:
             stream = self.model.options(stream=True).generate.remote(request)
             async for replica, out in stream:
-                self._served_by[out.request_id] = replica
+                if not self._served_by.get(out.request_id):
+                    self._served_by[out.request_id] = replica
+                    while len(self._served_by) > 4096:
+                        self._served_by.popitem(last=False)
                 finished = out.finished
                 yield out
         except BackPressureError:
@@ -271,8 +300,6 @@ class ReplicaClient:
                 except Exception:
                     logger.debug("cancelling the replica call failed", exc_info=True)
             self._in_flight -= 1
-            if len(self._served_by) > 4096:  # answers never collected (errors)
-                self._served_by.clear()
 
     def metric_snapshots(self) -> list[tuple[dict[str, str], Any]]:
         return [({"replica": replica}, stats) for replica, stats in self._snapshots]
@@ -313,9 +340,11 @@ def build_application(config: EngineConfig, settings: ServeSettings,
         **replicas.deployment_options(config, settings, platform))
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress").options(
         num_replicas=1, max_ongoing_requests=max(100, 4 * settings.max_pending),
+        # outlives the replicas' drain, so answers in flight still reach their clients
+        graceful_shutdown_timeout_s=settings.shutdown_timeout_s + 10,
         ray_actor_options={"num_cpus": min(0.5, replicas.replica_cpus)})
-    return ingress.bind(model.bind(config, settings, board), board, settings, config.model,
-                        config.step_execution)
+    return ingress.bind(model.bind(config, settings, board, replicas.replica_cpus), board,
+                        settings, config.model, config.step_execution)
 
 
 __all__ = ["APP_NAME", "REPLICA_HEADER", "Ingress", "ModelReplica", "ReplicaClient",

@@ -204,7 +204,8 @@ def raise_for_final(out: DiffusionOutput, client: EngineClient) -> None:
 def _timings(out: DiffusionOutput) -> Timings:
     m = out.metrics
     output = None if m.output_wait is None else m.output_wait + (m.postprocess_time or 0.0)
-    total = None if m.finished_time is None else time.monotonic() - m.arrival_time
+    # both times from the engine's clock (a replica may run on another machine)
+    total = None if m.finished_time is None else m.finished_time - m.arrival_time
     return Timings(queue=m.queue_wait, inference=m.forward_time, output=output, total=total)
 
 

@@ -128,8 +128,9 @@ def test_overload_answers_429_with_retry_after(serve_url, ray_cluster):
             answers = list(pool.map(lambda i: generate(f"{serve_url}/tight", 200 + i, 60),
                                     range(10)))
             # deleting the application drains it: a request in flight finishes
-            running = pool.submit(generate, f"{serve_url}/tight", 299, 200)
+            running = pool.submit(generate, f"{serve_url}/tight", 299, 1000)
             time.sleep(1.0)
+            assert not running.done()  # still in the replica when the delete starts
             serve.delete("diffrt-tight")
             assert running.result().status_code == 200
     finally:
