@@ -186,3 +186,29 @@ def test_a_failure_on_one_rank_only_ends_that_rank_not_in_a_hang():
     finally:
         engine.close()
     assert wait_until(lambda: not any(alive(p) for p in pids))
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory):
+    from diffrt.engine.pipelines.tiny_qwen_image import build_tiny_qwen_image_folder
+
+    return str(build_tiny_qwen_image_folder(tmp_path_factory.mktemp("qwen") / "qwen", seed=0))
+
+
+@pytest.mark.parametrize("method", ["cfg_parallel_size", "ulysses_degree"])
+def test_qwen_image_parallel_matches_one_rank(method, qwen_folder):
+    """Qwen-Image, CFG parallel (its norm rescaling after the gather) and
+    Ulysses (its rotary rows split, prompts of different lengths padded and
+    masked in one batch), step mode: one rank's images."""
+    batch = [DiffusionRequest(prompt, request_id=f"qwen-{i}", negative_prompt=negative,
+                              sampling_params=SamplingParams(height=64, width=64, seed=i,
+                                                             num_inference_steps=2,
+                                                             true_cfg_scale=4.0))
+             for i, (prompt, negative) in enumerate([("a red fox in the snow", "blurry"),
+                                                     ("a cat", "low quality, dark and noisy"),
+                                                     ("an old castle on a hill", None)])]
+    with DiffusionEngine.make_engine(EngineConfig(model=qwen_folder, executor_backend="inproc",
+                                                  max_num_seqs=4, step_execution=True)) as one:
+        want = pixels(one.generate(batch, timeout=120))
+    [got] = on_ranks([batch], model=qwen_folder, step_execution=True, **{method: 2})
+    assert_close(got, want)

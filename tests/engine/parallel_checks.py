@@ -44,6 +44,14 @@ def run_checks(rank: int, world: int, init_method: str) -> None:
         for name, fn in (("Ulysses", joint_ulysses_attention), ("ring", joint_ring_attention)):
             err = (fn(*mine, text_len=5) - want).abs().max().item()
             assert err < 1e-5, f"joint {name} attention differs from full attention by {err}"
+        # padded text (a batch of prompts of different lengths): masked keys
+        text_mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
+        keys = torch.cat([text_mask, torch.ones(2, k.shape[2] - 5, dtype=torch.bool)], dim=1)
+        masked = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None, :])
+        masked = torch.cat([masked[:, :, :5], _my_slice(masked[:, :, 5:], rank, world)], dim=2)
+        for name, fn in (("Ulysses", joint_ulysses_attention), ("ring", joint_ring_attention)):
+            err = (fn(*mine, text_len=5, text_mask=text_mask) - masked).abs().max().item()
+            assert err < 1e-5, f"masked joint {name} attention differs by {err}"
         from diffrt.engine.parallel import attention
 
         budget, attention.SCORE_BUDGET = attention.SCORE_BUDGET, 100  # queries in chunks of 1-2

@@ -59,19 +59,34 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return joint_ulysses_attention(q, k, v, 0, group)
 
 
-#: attention over (q, k, v) whose first ``text_len`` tokens are text
-JointAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+#: attention over (q, k, v) whose first ``text_len`` tokens are text; an
+#: optional ``text_mask`` (B, text_len), True for real text tokens, keeps
+#: padded text out of every softmax (Qwen-Image batches prompts of different
+#: lengths)
+JointAttention = Callable[..., torch.Tensor]
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    text_len: int = 0) -> torch.Tensor:
+def _key_mask(text_mask: torch.Tensor | None, keys: int) -> torch.Tensor | None:
+    """(B, keys) with the text mask in front and every image key kept."""
+    if text_mask is None:
+        return None
+    image = torch.ones(text_mask.shape[0], keys - text_mask.shape[1], dtype=torch.bool,
+                       device=text_mask.device)
+    return torch.cat([text_mask.to(torch.bool), image], dim=1)
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len: int = 0,
+                    text_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the tokens held here (text and image alike)."""
-    return F.scaled_dot_product_attention(q, k, v)
+    mask = _key_mask(text_mask, k.shape[2])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if mask is None else mask[:, None, None, :])
 
 
 def joint_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len: int,
                             group: dist.ProcessGroup | None = None,
-                            inner: JointAttention = local_attention) -> torch.Tensor:
+                            inner: JointAttention = local_attention,
+                            text_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Ulysses for joint attention (Flux, SD3): the first ``text_len`` tokens
     are text, the same on every rank; the rest is this rank's slice of the
     image tokens. Text takes this rank's heads by slicing (it is replicated),
@@ -84,7 +99,7 @@ def joint_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
     across such groups, each holding a contiguous block of the image."""
     world = _world(group)
     if world == 1:
-        return inner(q, k, v, text_len)
+        return inner(q, k, v, text_len, text_mask=text_mask)
     heads = q.shape[1]
     if heads % world:
         raise ValueError(f"Ulysses attention needs heads ({heads}) divisible by the "
@@ -98,7 +113,7 @@ def joint_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
                                      v[:, :, text_len:]]), world, group)
     lq, lk, lv = (torch.cat([x[:, mine, :text_len], image[i * b:(i + 1) * b]], dim=2)
                   for i, x in enumerate((q, k, v)))
-    out = inner(lq, lk, lv, text_len)
+    out = inner(lq, lk, lv, text_len, text_mask=text_mask)
     image = _heads_to_seq(out[:, :, text_len:].contiguous(), world, group)
     if not text_len:
         return image
@@ -111,8 +126,8 @@ def joint_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
 SCORE_BUDGET = 64 << 20
 
 
-def _attend_with_lse(q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q over one block of k, v and the log-sum-exp of its
     scores (B, H, Sq), in float32 so blocks merge without loss. Queries go in
     chunks so the score matrix stays within ``SCORE_BUDGET`` elements
@@ -123,6 +138,8 @@ def _attend_with_lse(q: torch.Tensor, k: torch.Tensor,
     outs, lses = [], []
     for start in range(0, sq, step):
         scores = torch.matmul(q[:, :, start:start + step].float(), kf) * scale
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         outs.append(torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), vf))
         lses.append(lse)
@@ -146,19 +163,20 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def joint_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len: int,
-                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                         group: dist.ProcessGroup | None = None,
+                         text_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Ring attention for joint attention: the first ``text_len`` tokens are
     text, the same on every rank, attended to once (in the local block); only
     the image slices travel. Every rank's text queries see every key, so the
     text output needs no exchange. Layout (B, H, tokens, D)."""
     world = _world(group)
     if world == 1:
-        return F.scaled_dot_product_attention(q, k, v)
+        return local_attention(q, k, v, text_len, text_mask=text_mask)
     rank = dist.get_rank(group)
     to_rank = dist.get_global_rank(group, (rank + 1) % world) if group else (rank + 1) % world
     from_rank = (dist.get_global_rank(group, (rank - 1) % world) if group
                  else (rank - 1) % world)
-    out, lse = _attend_with_lse(q, k, v)
+    out, lse = _attend_with_lse(q, k, v, _key_mask(text_mask, k.shape[2]))
     kv = torch.stack([k[:, :, text_len:], v[:, :, text_len:]]).contiguous()
     for _ in range(world - 1):
         incoming = torch.empty_like(kv)

@@ -32,6 +32,9 @@ class SequenceSplit:
         #: leading text tokens of the joint sequence (set per call where the
         #: attention cannot tell them from image tokens: Flux's single blocks)
         self.text_len = 0
+        #: (B, text_len), True for real text tokens; None: no padding (set per
+        #: call by a family that batches prompts of different lengths)
+        self.text_mask: torch.Tensor | None = None
         self._whole_logged: set[int] = set()
 
     # The exchanges run eagerly under torch.compile (a graph break each): a
@@ -70,8 +73,8 @@ class SequenceSplit:
                   text_len: int) -> torch.Tensor:
         """Joint attention, (B, H, tokens, D), text first: over the group when split."""
         if self.active:
-            return self.attend(q, k, v, text_len)
-        return local_attention(q, k, v, text_len)
+            return self.attend(q, k, v, text_len, text_mask=self.text_mask)
+        return local_attention(q, k, v, text_len, text_mask=self.text_mask)
 
 
 class ShardTokens(nn.Module):

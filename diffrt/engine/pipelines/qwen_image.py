@@ -96,7 +96,9 @@ class QwenImagePipeline(FluxPipeline):
         mask = extra.to(torch.bool)
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
         sequence = self._sequence_split
-        if sequence is not None:
+        if sequence is not None:  # this rank's image tokens; gathered by proj_out's wrapper
+            if sequence.begin(latents.shape[1]):
+                latents = sequence.shard(latents, 1)
             sequence.text_len = embeds.shape[1]
             sequence.text_mask = None if mask.all() else mask
         out = self.transformer(

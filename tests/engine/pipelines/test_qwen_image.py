@@ -91,3 +91,20 @@ def test_different_prompts_give_clearly_different_images(diffusers_images, folde
     images = [np.asarray(o.images[0]).astype(np.float64) for o in outs]
     differences = [np.abs(a - b).mean() for a, b in itertools.combinations(images, 2)]
     assert min(differences) > 3.0, differences  # mean /255; 0.1-0.2 without the boost
+
+
+def test_step_mode_streams_previews(folder):
+    """Previews in step mode (what the server streams as partial images)."""
+    import asyncio
+
+    with DiffusionEngine.make_engine(EngineConfig(model=folder, executor_backend="inproc",
+                                                  step_execution=True)) as engine:
+        async def collect():
+            request = DiffusionRequest("a red fox", sampling_params=SamplingParams(
+                height=SIZE, width=SIZE, num_inference_steps=4, seed=0, partial_images=1))
+            return [o async for o in engine.step_streaming(request)]
+
+        outs = asyncio.run(collect())
+    previews = [o for o in outs if o.preview is not None]
+    assert len(previews) == 1 and previews[0].preview[0].size == (SIZE, SIZE)
+    assert outs[-1].ok and outs[-1].images[0].size == (SIZE, SIZE)
