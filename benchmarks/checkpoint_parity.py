@@ -1,9 +1,10 @@
 """The engine against diffusers on complete tiny folders, and what the prompt
 cache saves: the device check of the real-checkpoint work, also run on CPU.
 
-Eight cases (Flux dev-style with embedded guidance, Flux with true CFG and a
+Ten cases (Flux dev-style with embedded guidance, Flux with true CFG and a
 negative prompt, Flux schnell-style, SD3 with and without CFG, SD3.5-style, SD3
-with dynamic shifting, two SD3 requests batched): each builds the folder
+with dynamic shifting, two SD3 requests batched, Qwen-Image with true CFG, two
+Qwen-Image requests of different prompt lengths batched): each builds the folder
 offline, runs diffusers' own pipeline (``from_pretrained(dtype=...)``, CPU
 generators seeded as the requests, a batch as a list of prompts) and the engine
 (in-process executor, request mode, the same device and dtype) and prints the
@@ -48,12 +49,19 @@ CASES = [
                                                  "negative_prompt": "lowres"}, False),
     ("sd3 dynamic shift CFG 2", "sd3-shift", {"guidance_scale": 2.0}, False),
     ("sd3 CFG 4.5, two requests batched", "sd3", {"guidance_scale": 4.5}, True),
+    ("qwen-image true CFG 4 + negative", "qwen", {"true_cfg_scale": 4.0,
+                                                   "negative_prompt": "blurry"}, False),
+    ("qwen-image no CFG, two batched", "qwen", {"true_cfg_scale": 1.0}, True),
 ]
 PROMPTS = ["a red fox in the snow", "an old castle on a hill"]
 
 
 def build(kind: str, root: Path) -> Path:
     path = root / kind
+    if kind == "qwen":
+        from diffrt.engine.pipelines.tiny_qwen_image import build_tiny_qwen_image_folder
+
+        return build_tiny_qwen_image_folder(path, seed=3)
     if kind in ("flux", "flux-dev"):
         return tiny_folders.build_tiny_flux_folder(path, seed=3,
                                                    guidance_embeds=kind == "flux-dev")
@@ -68,7 +76,8 @@ def diffusers_images(folder: Path, kw: dict, prompts: list[str], seeds: list[int
     in diffusers as in the engine: batch mates change pixels by a few /255)."""
     import diffusers
 
-    cls = diffusers.FluxPipeline if "flux" in folder.name else diffusers.StableDiffusion3Pipeline
+    cls = (diffusers.FluxPipeline if "flux" in folder.name else diffusers.QwenImagePipeline
+           if folder.name == "qwen" else diffusers.StableDiffusion3Pipeline)
     pipe = cls.from_pretrained(folder, local_files_only=True, dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     images = pipe(prompts, height=SIZE, width=SIZE, num_inference_steps=STEPS,

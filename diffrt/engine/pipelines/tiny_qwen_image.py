@@ -160,13 +160,13 @@ def _text_encoder(seed: int, tokenizer: Any) -> Any:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     ids = tokenizer.convert_tokens_to_ids
+    special = {"bos_token_id": ids("<|endoftext|>"), "eos_token_id": ids("<|im_end|>"),
+               "pad_token_id": ids("<|endoftext|>")}
     config = Qwen2_5_VLConfig(
-        text_config={**TINY_QWEN_TEXT, "vocab_size": len(tokenizer)},
+        text_config={**TINY_QWEN_TEXT, "vocab_size": len(tokenizer), **special},
         vision_config=TINY_QWEN_VISION,
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
-        pad_token_id=ids("<|endoftext|>"))
+        vision_start_token_id=ids("<|vision_start|>"), **special)
     with seeded_init(seed):
         return Qwen2_5_VLForConditionalGeneration(config).eval()
 
