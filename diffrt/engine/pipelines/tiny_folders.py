@@ -237,18 +237,22 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
-def _word_weights() -> dict[str, int]:
+def _word_weights(extra: tuple[str, ...] = ()) -> dict[str, int]:
+    """Word -> weight, ``extra`` words first (a vocabulary's own words, which
+    then become whole tokens), then the common list."""
+    words = [*extra, *_WORDS]
     weights: dict[str, int] = {}
-    for rank, word in enumerate(_WORDS):
+    for rank, word in enumerate(words):
         if word not in weights:
-            weights[word] = len(_WORDS) - rank
+            weights[word] = len(words) - rank
     return weights
 
 
-def learn_clip_merges(num_merges: int = 400) -> list[tuple[str, str]]:
+def learn_clip_merges(num_merges: int = 400,
+                      extra: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """Byte-level BPE merges (CLIP style: ``</w>`` closes a word) learned from
     the fixed word list; ties break on the pair itself, so always the same."""
-    words = {tuple(w[:-1]) + (w[-1] + "</w>",): f for w, f in _word_weights().items()}
+    words = {tuple(w[:-1]) + (w[-1] + "</w>",): f for w, f in _word_weights(extra).items()}
     merges: list[tuple[str, str]] = []
     while len(merges) < num_merges:
         counts: dict[tuple[str, str], int] = {}
@@ -276,12 +280,13 @@ def learn_clip_merges(num_merges: int = 400) -> list[tuple[str, str]]:
     return merges
 
 
-def clip_vocab_and_merges(num_merges: int = 400) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def clip_vocab_and_merges(num_merges: int = 400, extra: tuple[str, ...] = ()
+                          ) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """CLIP's layout: 256 byte symbols, their ``</w>`` forms, one entry per
     merge, then ``<|startoftext|>`` and ``<|endoftext|>`` (the highest id)."""
     symbols = list(_bytes_to_unicode().values())
     tokens = symbols + [s + "</w>" for s in symbols]
-    merges = learn_clip_merges(num_merges)
+    merges = learn_clip_merges(num_merges, extra)
     tokens += [a + b for a, b in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
     vocab: dict[str, int] = {}
@@ -290,24 +295,27 @@ def clip_vocab_and_merges(num_merges: int = 400) -> tuple[dict[str, int], list[t
     return vocab, merges
 
 
-def build_clip_tokenizer(folder: str | os.PathLike) -> Any:
+def build_clip_tokenizer(folder: str | os.PathLike, *, extra: tuple[str, ...] = (),
+                         max_length: int | None = None) -> Any:
     """Write a CLIP tokenizer to ``folder`` (``vocab.json`` + ``merges.txt``
-    + ``tokenizer.json`` and its configs) and return it."""
+    + ``tokenizer.json`` and its configs) and return it; ``extra`` words come
+    first (whole tokens), ``max_length`` is what prompts are padded to."""
     from transformers import CLIPTokenizer
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab, merges = clip_vocab_and_merges()
+    vocab, merges = clip_vocab_and_merges(600 if extra else 400, extra)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False) + "\n",
                                        encoding="utf-8")
     (folder / "merges.txt").write_text(
         "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges,
+                              model_max_length=max_length or CLIP_MAX_LENGTH)
     tokenizer.save_pretrained(folder)
     return tokenizer
 
 
-def t5_pieces() -> list[tuple[str, float]]:
+def t5_pieces(extra: tuple[str, ...] = ()) -> list[tuple[str, float]]:
     """Unigram pieces with SentencePiece-like log-probability scores:
     ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, then "▁", whole words ("▁red"),
     frequent sub-words from the BPE merges and single characters. A whole
@@ -321,7 +329,7 @@ def t5_pieces() -> list[tuple[str, float]]:
             seen.add(piece)
             pieces.append((piece, round(score, 4)))
 
-    for rank, word in enumerate(_word_weights()):
+    for rank, word in enumerate(_word_weights(extra)):
         add("▁" + word, -5.0 - 0.01 * rank)
     for rank, (a, b) in enumerate(learn_clip_merges(200)):
         sub = (a + b).replace("</w>", "")
@@ -334,13 +342,15 @@ def t5_pieces() -> list[tuple[str, float]]:
     return pieces
 
 
-def build_t5_tokenizer(folder: str | os.PathLike) -> Any:
-    """Write a T5 (Unigram, Metaspace) tokenizer to ``folder`` and return it."""
+def build_t5_tokenizer(folder: str | os.PathLike, *, extra: tuple[str, ...] = (),
+                       max_length: int | None = None) -> Any:
+    """Write a T5 (Unigram, Metaspace) tokenizer to ``folder`` and return it
+    (``extra`` words first, padded to ``max_length``)."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import Unigram
     from transformers import T5TokenizerFast
 
-    backend = Tokenizer(Unigram(t5_pieces(), unk_id=2, byte_fallback=False))
+    backend = Tokenizer(Unigram(t5_pieces(extra), unk_id=2, byte_fallback=False))
     # The same pipeline as transformers' T5 tokenizer rebuilds on loading.
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.WhitespaceSplit(),
@@ -350,7 +360,7 @@ def build_t5_tokenizer(folder: str | os.PathLike) -> Any:
     backend.post_processor = processors.TemplateProcessing(
         single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)])
     tokenizer = T5TokenizerFast(tokenizer_object=backend, extra_ids=0,
-                                model_max_length=T5_MAX_LENGTH)
+                                model_max_length=max_length or T5_MAX_LENGTH)
     tokenizer.save_pretrained(folder)
     return tokenizer
 
