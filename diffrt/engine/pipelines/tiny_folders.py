@@ -418,6 +418,18 @@ def _write_index(path: Path, class_name: str, components: dict[str, tuple[str, s
     (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
+#: a FluxPipeline folder's components (model_index.json)
+FLUX_COMPONENTS: dict[str, tuple[str, str]] = {
+    "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+    "text_encoder": ("transformers", "CLIPTextModel"),
+    "text_encoder_2": ("transformers", "T5EncoderModel"),
+    "tokenizer": ("transformers", "CLIPTokenizer"),
+    "tokenizer_2": ("transformers", "T5TokenizerFast"),
+    "transformer": ("diffusers", "FluxTransformer2DModel"),
+    "vae": ("diffusers", "AutoencoderKL"),
+}
+
+
 def build_tiny_flux_folder(path: str | os.PathLike, *, seed: int = 0,
                            guidance_embeds: bool = False) -> Path:
     """A complete tiny FLUX.1 folder at ``path`` (FluxPipeline loads it offline).
@@ -446,15 +458,7 @@ def build_tiny_flux_folder(path: str | os.PathLike, *, seed: int = 0,
           path / "text_encoder")
     _save(_t5(seed + _SEED_OFFSETS["text_encoder_2"], len(t5_tok), TINY_T5),
           path / "text_encoder_2")
-    _write_index(path, "FluxPipeline", {
-        "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-        "text_encoder": ("transformers", "CLIPTextModel"),
-        "text_encoder_2": ("transformers", "T5EncoderModel"),
-        "tokenizer": ("transformers", "CLIPTokenizer"),
-        "tokenizer_2": ("transformers", "T5TokenizerFast"),
-        "transformer": ("diffusers", "FluxTransformer2DModel"),
-        "vae": ("diffusers", "AutoencoderKL"),
-    })
+    _write_index(path, "FluxPipeline", FLUX_COMPONENTS)
     return path
 
 
