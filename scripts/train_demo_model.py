@@ -76,11 +76,12 @@ def pictures(scenes: list[shapes.Scene], rng: np.random.Generator) -> torch.Tens
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2) / 127.5 - 1.0
 
 
-def train_vae(seconds: float, rng: np.random.Generator, log: callable) -> torch.nn.Module:
+def train_vae(seconds: float, rng: np.random.Generator, log: callable,
+              latent_channels: int) -> torch.nn.Module:
     from diffusers import AutoencoderKL
 
     with seeded_init(1):
-        vae = AutoencoderKL(**VAE)
+        vae = AutoencoderKL(**{**VAE, "latent_channels": latent_channels})
     optimiser = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
     start, step = time.monotonic(), 0
     while time.monotonic() - start < seconds:
@@ -143,6 +144,10 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--latent-channels", type=int, default=4,
+                    help="VAE latent channels (the transformer takes 4x as many)")
+    ap.add_argument("--vae-share", type=float, default=0.3,
+                    help="share of --minutes that trains the VAE")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -158,7 +163,7 @@ def main() -> int:
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     budget = args.minutes * 60
-    vae = train_vae(budget * 0.3, rng, log)
+    vae = train_vae(budget * args.vae_share, rng, log, args.latent_channels)
     # the latents' statistics set diffusers' scaling: latent = (z - shift) * scale
     with torch.no_grad():
         sample = pictures([shapes.TRAIN[i] for i in rng.integers(len(shapes.TRAIN), size=256)],
@@ -181,7 +186,8 @@ def main() -> int:
         t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), pad_token_id=0, eos_token_id=1,
                                      decoder_start_token_id=0, is_encoder_decoder=False, **T5))
     with seeded_init(4):
-        transformer = FluxTransformer2DModel(**TRANSFORMER)
+        transformer = FluxTransformer2DModel(**{**TRANSFORMER,
+                                                "in_channels": 4 * args.latent_channels})
     params = [*transformer.parameters(), *clip.parameters(), *t5.parameters()]
     optimiser = torch.optim.AdamW(params, lr=5e-4, weight_decay=0.0)
     ids = image_ids(8, 8)
@@ -226,6 +232,7 @@ def main() -> int:
     log(f"wrote {out} after {step} steps (last loss {np.mean(losses[-50:]):.4f})")
     table = evaluate(out, log)
     table["training"] = {"minutes": args.minutes, "seed": args.seed, "steps": step,
+                         "latent_channels": args.latent_channels, "vae_share": args.vae_share,
                          "final_loss": round(float(np.mean(losses[-50:])), 4)}
     (out / "evaluation.json").write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
     write_model_card(out, table)
@@ -253,7 +260,7 @@ what the prompt asks for, and tests can check pictures by their content.
   x 9 places (top/middle/bottom x left/middle/right; "center"); prompts are
   `a <colour> <shape> on a <background> background in the <place>`. 11 % of the
   combinations (146 of 1296) were held out of training.
-- Components: `AutoencoderKL` (4x downsampling, 4 latent channels), a 2+2-block
+- Components: `AutoencoderKL` (4x downsampling, {train.get('latent_channels', 4)} latent channels), a 2+2-block
   `FluxTransformer2DModel` (hidden 128, not guidance-distilled), a CLIP and a T5 text encoder
   (hidden 64, word-level vocabularies), all trained here: the VAE first, then the transformer
   with both encoders (rectified flow, the loss FlowMatchEulerDiscreteScheduler samples), 10 %
