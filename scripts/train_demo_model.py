@@ -76,8 +76,12 @@ def pictures(scenes: list[shapes.Scene], rng: np.random.Generator) -> torch.Tens
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2) / 127.5 - 1.0
 
 
+def _gradients(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x[..., 1:, :] - x[..., :-1, :], x[..., :, 1:] - x[..., :, :-1]
+
+
 def train_vae(seconds: float, rng: np.random.Generator, log: callable,
-              latent_channels: int) -> torch.nn.Module:
+              latent_channels: int, edge_weight: float = 0.0) -> torch.nn.Module:
     from diffusers import AutoencoderKL
 
     with seeded_init(1):
@@ -90,6 +94,9 @@ def train_vae(seconds: float, rng: np.random.Generator, log: callable,
         recon = vae.decode(posterior.sample()).sample
         kl = posterior.kl().mean() / (64 * 64 * 3)
         loss = F.l1_loss(recon, batch) + F.mse_loss(recon, batch) + 1e-4 * kl
+        if edge_weight:  # sharp corners: the image's gradients, not only its values
+            loss = loss + edge_weight * sum(F.l1_loss(a, b) for a, b in zip(
+                _gradients(recon), _gradients(batch), strict=True))
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
@@ -148,6 +155,8 @@ def main() -> int:
                     help="VAE latent channels (the transformer takes 4x as many)")
     ap.add_argument("--vae-share", type=float, default=0.3,
                     help="share of --minutes that trains the VAE")
+    ap.add_argument("--vae-edge-weight", type=float, default=0.0,
+                    help="weight of an L1 loss on image gradients in the VAE's training")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -163,7 +172,8 @@ def main() -> int:
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     budget = args.minutes * 60
-    vae = train_vae(budget * args.vae_share, rng, log, args.latent_channels)
+    vae = train_vae(budget * args.vae_share, rng, log, args.latent_channels,
+                    args.vae_edge_weight)
     # the latents' statistics set diffusers' scaling: latent = (z - shift) * scale
     with torch.no_grad():
         sample = pictures([shapes.TRAIN[i] for i in rng.integers(len(shapes.TRAIN), size=256)],
@@ -233,6 +243,7 @@ def main() -> int:
     table = evaluate(out, log)
     table["training"] = {"minutes": args.minutes, "seed": args.seed, "steps": step,
                          "latent_channels": args.latent_channels, "vae_share": args.vae_share,
+                         "vae_edge_weight": args.vae_edge_weight,
                          "final_loss": round(float(np.mean(losses[-50:])), 4)}
     (out / "evaluation.json").write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
     write_model_card(out, table)
