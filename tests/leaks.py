@@ -64,3 +64,31 @@ def alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def fails_when_a_rank_dies(engine, kill, wait_until, after) -> None:
+    """Run a long request on ``engine``, call ``kill()`` once it is inside its
+    forward: the request must fail within seconds saying a worker died, the
+    engine turn unhealthy and refuse ``after`` (the caller closes it)."""
+    import threading
+    import time
+
+    import pytest
+
+    from diffrt.engine import DiffusionRequest, EngineDeadError, SamplingParams
+
+    long = DiffusionRequest(prompt="a long one", sampling_params=SamplingParams(
+        height=128, width=128, num_inference_steps=1000, seed=0))
+    got: list = []
+    runner = threading.Thread(target=lambda: got.append(engine.generate(long, timeout=60)))
+    runner.start()
+    assert wait_until(lambda: engine.scheduler.num_running == 1)
+    time.sleep(0.3)  # inside the forward, between collectives
+    started = time.monotonic()
+    kill()
+    runner.join(30)
+    assert got and not got[0].ok and "died" in got[0].error, got
+    assert time.monotonic() - started < 15
+    assert wait_until(lambda: not engine.is_healthy())
+    with pytest.raises(EngineDeadError):
+        engine.generate(after)

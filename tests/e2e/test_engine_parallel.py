@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import numpy as np
 import pytest
-from leaks import alive
+from leaks import alive, fails_when_a_rank_dies
 from waiting import wait_until
 
 from diffrt.engine import (
     DiffusionEngine,
     DiffusionRequest,
     EngineConfig,
-    EngineDeadError,
     SamplingParams,
 )
 
@@ -121,21 +119,8 @@ def test_a_rank_killed_mid_request_fails_it_and_leaves_nothing_behind():
         model="tiny-flux", ulysses_degree=2, executor_options=LOOPBACK))
     pids = list(engine.executor.worker_pids)
     try:
-        long = DiffusionRequest(prompt="a long one", sampling_params=SamplingParams(
-            height=128, width=128, num_inference_steps=1000, seed=0))
-        got: list = []
-        runner = threading.Thread(target=lambda: got.append(engine.generate(long, timeout=60)))
-        runner.start()
-        assert wait_until(lambda: engine.scheduler.num_running == 1)
-        time.sleep(0.3)  # inside the forward, between collectives
-        started = time.monotonic()
-        os.kill(pids[1], signal.SIGKILL)
-        runner.join(30)
-        assert got and not got[0].ok and "died" in got[0].error, got
-        assert time.monotonic() - started < 15
-        assert wait_until(lambda: not engine.is_healthy())
-        with pytest.raises(EngineDeadError):
-            engine.generate(requests("after")[0])
+        fails_when_a_rank_dies(engine, lambda: os.kill(pids[1], signal.SIGKILL), wait_until,
+                               requests("after")[0])
     finally:
         engine.close()
     assert wait_until(lambda: not any(alive(p) for p in pids))

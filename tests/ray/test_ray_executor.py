@@ -5,18 +5,15 @@ as across nodes); a killed actor fails its request and the engine."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import pytest
+from leaks import fails_when_a_rank_dies
 from waiting import wait_until
 
 from diffrt.engine import (
     DiffusionEngine,
     DiffusionRequest,
     EngineConfig,
-    EngineDeadError,
     SamplingParams,
 )
 
@@ -66,21 +63,9 @@ def test_cfg_parallel_on_ray_actors_matches_one_rank(transport, reference, ray_c
 def test_a_killed_actor_fails_its_request_and_the_engine(ray_cluster):
     engine = ray_engine(cfg_parallel_size=2)
     try:
-        long = DiffusionRequest(prompt="a long one", sampling_params=SamplingParams(
-            height=128, width=128, num_inference_steps=1000, seed=0))
-        got: list = []
-        runner = threading.Thread(target=lambda: got.append(engine.generate(long, timeout=60)))
-        runner.start()
-        assert wait_until(lambda: engine.scheduler.num_running == 1)
-        time.sleep(0.3)
-        started = time.monotonic()
-        ray_cluster.kill(engine.executor.actors[1], no_restart=True)
-        runner.join(30)
-        assert got and not got[0].ok and "died" in got[0].error, got
-        assert time.monotonic() - started < 15
-        assert wait_until(lambda: not engine.is_healthy())
-        with pytest.raises(EngineDeadError):
-            engine.generate(requests("after")[0])
+        fails_when_a_rank_dies(engine, lambda: ray_cluster.kill(engine.executor.actors[1],
+                                                                no_restart=True),
+                               wait_until, requests("after")[0])
     finally:
         engine.close()
     assert not ray_cluster.util.placement_group_table() or all(

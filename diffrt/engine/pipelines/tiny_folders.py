@@ -248,11 +248,11 @@ def _word_weights(extra: tuple[str, ...] = ()) -> dict[str, int]:
     return weights
 
 
-def learn_clip_merges(num_merges: int = 400,
-                      extra: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """Byte-level BPE merges (CLIP style: ``</w>`` closes a word) learned from
-    the fixed word list; ties break on the pair itself, so always the same."""
-    words = {tuple(w[:-1]) + (w[-1] + "</w>",): f for w, f in _word_weights(extra).items()}
+def learn_bpe_merges(words: dict[tuple[str, ...], int],
+                     num_merges: int) -> list[tuple[str, str]]:
+    """BPE merges learned from ``words`` (symbol sequence -> frequency): the
+    most frequent adjacent pair each time, ties broken on the pair itself,
+    so always the same."""
     merges: list[tuple[str, str]] = []
     while len(merges) < num_merges:
         counts: dict[tuple[str, str], int] = {}
@@ -278,6 +278,14 @@ def learn_clip_merges(num_merges: int = 400,
             new_words[tuple(out)] = freq
         words = new_words
     return merges
+
+
+def learn_clip_merges(num_merges: int = 400,
+                      extra: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """Byte-level BPE merges, CLIP style (``</w>`` closes a word), from the
+    fixed word list."""
+    words = {tuple(w[:-1]) + (w[-1] + "</w>",): f for w, f in _word_weights(extra).items()}
+    return learn_bpe_merges(words, num_merges)
 
 
 def clip_vocab_and_merges(num_merges: int = 400, extra: tuple[str, ...] = ()

@@ -33,6 +33,7 @@ from diffrt.engine.pipelines.tiny_folders import (
     _bytes_to_unicode,
     _save,
     _write_index,
+    learn_bpe_merges,
     seeded_init,
 )
 
@@ -89,7 +90,7 @@ _SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2}
 
 def learn_byte_bpe_merges(weights: dict[str, int], num_merges: int) -> list[tuple[str, str]]:
     """GPT-2-style byte-level BPE merges (a leading space is ``Ġ``), each
-    word counted with and without its space; ties break on the pair."""
+    word counted with and without its space."""
     table = _bytes_to_unicode()
 
     def symbols(text: str) -> tuple[str, ...]:
@@ -100,29 +101,7 @@ def learn_byte_bpe_merges(weights: dict[str, int], num_merges: int) -> list[tupl
         for form in (word, " " + word):
             key = symbols(form)
             words[key] = words.get(key, 0) + freq
-    merges: list[tuple[str, str]] = []
-    while len(merges) < num_merges:
-        counts: dict[tuple[str, str], int] = {}
-        for syms, freq in words.items():
-            for pair in zip(syms, syms[1:], strict=False):
-                counts[pair] = counts.get(pair, 0) + freq
-        if not counts:
-            break
-        best = min(counts, key=lambda p: (-counts[p], p))
-        merges.append(best)
-        merged, new_words = best[0] + best[1], {}
-        for syms, freq in words.items():
-            out, i = [], 0
-            while i < len(syms):
-                if i + 1 < len(syms) and (syms[i], syms[i + 1]) == best:
-                    out.append(merged)
-                    i += 2
-                else:
-                    out.append(syms[i])
-                    i += 1
-            new_words[tuple(out)] = freq
-        words = new_words
-    return merges
+    return learn_bpe_merges(words, num_merges)
 
 
 def qwen_vocab_and_merges(num_merges: int = 700) -> tuple[dict[str, int], list[tuple[str, str]]]:
