@@ -11,9 +11,14 @@ encoders, then the folder is written in float16 and evaluated. Not run by CI.
 1. Data (``diffrt.demo.shapes``): 64x64 pictures of one shape (3 shapes x 6
    colours x 9 backgrounds x 9 places), jittered and resized a little; the
    held-out 11 % of combinations are never seen.
-2. VAE: a diffusers ``AutoencoderKL`` with 4x downsampling (64x64x3 ->
-   16x16x4), trained on reconstruction (L1 + MSE, a tiny KL); its latents'
-   mean and spread become ``shift_factor`` and ``scaling_factor``.
+2. VAE: a small diffusers ``AutoencoderKL`` with 2x downsampling (64x64x3 ->
+   32x32x4, no mid-block attention), trained on reconstruction (L1 + MSE, a
+   tiny KL); its latents' mean and spread become ``shift_factor`` and
+   ``scaling_factor``. 2x, not the usual 8x: FluxPipeline packs 2x2 latent
+   patches into one token, so the 64x64 picture becomes 16x16 tokens and a
+   shape spans about five of them (with a 4x VAE, 8x8 tokens, the transformer
+   blurred squares into circles). The training pictures' latents are then
+   encoded once into a cache the transformer's batches are drawn from.
 3. Transformer + text encoders: a 2+2-block ``FluxTransformer2DModel``
    (hidden 128), a CLIP and a T5 encoder, trained jointly from scratch with
    the rectified-flow loss ``FlowMatchEulerDiscreteScheduler`` samples
@@ -50,10 +55,12 @@ from diffrt.engine.pipelines.tiny_folders import (
 )
 
 TEXT_TOKENS = 16
-VAE = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64, 64),
-           down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-           layers_per_block=1, norm_num_groups=32, sample_size=64, use_quant_conv=False,
-           use_post_quant_conv=False)
+VAE = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32),
+           down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+           layers_per_block=1, norm_num_groups=8, sample_size=64, use_quant_conv=False,
+           use_post_quant_conv=False, mid_block_add_attention=False)
+#: renders of each training scene in the transformer's latent cache (jittered, resized)
+VARIANTS = 12
 CLIP = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
             max_position_embeddings=TEXT_TOKENS, projection_dim=64, hidden_act="quick_gelu")
 T5 = dict(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
@@ -76,34 +83,39 @@ def pictures(scenes: list[shapes.Scene], rng: np.random.Generator) -> torch.Tens
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2) / 127.5 - 1.0
 
 
-def _gradients(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return x[..., 1:, :] - x[..., :-1, :], x[..., :, 1:] - x[..., :, :-1]
-
-
 def train_vae(seconds: float, rng: np.random.Generator, log: callable,
-              latent_channels: int, edge_weight: float = 0.0) -> torch.nn.Module:
+              latent_channels: int) -> torch.nn.Module:
     from diffusers import AutoencoderKL
 
     with seeded_init(1):
         vae = AutoencoderKL(**{**VAE, "latent_channels": latent_channels})
-    optimiser = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
+    optimiser = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
     start, step = time.monotonic(), 0
     while time.monotonic() - start < seconds:
-        batch = pictures([shapes.TRAIN[i] for i in rng.integers(len(shapes.TRAIN), size=32)], rng)
+        batch = pictures([shapes.TRAIN[i] for i in rng.integers(len(shapes.TRAIN), size=16)], rng)
         posterior = vae.encode(batch).latent_dist
         recon = vae.decode(posterior.sample()).sample
         kl = posterior.kl().mean() / (64 * 64 * 3)
         loss = F.l1_loss(recon, batch) + F.mse_loss(recon, batch) + 1e-4 * kl
-        if edge_weight:  # sharp corners: the image's gradients, not only its values
-            loss = loss + edge_weight * sum(F.l1_loss(a, b) for a, b in zip(
-                _gradients(recon), _gradients(batch), strict=True))
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
         step += 1
-        if step % 50 == 0:
+        if step % 200 == 0:
             log(f"vae step {step}: loss {loss.item():.4f}")
     return vae.eval()
+
+
+def latent_cache(vae: torch.nn.Module, rng: np.random.Generator
+                 ) -> tuple[list[shapes.Scene], torch.Tensor]:
+    """VARIANTS renders of every training scene, encoded once (the VAE's mode,
+    unscaled): the transformer's batches are drawn from here, so its steps do
+    not pay for the VAE's encoder."""
+    scenes = [s for s in shapes.TRAIN for _ in range(VARIANTS)]
+    with torch.no_grad():
+        latents = torch.cat([vae.encode(pictures(scenes[i:i + 256], rng)).latent_dist.mode()
+                             for i in range(0, len(scenes), 256)])
+    return scenes, latents
 
 
 def reconstruction_accuracy(vae: torch.nn.Module, rng: np.random.Generator) -> str:
@@ -153,10 +165,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--latent-channels", type=int, default=4,
                     help="VAE latent channels (the transformer takes 4x as many)")
-    ap.add_argument("--vae-share", type=float, default=0.3,
+    ap.add_argument("--vae-share", type=float, default=0.15,
                     help="share of --minutes that trains the VAE")
-    ap.add_argument("--vae-edge-weight", type=float, default=0.0,
-                    help="weight of an L1 loss on image gradients in the VAE's training")
+    ap.add_argument("--batch", type=int, default=32, help="transformer batch size")
+    ap.add_argument("--lr", type=float, default=5e-4, help="transformer peak learning rate")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,17 +184,15 @@ def main() -> int:
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     budget = args.minutes * 60
-    vae = train_vae(budget * args.vae_share, rng, log, args.latent_channels,
-                    args.vae_edge_weight)
+    vae = train_vae(budget * args.vae_share, rng, log, args.latent_channels)
+    log(f"vae done; its reconstructions of held-out pictures read back: "
+        f"{reconstruction_accuracy(vae, rng)}")
+    cache_scenes, cache = latent_cache(vae, rng)
     # the latents' statistics set diffusers' scaling: latent = (z - shift) * scale
-    with torch.no_grad():
-        sample = pictures([shapes.TRAIN[i] for i in rng.integers(len(shapes.TRAIN), size=256)],
-                          rng)
-        z = vae.encode(sample).latent_dist.mode()
-    shift, scale = float(z.mean()), float(1.0 / z.std())
+    shift, scale = float(cache.mean()), float(1.0 / cache.std())
     vae.register_to_config(shift_factor=shift, scaling_factor=scale)
-    log(f"vae done: shift {shift:.4f}, scale {scale:.4f}; its reconstructions of held-out "
-        f"pictures read back: {reconstruction_accuracy(vae, rng)}")
+    cache = pack((cache - shift) * scale)
+    log(f"latent cache: {len(cache_scenes)} pictures, shift {shift:.4f}, scale {scale:.4f}")
 
     out.mkdir(parents=True, exist_ok=True)
     clip_tok = build_clip_tokenizer(out / "tokenizer", extra=words(), max_length=TEXT_TOKENS)
@@ -199,8 +209,8 @@ def main() -> int:
         transformer = FluxTransformer2DModel(**{**TRANSFORMER,
                                                 "in_channels": 4 * args.latent_channels})
     params = [*transformer.parameters(), *clip.parameters(), *t5.parameters()]
-    optimiser = torch.optim.AdamW(params, lr=5e-4, weight_decay=0.0)
-    ids = image_ids(8, 8)
+    optimiser = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    ids = image_ids(shapes.SIZE // 4, shapes.SIZE // 4)  # 2x VAE, then 2x2 packing
     txt_ids = torch.zeros(TEXT_TOKENS, 3)
     step, losses = 0, []
     train_until = budget * 0.95 - (time.monotonic() - began)  # keep time for the evaluation
@@ -208,13 +218,11 @@ def main() -> int:
     for module in (transformer, clip, t5):
         module.train()
     while time.monotonic() - start < train_until:
-        scenes = [shapes.TRAIN[i] for i in rng.integers(len(shapes.TRAIN), size=64)]
-        prompts = ["" if rng.random() < 0.1 else s.prompt for s in scenes]
-        with torch.no_grad():
-            x0 = (vae.encode(pictures(scenes, rng)).latent_dist.mode() - shift) * scale
-        x0 = pack(x0)
+        picks = rng.integers(len(cache_scenes), size=args.batch)
+        prompts = ["" if rng.random() < 0.1 else cache_scenes[i].prompt for i in picks]
+        x0 = cache[torch.from_numpy(picks)]
         noise = torch.randn_like(x0)
-        sigma = torch.sigmoid(torch.randn(len(scenes)))[:, None, None]
+        sigma = torch.sigmoid(torch.randn(args.batch))[:, None, None]
         xt = (1 - sigma) * x0 + sigma * noise
         embeds, pooled = encode_prompts((clip_tok, t5_tok), (clip, t5), prompts)
         pred = transformer(hidden_states=xt, encoder_hidden_states=embeds,
@@ -226,7 +234,7 @@ def main() -> int:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         for group in optimiser.param_groups:  # cosine decay over the time budget
             done = (time.monotonic() - start) / train_until
-            group["lr"] = 5e-4 * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+            group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
         optimiser.step()
         losses.append(loss.item())
         step += 1
@@ -243,7 +251,7 @@ def main() -> int:
     table = evaluate(out, log)
     table["training"] = {"minutes": args.minutes, "seed": args.seed, "steps": step,
                          "latent_channels": args.latent_channels, "vae_share": args.vae_share,
-                         "vae_edge_weight": args.vae_edge_weight,
+                         "batch": args.batch, "lr": args.lr,
                          "final_loss": round(float(np.mean(losses[-50:])), 4)}
     (out / "evaluation.json").write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
     write_model_card(out, table)
@@ -271,7 +279,7 @@ what the prompt asks for, and tests can check pictures by their content.
   x 9 places (top/middle/bottom x left/middle/right; "center"); prompts are
   `a <colour> <shape> on a <background> background in the <place>`. 11 % of the
   combinations (146 of 1296) were held out of training.
-- Components: `AutoencoderKL` (4x downsampling, {train.get('latent_channels', 4)} latent channels), a 2+2-block
+- Components: `AutoencoderKL` (2x downsampling, {train.get('latent_channels', 4)} latent channels), a 2+2-block
   `FluxTransformer2DModel` (hidden 128, not guidance-distilled), a CLIP and a T5 text encoder
   (hidden 64, word-level vocabularies), all trained here: the VAE first, then the transformer
   with both encoders (rectified flow, the loss FlowMatchEulerDiscreteScheduler samples), 10 %
