@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install diffrt (torch pinned to the CPU build), show the detected platform,
-# then generate one image with the embedded default model.
+# then generate one image with the shipped default model (diffrt-shapes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -8,4 +8,5 @@ PY=${PYTHON:-python3.11}
 .venv/bin/pip install -q -c requirements/cpu.txt -e .
 .venv/bin/diffrt env
 mkdir -p out
-.venv/bin/diffrt generate --model tiny-flux --prompt "a red fox in the snow" -o out/fox.png "$@"
+.venv/bin/diffrt generate --model diffrt-shapes \
+    --prompt "a red circle on a yellow background in the top left" -o out/shapes.png "$@"

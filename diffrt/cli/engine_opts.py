@@ -12,7 +12,10 @@ from typing import Any
 
 from diffrt.cli.errors import CliError
 
-DEFAULT_MODEL = "tiny-flux"
+#: the shipped demo model (tiny, trained: its pictures follow the prompt)
+DEFAULT_MODEL = "diffrt-shapes"
+MODEL_HELP = ("a model name (diffrt-shapes, tiny-flux, tiny-sd3), a local diffusers folder, or a "
+              "hub id in the local Hugging Face cache (default: %(default)s)")
 
 
 def positive_int(text: str) -> int:
@@ -44,10 +47,9 @@ def positive_float(text: str) -> float:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help="embedded model name (tiny-flux, tiny-sd3), a local diffusers folder, "
-                        "or a hub id in the local Hugging Face cache (default: %(default)s)")
+                   help=MODEL_HELP)
     p.add_argument("--height", type=positive_int, default=None,
-                   help="pixels (default: the model's; 128 for the embedded models, 1024 for "
+                   help="pixels (default: the model's; 64 for diffrt-shapes, 128 for tiny-flux, 1024 for "
                         "FLUX.1 and SD3, as diffusers)")
     p.add_argument("--width", type=positive_int, default=None,
                    help="pixels (default: the model's)")

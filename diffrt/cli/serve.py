@@ -18,6 +18,8 @@ import os
 import sys
 
 from diffrt.cli.engine_opts import (
+    DEFAULT_MODEL,
+    MODEL_HELP,
     add_engine_args,
     engine_settings,
     non_negative_float,
@@ -37,9 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a model over HTTP: POST /v1/images/generations (OpenAI's Images "
                     "API, streamed previews with stream=true), GET /v1/models, /health, "
                     "/ready, /metrics.")
-    p.add_argument("--model", "-m", default="tiny-flux",
-                   help="embedded model name (tiny-flux, tiny-sd3), a local diffusers folder, "
-                        "or a hub id in the local Hugging Face cache (default: %(default)s)")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("DIFFRT_API_KEY"),

@@ -2,8 +2,8 @@
 
 ```python
 from diffrt.engine import DiffusionEngine, EngineConfig, DiffusionRequest, SamplingParams
-engine = DiffusionEngine.make_engine(EngineConfig(model="tiny-flux"))
-out = engine.generate(DiffusionRequest(prompt="a red fox"))
+engine = DiffusionEngine.make_engine(EngineConfig())  # diffrt-shapes, the default
+out = engine.generate(DiffusionRequest(prompt="a red circle on a yellow background in the top left"))
 ```
 
 Heavy modules (torch, the runtime) load on first use of the engine classes,

@@ -58,8 +58,8 @@ class EngineConfig:
     """How to run one model.
 
     Args:
-        model: a registered model name (``tiny-flux``, ``tiny-sd3``) or a local
-            diffusers-format folder.
+        model: a model name (``diffrt-shapes``, the default; ``tiny-flux``,
+            ``tiny-sd3``) or a local diffusers-format folder.
         step_execution: False -> REQUEST_BATCH (whole requests per forward),
             True -> STEP_BATCH (continuous batching at denoise-step granularity).
         max_num_seqs: capacity of the scheduler: how many requests share one
@@ -151,7 +151,7 @@ class EngineConfig:
             shutdown_grace_s, output_queue_depth, worker_env).
     """
 
-    model: str = "tiny-flux"
+    model: str = "diffrt-shapes"
     step_execution: bool = False
     max_num_seqs: int = 1
     request_batch_max_wait_ms: float | None = None

@@ -4,7 +4,7 @@
 from diffrt.engine import EngineConfig
 from diffrt.serve import ServeSettings, build_app
 
-app = build_app(EngineConfig(model="tiny-flux", step_execution=True), ServeSettings())
+app = build_app(EngineConfig(step_execution=True), ServeSettings())  # diffrt-shapes
 # uvicorn.run(app, host="127.0.0.1", port=8000)
 ```
 """

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from shape_checks import DEMO, MINIMUM, SCENES, assert_drawn
 
 from diffrt.cli.trace_analysis import find_async_overlaps, load_trace, tracks
 from diffrt.tracing import (
@@ -63,6 +64,19 @@ def test_generate_writes_pngs_with_progress_and_trace(cli, tmp_path):
     steps = [s for s in by_name[main0].spans if s.name == FORWARD_SPAN]
     assert len(steps) >= 3  # step mode: one forward per denoise step, warm-up left out
     assert _png_size(tmp_path / "gen.png")[0] >= 800
+
+
+def test_the_demo_command_draws_what_its_prompts_say(cli, tmp_path):
+    """scripts/demo.sh's command on the default model (diffrt-shapes, worker
+    processes), with three more prompts batched alongside: the README's
+    prompt comes back as asked, and most of the others too."""
+    scenes = [DEMO, *SCENES[:3]]
+    proc = cli("generate", *(a for s in scenes for a in ("-p", s.prompt)), "-o", "shapes.png",
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    images = [Image.open(tmp_path / f"shapes-{i}.png") for i in range(len(scenes))]
+    assert_drawn(scenes[:1], images[:1], dict.fromkeys(MINIMUM, 1))  # the demo's, whole
+    assert_drawn(scenes, images, dict.fromkeys(MINIMUM, 3))  # each attribute in 3 of the 4
 
 
 def test_bench_compare_prints_table_json_and_overlapping_trace(cli, tmp_path):

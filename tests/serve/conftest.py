@@ -52,7 +52,7 @@ COST_LIMIT = "2.0"
 
 @pytest.fixture(scope="session")
 def real_server():
-    """One ``diffrt serve`` process (tiny-flux, step mode, an API key) shared
+    """One ``diffrt serve`` process (the default model diffrt-shapes, step mode, an API key) shared
     by the end-to-end tests that can share it."""
     proc = ServerProcess("--api-key", API_KEY, "--max-num-seqs", "8", "--max-pending", "64",
                          "--max-request-cost", COST_LIMIT)

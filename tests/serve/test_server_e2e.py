@@ -16,6 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from PIL import Image
 from serve_helpers import API_KEY, AUTH
+from shape_checks import SCENES, assert_drawn
 
 from diffrt.engine import EngineConfig
 from diffrt.serve import ServeSettings, build_app
@@ -42,7 +43,7 @@ def test_the_openai_client(real_server):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{real_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    kw = dict(model="tiny-flux", prompt="a red fox", size="64x64", n=2,
+    kw = dict(model="diffrt-shapes", prompt="a red fox", size="64x64", n=2,
               extra_body={"num_inference_steps": 4, "seed": 1})
     first = client.images.generate(**kw)
     assert len(first.data) == 2
@@ -52,7 +53,7 @@ def test_the_openai_client(real_server):
     again = client.images.generate(**kw)
     assert [d.b64_json for d in again.data] == [d.b64_json for d in first.data]
 
-    stream = client.images.generate(model="tiny-flux", prompt="a red fox", size="64x64",
+    stream = client.images.generate(model="diffrt-shapes", prompt="a red fox", size="64x64",
                                     stream=True, partial_images=2,
                                     extra_body={"num_inference_steps": 6, "seed": 2})
     events = list(stream)
@@ -60,6 +61,24 @@ def test_the_openai_client(real_server):
         "image_generation.completed"]
     assert [e.partial_image_index for e in events[:2]] == [0, 1]
     assert _png(events[-1].b64_json).size == (64, 64)
+
+
+def test_the_default_model_draws_the_prompts_over_http(real_server):
+    """The served default model (diffrt-shapes, worker processes, step mode
+    with eight requests at once) draws what the prompts say."""
+
+    async def ask() -> list[Image.Image]:
+        async with httpx.AsyncClient(base_url=real_server.url, headers=AUTH,
+                                     timeout=120) as client:
+            answers = await asyncio.gather(*(client.post(GEN, json={
+                "prompt": scene.prompt, "seed": i}) for i, scene in enumerate(SCENES)))
+        for r in answers:
+            r.raise_for_status()
+        return [_png(r.json()["data"][0]["b64_json"]) for r in answers]
+
+    images = asyncio.run(ask())
+    assert all(im.size == (64, 64) for im in images)  # the model's own default size
+    assert_drawn(SCENES, images)
 
 
 def test_disconnected_clients_free_their_requests(real_server):

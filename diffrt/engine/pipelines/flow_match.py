@@ -271,10 +271,17 @@ class FlowMatchPipeline(DiffusionPipeline):
         """Class attributes a folder's configs set: ``size_multiple``,
         ``max_size`` and ``sampling_defaults`` (the default size is what the
         family's diffusers pipeline uses: ``default_sample_size`` latents of
-        the VAE's factor)."""
+        the VAE's factor).
+
+        The family's ``max_size`` is meant for its usual 8x VAE: it bounds the
+        transformer's tokens, so a folder whose VAE downsamples less (the
+        2x VAE of diffrt-shapes) gets a proportionally smaller largest picture
+        (a 2048-pixel request would be 16 times the tokens: minutes per step).
+        """
         factor = cls.vae_factor(vae_config)
         size = cls.default_sample_size(transformer_config) * factor
-        return {"size_multiple": factor * 2, "max_size": cls.max_size,
+        max_size = cls.max_size * min(factor, 8) // 8
+        return {"size_multiple": factor * 2, "max_size": max_size,
                 "sampling_defaults": {**cls.sampling_defaults, "height": size, "width": size},
                 "attention_heads": transformer_config.get("num_attention_heads"),
                 "vae_class_name": vae_config.get("_class_name", "AutoencoderKL")}
@@ -321,7 +328,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         for request in requests:
             texts.append(request.prompt)
             if self.uses_cfg(request):
-                texts.append(request.negative_prompt or "")
+                texts.append(self.negative_prompt(request) or "")
         embeds, extra = self.text_encoder(texts)
         embeds, extra = embeds.to(self.device, self.dtype), extra.to(self.device, self.dtype)
         out, row = [], 0

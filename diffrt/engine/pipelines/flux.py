@@ -45,7 +45,8 @@ class FluxPipeline(FlowMatchPipeline):
         """As diffusers' FluxPipeline: ``guidance_scale`` is the embedded guidance
         of guidance-distilled checkpoints; true CFG runs only with
         ``true_cfg_scale`` > 1 and a negative prompt."""
-        return request.sampling_params.true_cfg_scale > 1.0 and request.negative_prompt is not None
+        return (request.sampling_params.true_cfg_scale > 1.0
+                and cls.negative_prompt(request) is not None)
 
     @classmethod
     def cfg_scale(cls, params: SamplingParams) -> float:

@@ -120,6 +120,19 @@ class DiffusionPipeline(ABC):
         """Load components from a local diffusers-format folder (no download)."""
         raise NotImplementedError(f"{cls.__name__} cannot load a local folder")
 
+    #: the negative prompt of a request that names none (None: the request
+    #: has none; for Flux that means no true CFG, as in diffusers). A model
+    #: trained for CFG against the empty prompt, such as diffrt-shapes, sets
+    #: "" so that its default sampling is guided.
+    default_negative_prompt: str | None = None
+
+    @classmethod
+    def negative_prompt(cls, request: DiffusionRequest) -> str | None:
+        """The request's negative prompt, else the model's default."""
+        if request.negative_prompt is not None:
+            return request.negative_prompt
+        return cls.default_negative_prompt
+
     @classmethod
     def uses_cfg(cls, request: DiffusionRequest) -> bool:
         """Whether classifier-free guidance runs for this request (two rows per

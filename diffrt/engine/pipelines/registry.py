@@ -7,8 +7,11 @@ A model is one of:
   `register_family`;
 - a hub id ("owner/name") already in the local Hugging Face cache (resolved
   offline to its snapshot folder);
-- an embedded model (`tiny-flux`, `tiny-sd3`): a tiny folder written into the
-  diffrt cache on first use (``embedded.py``) and then treated as any folder;
+- a shipped model (`diffrt-shapes`, the default): a trained folder inside the
+  package (``shipped.py``), treated as any folder;
+- an embedded model (`tiny-flux`, `tiny-sd3`): a tiny folder of random weights
+  written into the diffrt cache on first use (``embedded.py``) and then
+  treated as any folder;
 - a name added with `register_pipeline` (a class with its own `create`).
 
 Resolving a model never loads weights and, once an embedded folder exists,
@@ -35,6 +38,7 @@ from diffrt.engine.pipelines.folder_check import (
     read_json_object,
 )
 from diffrt.engine.pipelines.interface import DiffusionPipeline
+from diffrt.engine.pipelines.shipped import SHIPPED_MODELS, shipped_folder
 from diffrt.engine.request import DiffusionRequest
 
 logger = logging.getLogger(__name__)
@@ -86,8 +90,8 @@ def register_family(transformer_class: str, cls: type[DiffusionPipeline] | str) 
 
 
 def known_models() -> list[str]:
-    """The embedded and registered model names, sorted."""
-    return sorted({*EMBEDDED_MODELS, *_PIPELINES})
+    """The shipped, embedded and registered model names, sorted."""
+    return sorted({*SHIPPED_MODELS, *EMBEDDED_MODELS, *_PIPELINES})
 
 
 @lru_cache(maxsize=64)
@@ -115,9 +119,12 @@ def _local_pipeline_class(folder: str, name: str | None = None) -> type[Diffusio
         vcfg = os.path.join(folder, "vae", "config.json")
         attrs.update(from_config(read_json_object(tcfg) if os.path.isfile(tcfg) else {},
                                  read_json_object(vcfg) if os.path.isfile(vcfg) else {}))
-    if name in EMBEDDED_MODELS:  # quick defaults for the tiny models
+    named = SHIPPED_MODELS.get(name) or EMBEDDED_MODELS.get(name)
+    if named is not None:  # what the named model was built or trained for
         attrs["sampling_defaults"] = {**attrs.get("sampling_defaults", family.sampling_defaults),
-                                      **EMBEDDED_MODELS[name].sampling_defaults}
+                                      **named.sampling_defaults}
+    if name in SHIPPED_MODELS:
+        attrs["default_negative_prompt"] = SHIPPED_MODELS[name].default_negative_prompt
     # A per-folder subclass: check_inputs (a classmethod) sees the folder's limits.
     return type(family.__name__, (family,), attrs)
 
@@ -132,6 +139,8 @@ def resolve_pipeline_class(model: str) -> type[DiffusionPipeline]:
         raise UnknownModelError(repr(model), "must be a non-empty str")
     if model in _PIPELINES:
         return _load_class(_PIPELINES[model])
+    if model in SHIPPED_MODELS:
+        return _local_pipeline_class(shipped_folder(model), model)
     if model in EMBEDDED_MODELS:
         return _local_pipeline_class(embedded_folder(model), model)
     if os.path.isdir(model):

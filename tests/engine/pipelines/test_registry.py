@@ -47,7 +47,7 @@ def weights_digest(pipe) -> str:
 
 
 def test_builtin_models_are_known():
-    assert {"tiny-flux", "tiny-sd3"} <= set(known_models())
+    assert {"diffrt-shapes", "tiny-flux", "tiny-sd3"} <= set(known_models())
     for name in ("tiny-flux", "tiny-sd3"):
         cls = resolve_pipeline_class(name)
         assert cls.supports_request_batch and cls.supports_step_execution
