@@ -88,7 +88,7 @@ def test_bench_compare_prints_table_json_and_overlapping_trace(cli, tmp_path):
         pytest.fail("the simulated device plugin is missing: pip install "
                     "./tests/plugins/diffrt_simdevice (scripts/test.sh does)")
     env = {"DIFFRT_PLATFORM": "simdevice", "DIFFRT_SIMDEVICE_COPY_DELAY_MS": "40"}
-    proc = cli("bench", "--executor", "inproc", "--height", "64", "--width", "64",
+    proc = cli("bench", "--model", "tiny-flux", "--executor", "inproc", "--height", "64", "--width", "64",
                "--steps", "2", "-N", "4", "-c", "2", "--warmup", "1", "--distinct-prompts", "2",
                "--compare", "async_output=off", "async_output=on",
                "--json", "bench.json", "--trace", "bench-trace.json", "--plot", "timeline.png",

@@ -115,7 +115,7 @@ def test_env_report_renders_sections():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["generate", "-p", "x", "--height", "100"], "height"),
+    (["generate", "-p", "x", "--height", "102"], "height"),  # not a multiple of 4
     (["generate", "-p", "x", "--width", "8192"], "width"),
     (["generate"], "--prompt"),
     (["generate", "-p", "x", "--prompts-file", "/nonexistent/prompts.txt"], "prompts-file"),
@@ -161,14 +161,14 @@ def test_engine_settings_follow_the_command_line():
     from diffrt.cli.engine_opts import engine_settings
 
     args = build_parser().parse_args(["bench"])
-    assert engine_settings(args) == {"model": "tiny-flux", "step_execution": False,
+    assert engine_settings(args) == {"model": "diffrt-shapes", "step_execution": False,
                                      "max_num_seqs": 1}
     args = build_parser().parse_args([
         "bench", "--step-execution", "--max-num-seqs", "4", "--async-output", "off",
         "--cfg-parallel-size", "2", "--world-size", "2", "--executor", "mp", "--threads", "1",
         "--policy", "skip_ahead", "--batch-wait-ms", "5"])
     assert engine_settings(args) == {
-        "model": "tiny-flux", "step_execution": True, "max_num_seqs": 4, "async_output": False,
+        "model": "diffrt-shapes", "step_execution": True, "max_num_seqs": 4, "async_output": False,
         "world_size": 2, "executor_backend": "mp", "torch_threads": 1, "cfg_parallel_size": 2,
         "scheduling_policy": "skip_ahead", "step_batch_max_wait_ms": 5.0}
     from diffrt.engine import EngineConfig

@@ -50,7 +50,7 @@ def test_bench_drives_a_running_server(real_server, tmp_path, capsys):
     assert [r["label"] for r in results] == ["concurrency=1", "concurrency=3"]
     for r in results:
         assert r["requests"] == 6 and r["failed"] == 0 and r["throughput_rps"] > 0
-        assert r["engine"]["model"] == "tiny-flux" and r["forward_ms"] > 0
+        assert r["engine"]["model"] == "diffrt-shapes" and r["forward_ms"] > 0
     assert "req/s" in capsys.readouterr().out
 
     # a size the model refuses: every request fails with its status, the exit is 1

@@ -91,5 +91,5 @@ def test_reuse_reproduces_a_random_seed_and_errors_show_their_message(page):
     page.click("#generate")
     page.wait_for_function("document.getElementById('error').textContent.length > 0",
                            timeout=30_000)
-    assert "multiple of 16" in page.text_content("#error")
+    assert "width: must be a positive multiple of 4" in page.text_content("#error")
     assert page.is_hidden("#result")  # the last image is not left beside the error
