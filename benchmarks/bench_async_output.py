@@ -7,7 +7,7 @@ Printed, never asserted. Run from the repository root:
     .venv/bin/python benchmarks/bench_async_output.py --skip-transport --skip-synthetic \
         --sizes 1024 --identical 50          # on a GPU: throughput + bit-identical outputs
 
-Part 1 serves the embedded default model (``tiny-flux``) through the
+Part 1 serves the embedded model ``tiny-flux`` through the
 multiprocess executor like the engine does (the loop issues the next execute
 as soon as COMPUTE_DONE arrives; a consumer thread waits for each output and
 copies it out). Three modes in one run: async output, synchronous output, and

@@ -62,8 +62,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "3.5 for Flux, 7.0 for SD3, as diffusers)")
     p.add_argument("--true-cfg-scale", type=non_negative_float, default=None,
                    help="Flux, Qwen-Image: true classifier-free guidance, runs when > 1 with "
-                        "a --negative-prompt (default: the model's: 4.0 for Qwen-Image, as "
-                        "diffusers, else 1.0)")
+                        "a --negative-prompt or the model's default one (default: the model's: "
+                        "3.0 against \"\" for diffrt-shapes, 4.0 for Qwen-Image as diffusers, "
+                        "else 1.0)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,

@@ -70,7 +70,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     timeout_s: float | None = None
     #: classifier-free guidance for families whose ``guidance_scale`` is an
     #: embedded input or unused (Flux, Qwen-Image): it runs when > 1 and a
-    #: negative prompt is given. None: the model's (Qwen-Image 4.0, else 1.0).
+    #: negative prompt is given or the model has a default one (diffrt-shapes:
+    #: ""). None: the model's (diffrt-shapes 3.0, Qwen-Image 4.0, else 1.0).
     true_cfg_scale: float | None = None
     #: previews decoded from the current x0 prediction while the request runs
     #: (step mode only): preview k of N after step ceil(k * T / (N + 1)).

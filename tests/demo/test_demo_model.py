@@ -46,6 +46,10 @@ def diffusers_pixels() -> list[np.ndarray]:
 
 def test_the_shipped_folder_carries_its_defaults_and_its_model_card():
     cls = resolve_pipeline_class("diffrt-shapes")
+    by_path = resolve_pipeline_class(FOLDER)  # the folder by path keeps its defaults
+    assert by_path.sampling_defaults == cls.sampling_defaults
+    assert by_path.default_negative_prompt == cls.default_negative_prompt == ""
+    assert cls.max_size == 512  # Flux's 2048 is for an 8x VAE: the same token bound
     assert {k: cls.sampling_defaults[k] for k in (
         "height", "width", "num_inference_steps", "true_cfg_scale")} \
         == {"height": 64, "width": 64, "num_inference_steps": 12, "true_cfg_scale": 3.0}
@@ -69,8 +73,9 @@ def test_the_shipped_folder_carries_its_defaults_and_its_model_card():
 
 @pytest.mark.parametrize("step", [False, True], ids=["request", "step"])
 def test_the_engine_draws_the_prompts_as_diffusers_does(step, diffusers_pixels):
-    with DiffusionEngine.make_engine(EngineConfig(
-            executor_backend="inproc", step_execution=step, max_num_seqs=4)) as engine:
+    with DiffusionEngine.make_engine(EngineConfig(  # float32, as diffusers' pixels here
+            executor_backend="inproc", dtype="float32", step_execution=step,
+            max_num_seqs=4)) as engine:
         outs = engine.generate(requests("request" if not step else "step"), timeout=300)
     assert all(o.ok for o in outs), [o.error for o in outs]
     images = [o.images[0] for o in outs]

@@ -144,10 +144,18 @@ def resolve_pipeline_class(model: str) -> type[DiffusionPipeline]:
     if model in EMBEDDED_MODELS:
         return _local_pipeline_class(embedded_folder(model), model)
     if os.path.isdir(model):
-        return _local_pipeline_class(os.path.realpath(model))
+        folder = os.path.realpath(model)
+        return _local_pipeline_class(folder, _shipped_name(folder))
     if _HUB_ID.fullmatch(model):
         return _local_pipeline_class(os.path.realpath(cached_snapshot(model)))
     raise UnknownModelError(model)
+
+
+def _shipped_name(folder: str) -> str | None:
+    """The shipped model whose folder this is (given by path, it keeps the
+    defaults it was trained for), else None."""
+    return next((name for name in SHIPPED_MODELS
+                 if os.path.realpath(shipped_folder(name)) == folder), None)
 
 
 #: "owner/name" as the Hugging Face hub names a repository.

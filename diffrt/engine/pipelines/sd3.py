@@ -57,7 +57,8 @@ class SD3Pipeline(FlowMatchPipeline):
         patch = int(transformer_config.get("patch_size", 2))
         grid = transformer_config.get("pos_embed_max_size")
         attrs["size_multiple"] = factor * patch
-        attrs["max_size"] = int(grid) * patch * factor if grid else cls.max_size
+        if grid:  # else the family's, scaled to the VAE (super)
+            attrs["max_size"] = int(grid) * patch * factor
         return attrs
 
     @classmethod
