@@ -171,12 +171,13 @@ def reconstruction_accuracy(vae: torch.nn.Module, rng: np.random.Generator) -> s
     scenes = shapes.HELD_OUT[::3]
     with torch.no_grad():
         recon = vae.decode(vae.encode(pictures(scenes, rng)).latent_dist.mode()).sample
-    images = ((recon.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
-    hits: dict[str, int] = {}
-    for scene, image in zip(scenes, images, strict=True):
-        for name, ok in shapes.score(scene, shapes.classify(image)).items():
-            hits[name] = hits.get(name, 0) + ok
+    hits = shapes.tally(scenes, list(to_pixels(recon)))
     return ", ".join(f"{k} {v / len(scenes):.0%}" for k, v in hits.items())
+
+
+def to_pixels(images: torch.Tensor) -> np.ndarray:
+    """(N, 3, H, W) in [-1, 1] -> (N, H, W, 3) uint8, as diffusers' image processor rounds."""
+    return ((images.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
 
 
 def shifted(sigma: torch.Tensor) -> torch.Tensor:
@@ -204,14 +205,9 @@ def layout_probe(vae, transformer, tokenizers, encoders, ids, txt_ids,
                             img_ids=ids, txt_ids=txt_ids, guidance=None, return_dict=False)[0]
             latents = unpack(noise - v, shapes.SIZE // 2) / scale + shift
             images = vae.decode(latents).sample
-        images = ((images.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
-        hits = {"colour": 0, "position": 0, "background": 0}
-        for scene, image in zip(scenes, images, strict=True):
-            scored = shapes.score(scene, shapes.classify(image))
-            for name in hits:
-                hits[name] += scored[name]
-        return "one step from noise reads back " + ", ".join(
-            f"{k} {v / len(scenes):.0%}" for k, v in hits.items())
+        hits = shapes.tally(scenes, list(to_pixels(images)))
+        return "one step from noise reads back " + ", ".join(  # the shape is still a blur
+            f"{k} {hits[k] / len(scenes):.0%}" for k in ("colour", "position", "background"))
 
     return run
 
@@ -381,7 +377,7 @@ def write_model_card(out: Path, table: dict) -> None:
     retrain it, how to load it, what it measures."""
     acc = "\n".join(
         f"| {row['true_cfg_scale']:g}{' (default)' if row['true_cfg_scale'] == CFG_SCALES[0] else ''} | "
-        + " | ".join(f"{row[k]:.0%}" for k in ("colour", "shape", "position", "background")) + " |"
+        + " | ".join(f"{row[k]:.0%}" for k in shapes.ATTRIBUTES) + " |"
         for row in table["rows"])
     train = table.get("training", {})
     (out / "README.md").write_text(f"""---
@@ -457,14 +453,12 @@ def evaluate(folder: Path, log: callable) -> dict:
     scenes = shapes.HELD_OUT[::5]  # 30 of the 146, spread over the list
     rows = []
     for cfg in CFG_SCALES:
-        hits = {"colour": 0, "shape": 0, "position": 0, "background": 0}
-        for i, scene in enumerate(scenes):
-            image = pipe(scene.prompt, negative_prompt="", true_cfg_scale=cfg, height=64,
-                         width=64, num_inference_steps=EVAL_STEPS, guidance_scale=1.0,
-                         max_sequence_length=TEXT_TOKENS,
-                         generator=torch.Generator().manual_seed(i)).images[0]
-            for name, ok in shapes.score(scene, shapes.classify(image)).items():
-                hits[name] += ok
+        images = [pipe(scene.prompt, negative_prompt="", true_cfg_scale=cfg, height=64,
+                       width=64, num_inference_steps=EVAL_STEPS, guidance_scale=1.0,
+                       max_sequence_length=TEXT_TOKENS,
+                       generator=torch.Generator().manual_seed(i)).images[0]
+                  for i, scene in enumerate(scenes)]
+        hits = shapes.tally(scenes, images)
         row = {"true_cfg_scale": cfg, **{name: hits[name] / len(scenes) for name in hits}}
         rows.append(row)
         log(f"held-out accuracy at true_cfg_scale {cfg:g}: " + ", ".join(

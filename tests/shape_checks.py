@@ -22,21 +22,12 @@ DEMO = shapes.Scene("circle", "red", "yellow", "top left")
 MINIMUM = {"colour": 7, "shape": 6, "position": 7, "background": 7}
 
 
-def tally(scenes: list[shapes.Scene], images: list[Image.Image]) -> dict[str, int]:
-    """Per attribute, how many pictures show what their prompt asked for."""
-    hits = dict.fromkeys(MINIMUM, 0)
-    for scene, image in zip(scenes, images, strict=True):
-        for name, ok in shapes.score(scene, shapes.classify(image)).items():
-            hits[name] += ok
-    return hits
-
-
 def assert_drawn(scenes: list[shapes.Scene], images: list[Image.Image],
                  minimum: dict[str, int] | None = None) -> None:
     """Each attribute read back from at least ``minimum`` of the pictures
     (default: MINIMUM, for the 8 SCENES)."""
     minimum = minimum or MINIMUM
-    hits = tally(scenes, images)
+    hits = shapes.tally(scenes, images)
     readings = [f"{s.prompt!r}: {shapes.classify(im)}"
                 for s, im in zip(scenes, images, strict=True)]
     assert all(hits[k] >= minimum[k] for k in minimum), (hits, readings)

@@ -144,6 +144,10 @@ def classify(image: Image.Image | np.ndarray) -> Reading:
     return Reading(background, colour, shape, position)
 
 
+#: what a prompt asks for and the classifier reads back
+ATTRIBUTES = ("colour", "shape", "position", "background")
+
+
 def score(scene: Scene, reading: Reading) -> dict[str, bool]:
     """Which of the prompt's four attributes the picture shows."""
     return {"colour": reading.colour == scene.colour, "shape": reading.shape == scene.shape,
@@ -151,6 +155,15 @@ def score(scene: Scene, reading: Reading) -> dict[str, bool]:
             "background": reading.background == scene.background}
 
 
-__all__ = ["BACKGROUNDS", "COLOURS", "HELD_OUT", "PALETTE", "POSITIONS", "SHAPES", "SIZE",
+def tally(scenes: list[Scene], images: list[Image.Image | np.ndarray]) -> dict[str, int]:
+    """Per attribute, how many of the pictures show what their scene's prompt asked for."""
+    hits = dict.fromkeys(ATTRIBUTES, 0)
+    for scene, image in zip(scenes, images, strict=True):
+        for name, ok in score(scene, classify(image)).items():
+            hits[name] += ok
+    return hits
+
+
+__all__ = ["ATTRIBUTES", "BACKGROUNDS", "COLOURS", "HELD_OUT", "PALETTE", "POSITIONS", "SHAPES", "SIZE",
            "TRAIN", "Reading", "Scene", "all_scenes", "classify", "random_render", "render",
-           "score"]
+           "score", "tally"]

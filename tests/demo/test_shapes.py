@@ -11,11 +11,13 @@ from diffrt.demo.shapes import (
     HELD_OUT,
     PALETTE,
     TRAIN,
+    Scene,
     all_scenes,
     classify,
     random_render,
     render,
     score,
+    tally,
 )
 
 
@@ -35,3 +37,11 @@ def test_the_held_out_split_is_fixed():
     assert len(all_scenes()) == 1296 and len(HELD_OUT) == 146
     assert not set(HELD_OUT) & set(TRAIN)
     assert HELD_OUT[0].prompt == sorted(HELD_OUT, key=all_scenes().index)[0].prompt
+
+
+def test_tally_counts_each_attribute_the_pictures_show():
+    red = Scene("circle", "red", "white", "center")
+    blue_square = Scene("square", "blue", "white", "center")
+    # the red circle's picture for both: the second reads back all but colour and shape
+    assert tally([red, blue_square], [render(red), render(red)]) == {
+        "colour": 1, "shape": 1, "position": 2, "background": 2}

@@ -123,8 +123,7 @@ def _local_pipeline_class(folder: str, name: str | None = None) -> type[Diffusio
     if named is not None:  # what the named model was built or trained for
         attrs["sampling_defaults"] = {**attrs.get("sampling_defaults", family.sampling_defaults),
                                       **named.sampling_defaults}
-    if name in SHIPPED_MODELS:
-        attrs["default_negative_prompt"] = SHIPPED_MODELS[name].default_negative_prompt
+        attrs["default_negative_prompt"] = getattr(named, "default_negative_prompt", None)
     # A per-folder subclass: check_inputs (a classmethod) sees the folder's limits.
     return type(family.__name__, (family,), attrs)
 
