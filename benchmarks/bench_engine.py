@@ -76,6 +76,9 @@ class DirectSubject:
 
     def run(self, tag: str) -> tuple[float, list[float]]:
         from diffrt.engine.pipelines import DiffusionRequestBatch
+        from diffrt.engine.postprocess import output_postprocessor
+
+        postprocess = output_postprocessor(self.pipe.spec)
 
         requests = make_requests(self.args, tag)
         start = time.perf_counter()
@@ -83,7 +86,7 @@ class DirectSubject:
             group = DiffusionRequestBatch(requests[i:i + self.max_num_seqs])
             for out in self.pipe.forward(group):
                 host = self.pipe.to_transfer(out, group.sampling_params).cpu()
-                self.pipe.post_process(host, "pil")
+                postprocess(host, "pil")
         return time.perf_counter() - start, []
 
     def close(self) -> None:

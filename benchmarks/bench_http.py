@@ -47,7 +47,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     script = Path(sys.executable).parent / "diffrt"
     proc = subprocess.Popen(
-        [str(script), "serve", "--host", "127.0.0.1", "--port", str(port), "--mode", "step",
+        [str(script), "serve", "--host", "127.0.0.1", "--port", str(port), "--step-execution",
          "--max-num-seqs", str(args.max_num_seqs), "--max-pending", "1000"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

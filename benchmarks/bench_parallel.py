@@ -98,7 +98,7 @@ def main() -> int:
         engines = {
             "one": EngineConfig(model=model, max_num_seqs=2, torch_threads=one_threads),
             "two": EngineConfig(model=model, max_num_seqs=2, torch_threads=two_threads,
-                                executor_options=LOOPBACK, **case.parallel)}
+                                **LOOPBACK, **case.parallel)}
         if args.threads:  # one rank with one rank's share of the threads, for scale
             engines["single"] = EngineConfig(model=model, max_num_seqs=2,
                                              torch_threads=two_threads)

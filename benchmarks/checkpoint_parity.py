@@ -59,7 +59,7 @@ PROMPTS = ["a red fox in the snow", "an old castle on a hill"]
 def build(kind: str, root: Path) -> Path:
     path = root / kind
     if kind == "qwen":
-        from diffrt.engine.pipelines.tiny_qwen_image import build_tiny_qwen_image_folder
+        from diffrt.engine.pipelines.qwen_image.tiny_folder import build_tiny_qwen_image_folder
 
         return build_tiny_qwen_image_folder(path, seed=3)
     if kind in ("flux", "flux-dev"):

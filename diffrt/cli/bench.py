@@ -14,13 +14,16 @@ from typing import Any
 from diffrt.cli.bench_load import EngineTarget, drive
 from diffrt.cli.bench_stats import ratio, summarize
 from diffrt.cli.engine_opts import (
+    UNSET,
     add_engine_args,
-    add_model_args,
+    add_sampling_args,
     check_requests,
     engine_settings,
+    flag_parsers,
     make_engine,
     model_defaults,
-    non_negative_float,
+    model_name,
+    plugin_modules,
     positive_float,
     positive_int,
     sampling_params,
@@ -35,40 +38,18 @@ from diffrt.cli.trace_session import (
     trace_session,
 )
 
+#: load keys a --compare spec may change, and how their values are read (the
+#: engine settings and sampling fields read theirs as their flags do)
+LOAD_PARSERS = {"concurrency": positive_int, "request_rate": positive_float,
+                "num_requests": positive_int, "distinct_prompts": positive_int}
+#: compare keys of earlier releases -> their names now
+RENAMED_KEYS = {"mode": "step_execution", "threads": "torch_threads",
+                "policy": "scheduling_policy", "executor": "executor_backend",
+                "batch_wait_ms": "request_batch_max_wait_ms or step_batch_max_wait_ms"}
 
-def _choice(*allowed: str):
-    def convert(text: str) -> str:
-        value = {"true": "on", "false": "off"}.get(text.lower(), text.lower())
-        if value not in allowed:
-            raise argparse.ArgumentTypeError(f"must be one of {', '.join(allowed)}, got {text!r}")
-        return value
-    return convert
 
-
-#: what a --compare spec may change, and how its value is read
-COMPARE_KEYS = {
-    "mode": _choice("request", "step"),
-    "max_num_seqs": positive_int,
-    "async_output": _choice("auto", "on", "off"),
-    "cfg_parallel_size": lambda text: int(_choice("1", "2")(text)),
-    "ulysses_degree": positive_int,
-    "ring_degree": positive_int,
-    "vae_parallel": lambda text: _choice("on", "off")(text) == "on",
-    "executor": _choice("mp", "inproc", "ray"),
-    "policy": _choice("fifo", "skip_ahead"),
-    "threads": positive_int,
-    "batch_wait_ms": non_negative_float,
-    "concurrency": positive_int,
-    "request_rate": positive_float,
-    "num_requests": positive_int,
-    "height": positive_int,
-    "width": positive_int,
-    "steps": positive_int,
-    "guidance_scale": non_negative_float,
-    "true_cfg_scale": non_negative_float,
-    "distinct_prompts": positive_int,
-    "model": str,
-}
+def compare_keys() -> dict[str, Any]:
+    return {**flag_parsers(), **LOAD_PARSERS}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -77,22 +58,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Drive an engine with a configurable load and print throughput, "
                     "p50/p90/p99 latency, queue wait, forward time and output wait.",
         epilog="--compare example: diffrt bench --compare async_output=off async_output=on "
-               "'mode=step,max_num_seqs=8'  (keys: " + ", ".join(COMPARE_KEYS) + ")")
-    add_model_args(p)
+               "'step_execution=on,max_num_seqs=8'  (keys: every engine setting and sampling "
+               "field by name, and " + ", ".join(LOAD_PARSERS) + ")")
     p.add_argument("--num-requests", "-N", type=positive_int, default=16,
                    help="measured requests per configuration (default: %(default)s)")
     p.add_argument("--concurrency", "-c", type=positive_int, default=4,
                    help="requests in flight, closed loop (default: %(default)s)")
     p.add_argument("--request-rate", type=positive_float, default=None,
                    help="open loop instead: Poisson arrivals at this many requests/s")
-    p.add_argument("--warmup", type=int, default=1,
+    p.add_argument("--warmup-requests", type=int, default=1, metavar="N",
                    help="unmeasured requests run first on each engine (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="request seeds and arrival times")
     p.add_argument("--distinct-prompts", type=positive_int, default=None, metavar="K",
                    help="draw the prompts from K distinct ones, in turn, as real traffic "
                         "repeats prompts (default: every request its own prompt); the "
                         "'cache hit' column shows what the prompt-embedding cache saved")
-    add_engine_args(p, executor=None)
+    # --seed seeds the requests (request i: seed+i) and the arrival times
+    add_sampling_args(p, defaults={"seed": 0})
+    add_engine_args(p)
     p.add_argument("--compare", nargs="+", metavar="SPEC",
                    help="run one configuration per SPEC ('key=value,key=value' on top of the "
                         "other options) and print ratios against the first")
@@ -110,16 +92,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def parse_spec(spec: str) -> dict[str, Any]:
-    """'mode=step,max_num_seqs=8' -> {"mode": "step", "max_num_seqs": 8}."""
+    """'step_execution=on,max_num_seqs=8' -> {"step_execution": True, "max_num_seqs": 8}."""
     overrides: dict[str, Any] = {}
+    keys = compare_keys()
     for part in filter(None, (s.strip() for s in spec.split(","))):
         key, sep, text = part.partition("=")
         key = key.strip().replace("-", "_")
-        if not sep or key not in COMPARE_KEYS:
-            raise CliError(f"--compare {spec!r}: expected key=value with a key among "
-                           f"{', '.join(COMPARE_KEYS)}, got {part!r}")
+        if key in RENAMED_KEYS:
+            raise CliError(f"--compare {spec!r}: {key} was renamed: use {RENAMED_KEYS[key]}")
+        if not sep or key not in keys:
+            raise CliError(f"--compare {spec!r}: expected key=value with a key among the "
+                           f"engine settings, the sampling fields and "
+                           f"{', '.join(LOAD_PARSERS)}, got {part!r}")
+        key = {"steps": "num_inference_steps", "num_images": "num_outputs_per_prompt"}.get(
+            key, key)
         try:
-            overrides[key] = COMPARE_KEYS[key](text.strip())
+            overrides[key] = keys[key](text.strip())
         except argparse.ArgumentTypeError as exc:
             raise CliError(f"--compare {spec!r}: {key} {exc}") from None
     return overrides
@@ -129,13 +117,16 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """(label, options) for each configuration; without --compare just the base one."""
     # every option (engine options such as --dtype too), then what a spec changes
     base = {k: v for k, v in vars(args).items() if k not in ("func", "compare")}
-    if base["max_num_seqs"] is None:
-        base["max_num_seqs"] = 1
     if not args.compare and getattr(args, "base_url", None):
         return [(args.base_url, base)]
     if not args.compare:
-        label = (f"{base['mode']} mode, max_num_seqs={base['max_num_seqs']}, "
-                 f"async_output={base['async_output']}, executor={base['executor'] or 'mp'}")
+        def shown(name: str, default: Any) -> Any:
+            return default if base.get(name, UNSET) is UNSET else base[name]
+
+        mode = "step" if shown("step_execution", False) else "request"
+        label = (f"{mode} mode, max_num_seqs={shown('max_num_seqs', 1)}, "
+                 f"async_output={shown('async_output', 'auto')}, "
+                 f"executor={shown('executor_backend', 'mp')}")
         return [(label, base)]
     return [(spec, {**base, **parse_spec(spec)}) for spec in args.compare]
 
@@ -143,19 +134,18 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 def _requests(opts: dict[str, Any], count: int, seed: int, tag: str) -> list[Any]:
     from diffrt.engine.request import DiffusionRequest
 
-    ns = argparse.Namespace(**opts)
     distinct = opts.get("distinct_prompts") or count
     return [DiffusionRequest(prompt=f"bench {tag} prompt {i % distinct}",
-                             sampling_params=sampling_params(ns, seed=seed + i))
+                             sampling_params=sampling_params(opts, seed=seed + i))
             for i in range(count)]
 
 
 def _run_config(engine: Any, label: str, opts: dict[str, Any], args: argparse.Namespace,
                 tw: TraceWindows) -> dict:
-    if args.warmup > 0:
+    if args.warmup_requests > 0:
         drive(EngineTarget(engine),
-              _requests(opts, args.warmup, args.seed + 10_000, f"{label} warmup"),
-              concurrency=args.warmup, rate=None)
+              _requests(opts, args.warmup_requests, args.seed + 10_000, f"{label} warmup"),
+              concurrency=args.warmup_requests, rate=None)
     # Prompts of their own per configuration: configurations sharing an engine
     # would otherwise find the previous one's prompts in the prompt cache.
     requests = _requests(opts, opts["num_requests"], args.seed, f"{label} measured")
@@ -176,23 +166,25 @@ def text_encoding_summary(delta: Any, num_requests: int) -> dict[str, Any]:
             "prompt_cache_hit_rate": delta.cache_hits / lookups if lookups else None}
 
 
-#: bench option -> the SamplingParams field a model gives a default for
-_DEFAULTED = {"height": "height", "width": "width", "steps": "num_inference_steps",
-              "guidance_scale": "guidance_scale"}
+#: the sampling fields a model gives defaults for, shown in the table
+_DEFAULTED = ("height", "width", "num_inference_steps", "guidance_scale")
 
 
 def _fill_model_defaults(opts: dict[str, Any]) -> None:
     """Options left unset take the model's defaults, so the table and the JSON
     say what ran."""
-    defaults = model_defaults(opts["model"], opts["plugin_module"])
-    for option, field in _DEFAULTED.items():
-        if opts.get(option) is None:
-            opts[option] = defaults[field]
+    defaults = model_defaults(model_name(opts), plugin_modules(opts))
+    for field in _DEFAULTED:
+        if opts.get(field, UNSET) in (UNSET, None):
+            opts[field] = defaults[field]
 
 
 #: what a --compare spec may change when the bench drives a server (the load)
-LOAD_KEYS = ("concurrency", "request_rate", "num_requests", "height", "width", "steps",
-             "guidance_scale", "true_cfg_scale", "distinct_prompts")
+LOAD_KEYS = ("concurrency", "request_rate", "num_requests", "height", "width",
+             "num_inference_steps", "guidance_scale", "true_cfg_scale", "distinct_prompts")
+#: the load a result reports
+_LOAD_SHOWN = ("num_requests", "concurrency", "request_rate", "height", "width",
+               "num_inference_steps", "distinct_prompts")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,14 +197,14 @@ def run(args: argparse.Namespace) -> int:
     from diffrt.engine import EngineConfig
 
     for _, opts in configs:  # every configuration is checked before the first one runs
-        check_requests(opts["model"], _requests(opts, 1, args.seed, "check"),
-                       opts["plugin_module"])
+        check_requests(model_name(opts), _requests(opts, 1, args.seed, "check"),
+                       plugin_modules(opts))
         _fill_model_defaults(opts)
         EngineConfig(**engine_settings(opts))
 
     results = []
     engine, engine_key = None, None
-    title = f"diffrt bench: {args.model}, {_load_text(configs[0][1])}"
+    title = f"diffrt bench: {model_name(args)}, {_load_text(configs[0][1])}"
     with trace_session(args, title=title) as tw:
         try:
             for i, (label, opts) in enumerate(configs, 1):
@@ -227,10 +219,7 @@ def run(args: argparse.Namespace) -> int:
                     engine, engine_key = make_engine(settings), key
                 stats = _run_config(engine, label, opts, args, tw)
                 results.append({"label": label, "engine": settings,
-                                "load": {k: opts[k] for k in ("num_requests", "concurrency",
-                                                              "request_rate", "height", "width",
-                                                              "steps", "distinct_prompts")},
-                                **stats})
+                                "load": {k: opts[k] for k in _LOAD_SHOWN}, **stats})
                 print(f"{tag}: {stats['throughput_rps'] or 0:.2f} req/s, "
                       f"p50 {stats['latency_p50_ms'] or 0:.0f} ms", file=sys.stderr, flush=True)
         finally:
@@ -260,19 +249,17 @@ def _run_http(args: argparse.Namespace, configs: list[tuple[str, dict[str, Any]]
         def target() -> HttpTarget:
             return HttpTarget(args.base_url, api_key=args.api_key, timeout_s=args.http_timeout)
 
-        if args.warmup > 0:
-            drive(target(), _requests(opts, args.warmup, args.seed + 10_000, f"{label} warmup"),
-                  concurrency=args.warmup, rate=None)
+        if args.warmup_requests > 0:
+            drive(target(), _requests(opts, args.warmup_requests, args.seed + 10_000,
+                                      f"{label} warmup"),
+                  concurrency=args.warmup_requests, rate=None)
         requests = _requests(opts, opts["num_requests"], args.seed, f"{label} measured")
         samples, wall = drive(target(), requests, concurrency=opts["concurrency"],
                               rate=opts["request_rate"], seed=args.seed)
         stats = {**summarize(samples, wall), "text_encode_ms": None, "prompts_encoded": None,
                  "prompt_cache_hit_rate": None}
         results.append({"label": label, "engine": {"base_url": args.base_url, "model": model},
-                        "load": {k: opts[k] for k in ("num_requests", "concurrency",
-                                                      "request_rate", "height", "width", "steps",
-                                                      "distinct_prompts")},
-                        **stats})
+                        "load": {k: _shown(opts.get(k)) for k in _LOAD_SHOWN}, **stats})
         print(f"{tag}: {stats['throughput_rps'] or 0:.2f} req/s, "
               f"p50 {stats['latency_p50_ms'] or 0:.0f} ms, {stats['failed']} failed",
               file=sys.stderr, flush=True)
@@ -299,10 +286,16 @@ def _load_text(load: dict[str, Any]) -> str:
              else f"concurrency {load['concurrency']}")
     prompts = (f", {load['distinct_prompts']} distinct prompts"
                if load.get("distinct_prompts") else "")
-    size = (f"{load['height']}x{load['width']}" if load["height"] and load["width"]
-            else "the model's size")
-    steps = f"{load['steps']} steps" if load["steps"] else "the model's steps"
+    height, width = _shown(load.get("height")), _shown(load.get("width"))
+    size = f"{height}x{width}" if height and width else "the model's size"
+    steps = _shown(load.get("num_inference_steps"))
+    steps = f"{steps} steps" if steps else "the model's steps"
     return f"{load['num_requests']} req, {shape}, {size}, {steps}{prompts}"
+
+
+def _shown(value: Any) -> Any:
+    """A load value for the report (a flag left unset: None, the model's)."""
+    return None if value is UNSET else value
 
 
 def _failed(r: dict[str, Any]) -> str:

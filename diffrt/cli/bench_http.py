@@ -21,17 +21,21 @@ from diffrt.cli.errors import CliError
 
 
 def request_body(request: Any) -> dict[str, Any]:
-    """A DiffusionRequest as the body of POST /v1/images/generations."""
-    params = request.sampling_params
-    body: dict[str, Any] = {"prompt": request.prompt, "n": params.num_outputs_per_prompt,
-                            "response_format": "b64_json"}
+    """A DiffusionRequest as the body of POST /v1/images/generations (its
+    sampling fields by their declared HTTP names, ``protocol.SAMPLING_FIELDS``)."""
+    from diffrt.engine.sampling import SamplingParams
+    from diffrt.serve.protocol import SAMPLING_FIELDS
+
+    params, defaults = request.sampling_params, SamplingParams()
+    body: dict[str, Any] = {"prompt": request.prompt, "response_format": "b64_json"}
     if params.height is not None and params.width is not None:
         body["size"] = f"{params.width}x{params.height}"
-    optional = {"negative_prompt": request.negative_prompt,
-                "num_inference_steps": params.num_inference_steps,
-                "guidance_scale": params.guidance_scale, "seed": params.seed,
-                "true_cfg_scale": params.true_cfg_scale}
-    body.update({k: v for k, v in optional.items() if v is not None})
+    if request.negative_prompt is not None:
+        body["negative_prompt"] = request.negative_prompt
+    for f in SAMPLING_FIELDS:
+        value = getattr(params, f.field)
+        if value is not None and value != getattr(defaults, f.field):  # the server's default
+            body[f.http] = value * f.scale if f.scale != 1.0 else value
     return body
 
 

@@ -285,7 +285,7 @@ def engine_overhead(opts: CheckOptions) -> dict[str, Any]:
             params = SamplingParams(height=opts.identical_size, width=opts.identical_size,
                                     num_inference_steps=opts.identical_steps, seed=i,
                                     output_type="pt")
-            return pipeline.with_defaults(DiffusionRequest(
+            return pipeline.spec.with_defaults(DiffusionRequest(
                 prompt="overhead", request_id=f"{who}{i}", sampling_params=params))
 
         def bare(i: int) -> None:

@@ -1,23 +1,63 @@
-"""Options shared by `generate` and `bench`: model, sampling and engine settings.
+"""The engine and sampling flags of `generate`, `bench` and `serve`, made
+from their declarations.
 
-Parsing only checks the shape of the input; the model-specific limits (size
-multiple, largest size) come from the pipeline's own `check_inputs`, so the
-CLI never disagrees with the engine about what is valid.
+Every ``EngineConfig`` setting (``engine/settings.py``) and every
+``SamplingParams`` field (``engine/sampling.py``) declares its type, default,
+limits and help once; this module turns each into a flag of the same name
+(``max_num_seqs`` -> ``--max-num-seqs``; a bool ``--x/--no-x``; a sequence or
+a mapping repeatable), with a few short aliases (``-m``, ``--steps``, ``-n``).
+A flag left out means "the engine's default" (or the command's, shown in
+``--help``), so the CLI never has a default of its own that disagrees with the
+engine's. Renamed flags of earlier releases exit 2 naming the new one.
+Model-specific limits (size multiple, largest size) come from the model's
+``ModelSpec``, checked before anything loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
+
 from diffrt.cli.errors import CliError
+from diffrt.engine.declarations import Declared, declared_fields
+from diffrt.engine.settings import DEFAULT_MODEL, FIELD_GROUP, GROUPS
 
-#: the shipped demo model (tiny, trained: its pictures follow the prompt)
-DEFAULT_MODEL = "diffrt-shapes"
-MODEL_HELP = ("a model name (diffrt-shapes, tiny-flux, tiny-sd3), a local diffusers folder, or a "
-              "hub id in the local Hugging Face cache (default: %(default)s)")
+__all__ = ["DEFAULT_MODEL", "UNSET", "add_engine_args", "add_sampling_args", "check_requests",
+           "engine_settings", "flag_parsers", "make_engine", "model_defaults", "model_spec",
+           "non_negative_float", "positive_float", "positive_int", "sampling_params"]
 
 
+class _Unset:
+    """A flag that was not given (the engine's default applies)."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+UNSET: Any = _Unset()
+
+#: short or familiar extra spellings of engine flags
+ENGINE_ALIASES = {"model": ("-m",), "plugin_modules": ("--plugin-module",)}
+#: flags of earlier releases -> what replaced them (given, they exit 2 naming it)
+RENAMED_FLAGS = {
+    "--mode": "--step-execution / --no-step-execution",
+    "--threads": "--torch-threads",
+    "--policy": "--scheduling-policy",
+    "--batch-wait-ms": "--request-batch-max-wait-ms or --step-batch-max-wait-ms",
+    "--steps-per-tick": "--max-steps-per-tick",
+    "--executor": "--executor-backend",
+    "--request-timeout": "--request-timeout-s",
+    "--unread-output-timeout": "--unread-output-timeout-s",
+    "--startup-timeout": "--startup-timeout-s",
+    "--no-restart": "--no-restart-workers",
+}
+
+
+# -- value parsers (also used by bench --compare) -------------------------------------------
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -45,150 +85,186 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=MODEL_HELP)
-    p.add_argument("--height", type=positive_int, default=None,
-                   help="pixels (default: the model's; 64 for diffrt-shapes, 128 for tiny-flux, 1024 for "
-                        "FLUX.1 and SD3, as diffusers)")
-    p.add_argument("--width", type=positive_int, default=None,
-                   help="pixels (default: the model's)")
-    p.add_argument("--steps", type=positive_int, default=None,
-                   help="denoising steps (default: the model's; 4 for the embedded models, "
-                        "28 for FLUX.1 and SD3, as diffusers)")
-    p.add_argument("--guidance-scale", type=non_negative_float, default=None,
-                   help="SD3: classifier-free guidance runs when > 1; Flux: the embedded "
-                        "guidance of guidance-distilled checkpoints (default: the model's; "
-                        "3.5 for Flux, 7.0 for SD3, as diffusers)")
-    p.add_argument("--true-cfg-scale", type=non_negative_float, default=None,
-                   help="Flux, Qwen-Image: true classifier-free guidance, runs when > 1 with "
-                        "a --negative-prompt or the model's default one (default: the model's: "
-                        "3.0 against \"\" for diffrt-shapes, 4.0 for Qwen-Image as diffusers, "
-                        "else 1.0)")
+def _bool(text: str) -> bool:
+    value = {"on": True, "true": True, "yes": True, "1": True,
+             "off": False, "false": False, "no": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value
 
 
-def add_engine_args(p: argparse.ArgumentParser, *, executor: str | None,
-                    mode: str = "request") -> None:
-    p.add_argument("--mode", choices=("request", "step"), default=mode,
-                   help="request: whole-request batches; step: continuous batching at step "
-                        "boundaries (default: %(default)s)")
-    p.add_argument("--step-execution", dest="mode", action="store_const", const="step",
-                   help="same as --mode step")
-    p.add_argument("--max-num-seqs", type=positive_int, default=None,
-                   help="requests the engine runs together (default: the number of prompts "
-                        "for generate, 1 for bench)")
-    p.add_argument("--async-output", choices=("auto", "on", "off"), default="auto",
-                   help="copy outputs off the device on a background thread (default: auto)")
-    p.add_argument("--world-size", type=positive_int, default=None,
-                   help="worker processes (ranks) per engine; must equal the product of "
-                        "the parallel degrees below, which is the default")
-    p.add_argument("--executor", choices=("mp", "inproc", "ray"), default=executor,
-                   help="mp: worker processes; inproc: the runner in this process; ray: the "
-                        "ranks as Ray actors, across machines if need be (the ray extra; "
-                        "joins $RAY_ADDRESS or starts a local instance) (default: %(default)s)")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
-                   help="weights dtype in the workers; auto: bfloat16 where the device "
-                        "supports it, else float16, float32 on CPU (default: %(default)s)")
-    p.add_argument("--vae-tiling", action="store_true",
-                   help="decode in overlapping tiles (large images on one device)")
-    p.add_argument("--vae-slicing", action="store_true",
-                   help="decode one image at a time (large batches on one device)")
-    p.add_argument("--offload-text-encoders", action="store_true",
-                   help="keep text encoders on the CPU between encodings (small devices)")
-    p.add_argument("--plugin-module", action="append", default=[], metavar="MODULE",
-                   help="import MODULE here and in every worker before the model is "
-                        "resolved, e.g. one that registers a pipeline (repeatable)")
-    p.add_argument("--request-timeout", type=positive_float, default=None, metavar="S",
-                   help="end a request still running after S seconds (default: the "
-                        "engine's 600)")
-    p.add_argument("--unread-output-timeout", type=positive_float, default=None, metavar="S",
-                   help="free a finished output nobody has read after S seconds (default: "
-                        "never; serve: 120)")
-    p.add_argument("--max-request-cost", type=positive_float, default=None, metavar="MPS",
-                   help="refuse requests above MPS megapixel-steps (height x width x steps x "
-                        "images / 1e6, x2 with CFG; default: the engine's 1000)")
-    p.add_argument("--startup-timeout", type=positive_float, default=None,
-                   help="seconds each worker may take to import and load the model (a "
-                        "multi-GB checkpoint takes minutes; default: the runtime's 300)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch intra-op threads in each worker (default: the engine's choice; "
-                        "on a busy CPU, more threads than free cores is much slower)")
-    p.add_argument("--policy", choices=("fifo", "skip_ahead"), default="fifo",
-                   help="scheduling policy: fifo, or skip_ahead (compatible younger requests "
-                        "may pass an incompatible one, with aging) (default: %(default)s)")
-    p.add_argument("--cfg-parallel-size", type=int, choices=(1, 2), default=1,
-                   help="2: split classifier-free guidance's two branches across two worker "
-                        "ranks (a batch without CFG: its rows)")
-    p.add_argument("--ulysses-degree", type=positive_int, default=1, metavar="N",
-                   help="split each transformer call's image tokens across N worker ranks "
-                        "(Ulysses sequence parallelism; the heads must divide by N)")
-    p.add_argument("--ring-degree", type=positive_int, default=1, metavar="N",
-                   help="the same split with ring attention (any head count); with "
-                        "--ulysses-degree, Ulysses inside and the ring across. The ranks are "
-                        "the product of the three degrees")
-    p.add_argument("--vae-parallel", action="store_true",
-                   help="decode each image in bands of rows, one per rank (exact: halo rows "
-                        "and shared norm statistics)")
-    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                   help="torch.compile each worker's denoiser (BACKEND, default inductor); "
-                        "it compiles at warm-up and once more when a shape first changes")
-    p.add_argument("--steps-per-tick", type=positive_int, default=None, metavar="N",
-                   help="step mode: denoise steps one worker call may run while no request "
-                        "waits to join (default: the engine's 4; 1 = one step per call)")
-    p.add_argument("--batch-wait-ms", type=non_negative_float, default=None,
-                   help="how long an idle engine holds a new batch open so a burst can join "
-                        "it; 0 schedules at once (default: 20 for several prompts in generate, "
-                        "else sized from measured request times, at most 50)")
+def _bounded(convert: Callable[[str], Any], bounds: dict[str, Any]) -> Callable[[str], Any]:
+    """``convert`` plus the declaration's bounds (ge, gt, le, lt)."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'a whole number' if convert is int else 'a number'}, got {text!r}"
+            ) from None
+        if bounds and isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        for bound, ok in (("ge", lambda b: value >= b), ("gt", lambda b: value > b),
+                          ("le", lambda b: value <= b), ("lt", lambda b: value < b)):
+            limit = bounds.get(bound)
+            if limit is not None and not ok(limit):
+                sign = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[bound]
+                raise argparse.ArgumentTypeError(f"must be {sign} {limit:g}, got {text}")
+        return value
+    return parse
+
+
+def _one_of(convert: Callable[[str], Any], choices: tuple[Any, ...]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = text
+        if value not in choices:
+            raise argparse.ArgumentTypeError(
+                f"must be one of {', '.join(map(str, choices))}, got {text!r}")
+        return value
+    return parse
+
+
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``none`` is None (the setting's "no limit" / "automatic")."""
+    return lambda text: None if text.lower() == "none" else parse(text)
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+# -- flags from declarations ------------------------------------------------------------------
+def _add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: Declared,
+                  aliases: Iterable[str], default: Any) -> None:
+    flag = "--" + field.name.replace("_", "-")
+    help_text = field.description.replace("%", "%%")
+    if (not field.has_factory_default or default is not UNSET) and "default" not in help_text:
+        help_text += f" (default: {field.default if default is UNSET else default!r})"
+    kw: dict[str, Any] = {"dest": field.name, "default": default, "help": help_text}
+    parse: Callable[[str], Any]
+    if field.kind == "bool":
+        kw["action"] = argparse.BooleanOptionalAction
+        parse = _bool
+    elif field.kind == "choice":
+        convert = int if all(isinstance(v, int) for v in field.choices) else str
+        kw.update(type=convert, choices=list(field.choices))
+        parse = _one_of(convert, field.choices)
+    elif field.kind in ("sequence", "mapping"):  # repeatable; None until given
+        parse = str if field.kind == "sequence" else _key_value
+        kw.update(action="append", type=parse, default=None if default is UNSET else default,
+                  metavar="VALUE" if field.kind == "sequence" else "KEY=VALUE")
+        _REPEATABLE.add(field.name)
+    elif field.kind in ("int", "float"):
+        # the flag converts; the limits are the engine's check, whose error
+        # names the field in one line (bench --compare checks them at once)
+        convert = _bounded(int if field.kind == "int" else float, {})
+        parse = _bounded(int if field.kind == "int" else float, field.bounds)
+        if field.optional:
+            convert, parse = _optional(convert), _optional(parse)
+        kw.update(type=convert, metavar="N")
+    else:
+        parse = _optional(str) if field.optional else str
+        kw.update(type=parse)
+    parsers[field.name] = parse
+    group.add_argument(flag, *aliases, **kw)
+
+
+_ENGINE_PARSERS: dict[str, Callable[[str], Any]] = {}
+_SAMPLING_PARSERS: dict[str, Callable[[str], Any]] = {}
+#: repeatable flags (their argparse default is None, not UNSET)
+_REPEATABLE: set[str] = set()
+
+
+def flag_parsers() -> dict[str, Callable[[str], Any]]:
+    """Setting or field name (and alias without dashes) -> how its flag reads
+    a value: what ``bench --compare key=value`` parses with."""
+    if not _ENGINE_PARSERS or not _SAMPLING_PARSERS:  # made with the flags
+        scratch = argparse.ArgumentParser()
+        add_engine_args(scratch)
+        add_sampling_args(scratch)
+    parsers = {**_ENGINE_PARSERS, **_SAMPLING_PARSERS}
+    aliases = {**ENGINE_ALIASES, **{f.name: tuple(f.extra["cli"]) for f in _sampling_fields()}}
+    for name, spellings in aliases.items():
+        for alias in spellings:
+            if alias.startswith("--") and name in parsers:
+                parsers.setdefault(alias[2:].replace("-", "_"), parsers[name])
+    return parsers
+
+
+class _Renamed(argparse.Action):
+    """A flag of an earlier release: exits 2 naming its replacement."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, new: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kw: Any) -> None:
+        parser.error(f"{self.option_strings[0]} was renamed: use {self.new}")
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, defaults: dict[str, Any] | None = None
+                    ) -> None:
+    """One flag per EngineConfig setting; ``defaults``: the command's own
+    (shown in --help), else the engine's."""
+    defaults = defaults or {}
+    group = p.add_argument_group("engine settings (EngineConfig; docs/engine.md)")
+    for cls in GROUPS.values():
+        for field in declared_fields(cls):
+            _add_declared(group, _ENGINE_PARSERS, field, ENGINE_ALIASES.get(field.name, ()),
+                          defaults.get(field.name, UNSET))
+    for old, new in RENAMED_FLAGS.items():
+        p.add_argument(old, action=_Renamed, new=new)
+
+
+def _sampling_fields() -> list[Declared]:
+    """The SamplingParams fields that have a meaning on the command line."""
+    from diffrt.engine.sampling import SamplingParams
+
+    return [f for f in declared_fields(SamplingParams) if f.extra.get("cli") is not None]
+
+
+def add_sampling_args(p: argparse.ArgumentParser, *, defaults: dict[str, Any] | None = None
+                      ) -> None:
+    """One flag per SamplingParams field that has a meaning on the command line."""
+    defaults = defaults or {}
+    group = p.add_argument_group("sampling (SamplingParams; unset: the model's defaults)")
+    for field in _sampling_fields():
+        _add_declared(group, _SAMPLING_PARSERS, field, field.extra["cli"],
+                      defaults.get(field.name, UNSET))
+
+
+def _given(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
+    values = args if isinstance(args, dict) else vars(args)
+    return {k: v for k, v in values.items()
+            if v is not UNSET and not (v is None and k in _REPEATABLE)}
 
 
 def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
-    """The EngineConfig keyword arguments for a parsed command line (or a dict of it)."""
-    get = args.get if isinstance(args, dict) else lambda k: getattr(args, k, None)
-    settings: dict[str, Any] = {
-        "model": get("model"),
-        "step_execution": get("mode") == "step",
-        "max_num_seqs": get("max_num_seqs") or 1,
-    }
-    if get("async_output") != "auto":
-        settings["async_output"] = get("async_output") == "on"
-    if get("world_size") is not None:
-        settings["world_size"] = get("world_size")
-    if get("executor"):
-        settings["executor_backend"] = get("executor")
-    if get("threads"):
-        settings["torch_threads"] = get("threads")
-    if get("dtype") not in (None, "auto"):  # auto is the engine's default
-        settings["dtype"] = get("dtype")
-    for flag in ("vae_tiling", "vae_slicing", "offload_text_encoders", "vae_parallel"):
-        if get(flag):
-            settings[flag] = True
-    if get("request_timeout"):
-        settings["request_timeout_s"] = get("request_timeout")
-    if get("unread_output_timeout"):
-        settings["unread_output_timeout_s"] = get("unread_output_timeout")
-    if get("max_request_cost"):
-        settings["max_request_cost"] = get("max_request_cost")
-    if get("plugin_module"):
-        settings["plugin_modules"] = list(get("plugin_module"))
-    options: dict[str, Any] = {}
-    if get("startup_timeout"):
-        options["startup_timeout_s"] = get("startup_timeout")
-    if get("log_level") not in (None, "WARNING"):  # workers log as this process does
-        options["worker_env"] = {"DIFFRT_LOG_LEVEL": worker_log_spec(get("log_level"))}
-    if options:
-        settings["executor_options"] = options
-    for degree in ("cfg_parallel_size", "ulysses_degree", "ring_degree"):
-        if (get(degree) or 1) > 1:  # the engine derives world_size from them
-            settings[degree] = get(degree)
-    if get("compile"):
-        settings["compile"] = True
-        settings["compile_backend"] = get("compile")
-    if get("steps_per_tick"):
-        settings["max_steps_per_tick"] = get("steps_per_tick")
-    if get("policy") != "fifo":
-        settings["scheduling_policy"] = get("policy")
-    if get("batch_wait_ms") is not None:
-        settings[batch_wait_field(get("mode"))] = get("batch_wait_ms")
+    """The EngineConfig keywords of a parsed command line (or a dict of it):
+    the settings given, with sequences and KEY=VALUE mappings as the config
+    takes them; a CLI run's log level reaches the workers."""
+    given = _given(args)
+    settings: dict[str, Any] = {}
+    for name in FIELD_GROUP:
+        if name not in given:
+            continue
+        value = given[name]
+        if name == "worker_env":
+            value = dict(value)
+        elif name == "plugin_modules":
+            value = tuple(value)
+        settings[name] = value
+    level = given.get("log_level")
+    if level not in (None, "WARNING"):  # workers log as this process does
+        settings["worker_env"] = {"DIFFRT_LOG_LEVEL": worker_log_spec(level),
+                                  **settings.get("worker_env", {})}
     return settings
 
 
@@ -199,11 +275,6 @@ def worker_log_spec(level: str) -> str:
     return f"{level},diffrt.load={progress}"
 
 
-def batch_wait_field(mode: str) -> str:
-    """The EngineConfig field of the coalescing window in ``mode``."""
-    return "step_batch_max_wait_ms" if mode == "step" else "request_batch_max_wait_ms"
-
-
 def make_engine(settings: dict[str, Any]) -> Any:
     """Build and start an engine; user mistakes surface as ValueError (shown cleanly)."""
     from diffrt.engine import DiffusionEngine, EngineConfig
@@ -211,40 +282,50 @@ def make_engine(settings: dict[str, Any]) -> Any:
     return DiffusionEngine.make_engine(EngineConfig(**settings))
 
 
-def sampling_params(args: argparse.Namespace, *, seed: int | None, n: int = 1) -> Any:
+def sampling_params(args: argparse.Namespace | dict[str, Any], **overrides: Any) -> Any:
+    """The SamplingParams of the flags given, with ``overrides`` (e.g. a
+    per-prompt seed)."""
     from diffrt.engine.sampling import SamplingParams
 
-    return SamplingParams(height=args.height, width=args.width, num_inference_steps=args.steps,
-                          guidance_scale=args.guidance_scale, seed=seed,
-                          num_outputs_per_prompt=n, true_cfg_scale=args.true_cfg_scale)
+    given = _given(args)
+    fields = {f.name: given[f.name] for f in _sampling_fields() if f.name in given}
+    return SamplingParams(**{**fields, **overrides})
 
 
-def pipeline_class(model: str, plugin_modules: list[str] = ()) -> Any:
-    """The model's pipeline class, after importing the plugins that may register it."""
+def plugin_modules(args: argparse.Namespace | dict[str, Any]) -> list[str]:
+    value = _given(args).get("plugin_modules")
+    return list(value or ())
+
+
+def model_name(args: argparse.Namespace | dict[str, Any]) -> str:
+    return _given(args).get("model") or DEFAULT_MODEL
+
+
+def model_spec(model: str, plugins: Iterable[str] = ()) -> Any:
+    """The model's ModelSpec, after importing the plugins that may register it."""
     import importlib
 
-    from diffrt.engine.pipelines.registry import resolve_pipeline_class
+    from diffrt.engine.pipelines.registry import resolve_model_spec
 
-    for name in plugin_modules:
+    for name in plugins:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            raise CliError(f"--plugin-module {name!r}: cannot import it ({exc})") from None
-    return resolve_pipeline_class(model)
+            raise CliError(f"--plugin-modules {name!r}: cannot import it ({exc})") from None
+    return resolve_model_spec(model)
 
 
-def check_requests(model: str, requests: list[Any], plugin_modules: list[str] = ()) -> None:
+def check_requests(model: str, requests: list[Any], plugins: Iterable[str] = ()) -> None:
     """Refuse an unknown model or bad sampling parameters before loading anything.
 
-    The pipeline class checks without weights; its errors name the field.
+    The model's spec checks without weights; its errors name the field.
     """
-    cls = pipeline_class(model, plugin_modules)
+    spec = model_spec(model, plugins)
     for request in requests:
         request.validate()
-        cls.check_inputs(request)
+        spec.check(request)
 
 
-def model_defaults(model: str, plugin_modules: list[str] = ()) -> dict[str, Any]:
+def model_defaults(model: str, plugins: Iterable[str] = ()) -> dict[str, Any]:
     """The model's sampling defaults (what options left unset become)."""
-    return dict(pipeline_class(model, plugin_modules).sampling_defaults)
-
+    return msgspec.structs.asdict(model_spec(model, plugins).defaults)

@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from diffrt.cli.engine_opts import (
+    UNSET,
     add_engine_args,
-    add_model_args,
-    batch_wait_field,
+    add_sampling_args,
     check_requests,
     engine_settings,
     make_engine,
     model_defaults,
-    positive_int,
+    model_name,
+    plugin_modules,
     sampling_params,
 )
 from diffrt.cli.errors import EXIT_FAILURE, CliError
@@ -41,16 +42,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a text file with one prompt per line, '-' for stdin (blank lines and "
                         "lines starting with # are skipped)")
     p.add_argument("--negative-prompt", default=None)
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the first prompt; prompt i uses seed+i (default: %(default)s)")
-    p.add_argument("-n", "--num-images", dest="n", type=positive_int, default=1,
-                   help="images per prompt (default: %(default)s)")
     p.add_argument("--output", "-o", default="out.png",
                    help="image file; with several prompts out.png becomes out-<i>.png (i: the "
                         "prompt's index), with -n > 1 out[-<i>]-<k>.png (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    add_model_args(p)
-    add_engine_args(p, executor=None)
+    # --seed is the first prompt's: prompt i uses seed+i
+    add_sampling_args(p, defaults={"seed": 0})
+    add_engine_args(p)
     add_trace_args(p)
     p.set_defaults(func=run)
 
@@ -122,25 +120,28 @@ async def _run_all(engine: Any, requests: list[Any], progress: _Progress) -> lis
 
 def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
-    paths = image_paths(args.output, len(prompts), args.n)
+    outputs = 1 if args.num_outputs_per_prompt is UNSET else args.num_outputs_per_prompt
+    paths = image_paths(args.output, len(prompts), outputs)
     check_trace_args(args)
     from diffrt.engine.request import DiffusionRequest
 
+    model, plugins = model_name(args), plugin_modules(args)
     requests = [DiffusionRequest(prompt=p, negative_prompt=args.negative_prompt,
-                                 sampling_params=sampling_params(args, seed=args.seed + i, n=args.n))
+                                 sampling_params=sampling_params(args, seed=args.seed + i))
                 for i, p in enumerate(prompts)]
-    check_requests(args.model, requests, args.plugin_module)
+    check_requests(model, requests, plugins)
     settings = engine_settings(args)
-    if args.max_num_seqs is None:
-        settings["max_num_seqs"] = len(requests)
-    if args.batch_wait_ms is None and len(requests) > 1:
-        settings[batch_wait_field(args.mode)] = 20.0  # let the whole burst join one batch
+    settings.setdefault("max_num_seqs", len(requests))
+    if len(requests) > 1:  # let the whole burst join one batch
+        window = ("step_batch_max_wait_ms" if settings.get("step_execution")
+                  else "request_batch_max_wait_ms")
+        settings.setdefault(window, 20.0)
 
     start = time.perf_counter()
-    with trace_session(args, title=f"diffrt generate ({args.model}, {len(prompts)} prompts)") as tw:
+    with trace_session(args, title=f"diffrt generate ({model}, {len(prompts)} prompts)") as tw:
         engine = make_engine(settings)
-        steps = args.steps or model_defaults(args.model, args.plugin_module)[
-            "num_inference_steps"]
+        steps = requests[0].sampling_params.num_inference_steps or model_defaults(
+            model, plugins)["num_inference_steps"]
         progress = _Progress(prompts, steps, enabled=not args.no_progress)
         try:
             with tw.window():  # the trace leaves out start-up and warm-up

@@ -18,19 +18,24 @@ import os
 import sys
 
 from diffrt.cli.engine_opts import (
-    DEFAULT_MODEL,
-    MODEL_HELP,
+    UNSET,
     add_engine_args,
     engine_settings,
+    model_name,
+    model_spec,
     non_negative_float,
-    pipeline_class,
+    plugin_modules,
     positive_float,
     positive_int,
 )
 from diffrt.cli.errors import EXIT_FAILURE
 
-#: serve's default for --unread-output-timeout (the engine's is None)
-SERVE_UNREAD_OUTPUT_TIMEOUT_S = 120.0
+#: serve's own defaults for engine settings (shown in --help): step mode
+#: with room for eight requests per step, a bound on unread outputs (a client
+#: that stops reading its stream must not hold its image in the shared arena
+#: for ever) and fresh workers after a crash
+SERVE_DEFAULTS = {"step_execution": True, "max_num_seqs": 8, "unread_output_timeout_s": 120.0,
+                  "restart_workers": True}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,8 +44,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a model over HTTP: POST /v1/images/generations (OpenAI's Images "
                     "API, streamed previews with stream=true), GET /v1/models, /health, "
                     "/ready, /metrics.")
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("DIFFRT_API_KEY"),
@@ -58,9 +61,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="largest request body (default: %(default)s)")
     p.add_argument("--url-ttl", type=non_negative_float, default=600.0,
                    help='seconds a response_format="url" image is kept (default: %(default)s)')
-    p.add_argument("--no-restart", dest="restart_workers", action="store_false",
-                   help="do not replace workers that died or hung (by default fresh ones "
-                        "are started and /health turns 200 again)")
     ray = p.add_argument_group(
         "replicas on Ray Serve (the ray extra; docs/scale-out.md)",
         "Any of these serves the same API as a Ray Serve application: an ingress and "
@@ -82,10 +82,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           "(default 600)")
     ray.add_argument("--replica-cpus", type=positive_float, default=None, metavar="C",
                      help="CPUs each replica reserves in Ray (fractions allowed; default 1)")
-    ray.add_argument("--ray-address", default=None, metavar="ADDR",
-                     help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto); without it a "
-                          "local Ray instance is started and stopped with the server")
-    add_engine_args(p, executor=None, mode="step")
+    add_engine_args(p, defaults=SERVE_DEFAULTS)
     p.set_defaults(func=run)
 
 
@@ -95,7 +92,9 @@ RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_request
 
 
 def on_ray(args: argparse.Namespace) -> bool:
-    return any(getattr(args, flag, None) is not None for flag in RAY_FLAGS)
+    """Any Ray flag given (--ray-address is the engine's setting, which also
+    says which cluster Ray Serve joins)."""
+    return any(getattr(args, flag, None) not in (None, UNSET) for flag in RAY_FLAGS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,15 +107,8 @@ def run(args: argparse.Namespace) -> int:
     # the access log (one line per request) and the drain are the server's output
     serve_logger = logging.getLogger("diffrt.serve")
     serve_logger.setLevel(min(logging.INFO, serve_logger.getEffectiveLevel()))
-    pipeline_class(args.model, args.plugin_module)  # a bad model is refused before anything starts
-    settings = engine_settings(args)
-    if args.max_num_seqs is None:
-        settings["max_num_seqs"] = 8
-    # a client that stops reading its stream must not hold its image in shared
-    # memory for ever: the arena is shared by every request
-    settings.setdefault("unread_output_timeout_s", SERVE_UNREAD_OUTPUT_TIMEOUT_S)
-    settings["restart_workers"] = args.restart_workers
-    config = EngineConfig(**settings)
+    model_spec(model_name(args), plugin_modules(args))  # a bad model is refused first
+    config = EngineConfig(**engine_settings(args))
     serve_settings = ServeSettings(
         model_name=args.served_model_name, api_key=args.api_key or None,
         max_pending=args.max_pending, shutdown_timeout_s=args.shutdown_timeout,

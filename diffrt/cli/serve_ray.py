@@ -47,9 +47,10 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
     from diffrt.serve.ray_app import APP_NAME, StatsBoard, build_application
 
     replicas = replica_settings(args)
-    local = args.ray_address is None
+    address = config.executor.ray_address
+    local = address is None
     # "local": a new instance of our own, never a cluster $RAY_ADDRESS names
-    init: dict[str, Any] = {"address": "local" if local else args.ray_address,
+    init: dict[str, Any] = {"address": "local" if local else address,
                             "log_to_driver": False}
     if local:
         init["include_dashboard"] = False

@@ -1,7 +1,7 @@
 """What the engine checks and settles for a request at submission.
 
-A request is admitted only if it can be carried end to end: every field's type
-and range, the model's own limits (``check_inputs``), the engine's cost limit,
+A request is accepted only if it can be carried end to end: every field's type
+and range, the model's own limits (its ``ModelSpec``), the engine's cost limit,
 and the message a worker will receive (encoded here, per request, so one
 request that cannot be encoded never reaches a tick its neighbours share).
 Refusals raise ``InvalidRequestError`` naming the field. The admitted request
@@ -11,32 +11,31 @@ seed drawn when none was given.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from diffrt.engine.config import EngineConfig
+from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, random_seed
 
 
-def admit(request: Any, pipeline_cls: type, pre_process: Callable[[DiffusionRequest],
-          DiffusionRequest], config: EngineConfig) -> DiffusionRequest:
+def admit(request: Any, spec: ModelSpec, config: EngineConfig) -> DiffusionRequest:
     """Validate one request end to end; return it as it will run."""
     if not isinstance(request, DiffusionRequest):
         raise InvalidRequestError(
             "request", f"must be a DiffusionRequest, got {type(request).__name__}")
     request.validate()
-    request = pipeline_cls.with_defaults(request)  # the model's, for fields left at None
-    pipeline_cls.check_inputs(request)
+    request = spec.with_defaults(request)  # the model's, for fields left at None
+    spec.check(request)
     params = request.sampling_params
-    if params.partial_images and not config.step_execution:
+    if params.partial_images and not config.scheduling.step_execution:
         raise InvalidRequestError(
             "partial_images", "previews need step boundaries: run the engine with "
             "step_execution=True (request mode runs a request as one forward)")
-    limit = config.max_request_cost
-    cost = request_cost(request, pipeline_cls)
+    limit = config.limits.max_request_cost
+    cost = spec.cost(request)
     if limit is not None and cost > limit:
         raise InvalidRequestError(
             "sampling_params", f"costs {cost:g} megapixel-steps (height x width x "
@@ -47,7 +46,6 @@ def admit(request: Any, pipeline_cls: type, pre_process: Callable[[DiffusionRequ
     seed = random_seed() if params.seed is None else params.seed
     request = msgspec.structs.replace(
         request, sampling_params=msgspec.structs.replace(params, seed=seed))
-    request = pre_process(request)
     try:
         msgspec.msgpack.encode(request)  # what the worker will receive
     except (TypeError, ValueError, OverflowError) as exc:
@@ -55,17 +53,12 @@ def admit(request: Any, pipeline_cls: type, pre_process: Callable[[DiffusionRequ
     return request
 
 
-def request_cost(request: DiffusionRequest, pipeline_cls: type) -> float:
-    """Megapixel-steps, doubled when the model runs CFG for this request."""
-    return request.sampling_params.megapixel_steps * (2 if pipeline_cls.uses_cfg(request) else 1)
-
-
 def deadline_of(request: DiffusionRequest, now: float,
                 config: EngineConfig) -> tuple[float | None, str | None]:
     """When a request submitted at ``now`` has run too long, and the error that
     names the limit: the engine's ``request_timeout_s`` or the request's own
     lower ``timeout_s``; (None, None) without a limit."""
-    engine_limit = config.request_timeout_s
+    engine_limit = config.limits.request_timeout_s
     own = request.sampling_params.timeout_s
     if own is not None and (engine_limit is None or own < engine_limit):
         return now + own, f"request timed out after {own:g} s (timeout_s={own:g})"

@@ -2,8 +2,8 @@
 
 Follow one request:
 
-1. ``generate`` / ``step_streaming`` validate it here (``check_inputs``,
-   duplicate id), create its ``RequestRecord``, open its stream in the
+1. ``generate`` / ``step_streaming`` check it here against the model's
+   ``ModelSpec`` (``admission.py``; duplicate ids too), create its ``RequestRecord``, open its stream in the
    ``OutputProcessor`` and queue it in the ``EngineCore``.
 2. The core's loop (``core.py``) schedules a tick, sends it to the workers as
    one typed request (``runner_messages.py``), where ``PipelineRunner``
@@ -26,7 +26,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
 
 from diffrt.engine.admission import admit, deadline_of
 from diffrt.engine.config import EngineConfig, EngineMode
@@ -40,7 +39,7 @@ from diffrt.engine.errors import (
 from diffrt.engine.output_processor import OutputProcessor
 from diffrt.engine.output_streams import FinalSlot, OutputStream, resolve
 from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
-from diffrt.engine.pipelines.registry import get_post_process_func, get_pre_process_func
+from diffrt.engine.postprocess import output_postprocessor
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.runner_messages import ExecuteBatch
@@ -76,24 +75,21 @@ class DiffusionEngine:
         executor: Executor,
         scheduler: Scheduler | None = None,
         *,
-        pipeline_cls: type | None = None,
-        pre_process: Callable[[DiffusionRequest], DiffusionRequest] | None = None,
-        post_process: Callable[[Any, str], tuple[list[Any] | None, Any]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
         self.mode = config.mode
-        self._pipeline_cls = pipeline_cls or config.pipeline_class()
-        self._pre = pre_process or self._pipeline_cls.pre_process
+        #: what the served model accepts (admission, batch keys, post-processing)
+        self.spec = config.model_spec()
         self._clock = clock
         self.output_processor = OutputProcessor(
-            executor, post_process or self._pipeline_cls.post_process,
-            workers=config.postprocess_workers,
-            unread_output_timeout_s=config.unread_output_timeout_s, clock=clock)
+            executor, output_postprocessor(self.spec),
+            workers=config.executor.postprocess_workers,
+            unread_output_timeout_s=config.limits.unread_output_timeout_s, clock=clock)
         self._core = EngineCore(
             self.mode, scheduler or self._make_scheduler(), executor,
             on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock,
-            restart=self._fresh_executor if config.restart_workers else None,
+            restart=self._fresh_executor if config.executor.restart_workers else None,
             on_restart=self.output_processor.use_executor)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -106,23 +102,20 @@ class DiffusionEngine:
     @classmethod
     def make_engine(cls, config: EngineConfig, *, scheduler: Scheduler | None = None,
                     executor: Executor | None = None) -> DiffusionEngine:
-        """Resolve the model's hooks, build executor and scheduler, warm up within
+        """Build executor and scheduler, warm up within
         ``config.warmup_timeout_s``; on any failure everything started so far is
         shut down before the error propagates."""
         from diffrt.platforms import current_platform
 
-        pipeline_cls = config.pipeline_class()
-        pre, post = get_pre_process_func(config.model), get_post_process_func(config.model)
         if executor is None:
-            executor = make_executor(config.executor_backend, config.executor_config(
+            executor = make_executor(config.executor.executor_backend, config.executor_config(
                 platform=current_platform))
         try:
-            engine = cls(config, executor, scheduler, pipeline_cls=pipeline_cls,
-                         pre_process=pre, post_process=post)
+            engine = cls(config, executor, scheduler)
         except BaseException:
             executor.shutdown()
             raise
-        if config.warmup:
+        if config.model_config.warmup:
             try:
                 engine._warmup()
             except BaseException as exc:
@@ -131,27 +124,25 @@ class DiffusionEngine:
                     raise
                 raise EngineWarmupError(f"warm-up failed: {exc}") from exc
         logger.info("engine ready: model=%s mode=%s max_num_seqs=%d executor=%s",
-                    config.model, engine.mode.value, config.max_num_seqs,
-                    config.executor_backend)
+                    config.model_config.model, engine.mode.value,
+                    config.scheduling.max_num_seqs, config.executor.executor_backend)
         return engine
 
     def _make_scheduler(self) -> Scheduler:
-        c = self.config
+        c = self.config.scheduling
         policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass)
         if self.mode is EngineMode.STEP_BATCH:
             return StepScheduler(c.max_num_seqs, policy,
                                  max_wait_s=_seconds(c.step_batch_max_wait_ms),
-                                 key=self._pipeline_cls.step_batch_key,
+                                 key=self.spec.step_batch_key,
                                  max_steps_per_tick=c.max_steps_per_tick)
-        wait_ms = c.request_batch_max_wait_ms if self._pipeline_cls.supports_request_batch else 0.0
+        wait_ms = c.request_batch_max_wait_ms if self.spec.supports_request_batch else 0.0
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
-                                key=self._pipeline_cls.request_batch_key)
+                                key=self.spec.request_batch_key)
 
     def _warmup_request(self) -> DiffusionRequest:
         """A one-step request of about 64 px: loads kernels, allocates buffers."""
-        multiple = int(getattr(self._pipeline_cls, "size_multiple", 16))
-        largest = int(getattr(self._pipeline_cls, "max_size", 4096)) // multiple * multiple
-        size = max(multiple, min(multiple * -(-64 // multiple), largest))  # ~64 px
+        size = self.spec.warmup_size()
         return DiffusionRequest(
             prompt="warm-up", request_id=f"warmup-{uuid.uuid4().hex[:8]}",
             sampling_params=SamplingParams(height=size, width=size, num_inference_steps=1,
@@ -162,11 +153,11 @@ class DiffusionEngine:
         directly (its output is dropped); the core swaps them in."""
         from diffrt.platforms import current_platform
 
-        executor = make_executor(self.config.executor_backend, self.config.executor_config(
+        executor = make_executor(self.config.executor.executor_backend, self.config.executor_config(
             platform=current_platform))
         try:
             out = executor.execute(ExecuteBatch(requests=[self._warmup_request()]),
-                                   timeout=self.config.warmup_timeout_s)
+                                   timeout=self.config.model_config.warmup_timeout_s)
             for oid in out.output_ids.values():
                 executor.release_output(oid)
         except BaseException:
@@ -178,10 +169,11 @@ class DiffusionEngine:
         request = self._warmup_request()
         start = time.monotonic()
         try:
-            out = self.generate(request, timeout=self.config.warmup_timeout_s)
+            out = self.generate(request, timeout=self.config.model_config.warmup_timeout_s)
         except TimeoutError:
             raise EngineWarmupError(
-                f"warm-up did not finish within warmup_timeout_s={self.config.warmup_timeout_s}"
+                "warm-up did not finish within "
+                f"warmup_timeout_s={self.config.model_config.warmup_timeout_s}"
             ) from None
         if not out.ok:
             raise EngineWarmupError(f"warm-up request failed: {out.error}")
@@ -317,7 +309,7 @@ class DiffusionEngine:
         seen: set[str] = set()
         now = self._clock()
         for request in requests:
-            request = admit(request, self._pipeline_cls, self._pre, self.config)
+            request = admit(request, self.spec, self.config)
             if request.request_id in seen:
                 raise InvalidRequestError("request_id", f"{request.request_id!r} given twice")
             seen.add(request.request_id)

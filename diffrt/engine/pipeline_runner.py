@@ -85,10 +85,11 @@ class PipelineRunner:
     protocol = PIPELINE_PROTOCOL
 
     def __init__(self, settings: RunnerSettings, *, rank: int, world_size: int, platform: Any):
-        threads = settings.torch_threads or cpu_worker_threads(platform, world_size)
+        model, parallel = settings.model, settings.parallel
+        threads = model.torch_threads or cpu_worker_threads(platform, world_size)
         if threads:
             torch.set_num_threads(threads)
-        for name in settings.plugin_modules:
+        for name in model.plugin_modules:
             importlib.import_module(name)
         self.rank = rank
         self.world_size = world_size
@@ -97,30 +98,30 @@ class PipelineRunner:
             device = platform.torch_device(None)
         else:
             device = platform.torch_device(rank % max(1, platform.device_count()))
-        self.pipeline: DiffusionPipeline = load_pipeline(settings.model, device=device,
-                                                         dtype=resolve_dtype(settings.dtype,
+        self.pipeline: DiffusionPipeline = load_pipeline(settings.spec, device=device,
+                                                         dtype=resolve_dtype(model.dtype,
                                                                              platform))
-        self.pipeline.configure_memory(vae_tiling=settings.vae_tiling,
-                                       vae_slicing=settings.vae_slicing,
-                                       offload_text_encoders=settings.offload_text_encoders)
-        degrees = ParallelDegrees(cfg=settings.cfg_parallel_size, ulysses=settings.ulysses_degree,
-                                  ring=settings.ring_degree)
+        self.pipeline.configure_memory(vae_tiling=model.vae_tiling,
+                                       vae_slicing=model.vae_slicing,
+                                       offload_text_encoders=model.offload_text_encoders)
+        degrees = ParallelDegrees(cfg=parallel.cfg_parallel_size, ulysses=parallel.ulysses_degree,
+                                  ring=parallel.ring_degree)
         #: several ranks share each request: a rank-local failure ends the rank
         self.parallel = degrees.world_size > 1
-        self.vae_parallel = settings.vae_parallel
+        self.vae_parallel = parallel.vae_parallel
         if self.parallel:  # every rank builds the same groups, in the same order
             self.pipeline.enable_parallel(build_groups(degrees),
-                                          vae_parallel=settings.vae_parallel)
-        if settings.compile_backend:  # after the parallel hooks: they patch the eager model
-            self.pipeline.compile_models(settings.compile_backend)
-        self.pipeline.enable_prompt_cache(settings.prompt_cache_bytes,
+                                          vae_parallel=parallel.vae_parallel)
+        if model.compile:  # after the parallel hooks: they patch the eager model
+            self.pipeline.compile_models(model.compile_backend)
+        self.pipeline.enable_prompt_cache(model.prompt_cache_bytes,
                                           synchronize=self._wait_for_current_stream)
         #: text-encoding counters already reported to the engine.
         self._reported = self.pipeline.text_encoder_stats()
         self.states: dict[str, StepRequestState] = {}
         # progress from inside a forward reaches the executor's watchdog
         self.pipeline.step_hook = lambda: self.heartbeat()
-        logger.info("rank %d: runner ready for %s on %s", rank, settings.model, device)
+        logger.info("rank %d: runner ready for %s on %s", rank, settings.spec.name, device)
 
     def handle(self, request: ExecuteBatch | ExecuteStep | CountStepStates) -> Any:
         match request:

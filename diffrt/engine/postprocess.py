@@ -7,10 +7,16 @@ busy loop, and builds what the caller asked for.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from diffrt.engine.model_spec import ModelSpec
+
+PostProcess = Callable[[torch.Tensor, str], tuple[list[Any] | None, Any]]
 
 
 def quantize_images(images: torch.Tensor) -> torch.Tensor:
@@ -27,3 +33,12 @@ def postprocess_output(host_tensor: torch.Tensor, output_type: str) -> tuple[lis
         array = host_tensor.numpy() if isinstance(host_tensor, torch.Tensor) else np.asarray(host_tensor)
         return [Image.fromarray(np.ascontiguousarray(a)) for a in array], None
     return None, host_tensor
+
+
+#: ModelSpec.postprocess -> its host-side conversion
+POSTPROCESSORS: dict[str, PostProcess] = {"images": postprocess_output}
+
+
+def output_postprocessor(spec: ModelSpec) -> PostProcess:
+    """The engine-side conversion of ``spec``'s outputs."""
+    return POSTPROCESSORS[spec.postprocess]

@@ -10,34 +10,21 @@ from __future__ import annotations
 
 import msgspec
 
+from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.settings import ModelConfig, ParallelConfig
 from diffrt.runtime.types import RunnerProtocol
 
 
 class RunnerSettings(msgspec.Struct, frozen=True):
-    """How each worker builds its pipeline (sent once, at start-up)."""
+    """How each worker builds its pipeline (sent once, at start-up): the
+    engine's own settings groups, so a worker has no defaults of its own."""
 
-    model: str
-    dtype: str = "auto"
-    #: torch intra-op threads; None = the runner's choice for the platform.
-    torch_threads: int | None = None
-    #: modules imported before the model loads (e.g. to register custom pipelines).
-    plugin_modules: list[str] = []
-    #: bytes of prompt embeddings kept per worker (0: none).
-    prompt_cache_bytes: int = 0
-    vae_tiling: bool = False
-    vae_slicing: bool = False
-    offload_text_encoders: bool = False
-    #: torch.compile backend of the denoiser (None: eager)
-    compile_backend: str | None = None
-    #: 2: the two ranks split classifier-free guidance's branches
-    cfg_parallel_size: int = 1
-    #: > 1: the ranks split each transformer call's image tokens (Ulysses / ring)
-    ulysses_degree: int = 1
-    ring_degree: int = 1
-    #: decode in bands of rows, one per rank
-    vae_parallel: bool = False
+    #: the model, as the engine resolved it (the worker loads what it describes)
+    spec: ModelSpec
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
 
 # -- requests -------------------------------------------------------------------------

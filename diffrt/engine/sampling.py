@@ -2,17 +2,18 @@
 
 `SamplingParams` is a msgspec Struct so it crosses the process boundary as a
 message field. The generic range checks live here; limits that depend on a
-model (the size multiple, the largest size) are checked by the pipeline's
-`check_inputs`, which calls `validate` with its own limits.
+model (the size multiple, the largest size) are its ``ModelSpec``'s.
 """
 
 from __future__ import annotations
 
-import math
 import random
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
+
+from diffrt.runtime.types import DeclaredValueError, check_declared
 
 OutputType = Literal["pil", "pt", "latent"]
 
@@ -43,39 +44,79 @@ class InvalidRequestError(ValueError):
 
 #: The fields a model may give defaults for (None in a request: the model's).
 MODEL_DEFAULTED = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale")
-#: what a model without a default of its own gives these fields
-FALLBACK_DEFAULTS = {"true_cfg_scale": 1.0}
+#: the largest guidance scale (either kind) a request may ask for
+MAX_GUIDANCE = 1000.0
+INT64_MAX = 2**63 - 1
+
+
+def _field(kind: Any, *, description: str, http: str | None = "",
+           cli: tuple[str, ...] | None = (), **limits: Any) -> Any:
+    """A sampling field's declaration: its type with ``limits`` (msgspec
+    ``Meta``: the check and the error naming the field), its help, and how the
+    other surfaces spell it: ``http`` is the HTTP body's name ("" the same
+    name, None: no meaning over HTTP, the declaration says why), ``cli`` the
+    command line's extra aliases (None: no flag). The HTTP body (``serve/protocol.py``) and
+    the CLI flags (``cli/engine_opts.py``) are built from these."""
+    extra: dict[str, Any] = {"http": http, "cli": None if cli is None else list(cli)}
+    if limits.get("le", 0) > INT64_MAX:  # msgspec bounds are int64: kept and checked here
+        extra["le"] = limits.pop("le")
+    inner = Annotated[kind, Meta(**limits)] if limits else kind
+    return Annotated[inner | None, Meta(description=description, extra=extra)]
+
+
+def _required(kind: Any, *, description: str, http: str | None = "",
+              cli: tuple[str, ...] | None = (), **limits: Any) -> Any:
+    """``_field`` for a field that is never None."""
+    extra = {"http": http, "cli": None if cli is None else list(cli)}
+    return Annotated[kind, Meta(description=description, extra=extra, **limits)]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
-    """What one request asks of the sampler.
+    """What one request asks of the sampler; every field declared once.
 
     ``height``, ``width``, ``num_inference_steps``, ``guidance_scale`` and
     ``true_cfg_scale`` left at None take the model's defaults
-    (``DiffusionPipeline.sampling_defaults``: for a diffusers folder, what its
-    diffusers pipeline would use), filled in when the engine admits the
-    request.
+    (``ModelSpec.defaults``: for a diffusers folder, what its diffusers
+    pipeline would use), filled in when the engine accepts the request.
     """
 
-    height: int | None = None
-    width: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    seed: int | None = None
-    num_outputs_per_prompt: int = 1
-    output_type: OutputType = "pil"
-    lora_name: str | None = None
+    height: _field(int, ge=1, description="pixels (default: the model's)",
+                   http="size") = None
+    width: _field(int, ge=1, description="pixels (default: the model's)",
+                  http="size") = None
+    num_inference_steps: _field(int, ge=1, le=MAX_STEPS, cli=("--steps",), description=(
+        "denoising steps (default: the model's)")) = None
+    guidance_scale: _field(float, ge=0, le=MAX_GUIDANCE, description=(
+        "SD3: classifier-free guidance runs when > 1; Flux: the embedded guidance of "
+        "guidance-distilled checkpoints (default: the model's)")) = None
+    seed: _field(int, ge=SEED_MIN, le=SEED_MAX, description=(
+        "the request's noise seed; None: a fresh one, returned with the output")) = None
+    num_outputs_per_prompt: _required(int, ge=1, le=MAX_OUTPUTS_PER_PROMPT, http="n",
+                                      cli=("-n", "--num-images"), description=(
+                                          "images for the prompt")) = 1
+    output_type: _required(OutputType, http=None, cli=None, description=(
+        "pil, pt (uint8 tensor) or latent; over HTTP the response_format and "
+        "output_format say what comes back instead")) = "pil"
+    lora_name: _field(str, max_length=MAX_LORA_NAME_CHARS, http=None, cli=None, description=(
+        "an adapter by name; no model loads adapters yet (refused), so neither the HTTP "
+        "body nor the CLI offers it")) = None
     #: seconds this request may take from submission to its final output; it
     #: can only lower the engine's ``request_timeout_s``. None: the engine's.
-    timeout_s: float | None = None
+    timeout_s: _field(float, gt=0, le=1e9, http="timeout_ms", description=(
+        "seconds from submission to the final output; only lowers the engine's "
+        "request_timeout_s")) = None
     #: classifier-free guidance for families whose ``guidance_scale`` is an
     #: embedded input or unused (Flux, Qwen-Image): it runs when > 1 and a
     #: negative prompt is given or the model has a default one (diffrt-shapes:
     #: ""). None: the model's (diffrt-shapes 3.0, Qwen-Image 4.0, else 1.0).
-    true_cfg_scale: float | None = None
+    true_cfg_scale: _field(float, ge=0, le=MAX_GUIDANCE, description=(
+        "Flux, Qwen-Image: true classifier-free guidance, runs when > 1 with a negative "
+        "prompt or the model's default one (default: the model's)")) = None
     #: previews decoded from the current x0 prediction while the request runs
     #: (step mode only): preview k of N after step ceil(k * T / (N + 1)).
-    partial_images: int = 0
+    partial_images: _required(int, ge=0, le=MAX_PARTIAL_IMAGES, cli=None, description=(
+        "previews streamed before the final image (step mode; over HTTP with stream=true; "
+        "the CLI writes final images only)")) = 0
 
     def preview_steps(self) -> list[int]:
         """The step counts after which a preview is decoded, in order: distinct
@@ -87,61 +128,24 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def with_defaults(self, defaults: dict) -> SamplingParams:
         """A copy with each of ``MODEL_DEFAULTED`` that is None taken from
         ``defaults`` (self when nothing is missing)."""
-        merged = {**FALLBACK_DEFAULTS, **defaults}
-        missing = {f: merged[f] for f in MODEL_DEFAULTED
-                   if getattr(self, f) is None and f in merged}
+        missing = {f: defaults[f] for f in MODEL_DEFAULTED
+                   if getattr(self, f) is None and f in defaults}
         return msgspec.structs.replace(self, **missing) if missing else self
 
-    def validate(self, *, size_multiple: int = 16, max_size: int = 4096) -> None:
-        """Raise InvalidRequestError naming the first bad field and its range
-        (after ``with_defaults``: a None left here is refused)."""
-        for field in ("height", "width"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidRequestError(field, f"must be an int, got {value!r}")
-            if value <= 0 or value > max_size or value % size_multiple:
-                raise InvalidRequestError(
-                    field,
-                    f"must be a positive multiple of {size_multiple} no larger than "
-                    f"{max_size}, got {value}",
-                )
-        steps = self.num_inference_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-            raise InvalidRequestError(
-                "num_inference_steps", f"must be an int in [1, {MAX_STEPS}], got {steps!r}"
-            )
-        for name in ("guidance_scale", "true_cfg_scale"):
-            g = getattr(self, name)
-            if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
-                    or g < 0:
-                raise InvalidRequestError(name, f"must be a finite number >= 0, got {g!r}")
-        n = self.num_outputs_per_prompt
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_OUTPUTS_PER_PROMPT:
-            raise InvalidRequestError(
-                "num_outputs_per_prompt",
-                f"must be an int in [1, {MAX_OUTPUTS_PER_PROMPT}], got {n!r}",
-            )
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                                 or not SEED_MIN <= seed <= SEED_MAX):
-            raise InvalidRequestError(
-                "seed", f"must be None or an int in [{SEED_MIN}, {SEED_MAX}], got {seed!r}")
-        if self.output_type not in ("pil", "pt", "latent"):
-            raise InvalidRequestError(
-                "output_type", f"must be one of 'pil', 'pt', 'latent', got {self.output_type!r}"
-            )
-        lora = self.lora_name
-        if lora is not None and (not isinstance(lora, str) or len(lora) > MAX_LORA_NAME_CHARS):
-            raise InvalidRequestError(
-                "lora_name", f"must be None or a str of at most {MAX_LORA_NAME_CHARS} characters")
-        p = self.partial_images
-        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= MAX_PARTIAL_IMAGES:
-            raise InvalidRequestError(
-                "partial_images", f"must be an int in [0, {MAX_PARTIAL_IMAGES}], got {p!r}")
-        t = self.timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
-                              or not math.isfinite(t) or t <= 0):
-            raise InvalidRequestError("timeout_s", f"must be None or a number > 0, got {t!r}")
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first field that breaks its
+        declaration (after ``with_defaults``: a model-defaulted None left here
+        is refused). The model's own limits (size multiple, largest size) are
+        its spec's (``ModelSpec.check``)."""
+        for name in MODEL_DEFAULTED:
+            if getattr(self, name) is None:
+                raise InvalidRequestError(name, "must be set (the model's default fills it in)")
+        try:
+            check_declared(self)
+        except DeclaredValueError as exc:
+            raise InvalidRequestError(exc.field, exc.reason) from None
+        if self.seed is not None and self.seed > SEED_MAX:  # beyond msgspec's int64 bounds
+            raise InvalidRequestError("seed", f"must be <= {SEED_MAX}, got {self.seed}")
 
     @property
     def megapixel_steps(self) -> float:
@@ -152,8 +156,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def request_batch_key(self) -> tuple:
         """Parameter fields that must match for two requests to share one fused
-        forward (the pipeline adds whether CFG runs, see
-        ``DiffusionPipeline.request_batch_key``).
+        forward, for a scheduler used without a model (``ModelSpec.request_batch_key``
+        adds whether CFG runs).
 
         Step count is part of the key: a request-level forward runs one loop.
         """
@@ -170,7 +174,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def step_batch_key(self) -> tuple:
         """Parameter fields that must match for two requests to share a denoise
-        step (the pipeline adds whether CFG runs).
+        step, for a scheduler used without a model (``ModelSpec.step_batch_key``
+        adds whether CFG runs).
 
         Step counts may differ: each request keeps its own scheduler state.
         Guidance scales may differ too (they are applied per row).

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -155,55 +155,161 @@ def _default_output_timeout() -> float:
     return value
 
 
-@dataclass
-class ExecutorConfig:
-    runner: RunnerSpec
+def check_declared(struct: msgspec.Struct, fields: tuple[str, ...] | None = None) -> None:
+    """Check ``struct``'s fields (or ``fields`` of them) against the
+    constraints their declarations carry (``msgspec.Meta``: ranges, lengths,
+    choices). msgspec checks them when it decodes, not when a Struct is built
+    in Python; this runs the same decode on the values as given.
+
+    Raises:
+        DeclaredValueError: naming the first field that breaks its declaration.
+    """
+    names = fields if fields is not None else struct.__struct_fields__
+    values = {name: getattr(struct, name) for name in names}
+    cls = type(struct) if fields is None else _subset(type(struct), names)
+    try:
+        msgspec.convert(values, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise DeclaredValueError.from_validation(exc, values, cls) from None
+
+
+def convert_declared(cls: type, values: dict[str, Any]) -> Any:
+    """``cls(**values)`` checked against its declarations and normalised as
+    a decode would (a list for a tuple field becomes a tuple, an int for a
+    float field a float).
+
+    Raises:
+        DeclaredValueError: naming the first field that breaks its declaration.
+    """
+    try:
+        return msgspec.convert(values, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise DeclaredValueError.from_validation(exc, values, cls) from None
+
+
+def _subset(cls: type, names: tuple[str, ...]) -> type:
+    """A Struct of ``names`` of ``cls``'s fields, declarations and defaults kept."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return msgspec.defstruct(f"{cls.__name__}Subset", [(n, hints[n]) for n in names],
+                             kw_only=True)
+
+
+class DeclaredValueError(ValueError):
+    """A value that breaks its field's declaration; ``field`` names the field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+    @classmethod
+    def from_validation(cls, exc: msgspec.ValidationError, values: dict[str, Any],
+                        struct: type) -> DeclaredValueError:
+        """msgspec's "Expected `int` >= 1 - at `$.name`" as "name: must be an
+        int >= 1, got 0" (a choice lists the values allowed)."""
+        message, _, where = str(exc).rpartition(" - at `$.")
+        if not where:  # not about one field
+            return cls("value", str(exc))
+        field = where.rstrip("`").split(".")[0].split("[")[0]
+        choices = _choices(struct, field)
+        if choices is not None:
+            allowed = ", ".join(repr(c) for c in choices)
+            return cls(field, f"must be one of {allowed}, got {_short(values.get(field))}")
+        message = message.split(", got `")[0].replace("Expected ", "").replace("`", "")
+        message = message.replace(" | ", "|")
+        kind, _, bound = message.partition(" ")
+        words = " or ".join(_WORDS.get(part, part) for part in kind.split("|"))
+        return cls(field, f"must be {words}{' ' + bound if bound else ''}, "
+                          f"got {_short(values.get(field))}")
+
+
+#: msgspec's type names in a user's words
+_WORDS = {"int": "an int", "float": "a number", "str": "a str", "bool": "a bool",
+          "array": "a sequence", "object": "a mapping", "null": "None"}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _choices(struct: type, field: str) -> tuple[Any, ...] | None:
+    """The values a Literal field allows (None for any other field)."""
+    info = msgspec.inspect.type_info(struct)
+    for f in getattr(info, "fields", ()):
+        if f.name == field:
+            return _literal_values(f.type)
+    return None
+
+
+def _literal_values(t: Any) -> tuple[Any, ...] | None:
+    if isinstance(t, msgspec.inspect.Metadata):
+        return _literal_values(t.type)
+    if isinstance(t, msgspec.inspect.LiteralType):
+        return tuple(t.values)
+    if isinstance(t, msgspec.inspect.UnionType):
+        for member in t.types:
+            values = _literal_values(member)
+            if values is not None:
+                return values
+    return None
+
+
+#: how an executor's outputs travel from a Ray rank 0 to the engine
+RayOutputTransport = typing.Literal["auto", "shm", "object_store"]
+
+
+class ExecutorOptions(msgspec.Struct, kw_only=True):
+    """The executor's tuning, declared once: ``ExecutorConfig`` carries these
+    fields, and the engine's executor settings are this same declaration (an
+    ``EngineConfig`` keyword for each)."""
+
+    #: seconds a ``wait_output_ready`` future (and an unclaimed output) may wait
+    output_timeout_s: Annotated[float, msgspec.Meta(gt=0, description=(
+        "seconds to wait for an output once its compute is done (default: "
+        "$DIFFRT_OUTPUT_TIMEOUT_S, else 600)"))] = msgspec.field(
+        default_factory=_default_output_timeout)
+    max_pending_output_bytes: Annotated[int, msgspec.Meta(ge=4096, description=(
+        "bound on the bytes of finished outputs no consumer has taken yet, wherever they "
+        "sit (the shared-memory arena's size; virtual until touched); at the bound the "
+        "worker waits: nothing is dropped"))] = 2 << 30
+    output_queue_depth: Annotated[int, msgspec.Meta(ge=1, description=(
+        "outputs handed to a worker's output thread but not yet copied (bounds device "
+        "memory held by outputs)"))] = 2
+    startup_timeout_s: Annotated[float, msgspec.Meta(gt=0, description=(
+        "seconds each worker may take to import and load the model (a multi-GB "
+        "checkpoint takes minutes)"))] = 300.0
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0, description=(
+        "seconds shutdown waits for a polite worker exit before terminate, then kill"))] = 5.0
+    execute_timeout_s: Annotated[Annotated[float, msgspec.Meta(gt=0)] | None, msgspec.Meta(
+        description=("seconds an execute call may go without a sign of progress (a reply, "
+                     "an output, a per-step heartbeat) before its workers are declared hung "
+                     "and killed; None: never. Only an executor that can kill its workers "
+                     "enforces it"))] = 300.0
+    worker_env: Annotated[dict[str, str], msgspec.Meta(description=(
+        "extra environment of the workers (KEY=VALUE; mp: spawned processes, ray: "
+        "actors)"))] = msgspec.field(default_factory=dict)
+    ray_address: Annotated[str | None, msgspec.Meta(description=(
+        "ray backend: the cluster to join when this process has joined none (None: "
+        "ray.init()'s own choice, $RAY_ADDRESS or a new local instance)"))] = None
+    ray_output_transport: Annotated[RayOutputTransport, msgspec.Meta(description=(
+        "ray backend: how outputs reach the engine: auto (shared memory when rank 0 "
+        "shares the engine's node, else the object store), shm, or object_store"))] = "auto"
+    ray_cpus_per_rank: Annotated[float, msgspec.Meta(gt=0, description=(
+        "ray backend: CPUs in each rank's placement-group bundle (fractions allowed)"))] = 1.0
+
+
+class ExecutorConfig(ExecutorOptions, kw_only=True):
+    """What an executor runs (``runner``, on ``world_size`` ranks) and how."""
+
+    runner: Any
     world_size: int = 1
     #: False -> outputs are copied synchronously on the worker's main thread.
     async_output: bool = True
-    #: seconds a ``wait_output_ready`` future (and an unclaimed output) may wait.
-    output_timeout_s: float = field(default_factory=_default_output_timeout)
-    #: size of the shared-memory output arena: pending outputs beyond it throttle
-    #: the worker. Virtual until touched (pages are reused lowest-first).
-    max_pending_output_bytes: int = 2 << 30
-    #: outputs handed to the output thread but not yet copied (device memory bound).
-    output_queue_depth: int = 2
-    #: seconds to wait for workers to import and construct their runner.
-    startup_timeout_s: float = 300.0
-    #: seconds shutdown waits for a polite exit before terminate, then kill.
-    shutdown_grace_s: float = 5.0
-    #: seconds an execute call may go without a sign of progress (a reply, an
-    #: output, a heartbeat) before its workers are declared hung and killed;
-    #: None: never. Only an executor that can kill its workers enforces it.
-    execute_timeout_s: float | None = None
-    #: extra environment for the workers (mp: spawned processes; ray: actors).
-    worker_env: dict[str, str] = field(default_factory=dict)
-    #: ray backend: the cluster to join when this process has not joined one
-    #: (None: ``ray.init()``'s own choice, RAY_ADDRESS or a new local instance)
-    ray_address: str | None = None
-    #: ray backend: how outputs reach the engine: "auto" (shared memory when
-    #: rank 0 shares the engine's node, else the object store), "shm", or
-    #: "object_store" (forced: the cross-node path, testable on one node)
-    ray_output_transport: str = "auto"
-    #: ray backend: CPUs in each rank's placement-group bundle (fractional allowed)
-    ray_cpus_per_rank: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.runner, RunnerSpec):
             raise TypeError(f"runner must be a RunnerSpec, got {type(self.runner).__name__}")
-        if self.world_size < 1:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.output_timeout_s <= 0:
-            raise ValueError(f"output_timeout_s must be > 0, got {self.output_timeout_s}")
-        if self.max_pending_output_bytes < 4096:
-            raise ValueError(
-                f"max_pending_output_bytes must be >= 4096, got {self.max_pending_output_bytes}")
-        if self.execute_timeout_s is not None and not self.execute_timeout_s > 0:
-            raise ValueError(f"execute_timeout_s must be > 0 or None, got {self.execute_timeout_s}")
-        if self.ray_output_transport not in ("auto", "shm", "object_store"):
-            raise ValueError(f"ray_output_transport must be auto, shm or object_store, "
-                             f"got {self.ray_output_transport!r}")
-        if not self.ray_cpus_per_rank > 0:
-            raise ValueError(f"ray_cpus_per_rank must be > 0, got {self.ray_cpus_per_rank}")
-        if self.output_queue_depth < 1:
-            raise ValueError(f"output_queue_depth must be >= 1, got {self.output_queue_depth}")
+        check_declared(self, ExecutorOptions.__struct_fields__)

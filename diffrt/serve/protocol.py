@@ -5,27 +5,35 @@ FastAPI validates with them and publishes them in /openapi.json).
 that have no meaning for a diffusion model (``quality``, ``background``,
 ``moderation``, ``style``, ``complexity``, ``safety_identifier``), adds
 diffrt's extensions at the top level (what the ``openai`` client's
-``extra_body`` sends) and refuses any other field by name.
+``extra_body`` sends) and refuses any other field by name. Its sampling
+fields are made from ``SamplingParams``' declarations, with OpenAI's names
+where OpenAI has one (``n``; ``size`` for height and width; ``*_ms`` for a
+``*_s`` field), so the body, the engine and the CLI accept the same values.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from diffrt.engine.declarations import Declared, declared_fields
+from diffrt.engine.sampling import SamplingParams
 
 #: upper bound of a prompt in characters (the engine's own limit may be lower)
 MAX_PROMPT_CHARS = 32_000
 
 
-class ImageGenerationRequest(BaseModel):
-    """POST /v1/images/generations."""
+class _ImageGenerationBody(BaseModel):
+    """POST /v1/images/generations: OpenAI's own fields, the request's texts,
+    and the fields OpenAI has that mean nothing here (accepted, ignored). The
+    sampling fields are added from their declarations (``SAMPLING_FIELDS``)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = None
-    n: int = Field(1, ge=1, le=10, description="images for the prompt (1-10)")
     size: str = Field("auto", max_length=32,
                       description='"WxH" in pixels, or "auto" for the model\'s default')
     response_format: Literal["b64_json", "url"] = "b64_json"
@@ -34,8 +42,6 @@ class ImageGenerationRequest(BaseModel):
         None, ge=0, le=100, description="jpeg/webp quality, 0-100 (default 100)")
     user: str | None = Field(None, max_length=256)
     stream: bool = False
-    partial_images: int = Field(0, ge=0, le=3,
-                                description="previews streamed before the image (stream only)")
 
     # OpenAI fields without meaning here: accepted, ignored.
     quality: str | None = Field(None, max_length=32, description="accepted, ignored")
@@ -45,13 +51,55 @@ class ImageGenerationRequest(BaseModel):
     complexity: str | None = Field(None, max_length=32, description="accepted, ignored")
     safety_identifier: str | None = Field(None, max_length=256, description="accepted, ignored")
 
-    # diffrt's extensions
+    # diffrt's extensions that are not sampling fields
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
-    num_inference_steps: int | None = Field(None, ge=1, le=1000)
-    guidance_scale: float | None = Field(None, ge=0, le=1000)
-    true_cfg_scale: float | None = Field(None, ge=0, le=1000)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stream_progress: bool = Field(False, description="stream step-progress events (stream only)")
+
+
+@dataclass(frozen=True)
+class BodyField:
+    """How one SamplingParams field is spelt in the HTTP body."""
+
+    field: str            # the SamplingParams name
+    http: str             # the body's name
+    scale: float = 1.0    # body value = engine value x scale (``*_ms`` <-> ``*_s``)
+
+
+def _http_name(declared: Declared) -> str | None:
+    """The body's name of a sampling field: its declared one ("" the same;
+    None: it has no meaning over HTTP). height and width travel as ``size``."""
+    http = declared.extra.get("http", "")
+    if http is None or http == "size":
+        return None
+    return http or declared.name
+
+
+def _scale(declared: Declared, name: str) -> float:
+    """A body field named ``*_ms`` for an engine field ``*_s`` carries milliseconds."""
+    return 1000.0 if name.endswith("_ms") and declared.name.endswith("_s") else 1.0
+
+
+def _body_field(declared: Declared, name: str) -> tuple[Any, Any]:
+    """A pydantic field with the declaration's type, limits and default."""
+    scale = _scale(declared, name)
+    python = {"int": int, "float": float, "str": str, "bool": bool}[declared.kind]
+    bounds = {k: v * scale if scale != 1.0 and k in ("ge", "gt", "le", "lt") else v
+              for k, v in declared.bounds.items()}
+    annotation: Any = python | None if declared.optional else python
+    default = None if declared.optional else declared.default
+    return annotation, Field(default, description=declared.description, **bounds)
+
+
+#: the sampling fields the body carries, and their body names
+_DECLARED = {d.name: d for d in declared_fields(SamplingParams)}
+SAMPLING_FIELDS: tuple[BodyField, ...] = tuple(
+    BodyField(d.name, name, _scale(d, name))
+    for d in _DECLARED.values() if (name := _http_name(d)) is not None)
+
+ImageGenerationRequest = create_model(
+    "ImageGenerationRequest", __base__=_ImageGenerationBody,
+    __doc__="POST /v1/images/generations (OpenAI's fields, then the sampling fields).",
+    **{f.http: _body_field(_DECLARED[f.field], f.http) for f in SAMPLING_FIELDS})
 
 
 class ImageData(BaseModel):

@@ -135,7 +135,6 @@ class ModelReplica:
 
     def __init__(self, config: EngineConfig, settings: ServeSettings, board: Any,
                  cpus: float = 1.0) -> None:
-        import dataclasses
 
         from ray import serve
 
@@ -152,7 +151,7 @@ class ModelReplica:
 
         if current_platform.device_type == "cpu" and config.torch_threads is None:
             changes["torch_threads"] = max(1, round(cpus / max(1, config.ranks)))
-        self.engine = DiffusionEngine.make_engine(dataclasses.replace(config, **changes))
+        self.engine = DiffusionEngine.make_engine(config.replace(**changes))
         self.client = EngineClient(None, settings, engine=self.engine)
         self._publisher = threading.Thread(target=self._publish, name="diffrt-stats",
                                            daemon=True)

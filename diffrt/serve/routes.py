@@ -33,6 +33,7 @@ from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.errors import ApiError
 from diffrt.serve.images import MEDIA_TYPES, b64, encode_image
 from diffrt.serve.protocol import (
+    SAMPLING_FIELDS,
     DiffrtInfo,
     ErrorResponse,
     ImageData,
@@ -76,7 +77,7 @@ async def require_api_key(request: Request) -> None:
 # -- images ---------------------------------------------------------------------------
 @router.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS,
              dependencies=[Depends(require_api_key)])
-async def generate(body: ImageGenerationRequest, request: Request) -> Any:
+async def generate(body: ImageGenerationRequest, request: Request) -> Any:  # type: ignore[valid-type]
     """Generate images (OpenAI's Images API). ``stream: true`` answers with
     server-sent events: ``image_generation.partial_image`` previews, then
     ``image_generation.completed``."""
@@ -86,11 +87,9 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:
                             f"{client.model_name!r}", param="model", code="model_not_found")
     if body.stream and body.n != 1:
         raise ApiError(400, "n: must be 1 with stream=true", param="n")
-    if not client.step_mode:
-        for field in ("partial_images", "stream_progress"):
-            if getattr(body, field):
-                raise ApiError(400, f"{field}: needs a server in step mode (diffrt serve "
-                                    "--mode step, the default)", param=field)
+    if body.stream_progress and not client.step_mode:  # previews: the engine's own check
+        raise ApiError(400, "stream_progress: needs a server in step mode (diffrt serve "
+                            "--step-execution, the default)", param="stream_progress")
     engine_request = to_engine_request(body, request.state.request_id)
     created = int(time.time())
     # capacity (429/503) and the engine's checks (400) answer on the first
@@ -133,16 +132,19 @@ async def _last(outputs: AsyncIterator[DiffusionOutput]) -> DiffusionOutput | No
     return final
 
 
-def to_engine_request(body: ImageGenerationRequest, request_id: str) -> DiffusionRequest:
+def to_engine_request(body: Any, request_id: str) -> DiffusionRequest:
+    """The engine request of a body: its sampling fields by their declared
+    names (``protocol.SAMPLING_FIELDS``), ``size`` as height and width;
+    previews only for a stream."""
     height, width = parse_size(body.size)
-    return DiffusionRequest(
-        prompt=body.prompt, negative_prompt=body.negative_prompt, request_id=request_id,
-        sampling_params=SamplingParams(
-            height=height, width=width, num_inference_steps=body.num_inference_steps,
-            guidance_scale=body.guidance_scale,
-            true_cfg_scale=body.true_cfg_scale,
-            seed=body.seed, num_outputs_per_prompt=body.n,
-            partial_images=body.partial_images if body.stream else 0))
+    fields: dict[str, Any] = {"height": height, "width": width}
+    for f in SAMPLING_FIELDS:
+        value = getattr(body, f.http)
+        fields[f.field] = value / f.scale if value is not None and f.scale != 1.0 else value
+    if not body.stream:
+        fields["partial_images"] = 0
+    return DiffusionRequest(prompt=body.prompt, negative_prompt=body.negative_prompt,
+                            request_id=request_id, sampling_params=SamplingParams(**fields))
 
 
 def parse_size(size: str) -> tuple[int | None, int | None]:

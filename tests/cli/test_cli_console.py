@@ -28,6 +28,7 @@ def test_bad_input_gives_clean_error(cli, clean_error, tmp_path):
                 "no-such-model", "tiny-flux")
     clean_error(cli("generate", "-p", "a fox", "-o", str(tmp_path / "nope" / "x.png"), cwd=tmp_path),
                 "does not exist")
-    clean_error(cli("generate", "-p", "a fox", "--height", "-16", cwd=tmp_path), "--height")
-    clean_error(cli("bench", "--width", "1000", "--executor", "inproc", cwd=tmp_path), "width")
+    clean_error(cli("generate", "-p", "a fox", "--height", "-16", cwd=tmp_path),
+                "height: must be an int >= 1")
+    clean_error(cli("bench", "--width", "1000", "--executor-backend", "inproc", cwd=tmp_path), "width")
     assert not list(tmp_path.iterdir())

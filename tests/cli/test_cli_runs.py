@@ -36,7 +36,7 @@ def test_generate_writes_pngs_with_progress_and_trace(cli, tmp_path):
     prompts.write_text("# a comment\na lighthouse at dusk\n\n")
     proc = cli("generate", "--prompt", "a red fox", "--prompts-file", str(prompts),
                "--height", "64", "--width", "96", "--steps", "3", "--seed", "7",
-               "--step-execution", "--steps-per-tick", "1",  # one worker call per step
+               "--step-execution", "--max-steps-per-tick", "1",  # one worker call per step
                "-o", "img.png",  # default executor: worker processes
                "--trace", "gen.json", "--plot", "gen.png",
                "--plugin-module", "progress_for_every_size", cwd=tmp_path,
@@ -88,8 +88,8 @@ def test_bench_compare_prints_table_json_and_overlapping_trace(cli, tmp_path):
         pytest.fail("the simulated device plugin is missing: pip install "
                     "./tests/plugins/diffrt_simdevice (scripts/test.sh does)")
     env = {"DIFFRT_PLATFORM": "simdevice", "DIFFRT_SIMDEVICE_COPY_DELAY_MS": "40"}
-    proc = cli("bench", "--model", "tiny-flux", "--executor", "inproc", "--height", "64", "--width", "64",
-               "--steps", "2", "-N", "4", "-c", "2", "--warmup", "1", "--distinct-prompts", "2",
+    proc = cli("bench", "--model", "tiny-flux", "--executor-backend", "inproc", "--height", "64", "--width", "64",
+               "--steps", "2", "-N", "4", "-c", "2", "--warmup-requests", "1", "--distinct-prompts", "2",
                "--compare", "async_output=off", "async_output=on",
                "--json", "bench.json", "--trace", "bench-trace.json", "--plot", "timeline.png",
                cwd=tmp_path, env=env)

@@ -45,24 +45,27 @@ def test_table_aligns_columns():
 
 
 def test_compare_specs_parse_and_apply_over_the_base(tmp_path):
-    assert parse_spec("mode=step, max-num-seqs=8,async_output=false") == {
-        "mode": "step", "max_num_seqs": 8, "async_output": "off"}
-    for bad in ("mode=sideways", "max_num_seqs=0", "colour=red", "mode"):
+    assert parse_spec("step_execution=on, max-num-seqs=8,async_output=false") == {
+        "step_execution": True, "max_num_seqs": 8, "async_output": False}
+    for bad in ("step_execution=sideways", "max_num_seqs=0", "colour=red", "step_execution",
+                "scheduling_policy=lifo"):
         with pytest.raises(CliError):
             parse_spec(bad)
     from diffrt.cli import build_parser
+    from diffrt.cli.engine_opts import UNSET
 
     args = build_parser().parse_args(["bench", "--steps", "3", "--compare", "async_output=off",
-                                      "executor=inproc,max_num_seqs=4"])
+                                      "executor_backend=inproc,max_num_seqs=4"])
     configs = build_configs(args)
-    assert [label for label, _ in configs] == ["async_output=off", "executor=inproc,max_num_seqs=4"]
-    assert configs[0][1]["steps"] == 3 and configs[0][1]["max_num_seqs"] == 1
-    assert configs[1][1]["max_num_seqs"] == 4 and configs[1][1]["async_output"] == "auto"
+    assert [label for label, _ in configs] == ["async_output=off",
+                                               "executor_backend=inproc,max_num_seqs=4"]
+    assert configs[0][1]["num_inference_steps"] == 3 and configs[0][1]["max_num_seqs"] is UNSET
+    assert configs[1][1]["max_num_seqs"] == 4 and configs[1][1]["async_output"] is UNSET
 
 
 def test_results_table_shows_ratios_against_the_first():
     load = {"num_requests": 4, "concurrency": 2, "request_rate": None, "height": 64,
-            "width": 64, "steps": 2}
+            "width": 64, "num_inference_steps": 2}
     text_a = text_encoding_summary(TextEncoderStats(encoded=4, cache_hits=0, seconds=0.2), 4)
     text_b = text_encoding_summary(TextEncoderStats(encoded=1, cache_hits=3, seconds=0.02), 4)
     assert text_a == {"text_encode_ms": pytest.approx(50.0), "prompts_encoded": 4,
@@ -119,9 +122,10 @@ def test_env_report_renders_sections():
     (["generate", "-p", "x", "--width", "8192"], "width"),
     (["generate"], "--prompt"),
     (["generate", "-p", "x", "--prompts-file", "/nonexistent/prompts.txt"], "prompts-file"),
-    (["bench", "--compare", "mode=sideways"], "mode"),
+    (["bench", "--compare", "step_execution=sideways"], "step_execution"),
     # a bad later configuration is refused before the first one runs
-    (["bench", "--executor", "inproc", "--compare", "max_num_seqs=1", "cfg_parallel_size=2"],
+    (["bench", "--executor-backend", "inproc", "--compare", "max_num_seqs=1",
+      "cfg_parallel_size=2"],
      "executor_backend"),
     (["bench", "--json", "/nonexistent/r.json"], "does not exist"),
     (["generate", "-p", "x", "--trace", "/nonexistent/t.json"], "does not exist"),
@@ -161,14 +165,14 @@ def test_engine_settings_follow_the_command_line():
     from diffrt.cli.engine_opts import engine_settings
 
     args = build_parser().parse_args(["bench"])
-    assert engine_settings(args) == {"model": "diffrt-shapes", "step_execution": False,
-                                     "max_num_seqs": 1}
+    assert engine_settings(args) == {}  # nothing given: the engine's defaults
     args = build_parser().parse_args([
-        "bench", "--step-execution", "--max-num-seqs", "4", "--async-output", "off",
-        "--cfg-parallel-size", "2", "--world-size", "2", "--executor", "mp", "--threads", "1",
-        "--policy", "skip_ahead", "--batch-wait-ms", "5"])
+        "bench", "--step-execution", "--max-num-seqs", "4", "--no-async-output",
+        "--cfg-parallel-size", "2", "--world-size", "2", "--executor-backend", "mp",
+        "--torch-threads", "1", "--scheduling-policy", "skip_ahead",
+        "--step-batch-max-wait-ms", "5", "-m", "tiny-flux"])
     assert engine_settings(args) == {
-        "model": "diffrt-shapes", "step_execution": True, "max_num_seqs": 4, "async_output": False,
+        "model": "tiny-flux", "step_execution": True, "max_num_seqs": 4, "async_output": False,
         "world_size": 2, "executor_backend": "mp", "torch_threads": 1, "cfg_parallel_size": 2,
         "scheduling_policy": "skip_ahead", "step_batch_max_wait_ms": 5.0}
     from diffrt.engine import EngineConfig
@@ -179,32 +183,57 @@ def test_engine_settings_follow_the_command_line():
 def test_engine_flags_reach_the_engine_config():
     import argparse
 
-    from diffrt.cli.engine_opts import add_engine_args, add_model_args, engine_settings
+    from diffrt.cli.engine_opts import add_engine_args, add_sampling_args, engine_settings
 
     p = argparse.ArgumentParser()
-    add_model_args(p)
-    add_engine_args(p, executor=None)
-    args = p.parse_args(["--dtype", "bfloat16", "--startup-timeout", "900", "--true-cfg-scale", "4"])
+    add_sampling_args(p)
+    add_engine_args(p)
+    args = p.parse_args(["--dtype", "bfloat16", "--startup-timeout-s", "900",
+                         "--true-cfg-scale", "4"])
     settings = engine_settings(args)
-    assert settings["dtype"] == "bfloat16"
-    assert settings["executor_options"] == {"startup_timeout_s": 900.0}
+    assert settings == {"dtype": "bfloat16", "startup_timeout_s": 900.0}
     assert args.true_cfg_scale == 4.0
-    assert "dtype" not in engine_settings(p.parse_args([]))  # auto: the engine's default
     assert engine_settings(p.parse_args(["--vae-tiling"]))["vae_tiling"] is True
-    assert engine_settings(p.parse_args(["--plugin-module", "a.b", "--plugin-module", "c"])
-                           )["plugin_modules"] == ["a.b", "c"]
-    compiled = engine_settings(p.parse_args(["--compile"]))
-    assert compiled["compile"] is True and compiled["compile_backend"] == "inductor"
-    assert engine_settings(p.parse_args(["--compile", "aot_eager"]))["compile_backend"] == "aot_eager"
-    assert "compile" not in engine_settings(p.parse_args([]))
-    assert engine_settings(p.parse_args(["--steps-per-tick", "1"]))["max_steps_per_tick"] == 1
+    assert engine_settings(p.parse_args(["--no-warmup"]))["warmup"] is False
+    assert engine_settings(p.parse_args(["--plugin-module", "a.b", "--plugin-modules", "c"])
+                           )["plugin_modules"] == ("a.b", "c")
+    assert engine_settings(p.parse_args(["--worker-env", "A=1", "--worker-env", "B=x=y"])
+                           )["worker_env"] == {"A": "1", "B": "x=y"}
+    compiled = engine_settings(p.parse_args(["--compile", "--compile-backend", "aot_eager"]))
+    assert compiled == {"compile": True, "compile_backend": "aot_eager"}
+    assert engine_settings(p.parse_args(["--max-steps-per-tick", "1"]))["max_steps_per_tick"] == 1
     cfg = engine_settings(p.parse_args(["--cfg-parallel-size", "2"]))
-    assert cfg["cfg_parallel_size"] == 2 and "world_size" not in cfg  # the engine derives it
-    sp = engine_settings(p.parse_args(["--ulysses-degree", "4", "--vae-parallel"]))
-    assert sp["ulysses_degree"] == 4 and sp["vae_parallel"] is True
-    assert engine_settings(p.parse_args(["--ring-degree", "2"]))["ring_degree"] == 2
-    assert engine_settings(p.parse_args(["--batch-wait-ms", "0"]))[
+    assert cfg == {"cfg_parallel_size": 2}  # the engine derives world_size
+    assert engine_settings(p.parse_args(["--request-timeout-s", "none"])) == {
+        "request_timeout_s": None}  # None: no limit, as the setting says
+    assert engine_settings(p.parse_args(["--request-batch-max-wait-ms", "0"]))[
         "request_batch_max_wait_ms"] == 0.0  # 0 turns the automatic window off
+
+
+@pytest.mark.parametrize("old, new", [
+    ("--threads 2", "--torch-threads"), ("--policy fifo", "--scheduling-policy"),
+    ("--batch-wait-ms 5", "--request-batch-max-wait-ms"), ("--mode step", "--step-execution"),
+    ("--steps-per-tick 2", "--max-steps-per-tick"), ("--executor mp", "--executor-backend"),
+])
+def test_renamed_flags_exit_2_naming_the_new_one(capsys, old, new):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "-p", "x", *old.split()])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{old.split()[0]} was renamed: use {new}" in err
+
+
+def test_out_of_range_flags_are_the_declarations_one_line_refusals(capsys):
+    """A flag's limits are its declaration's: the engine's own check refuses
+    the value in one line naming the field, before anything starts."""
+    for argv, message in ((["--max-num-seqs", "0"], "max_num_seqs: must be an int >= 1"),
+                          (["--num-inference-steps", "1001"],
+                           "num_inference_steps: must be an int <= 1000"),
+                          (["--guidance-scale", "nan"], "guidance_scale: must be a number"),
+                          (["--height", "0"], "height: must be an int >= 1")):
+        assert main(["generate", "-p", "x", "--executor-backend", "inproc", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_bench_configurations_keep_every_engine_flag():
@@ -212,15 +241,26 @@ def test_bench_configurations_keep_every_engine_flag():
     from diffrt.cli.engine_opts import engine_settings
 
     args = build_parser().parse_args(["bench", "--dtype", "float16", "--vae-slicing",
-                                      "--compare", "mode=step", "max_num_seqs=2"])
+                                      "--compare", "step_execution=on", "max_num_seqs=2"])
     for _, opts in build_configs(args):
         settings = engine_settings(opts)
         assert settings["dtype"] == "float16" and settings["vae_slicing"] is True
     args = build_parser().parse_args(["bench", "--compare", "cfg_parallel_size=2,vae_parallel=on",
-                                      "ulysses_degree=2,vae_parallel=off"])
-    first, second = (engine_settings(opts) for _, opts in build_configs(args))
-    assert first["cfg_parallel_size"] == 2 and first["vae_parallel"] is True
-    assert second["ulysses_degree"] == 2 and "vae_parallel" not in second
+                                      "ulysses_degree=2,vae_parallel=off,steps=3"])
+    (_, first), (_, second) = build_configs(args)
+    assert engine_settings(first)["cfg_parallel_size"] == 2
+    assert engine_settings(first)["vae_parallel"] is True
+    assert engine_settings(second)["ulysses_degree"] == 2
+    assert engine_settings(second)["vae_parallel"] is False
+    assert second["num_inference_steps"] == 3  # the --steps alias
+
+
+def test_bench_compare_keys_of_earlier_releases_name_the_new_one():
+    from diffrt.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--compare", "mode=step"])
+    with pytest.raises(CliError, match="mode was renamed: use step_execution"):
+        build_configs(args)
 
 
 def test_serve_refuses_a_bad_model_before_starting(capsys):
@@ -234,12 +274,13 @@ def test_serve_defaults_to_step_mode():
     from diffrt.cli.engine_opts import engine_settings
 
     args = build_parser().parse_args(["serve"])
-    assert args.mode == "step" and args.port == 8000 and args.host == "127.0.0.1"
-    assert engine_settings(args)["step_execution"] is True
-    args = build_parser().parse_args(["serve", "--mode", "request", "--request-timeout", "5",
-                                      "--max-request-cost", "2"])
+    assert args.port == 8000 and args.host == "127.0.0.1"
+    assert engine_settings(args) == {"step_execution": True, "max_num_seqs": 8,
+                                     "unread_output_timeout_s": 120.0, "restart_workers": True}
+    args = build_parser().parse_args(["serve", "--no-step-execution", "--request-timeout-s",
+                                      "5", "--max-request-cost", "2", "--no-restart-workers"])
     settings = engine_settings(args)
-    assert settings["step_execution"] is False
+    assert settings["step_execution"] is False and settings["restart_workers"] is False
     assert (settings["request_timeout_s"], settings["max_request_cost"]) == (5.0, 2.0)
 
 

@@ -16,7 +16,7 @@ import torch
 from shape_checks import SCENES, assert_drawn
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.pipelines.registry import resolve_pipeline_class
+from diffrt.engine.pipelines.registry import resolve_model_spec
 from diffrt.engine.pipelines.shipped import shipped_folder
 
 FOLDER = shipped_folder("diffrt-shapes")
@@ -45,14 +45,13 @@ def diffusers_pixels() -> list[np.ndarray]:
 
 
 def test_the_shipped_folder_carries_its_defaults_and_its_model_card():
-    cls = resolve_pipeline_class("diffrt-shapes")
-    by_path = resolve_pipeline_class(FOLDER)  # the folder by path keeps its defaults
-    assert by_path.sampling_defaults == cls.sampling_defaults
+    cls = resolve_model_spec("diffrt-shapes")
+    by_path = resolve_model_spec(FOLDER)  # the folder by path keeps its defaults
+    assert by_path.defaults == cls.defaults
     assert by_path.default_negative_prompt == cls.default_negative_prompt == ""
     assert cls.max_size == 512  # Flux's 2048 is for an 8x VAE: the same token bound
-    assert {k: cls.sampling_defaults[k] for k in (
-        "height", "width", "num_inference_steps", "true_cfg_scale")} \
-        == {"height": 64, "width": 64, "num_inference_steps": 12, "true_cfg_scale": 3.0}
+    d = cls.defaults
+    assert (d.height, d.width, d.num_inference_steps, d.true_cfg_scale) == (64, 64, 12, 3.0)
     # guided by default, against the empty prompt; not when asked for no CFG
     assert cls.uses_cfg(cls.with_defaults(requests("defaults")[0]))
     assert not cls.uses_cfg(cls.with_defaults(DiffusionRequest(

@@ -88,7 +88,7 @@ def test_request_mode_error_mapping_and_worker_death():
     alone; a worker killed mid-forward fails its request promptly."""
     engine = DiffusionEngine.make_engine(EngineConfig(
         model="toy", max_num_seqs=4, plugin_modules=["engine_toy"],
-        executor_options={"worker_env": {"PYTHONPATH": str(ENGINE_TESTS)}}))
+        worker_env={"PYTHONPATH": str(ENGINE_TESTS)}))
     try:
         outs = engine.generate([toy_req("a"), toy_req("fail"), toy_req("b")])
         assert outs[0].ok and outs[2].ok
@@ -121,7 +121,7 @@ def test_the_watchdog_kills_a_hung_worker_not_a_long_forward():
     hung, killed, and its request fails saying so; close() then returns at once."""
     engine = DiffusionEngine.make_engine(EngineConfig(
         model="toy", plugin_modules=["engine_toy"], execute_timeout_s=1.5, warmup=False,
-        executor_options={"worker_env": {"PYTHONPATH": str(ENGINE_TESTS)}}))
+        worker_env={"PYTHONPATH": str(ENGINE_TESTS)}))
     try:
         long = engine.generate(toy_req("slowsteps", steps=6), timeout=60)  # 2.4 s in all
         assert long.ok, long.error
@@ -155,8 +155,7 @@ def test_close_returns_within_its_grace_when_a_worker_is_stopped():
     mapped_before = arena_mappings(os.getpid())  # other tests' engines may map theirs
     engine = DiffusionEngine.make_engine(EngineConfig(
         model="toy", plugin_modules=["engine_toy"], execute_timeout_s=None, warmup=False,
-        executor_options={"worker_env": {"PYTHONPATH": str(ENGINE_TESTS)},
-                          "shutdown_grace_s": 1.0}))
+        worker_env={"PYTHONPATH": str(ENGINE_TESTS)}, shutdown_grace_s=1.0))
     [pid] = engine.executor.worker_pids
     got: list = []
     t = threading.Thread(target=lambda: got.append(
@@ -184,7 +183,7 @@ def test_restart_workers_replaces_a_dead_worker():
     waiting one is served by the fresh worker, and so is everything after."""
     engine = DiffusionEngine.make_engine(EngineConfig(
         model="toy", plugin_modules=["engine_toy"], restart_workers=True, warmup=False,
-        executor_options={"worker_env": {"PYTHONPATH": str(ENGINE_TESTS)}}))
+        worker_env={"PYTHONPATH": str(ENGINE_TESTS)}))
     try:
         [pid] = engine.executor.worker_pids
         got: list = []

@@ -70,7 +70,7 @@ def one_rank():
 
 def on_ranks(batches: list[list[DiffusionRequest]], **config) -> list[list[np.ndarray]]:
     """Each batch, in turn, through one engine of several worker ranks."""
-    with DiffusionEngine.make_engine(EngineConfig(max_num_seqs=4, executor_options=LOOPBACK,
+    with DiffusionEngine.make_engine(EngineConfig(max_num_seqs=4, **LOOPBACK,
                                                   **config)) as engine:
         return [pixels(engine.generate(batch, timeout=120)) for batch in batches]
 
@@ -116,7 +116,7 @@ def test_a_rank_killed_mid_request_fails_it_and_leaves_nothing_behind():
     request fails promptly (its peer would wait in a collective: the engine
     kills it), the engine reports itself dead, and close leaves no process."""
     engine = DiffusionEngine.make_engine(EngineConfig(
-        model="tiny-flux", ulysses_degree=2, executor_options=LOOPBACK))
+        model="tiny-flux", ulysses_degree=2, **LOOPBACK))
     pids = list(engine.executor.worker_pids)
     try:
         fails_when_a_rank_dies(engine, lambda: os.kill(pids[1], signal.SIGKILL), wait_until,
@@ -153,7 +153,7 @@ def test_a_failure_on_one_rank_only_ends_that_rank_not_in_a_hang():
     other rank's collectives broke), and nothing hangs or stays behind."""
     engine = DiffusionEngine.make_engine(EngineConfig(
         model="tiny-flux", ulysses_degree=2, step_execution=True, max_num_seqs=2,
-        plugin_modules=["rank_faults"], executor_options=FAULTS))
+        plugin_modules=["rank_faults"], **FAULTS))
     pids = list(engine.executor.worker_pids)
     try:
         def req(prompt: str) -> DiffusionRequest:
@@ -175,7 +175,7 @@ def test_a_failure_on_one_rank_only_ends_that_rank_not_in_a_hang():
 
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory):
-    from diffrt.engine.pipelines.tiny_qwen_image import build_tiny_qwen_image_folder
+    from diffrt.engine.pipelines.qwen_image.tiny_folder import build_tiny_qwen_image_folder
 
     return str(build_tiny_qwen_image_folder(tmp_path_factory.mktemp("qwen") / "qwen", seed=0))
 

@@ -22,7 +22,8 @@ from collections import defaultdict
 
 import torch
 
-from diffrt.engine.pipelines import register_pipeline
+from diffrt.engine.model_spec import ModelSpec, SamplingDefaults
+from diffrt.engine.pipelines import register_model
 from diffrt.engine.pipelines.interface import DiffusionPipeline
 from diffrt.engine.postprocess import quantize_images
 
@@ -81,16 +82,21 @@ def _record(kind: str, ids: list[str]) -> None:
         CALLS.append((kind, ids))
 
 
-class ToyPipeline(DiffusionPipeline):
-    name = "toy"
-    supports_request_batch = True
-    supports_step_execution = True
-    size_multiple = 8
-    max_size = 512
+def toy_spec(name: str, pipeline: str, *, batches: bool = True) -> ModelSpec:
+    """A toy's description: 8-px multiples up to 512, 128 px in 4 steps."""
+    return ModelSpec(name=name, family="toy", pipeline=f"engine_toy:{pipeline}",
+                     size_multiple=8, max_size=512,
+                     defaults=SamplingDefaults(height=128, width=128, num_inference_steps=4,
+                                               guidance_scale=1.0),
+                     supports_request_batch=batches, supports_step_execution=batches)
 
+
+class ToyPipeline(DiffusionPipeline):
     @classmethod
-    def create(cls, *, device, dtype):
-        return cls()
+    def load(cls, spec, *, device, dtype):
+        pipeline = cls()
+        pipeline.spec = spec
+        return pipeline
 
     def _image(self, request, steps: int) -> torch.Tensor:
         p = request.sampling_params
@@ -142,14 +148,7 @@ class ToyPipeline(DiffusionPipeline):
         return super().post_decode_batch(states)
 
 
-class SerialToyPipeline(ToyPipeline):
-    name = "toy-serial"
-    supports_request_batch = False
-    supports_step_execution = False
-
-
 class HangingToyPipeline(ToyPipeline):
-    name = "toy-hang"
 
     def forward(self, batch):
         if not gate("hang").wait(BLOCK_TIMEOUT_S):
@@ -157,6 +156,6 @@ class HangingToyPipeline(ToyPipeline):
         return super().forward(batch)
 
 
-register_pipeline("toy", ToyPipeline)
-register_pipeline("toy-serial", SerialToyPipeline)
-register_pipeline("toy-hang", HangingToyPipeline)
+register_model(toy_spec("toy", "ToyPipeline"))
+register_model(toy_spec("toy-serial", "ToyPipeline", batches=False))
+register_model(toy_spec("toy-hang", "HangingToyPipeline"))

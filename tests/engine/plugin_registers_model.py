@@ -1,6 +1,8 @@
 """Test plugin (``plugin_modules``): importing it registers the model name
-"toy-from-plugin" (the toy pipeline)."""
+"toy-from-plugin" (the toy pipeline, with the toy's spec)."""
 
-from diffrt.engine.pipelines import register_pipeline
+from engine_toy import toy_spec
 
-register_pipeline("toy-from-plugin", "engine_toy:ToyPipeline")
+from diffrt.engine.pipelines import register_model
+
+register_model(toy_spec("toy-from-plugin", "ToyPipeline"))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -68,7 +66,7 @@ def test_world_size_is_the_product_of_the_parallel_degrees():
     assert EngineConfig(model="tiny-flux").ranks == 1
     assert EngineConfig(model="tiny-flux", ring_degree=3, world_size=3).ranks == 3
     # the derived size is not written back: a copy with other degrees is valid
-    assert dataclasses.replace(config, cfg_parallel_size=1).ranks == 4
+    assert config.replace(cfg_parallel_size=1).ranks == 4
 
 
 def test_more_ranks_than_devices_are_refused():
@@ -114,16 +112,17 @@ def test_executor_config_names_the_pipeline_runner_and_its_typed_settings():
 
     cfg = EngineConfig(model="toy", dtype="bfloat16", torch_threads=3, plugin_modules=["engine_toy"],
                        max_pending_output_bytes=1 << 20, output_timeout_s=7.0,
-                       executor_options={"startup_timeout_s": 9.0})
+                       startup_timeout_s=9.0)
     from types import SimpleNamespace
 
     no_async_cpu = SimpleNamespace(supports_async_output=False, device_type="cpu")
     ex = cfg.executor_config(platform=no_async_cpu)
     assert ex.runner.cls == "diffrt.engine.pipeline_runner:PipelineRunner"
     assert ex.runner.protocol is PIPELINE_PROTOCOL
-    assert ex.runner.settings == RunnerSettings(model="toy", dtype="bfloat16", torch_threads=3,
-                                                plugin_modules=["engine_toy"],
-                                                prompt_cache_bytes=64 << 20)
+    assert ex.runner.settings == RunnerSettings(spec=cfg.model_spec(), model=cfg.model_config,
+                                                parallel=cfg.parallel)
+    assert (cfg.model_config.dtype, cfg.model_config.torch_threads,
+            cfg.model_config.plugin_modules) == ("bfloat16", 3, ("engine_toy",))
     assert (ex.max_pending_output_bytes, ex.output_timeout_s, ex.startup_timeout_s) == \
         (1 << 20, 7.0, 9.0)
     assert ex.async_output is False  # auto follows the platform
@@ -134,7 +133,7 @@ def test_executor_config_names_the_pipeline_runner_and_its_typed_settings():
 def test_cpu_workers_start_with_the_cpu_policy_and_the_user_wins(monkeypatch):
     """A CPU worker keeps freed memory for reuse (no per-request page faults)
     and takes every core; an accelerator's worker gets neither; a value the
-    user set, in the environment or in executor_options, wins."""
+    user set, in the environment or in worker_env, wins."""
     from types import SimpleNamespace
 
     from diffrt.engine.cpu_policy import cpu_worker_threads
@@ -146,7 +145,7 @@ def test_cpu_workers_start_with_the_cpu_policy_and_the_user_wins(monkeypatch):
     env = EngineConfig(model="toy").executor_config(platform=cpu).worker_env
     assert env["MALLOC_MMAP_MAX_"] == "0" and int(env["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 30
     assert EngineConfig(model="toy").executor_config(platform=gpu).worker_env == {}
-    mine = EngineConfig(model="toy", executor_options={"worker_env": {"MALLOC_MMAP_MAX_": "7"}})
+    mine = EngineConfig(model="toy", worker_env={"MALLOC_MMAP_MAX_": "7"})
     assert mine.executor_config(platform=cpu).worker_env["MALLOC_MMAP_MAX_"] == "7"
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
     assert "MALLOC_TRIM_THRESHOLD_" not in EngineConfig(model="toy").executor_config(
@@ -159,8 +158,11 @@ def test_cpu_workers_start_with_the_cpu_policy_and_the_user_wins(monkeypatch):
 @pytest.mark.parametrize("field,value", [
     ("plugin_modules", "engine_toy"),          # a str, not a sequence of names
     ("plugin_modules", ["ok", ""]),
-    ("executor_options", {"runner_kwargs": {}}),
-    ("executor_options", {"max_pending_output_bytes": 1}),  # has its own field
+    ("executor_options", {"startup_timeout_s": 1}),  # gone: each option is a setting
+    ("worker_env", {"A": 1}),
+    ("max_pending_output_bytes", 1),
+    ("ray_output_transport", "carrier-pigeon"),
+    ("ray_cpus_per_rank", 0),
 ])
 def test_worker_options_are_checked(field, value):
     with pytest.raises(EngineConfigError) as info:
@@ -175,28 +177,28 @@ def test_plugin_modules_are_imported_before_the_model_is_resolved(tmp_path, caps
     from diffrt.engine.pipelines import registry
 
     sys.modules.pop("plugin_registers_model", None)  # its import is what registers
-    registry._PIPELINES.pop("toy-from-plugin", None)
+    registry.unregister_model("toy-from-plugin")
     try:
         with pytest.raises(EngineConfigError, match="toy-from-plugin"):
             EngineConfig(model="toy-from-plugin")  # not registered without its plugin
         cfg = EngineConfig(model="toy-from-plugin", plugin_modules=["plugin_registers_model"])
-        assert cfg.pipeline_class().__name__ == "ToyPipeline"
+        assert cfg.model_spec().pipeline == "engine_toy:ToyPipeline"
         # the CLI checks the request against the plugin's model before any engine starts
         sys.modules.pop("plugin_registers_model")
-        registry._PIPELINES.pop("toy-from-plugin")
-        code = main(["generate", "--model", "toy-from-plugin", "--plugin-module",
-                     "plugin_registers_model", "--executor", "inproc", "-p", "x",
+        registry.unregister_model("toy-from-plugin")
+        code = main(["generate", "--model", "toy-from-plugin", "--plugin-modules",
+                     "plugin_registers_model", "--executor-backend", "inproc", "-p", "x",
                      "--height", "16", "--width", "16", "--steps", "2", "--no-progress",
                      "-o", str(tmp_path / "x.png")])
         assert code == 0, capsys.readouterr().err
         assert (tmp_path / "x.png").exists()
     finally:
-        registry._PIPELINES.pop("toy-from-plugin", None)
+        registry.unregister_model("toy-from-plugin")
     with pytest.raises(EngineConfigError, match="cannot import 'no_such_plugin_module'") as info:
         EngineConfig(model="toy", plugin_modules=["no_such_plugin_module"])
     assert info.value.field == "plugin_modules"
     assert main(["generate", "-p", "x", "--plugin-module", "no_such_plugin_module"]) == 2
-    assert "--plugin-module 'no_such_plugin_module'" in capsys.readouterr().err
+    assert "--plugin-modules 'no_such_plugin_module'" in capsys.readouterr().err
 
 
 def test_auto_dtype_is_float32_on_cpu_and_half_on_devices():

@@ -223,7 +223,7 @@ def test_hung_warmup_fails_with_an_error_and_cleans_up():
     try:
         with pytest.raises(EngineWarmupError, match="warmup_timeout_s"):
             toy_engine(model="toy-hang", warmup_timeout_s=0.5,
-                       executor_options={"shutdown_grace_s": 0.2})
+                       shutdown_grace_s=0.2)
         assert wait_until(lambda: engine_threads() == before)  # its loop is gone too
     finally:
         toy.gate("hang").set()

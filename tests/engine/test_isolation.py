@@ -12,7 +12,7 @@ from engine_helpers import assert_clean, toy_engine, toy_request
 from waiting import wait_for, wait_until
 
 from diffrt.engine import DiffusionOutput, DiffusionRequest, InvalidRequestError, SamplingParams
-from diffrt.engine.admission import deadline_of, request_cost
+from diffrt.engine.admission import deadline_of
 from diffrt.engine.request import MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
 
 
@@ -115,7 +115,7 @@ def test_cost_limit_refuses_with_the_limit_named():
         with pytest.raises(InvalidRequestError, match="max_request_cost=0.01") as info:
             engine.generate(big)
         assert info.value.field == "sampling_params"
-        assert request_cost(big, engine._pipeline_cls) == pytest.approx(64 * 64 * 4 * 2 * 2 / 1e6)
+        assert engine.spec.cost(big) == pytest.approx(64 * 64 * 4 * 2 * 2 / 1e6)
         assert engine.is_healthy()
 
 

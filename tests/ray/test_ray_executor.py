@@ -35,11 +35,9 @@ def pixels(outs) -> list[np.ndarray]:
 
 
 def ray_engine(**config) -> DiffusionEngine:
-    options = {"worker_env": LOOPBACK, "ray_cpus_per_rank": 0.5,
-               **config.pop("executor_options", {})}
-    return DiffusionEngine.make_engine(EngineConfig(
-        model="tiny-sd3", executor_backend="ray", max_num_seqs=2, executor_options=options,
-        **config))
+    settings = {"model": "tiny-sd3", "executor_backend": "ray", "max_num_seqs": 2,
+                "worker_env": LOOPBACK, "ray_cpus_per_rank": 0.5, **config}
+    return DiffusionEngine.make_engine(EngineConfig(**settings))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +50,7 @@ def reference():
 @pytest.mark.parametrize("transport", ["shm", "object_store"])
 def test_cfg_parallel_on_ray_actors_matches_one_rank(transport, reference, ray_cluster):
     with ray_engine(cfg_parallel_size=2, step_execution=transport == "shm",
-                    executor_options={"ray_output_transport": transport}) as engine:
+                    ray_output_transport=transport) as engine:
         assert engine.executor.output_transport == transport
         got = pixels(engine.generate(requests(transport), timeout=120))
         again = pixels(engine.generate(requests(transport + "-2"), timeout=120))

@@ -43,7 +43,7 @@ def test_no_server_is_a_failure_not_a_hang():
 def test_bench_drives_a_running_server(real_server, tmp_path, capsys):
     out = tmp_path / "http.json"
     code = main(["bench", "--base-url", real_server.url, "--api-key", API_KEY, "-N", "6",
-                 "-c", "3", "--height", "64", "--width", "64", "--steps", "2", "--warmup", "1",
+                 "-c", "3", "--height", "64", "--width", "64", "--steps", "2", "--warmup-requests", "1",
                  "--compare", "concurrency=1", "concurrency=3", "--json", str(out)])
     assert code == 0, capsys.readouterr().err
     results = json.loads(out.read_text())["results"]
@@ -55,7 +55,7 @@ def test_bench_drives_a_running_server(real_server, tmp_path, capsys):
 
     # a size the model refuses: every request fails with its status, the exit is 1
     code = main(["bench", "--base-url", real_server.url, "--api-key", API_KEY, "-N", "3",
-                 "-c", "3", "--height", "65", "--width", "64", "--warmup", "0",
+                 "-c", "3", "--height", "65", "--width", "64", "--warmup-requests", "0",
                  "--json", str(out)])
     assert code == 1
     [r] = json.loads(out.read_text())["results"]

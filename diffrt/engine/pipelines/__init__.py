@@ -1,9 +1,13 @@
-"""Pipeline contract, registry and the reference text-to-image pipelines.
+"""Pipeline contract, model registry and the model families.
 
-Importing this package does not import diffusers: pipeline classes are
-resolved lazily, and diffusers is imported only when weights are built.
+``registry`` resolves a model name to its ``ModelSpec`` (JSON only) and loads
+the pipeline it names; each family lives in one package (``flux/``, ``sd3/``,
+``qwen_image/``: its spec, its pipeline, its parallel attention). Importing
+this package does not import diffusers: families are imported on first use,
+and diffusers only when weights are built.
 """
 
+from diffrt.engine.pipelines.family import Family, ModelFolder
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
     DiffusionRequestBatch,
@@ -11,25 +15,27 @@ from diffrt.engine.pipelines.interface import (
 )
 from diffrt.engine.pipelines.registry import (
     UnknownModelError,
-    get_post_process_func,
-    get_pre_process_func,
+    families,
     known_models,
     load_pipeline,
     register_family,
-    register_pipeline,
-    resolve_pipeline_class,
+    register_model,
+    resolve_model_spec,
+    unregister_model,
 )
 
 __all__ = [
     "DiffusionPipeline",
     "DiffusionRequestBatch",
+    "Family",
+    "ModelFolder",
     "StepRequestState",
     "UnknownModelError",
-    "get_post_process_func",
-    "get_pre_process_func",
+    "families",
     "known_models",
     "load_pipeline",
     "register_family",
-    "register_pipeline",
-    "resolve_pipeline_class",
+    "register_model",
+    "resolve_model_spec",
+    "unregister_model",
 ]

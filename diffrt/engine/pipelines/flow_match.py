@@ -24,12 +24,14 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
+from diffrt.engine.model_spec import ModelSpec, check_heads
 from diffrt.engine.outputs import TextEncoderStats
-from diffrt.engine.parallel.degrees import ParallelConfigError
+from diffrt.engine.pipelines.flow_match_spec import vae_factor
+from diffrt.engine.pipelines.folder_check import ModelLoadError
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
     DiffusionRequestBatch,
@@ -37,7 +39,7 @@ from diffrt.engine.pipelines.interface import (
 )
 from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder, cat_rows
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import InvalidRequestError, SamplingParams, random_seed
+from diffrt.engine.sampling import SamplingParams, random_seed
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +50,6 @@ def resolve_seed(seed: int | None) -> int:
     """The request's seed, or a fresh random one when it gave none (the engine
     draws it at submission; a pipeline called directly may still get None)."""
     return random_seed() if seed is None else int(seed)
-
-
-def _vae_factor(vae_config: dict) -> int:
-    """Pixels per latent of an AutoencoderKL (diffusers' ``vae_scale_factor``)."""
-    return 2 ** (len(vae_config.get("block_out_channels", (0, 0, 0, 0))) - 1)
-
-
-def _check_heads(heads: int | None, ulysses: int) -> None:
-    if ulysses > 1 and heads and heads % ulysses:
-        raise ParallelConfigError("ulysses_degree", (
-            f"{ulysses} does not divide the transformer's {heads} attention heads "
-            "(ring_degree takes any count)"))
 
 
 def _check_compatible(requests: list[DiffusionRequest], key: Any) -> None:
@@ -107,14 +97,6 @@ class Conditioning:
 class FlowMatchPipeline(DiffusionPipeline):
     """Common base of the Flux and SD3 pipelines (flow matching + AutoencoderKL)."""
 
-    supports_request_batch = True
-    supports_step_execution = True
-
-    #: the family's diffusers pipeline class (loads folders, encodes prompts).
-    diffusers_pipeline_class: ClassVar[str] = ""
-    #: Set on a per-folder subclass by the registry: `create` loads from it.
-    pretrained_path: ClassVar[str | None] = None
-
     def __init__(
         self,
         transformer: Any,
@@ -144,35 +126,17 @@ class FlowMatchPipeline(DiffusionPipeline):
     @staticmethod
     def vae_factor(vae_config: dict) -> int:
         """Pixels per latent of the family's VAE (diffusers' ``vae_scale_factor``)."""
-        return _vae_factor(vae_config)
+        return vae_factor(vae_config)
 
     @staticmethod
     def vae_latent_channels(vae_config: dict) -> int:
         return int(vae_config["latent_channels"])
 
-    @classmethod
-    def check_inputs(cls, request: DiffusionRequest) -> None:
-        """The generic limits, and no LoRA: these pipelines load no adapters, and
-        silently ignoring one would return an image the user did not ask for."""
-        super().check_inputs(request)
-        lora = request.sampling_params.lora_name
-        if lora is not None:
-            raise InvalidRequestError(
-                "lora_name", f"{cls.name} has no LoRA adapters; must be None, got {lora!r}"
-            )
-
     # -- construction ---------------------------------------------------------
     @classmethod
-    def create(cls, *, device: torch.device, dtype: torch.dtype) -> FlowMatchPipeline:
-        if cls.pretrained_path is None:
-            raise NotImplementedError(f"{cls.__name__} has no default weights; use from_pretrained")
-        return cls.from_pretrained(cls.pretrained_path, device=device, dtype=dtype)
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str, *, device: torch.device, dtype: torch.dtype
-    ) -> FlowMatchPipeline:
-        """Load a local diffusers folder (nothing is downloaded).
+    def load(cls, spec: ModelSpec, *, device: torch.device,
+             dtype: torch.dtype) -> FlowMatchPipeline:
+        """Load ``spec.folder``, a local diffusers folder (nothing is downloaded).
 
         The folder is loaded whole by the family's own diffusers pipeline
         class (``loading.py``: component by component, with progress), and its
@@ -182,13 +146,19 @@ class FlowMatchPipeline(DiffusionPipeline):
         from diffrt.engine.pipelines.folder_text import FolderTextEncoder
         from diffrt.engine.pipelines.loading import load_diffusers_pipeline
 
+        if spec.folder is None or spec.diffusers_pipeline is None:
+            raise ModelLoadError(f"{spec.name}: a {cls.__name__} loads a diffusers folder; "
+                                 "its spec names none")
         device = torch.device(device)
-        full = load_diffusers_pipeline(path, cls.diffusers_pipeline_class, dtype=dtype)
+        full = load_diffusers_pipeline(spec.folder, spec.diffusers_pipeline, dtype=dtype)
         for name, module in full.components.items():
             if name.startswith("text_encoder") and module is not None:
                 _place(module, device)
         text = FolderTextEncoder(full, cls.encode_with_diffusers, device=device)
-        return cls(full.transformer, full.vae, full.scheduler, text, device=device, dtype=dtype)
+        pipeline = cls(full.transformer, full.vae, full.scheduler, text, device=device,
+                       dtype=dtype)
+        pipeline.spec = spec
+        return pipeline
 
     def compile_models(self, backend: str) -> None:
         """The transformer only: it is the denoising loop's whole cost on an
@@ -213,29 +183,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         if offload_text_encoders and callable(offload):
             offload()
 
-    #: the family splits its transformer's image tokens (``enable_sequence_parallel``)
-    supports_sequence_parallel: ClassVar[bool] = False
-    #: set from a folder's configs by ``attrs_from_config``
-    attention_heads: ClassVar[int | None] = None
-    vae_class_name: ClassVar[str] = "AutoencoderKL"
-
-    @classmethod
-    def check_parallel(cls, degrees: Any, vae_parallel: bool = False) -> None:
-        if degrees.sequence_size > 1 and not cls.supports_sequence_parallel:
-            raise ParallelConfigError(
-                "ulysses_degree" if degrees.ulysses > 1 else "ring_degree",
-                f"{cls.name}: its transformer has no sequence parallelism")
-        _check_heads(cls.attention_heads, degrees.ulysses)
-        if vae_parallel and cls.vae_class_name != "AutoencoderKL":
-            raise ParallelConfigError("vae_parallel", f"splits an AutoencoderKL's decoder; "
-                                                      f"{cls.name} has a {cls.vae_class_name}")
-
     def enable_parallel(self, groups: Any, *, vae_parallel: bool = False) -> None:
         """CFG branches over ``groups.cfg``, image tokens over
         ``groups.sequence`` (the family's ``enable_sequence_parallel``), the
         VAE decode in bands over all ranks (``engine.parallel.vae``)."""
-        self.check_parallel(groups.degrees, vae_parallel)
-        _check_heads(getattr(self.transformer.config, "num_attention_heads", None),
+        self.spec.check_parallel(groups.degrees, vae_parallel)
+        check_heads(getattr(self.transformer.config, "num_attention_heads", None),
                      groups.degrees.ulysses)  # the loaded model's, whatever the class said
         self.cfg_parallel_group = groups.cfg
         if groups.sequence is not None:
@@ -265,31 +218,6 @@ class FlowMatchPipeline(DiffusionPipeline):
     def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """The family's diffusers ``encode_prompt``: (embeds, extra) per prompt."""
         raise NotImplementedError
-
-    @classmethod
-    def attrs_from_config(cls, transformer_config: dict, vae_config: dict) -> dict[str, Any]:
-        """Class attributes a folder's configs set: ``size_multiple``,
-        ``max_size`` and ``sampling_defaults`` (the default size is what the
-        family's diffusers pipeline uses: ``default_sample_size`` latents of
-        the VAE's factor).
-
-        The family's ``max_size`` is meant for its usual 8x VAE: it bounds the
-        transformer's tokens, so a folder whose VAE downsamples less (the
-        2x VAE of diffrt-shapes) gets a proportionally smaller largest picture
-        (a 2048-pixel request would be 16 times the tokens: minutes per step).
-        """
-        factor = cls.vae_factor(vae_config)
-        size = cls.default_sample_size(transformer_config) * factor
-        max_size = cls.max_size * min(factor, 8) // 8
-        return {"size_multiple": factor * 2, "max_size": max_size,
-                "sampling_defaults": {**cls.sampling_defaults, "height": size, "width": size},
-                "attention_heads": transformer_config.get("num_attention_heads"),
-                "vae_class_name": vae_config.get("_class_name", "AutoencoderKL")}
-
-    @classmethod
-    def default_sample_size(cls, transformer_config: dict) -> int:
-        """Latent pixels per side of the default image (diffusers' ``default_sample_size``)."""
-        return 128
 
     # -- family hooks -----------------------------------------------------------
     def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
@@ -327,8 +255,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         texts: list[str] = []
         for request in requests:
             texts.append(request.prompt)
-            if self.uses_cfg(request):
-                texts.append(self.negative_prompt(request) or "")
+            if self.spec.uses_cfg(request):
+                texts.append(self.spec.negative_prompt(request) or "")
         embeds, extra = self.text_encoder(texts)
         embeds, extra = embeds.to(self.device, self.dtype), extra.to(self.device, self.dtype)
         out, row = [], 0
@@ -336,7 +264,7 @@ class FlowMatchPipeline(DiffusionPipeline):
             n = request.sampling_params.num_outputs_per_prompt
             e, x = embeds[row:row + 1].repeat_interleave(n, 0), extra[row:row + 1].repeat_interleave(n, 0)
             row += 1
-            if not self.uses_cfg(request):
+            if not self.spec.uses_cfg(request):
                 out.append(Conditioning(e, x))
                 continue
             ne = embeds[row:row + 1].repeat_interleave(n, 0)
@@ -444,7 +372,7 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     def _cfg_rows(self, params: SamplingParams) -> torch.Tensor:
         return torch.full(
-            (params.num_outputs_per_prompt,), self.cfg_scale(params), device=self.device
+            (params.num_outputs_per_prompt,), self.spec.cfg_scale(params), device=self.device
         )
 
     # -- request style --------------------------------------------------------------
@@ -452,11 +380,9 @@ class FlowMatchPipeline(DiffusionPipeline):
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
         # The engine admits requests with their defaults filled in; a caller
         # using the pipeline directly may leave them at None.
-        batch = DiffusionRequestBatch([self.with_defaults(r) for r in batch.requests])
+        batch = DiffusionRequestBatch([self.prepared(r) for r in batch.requests])
         params = batch.sampling_params
-        for request in batch.requests:
-            self.check_inputs(request)
-        _check_compatible(batch.requests, self.request_batch_key)
+        _check_compatible(batch.requests, self.spec.request_batch_key)
         n = params.num_outputs_per_prompt
         latents = torch.cat(
             [
@@ -489,8 +415,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         """``prepare_encode`` for the requests admitted in one tick, their
         prompts encoded in one text-encoder call."""
         for state in states:
-            state.request = self.with_defaults(state.request)
-            self.check_inputs(state.request)
+            state.request = self.prepared(state.request)
         conds = self.encode_prompts([s.request for s in states])
         for state, cond in zip(states, conds, strict=True):
             self._prepare_state(state, cond)
@@ -509,7 +434,7 @@ class FlowMatchPipeline(DiffusionPipeline):
     @torch.no_grad()
     def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
         params = states[0].request.sampling_params
-        _check_compatible([s.request for s in states], self.step_batch_key)
+        _check_compatible([s.request for s in states], self.spec.step_batch_key)
         latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
         timesteps = torch.cat(
             [s.timesteps[s.step_index].expand(s.latents.shape[0]) for s in states]  # type: ignore[index,union-attr]

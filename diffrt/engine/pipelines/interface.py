@@ -4,8 +4,8 @@ Two execution styles share one pipeline object:
 
 * request style: ``forward(batch) -> list[Tensor]``, one entry per request of
   a ``DiffusionRequestBatch``; fused multi-request batches only when the
-  pipeline declares ``supports_request_batch = True``.
-* step style (``supports_step_execution = True``): ``prepare_encode(state)``,
+  model's spec declares ``supports_request_batch``.
+* step style (the spec's ``supports_step_execution``): ``prepare_encode(state)``,
   then per tick ``denoise_step(states) -> pred`` (one forward for all states),
   ``split_predictions(pred, states)`` and ``apply_step(state, part)`` for each
   state, and ``post_decode(state)`` once it is finished. Everything
@@ -17,8 +17,9 @@ Two execution styles share one pipeline object:
 What a pipeline returns per request is the *device* tensor of the decoded
 images in [-1, 1], shape (num_outputs, C, H, W), or the latents for
 output_type "latent". ``to_transfer`` (worker side, on the device, before any
-copy) quantises images to uint8; ``postprocess`` (engine side, off the busy
-loop) turns the host tensor into what the user asked for.
+copy) quantises images to uint8; ``engine.postprocess`` (engine side, off
+the busy loop, as the spec's ``postprocess`` says) turns the host tensor into
+what the user asked for.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 
+from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 
@@ -78,18 +79,13 @@ class StepRequestState:
 
 
 class DiffusionPipeline(ABC):
-    """Base class of diffrt pipelines (weights + orchestration, no request state)."""
+    """Base class of diffrt pipelines: weights and compute, no request state
+    and no admission (what a request may ask is the model's ``ModelSpec``,
+    read by the engine; the pipeline consults the same spec for the decisions
+    it shares with the engine, such as whether CFG runs)."""
 
-    name: str = "pipeline"
-    supports_request_batch: bool = False
-    supports_step_execution: bool = False
-    #: Height/width must be multiples of this (VAE factor x patch size).
-    size_multiple: int = 16
-    max_size: int = 2048
-    #: What a request's sampling fields left at None become (``MODEL_DEFAULTED``).
-    sampling_defaults: ClassVar[dict[str, Any]] = {
-        "height": 128, "width": 128, "num_inference_steps": 4, "guidance_scale": 1.0}
-
+    #: the model's description (set by ``load``)
+    spec: ModelSpec
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
     #: set by the runner: called by ``report_step`` (a sign of progress for
@@ -100,77 +96,30 @@ class DiffusionPipeline(ABC):
     #: the other (``engine.parallel.cfg``); None computes both branches here.
     cfg_parallel_group: Any = None
 
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
     def report_step(self) -> None:
         """Call once per denoise step inside ``forward``: a forward of many
         steps is then not mistaken for a hung worker."""
         if self.step_hook is not None:
             self.step_hook()
 
-    # -- construction (the registry calls these) -----------------------------
+    # -- construction (the registry calls it) ----------------------------------------
     @classmethod
-    def create(cls, *, device: torch.device, dtype: torch.dtype) -> DiffusionPipeline:
-        """Build the pipeline this class stands for (a registered name or a
-        local folder bound to a subclass)."""
-        raise NotImplementedError(f"{cls.__name__} does not implement create()")
+    def load(cls, spec: ModelSpec, *, device: torch.device, dtype: torch.dtype) -> DiffusionPipeline:
+        """Build the pipeline ``spec`` describes on ``device`` (from
+        ``spec.folder`` when it has one), with ``spec`` set on it."""
+        raise NotImplementedError(f"{cls.__name__} does not implement load()")
 
-    @classmethod
-    def from_pretrained(
-        cls, path: str, *, device: torch.device, dtype: torch.dtype
-    ) -> DiffusionPipeline:
-        """Load components from a local diffusers-format folder (no download)."""
-        raise NotImplementedError(f"{cls.__name__} cannot load a local folder")
-
-    #: the negative prompt of a request that names none (None: the request
-    #: has none; for Flux that means no true CFG, as in diffusers). A model
-    #: trained for CFG against the empty prompt, such as diffrt-shapes, sets
-    #: "" so that its default sampling is guided.
-    default_negative_prompt: str | None = None
-
-    @classmethod
-    def negative_prompt(cls, request: DiffusionRequest) -> str | None:
-        """The request's negative prompt, else the model's default."""
-        if request.negative_prompt is not None:
-            return request.negative_prompt
-        return cls.default_negative_prompt
-
-    @classmethod
-    def uses_cfg(cls, request: DiffusionRequest) -> bool:
-        """Whether classifier-free guidance runs for this request (two rows per
-        output). By default when ``guidance_scale`` > 1, as in diffusers' SD3."""
-        return request.sampling_params.guidance_scale > 1.0
-
-    @classmethod
-    def cfg_scale(cls, params: SamplingParams) -> float:
-        """The scale of classifier-free guidance when it runs."""
-        return float(params.guidance_scale)
-
-    @classmethod
-    def request_batch_key(cls, request: DiffusionRequest) -> tuple:
-        """What must match for two requests to share one fused forward."""
-        return (*request.sampling_params.request_batch_key(), cls.uses_cfg(request))
-
-    @classmethod
-    def step_batch_key(cls, request: DiffusionRequest) -> tuple:
-        """What must match for two requests to share a denoise step."""
-        return (*request.sampling_params.step_batch_key(), cls.uses_cfg(request))
-
-    @classmethod
-    def with_defaults(cls, request: DiffusionRequest) -> DiffusionRequest:
-        """``request`` with the sampling fields it left at None taken from
-        ``sampling_defaults`` (the same object when none was left)."""
-        params = request.sampling_params
-        resolved = params.with_defaults(cls.sampling_defaults)
-        if resolved is params:
-            return request
-        return msgspec.structs.replace(request, sampling_params=resolved)
-
-    @classmethod
-    def check_inputs(cls, request: DiffusionRequest) -> None:
-        """Raise InvalidRequestError before any compute (on the request as it
-        will run: defaults filled in). A classmethod so the engine validates at
-        submission without loading weights."""
-        cls.with_defaults(request).sampling_params.validate(
-            size_multiple=cls.size_multiple, max_size=cls.max_size)
+    def prepared(self, request: DiffusionRequest) -> DiffusionRequest:
+        """``request`` as it will run: the spec's defaults for the fields it
+        left at None, checked (the engine admits requests this way already;
+        a caller using the pipeline directly may not have)."""
+        request = self.spec.with_defaults(request)
+        self.spec.check(request)
+        return request
 
     # -- request style -------------------------------------------------------
     @abstractmethod
@@ -233,17 +182,6 @@ class DiffusionPipeline(ABC):
         one image at a time (large batches), text encoders kept on the CPU
         between encodings (small devices). Pipelines without them ignore it."""
 
-    @classmethod
-    def check_parallel(cls, degrees: Any, vae_parallel: bool = False) -> None:
-        """Raise ``ParallelConfigError`` saying why this model cannot run split as
-        ``degrees`` (an ``engine.parallel.ParallelDegrees``) and
-        ``vae_parallel`` say; the engine calls it before starting workers. A
-        pipeline without parallelism refuses anything but one rank."""
-        if degrees.world_size > 1 or vae_parallel:
-            from diffrt.engine.parallel.degrees import ParallelConfigError
-
-            raise ParallelConfigError("world_size", f"pipeline {cls.name!r} runs on one rank only")
-
     def enable_parallel(self, groups: Any, *, vae_parallel: bool = False) -> None:
         """Split each request across the ranks of ``groups`` (an
         ``engine.parallel.ParallelGroups``; every rank holds the full weights),
@@ -269,19 +207,6 @@ class DiffusionPipeline(ABC):
         """Cumulative text-encoding counters (after ``enable_prompt_cache``), or
         None for a pipeline that does not count."""
         return None
-
-    # -- pre/post-processing hooks ------------------------------------------
-    @classmethod
-    def pre_process(cls, request: DiffusionRequest) -> DiffusionRequest:
-        """Engine side, before submission to a worker; identity by default."""
-        return request
-
-    @staticmethod
-    def post_process(host_tensor: torch.Tensor, output_type: str) -> tuple[list[Any] | None, Any]:
-        """Engine side, off the busy loop: host tensor -> (images, output)."""
-        from diffrt.engine.postprocess import postprocess_output
-
-        return postprocess_output(host_tensor, output_type)
 
     # -- output hooks --------------------------------------------------------
     def to_transfer(self, output: torch.Tensor, params: SamplingParams) -> torch.Tensor:

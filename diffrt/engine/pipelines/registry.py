@@ -1,10 +1,10 @@
-"""Model name -> pipeline class, and loading.
+"""Model name -> ModelSpec, and loading.
 
 A model is one of:
 
 - a local diffusers-format folder, whose family is read from its
-  model_index.json and mapped through the families registered with
-  `register_family`;
+  model_index.json (``_class_name``, or for an index without one its
+  transformer class) among the families registered with `register_family`;
 - a hub id ("owner/name") already in the local Hugging Face cache (resolved
   offline to its snapshot folder);
 - a shipped model (`diffrt-shapes`, the default): a trained folder inside the
@@ -12,11 +12,12 @@ A model is one of:
 - an embedded model (`tiny-flux`, `tiny-sd3`): a tiny folder of random weights
   written into the diffrt cache on first use (``embedded.py``) and then
   treated as any folder;
-- a name added with `register_pipeline` (a class with its own `create`).
+- a name added with `register_model` (a spec whose pipeline builds its own
+  weights: ``DiffusionPipeline.load`` with no folder).
 
-Resolving a model never loads weights and, once an embedded folder exists,
-never imports diffusers, so the engine can validate requests at submission
-with ``resolve_pipeline_class(model).check_inputs(request)``.
+Resolving a model reads JSON only: it never loads weights and, once an
+embedded folder exists, never imports diffusers, so the engine checks
+requests at submission with ``resolve_model_spec(model).check(request)``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ import importlib
 import logging
 import os
 import re
-from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
+import msgspec
 import torch
 
+from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.pipelines.embedded import EMBEDDED_MODELS, embedded_folder
+from diffrt.engine.pipelines.family import Family, ModelFolder
 from diffrt.engine.pipelines.folder_check import (
     ModelLoadError,
     check_model_folder,
@@ -39,19 +42,18 @@ from diffrt.engine.pipelines.folder_check import (
 )
 from diffrt.engine.pipelines.interface import DiffusionPipeline
 from diffrt.engine.pipelines.shipped import SHIPPED_MODELS, shipped_folder
-from diffrt.engine.request import DiffusionRequest
 
 logger = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
 
-#: name -> class, or "module:Class" imported on first use.
-_PIPELINES: dict[str, type[DiffusionPipeline] | str] = {}
-#: diffusers transformer class name -> family class (for local folders).
-_FAMILIES: dict[str, type[DiffusionPipeline] | str] = {
-    "FluxTransformer2DModel": "diffrt.engine.pipelines.flux:FluxPipeline",
-    "SD3Transformer2DModel": "diffrt.engine.pipelines.sd3:SD3Pipeline",
-    "QwenImageTransformer2DModel": "diffrt.engine.pipelines.qwen_image:QwenImagePipeline",
+#: registered name -> spec (models without a folder)
+_MODELS: dict[str, ModelSpec] = {}
+#: family name -> Family; the built-in ones are named by module path
+_FAMILIES: dict[str, Family | str] = {
+    "flux": "diffrt.engine.pipelines.flux:FAMILY",
+    "sd3": "diffrt.engine.pipelines.sd3:FAMILY",
+    "qwen-image": "diffrt.engine.pipelines.qwen_image:FAMILY",
 }
 
 
@@ -63,90 +65,118 @@ class UnknownModelError(ValueError):
         detail = f" ({reason})" if reason else ""
         super().__init__(
             f"model: unknown model {model!r}{detail}; known models: {known}, "
-            "a path to a local diffusers-format Flux/SD3/Qwen-Image folder, or a hub id already in the "
-            "local Hugging Face cache"
+            "a path to a local diffusers-format folder of a registered family "
+            f"({', '.join(sorted(_FAMILIES))}), or a hub id already in the local Hugging Face "
+            "cache"
         )
         self.model = model
 
 
-def _load_class(entry: type[DiffusionPipeline] | str) -> type[DiffusionPipeline]:
-    if isinstance(entry, str):
-        module, _, name = entry.partition(":")
-        return getattr(importlib.import_module(module), name)
-    return entry
+def load_object(path: str) -> Any:
+    """``"module:attribute"`` -> the attribute (the module imported on first use)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def register_pipeline(name: str, cls: type[DiffusionPipeline] | str) -> None:
-    """Make `name` a model: `cls` (or "module:Class") must implement `create`."""
-    if name in _PIPELINES:
-        logger.warning("re-registering pipeline %r", name)
-    _PIPELINES[name] = cls
+def register_family(family: Family) -> None:
+    """Serve the folders ``family`` describes (a plugin's, or a replacement of
+    a built-in one under the same name). Folders already resolved keep the
+    spec they were given."""
+    if family.name in _FAMILIES:
+        logger.warning("re-registering family %r", family.name)
+    _FAMILIES[family.name] = family
+    _folder_spec.cache_clear()
 
 
-def register_family(transformer_class: str, cls: type[DiffusionPipeline] | str) -> None:
-    """Map a diffusers transformer class name to the pipeline that loads it
-    from a local folder (through `cls.from_pretrained`)."""
-    _FAMILIES[transformer_class] = cls
+def register_model(spec: ModelSpec) -> None:
+    """Make ``spec.name`` a model whose pipeline (``spec.pipeline``) builds its
+    own weights (``spec.folder`` None) or loads them from ``spec.folder``."""
+    if spec.name in _MODELS:
+        logger.warning("re-registering model %r", spec.name)
+    _MODELS[spec.name] = spec
+
+
+def unregister_model(name: str) -> None:
+    _MODELS.pop(name, None)
 
 
 def known_models() -> list[str]:
     """The shipped, embedded and registered model names, sorted."""
-    return sorted({*SHIPPED_MODELS, *EMBEDDED_MODELS, *_PIPELINES})
+    return sorted({*SHIPPED_MODELS, *EMBEDDED_MODELS, *_MODELS})
+
+
+def families() -> list[Family]:
+    """The registered families (built-in ones imported on first use)."""
+    out = []
+    for name, entry in list(_FAMILIES.items()):
+        family = load_object(entry) if isinstance(entry, str) else entry
+        _FAMILIES[name] = family
+        out.append(family)
+    return out
+
+
+def _family_of(index_path: str, index: dict[str, Any]) -> Family:
+    """The family of a folder: by the pipeline class its index names, else (an
+    index without ``_class_name``) by its transformer class. A folder naming a
+    pipeline class no family serves is refused: an editing model shares its
+    transformer class with a text-to-image family and must not be run as one."""
+    pipeline_class = index.get("_class_name")
+    if isinstance(pipeline_class, str):
+        family = next((f for f in families() if pipeline_class in f.diffusers_pipelines), None)
+        if family is None:
+            served = sorted(p for f in families() for p in f.diffusers_pipelines)
+            raise UnknownModelError(os.path.dirname(index_path), (
+                f"unsupported pipeline class {pipeline_class} in model_index.json; "
+                f"served: {', '.join(served)}"))
+        return family
+    entry = index.get("transformer")
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)):
+        raise ModelLoadError(f"{index_path}: names no pipeline class (_class_name) and no "
+                             'transformer (expected "transformer": ["diffusers", "<class name>"])')
+    family = next((f for f in families() if entry[1] in f.transformer_classes), None)
+    if family is None:
+        raise UnknownModelError(os.path.dirname(index_path), f"unsupported transformer {entry[1]}")
+    return family
 
 
 @lru_cache(maxsize=64)
-def _local_pipeline_class(folder: str, name: str | None = None) -> type[DiffusionPipeline]:
+def _folder_spec(folder: str, name: str | None = None) -> ModelSpec:
     index_path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(index_path):
         raise UnknownModelError(folder, "not a diffusers pipeline folder: no model_index.json")
-    entry = read_json_object(index_path).get("transformer")
-    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)):
-        raise ModelLoadError(f"{index_path}: names no transformer (expected "
-                             '"transformer": ["diffusers", "<class name>"])')
-    family_name = entry[1]
-    if family_name not in _FAMILIES:
-        raise UnknownModelError(folder, f"unsupported transformer {family_name}")
+    family = _family_of(index_path, read_json_object(index_path))
     index = check_model_folder(folder)  # every component whole, before any worker loads it
-    encoder = index.get("text_encoder")
-    if not (isinstance(encoder, list) and len(encoder) == 2 and encoder[0] is not None):
-        raise ModelLoadError(f"{index_path}: lists no text_encoder (diffrt conditions images "
-                             "on the prompt with the folder's own text encoders)")
-    family = _load_class(_FAMILIES[family_name])
-    attrs: dict[str, Any] = {"pretrained_path": folder, "name": name or folder}
-    from_config = getattr(family, "attrs_from_config", None)
-    if from_config is not None:
-        tcfg = os.path.join(folder, "transformer", "config.json")
-        vcfg = os.path.join(folder, "vae", "config.json")
-        attrs.update(from_config(read_json_object(tcfg) if os.path.isfile(tcfg) else {},
-                                 read_json_object(vcfg) if os.path.isfile(vcfg) else {}))
-    named = SHIPPED_MODELS.get(name) or EMBEDDED_MODELS.get(name)
+    describe = load_object(family.describe) if isinstance(family.describe, str) else family.describe
+    spec = describe(ModelFolder.read(folder, name or folder, index))
+    named = SHIPPED_MODELS.get(name) or EMBEDDED_MODELS.get(name)  # type: ignore[arg-type]
     if named is not None:  # what the named model was built or trained for
-        attrs["sampling_defaults"] = {**attrs.get("sampling_defaults", family.sampling_defaults),
-                                      **named.sampling_defaults}
-        attrs["default_negative_prompt"] = getattr(named, "default_negative_prompt", None)
-    # A per-folder subclass: check_inputs (a classmethod) sees the folder's limits.
-    return type(family.__name__, (family,), attrs)
+        defaults = msgspec.structs.replace(spec.defaults, **named.sampling_defaults)
+        spec = msgspec.structs.replace(
+            spec, defaults=defaults,
+            default_negative_prompt=getattr(named, "default_negative_prompt", None))
+    return spec
 
 
-def resolve_pipeline_class(model: str) -> type[DiffusionPipeline]:
-    """The pipeline class for `model`, without loading weights.
+def resolve_model_spec(model: str) -> ModelSpec:
+    """The spec of ``model``, without loading weights.
 
     Raises:
         UnknownModelError: neither a registered name nor a usable local folder.
+        ModelLoadError: a folder with a broken file (named).
     """
     if not isinstance(model, str) or not model:
         raise UnknownModelError(repr(model), "must be a non-empty str")
-    if model in _PIPELINES:
-        return _load_class(_PIPELINES[model])
+    if model in _MODELS:
+        return _MODELS[model]
     if model in SHIPPED_MODELS:
-        return _local_pipeline_class(shipped_folder(model), model)
+        return _folder_spec(shipped_folder(model), model)
     if model in EMBEDDED_MODELS:
-        return _local_pipeline_class(embedded_folder(model), model)
+        return _folder_spec(embedded_folder(model), model)
     if os.path.isdir(model):
         folder = os.path.realpath(model)
-        return _local_pipeline_class(folder, _shipped_name(folder))
+        return _folder_spec(folder, _shipped_name(folder))
     if _HUB_ID.fullmatch(model):
-        return _local_pipeline_class(os.path.realpath(cached_snapshot(model)))
+        return _folder_spec(os.path.realpath(cached_snapshot(model)))
     raise UnknownModelError(model)
 
 
@@ -179,33 +209,21 @@ def cached_snapshot(repo_id: str) -> str:
 
 
 def load_pipeline(
-    model: str,
+    model: str | ModelSpec,
     *,
     device: torch.device | str = CPU,
     dtype: torch.dtype = torch.float32,
 ) -> DiffusionPipeline:
-    """Load the pipeline for `model` onto `device`."""
-    cls = resolve_pipeline_class(model)
+    """Load the pipeline for ``model`` (a name or its resolved spec) onto ``device``."""
+    spec = model if isinstance(model, ModelSpec) else resolve_model_spec(model)
     try:
-        pipeline = cls.create(device=torch.device(device), dtype=dtype)
+        cls = load_object(spec.pipeline)
+        pipeline = cls.load(spec, device=torch.device(device), dtype=dtype)
     except ModelLoadError:
         raise
     except Exception as exc:  # one line for the user; the traceback stays in the log
-        logger.debug("loading %s failed", model, exc_info=True)
+        logger.debug("loading %s failed", spec.name, exc_info=True)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ModelLoadError(f"{model}: cannot load ({type(exc).__name__}: {first})") from exc
-    logger.info("loaded pipeline %s on %s (%s)", model, device, dtype)
+        raise ModelLoadError(f"{spec.name}: cannot load ({type(exc).__name__}: {first})") from exc
+    logger.info("loaded pipeline %s on %s (%s)", spec.name, device, dtype)
     return pipeline
-
-
-def get_pre_process_func(model: str) -> Callable[[DiffusionRequest], DiffusionRequest]:
-    """Engine-side hook run on a request before it is submitted to a worker."""
-    return resolve_pipeline_class(model).pre_process
-
-
-def get_post_process_func(
-    model: str,
-) -> Callable[[torch.Tensor, str], tuple[list[Any] | None, Any]]:
-    """Engine-side hook turning a host tensor into (images, output); the
-    default is `diffrt.engine.postprocess.postprocess_output`."""
-    return resolve_pipeline_class(model).post_process

@@ -103,7 +103,7 @@ def test_request_and_step_mode_alone_and_batched_match_diffusers(loaded, family,
 def test_a_hub_id_in_the_local_cache_resolves_offline(folders, tmp_path, monkeypatch):
     import shutil
 
-    from diffrt.engine.pipelines.registry import UnknownModelError, resolve_pipeline_class
+    from diffrt.engine.pipelines.registry import UnknownModelError, resolve_model_spec
 
     cache = tmp_path / "hub"
     snapshot = cache / "models--tiny--flux" / "snapshots" / "0123abcd"
@@ -115,12 +115,12 @@ def test_a_hub_id_in_the_local_cache_resolves_offline(folders, tmp_path, monkeyp
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
 
-    cls = resolve_pipeline_class("tiny/flux")
-    assert cls.pretrained_path == str(snapshot.resolve())
+    spec = resolve_model_spec("tiny/flux")
+    assert spec.folder == str(snapshot.resolve())
     pipe = load_pipeline("tiny/flux")
     assert type(pipe.text_encoder).__name__ == "FolderTextEncoder"
     with pytest.raises(UnknownModelError, match=f"not in the local Hugging Face cache {cache}"):
-        resolve_pipeline_class("tiny/missing")
+        resolve_model_spec("tiny/missing")
 
 
 def test_the_prompt_cache_returns_the_same_embeddings_and_stays_bounded(loaded):

@@ -78,10 +78,8 @@ def test_the_cli_and_the_workers_show_the_progress_logger():
     assert f"{loading.PROGRESS_LOGGER}=INFO" in DEFAULT_LOG_SPEC
     assert worker_log_spec("DEBUG") == "DEBUG,diffrt.load=DEBUG"
     settings = engine_settings({"model": "tiny-flux", "log_level": "INFO"})
-    assert settings["executor_options"]["worker_env"] == {
-        "DIFFRT_LOG_LEVEL": "INFO,diffrt.load=INFO"}
-    assert "executor_options" not in engine_settings({"model": "tiny-flux",
-                                                       "log_level": "WARNING"})
+    assert settings["worker_env"] == {"DIFFRT_LOG_LEVEL": "INFO,diffrt.load=INFO"}
+    assert "worker_env" not in engine_settings({"model": "tiny-flux", "log_level": "WARNING"})
 
 
 def test_variant_and_pickle_duplicates_are_not_counted(tmp_path):

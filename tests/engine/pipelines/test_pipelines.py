@@ -12,9 +12,9 @@ import torch
 from diffrt.engine.pipelines import (
     DiffusionRequestBatch,
     StepRequestState,
-    resolve_pipeline_class,
+    resolve_model_spec,
 )
-from diffrt.engine.postprocess import quantize_images
+from diffrt.engine.postprocess import output_postprocessor, quantize_images
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 
@@ -102,7 +102,7 @@ def test_image_output_types_quantise_and_postprocess(pipe, output_type):
     transferred = pipe.to_transfer(out, params)
     assert transferred.dtype == torch.uint8
     assert transferred.shape == (1, SIZE, 2 * SIZE, 3)
-    images, tensor = pipe.post_process(transferred, output_type)
+    images, tensor = output_postprocessor(pipe.spec)(transferred, output_type)
     if output_type == "pil":
         assert tensor is None and len(images) == 1
         assert images[0].size == (2 * SIZE, SIZE) and images[0].mode == "RGB"
@@ -283,7 +283,7 @@ def test_invalid_params_raise_before_compute(pipe, monkeypatch, field, params):
     monkeypatch.setattr(pipe, "prepare_latents", no_compute)
     request = make_request(**params)
     with pytest.raises(InvalidRequestError) as info:
-        type(pipe).check_inputs(request)
+        pipe.spec.check(request)
     assert info.value.field == field
     with pytest.raises(InvalidRequestError):
         run_request(pipe, make_request(), request)
@@ -292,10 +292,10 @@ def test_invalid_params_raise_before_compute(pipe, monkeypatch, field, params):
 
 
 def test_tiny_sd3_size_is_bounded_by_its_position_grid():
-    cls = resolve_pipeline_class("tiny-sd3")
-    cls.check_inputs(make_request(height=512, width=512))
+    spec = resolve_model_spec("tiny-sd3")
+    spec.check(make_request(height=512, width=512))
     with pytest.raises(InvalidRequestError, match="512"):
-        cls.check_inputs(make_request(height=528))
+        spec.check(make_request(height=528))
 
 
 def test_incompatible_batches_are_refused(pipe):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.pipelines.tiny_qwen_image import (
+from diffrt.engine.pipelines.qwen_image.tiny_folder import (
     QWEN_TEMPLATE,
     TEMPLATE_DROP,
     build_tiny_qwen_image_folder,

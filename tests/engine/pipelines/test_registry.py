@@ -14,20 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
 from diffrt.engine.pipelines import (
     DiffusionPipeline,
     DiffusionRequestBatch,
     UnknownModelError,
-    get_post_process_func,
-    get_pre_process_func,
     known_models,
     load_pipeline,
-    register_pipeline,
-    registry,
-    resolve_pipeline_class,
+    register_model,
+    resolve_model_spec,
+    unregister_model,
 )
 from diffrt.engine.pipelines.embedded import cache_dir, embedded_folder
-from diffrt.engine.postprocess import quantize_images
+from diffrt.engine.postprocess import output_postprocessor, quantize_images
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 
@@ -49,53 +48,110 @@ def weights_digest(pipe) -> str:
 def test_builtin_models_are_known():
     assert {"diffrt-shapes", "tiny-flux", "tiny-sd3"} <= set(known_models())
     for name in ("tiny-flux", "tiny-sd3"):
-        cls = resolve_pipeline_class(name)
-        assert cls.supports_request_batch and cls.supports_step_execution
+        spec = resolve_model_spec(name)
+        assert spec.supports_request_batch and spec.supports_step_execution
 
 
 def test_unknown_model_lists_known_names(tmp_path):
     with pytest.raises(UnknownModelError, match="tiny-flux") as info:
-        resolve_pipeline_class("no-such-model")
+        resolve_model_spec("no-such-model")
     assert isinstance(info.value, ValueError) and "tiny-sd3" in str(info.value)
     with pytest.raises(UnknownModelError, match="model_index"):
-        resolve_pipeline_class(str(tmp_path))  # an empty folder
+        resolve_model_spec(str(tmp_path))  # an empty folder
     (tmp_path / "model_index.json").write_text(
         json.dumps({"transformer": ["diffusers", "UNet9000"]})
     )
     with pytest.raises(UnknownModelError, match="UNet9000"):
-        resolve_pipeline_class(str(tmp_path))
+        resolve_model_spec(str(tmp_path))
 
 
-def test_register_pipeline_and_hooks():
-    class Constant(DiffusionPipeline):
-        name = "constant"
-        size_multiple = 8
+def test_the_family_is_the_pipeline_class_the_folder_names(tmp_path):
+    """model_index.json's ``_class_name`` decides the family; an editing
+    pipeline that shares Flux's transformer class is refused, not run as
+    text-to-image Flux; an index without ``_class_name`` falls back to its
+    transformer class."""
+    folder = tmp_path / "kontext"
+    shutil.copytree(embedded_folder("tiny-flux"), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index,
+                                                         "_class_name": "FluxKontextPipeline"}))
+    with pytest.raises(UnknownModelError, match="unsupported pipeline class FluxKontextPipeline"):
+        resolve_model_spec(str(folder))
+    del index["_class_name"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    spec = resolve_model_spec(str(folder))
+    assert (spec.family, spec.diffusers_pipeline) == ("flux", "FluxPipeline")
 
-        @classmethod
-        def create(cls, *, device, dtype):
-            pipe = cls()
-            pipe.device, pipe.dtype = device, dtype
-            return pipe
 
-        def forward(self, batch):
-            p = batch.sampling_params
-            return [torch.zeros(1, 3, p.height, p.width) for _ in batch.requests]
+class Constant(DiffusionPipeline):
+    """A folder-less model: its pipeline builds its own (no) weights."""
 
-    register_pipeline("test-constant", Constant)
+    @classmethod
+    def load(cls, spec, *, device, dtype):
+        pipe = cls()
+        pipe.spec, pipe.device, pipe.dtype = spec, device, dtype
+        return pipe
+
+    def forward(self, batch):
+        p = batch.sampling_params
+        return [torch.zeros(1, 3, p.height, p.width) for _ in batch.requests]
+
+
+def test_register_model_and_its_spec():
+    spec = ModelSpec(name="test-constant", family="constant",
+                     pipeline=f"{__name__}:Constant", size_multiple=8, max_size=64,
+                     defaults=SamplingDefaults(height=16, width=16, num_inference_steps=1,
+                                               guidance_scale=1.0))
+    register_model(spec)
     try:
         assert "test-constant" in known_models()
+        assert resolve_model_spec("test-constant") is spec
         pipe = load_pipeline("test-constant", dtype=torch.float16)
         assert isinstance(pipe, Constant) and pipe.dtype == torch.float16
+        assert pipe.spec is spec and pipe.name == "test-constant"
         out = pipe.forward(DiffusionRequestBatch([request(height=24)]))[0]
-        resolve_pipeline_class("test-constant").check_inputs(request(height=24))
-        assert get_pre_process_func("test-constant")(r := request()) is r
-        images, tensor = get_post_process_func("test-constant")(
-            pipe.to_transfer(out, SamplingParams()), "pil"
-        )
+        spec.check(request(height=24))
+        with pytest.raises(InvalidRequestError, match="height: must be a positive multiple of 8"):
+            spec.check(request(height=20))
+        with pytest.raises(InvalidRequestError, match="no larger than 64"):
+            spec.check(request(height=72))
+        images, tensor = output_postprocessor(spec)(
+            pipe.to_transfer(out, SamplingParams()), "pil")
         assert tensor is None and images[0].size == (64, 24)
         assert images[0].getpixel((0, 0)) == (128, 128, 128)
     finally:
-        registry._PIPELINES.pop("test-constant")
+        unregister_model("test-constant")
+
+
+def test_the_pipeline_contract_is_compute_only():
+    """What a request may ask is the spec's: the pipeline class answers none
+    of the engine's questions, and the second names of the hooks are gone."""
+    from diffrt.engine.pipelines import registry
+    from diffrt.engine.pipelines.flux.pipeline import FluxPipeline
+
+    for name in ("check_inputs", "with_defaults", "uses_cfg", "request_batch_key",
+                 "step_batch_key", "check_parallel", "pre_process", "post_process",
+                 "sampling_defaults", "size_multiple", "max_size", "negative_prompt",
+                 "default_negative_prompt", "supports_request_batch",
+                 "supports_step_execution", "cfg_scale"):
+        assert not hasattr(DiffusionPipeline, name), name
+        assert not hasattr(FluxPipeline, name), name
+    assert not hasattr(registry, "get_pre_process_func")
+    assert not hasattr(registry, "get_post_process_func")
+    assert not hasattr(registry, "resolve_pipeline_class")
+
+
+def test_a_spec_is_plain_data_that_travels(tmp_path):
+    """The worker receives the engine's spec in its settings: it survives
+    msgpack unchanged, and its decisions are data (the CFG rule)."""
+    import msgspec
+
+    spec = resolve_model_spec("diffrt-shapes")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(spec), type=ModelSpec) == spec
+    assert spec.cfg_rule is CfgRule.TRUE_CFG_AND_NEGATIVE
+    assert resolve_model_spec("tiny-sd3").cfg_rule is CfgRule.GUIDANCE_GT_1
+    with pytest.raises(AttributeError):
+        spec.max_size = 1  # frozen
 
 
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3"])
@@ -106,10 +162,10 @@ def test_an_embedded_model_is_a_folder_loaded_like_any_other(pipelines, tmp_path
     assert folder.parent == Path(os.environ["DIFFRT_CACHE_DIR"]) / "models"
     copy = tmp_path / model
     shutil.copytree(folder, copy)
-    by_name, by_path = resolve_pipeline_class(model), resolve_pipeline_class(str(copy))
+    by_name, by_path = resolve_model_spec(model), resolve_model_spec(str(copy))
     assert by_name.name == model and by_path.name == str(copy.resolve())
-    assert by_name.__mro__[1] is by_path.__mro__[1]  # the family class
-    assert by_path.pretrained_path == str(copy.resolve())
+    assert by_name.pipeline == by_path.pipeline and by_name.family == by_path.family
+    assert by_path.folder == str(copy.resolve())
     loaded = load_pipeline(str(copy))
     assert weights_digest(loaded) == weights_digest(pipelines[model])
     req = request(seed=3, guidance_scale=2.0)
@@ -119,10 +175,10 @@ def test_an_embedded_model_is_a_folder_loaded_like_any_other(pipelines, tmp_path
 
 
 def test_local_sd3_folder_takes_its_limits_from_config():
-    cls = resolve_pipeline_class(embedded_folder("tiny-sd3"))
-    assert (cls.size_multiple, cls.max_size) == (16, 512)
+    spec = resolve_model_spec(embedded_folder("tiny-sd3"))
+    assert (spec.size_multiple, spec.max_size) == (16, 512)
     with pytest.raises(InvalidRequestError, match="height"):
-        cls.check_inputs(request(height=1024))
+        spec.check(request(height=1024))
 
 
 def test_resolving_an_existing_folder_imports_no_diffusers():
@@ -131,9 +187,9 @@ def test_resolving_an_existing_folder_imports_no_diffusers():
     embedded_folder("tiny-flux")
     script = (
         "import sys\n"
-        "from diffrt.engine.pipelines import resolve_pipeline_class\n"
+        "from diffrt.engine.pipelines import resolve_model_spec\n"
         "from diffrt.engine.request import DiffusionRequest\n"
-        "resolve_pipeline_class('tiny-flux').check_inputs(DiffusionRequest('x'))\n"
+        "resolve_model_spec('tiny-flux').check(DiffusionRequest('x'))\n"
         "print('diffusers' in sys.modules, 'transformers' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -191,20 +247,20 @@ def test_sampling_defaults_come_from_the_family_the_config_and_the_name(tmp_path
     flux_copy = tmp_path / "flux"
     shutil.copytree(embedded_folder("tiny-flux"), flux_copy)
     # a Flux folder: FluxPipeline's defaults (128 latents x the VAE's 8, 28 steps, 3.5)
-    assert resolve_pipeline_class(str(flux_copy)).sampling_defaults == {
-        "height": 1024, "width": 1024, "num_inference_steps": 28, "guidance_scale": 3.5}
+    assert resolve_model_spec(str(flux_copy)).defaults == SamplingDefaults(
+        height=1024, width=1024, num_inference_steps=28, guidance_scale=3.5)
     # an SD3 folder: its transformer's sample_size (16 latents) x 8
-    assert resolve_pipeline_class(embedded_folder("tiny-sd3")).sampling_defaults == {
-        "height": 128, "width": 128, "num_inference_steps": 28, "guidance_scale": 7.0}
+    assert resolve_model_spec(embedded_folder("tiny-sd3")).defaults == SamplingDefaults(
+        height=128, width=128, num_inference_steps=28, guidance_scale=7.0)
     # the embedded names: quick images
-    assert resolve_pipeline_class("tiny-flux").sampling_defaults == {
-        "height": 128, "width": 128, "num_inference_steps": 4, "guidance_scale": 3.5}
-    assert resolve_pipeline_class("tiny-sd3").sampling_defaults["num_inference_steps"] == 4
-    cls = resolve_pipeline_class("tiny-flux")
+    assert resolve_model_spec("tiny-flux").defaults == SamplingDefaults(
+        height=128, width=128, num_inference_steps=4, guidance_scale=3.5)
+    assert resolve_model_spec("tiny-sd3").defaults.num_inference_steps == 4
+    cls = resolve_model_spec("tiny-flux")
     filled = cls.with_defaults(DiffusionRequest("x", SamplingParams(width=64, seed=1)))
     assert (filled.sampling_params.height, filled.sampling_params.width) == (128, 64)
     assert filled.sampling_params.num_inference_steps == 4
-    assert filled.sampling_params.true_cfg_scale == 1.0  # no model default: the fallback
+    assert filled.sampling_params.true_cfg_scale == 1.0  # the family's: no true CFG
     full = DiffusionRequest("x", SamplingParams(height=64, width=64, num_inference_steps=2,
                                                 guidance_scale=1.0, true_cfg_scale=1.0))
     assert cls.with_defaults(full) is full

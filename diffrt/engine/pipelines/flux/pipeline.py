@@ -31,27 +31,6 @@ def calculate_shift(
 class FluxPipeline(FlowMatchPipeline):
     """Text-to-image with a diffusers FluxTransformer2DModel."""
 
-    name = "flux"
-    diffusers_pipeline_class = "FluxPipeline"
-    size_multiple = 16  # VAE 8x, then 2x2 packing
-    supports_sequence_parallel = True
-    max_size = 2048
-    #: FluxPipeline.__call__'s defaults.
-    sampling_defaults = {"height": 1024, "width": 1024, "num_inference_steps": 28,
-                         "guidance_scale": 3.5}
-
-    @classmethod
-    def uses_cfg(cls, request: Any) -> bool:
-        """As diffusers' FluxPipeline: ``guidance_scale`` is the embedded guidance
-        of guidance-distilled checkpoints; true CFG runs only with
-        ``true_cfg_scale`` > 1 and a negative prompt."""
-        return (request.sampling_params.true_cfg_scale > 1.0
-                and cls.negative_prompt(request) is not None)
-
-    @classmethod
-    def cfg_scale(cls, params: SamplingParams) -> float:
-        return float(params.true_cfg_scale)
-
     @staticmethod
     def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """CLIP pooled output + T5 hidden states, as FluxPipeline does: 512 T5
@@ -139,10 +118,10 @@ class FluxPipeline(FlowMatchPipeline):
     def enable_sequence_parallel(self, groups: Any) -> None:
         """Each rank runs the transformer on its slice of the image tokens (and
         of their position ids; the text whole); attention goes over the
-        sequence group (``engine.parallel.flux_attention``); the output is
+        sequence group (``pipelines.flux.parallel``); the output is
         gathered."""
-        from diffrt.engine.parallel.flux_attention import SequenceParallelFluxAttnProcessor
         from diffrt.engine.parallel.sequence import SequenceSplit
+        from diffrt.engine.pipelines.flux.parallel import SequenceParallelFluxAttnProcessor
 
         self._sequence_split = SequenceSplit(groups.sequence, groups.sequence_attention())
         self.transformer.set_attn_processor(SequenceParallelFluxAttnProcessor(

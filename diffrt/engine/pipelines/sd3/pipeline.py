@@ -10,21 +10,12 @@ from typing import Any
 
 import torch
 
-from diffrt.engine.pipelines.flow_match import FlowMatchPipeline, _vae_factor
+from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.sampling import SamplingParams
 
 
 class SD3Pipeline(FlowMatchPipeline):
     """Text-to-image with a diffusers SD3Transformer2DModel."""
-
-    name = "sd3"
-    diffusers_pipeline_class = "StableDiffusion3Pipeline"
-    size_multiple = 16  # VAE 8x, patch 2
-    supports_sequence_parallel = True
-    max_size = 2048
-    #: StableDiffusion3Pipeline.__call__'s defaults (the size comes from the config).
-    sampling_defaults = {"height": 1024, "width": 1024, "num_inference_steps": 28,
-                         "guidance_scale": 7.0}
 
     @staticmethod
     def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +32,7 @@ class SD3Pipeline(FlowMatchPipeline):
         cfg = self.noise_scheduler.config
         if not cfg.get("use_dynamic_shifting", False):
             return {}
-        from diffrt.engine.pipelines.flux import calculate_shift
+        from diffrt.engine.pipelines.flux.pipeline import calculate_shift
 
         patch = self.transformer.config.patch_size
         seq_len = (params.height // self.vae_scale_factor // patch) * (
@@ -49,22 +40,6 @@ class SD3Pipeline(FlowMatchPipeline):
         return {"mu": calculate_shift(seq_len, cfg.get("base_image_seq_len", 256),
                                       cfg.get("max_image_seq_len", 4096),
                                       cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))}
-
-    @classmethod
-    def attrs_from_config(cls, transformer_config: dict, vae_config: dict) -> dict[str, Any]:
-        attrs = super().attrs_from_config(transformer_config, vae_config)
-        factor = _vae_factor(vae_config)
-        patch = int(transformer_config.get("patch_size", 2))
-        grid = transformer_config.get("pos_embed_max_size")
-        attrs["size_multiple"] = factor * patch
-        if grid:  # else the family's, scaled to the VAE (super)
-            attrs["max_size"] = int(grid) * patch * factor
-        return attrs
-
-    @classmethod
-    def default_sample_size(cls, transformer_config: dict) -> int:
-        """StableDiffusion3Pipeline: the transformer's ``sample_size``."""
-        return int(transformer_config.get("sample_size", 128))
 
     def transformer_forward(
         self,
@@ -88,9 +63,9 @@ class SD3Pipeline(FlowMatchPipeline):
         tokens: the patch embedding (which adds the positional embedding, so
         it sees the whole latent) is followed by the split, the last
         projection by the gather; the attention goes over the sequence group
-        (``engine.parallel.sd3_attention``), text whole on every rank."""
-        from diffrt.engine.parallel.sd3_attention import SequenceParallelJointAttnProcessor
+        (``pipelines.sd3.parallel``), text whole on every rank."""
         from diffrt.engine.parallel.sequence import GatherTokens, SequenceSplit, ShardTokens
+        from diffrt.engine.pipelines.sd3.parallel import SequenceParallelJointAttnProcessor
 
         sequence = SequenceSplit(groups.sequence, groups.sequence_attention())
         model = self.transformer

@@ -24,20 +24,13 @@ from typing import Any
 
 import torch
 
-from diffrt.engine.pipelines.flux import FluxPipeline
+from diffrt.engine.pipelines.flux.pipeline import FluxPipeline
+from diffrt.engine.pipelines.qwen_image.spec import qwen_vae_factor
 from diffrt.engine.sampling import SamplingParams
 
 
 class QwenImagePipeline(FluxPipeline):
     """Text-to-image with a diffusers QwenImageTransformer2DModel."""
-
-    name = "qwen-image"
-    diffusers_pipeline_class = "QwenImagePipeline"
-    vae_class_name = "AutoencoderKLQwenImage"
-    #: QwenImagePipeline.__call__'s defaults (guidance_scale is unused: the
-    #: released checkpoints are not guidance-distilled)
-    sampling_defaults = {"height": 1024, "width": 1024, "num_inference_steps": 50,
-                         "guidance_scale": 1.0, "true_cfg_scale": 4.0}
 
     @staticmethod
     def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,15 +45,11 @@ class QwenImagePipeline(FluxPipeline):
 
     @staticmethod
     def vae_factor(vae_config: dict) -> int:
-        return 2 ** len(vae_config.get("temperal_downsample", (False, True, True)))
+        return qwen_vae_factor(vae_config)
 
     @staticmethod
     def vae_latent_channels(vae_config: dict) -> int:
         return int(vae_config.get("z_dim", 16))
-
-    @classmethod
-    def default_sample_size(cls, transformer_config: dict) -> int:
-        return 128
 
     def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
         """As QwenImagePipeline: stepping starts at index 0 (``set_begin_index``);
@@ -128,10 +117,10 @@ class QwenImagePipeline(FluxPipeline):
 
     def enable_sequence_parallel(self, groups: Any) -> None:
         """Each rank runs the transformer blocks on its slice of the image
-        tokens and of their rotary embedding (``engine.parallel.qwen_attention``);
+        tokens and of their rotary embedding (``pipelines.qwen_image.parallel``);
         the text (and its mask) whole on every rank; the output gathered."""
-        from diffrt.engine.parallel.qwen_attention import enable_qwen_sequence_parallel
         from diffrt.engine.parallel.sequence import SequenceSplit
+        from diffrt.engine.pipelines.qwen_image.parallel import enable_qwen_sequence_parallel
 
         self._sequence_split = SequenceSplit(groups.sequence, groups.sequence_attention())
         enable_qwen_sequence_parallel(self.transformer, self._sequence_split)

@@ -1,0 +1,223 @@
+"""ModelSpec: one immutable description of a model, read by every room that
+needs to know what the model accepts.
+
+A spec is resolved once from a model folder (``pipelines.registry``) without
+loading weights, and it is plain data: a msgspec Struct, so the worker
+receives the same object in its settings. Admission (defaults, limits, cost),
+the schedulers (batch keys), the CLI's input check, the server's defaults and
+``/v1/models``, and post-processing read it; the pipeline object in each
+worker is compute only and consults the same spec for the request-level
+decisions it shares with the engine (whether CFG runs, the negative prompt).
+
+The few decisions that depend on a request are data too, evaluated here:
+``cfg_rule`` says when classifier-free guidance runs, ``request_batch_fields``
+and ``step_batch_fields`` name the sampling fields two requests must agree
+on to share one forward or one denoise step.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+import msgspec
+
+from diffrt.engine.parallel.degrees import ParallelConfigError, ParallelDegrees
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.sampling import MAX_STEPS, InvalidRequestError, SamplingParams
+
+#: what a model can be asked to do (the image-input issue adds
+#: "image-to-image", "inpainting" and "editing")
+Task = Literal["text-to-image"]
+
+
+class CfgRule(enum.Enum):
+    """When classifier-free guidance runs for a request (two rows per output)."""
+
+    #: ``guidance_scale`` > 1, as diffusers' StableDiffusion3Pipeline.
+    GUIDANCE_GT_1 = "guidance_gt_1"
+    #: ``true_cfg_scale`` > 1 and a negative prompt (the request's, else the
+    #: model's default), as diffusers' FluxPipeline and QwenImagePipeline:
+    #: there ``guidance_scale`` is an embedded input, not CFG.
+    TRUE_CFG_AND_NEGATIVE = "true_cfg_and_negative"
+    #: never (a model without an unconditional branch).
+    NEVER = "never"
+
+
+#: what two requests must agree on to share one fused forward: a request-level
+#: forward runs one denoising loop, so the step count is in it
+REQUEST_BATCH_FIELDS = ("height", "width", "num_inference_steps", "guidance_scale",
+                        "true_cfg_scale", "num_outputs_per_prompt", "output_type", "lora_name")
+#: what two requests must agree on to share a denoise step: each keeps its own
+#: noise scheduler (step counts may differ) and guidance is applied per row
+STEP_BATCH_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type", "lora_name")
+
+
+class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True):
+    """What a request's sampling fields left at None become."""
+
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    true_cfg_scale: float = 1.0
+
+
+class ParallelSupport(msgspec.Struct, frozen=True, kw_only=True):
+    """How a model may be split over ranks (``check_parallel``)."""
+
+    #: any split at all (a pipeline without one runs on one rank only)
+    multi_rank: bool = False
+    #: the transformer's image tokens split over ranks (Ulysses, ring)
+    sequence: bool = False
+    #: the transformer's attention heads (Ulysses needs its degree to divide them)
+    attention_heads: int | None = None
+    #: the VAE's diffusers class (the banded parallel decode needs an AutoencoderKL)
+    vae_class: str = "AutoencoderKL"
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What one model is and accepts; see the module docstring."""
+
+    #: the name the engine serves it under (a registered name or the folder)
+    name: str
+    #: the diffrt family ("flux", "sd3", "qwen-image", or a plugin's)
+    family: str
+    #: "module:Class" of the worker-side pipeline that computes it
+    pipeline: str
+    #: the diffusers pipeline class its folder loads through (None: no folder)
+    diffusers_pipeline: str | None = None
+    #: the diffusers folder holding its weights (None: the pipeline builds them)
+    folder: str | None = None
+    tasks: tuple[Task, ...] = ("text-to-image",)
+    #: height and width must be positive multiples of this (VAE factor x patch)
+    size_multiple: int = 16
+    max_size: int = 2048
+    max_steps: int = MAX_STEPS
+    defaults: SamplingDefaults
+    #: the negative prompt of a request that names none (None: the request has
+    #: none; under TRUE_CFG_AND_NEGATIVE that means no CFG, as in diffusers)
+    default_negative_prompt: str | None = None
+    cfg_rule: CfgRule = CfgRule.GUIDANCE_GT_1
+    request_batch_fields: tuple[str, ...] = REQUEST_BATCH_FIELDS
+    step_batch_fields: tuple[str, ...] = STEP_BATCH_FIELDS
+    #: several whole requests fused into one forward (REQUEST_BATCH, max_num_seqs > 1)
+    supports_request_batch: bool = False
+    #: the step protocol (STEP_BATCH)
+    supports_step_execution: bool = False
+    parallel: ParallelSupport = ParallelSupport()
+    #: module names (diffusers' ``target_modules``) a LoRA adapter may change;
+    #: empty: the model takes no adapters
+    lora_target_modules: tuple[str, ...] = ()
+    #: how a finished output becomes what the request asked for
+    #: (``engine.postprocess``): uint8 images -> PIL / tensor, latents as is
+    postprocess: Literal["images"] = "images"
+
+    # -- defaults and checks (admission, the CLI, direct pipeline callers) -------------
+    def with_defaults(self, request: DiffusionRequest) -> DiffusionRequest:
+        """``request`` with the sampling fields it left at None taken from
+        ``defaults`` (the same object when none was left)."""
+        params = request.sampling_params
+        resolved = params.with_defaults(msgspec.structs.asdict(self.defaults))
+        if resolved is params:
+            return request
+        return msgspec.structs.replace(request, sampling_params=resolved)
+
+    def check(self, request: DiffusionRequest) -> None:
+        """Raise InvalidRequestError naming the first field this model cannot
+        run (on the request as it will run: defaults filled in)."""
+        params = self.with_defaults(request).sampling_params
+        params.validate()
+        for field in ("height", "width"):
+            value = getattr(params, field)
+            if value > self.max_size or value % self.size_multiple:
+                raise InvalidRequestError(field, (
+                    f"must be a positive multiple of {self.size_multiple} no larger than "
+                    f"{self.max_size} for {self.name}, got {value}"))
+        if params.num_inference_steps > self.max_steps:
+            raise InvalidRequestError("num_inference_steps", (
+                f"must be at most {self.max_steps} for {self.name}, "
+                f"got {params.num_inference_steps}"))
+        if params.lora_name is not None:
+            # no adapter is loaded (adapters arrive with the LoRA issue), and
+            # silently ignoring one would return an image nobody asked for
+            raise InvalidRequestError("lora_name", (
+                f"{self.name} has no LoRA adapters loaded; must be None, "
+                f"got {params.lora_name!r}"))
+
+    # -- classifier-free guidance ------------------------------------------------------------
+    def negative_prompt(self, request: DiffusionRequest) -> str | None:
+        """The request's negative prompt, else the model's default."""
+        if request.negative_prompt is not None:
+            return request.negative_prompt
+        return self.default_negative_prompt
+
+    def uses_cfg(self, request: DiffusionRequest) -> bool:
+        """Whether CFG runs for ``request`` (defaults filled in)."""
+        params = request.sampling_params
+        match self.cfg_rule:
+            case CfgRule.GUIDANCE_GT_1:
+                return params.guidance_scale > 1.0
+            case CfgRule.TRUE_CFG_AND_NEGATIVE:
+                return params.true_cfg_scale > 1.0 and self.negative_prompt(request) is not None
+            case CfgRule.NEVER:
+                return False
+
+    def cfg_scale(self, params: SamplingParams) -> float:
+        """The scale of classifier-free guidance when it runs."""
+        if self.cfg_rule is CfgRule.TRUE_CFG_AND_NEGATIVE:
+            return float(params.true_cfg_scale)  # type: ignore[arg-type]
+        return float(params.guidance_scale)  # type: ignore[arg-type]
+
+    def cost(self, request: DiffusionRequest) -> float:
+        """Megapixel-steps, doubled when CFG runs for this request."""
+        return request.sampling_params.megapixel_steps * (2 if self.uses_cfg(request) else 1)
+
+    # -- batching ------------------------------------------------------------------------------
+    def request_batch_key(self, request: DiffusionRequest) -> tuple:
+        """What must match for two requests to share one fused forward."""
+        params = request.sampling_params
+        return (*(getattr(params, f) for f in self.request_batch_fields), self.uses_cfg(request))
+
+    def step_batch_key(self, request: DiffusionRequest) -> tuple:
+        """What must match for two requests to share a denoise step."""
+        params = request.sampling_params
+        return (*(getattr(params, f) for f in self.step_batch_fields), self.uses_cfg(request))
+
+    # -- parallelism -----------------------------------------------------------------------------
+    def check_parallel(self, degrees: ParallelDegrees, vae_parallel: bool = False) -> None:
+        """Raise ``ParallelConfigError`` saying why this model cannot run split
+        as ``degrees`` and ``vae_parallel`` say (before any worker starts)."""
+        caps = self.parallel
+        if not caps.multi_rank:
+            if degrees.world_size > 1 or vae_parallel:
+                raise ParallelConfigError("world_size",
+                                          f"model {self.name!r} runs on one rank only")
+            return
+        if degrees.sequence_size > 1 and not caps.sequence:
+            raise ParallelConfigError(
+                "ulysses_degree" if degrees.ulysses > 1 else "ring_degree",
+                f"{self.name}: its transformer has no sequence parallelism")
+        check_heads(caps.attention_heads, degrees.ulysses)
+        if vae_parallel and caps.vae_class != "AutoencoderKL":
+            raise ParallelConfigError("vae_parallel", f"splits an AutoencoderKL's decoder; "
+                                                      f"{self.name} has a {caps.vae_class}")
+
+    # -- what the engine needs for its own warm-up ------------------------------------------------
+    def warmup_size(self) -> int:
+        """The side of a warm-up picture: about 64 px, within the model's limits."""
+        multiple = self.size_multiple
+        largest = self.max_size // multiple * multiple
+        return max(multiple, min(multiple * -(-64 // multiple), largest))
+
+
+def check_heads(heads: int | None, ulysses: int) -> None:
+    """Ulysses exchanges heads for tokens: its degree must divide the heads."""
+    if ulysses > 1 and heads and heads % ulysses:
+        raise ParallelConfigError("ulysses_degree", (
+            f"{ulysses} does not divide the transformer's {heads} attention heads "
+            "(ring_degree takes any count)"))
+
+
+__all__ = ["REQUEST_BATCH_FIELDS", "STEP_BATCH_FIELDS", "CfgRule", "ModelSpec",
+           "ParallelSupport", "SamplingDefaults", "Task", "check_heads"]

@@ -1,0 +1,8 @@
+"""The Flux family: its spec (``spec.py``), its pipeline (``pipeline.py``),
+its sequence-parallel attention (``parallel.py``)."""
+
+from diffrt.engine.pipelines.family import Family
+
+FAMILY = Family("flux", diffusers_pipelines=("FluxPipeline",),
+                transformer_classes=("FluxTransformer2DModel",),
+                describe="diffrt.engine.pipelines.flux.spec:describe")

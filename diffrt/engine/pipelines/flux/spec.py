@@ -1,0 +1,39 @@
+"""The Flux family's spec, from a folder's configs (no weights, no diffusers)."""
+
+from __future__ import annotations
+
+from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
+from diffrt.engine.pipelines.family import ModelFolder
+from diffrt.engine.pipelines.flow_match_spec import (
+    check_text_encoder,
+    scaled_max_size,
+    sequence_parallel_support,
+    vae_factor,
+)
+
+#: linear layers of FluxTransformer2DModel that LoRA adapters for it target
+#: (the double blocks' joint attention and feed-forwards, the single blocks'
+#: projections), as diffusers' Flux LoRA training script names them
+LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                       "add_v_proj", "to_add_out", "ff.net.0.proj", "ff.net.2",
+                       "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out")
+
+
+def describe(folder: ModelFolder) -> ModelSpec:
+    """FluxPipeline's semantics: 2x2-packed latents (size multiple twice the
+    VAE factor), its default size of 128 latents per side, 28 steps, embedded
+    guidance 3.5, and true CFG only with ``true_cfg_scale`` > 1 and a negative
+    prompt."""
+    check_text_encoder(folder)
+    factor = vae_factor(folder.vae_config)
+    size = 128 * factor
+    return ModelSpec(
+        name=folder.name, family="flux", pipeline="diffrt.engine.pipelines.flux.pipeline:FluxPipeline",
+        diffusers_pipeline="FluxPipeline", folder=folder.path,
+        size_multiple=factor * 2, max_size=scaled_max_size(factor),
+        defaults=SamplingDefaults(height=size, width=size, num_inference_steps=28,
+                                  guidance_scale=3.5),
+        cfg_rule=CfgRule.TRUE_CFG_AND_NEGATIVE,
+        supports_request_batch=True, supports_step_execution=True,
+        parallel=sequence_parallel_support(folder, "AutoencoderKL"),
+        lora_target_modules=LORA_TARGET_MODULES)

@@ -1,0 +1,43 @@
+"""The Qwen-Image family's spec, from a folder's configs (no weights, no diffusers)."""
+
+from __future__ import annotations
+
+from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
+from diffrt.engine.pipelines.family import ModelFolder
+from diffrt.engine.pipelines.flow_match_spec import (
+    check_text_encoder,
+    scaled_max_size,
+    sequence_parallel_support,
+)
+
+#: linear layers of QwenImageTransformer2DModel that LoRA adapters for it
+#: target (joint attention, the image and text feed-forwards)
+LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                       "add_v_proj", "to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",
+                       "txt_mlp.net.0.proj", "txt_mlp.net.2")
+
+
+def qwen_vae_factor(vae_config: dict) -> int:
+    """AutoencoderKLQwenImage: 8x from its three-entry temporal-downsample list."""
+    return 2 ** len(vae_config.get("temperal_downsample", (False, True, True)))
+
+
+def describe(folder: ModelFolder) -> ModelSpec:
+    """QwenImagePipeline's semantics: Flux's packed layout, 1024 px and 50
+    steps by default, true CFG at 4.0 with a negative prompt (its
+    ``guidance_scale`` is unused by the released checkpoints), the
+    Qwen-Image VAE (no banded parallel decode)."""
+    check_text_encoder(folder)
+    factor = qwen_vae_factor(folder.vae_config)
+    size = 128 * factor
+    return ModelSpec(
+        name=folder.name, family="qwen-image",
+        pipeline="diffrt.engine.pipelines.qwen_image.pipeline:QwenImagePipeline",
+        diffusers_pipeline="QwenImagePipeline", folder=folder.path,
+        size_multiple=factor * 2, max_size=scaled_max_size(factor),
+        defaults=SamplingDefaults(height=size, width=size, num_inference_steps=50,
+                                  guidance_scale=1.0, true_cfg_scale=4.0),
+        cfg_rule=CfgRule.TRUE_CFG_AND_NEGATIVE,
+        supports_request_batch=True, supports_step_execution=True,
+        parallel=sequence_parallel_support(folder, "AutoencoderKLQwenImage"),
+        lora_target_modules=LORA_TARGET_MODULES)

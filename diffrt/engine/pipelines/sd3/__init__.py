@@ -1,0 +1,8 @@
+"""The SD3 family: its spec (``spec.py``), its pipeline (``pipeline.py``),
+its sequence-parallel attention (``parallel.py``)."""
+
+from diffrt.engine.pipelines.family import Family
+
+FAMILY = Family("sd3", diffusers_pipelines=("StableDiffusion3Pipeline",),
+                transformer_classes=("SD3Transformer2DModel",),
+                describe="diffrt.engine.pipelines.sd3.spec:describe")

@@ -1,0 +1,42 @@
+"""The SD3 family's spec, from a folder's configs (no weights, no diffusers)."""
+
+from __future__ import annotations
+
+from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
+from diffrt.engine.pipelines.family import ModelFolder
+from diffrt.engine.pipelines.flow_match_spec import (
+    check_text_encoder,
+    scaled_max_size,
+    sequence_parallel_support,
+    vae_factor,
+)
+
+#: linear layers of SD3Transformer2DModel that LoRA adapters for it target
+#: (joint attention and feed-forwards), as diffusers' SD3 LoRA training names them
+LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                       "add_v_proj", "to_add_out", "ff.net.0.proj", "ff.net.2",
+                       "ff_context.net.0.proj", "ff_context.net.2")
+
+
+def describe(folder: ModelFolder) -> ModelSpec:
+    """StableDiffusion3Pipeline's semantics: the transformer patchifies (size
+    multiple VAE factor x patch), its positional-embedding grid bounds the
+    size, the default size is its ``sample_size``, 28 steps, CFG when
+    ``guidance_scale`` > 1 (7.0 by default)."""
+    check_text_encoder(folder)
+    config = folder.transformer_config
+    factor = vae_factor(folder.vae_config)
+    patch = int(config.get("patch_size", 2))
+    grid = config.get("pos_embed_max_size")
+    size = int(config.get("sample_size", 128)) * factor
+    return ModelSpec(
+        name=folder.name, family="sd3", pipeline="diffrt.engine.pipelines.sd3.pipeline:SD3Pipeline",
+        diffusers_pipeline="StableDiffusion3Pipeline", folder=folder.path,
+        size_multiple=factor * patch,
+        max_size=int(grid) * patch * factor if grid else scaled_max_size(factor),
+        defaults=SamplingDefaults(height=size, width=size, num_inference_steps=28,
+                                  guidance_scale=7.0),
+        cfg_rule=CfgRule.GUIDANCE_GT_1,
+        supports_request_batch=True, supports_step_execution=True,
+        parallel=sequence_parallel_support(folder, "AutoencoderKL"),
+        lora_target_modules=LORA_TARGET_MODULES)

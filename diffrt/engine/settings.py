@@ -1,0 +1,162 @@
+"""Every engine setting, declared once: type, default, constraints and help.
+
+Users pass one flat ``EngineConfig(model=..., max_num_seqs=...)``
+(``config.py``); inside, each keyword lands in one of these groups, and each
+room reads its own group: the worker its ``ModelConfig`` and
+``ParallelConfig`` (they travel in ``RunnerSettings``), the schedulers the
+``SchedulingConfig``, admission the ``LimitsConfig``, the executors the
+``ExecutorSettings`` (whose tuning fields are the runtime's own
+``ExecutorOptions`` declaration). A field's ``msgspec.Meta`` gives its check
+(``check_declared``: the error names the field), its CLI flag and help
+(``cli/engine_opts.py``) and its line in the docs, so a new setting is one
+declaration here plus the code that uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from diffrt.runtime.types import ExecutorOptions
+
+#: the shipped demo model (tiny, trained: its pictures follow the prompt)
+DEFAULT_MODEL = "diffrt-shapes"
+ExecutorBackend = Literal["mp", "inproc", "ray"]
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+Policy = Literal["fifo", "skip_ahead"]
+
+#: a finite number of milliseconds >= 0, or None (automatic)
+_WaitMs = Annotated[Annotated[float, Meta(ge=0, le=3.6e6)] | None, Meta(description=(
+    "how long an idle engine may hold the first request of a new batch so a burst can "
+    "join it, in ms: None (the default) sizes it from measured request run times (a "
+    "tenth of their moving average, at most 50 ms); 0 schedules at once"))]
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """What each worker loads and how it runs it."""
+
+    model: Annotated[str, Meta(min_length=1, description=(
+        "a model name (diffrt-shapes, tiny-flux, tiny-sd3), a local diffusers folder, or a "
+        "hub id in the local Hugging Face cache"))] = DEFAULT_MODEL
+    dtype: Annotated[Dtype, Meta(description=(
+        "weights dtype in the workers; auto: bfloat16 where the device supports it, else "
+        "float16; float32 on CPU"))] = "auto"
+    torch_threads: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(description=(
+        "torch intra-op threads in each worker; None: on CPU the usable cores split among "
+        "the ranks minus one for the engine process (oversubscription can slow a step "
+        "down by an order of magnitude), elsewhere torch's default"))] = None
+    compile: Annotated[bool, Meta(description=(
+        "torch.compile each worker's denoiser with compile_backend; it compiles at warm-up "
+        "and once more when a shape first changes (mind execute_timeout_s)"))] = False
+    compile_backend: Annotated[str, Meta(min_length=1, description=(
+        "the torch.compile backend (with compile)"))] = "inductor"
+    prompt_cache_bytes: Annotated[int, Meta(ge=0, description=(
+        "prompt embeddings each worker keeps (LRU by bytes, keyed by prompt text per text "
+        "encoder); 0 disables the cache"))] = 64 << 20
+    vae_tiling: Annotated[bool, Meta(description=(
+        "decode in overlapping tiles (large images on one device)"))] = False
+    vae_slicing: Annotated[bool, Meta(description=(
+        "decode one image at a time (large batches on one device)"))] = False
+    offload_text_encoders: Annotated[bool, Meta(description=(
+        "keep text encoders on the CPU between encodings (small devices)"))] = False
+    plugin_modules: Annotated[tuple[Annotated[str, Meta(min_length=1)], ...], Meta(description=(
+        "modules imported before the model is resolved, here and in each worker, e.g. one "
+        "that registers a model family"))] = ()
+    warmup: Annotated[bool, Meta(description=(
+        "run one tiny request at start-up (fails and cleans up if it does not finish in "
+        "warmup_timeout_s)"))] = True
+    warmup_timeout_s: Annotated[float, Meta(gt=0, description=(
+        "seconds the warm-up request may take"))] = 300.0
+
+
+class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """How requests are batched and ordered."""
+
+    step_execution: Annotated[bool, Meta(description=(
+        "False: REQUEST_BATCH (whole requests per forward); True: STEP_BATCH (continuous "
+        "batching at denoise-step boundaries)"))] = False
+    max_num_seqs: Annotated[int, Meta(ge=1, description=(
+        "how many requests share one forward (REQUEST_BATCH) or one denoise step "
+        "(STEP_BATCH)"))] = 1
+    request_batch_max_wait_ms: _WaitMs = None
+    step_batch_max_wait_ms: _WaitMs = None
+    max_steps_per_tick: Annotated[int, Meta(ge=1, description=(
+        "STEP_BATCH: denoise steps one worker call may run while no request waits to join "
+        "(a request arriving meanwhile waits at most this many steps); 1: one per call"))] = 4
+    scheduling_policy: Annotated[Policy, Meta(description=(
+        "fifo (strict arrival order, head-of-line blocking) or skip_ahead (compatible "
+        "younger requests may pass an incompatible one, at most scheduling_max_bypass "
+        "times each)"))] = "fifo"
+    scheduling_max_bypass: Annotated[int, Meta(ge=0, description=(
+        "skip_ahead: how often one waiting request may be passed"))] = 4
+
+
+class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """How one request is split over ranks (docs/parallelism.md)."""
+
+    cfg_parallel_size: Annotated[Literal[1, 2], Meta(description=(
+        "2: classifier-free guidance's two branches on two ranks (one all_gather per "
+        "step); a batch without CFG shares its rows out instead"))] = 1
+    ulysses_degree: Annotated[int, Meta(ge=1, description=(
+        "split each transformer call's image tokens over N ranks, attention exchanging "
+        "heads for tokens (the heads must divide by N)"))] = 1
+    ring_degree: Annotated[int, Meta(ge=1, description=(
+        "split the image tokens over N ranks with ring attention (any head count); with "
+        "ulysses_degree: Ulysses inside, the ring across"))] = 1
+    vae_parallel: Annotated[bool, Meta(description=(
+        "decode each image in bands of rows, one per rank (exact: halo rows and shared "
+        "norm statistics); not with vae_tiling"))] = False
+    world_size: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(description=(
+        "worker ranks per engine: None is cfg_parallel_size x ulysses_degree x "
+        "ring_degree, a value given must equal it"))] = None
+
+    @property
+    def ranks(self) -> int:
+        return self.cfg_parallel_size * self.ulysses_degree * self.ring_degree
+
+
+class LimitsConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """What one request may cost and how long it may take."""
+
+    max_request_cost: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description=(
+        "the largest request accepted, in megapixel-steps (height x width x steps x "
+        "outputs / 1e6, x2 with CFG); None: no limit. 1000 accepts 1024x1024 x 50 steps x "
+        "8 outputs with CFG"))] = 1000.0
+    request_timeout_s: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description=(
+        "seconds from submission to the final output after which a request ends with an "
+        "error (SamplingParams.timeout_s may lower it); None: no limit"))] = 600.0
+    unread_output_timeout_s: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description=(
+        "an output nobody has read for this long is released and its request ends with "
+        "\"output expired\"; None: kept while its consumer is connected"))] = None
+
+
+class ExecutorSettings(ExecutorOptions, kw_only=True, frozen=True):
+    """Where the ranks run and how outputs come back (the runtime's
+    ``ExecutorOptions`` plus what the engine decides for them)."""
+
+    executor_backend: Annotated[ExecutorBackend, Meta(description=(
+        "mp: worker processes; inproc: one rank on a thread of this process; ray: the "
+        "ranks as Ray actors, across machines if need be (the ray extra)"))] = "mp"
+    async_output: Annotated[bool | None, Meta(description=(
+        "copy outputs off the device on a background thread; None: where the platform "
+        "supports it"))] = None
+    restart_workers: Annotated[bool, Meta(description=(
+        "after the workers died or hung, fail only the running requests, start fresh "
+        "workers (3 attempts) and serve the waiting ones"))] = False
+    postprocess_workers: Annotated[int, Meta(ge=1, description=(
+        "threads that turn outputs into PIL images for asyncio consumers"))] = 2
+
+
+#: group attribute of EngineConfig -> its declaration, in the order the docs list them
+GROUPS: dict[str, type[msgspec.Struct]] = {
+    "model_config": ModelConfig, "scheduling": SchedulingConfig, "parallel": ParallelConfig,
+    "limits": LimitsConfig, "executor": ExecutorSettings}
+#: setting name -> the group attribute that holds it
+FIELD_GROUP: dict[str, str] = {name: group for group, cls in GROUPS.items()
+                               for name in cls.__struct_fields__}
+
+
+__all__ = ["DEFAULT_MODEL", "FIELD_GROUP", "GROUPS", "ExecutorSettings", "LimitsConfig",
+           "ModelConfig", "ParallelConfig", "SchedulingConfig"]

@@ -1,0 +1,20 @@
+"""A model family from outside diffrt, following docs/pipelines.md's "Adding
+a family" checklist and touching no file under ``diffrt/``: importing this
+package (``EngineConfig(plugin_modules=["plugins.stripes_family"])``)
+registers it.
+
+"stripes" folders (``tiny_folder.py`` writes one) hold a diffusers-style
+``model_index.json`` naming ``StripesPipeline`` and one component,
+``painter``: a config and a safetensors file with one weight per colour
+channel. Its pipeline (``pipeline.py``) paints horizontal stripes whose
+phase moves with every denoise step and whose colours come from the seed,
+the prompt and the weights, in both execution styles, so a mixed-up,
+mis-batched or mis-stepped request shows in its pixels.
+"""
+
+from diffrt.engine.pipelines import Family, register_family
+
+FAMILY = Family("stripes", diffusers_pipelines=("StripesPipeline",), transformer_classes=(),
+                describe="plugins.stripes_family.spec:describe")
+
+register_family(FAMILY)
