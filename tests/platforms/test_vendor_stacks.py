@@ -355,3 +355,45 @@ def test_rocm_with_hip_and_cuda_visible_devices_pins_both(monkeypatch, device_mo
     assert worker_device_env(platform, 1, 2, both) == dict.fromkeys(both, "3")
     assert worker_device_env(platform, 1, 2, {"HIP_VISIBLE_DEVICES": "2,3"}) == \
         {"HIP_VISIBLE_DEVICES": "3"}
+
+
+# -- diffrt env --check: the two GPU parts skip cleanly elsewhere -----------------------------
+def test_the_gpu_parts_of_the_check_skip_with_a_reason_without_an_nvidia_gpu(
+        monkeypatch, device_module_factory):
+    from diffrt.cli import gpu_checks
+    from diffrt.platforms.cpu import CpuPlatform
+
+    for part in (gpu_checks.host_register_error, gpu_checks.rank_devices):
+        assert part(CpuPlatform()) == {"skipped": "needs an NVIDIA GPU (platform cpu)"}
+    platform, _ = install(monkeypatch, device_module_factory, CudaPlatform, count=0)
+    assert gpu_checks.rank_devices(platform) == {"skipped": "needs an NVIDIA GPU (none visible)"}
+
+
+def test_health_names_a_broken_vendor_package(monkeypatch):
+    """/health's details carry what detection recorded (the server serves on CPU)."""
+    import asyncio
+
+    import httpx
+
+    from diffrt.engine import EngineConfig
+    from diffrt.platforms import vendor_packages
+    from diffrt.serve import ServeSettings, build_app
+
+    class Engine:  # what /health asks of the engine
+        config = EngineConfig(model="tiny-flux")
+
+        def is_healthy(self) -> bool:
+            return True
+
+    why = vendor_packages.describe_failure("torch_musa", ImportError("libmusa.so.4: cannot open"))
+    monkeypatch.setattr(vendor_packages, "_failures", {"torch_musa": why})
+    app = build_app(settings=ServeSettings(), engine=Engine())
+
+    async def health() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.get("/health")
+
+    response = asyncio.run(health())
+    assert response.status_code == 200
+    assert response.json()["details"] == {"vendor_import_failures": {"torch_musa": why}}
