@@ -292,6 +292,9 @@ class TorchAcceleratorPlatform(Platform):
         if err is not None and int(err) != 0:
             logger.warning("%s: page-locking %d bytes failed (error %s)", self.name, nbytes, err)
             return None
+        # resident and locked from now on: it counts against a container's memory limit
+        logger.info("%s: page-locked %.0f MiB of host memory (the output arena; bound it with "
+                    "max_pending_output_bytes)", self.name, nbytes / (1 << 20))
         return (unregister, ptr)
 
     def unregister_host_memory(self, handle: Any) -> None:
