@@ -1,6 +1,6 @@
 """``diffrt env --check``: the one prepared check to run on a new accelerator.
 
-Prints one JSON object with five parts, each measured side by side in this
+Prints one JSON object with seven parts, each measured side by side in this
 run and each allowed to fail alone (its entry then holds ``error``):
 
 - ``env``: the platform report (``diffrt env --json``);
@@ -13,7 +13,10 @@ run and each allowed to fail alone (its entry then holds ``error``):
   (``check_runner``), outputs image-sized: requests per second with async
   output, sync output and no output, and the share of the bubble removed;
 - ``engine_overhead``: the engine (worker process, scheduler, output path)
-  against a bare loop over the same pipeline in this process.
+  against a bare loop over the same pipeline in this process;
+- ``host_register_error`` and ``rank_devices`` (``gpu_checks``, NVIDIA only,
+  else ``{"skipped": reason}``): a failed host registration leaves no error for
+  the next launch; each rank's tensors, streams and events on its own device.
 
 The exit status is 1 when a part failed or outputs differed. On CPU it runs
 too (with ``--quick`` in the test suite); its figures mean something on an
@@ -33,6 +36,8 @@ from diffrt.cli.bench_stats import median
 
 #: no request of the check may take longer (a hang fails its part, not the check)
 REQUEST_TIMEOUT_S = 300.0
+#: the parts only a lent NVIDIA GPU runs (``gpu_checks``); elsewhere "skipped"
+GPU_PARTS = ("host_register_error", "rank_devices")
 
 
 @dataclass
@@ -330,6 +335,7 @@ def _forward_id(p: Any) -> str:
 
 def run_check(opts: CheckOptions) -> tuple[dict[str, Any], bool]:
     """All parts in order; returns (the JSON object, whether everything passed)."""
+    from diffrt.cli import gpu_checks
     from diffrt.platforms import current_platform as platform
     from diffrt.platforms.report import platform_report
 
@@ -342,6 +348,8 @@ def run_check(opts: CheckOptions) -> tuple[dict[str, Any], bool]:
         ("async_vs_sync", lambda: async_vs_sync(opts)),
         ("bubble", lambda: bubble(opts)),
         ("engine_overhead", lambda: engine_overhead(opts)),
+        ("host_register_error", lambda: gpu_checks.host_register_error(platform)),
+        ("rank_devices", lambda: gpu_checks.rank_devices(platform)),
     ]
     for name, part in parts:
         t0 = time.perf_counter()
@@ -352,6 +360,7 @@ def run_check(opts: CheckOptions) -> tuple[dict[str, Any], bool]:
             ok = False
         result[name]["seconds"] = round(time.perf_counter() - t0, 1)
     ok = ok and bool(result["async_vs_sync"].get("ok"))
+    ok = ok and all(result[part].get("ok", True) for part in GPU_PARTS)
     result["ok"] = ok
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result, ok

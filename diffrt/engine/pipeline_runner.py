@@ -65,18 +65,30 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def resolve_dtype(name: str, platform: Any) -> torch.dtype:
-    """``"auto"``: float32 on CPU; elsewhere bfloat16 where the device supports
-    it (``torch.<device>.is_bf16_supported``), else float16."""
+    """``"auto"``: float32 on CPU; elsewhere bfloat16 where the device computes
+    in it natively (``Platform.bf16_supported``: not the emulated bfloat16 of
+    T4/V100 or Arc A-series), else float16."""
     if name != "auto":
         return _DTYPES[name]
     if platform.device_type == "cpu":
         return torch.float32
-    check = getattr(getattr(torch, platform.device_type, None), "is_bf16_supported", None)
     try:
-        supported = bool(check()) if callable(check) else False
+        supported = bool(platform.bf16_supported())
     except Exception:  # a backend that cannot tell: the safe half type
         supported = False
     return torch.bfloat16 if supported else torch.float16
+
+
+def rank_device(platform: Any, rank: int) -> torch.device:
+    """The device of ``rank``, made this process's device (``set_device``), so
+    tensors, streams and events agree: ``rank % device_count`` where a worker
+    sees several devices (pinning failed or was not possible), 0 where it was
+    pinned to one. CPU: the host."""
+    if platform.device_type == "cpu":
+        return platform.torch_device(None)
+    index = rank % max(1, platform.device_count())
+    platform.set_device(index)
+    return platform.torch_device(index)
 
 
 class PipelineRunner:
@@ -94,10 +106,7 @@ class PipelineRunner:
         self.rank = rank
         self.world_size = world_size
         self.platform = platform
-        if platform.device_type == "cpu":
-            device = platform.torch_device(None)
-        else:
-            device = platform.torch_device(rank % max(1, platform.device_count()))
+        device = rank_device(platform, rank)
         self.pipeline: DiffusionPipeline = load_pipeline(settings.spec, device=device,
                                                          dtype=resolve_dtype(model.dtype,
                                                                              platform))

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from diffrt.platforms.detect import BUILTIN_CLASSES, BUILTIN_PROBES, missing_runtime
 from diffrt.platforms.interface import Platform, PlatformFeatureError
+from diffrt.platforms.vendor_packages import import_failures
 
 if TYPE_CHECKING:
     current_platform: Platform
@@ -166,9 +167,11 @@ def resolve_platform() -> tuple[str, PlatformChoice]:
         return path, PlatformChoice(name, path, "builtin", f"probe detect_{name}() found it")
 
     path = BUILTIN_CLASSES["cpu"]
-    return path, PlatformChoice(
-        "cpu", path, "fallback", f"no accelerator detected (probed {', '.join(probed)})"
-    )
+    reason = f"no accelerator detected (probed {', '.join(probed)})"
+    broken = import_failures()
+    if broken:  # not "nothing here": a vendor stack is installed but cannot work
+        reason += "; " + "; ".join(broken.values())
+    return path, PlatformChoice("cpu", path, "fallback", reason)
 
 
 def load_platform_class(path: str) -> type[Platform]:
@@ -192,7 +195,8 @@ def _resolve() -> Platform:
     path, choice = resolve_platform()
     platform = load_platform_class(path)()
     _choice = choice
-    logger.info("platform %s chosen by %s: %s", platform.name, choice.how, choice.reason)
+    log = logger.warning if import_failures() else logger.info
+    log("platform %s chosen by %s: %s", platform.name, choice.how, choice.reason)
     return platform
 
 

@@ -51,6 +51,9 @@ class TorchAcceleratorPlatform(Platform):
         # builds a new Python object on every call; the runtime asks for it on
         # every forward, so we ask the vendor once per thread and device.
         self._tls = threading.local()
+        #: the device ``set_device`` chose for this process (None: the vendor's
+        #: current device of the calling thread, which is per thread)
+        self._device_index: int | None = None
 
     # -- the one vendor module -----------------------------------------------------
     #: Attribute of ``torch`` holding the device module ("cuda", "npu", ...).
@@ -114,6 +117,36 @@ class TorchAcceleratorPlatform(Platform):
     def synchronize(self) -> None:
         self.device_module().synchronize()
 
+    def set_device(self, index: int) -> None:
+        """Make device ``index`` this process's device: the vendor's current
+        device of the calling thread, and the device of every stream this
+        platform creates or caches from now on, on any thread. The vendor's
+        current device is per thread (a new thread starts on device 0), so an
+        output thread's side stream would otherwise land on device 0 while the
+        rank computes on ``index``."""
+        self.device_module().set_device(index)
+        self._device_index = index
+        self._tls = threading.local()  # cached default streams were of the old device
+
+    def selected_device(self) -> int:
+        """The device set with ``set_device``, else the calling thread's current one."""
+        if self._device_index is not None:
+            return self._device_index
+        return int(self.device_module().current_device())
+
+    def bf16_supported(self) -> bool:
+        """Native bfloat16 only: torch.cuda's and torch.xpu's ``is_bf16_supported``
+        default to ``including_emulation=True``, which is True on T4/V100 and Arc
+        A-series, where bfloat16 is emulated and slow. Builds whose function takes
+        no keyword (torch_npu, torch_musa) are asked plainly."""
+        check = getattr(self.device_module(), "is_bf16_supported", None)
+        if not callable(check):
+            return False
+        try:
+            return bool(check(including_emulation=False))
+        except TypeError:
+            return bool(check())
+
     def empty_cache(self) -> None:
         empty = getattr(self.device_module(), "empty_cache", None)
         if callable(empty):
@@ -131,7 +164,7 @@ class TorchAcceleratorPlatform(Platform):
         if stack:
             return stack[-1]
         mod = self.device_module()
-        index = mod.current_device()
+        index = self.selected_device()
         cache = getattr(self._tls, "default", None)
         if cache is None:
             cache = self._tls.default = {}
@@ -141,7 +174,11 @@ class TorchAcceleratorPlatform(Platform):
         return stream
 
     def new_side_stream(self) -> Any:
-        return self.device_module().Stream()
+        """A new stream on this process's device (``set_device``), whichever
+        thread asks."""
+        if self._device_index is None:
+            return self.device_module().Stream()
+        return self.device_module().Stream(device=self._device_index)
 
     @contextlib.contextmanager
     def stream_context(self, stream: Any) -> Iterator[None]:
@@ -209,6 +246,33 @@ class TorchAcceleratorPlatform(Platform):
     def can_register_host_memory(self) -> bool:
         return self._host_register_calls() is not None
 
+    def _on_own_thread(self, call: Any, *args: Any) -> Any:
+        """``call(*args)`` on a short-lived thread set to this process's device.
+
+        torch's ``cudart().cudaHostRegister`` binding (and its hipified and
+        MUSA twins) returns a failure code without clearing the runtime's
+        per-thread last error (``C10_CUDA_ERROR_HANDLED``), so the next checked
+        kernel launch on the calling thread would raise that unrelated error.
+        The error dies with this thread instead. Returns the call's result;
+        re-raises its exception."""
+        index = self.selected_device()
+        result: list[Any] = []
+
+        def run() -> None:
+            try:
+                self.device_module().set_device(index)
+                result.append((True, call(*args)))
+            except BaseException as exc:  # handed to the caller below
+                result.append((False, exc))
+
+        thread = threading.Thread(target=run, name=f"diffrt-{self.name}-host-register")
+        thread.start()
+        thread.join()
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value
+
     def register_host_memory(self, tensor: torch.Tensor) -> Any | None:
         """Page-lock ``tensor``'s memory in place through the vendor runtime's
         host-register call. The calls return an error code instead of raising;
@@ -221,19 +285,22 @@ class TorchAcceleratorPlatform(Platform):
         register, unregister = calls
         ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         try:
-            err = register(ptr, nbytes, self.host_register_flags)
+            err = self._on_own_thread(register, ptr, nbytes, self.host_register_flags)
         except Exception as exc:
             logger.warning("%s: cannot page-lock host memory (%s)", self.name, exc)
             return None
         if err is not None and int(err) != 0:
             logger.warning("%s: page-locking %d bytes failed (error %s)", self.name, nbytes, err)
             return None
+        # resident and locked from now on: it counts against a container's memory limit
+        logger.info("%s: page-locked %.0f MiB of host memory (the output arena; bound it with "
+                    "max_pending_output_bytes)", self.name, nbytes / (1 << 20))
         return (unregister, ptr)
 
     def unregister_host_memory(self, handle: Any) -> None:
         unregister, ptr = handle
         try:
-            err = unregister(ptr)
+            err = self._on_own_thread(unregister, ptr)
         except Exception as exc:
             logger.warning("%s: unregistering host memory failed: %s", self.name, exc)
             return

@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from diffrt.platforms import vendor_packages
+
 logger = logging.getLogger(__name__)
 
 CUDA = "diffrt.platforms.cuda.CudaPlatform"
@@ -98,11 +100,14 @@ def detect_rocm() -> str | None:
 
 
 def _vendor_available(package: str, attr: str) -> bool:
-    """Import an installed vendor package and ask ``torch.<attr>.is_available()``."""
+    """Import an installed vendor package and ask ``torch.<attr>.is_available()``.
+    A package that fails to import is kept with its reason
+    (``vendor_packages.import_failures``) for the platform report."""
     if importlib.util.find_spec(package) is None:
         return False
+    if vendor_packages.try_import(package) is not None:
+        return False
     try:
-        importlib.import_module(package)
         return bool(getattr(torch, attr).is_available())
     except Exception as exc:  # e.g. torch_npu without the CANN libraries
         logger.warning("%s is installed but unusable: %s", package, exc)
@@ -177,9 +182,15 @@ def missing_runtime(name: str) -> str | None:
         return (f"needs a ROCm build of torch, this is torch {version}: install torch "
                 "from https://download.pytorch.org/whl/rocm6.4 (or your ROCm version)")
     if name == "npu" and not _module_present("torch_npu"):
-        return "needs torch_npu: pip install torch-npu (Ascend's build for this torch)"
+        return ("needs torch_npu: pip install 'diffrt[npu]' (torch-npu 2.13.* for torch "
+                "2.13.*; torch-npu X.Y needs torch X.Y exactly)")
     if name == "musa" and not _module_present("torch_musa"):
         return "needs torch_musa: install Moore Threads' torch_musa wheel for this torch"
+    package = {"npu": "torch_npu", "musa": "torch_musa"}.get(name)
+    if package is not None and package not in sys.modules:
+        failure = vendor_packages.try_import(package)  # it is imported once chosen anyway
+        if failure is not None:
+            return failure
     if name == "xpu" and getattr(torch, "xpu", None) is None:
         return (f"needs a torch with XPU support, this is torch {version}: install torch "
                 "from https://download.pytorch.org/whl/xpu")

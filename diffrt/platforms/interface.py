@@ -11,11 +11,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+def pin_rank(names: tuple[str, ...], rank: int, environ: Mapping[str, str],
+             device_count: Callable[[], int]) -> dict[str, str]:
+    """Pin ``rank`` through the innermost of the visibility variables ``names``
+    that the caller set (its ids are the caller's), else through ``names[0]``
+    over ``device_count()`` devices. Empty where there is nothing to pin."""
+    if not names:
+        return {}
+    var = next((n for n in names if environ.get(n)), names[0])
+    visible = environ.get(var)
+    ids = [v for v in visible.split(",") if v.strip()] if visible else \
+        [str(i) for i in range(device_count())]
+    return {var: ids[rank % len(ids)].strip()} if ids else {}
 
 
 class PlatformFeatureError(NotImplementedError):
@@ -44,11 +59,25 @@ class Platform:
     #: the caller's), else through ``device_control_env_var``. Empty: just that one.
     device_control_env_vars: ClassVar[tuple[str, ...]] = ()
 
+    #: True where Ray's accelerator manager for ``ray_resource`` sets this
+    #: platform's visibility variable in every actor (CUDA, ROCm, Ascend, Intel);
+    #: False where diffrt must pin from ``ray.get_gpu_ids()`` itself (MUSA).
+    ray_sets_visibility: ClassVar[bool] = True
+
     @classmethod
     def visibility_vars(cls) -> tuple[str, ...]:
-        if cls.device_control_env_vars:
-            return cls.device_control_env_vars
-        return (cls.device_control_env_var,) if cls.device_control_env_var else ()
+        if cls.device_control_env_var and not cls.device_control_env_vars:
+            return (cls.device_control_env_var,)
+        return cls.device_control_env_vars
+
+    @classmethod
+    def rank_pinning_env(cls, rank: int, environ: Mapping[str, str],
+                         device_count: Callable[[], int]) -> dict[str, str]:
+        """The variables that pin worker ``rank`` to one device, as seen from a
+        parent whose environment is ``environ`` (``pin_rank``). A vendor whose
+        variables differ in syntax or number overrides it."""
+        return pin_rank(cls.visibility_vars(), rank, environ, device_count)
+
     #: True when outputs may be copied off the device by a background thread.
     supports_async_output: ClassVar[bool] = False
 
@@ -73,6 +102,20 @@ class Platform:
 
     def synchronize(self) -> None:
         raise PlatformFeatureError(self.name, "synchronize")
+
+    def set_device(self, index: int) -> None:
+        """Make device ``index`` this process's device (a rank's own device)."""
+        raise PlatformFeatureError(self.name, "set_device")
+
+    def bf16_supported(self) -> bool:
+        """Whether the device computes in bfloat16 natively (not emulated). A
+        platform that cannot tell answers False: the safe half type is float16."""
+        return False
+
+    def distributed_backend(self) -> str:
+        """The ``torch.distributed`` backend name for several ranks, after
+        loading whatever registers it; raises where this stack has none."""
+        return self.dist_backend
 
     def empty_cache(self) -> None:
         """Give the caching allocator's unused device memory back (after an

@@ -9,7 +9,12 @@ class MusaPlatform(TorchAcceleratorPlatform):
     name = "musa"
     device_type = "musa"
     dist_backend = "mccl"
-    ray_resource = "MUSA"
+    # Ray has no MUSA accelerator manager: a custom "MUSA" resource would set no
+    # visibility variable, so every actor would see every device. As vllm-musa
+    # does, MUSA devices are Ray "GPU"s (``ray start --num-gpus N``) and each
+    # rank and replica sets MUSA_VISIBLE_DEVICES from ``ray.get_gpu_ids()``.
+    ray_resource = "GPU"
+    ray_sets_visibility = False
     device_control_env_var = "MUSA_VISIBLE_DEVICES"
     module_attr = "musa"
     vendor_package = "torch_musa"

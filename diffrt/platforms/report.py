@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from diffrt.platforms.interface import output_path
+from diffrt.platforms.vendor_packages import SUPPORTED_TORCH, import_failures
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ def platform_report() -> dict[str, Any]:
         ``{"platform", "device_type", "dist_backend", "device_control_env_var",
         "class_path", "chosen_by", "reason", "versions": {...},
         "devices": {"count", "name"}, "capabilities": {"events", "side_streams",
-        "pinned_memory", "async_output", "errors"}}``. Raises
+        "pinned_memory", "async_output", "errors"}, "output_path", "supported_torch",
+        "vendor_import_failures": {package: why}}``. Raises
         PlatformResolutionError when no platform can be chosen.
     """
     from diffrt.platforms import current_platform as p
@@ -99,4 +101,6 @@ def platform_report() -> dict[str, Any]:
         "devices": {"count": count, "name": name},
         "capabilities": _capabilities(p),
         "output_path": output_path(p),
+        "supported_torch": SUPPORTED_TORCH.get(p.name),
+        "vendor_import_failures": import_failures(),
     }

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from diffrt.platforms.cuda import CudaPlatform
+
+HIP_VARS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
 
 class RocmPlatform(CudaPlatform):
@@ -13,5 +17,18 @@ class RocmPlatform(CudaPlatform):
     device_control_env_var = "HIP_VISIBLE_DEVICES"
     # ROCR_VISIBLE_DEVICES filters in the ROCm runtime; HIP_VISIBLE_DEVICES (or
     # its alias CUDA_VISIBLE_DEVICES) then indexes what is left.
-    device_control_env_vars = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
-                               "ROCR_VISIBLE_DEVICES")
+    device_control_env_vars = HIP_VARS + ("ROCR_VISIBLE_DEVICES",)
+
+    @classmethod
+    def rank_pinning_env(cls, rank: int, environ: Mapping[str, str],
+                         device_count: Callable[[], int]) -> dict[str, str]:
+        """With both HIP_VISIBLE_DEVICES and its alias CUDA_VISIBLE_DEVICES set,
+        both name the rank's device: a worker left with the caller's full
+        CUDA_VISIBLE_DEVICES next to a one-device HIP_VISIBLE_DEVICES would be
+        refused by Ray's AMD manager, which asserts they are equal
+        (ray/_private/accelerators/amd_gpu.py), and vLLM sets both alike."""
+        env = super().rank_pinning_env(rank, environ, device_count)
+        if set(env) & set(HIP_VARS) and all(environ.get(v) for v in HIP_VARS):
+            value = next(iter(env.values()))
+            env = dict.fromkeys(HIP_VARS, value)
+        return env

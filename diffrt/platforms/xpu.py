@@ -9,6 +9,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import sys
+from collections.abc import Callable, Mapping
 from types import ModuleType
 
 import torch
@@ -18,6 +19,23 @@ from diffrt.platforms.accelerator import TorchAcceleratorPlatform
 logger = logging.getLogger(__name__)
 
 IPEX = "intel_extension_for_pytorch"
+#: registers the "ccl" torch.distributed backend on torch < 2.8 (oneCCL's bindings)
+ONECCL = "oneccl_bindings_for_pytorch"
+#: the SYCL runtime's device filter; Ray's Intel GPU manager pins actors with
+#: ``level_zero:<ids>`` (ray/_private/accelerators/intel_gpu.py)
+SELECTOR = "ONEAPI_DEVICE_SELECTOR"
+
+
+def selector_ids(value: str) -> list[str] | None:
+    """The device ids of a ``level_zero:<id>,<id>`` selector (Ray's form), or
+    None for any other selector (``level_zero:gpu``, several backends...)."""
+    backend, _, ids = value.partition(":")
+    if backend.strip() != "level_zero" or ";" in ids:
+        return None
+    parts = [p.strip() for p in ids.split(",") if p.strip()]
+    if not parts or not all(p.replace(".", "").isdigit() for p in parts):
+        return None
+    return parts
 
 
 def _major_minor(version: str) -> tuple[int, ...]:
@@ -70,6 +88,34 @@ class XpuPlatform(TorchAcceleratorPlatform):
     # No host-register call in torch.xpu: the output writer stages copies
     # through a pinned buffer (pin_memory works on XPU).
     host_register_api = None
+
+    @classmethod
+    def rank_pinning_env(cls, rank: int, environ: Mapping[str, str],
+                         device_count: Callable[[], int]) -> dict[str, str]:
+        """Under Ray (``ONEAPI_DEVICE_SELECTOR=level_zero:2,3``) the rank gets
+        the selector narrowed to its own id. ZE_AFFINITY_MASK filters in Level
+        Zero, below SYCL, and the selector then indexes what is left: a
+        ZE_AFFINITY_MASK=1 next to level_zero:2,3 leaves the rank no device.
+        Elsewhere ZE_AFFINITY_MASK pins as before."""
+        ids = selector_ids(environ.get(SELECTOR, ""))
+        if ids:
+            return {SELECTOR: f"level_zero:{ids[rank % len(ids)]}"}
+        return super().rank_pinning_env(rank, environ, device_count)
+
+    def distributed_backend(self) -> str:
+        """"xccl" on torch >= 2.8 (built in). Before, "ccl" exists only once
+        oneCCL's bindings are imported; without them several ranks are refused
+        in one line instead of failing inside init_process_group."""
+        if self.dist_backend != "ccl":
+            return self.dist_backend
+        try:
+            importlib.import_module(ONECCL)
+        except ImportError as exc:
+            raise RuntimeError(
+                f"xpu: several ranks on torch {torch.__version__} need {ONECCL} for the 'ccl' "
+                f"backend ({exc}); install oneCCL's bindings for this torch, or use torch >= "
+                "2.8, whose 'xccl' is built in") from None
+        return "ccl"
 
     def device_module(self) -> ModuleType:
         if not self._ipex_checked:

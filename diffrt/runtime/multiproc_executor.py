@@ -37,21 +37,19 @@ def worker_device_env(platform: Any, rank: int, world_size: int,
                       environ: Mapping[str, str]) -> dict[str, str]:
     """Pin rank ``rank`` to one device through the vendor's visibility variable
     (e.g. CUDA_VISIBLE_DEVICES), so its compute stream and its output thread's
-    side stream live on the same, right device (index 0 inside the worker). A
-    platform with several such variables (ROCm: HIP_, CUDA_, ROCR_VISIBLE_DEVICES)
-    is pinned through the innermost one the caller set, whose indices are the
-    caller's."""
-    names = platform.visibility_vars() if hasattr(platform, "visibility_vars") else \
-        tuple(v for v in [getattr(platform, "device_control_env_var", None)] if v)
-    if world_size <= 1 or not names or platform.device_type == "cpu":
+    side stream live on the same, right device (index 0 inside the worker).
+    Which variable, and in which syntax, is the platform's to say
+    (``Platform.rank_pinning_env``: ROCm's several variables, Intel's
+    ``ONEAPI_DEVICE_SELECTOR`` under Ray)."""
+    if world_size <= 1 or platform.device_type == "cpu":
         return {}
-    var = next((n for n in names if environ.get(n)), names[0])
-    visible = environ.get(var)
-    ids = [v for v in visible.split(",") if v.strip()] if visible else \
-        [str(i) for i in range(platform.device_count())]
-    if not ids:
-        return {}
-    return {var: ids[rank % len(ids)]}
+    pinning = getattr(platform, "rank_pinning_env", None)
+    if pinning is not None:
+        return pinning(rank, environ, platform.device_count)
+    from diffrt.platforms.interface import pin_rank  # a duck-typed platform: its one variable
+
+    var = getattr(platform, "device_control_env_var", None)
+    return pin_rank((var,) if var else (), rank, environ, platform.device_count)
 
 
 class _Proc:

@@ -57,8 +57,9 @@ def import_ray() -> Any:
 class RankActor:
     """One rank inside a Ray actor (made remote by ``RayExecutor``)."""
 
-    def __init__(self, rank: int, env: dict[str, str]) -> None:
+    def __init__(self, rank: int, env: dict[str, str], pin_var: str | None = None) -> None:
         os.environ.update(env)
+        pin_to_ray_devices(pin_var)  # before anything initialises the device
         self.rank = rank
         self._results: queue.Queue[bytes] = queue.Queue()
         self._frees: queue.Queue[bytes] = queue.Queue()
@@ -232,7 +233,7 @@ class RayExecutor(PumpedExecutor):
                     max_concurrency=4, max_restarts=0, runtime_env={"env_vars": env},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self._pg, placement_group_bundle_index=rank),
-                ).remote(rank, env))
+                ).remote(rank, env, ray_pinning_var(current_platform)))
             node, address, port = ray.get(self._actors[0].where.remote(),
                                           timeout=config.startup_timeout_s)
             here = ray.get_runtime_context().get_node_id()
@@ -356,12 +357,14 @@ class RayExecutor(PumpedExecutor):
 def ray_device_options(platform: Any, devices: int) -> dict[str, Any]:
     """Ray actor options reserving ``devices`` of the platform's devices, under
     the Ray resource that counts them (``Platform.ray_resource``: "GPU" for
-    CUDA, ROCm and XPU, "NPU" for Ascend; a custom resource such as "MUSA"
-    must be declared with ``ray start --resources``, and Ray then sets no
-    visibility variable for it). Nothing on CPU."""
+    CUDA, ROCm, XPU and MUSA, "NPU" for Ascend; a custom resource must be
+    declared with ``ray start --resources``, and Ray then sets no visibility
+    variable for it). Nothing on CPU. What Ray cannot do for this platform is
+    logged once (``ray_limitation``)."""
     resource = getattr(platform, "ray_resource", None)
     if not resource:
         return {}
+    _note_limitation(platform)
     if resource == "GPU":
         return {"num_gpus": devices}
     return {"resources": {resource: devices}}
@@ -377,20 +380,78 @@ def ray_bundle(platform: Any, cpus_per_rank: float) -> dict[str, float]:
     return bundle
 
 
+_noted: set[str] = set()
+
+
+def ray_limitation(platform: Any) -> str | None:
+    """One line on what Ray cannot do for ``platform`` on this node, or None:
+    Ray counts Intel GPUs only through ``dpctl`` (its intel_gpu.py returns 0
+    without it), and it has no MUSA accelerator manager."""
+    import importlib.util
+
+    name = getattr(platform, "name", "")
+    if name == "xpu" and importlib.util.find_spec("dpctl") is None:
+        return ("xpu: dpctl is not installed here, and Ray counts Intel GPUs only through "
+                "dpctl: a node without it offers no GPU, so ranks that need one are never "
+                "placed (pip install dpctl on every node)")
+    if name == "musa":
+        return ("musa: Ray has no MUSA accelerator manager: MUSA devices are reserved as Ray "
+                "GPUs (start each node with ray start --num-gpus N) and each rank and replica "
+                "is pinned with MUSA_VISIBLE_DEVICES from ray.get_gpu_ids()")
+    return None
+
+
+def _note_limitation(platform: Any) -> None:
+    note = ray_limitation(platform)
+    if note is not None and note not in _noted:
+        _noted.add(note)
+        logger.warning("%s", note)
+
+
+def ray_pinning_var(platform: Any) -> str | None:
+    """The visibility variable diffrt must set from ``ray.get_gpu_ids()`` in
+    an actor, where Ray's manager for the platform's resource does not set it
+    (MUSA under the "GPU" resource); None where Ray pins by itself."""
+    if getattr(platform, "ray_sets_visibility", True) or platform.ray_resource != "GPU":
+        return None
+    return platform.device_control_env_var
+
+
+def pin_to_ray_devices(var: str | None, environ: Any = None) -> dict[str, str]:
+    """Set ``var`` to the GPU ids Ray assigned to this actor or replica (what
+    vllm-musa does for MUSA); nothing when ``var`` is None or Ray assigned no
+    GPU. Returns what was set. Must run before the device is initialised."""
+    if not var:
+        return {}
+    ids = import_ray().get_gpu_ids()
+    if not ids:
+        return {}
+    environ = os.environ if environ is None else environ
+    environ[var] = ",".join(str(i) for i in ids)
+    return {var: environ[var]}
+
+
 #: environment variables a rank actor inherits from the engine's process (an
-#: actor starts from Ray's environment, not the engine's)
+#: actor starts from Ray's environment, not the engine's): allocator settings
+#: (PYTORCH_*_ALLOC_CONF), the vendors' runtime settings (ASCEND_*, ZE_*, SYCL_)
 FORWARDED_ENV_PREFIXES = ("DIFFRT_", "HF_", "NCCL_", "GLOO_", "HCCL_", "CCL_", "MCCL_",
-                          "TORCH_", "OMP_", "MALLOC_")
+                          "TORCH_", "OMP_", "MALLOC_", "PYTORCH_", "ASCEND_", "ZE_", "SYCL_")
+#: device visibility names the engine's node's devices: on an actor, Ray sets
+#: (or diffrt pins) the actor's own, which a forwarded value would override or
+#: filter again
+NOT_FORWARDED = frozenset({"ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VISIBLE_DEVICES",
+                           "ZE_AFFINITY_MASK"})
 
 
 def rank_environment(worker_env: dict[str, str]) -> dict[str, str]:
     """What a rank actor starts with (Ray's ``runtime_env``, so glibc's and
     torch's start-up variables take effect): the engine's own variables with
-    the prefixes above, then ``worker_env``."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    the prefixes above, but no device visibility, then ``worker_env``."""
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED}
     env.update(worker_env)
     return env
 
 
-__all__ = ["RankActor", "RayExecutor", "import_ray", "rank_environment", "ray_bundle",
-           "ray_device_options"]
+__all__ = ["RankActor", "RayExecutor", "import_ray", "pin_to_ray_devices", "rank_environment",
+           "ray_bundle", "ray_device_options", "ray_limitation", "ray_pinning_var"]

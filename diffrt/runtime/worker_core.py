@@ -172,7 +172,7 @@ def build_core(init: InitWorker, send: Callable[[Any], None], arena: Arena | Non
     if init.dist_init_method and init.world_size > 1:
         import torch.distributed as dist
 
-        dist.init_process_group(backend=current_platform.dist_backend,
+        dist.init_process_group(backend=current_platform.distributed_backend(),
                                 init_method=init.dist_init_method,
                                 rank=init.rank, world_size=init.world_size)
     return WorkerCore(init, current_platform, send, arena, free_source)

@@ -148,6 +148,9 @@ class ModelReplica:
         # engine's own restart; on CPU its threads follow the CPUs reserved
         changes: dict[str, Any] = {"restart_workers": False}
         from diffrt.platforms import current_platform
+        from diffrt.runtime.ray_executor import pin_to_ray_devices, ray_pinning_var
+
+        pin_to_ray_devices(ray_pinning_var(current_platform))  # MUSA: no Ray manager
 
         if current_platform.device_type == "cpu" and config.torch_threads is None:
             changes["torch_threads"] = max(1, round(cpus / max(1, config.ranks)))

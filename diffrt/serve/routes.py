@@ -334,10 +334,15 @@ async def models(request: Request) -> ModelList:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """200 while the engine lives (loading included), 503 once it is dead."""
+    from diffrt.platforms.vendor_packages import import_failures
+
     client = _client(request)
     alive = client.healthy() or client.state == "starting"
-    return JSONResponse({"status": "ok" if alive else "dead", "state": client.state},
-                        status_code=200 if alive else 503)
+    body: dict[str, Any] = {"status": "ok" if alive else "dead", "state": client.state}
+    broken = import_failures()  # e.g. a torch_musa built for another torch: served on CPU
+    if broken:
+        body["details"] = {"vendor_import_failures": broken}
+    return JSONResponse(body, status_code=200 if alive else 503)
 
 
 @router.get("/ready")

@@ -29,6 +29,8 @@ def test_the_quick_check_prints_one_json_with_every_part(cli, tmp_path):
     assert overhead["ms_per_request"]["engine"] > 0 and overhead["ms_per_request"]["bare"] > 0
     for part in ("env", "d2h", "async_vs_sync", "bubble", "engine_overhead"):
         assert "error" not in result[part], result[part]
+    for part in ("host_register_error", "rank_devices"):  # a lent NVIDIA GPU only
+        assert result[part]["skipped"] == "needs an NVIDIA GPU (platform cpu)"
 
 
 def test_a_failing_part_fails_the_check_and_keeps_the_others(monkeypatch):

@@ -298,7 +298,8 @@ def test_env_refuses_a_forced_platform_without_its_package(monkeypatch, capsys):
         platforms.reset_platform()
     err = capsys.readouterr().err.strip()
     assert err == ("diffrt env: error: DIFFRT_PLATFORM=npu: needs torch_npu: pip install "
-                   "torch-npu (Ascend's build for this torch)")
+                   "'diffrt[npu]' (torch-npu 2.13.* for torch 2.13.*; torch-npu X.Y needs "
+                   "torch X.Y exactly)")
 
 
 def test_serve_on_ray_without_the_extra_names_it(monkeypatch, capsys):

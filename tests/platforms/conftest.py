@@ -29,13 +29,28 @@ def clean_platform(monkeypatch: pytest.MonkeyPatch):
 
 
 def make_device_module(family: str, available: bool = True, count: int = 2) -> ModuleType:
-    """A fake ``torch.<family>`` recording calls in ``mod.calls``."""
+    """A fake ``torch.<family>`` recording calls in ``mod.calls``.
+
+    Mirrors torch 2.13's ``torch/cuda/__init__.py`` and ``torch/cuda/streams.py``
+    (which torch.xpu, torch_npu 2.13 and torch_musa copy): the current device is
+    per thread and starts at 0 on a new thread (``set_device`` changes only the
+    calling thread's), ``Stream(device=None, priority=0)`` lives on the given
+    device or the creating thread's current one, ``current_stream(device=None)``
+    builds a new object per call, and an event takes the device of the stream
+    it is recorded on.
+    """
     mod = ModuleType(f"fake_torch_{family}")
     calls: list[tuple] = []
+    current = threading.local()  # like torch: the current stream and device are per thread
+
+    def current_device() -> int:
+        return getattr(current, "device", 0)
 
     class Stream:
-        def __init__(self, name: str = "side") -> None:
+        def __init__(self, device: int | None = None, priority: int = 0, *,
+                     name: str = "side") -> None:
             self.name = name
+            self.device = current_device() if device is None else int(device)
 
         def wait_event(self, event: object) -> None:
             if not isinstance(event, Event):
@@ -65,6 +80,7 @@ def make_device_module(family: str, available: bool = True, count: int = 2) -> M
             if not isinstance(stream, Stream):
                 raise TypeError(f"{family}.Event.record: foreign stream {stream!r}")
             self.recorded_on = stream.name
+            self.device = stream.device
             calls.append(("record", stream.name, self))
 
         def query(self) -> bool:
@@ -79,24 +95,27 @@ def make_device_module(family: str, available: bool = True, count: int = 2) -> M
 
     Stream.__qualname__ = Stream.__name__ = f"{family}Stream"
     Event.__qualname__ = Event.__name__ = f"{family}Event"
-    current = threading.local()  # like torch: the current stream is per thread
-
-    def current_stream(device: object = None) -> Stream:
+    def current_stream(device: int | None = None) -> Stream:
         calls.append(("current_stream", device))
-        return Stream(getattr(current, "name", "default"))  # a new object per call
+        return Stream(device, name=getattr(current, "name", "default"))  # new per call
+
+    def set_device(index: int) -> None:
+        calls.append(("set_device", int(index)))
+        current.device = int(index)
 
     @contextlib.contextmanager
     def stream(s: Stream):
         calls.append(("stream_enter", s.name))
         prev, current.name = getattr(current, "name", "default"), s.name
+        prev_device, current.device = current_device(), s.device  # StreamContext switches too
         try:
             yield
         finally:
-            current.name = prev
+            current.name, current.device = prev, prev_device
 
     mod.Stream, mod.Event, mod.calls = Stream, Event, calls
     mod.current_stream, mod.stream = current_stream, stream
-    mod.current_device = lambda: 0
+    mod.current_device, mod.set_device = current_device, set_device
     mod.is_available = lambda: available
     mod.device_count = lambda: count if available else 0
     mod.get_device_name = lambda i=0: f"Fake {family} {i}"

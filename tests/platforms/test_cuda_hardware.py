@@ -75,3 +75,21 @@ def test_engine_serves_the_tiny_model_with_async_output_identical_to_sync():
     finally:
         for e in engines:
             e.close()
+
+
+def test_a_failed_host_registration_leaves_the_next_launch_clean():
+    """Issue 28 item 2 on the real runtime (``diffrt env --check`` runs the same)."""
+    from diffrt.cli.gpu_checks import host_register_error
+    from diffrt.platforms.cuda import CudaPlatform
+
+    result = host_register_error(CudaPlatform())
+    assert result["ok"] and result["launch_after_failure_ok"], result
+
+
+def test_each_rank_computes_streams_and_events_on_its_own_device():
+    """Issue 28 item 5 on the real runtime, one child process per rank."""
+    from diffrt.cli.gpu_checks import rank_devices
+    from diffrt.platforms.cuda import CudaPlatform
+
+    result = rank_devices(CudaPlatform())
+    assert result["ok"], result

@@ -7,6 +7,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from vendor_fakes import page_aligned_arena
 
 from diffrt.platforms.cuda import CudaPlatform
 from diffrt.platforms.interface import Platform
@@ -256,7 +257,7 @@ def test_each_vendor_page_locks_through_its_runtime_binding(backend):
     from diffrt.platforms.interface import output_path
 
     platform, mod = backend
-    arena = torch.zeros(1 << 16, dtype=torch.uint8)
+    mm, arena = page_aligned_arena(1 << 16)  # like the memfd arena (npu's MAPPED needs it)
     if platform.name == "xpu":  # torch.xpu has no host-register call
         assert platform.can_register_host_memory() is False
         assert platform.register_host_memory(arena) is None
@@ -281,5 +282,6 @@ def test_a_failed_registration_is_the_unregistered_path(backend, caplog):
     platform, mod = backend
     binding, register, unregister, _ = REGISTER_API[platform.name]
     _fake_runtime(mod, binding, register, unregister, result=2)  # e.g. out of memory
-    assert platform.register_host_memory(torch.zeros(4096, dtype=torch.uint8)) is None
+    mm, arena = page_aligned_arena(4096)
+    assert platform.register_host_memory(arena) is None
     assert any("page-locking 4096 bytes failed" in r.message for r in caplog.records)

@@ -140,7 +140,7 @@ def test_broken_vendor_install_is_inactive_not_fatal(monkeypatch, fake_installed
     fake_installed.add("torch_npu")  # found, but importing it fails (no CANN libraries)
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
     assert detect.detect_npu() is None
-    assert "torch_npu is installed but unusable" in caplog.text
+    assert "torch_npu is installed but cannot be imported" in caplog.text
 
 
 def test_detect_xpu_native(monkeypatch, device_module_factory):

@@ -45,10 +45,10 @@ def test_report_names_failing_capabilities(device_module_factory, monkeypatch):
 
     real_init = mod.Stream.__init__
 
-    def init(self, name="side"):  # the default stream works, a new side stream fails
+    def init(self, device=None, priority=0, *, name="side"):  # only side streams fail
         if name == "side":
             no_streams()
-        real_init(self, name)
+        real_init(self, device, priority, name=name)
 
     mod.Stream.__init__ = init
     monkeypatch.setattr(torch, "cuda", mod)

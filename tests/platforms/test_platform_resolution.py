@@ -124,7 +124,7 @@ def test_override_forces_a_builtin_even_if_its_probe_is_inactive(plugins, builti
 
 @pytest.mark.parametrize(("name", "needle"), [
     ("cuda", "needs a CUDA build of torch"), ("rocm", "needs a ROCm build of torch"),
-    ("npu", "pip install torch-npu"), ("musa", "torch_musa")])
+    ("npu", r"pip install 'diffrt\[npu\]'"), ("musa", "torch_musa")])
 def test_forcing_a_builtin_without_its_runtime_fails_at_once(plugins, builtins, monkeypatch,
                                                                name, needle):
     monkeypatch.setattr(torch.version, "cuda", None, raising=False)
