@@ -230,8 +230,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_http(args: argparse.Namespace, configs: list[tuple[str, dict[str, Any]]]) -> int:
-    """The same load on a running server, over HTTP (``bench_http.py``)."""
-    from diffrt.cli.bench_http import HttpTarget, served_model
+    """The same load on a running server, over HTTP (``http_target.py``)."""
+    from diffrt.cli.http_target import HttpTarget, served_model
 
     if args.trace or args.plot:
         raise CliError("--trace/--plot record this process's engine: not with --base-url")

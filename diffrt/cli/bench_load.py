@@ -3,7 +3,7 @@ open loop (Poisson arrivals at a given rate).
 
 A target runs one request and measures it (``run_request(request) -> Sample``):
 ``EngineTarget`` through an in-process engine's ``step_streaming``,
-``HttpTarget`` (``bench_http.py``) through a running server's API. Both see
+``HttpTarget`` (``http_target.py``) through a running server's API. Both see
 the same load, so their figures compare."""
 
 from __future__ import annotations

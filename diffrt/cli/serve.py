@@ -30,7 +30,7 @@ from diffrt.cli.engine_opts import (
 )
 from diffrt.cli.errors import EXIT_FAILURE
 
-#: serve's own defaults for engine settings (shown in --help): step mode
+#: serve's own defaults for engine settings (shown in --help): STEP_BATCH
 #: with room for eight requests per step, a bound on unread outputs (a client
 #: that stops reading its stream must not hold its image in the shared arena
 #: for ever) and fresh workers after a crash

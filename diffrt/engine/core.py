@@ -128,7 +128,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> tuple[AbortOutcome, Finished | None]:
         with self._cond:
-            self._cond.notify_all()  # step mode: the loop sends the drop
+            self._cond.notify_all()  # STEP_BATCH: the loop sends the drop
             return self.scheduler.abort(request_id)
 
     def queue_sizes(self) -> tuple[int, int]:
@@ -315,7 +315,7 @@ def _execution_result(tick: SchedulerOutput, reply: Any,
     """The runner's reply in scheduler terms."""
     match reply:
         case StepDone():
-            return ExecutionResult(progress=reply.progress, finished=reply.finished,
+            return ExecutionResult(steps=reply.steps, finished=reply.finished,
                                    errors=reply.errors)
         case BatchDone():
             finished = [rid for rid in tick.scheduled_ids

@@ -27,7 +27,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from diffrt.engine.admission import admit, deadline_of
 from diffrt.engine.config import EngineConfig, EngineMode
 from diffrt.engine.core import EngineCore
 from diffrt.engine.errors import (
@@ -52,6 +51,7 @@ from diffrt.engine.sched import (
     make_policy,
 )
 from diffrt.engine.stats import EngineStats
+from diffrt.engine.submission import accept, timeout_of
 from diffrt.runtime.executor import Executor
 from diffrt.runtime.factory import make_executor
 
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 #: How long close() lets the current tick finish before shutting the executor.
 CLOSE_GRACE_S = 5.0
-#: How often the timer looks for requests past their deadline and unread outputs.
+#: How often the timer looks for requests past their timeout and unread outputs.
 TIMER_PERIOD_S = 0.1
 
 __all__ = ["DiffusionEngine", "EngineClosedError", "EngineDeadError", "EngineError",
@@ -194,11 +194,11 @@ class DiffusionEngine:
         batch = [requests] if single else list(requests)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         streams = self._submit(batch, loop=None, inbox=inbox)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        give_up_at = None if timeout is None else time.monotonic() + timeout
         finals: dict[str, DiffusionOutput] = {}
         try:
             while len(finals) < len(streams):
-                remaining = None if deadline is None else deadline - time.monotonic()
+                remaining = None if give_up_at is None else give_up_at - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"{len(streams) - len(finals)} request(s) did not "
                                        f"finish within {timeout} s")
@@ -264,7 +264,7 @@ class DiffusionEngine:
             self.output_processor.finish(event)
         elif outcome is AbortOutcome.UNKNOWN or reason is not None:
             # Computed already (its output is on the way), or an expired limit
-            # that must answer now although the forward in flight (request mode)
+            # that must answer now although the forward in flight (REQUEST_BATCH)
             # cannot be interrupted: end it here; the late output is dropped.
             self.output_processor.finish_aborted(request_id)
         # A user abort in flight: the tick ends it at the next step boundary.
@@ -309,12 +309,12 @@ class DiffusionEngine:
         seen: set[str] = set()
         now = self._clock()
         for request in requests:
-            request = admit(request, self.spec, self.config)
+            request = accept(request, self.spec, self.config)
             if request.request_id in seen:
                 raise InvalidRequestError("request_id", f"{request.request_id!r} given twice")
             seen.add(request.request_id)
             record = RequestRecord(request, arrival=now, metrics=RequestMetrics(arrival_time=now))
-            record.deadline, record.deadline_reason = deadline_of(request, now, self.config)
+            record.timeout_at, record.timeout_reason = timeout_of(request, now, self.config)
             records.append(record)
         streams = self.output_processor.add(records, loop, inbox)  # refuses once closed or dead
         if not self.executor.is_healthy():
@@ -333,7 +333,7 @@ class DiffusionEngine:
         return streams
 
     def _watch(self) -> None:
-        """The timer thread: ends requests past their deadline and frees outputs
+        """The timer thread: ends requests past their timeout and frees outputs
         left unread, at most ``TIMER_PERIOD_S`` late."""
         while not self._stopping.wait(TIMER_PERIOD_S):
             try:

@@ -229,14 +229,14 @@ class OutputProcessor:
         """Housekeeping at ``now``: frees outputs unread past
         ``unread_output_timeout_s`` (their requests end with "output expired")
         and returns (record, reason) of running or waiting requests past their
-        deadline, for the engine to stop."""
+        timeout, for the engine to stop."""
         with self._lock:
             unread = [] if self._unread_timeout is None else [
                 slot for slot in self._pending.values()
                 if now - slot.ready_at >= self._unread_timeout]
-            late = [(record, record.deadline_reason or "request timed out")
+            late = [(record, record.timeout_reason or "request timed out")
                     for rid, record in self._records.items()
-                    if record.deadline is not None and now >= record.deadline
+                    if record.timeout_at is not None and now >= record.timeout_at
                     and not record.aborted and rid not in self._pending]
         for slot in unread:
             self._expire(slot, f"output expired: unread for {self._unread_timeout:g} s "

@@ -6,7 +6,7 @@ engine's typed requests (``runner_messages``), one per scheduler tick:
 * ``ExecuteBatch`` (REQUEST_BATCH): whole requests, fused when several. When
   a fused forward raises, the members are re-run one by one so the error is
   mapped to the request that caused it and the others still get their output.
-* ``ExecuteStep`` (STEP_BATCH): admits new requests (``prepare_encode``),
+* ``ExecuteStep`` (STEP_BATCH): prepares new requests (``prepare_encode``),
   drops the state of aborted ones, advances every scheduled request by one
   denoise step in one batch, and decodes those that reached their step count.
   Request state (``StepRequestState``) lives here, keyed by request id.
@@ -242,19 +242,19 @@ class PipelineRunner:
                 self.states.pop(rid, None)
                 finished_states.append(state)
             else:
-                reply.progress[rid] = state.step_index
+                reply.steps[rid] = state.step
                 self._preview(state, reply, outputs)
         self._decode(finished_states, reply, outputs)
         for state in states:  # a failure still reports the steps it had done
-            if state.request_id in reply.errors and state.step_index:
-                reply.progress.setdefault(state.request_id, state.step_index)
+            if state.request_id in reply.errors and state.step:
+                reply.steps.setdefault(state.request_id, state.step)
         return RunnerResult(reply=reply, outputs=outputs)
 
     @staticmethod
     def _boundary(state: StepRequestState, reply: StepDone) -> bool:
         """After this step ``state`` leaves the batch or wants an output."""
         return (state.request_id in reply.errors or state.finished
-                or state.step_index in state.request.sampling_params.preview_steps())
+                or state.step in state.request.sampling_params.preview_steps())
 
     def _preview(self, state: StepRequestState, reply: StepDone,
                  outputs: dict[str, Any]) -> None:
@@ -262,14 +262,14 @@ class PipelineRunner:
         goes out as this tick's output. A failed preview is logged, not fatal:
         the request goes on to its final image."""
         steps = state.request.sampling_params.preview_steps()
-        if state.step_index not in steps:
+        if state.step not in steps:
             return
         try:
             image = self.pipeline.decode_preview(state)
             if image is not None:
                 outputs[state.request_id] = self.pipeline.to_transfer(
                     image, state.request.sampling_params)
-                reply.previews[state.request_id] = steps.index(state.step_index)
+                reply.previews[state.request_id] = steps.index(state.step)
         except Exception as exc:
             if self.vae_parallel:
                 self._end_if_shared(exc)

@@ -52,8 +52,10 @@ class RequestRecord:
     #: an expired limit stopped it: its final output carries this error.
     abort_reason: str | None = None
     #: when it has run too long (request_timeout_s / timeout_s), and which limit.
-    deadline: float | None = None
-    deadline_reason: str | None = None
+    #: when a limit (request_timeout_s, SamplingParams.timeout_s) ends it, and
+    #: the error that names the limit
+    timeout_at: float | None = None
+    timeout_reason: str | None = None
     #: the output being moved off the device for it (after COMPUTE_DONE).
     output_id: str | None = None
     compute_done_at: float | None = None

@@ -35,7 +35,7 @@ class ExecuteBatch(msgspec.Struct, tag="execute_batch"):
 
 
 class ExecuteStep(msgspec.Struct, tag="execute_step"):
-    """STEP_BATCH: admit ``new``, forget ``drop``, advance ``advance`` by one
+    """STEP_BATCH: prepare ``new``, forget ``drop``, advance ``advance`` by one
     step — or by up to ``steps``, stopping after a step in which a request
     finished, failed or reached a preview."""
 
@@ -61,15 +61,15 @@ class BatchDone(msgspec.Struct, tag="batch_done"):
 
 
 class StepDone(msgspec.Struct, tag="step_done"):
-    #: request id -> denoise steps done, for requests still running.
-    progress: dict[str, int] = {}
+    #: request id -> denoise steps done (its step), for requests still running.
+    steps: dict[str, int] = {}
     #: ids decoded in this tick (their outputs travel on the output path).
     finished: list[str] = []
     #: id -> preview index (0-based), for running requests whose output in
     #: this tick is a preview (``partial_images``).
     previews: dict[str, int] = {}
     errors: dict[str, str] = {}
-    #: text encoding done in this tick (new requests are encoded at admission).
+    #: text encoding done in this tick (new requests are encoded when prepared).
     text_encoding: TextEncoderStats | None = None
     #: denoise steps this call ran (``ExecuteStep.steps`` or fewer)
     steps_run: int = 1

@@ -113,9 +113,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         "Flux, Qwen-Image: true classifier-free guidance, runs when > 1 with a negative "
         "prompt or the model's default one (default: the model's)")) = None
     #: previews decoded from the current x0 prediction while the request runs
-    #: (step mode only): preview k of N after step ceil(k * T / (N + 1)).
+    #: (STEP_BATCH only): preview k of N after step ceil(k * T / (N + 1)).
     partial_images: _required(int, ge=0, le=MAX_PARTIAL_IMAGES, cli=None, description=(
-        "previews streamed before the final image (step mode; over HTTP with stream=true; "
+        "previews streamed before the final image (STEP_BATCH; over HTTP with stream=true; "
         "the CLI writes final images only)")) = 0
 
     def preview_steps(self) -> list[int]:

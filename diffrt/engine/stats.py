@@ -46,9 +46,9 @@ class Histogram:
 class EngineStats:
     """A snapshot; see the module docstring."""
 
-    #: admitted, not yet in a batch.
+    #: accepted, not yet admitted to a batch.
     requests_waiting: int
-    #: in a batch (request mode: the forward in flight; step mode: the running set).
+    #: in a batch (REQUEST_BATCH: the forward in flight; STEP_BATCH: the running set).
     requests_running: int
     #: outcome (``OUTCOMES``) -> requests that ended so.
     requests_total: dict[str, int]
@@ -56,7 +56,7 @@ class EngineStats:
     request_latency_s: Histogram
     #: arrival to first batch.
     queue_wait_s: Histogram
-    #: one denoise step of a batch (request mode: the forward over its steps).
+    #: one denoise step of a batch (REQUEST_BATCH: the forward over its steps).
     step_time_s: Histogram
     #: compute done to output in host memory.
     output_wait_s: Histogram

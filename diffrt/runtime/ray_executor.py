@@ -143,8 +143,8 @@ class RankActor:
             # as a worker process would: the actor ends, its pending poll fails,
             # and the executor fails the work (a RankFailure, or a broken loop)
             logger.exception("rank %d: serve loop failed; ending the actor", self.rank)
-            deadline = time.monotonic() + 5.0  # its error reply reaches the engine first
-            while not self._results.empty() and time.monotonic() < deadline:
+            give_up_at = time.monotonic() + 5.0  # its error reply reaches the engine first
+            while not self._results.empty() and time.monotonic() < give_up_at:
                 time.sleep(0.05)
             time.sleep(POLL_WAIT_S)
             os._exit(1)
@@ -336,10 +336,10 @@ class RayExecutor(PumpedExecutor):
             if self._death is None and self._actors:
                 with self._send_lock:  # numbered after every request already sent
                     self._broadcast(encode(Shutdown()))
-                deadline = time.monotonic() + self.config.shutdown_grace_s
+                give_up_at = time.monotonic() + self.config.shutdown_grace_s
                 refs = [a.stopped.remote(self.config.shutdown_grace_s) for a in self._actors]
                 ray.wait(refs, num_returns=len(refs),
-                         timeout=max(0.1, deadline - time.monotonic()))
+                         timeout=max(0.1, give_up_at - time.monotonic()))
         except Exception:
             logger.debug("polite stop of the Ray ranks failed", exc_info=True)
         for actor in self._actors:

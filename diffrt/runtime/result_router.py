@@ -5,7 +5,7 @@ wait for outputs and release them. Every output id has one entry in one table,
 in one ``OutputState``, and changes state only in ``_transition``; the table
 below is the whole lifecycle (``-`` = no entry):
 
-    state     WAIT             ARRIVE              RELEASE         EXPIRE (past deadline)
+    state     WAIT             ARRIVE              RELEASE         EXPIRE (expired)
     -         WAITING          ARRIVED             DROPPED         -
     WAITING   (same future)    CLAIMED, hand over  DROPPED, cancel DROPPED, time out
     ARRIVED   CLAIMED, hand    (duplicate freed)   -, free         -, free
@@ -13,10 +13,10 @@ below is the whole lifecycle (``-`` = no entry):
     DROPPED   error            -, free             (nothing)       -
 
 PENDING (OutputPending, repeated while an output waits for room in a full
-arena) puts an output nobody waits for yet in BLOCKED and restarts the deadline
+arena) puts an output nobody waits for yet in BLOCKED and restarts the expiry
 of a BLOCKED or WAITING one: a slow consumer elsewhere is not a lost output.
 WAIT on BLOCKED becomes WAITING; ARRIVE and RELEASE treat BLOCKED as no entry;
-a BLOCKED entry without notices is forgotten at its deadline.
+a BLOCKED entry without notices is forgotten when it expires.
 
 It guarantees:
 
@@ -147,7 +147,7 @@ class _Output:
     state: OutputState
     #: WAITING: when the waiter times out; ARRIVED: when an unclaimed output is
     #: freed; DROPPED: when the id is forgotten (a late arrival is still freed).
-    deadline: float
+    expires_at: float
     future: Future | None = None   # WAITING
     result: Any = None             # ARRIVED: an OutputLease or an exception
 
@@ -212,7 +212,7 @@ class ResultRouter:
                 self._outputs[oid] = _Output(S.WAITING, now + self.output_timeout_s, future=future)
             case E.WAIT, S.BLOCKED:
                 assert future is not None
-                self._outputs[oid] = _Output(S.WAITING, max(entry.deadline, now + self.output_timeout_s),
+                self._outputs[oid] = _Output(S.WAITING, max(entry.expires_at, now + self.output_timeout_s),
                                              future=future)
             case E.WAIT, S.ARRIVED:
                 assert future is not None
@@ -247,25 +247,25 @@ class ResultRouter:
             case E.RELEASE, _:
                 pass  # claimed: its lease holder frees it; dropped: already on its way
             case E.PENDING, None | S.BLOCKED | S.WAITING:  # notices repeat every PENDING_NOTICE_S
-                deadline = now + max(self.output_timeout_s, 3 * PENDING_NOTICE_S)
+                expires_at = now + max(self.output_timeout_s, 3 * PENDING_NOTICE_S)
                 if entry is None:
-                    self._outputs[oid] = _Output(S.BLOCKED, deadline)
+                    self._outputs[oid] = _Output(S.BLOCKED, expires_at)
                 else:
-                    entry.deadline = deadline
+                    entry.expires_at = expires_at
             case E.HANDOVER_FAILED | E.LEASE_DONE, S.CLAIMED:
                 del self._outputs[oid]
             case E.EXPIRE, S.WAITING if entry.future.done():
                 del self._outputs[oid]  # cancelled by its owner and never arrived
-            case E.EXPIRE, S.WAITING if entry.deadline <= now:
+            case E.EXPIRE, S.WAITING if entry.expires_at <= now:
                 self._drop_locked(oid, now)
                 fx.resolve.append((entry.future, OutputTimeoutError(
                     f"output {oid} not ready within {self.output_timeout_s} s "
                     "(ExecutorConfig.output_timeout_s / DIFFRT_OUTPUT_TIMEOUT_S)")))
-            case E.EXPIRE, S.ARRIVED if entry.deadline <= now:
+            case E.EXPIRE, S.ARRIVED if entry.expires_at <= now:
                 logger.warning("output %s unclaimed for %.0f s: freed", oid, self.output_timeout_s)
                 del self._outputs[oid]
                 fx.discard.append(entry.result)
-            case E.EXPIRE, S.DROPPED | S.BLOCKED if entry.deadline <= now:
+            case E.EXPIRE, S.DROPPED | S.BLOCKED if entry.expires_at <= now:
                 del self._outputs[oid]  # BLOCKED: no notice for a while, the writer moved on
             case _:
                 pass

@@ -1,4 +1,4 @@
-"""The server's side of the engine: start-up, admission, one request's
+"""The server's side of the engine: start-up, shedding (429/503), one request's
 stream, and the drain that ends it all.
 
 States: ``starting`` (the engine loads and warms up; /ready is 503),
@@ -103,8 +103,8 @@ class EngineClient:
 
     async def _until_idle(self, timeout_s: float) -> bool:
         """True once no request is in flight, False after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while self._in_flight and time.monotonic() < deadline:
+        give_up_at = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < give_up_at:
             await asyncio.sleep(IDLE_POLL_S)
         return self._in_flight == 0
 
@@ -122,8 +122,8 @@ class EngineClient:
         return self.state == "ready" and self.healthy()
 
     # -- requests ------------------------------------------------------------------------
-    def admit(self) -> DiffusionEngine:
-        """The engine, if it takes work now; else the 503/429 to answer."""
+    def engine_or_shed(self) -> DiffusionEngine:
+        """The engine, if it takes work now; else the 503/429 that sheds the request."""
         if self.state == "starting":
             raise ApiError(503, "the model is still loading; retry shortly",
                            code="warming_up", headers={"Retry-After": "5"})
@@ -146,7 +146,7 @@ class EngineClient:
         consumer that leaves before the final one aborts the request. Raises
         ApiError (503/429) when the server takes no work, InvalidRequestError
         or an EngineError at submission (on the first item)."""
-        engine = self.admit()
+        engine = self.engine_or_shed()
         rid = request.request_id
         self._running[rid] = None
         self._in_flight += 1

@@ -74,7 +74,7 @@ class EngineCollector(Collector):
 
         yield gauge("diffrt_requests_running", "Requests in a batch now",
                     lambda s: s.requests_running)
-        yield gauge("diffrt_requests_waiting", "Requests admitted but not yet in a batch",
+        yield gauge("diffrt_requests_waiting", "Requests accepted but not yet admitted to a batch",
                     lambda s: s.requests_waiting)
         total = CounterMetricFamily("diffrt_requests", "Finished requests by outcome",
                                     labels=[*names, "outcome"])

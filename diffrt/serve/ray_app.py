@@ -242,8 +242,8 @@ class ReplicaClient:
         if self.state in ("draining", "stopped"):
             return
         self.state = "draining"
-        deadline = time.monotonic() + timeout_s
-        while self._in_flight and time.monotonic() < deadline:
+        give_up_at = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < give_up_at:
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:

@@ -88,7 +88,7 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:  # ty
     if body.stream and body.n != 1:
         raise ApiError(400, "n: must be 1 with stream=true", param="n")
     if body.stream_progress and not client.step_mode:  # previews: the engine's own check
-        raise ApiError(400, "stream_progress: needs a server in step mode (diffrt serve "
+        raise ApiError(400, "stream_progress: needs a server with step_execution (diffrt serve "
                             "--step-execution, the default)", param="stream_progress")
     engine_request = to_engine_request(body, request.state.request_id)
     created = int(time.time())

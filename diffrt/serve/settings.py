@@ -14,7 +14,7 @@ class ServeSettings:
             (default: the engine's model).
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>``;
             ``/health``, ``/ready`` and ``/metrics`` stay open.
-        max_pending: more requests than this waiting (admitted, not yet
+        max_pending: more requests than this waiting (accepted, not yet
             running) and new ones get 429 with Retry-After.
         retry_after_s: the Retry-After a 429 suggests.
         shutdown_timeout_s: on SIGTERM/SIGINT, how long requests in flight may

@@ -122,7 +122,7 @@ class ToyPipeline(DiffusionPipeline):
             raise ValueError("toy failure in prepare_encode")
         n = state.request.sampling_params.num_outputs_per_prompt
         state.latents = torch.zeros(n, 1)
-        state.step_index = 0
+        state.step = 0
 
     def denoise_step(self, states):
         _record("step", [s.request_id for s in states])
@@ -135,7 +135,7 @@ class ToyPipeline(DiffusionPipeline):
 
     def apply_step(self, state, noise_pred):
         state.latents = state.latents + noise_pred
-        state.step_index += 1
+        state.step += 1
 
     def post_decode(self, state):
         if state.request.prompt == "faildecode":

@@ -82,7 +82,7 @@ def test_a_request_batch_tick_reports_finished_ids_with_their_output_ids():
 
 def test_step_ticks_report_progress_then_the_finish():
     ex = ScriptedExecutor([
-        RunnerOutput(StepDone(progress={"a": 1}), None, {}),
+        RunnerOutput(StepDone(steps={"a": 1}), None, {}),
         RunnerOutput(StepDone(finished=["a"]), "out-2", {"a": "out-2/0"}),
     ])
     ticks, dead = run_core(EngineMode.STEP_BATCH, StepScheduler(2), ex, records("a"), 2)

@@ -48,7 +48,7 @@ def test_gauges_and_outcomes(step):
                           and engine.stats().requests_waiting == 2)
         engine.abort(aborted.request_id)
         assert wait_until(lambda: engine.stats().requests_waiting == 1)
-        # the blocked request passes its own 0.5 s deadline; the gate opens after it
+        # the blocked request passes its own 0.5 s timeout; the gate opens after it
         assert wait_until(lambda: engine.stats().requests_total["timeout"] == 1, timeout=10)
         gate.set()
         runner.join(30)

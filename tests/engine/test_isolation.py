@@ -12,8 +12,8 @@ from engine_helpers import assert_clean, toy_engine, toy_request
 from waiting import wait_for, wait_until
 
 from diffrt.engine import DiffusionOutput, DiffusionRequest, InvalidRequestError, SamplingParams
-from diffrt.engine.admission import deadline_of
 from diffrt.engine.request import MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
+from diffrt.engine.submission import timeout_of
 
 
 def pixels(out: DiffusionOutput) -> set[int]:
@@ -147,7 +147,7 @@ def test_a_request_may_lower_its_timeout_but_not_raise_it():
         toy.gate("own").set()
     with toy_engine(request_timeout_s=0.2, warmup=False) as engine:
         r = toy_request(steps=2, timeout_s=30)
-        assert deadline_of(r, 0.0, engine.config)[1].endswith("(request_timeout_s=0.2)")
+        assert timeout_of(r, 0.0, engine.config)[1].endswith("(request_timeout_s=0.2)")
 
 
 def test_a_waiting_request_times_out_too():

@@ -173,7 +173,7 @@ class TestCoalescingWindow:
             s.add_request(req(f"r{i}"), now=0.001 * i)
         assert s.admission_wait_s(now=0.004) == 0.0
 
-    def test_ends_at_deadline_even_if_still_growing(self):
+    def test_ends_at_the_window_end_even_if_still_growing(self):
         s = RequestScheduler(max_num_seqs=8, max_wait_s=0.100, stable_s=0.020)
         for i, t in enumerate((0.0, 0.015, 0.030, 0.045, 0.060, 0.075, 0.090)):
             s.add_request(req(f"r{i}"), now=t)

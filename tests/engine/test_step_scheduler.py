@@ -43,7 +43,7 @@ class FakeWorker:
                 res.finished.append(rid)
                 del self.steps[rid]
             else:
-                res.progress[rid] = self.steps[rid]
+                res.steps[rid] = self.steps[rid]
         return res
 
 
@@ -226,18 +226,18 @@ def test_ticks_run_several_steps_after_admission_never_past_a_finish():
     s.add_request(req("a", steps=10), now=0.0)
     out = s.schedule(now=0.0)
     assert out.steps == 4
-    s.update_from_output(out, ExecutionResult(progress={"a": 4}))
+    s.update_from_output(out, ExecutionResult(steps={"a": 4}))
     s.add_request(req("b", steps=3), now=0.1)  # joins at this boundary, ends first
     out = s.schedule(now=0.1)
     assert out.scheduled_ids == ["a", "b"] and out.steps == 3
-    up = s.update_from_output(out, ExecutionResult(progress={"a": 7}, finished=["b"]))
+    up = s.update_from_output(out, ExecutionResult(steps={"a": 7}, finished=["b"]))
     assert [(p.request_id, p.step) for p in up.progress] == [
         ("a", 5), ("a", 6), ("a", 7), ("b", 1), ("b", 2)]  # one progress item per step
     s.add_request(req("other-size", size=128, steps=3), now=0.2)  # cannot join a 64 batch
     s.add_request(req("c", steps=3), now=0.3)  # FIFO: behind the head, refused too
     out = s.schedule(now=0.3)
     assert out.scheduled_ids == ["a"] and out.steps == 3  # a has 3 steps left
-    s.update_from_output(out, ExecutionResult(progress={"a": 8}))  # stopped early (a preview)
+    s.update_from_output(out, ExecutionResult(steps={"a": 8}))  # stopped early (a preview)
     s.abort("a")  # not in flight: leaves now, its worker state is dropped next tick
     out = s.schedule(now=0.4)
     assert out.drop_ids == ["a"] and out.scheduled_ids == ["other-size"] and out.steps == 1

@@ -11,7 +11,7 @@ from serve_helpers import API_KEY
 from server_process import free_port
 
 from diffrt.cli import main
-from diffrt.cli.bench_http import HttpTarget, request_body
+from diffrt.cli.http_target import HttpTarget, request_body
 from diffrt.engine import DiffusionRequest, SamplingParams
 
 

@@ -8,7 +8,7 @@ transformer (`pack_latents` / `unpack_latents`), how to call it
 (`transformer_forward`) and which sigmas/shift its noise scheduler wants
 (`timestep_kwargs`).
 
-Both execution styles run the same helpers, so a request gives the same image
+Both execution modes run the same helpers, so a request gives the same image
 whether it runs as a whole (`forward`) or one step at a time
 (`prepare_encode` -> `denoise_step` / `apply_step` ... -> `post_decode`).
 
@@ -244,7 +244,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         """One transformer call over rows; `timesteps` and `guidance` are per row."""
         raise NotImplementedError
 
-    # -- stages (shared by both execution styles) -----------------------------------
+    # -- stages (shared by both execution modes) -----------------------------------
     def encode_prompt(self, request: DiffusionRequest) -> Conditioning:
         """Embeddings for one request, repeated per output; negatives when CFG runs."""
         return self.encode_prompts([request])[0]
@@ -375,7 +375,7 @@ class FlowMatchPipeline(DiffusionPipeline):
             (params.num_outputs_per_prompt,), self.spec.cfg_scale(params), device=self.device
         )
 
-    # -- request style --------------------------------------------------------------
+    # -- REQUEST_BATCH --------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
         # The engine admits requests with their defaults filled in; a caller
@@ -405,7 +405,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         # shared or pickled, ship) the whole batch's bytes.
         return [p.clone() for p in parts] if len(parts) > 1 else list(parts)
 
-    # -- step style ----------------------------------------------------------------
+    # -- STEP_BATCH ----------------------------------------------------------------
     @torch.no_grad()
     def prepare_encode(self, state: StepRequestState) -> None:
         self.prepare_encode_batch([state])
@@ -429,7 +429,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         state.extra["cfg_scale"] = self._cfg_rows(params)
         state.latents = self.prepare_latents(params, seed)
         state.noise_scheduler, state.timesteps = self.prepare_timesteps(params)
-        state.step_index = 0
+        state.step = 0
 
     @torch.no_grad()
     def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
@@ -437,7 +437,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         _check_compatible([s.request for s in states], self.spec.step_batch_key)
         latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
         timesteps = torch.cat(
-            [s.timesteps[s.step_index].expand(s.latents.shape[0]) for s in states]  # type: ignore[index,union-attr]
+            [s.timesteps[s.step].expand(s.latents.shape[0]) for s in states]  # type: ignore[index,union-attr]
         )
         cond = Conditioning.cat([s.extra["cond"] for s in states])
         guidance = torch.cat([s.extra["guidance"] for s in states])
@@ -446,16 +446,16 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     @torch.no_grad()
     def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
-        t = state.timesteps[state.step_index]  # type: ignore[index]
+        t = state.timesteps[state.step]  # type: ignore[index]
         noise_scheduler = state.noise_scheduler
-        if state.step_index + 1 in state.extra.setdefault(
+        if state.step + 1 in state.extra.setdefault(
                 "preview_steps", state.request.sampling_params.preview_steps()):
             # flow matching: x_t = (1 - sigma) x0 + sigma noise and the model
             # predicts noise - x0, so x0 = x_t - sigma * prediction
-            sigma = noise_scheduler.sigmas[state.step_index].to(state.latents.dtype)
+            sigma = noise_scheduler.sigmas[state.step].to(state.latents.dtype)
             state.extra["x0"] = state.latents - sigma * noise_pred
         state.latents = noise_scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
-        state.step_index += 1
+        state.step += 1
 
     @torch.no_grad()
     def decode_preview(self, state: StepRequestState) -> torch.Tensor | None:

@@ -20,6 +20,11 @@ def vae_factor(vae_config: dict[str, Any]) -> int:
     return 2 ** (len(vae_config.get("block_out_channels", (0, 0, 0, 0))) - 1)
 
 
+def qwen_vae_factor(vae_config: dict[str, Any]) -> int:
+    """AutoencoderKLQwenImage: 8x from its three-entry temporal-downsample list."""
+    return 2 ** len(vae_config.get("temperal_downsample", (False, True, True)))
+
+
 def scaled_max_size(factor: int) -> int:
     """The family's largest side is meant for an 8x VAE: it bounds the
     transformer's tokens, so a folder whose VAE downsamples less (the 2x VAE
@@ -48,5 +53,5 @@ def sequence_parallel_support(folder: ModelFolder, vae_class: str) -> ParallelSu
                            vae_class=folder.vae_config.get("_class_name", vae_class))
 
 
-__all__ = ["FAMILY_MAX_SIZE", "check_text_encoder", "scaled_max_size",
+__all__ = ["FAMILY_MAX_SIZE", "check_text_encoder", "qwen_vae_factor", "scaled_max_size",
            "sequence_parallel_support", "vae_factor"]

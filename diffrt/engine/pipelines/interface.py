@@ -1,11 +1,11 @@
 """The model contract every pipeline implements.
 
-Two execution styles share one pipeline object:
+Both execution modes share one pipeline object:
 
-* request style: ``forward(batch) -> list[Tensor]``, one entry per request of
+* REQUEST_BATCH: ``forward(batch) -> list[Tensor]``, one entry per request of
   a ``DiffusionRequestBatch``; fused multi-request batches only when the
   model's spec declares ``supports_request_batch``.
-* step style (the spec's ``supports_step_execution``): ``prepare_encode(state)``,
+* STEP_BATCH (the spec's ``supports_step_execution``): ``prepare_encode(state)``,
   then per tick ``denoise_step(states) -> pred`` (one forward for all states),
   ``split_predictions(pred, states)`` and ``apply_step(state, part)`` for each
   state, and ``post_decode(state)`` once it is finished. Everything
@@ -61,7 +61,7 @@ class StepRequestState:
     request: DiffusionRequest
     latents: torch.Tensor | None = None
     timesteps: torch.Tensor | None = None
-    step_index: int = 0
+    step: int = 0
     noise_scheduler: Any = None  # this request's own copy of the diffusers noise scheduler
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -75,7 +75,7 @@ class StepRequestState:
 
     @property
     def finished(self) -> bool:
-        return self.step_index >= self.total_steps
+        return self.step >= self.total_steps
 
 
 class DiffusionPipeline(ABC):
@@ -121,12 +121,12 @@ class DiffusionPipeline(ABC):
         self.spec.check(request)
         return request
 
-    # -- request style -------------------------------------------------------
+    # -- REQUEST_BATCH -------------------------------------------------------
     @abstractmethod
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
         """Run whole requests; return one device tensor per request, in order."""
 
-    # -- step style ----------------------------------------------------------
+    # -- STEP_BATCH ----------------------------------------------------------
     def prepare_encode(self, state: StepRequestState) -> None:
         """Encode prompts, draw latents, set timesteps and ``noise_scheduler``
         (a fresh copy of the diffusers noise scheduler)."""
@@ -147,7 +147,7 @@ class DiffusionPipeline(ABC):
     def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
         """Advance one request's latents by its slice of the prediction (from
         ``split_predictions``) through its ``noise_scheduler``, and increment
-        its ``step_index``."""
+        its ``step``."""
         raise NotImplementedError(f"{type(self).__name__} does not support step execution")
 
     def post_decode(self, state: StepRequestState) -> torch.Tensor:

@@ -24,7 +24,7 @@ class BaseScheduler(Scheduler):
     a new batch may be held for up to ``max_wait_s`` so a burst can gather. It
     ends when the queue reaches capacity, when no request arrived for
     ``stable_s`` (default: a quarter of the window, at least 1 ms), or at the
-    deadline (the oldest arrival plus ``max_wait_s``); the engine ends it at
+    end (the oldest arrival plus ``max_wait_s``); the engine ends it at
     shutdown. Requests that queued behind running work are never held again.
 
     ``max_wait_s=None`` sizes the window automatically: a tenth of the moving
@@ -78,28 +78,28 @@ class BaseScheduler(Scheduler):
         self._last_add = record.arrival
 
     def abort(self, request_id: str) -> tuple[AbortOutcome, Finished | None]:
-        sr = self._requests.get(request_id)
-        if sr is None:
+        record = self._requests.get(request_id)
+        if record is None:
             return AbortOutcome.UNKNOWN, None
         if request_id in self._in_flight:
-            sr.abort_requested = True
+            record.abort_requested = True
             return AbortOutcome.DEFERRED, None
-        if sr.status is RequestStatus.WAITING:
-            self._waiting.remove(sr)
+        if record.status is RequestStatus.WAITING:
+            self._waiting.remove(record)
         else:
-            self._running.remove(sr)
-            self._on_running_aborted(sr)
-        return AbortOutcome.DONE, self._finish(sr, RequestStatus.ABORTED)
+            self._running.remove(record)
+            self._on_running_aborted(record)
+        return AbortOutcome.DONE, self._finish(record, RequestStatus.ABORTED)
 
     def fail_running(self, error: str) -> list[Finished]:
-        events = [self._finish(sr, RequestStatus.FAILED, error=error) for sr in self._running]
+        events = [self._finish(record, RequestStatus.FAILED, error=error) for record in self._running]
         self._running.clear()
         self._in_flight.clear()
         return events
 
     def fail_all(self, error: str) -> list[Finished]:
-        events = [self._finish(sr, RequestStatus.FAILED, error=error)
-                  for sr in list(self._requests.values())]
+        events = [self._finish(record, RequestStatus.FAILED, error=error)
+                  for record in list(self._requests.values())]
         self._waiting.clear()
         self._running.clear()
         self._in_flight.clear()
@@ -136,9 +136,9 @@ class BaseScheduler(Scheduler):
             return 0.0
         if len(self._waiting) >= self.max_num_seqs:
             return 0.0
-        deadline = self._waiting[0].arrival + self.max_wait_s
+        window_end = self._waiting[0].arrival + self.max_wait_s
         stable_at = (self._last_add if self._last_add is not None else now) + self.stable_s
-        return max(0.0, min(deadline, stable_at) - now)
+        return max(0.0, min(window_end, stable_at) - now)
 
     @property
     def num_waiting(self) -> int:
@@ -152,21 +152,21 @@ class BaseScheduler(Scheduler):
     def _admit(self, key: tuple | None, capacity: int, now: float) -> list[RequestRecord]:
         chosen = self.policy.select(self._waiting, key, capacity)
         if chosen:
-            ids = {id(sr) for sr in chosen}
-            self._waiting = [sr for sr in self._waiting if id(sr) not in ids]
-            for sr in chosen:
-                sr.status = RequestStatus.RUNNING
-                sr.admitted_at = now
+            ids = {id(record) for record in chosen}
+            self._waiting = [record for record in self._waiting if id(record) not in ids]
+            for record in chosen:
+                record.status = RequestStatus.RUNNING
+                record.admitted_at = now
             self._running.extend(chosen)
         return chosen
 
-    def _on_running_aborted(self, sr: RequestRecord) -> None:
-        """A running request (not in flight) was aborted: step mode drops its state."""
+    def _on_running_aborted(self, record: RequestRecord) -> None:
+        """A running request (not in flight) was aborted: STEP_BATCH drops its state."""
 
-    def _finish(self, sr: RequestRecord, status: RequestStatus, *, error: str | None = None,
+    def _finish(self, record: RequestRecord, status: RequestStatus, *, error: str | None = None,
                 has_output: bool = False) -> Finished:
-        sr.status = status
-        self._requests.pop(sr.request_id, None)
-        self._in_flight.discard(sr.request_id)
-        return Finished(sr.request_id, status, error=error, has_output=has_output,
-                        step=sr.step, total_steps=sr.total_steps, admitted_at=sr.admitted_at)
+        record.status = status
+        self._requests.pop(record.request_id, None)
+        self._in_flight.discard(record.request_id)
+        return Finished(record.request_id, status, error=error, has_output=has_output,
+                        step=record.step, total_steps=record.total_steps, admitted_at=record.admitted_at)

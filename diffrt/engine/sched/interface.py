@@ -15,8 +15,8 @@ from diffrt.engine.request import DiffusionRequest
 class ExecutionResult:
     """What one execute call reported, in scheduler terms."""
 
-    #: request id -> denoise steps done after this tick (step mode).
-    progress: dict[str, int] = field(default_factory=dict)
+    #: request id -> denoise steps done after this tick (STEP_BATCH).
+    steps: dict[str, int] = field(default_factory=dict)
     #: ids whose output was produced in this call.
     finished: list[str] = field(default_factory=list)
     #: request id -> error message for requests that failed in this call.
@@ -70,9 +70,9 @@ class SchedulerOutput:
     new: list[DiffusionRequest] = field(default_factory=list)
     #: ids to run/advance in this call, in batch order (new ones included).
     scheduled_ids: list[str] = field(default_factory=list)
-    #: ids whose worker-side state must be dropped (step mode).
+    #: ids whose worker-side state must be dropped (STEP_BATCH).
     drop_ids: list[str] = field(default_factory=list)
-    #: step mode: denoise steps the worker may run in this call (it stops
+    #: STEP_BATCH: denoise steps the worker may run in this call (it stops
     #: early after a step that finishes a request or reaches a preview)
     steps: int = 1
 

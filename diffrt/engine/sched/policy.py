@@ -44,10 +44,10 @@ class FifoPolicy(AdmissionPolicy):
         if key is None:
             key = waiting[0].key
         chosen: list[RequestRecord] = []
-        for sr in waiting:
-            if len(chosen) >= capacity or sr.key != key:
+        for record in waiting:
+            if len(chosen) >= capacity or record.key != key:
                 break
-            chosen.append(sr)
+            chosen.append(record)
         return chosen
 
 
@@ -66,18 +66,18 @@ class SkipAheadPolicy(AdmissionPolicy):
             key = waiting[0].key
         chosen: list[RequestRecord] = []
         skipped: list[RequestRecord] = []
-        for sr in waiting:
+        for record in waiting:
             if len(chosen) >= capacity:
                 break
-            if sr.key == key:
-                chosen.append(sr)
+            if record.key == key:
+                chosen.append(record)
                 for older in skipped:
                     older.bypassed += 1
                 skipped.clear()  # each is counted once per admission round
                 continue
-            if sr.bypassed >= self.max_bypass:
+            if record.bypassed >= self.max_bypass:
                 break  # aged: it blocks like a FIFO head until the batch drains
-            skipped.append(sr)
+            skipped.append(record)
         return chosen
 
 

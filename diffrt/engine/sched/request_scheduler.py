@@ -30,30 +30,30 @@ class RequestScheduler(BaseScheduler):
         wave = self._admit(None, self.max_num_seqs, now)
         if not wave:
             return None
-        ids = [sr.request_id for sr in wave]
+        ids = [record.request_id for record in wave]
         self._in_flight.update(ids)
-        return SchedulerOutput(new=[sr.request for sr in wave], scheduled_ids=ids)
+        return SchedulerOutput(new=[record.request for record in wave], scheduled_ids=ids)
 
     def update_from_output(self, output: SchedulerOutput, result: ExecutionResult) -> UpdateResult:
         update = UpdateResult()
         finished_ok = set(result.finished)
         for rid in output.scheduled_ids:
-            sr = self._requests.get(rid)
-            if sr is None:
+            record = self._requests.get(rid)
+            if record is None:
                 continue
-            self._running.remove(sr)
-            sr.step = sr.total_steps if rid in finished_ok else sr.step
-            update.finished.append(self._terminal(sr, rid, result, finished_ok))
+            self._running.remove(record)
+            record.step = record.total_steps if rid in finished_ok else record.step
+            update.finished.append(self._terminal(record, rid, result, finished_ok))
         return update
 
-    def _terminal(self, sr, rid: str, result: ExecutionResult, finished_ok: set[str]) -> Finished:
+    def _terminal(self, record, rid: str, result: ExecutionResult, finished_ok: set[str]) -> Finished:
         produced = rid in finished_ok
-        if sr.abort_requested:
-            return self._finish(sr, RequestStatus.ABORTED)
+        if record.abort_requested:
+            return self._finish(record, RequestStatus.ABORTED)
         if result.failed_all is not None:
-            return self._finish(sr, RequestStatus.FAILED, error=result.failed_all)
+            return self._finish(record, RequestStatus.FAILED, error=result.failed_all)
         if rid in result.errors:
-            return self._finish(sr, RequestStatus.FAILED, error=result.errors[rid])
+            return self._finish(record, RequestStatus.FAILED, error=result.errors[rid])
         if produced:
-            return self._finish(sr, RequestStatus.FINISHED, has_output=True)
-        return self._finish(sr, RequestStatus.FAILED, error="runner returned no output")
+            return self._finish(record, RequestStatus.FINISHED, has_output=True)
+        return self._finish(record, RequestStatus.FAILED, error="runner returned no output")

@@ -60,8 +60,8 @@ class StepScheduler(BaseScheduler):
             return None  # the previous tick has not been updated yet
         new = self._admit(self.running_key, self.max_num_seqs - len(self._running), now)
         drops, self._pending_drops = self._pending_drops, []
-        ids = [sr.request_id for sr in self._running]
-        out = SchedulerOutput(new=[sr.request for sr in new], scheduled_ids=ids, drop_ids=drops,
+        ids = [record.request_id for record in self._running]
+        out = SchedulerOutput(new=[record.request for record in new], scheduled_ids=ids, drop_ids=drops,
                               steps=self._steps_for_tick(drops))
         if out.is_empty:
             return None
@@ -77,45 +77,45 @@ class StepScheduler(BaseScheduler):
         waits for it — at most ``max_steps_per_tick`` steps."""
         if self.max_steps_per_tick == 1 or drops or not self._running:
             return 1
-        left = min(sr.total_steps - sr.step for sr in self._running)
+        left = min(record.total_steps - record.step for record in self._running)
         return max(1, min(self.max_steps_per_tick, left))
 
     def update_from_output(self, output: SchedulerOutput, result: ExecutionResult) -> UpdateResult:
         update = UpdateResult()
         finished_ok = set(result.finished)
         for rid in output.scheduled_ids:
-            sr = self._requests.get(rid)
-            if sr is None:
+            record = self._requests.get(rid)
+            if record is None:
                 continue
             self._in_flight.discard(rid)
             produced = rid in finished_ok
             failed = result.failed_all if result.failed_all is not None else result.errors.get(rid)
-            before = sr.step
+            before = record.step
             if produced:
-                sr.step = sr.total_steps
-            elif rid in result.progress:
-                sr.step = result.progress[rid]
-            if sr.abort_requested or failed is not None:
-                self._running.remove(sr)
-                if not sr.abort_requested:  # a failure: the steps it finished in this call
-                    update.progress += _steps(sr, before + 1, min(sr.step, sr.total_steps - 1))
+                record.step = record.total_steps
+            elif rid in result.steps:
+                record.step = result.steps[rid]
+            if record.abort_requested or failed is not None:
+                self._running.remove(record)
+                if not record.abort_requested:  # a failure: the steps it finished in this call
+                    update.progress += _steps(record, before + 1, min(record.step, record.total_steps - 1))
                 # After a failed call the worker may still hold its state.
-                if not produced and (sr.abort_requested or result.failed_all is not None):
+                if not produced and (record.abort_requested or result.failed_all is not None):
                     self._pending_drops.append(rid)
-                status = RequestStatus.ABORTED if sr.abort_requested else RequestStatus.FAILED
-                update.finished.append(self._finish(sr, status, error=None if sr.abort_requested
+                status = RequestStatus.ABORTED if record.abort_requested else RequestStatus.FAILED
+                update.finished.append(self._finish(record, status, error=None if record.abort_requested
                                                     else failed))
             elif produced:
-                self._running.remove(sr)
+                self._running.remove(record)
                 # the steps a multi-step tick ran before the last one
-                update.progress += _steps(sr, before + 1, sr.total_steps - 1)
-                update.finished.append(self._finish(sr, RequestStatus.FINISHED, has_output=True))
+                update.progress += _steps(record, before + 1, record.total_steps - 1)
+                update.finished.append(self._finish(record, RequestStatus.FINISHED, has_output=True))
             else:  # one progress item per step, also when a tick ran several
-                update.progress += _steps(sr, min(before + 1, sr.step), sr.step)
+                update.progress += _steps(record, min(before + 1, record.step), record.step)
         return update
 
-    def _on_running_aborted(self, sr: RequestRecord) -> None:
-        self._pending_drops.append(sr.request_id)
+    def _on_running_aborted(self, record: RequestRecord) -> None:
+        self._pending_drops.append(record.request_id)
 
     def fail_all(self, error: str):
         self._pending_drops.clear()
@@ -126,7 +126,7 @@ class StepScheduler(BaseScheduler):
         return super().fail_running(error)
 
 
-def _steps(sr: RequestRecord, first: int, last: int) -> list[Progress]:
-    """Progress items of ``sr`` for steps ``first`` .. ``last`` (none when
+def _steps(record: RequestRecord, first: int, last: int) -> list[Progress]:
+    """Progress items of ``record`` for steps ``first`` .. ``last`` (none when
     ``first > last``): one per step, also when a call ran several."""
-    return [Progress(sr.request_id, step, sr.total_steps) for step in range(first, last + 1)]
+    return [Progress(record.request_id, step, record.total_steps) for step in range(first, last + 1)]

@@ -47,14 +47,14 @@ class StripesPipeline(DiffusionPipeline):
     def prepare_encode(self, state: StepRequestState) -> None:
         state.request = self.prepared(state.request)
         state.latents = torch.zeros(state.request.sampling_params.num_outputs_per_prompt, 1)
-        state.step_index = 0
+        state.step = 0
 
     def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
         return torch.ones(sum(s.latents.shape[0] for s in states), 1)
 
     def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
         state.latents = state.latents + noise_pred
-        state.step_index += 1
+        state.step += 1
 
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
         return self._paint(state.request, int(state.latents[0, 0].item()))

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.pipelines.flow_match_spec import qwen_vae_factor
 from diffrt.engine.pipelines.flux.pipeline import FluxPipeline
-from diffrt.engine.pipelines.qwen_image.spec import qwen_vae_factor
 from diffrt.engine.sampling import SamplingParams
 
 

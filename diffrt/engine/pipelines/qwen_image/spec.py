@@ -6,6 +6,7 @@ from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
 from diffrt.engine.pipelines.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
     check_text_encoder,
+    qwen_vae_factor,
     scaled_max_size,
     sequence_parallel_support,
 )
@@ -15,11 +16,6 @@ from diffrt.engine.pipelines.flow_match_spec import (
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
                        "add_v_proj", "to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",
                        "txt_mlp.net.0.proj", "txt_mlp.net.2")
-
-
-def qwen_vae_factor(vae_config: dict) -> int:
-    """AutoencoderKLQwenImage: 8x from its three-entry temporal-downsample list."""
-    return 2 ** len(vae_config.get("temperal_downsample", (False, True, True)))
 
 
 def describe(folder: ModelFolder) -> ModelSpec:

@@ -1,4 +1,5 @@
-"""What the engine checks and settles for a request at submission.
+"""What the engine checks and settles for a request at submission (refusing
+what it cannot carry).
 
 A request is accepted only if it can be carried end to end: every field's type
 and range, the model's own limits (its ``ModelSpec``), the engine's cost limit,
@@ -21,8 +22,9 @@ from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, random_seed
 
 
-def admit(request: Any, spec: ModelSpec, config: EngineConfig) -> DiffusionRequest:
-    """Validate one request end to end; return it as it will run."""
+def accept(request: Any, spec: ModelSpec, config: EngineConfig) -> DiffusionRequest:
+    """Check one request end to end (``InvalidRequestError`` refuses it);
+    return it as it will run."""
     if not isinstance(request, DiffusionRequest):
         raise InvalidRequestError(
             "request", f"must be a DiffusionRequest, got {type(request).__name__}")
@@ -33,7 +35,7 @@ def admit(request: Any, spec: ModelSpec, config: EngineConfig) -> DiffusionReque
     if params.partial_images and not config.scheduling.step_execution:
         raise InvalidRequestError(
             "partial_images", "previews need step boundaries: run the engine with "
-            "step_execution=True (request mode runs a request as one forward)")
+            "step_execution=True (REQUEST_BATCH runs a request as one forward)")
     limit = config.limits.max_request_cost
     cost = spec.cost(request)
     if limit is not None and cost > limit:
@@ -53,8 +55,8 @@ def admit(request: Any, spec: ModelSpec, config: EngineConfig) -> DiffusionReque
     return request
 
 
-def deadline_of(request: DiffusionRequest, now: float,
-                config: EngineConfig) -> tuple[float | None, str | None]:
+def timeout_of(request: DiffusionRequest, now: float,
+               config: EngineConfig) -> tuple[float | None, str | None]:
     """When a request submitted at ``now`` has run too long, and the error that
     names the limit: the engine's ``request_timeout_s`` or the request's own
     lower ``timeout_s``; (None, None) without a limit."""
