@@ -32,8 +32,10 @@ import numpy as np
 import torch
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.pipelines import load_pipeline, tiny_folders
+from diffrt.engine.pipelines import load_pipeline
+from diffrt.engine.pipelines.flux.tiny_folder import build_tiny_flux_folder
 from diffrt.engine.pipelines.loading import library_bars_off
+from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
 
 SIZE, STEPS = 64, 4
 
@@ -63,10 +65,9 @@ def build(kind: str, root: Path) -> Path:
 
         return build_tiny_qwen_image_folder(path, seed=3)
     if kind in ("flux", "flux-dev"):
-        return tiny_folders.build_tiny_flux_folder(path, seed=3,
-                                                   guidance_embeds=kind == "flux-dev")
-    return tiny_folders.build_tiny_sd3_folder(path, seed=3, sd35=kind == "sd35",
-                                              dynamic_shifting=kind == "sd3-shift")
+        return build_tiny_flux_folder(path, seed=3, guidance_embeds=kind == "flux-dev")
+    return build_tiny_sd3_folder(path, seed=3, sd35=kind == "sd35",
+                                 dynamic_shifting=kind == "sd3-shift")
 
 
 def diffusers_images(folder: Path, kw: dict, prompts: list[str], seeds: list[int], device: str,

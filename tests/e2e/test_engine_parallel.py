@@ -130,7 +130,7 @@ def test_sd35_style_folder_with_dual_attention_splits_exactly(tmp_path_factory):
     """A complete SD3.5-style folder (RMS q/k norms, a block with a second,
     image-only attention): Ulysses 2 and the banded decode give one rank's
     images."""
-    from diffrt.engine.pipelines.tiny_folders import build_tiny_sd3_folder
+    from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
 
     folder = str(build_tiny_sd3_folder(tmp_path_factory.mktemp("sd35") / "sd35", seed=5,
                                        sd35=True))

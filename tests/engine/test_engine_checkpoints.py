@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.pipelines import tiny_folders
+from diffrt.engine.pipelines.flux.tiny_folder import build_tiny_flux_folder
+from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
 
 SIZE, STEPS = 64, 3
 MAX_DIFF = 2  # of 255, fp32
@@ -18,8 +19,8 @@ MAX_DIFF = 2  # of 255, fp32
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    return {"flux": tiny_folders.build_tiny_flux_folder(root / "flux", seed=1),
-            "sd3": tiny_folders.build_tiny_sd3_folder(root / "sd3", seed=1)}
+    return {"flux": build_tiny_flux_folder(root / "flux", seed=1),
+            "sd3": build_tiny_sd3_folder(root / "sd3", seed=1)}
 
 
 @pytest.fixture(scope="module")

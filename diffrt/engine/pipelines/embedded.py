@@ -3,11 +3,14 @@ folders written on first use into the diffrt cache, then loaded exactly as a
 user's checkpoint is (model_index.json, the folder's own text encoders and
 tokenizers, the family's diffusers pipeline).
 
-A folder is built by ``tiny_folders`` from fixed seeds, so the same library
-versions give the same files on every machine. Its name carries a key of the
-builders' source, their arguments and the versions of the libraries that wrote
-it, so an upgrade or an edit of the builders writes a fresh folder instead of
-reading one written by other initialisation code.
+A folder is built from fixed seeds by its family's builder (a
+"module:function" path, e.g. ``flux/tiny_folder.py``'s
+``build_tiny_flux_folder``) out of the shared pieces of ``tiny_folders``, so
+the same library versions give the same files on every machine. Its name
+carries a key of the source of both modules, the builder's arguments and the
+versions of the libraries that wrote it, so an upgrade or an edit of either
+module writes a fresh folder instead of reading one written by other
+initialisation code.
 
 Several processes may ask for the same folder at once (workers starting
 together, two servers on one host): each builds into its own temporary folder
@@ -20,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -33,8 +37,9 @@ from diffrt.engine.pipelines.folder_check import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-#: The builders' source is part of each folder's key: editing it builds anew.
-_BUILDER_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_folders.py")
+#: The shared builder pieces: their source is part of every folder's key, next
+#: to the source of the builder's own module, so editing either builds anew.
+SHARED_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_folders.py")
 #: A temporary build folder older than this was left by a killed process.
 STALE_BUILD_S = 3600.0
 
@@ -43,7 +48,7 @@ STALE_BUILD_S = 3600.0
 class EmbeddedModel:
     """A tiny folder: which builder writes it, with which arguments."""
 
-    builder: str  # a function of ``tiny_folders``
+    builder: str  # "module:function", called as builder(folder, **kwargs)
     kwargs: dict[str, Any] = field(default_factory=dict)
     #: sampling defaults on top of the family's (a quick image, not 1024 px in 28 steps).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -51,12 +56,13 @@ class EmbeddedModel:
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     # FLUX.1-dev-style: guidance-distilled, so guidance_scale is an input.
-    "tiny-flux": EmbeddedModel("build_tiny_flux_folder",
+    "tiny-flux": EmbeddedModel("diffrt.engine.pipelines.flux.tiny_folder:build_tiny_flux_folder",
                                {"seed": 20261129, "guidance_embeds": True},
                                {"height": 128, "width": 128, "num_inference_steps": 4}),
     # SD3 Medium-style: two CLIPs + T5, CFG with an (empty) negative prompt;
     # its transformer's sample_size makes the default 128 px.
-    "tiny-sd3": EmbeddedModel("build_tiny_sd3_folder", {"seed": 20261130},
+    "tiny-sd3": EmbeddedModel("diffrt.engine.pipelines.sd3.tiny_folder:build_tiny_sd3_folder",
+                              {"seed": 20261130},
                               {"num_inference_steps": 4}),
 }
 
@@ -79,20 +85,35 @@ def _version(dist: str) -> str:
         return "-"
 
 
+def builder_sources(name: str) -> tuple[str, ...]:
+    """The files whose source builds embedded model ``name``: its builder's
+    module, then the shared ``tiny_folders.py``. Finds the module without
+    running it (no import of torch or diffusers)."""
+    module = EMBEDDED_MODELS[name].builder.partition(":")[0]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        raise ModelLoadError(f"{name}: its builder's module {module} cannot be found")
+    return tuple(dict.fromkeys((spec.origin, SHARED_SOURCE)))
+
+
 def folder_key(name: str) -> str:
     """12 hex digits naming what a folder was built from (no import of the libraries)."""
-    return _folder_key(name, _BUILDER_SOURCE)
+    return _folder_key(name, builder_sources(name))
 
 
 @functools.cache
-def _folder_key(name: str, source_path: str) -> str:
+def _folder_key(name: str, source_paths: tuple[str, ...]) -> str:
     """Computed once per process: every resolution of an embedded name asks for
     it, and reading the builders' source and five distributions' metadata each
-    time would be wasted (neither changes while the process runs)."""
+    time would be wasted (neither changes while the process runs). The
+    sources count by content, not by path, so two installs of one release
+    share a folder."""
     model = EMBEDDED_MODELS[name]
-    with open(source_path, "rb") as f:
-        source = hashlib.sha256(f.read()).hexdigest()
-    blob = json.dumps({"source": source, "name": name, "builder": model.builder,
+    sources = []
+    for path in source_paths:
+        with open(path, "rb") as f:
+            sources.append(hashlib.sha256(f.read()).hexdigest())
+    blob = json.dumps({"sources": sources, "name": name, "builder": model.builder,
                        "kwargs": model.kwargs,
                        "versions": {d: _version(d) for d in _VERSIONED}}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -112,8 +133,8 @@ def embedded_folder(name: str) -> str:
     if os.path.exists(final):
         raise ModelLoadError(f"{final}: not a model folder (no model_index.json); delete it "
                              f"and diffrt writes {name} again")
-    from diffrt.engine.pipelines import tiny_folders
     from diffrt.engine.pipelines.loading import library_bars_off
+    from diffrt.engine.pipelines.registry import load_object  # registry imports this module
 
     try:
         os.makedirs(root, exist_ok=True)
@@ -127,7 +148,7 @@ def embedded_folder(name: str) -> str:
     try:
         logger.info("writing embedded model %s to %s", name, final)
         with library_bars_off():
-            getattr(tiny_folders, model.builder)(tmp, **model.kwargs)
+            load_object(model.builder)(tmp, **model.kwargs)
         try:
             os.rename(tmp, final)
         except OSError:

@@ -1,10 +1,12 @@
-"""Complete tiny diffusers folders, built locally and deterministically.
+"""The pieces every tiny diffusers folder shares, built locally and deterministically.
 
-``build_tiny_flux_folder`` and ``build_tiny_sd3_folder`` write folders that
-diffusers' own ``FluxPipeline`` / ``StableDiffusion3Pipeline`` load with
-``from_pretrained(path, local_files_only=True)``: transformer, VAE, scheduler
-and the folder's own tiny text encoders (CLIP, T5) with tokenizers built here
-from a fixed word list, so nothing is ever downloaded.
+Each family's builder lives in its own package (``flux/tiny_folder.py``,
+``sd3/tiny_folder.py``, ``qwen_image/tiny_folder.py``) and writes a folder that
+diffusers' own pipeline for that family loads with
+``from_pretrained(path, local_files_only=True)``. What they have in common is
+here: seeded module construction, the tiny CLIP and T5 text encoders, their
+tokenizers built from a fixed word list (so nothing is ever downloaded), the
+VAE both Flux and SD3 use, the prompt boost and ``model_index.json``.
 
 Same seed, same library versions -> byte-identical files: every module is
 built under its own fixed seed (``seed`` + a per-component offset, so the two
@@ -14,21 +16,11 @@ byte-level BPE (CLIP) and Unigram (T5) vocabulary.
 With default initialisation a tiny transformer barely reacts to its prompt
 (the prompt reaches the image only through a few of hundreds of attention
 keys and a pooled vector next to the timestep embedding). A few weights are
-scaled up after initialisation (``PROMPT_BOOST``) so that two different
-prompts give clearly different images: text tokens carry larger values into
-the joint attention and the pooled prompt modulates the blocks more strongly.
-
-Shapes (read from diffusers' pipelines):
-
-- Flux: latent channels = VAE ``latent_channels`` = transformer
-  ``in_channels // 4`` (latents are packed 2x2); ``joint_attention_dim`` = T5
-  ``d_model``; ``pooled_projection_dim`` = CLIP ``hidden_size`` (the pooled
-  output of ``CLIPTextModel``, not a projection).
-- SD3: the two CLIPs' penultimate hidden states are concatenated and
-  zero-padded to T5's width, so T5 ``d_model`` (= ``joint_attention_dim``)
-  must be at least the sum of the CLIP hidden sizes (diffusers crops silently
-  otherwise: ``F.pad`` with a negative width); ``pooled_projection_dim`` = the
-  sum of the CLIP projection dims.
+scaled up after initialisation (each family's ``PROMPT_BOOST``, applied by
+``_boost``) so that two different prompts give clearly different images: text
+tokens carry larger values into the joint attention and the pooled prompt
+modulates the blocks more strongly (changing only the T5 prompt moves a 64x64
+image by 7-10/255 after the boost, 0.0-0.1 before).
 """
 
 from __future__ import annotations
@@ -85,13 +77,10 @@ TINY_T5: dict[str, Any] = dict(
     dropout_rate=0.0,
 )
 
-#: SD3's T5 is wider than the two CLIPs together (32 + 32 < 96), as in the
-#: real model (768 + 1280 < 4096): the concatenated CLIP states are zero-padded.
-TINY_SD3_T5: dict[str, Any] = {**TINY_T5, "d_model": 96}
-
-#: VAE shared by both families (8x, 4 latent channels), without quant convs
-#: like the FLUX.1 and SD3 VAEs; scaling/shift factors are the real ones.
-_TINY_VAE: dict[str, Any] = dict(
+#: The VAE of the Flux and SD3 folders (8x, 4 latent channels), without quant
+#: convs like the FLUX.1 and SD3 VAEs; each family adds its real scaling and
+#: shift factors.
+TINY_VAE: dict[str, Any] = dict(
     in_channels=3,
     out_channels=3,
     latent_channels=4,
@@ -104,83 +93,21 @@ _TINY_VAE: dict[str, Any] = dict(
     use_quant_conv=False,
     use_post_quant_conv=False,
 )
-TINY_FLUX_VAE: dict[str, Any] = {**_TINY_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
-TINY_SD3_VAE: dict[str, Any] = {**_TINY_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
 
-TINY_FLUX_TRANSFORMER: dict[str, Any] = dict(
-    patch_size=1,
-    in_channels=4 * _TINY_VAE["latent_channels"],
-    num_layers=2,
-    num_single_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=TINY_T5["d_model"],
-    pooled_projection_dim=TINY_CLIP_TEXT["hidden_size"],
-    axes_dims_rope=(4, 6, 6),
-)
-
-TINY_SD3_TRANSFORMER: dict[str, Any] = dict(
-    sample_size=16,
-    patch_size=2,
-    in_channels=_TINY_VAE["latent_channels"],
-    out_channels=_TINY_VAE["latent_channels"],
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=TINY_SD3_T5["d_model"],
-    caption_projection_dim=32,  # = num_attention_heads * attention_head_dim
-    pooled_projection_dim=2 * TINY_CLIP_TEXT["projection_dim"],
-    pos_embed_max_size=32,
-)
-
-#: SD3.5 (Medium-style): RMS-normed q/k and a dual-attention first block.
-TINY_SD35_EXTRA: dict[str, Any] = dict(qk_norm="rms_norm", dual_attention_layers=(0,))
-
-#: FLUX.1-dev's scheduler (resolution-dependent shift).
-FLUX_SCHEDULER: dict[str, Any] = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
+#: The scheduler keys of a resolution-dependent shift (FLUX.1's values; an SD3
+#: folder with ``dynamic_shifting`` takes them too).
+DYNAMIC_SHIFT: dict[str, Any] = dict(
     use_dynamic_shifting=True,
     base_shift=0.5,
     max_shift=1.15,
     base_image_seq_len=256,
     max_image_seq_len=4096,
 )
-#: SD3 / SD3.5's scheduler (fixed shift).
-SD3_SCHEDULER: dict[str, Any] = dict(num_train_timesteps=1000, shift=3.0)
 
-#: Factors applied to freshly initialised transformer weights so the prompt
-#: shows in the image (see the module docstring), by parameter-name suffix:
-#: the pooled-prompt projection (added to the timestep embedding, so it
-#: modulates every block), sharper attention from image queries to text keys
-#: (the few prompt tokens otherwise drown among hundreds of padding tokens)
-#: and larger text values. Mean |difference| between two prompts' 64x64
-#: images (4 steps, fp32, CPU), min over 10 prompt pairs: Flux 1.1 -> 20/255,
-#: SD3 2.1 -> 28/255, SD3.5 1.6 -> 22/255; changing only the T5 prompt:
-#: 0.0-0.1 -> 7-10/255.
-_POOLED = "time_text_embed.text_embedder.linear_"
-PROMPT_BOOST: dict[str, dict[str, float]] = {
-    "flux": {
-        _POOLED + "1.weight": 4.0,
-        _POOLED + "2.weight": 4.0,
-        "attn.norm_added_k.weight": 8.0,  # RMS q/k norm: logits scale with its weight
-        "attn.add_v_proj.weight": 8.0,
-    },
-    "sd3": {
-        _POOLED + "1.weight": 2.0,
-        _POOLED + "2.weight": 2.0,
-        "attn.to_q.weight": 2.0,  # no q/k norm: logits scale with the projections
-        "attn.add_k_proj.weight": 16.0,
-        "attn.add_v_proj.weight": 16.0,
-    },
-    "sd35": {
-        _POOLED + "1.weight": 2.0,
-        _POOLED + "2.weight": 2.0,
-        "attn.norm_q.weight": 2.0,
-        "attn.norm_added_k.weight": 8.0,
-        "attn.add_v_proj.weight": 16.0,
-    },
-}
+#: The prefix of the pooled-prompt projection's weights (added to the
+#: timestep embedding, so it modulates every block), which both the Flux and
+#: the SD3 boost scale.
+POOLED_PROJECTION = "time_text_embed.text_embedder.linear_"
 
 CLIP_MAX_LENGTH = 77
 T5_MAX_LENGTH = 512
@@ -418,6 +345,18 @@ def _save(module: Any, folder: Path) -> None:
     module.save_pretrained(folder, safe_serialization=True)
 
 
+def save_seeded(folder: Path, cls: Any, seed: int, *, boost: dict[str, float] | None = None,
+                **config: Any) -> None:
+    """Build ``cls(**config)`` under ``seed``, scale its ``boost`` weights up
+    (a family's ``PROMPT_BOOST``) and save it to ``folder``: a transformer's or
+    a VAE's weights then depend on the seed alone."""
+    with seeded_init(seed):
+        module = cls(**config)
+    if boost:
+        _boost(module, boost)
+    _save(module, folder)
+
+
 def _write_index(path: Path, class_name: str, components: dict[str, tuple[str, str]]) -> None:
     import diffusers
 
@@ -436,83 +375,3 @@ FLUX_COMPONENTS: dict[str, tuple[str, str]] = {
     "transformer": ("diffusers", "FluxTransformer2DModel"),
     "vae": ("diffusers", "AutoencoderKL"),
 }
-
-
-def build_tiny_flux_folder(path: str | os.PathLike, *, seed: int = 0,
-                           guidance_embeds: bool = False) -> Path:
-    """A complete tiny FLUX.1 folder at ``path`` (FluxPipeline loads it offline).
-
-    ``guidance_embeds=True`` gives a guidance-distilled ("dev"-style)
-    transformer that takes ``guidance_scale`` as an input.
-    """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextModel
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    clip_tok = build_clip_tokenizer(path / "tokenizer")
-    t5_tok = build_t5_tokenizer(path / "tokenizer_2")
-
-    with seeded_init(seed + _SEED_OFFSETS["transformer"]):
-        transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER,
-                                             guidance_embeds=guidance_embeds)
-    _boost(transformer, PROMPT_BOOST["flux"])
-    _save(transformer, path / "transformer")
-    with seeded_init(seed + _SEED_OFFSETS["vae"]):
-        vae = AutoencoderKL(**TINY_FLUX_VAE)
-    _save(vae, path / "vae")
-    FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER).save_pretrained(path / "scheduler")
-    _save(_clip_text(CLIPTextModel, seed + _SEED_OFFSETS["text_encoder"], clip_tok.get_vocab()),
-          path / "text_encoder")
-    _save(_t5(seed + _SEED_OFFSETS["text_encoder_2"], len(t5_tok), TINY_T5),
-          path / "text_encoder_2")
-    _write_index(path, "FluxPipeline", FLUX_COMPONENTS)
-    return path
-
-
-def build_tiny_sd3_folder(path: str | os.PathLike, *, seed: int = 0, sd35: bool = False,
-                          dynamic_shifting: bool = False) -> Path:
-    """A complete tiny SD3 folder at ``path`` (StableDiffusion3Pipeline loads
-    it offline). ``sd35=True``: SD3.5-style transformer (RMS q/k norm, a dual
-    attention block). ``dynamic_shifting=True``: the scheduler shifts by
-    resolution as Flux's does (the pipeline then computes ``mu``).
-    """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextModelWithProjection
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    clip_tok = build_clip_tokenizer(path / "tokenizer")
-    build_clip_tokenizer(path / "tokenizer_2")
-    t5_tok = build_t5_tokenizer(path / "tokenizer_3")
-
-    config = {**TINY_SD3_TRANSFORMER, **(TINY_SD35_EXTRA if sd35 else {})}
-    with seeded_init(seed + _SEED_OFFSETS["transformer"]):
-        transformer = SD3Transformer2DModel(**config)
-    _boost(transformer, PROMPT_BOOST["sd35" if sd35 else "sd3"])
-    _save(transformer, path / "transformer")
-    with seeded_init(seed + _SEED_OFFSETS["vae"]):
-        vae = AutoencoderKL(**TINY_SD3_VAE)
-    _save(vae, path / "vae")
-    scheduler = dict(SD3_SCHEDULER)
-    if dynamic_shifting:
-        scheduler.update({k: v for k, v in FLUX_SCHEDULER.items() if k != "shift"})
-    FlowMatchEulerDiscreteScheduler(**scheduler).save_pretrained(path / "scheduler")
-    vocab = clip_tok.get_vocab()
-    for name in ("text_encoder", "text_encoder_2"):
-        _save(_clip_text(CLIPTextModelWithProjection, seed + _SEED_OFFSETS[name], vocab),
-              path / name)
-    _save(_t5(seed + _SEED_OFFSETS["text_encoder_3"], len(t5_tok), TINY_SD3_T5),
-          path / "text_encoder_3")
-    _write_index(path, "StableDiffusion3Pipeline", {
-        "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-        "text_encoder": ("transformers", "CLIPTextModelWithProjection"),
-        "text_encoder_2": ("transformers", "CLIPTextModelWithProjection"),
-        "text_encoder_3": ("transformers", "T5EncoderModel"),
-        "tokenizer": ("transformers", "CLIPTokenizer"),
-        "tokenizer_2": ("transformers", "CLIPTokenizer"),
-        "tokenizer_3": ("transformers", "T5TokenizerFast"),
-        "transformer": ("diffusers", "SD3Transformer2DModel"),
-        "vae": ("diffusers", "AutoencoderKL"),
-    })
-    return path

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline, tiny_folders
+from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
+from diffrt.engine.pipelines.flux.tiny_folder import build_tiny_flux_folder
 from diffrt.engine.pipelines.interface import StepRequestState
+from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
 from diffrt.engine.postprocess import quantize_images
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
@@ -28,11 +30,11 @@ MAX_DIFF = 2  # of 255, fp32
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("folders")
     return {
-        "flux": tiny_folders.build_tiny_flux_folder(root / "flux", seed=0),
-        "sd3": tiny_folders.build_tiny_sd3_folder(root / "sd3", seed=0),
-        "sd35": tiny_folders.build_tiny_sd3_folder(root / "sd35", seed=0, sd35=True),
-        "flux-distilled": tiny_folders.build_tiny_flux_folder(root / "flux-distilled", seed=0,
-                                                              guidance_embeds=True),
+        "flux": build_tiny_flux_folder(root / "flux", seed=0),
+        "sd3": build_tiny_sd3_folder(root / "sd3", seed=0),
+        "sd35": build_tiny_sd3_folder(root / "sd35", seed=0, sd35=True),
+        "flux-distilled": build_tiny_flux_folder(root / "flux-distilled", seed=0,
+                                                 guidance_embeds=True),
     }
 
 

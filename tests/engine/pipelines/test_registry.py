@@ -300,11 +300,19 @@ def test_builds_killed_midway_are_cleaned_up(monkeypatch, tmp_path):
     assert os.path.isfile(os.path.join(folder, "model_index.json"))
 
 
-def test_the_folder_key_follows_the_builders_source(monkeypatch, tmp_path):
+def test_the_folder_key_follows_the_builders_source(tmp_path):
+    """A folder's key covers its builder's module and the shared pieces:
+    editing either builds anew."""
     from diffrt.engine.pipelines import embedded
 
+    sources = embedded.builder_sources("tiny-flux")
+    assert [os.path.relpath(p, os.path.dirname(embedded.SHARED_SOURCE)) for p in sources] == [
+        os.path.join("flux", "tiny_folder.py"), "tiny_folders.py"]
+    assert embedded.builder_sources("tiny-sd3")[0].endswith(os.path.join("sd3", "tiny_folder.py"))
     before = embedded.folder_key("tiny-flux")
-    edited = tmp_path / "tiny_folders.py"
-    edited.write_bytes(open(embedded._BUILDER_SOURCE, "rb").read() + b"\n# edited\n")
-    monkeypatch.setattr(embedded, "_BUILDER_SOURCE", str(edited))
-    assert embedded.folder_key("tiny-flux") != before
+    assert before == embedded._folder_key("tiny-flux", sources)
+    for i, path in enumerate(sources):
+        edited = tmp_path / f"{i}-{os.path.basename(path)}"
+        edited.write_bytes(open(path, "rb").read() + b"\n# edited\n")
+        changed = (*sources[:i], str(edited), *sources[i + 1:])
+        assert embedded._folder_key("tiny-flux", changed) != before, path

@@ -1,5 +1,6 @@
 """The Flux family: its spec (``spec.py``), its pipeline (``pipeline.py``),
-its sequence-parallel attention (``parallel.py``)."""
+its sequence-parallel attention (``parallel.py``) and its tiny test folder
+(``tiny_folder.py``)."""
 
 from diffrt.engine.pipelines.family import Family
 

@@ -1,8 +1,9 @@
 """Flux family: FluxTransformer2DModel on 2x2-packed latent tokens.
 
 Only what is Flux-specific lives here: packing latents into tokens, the
-image/text position ids, timesteps scaled to [0, 1], Flux's resolution
-dependent sigma shift, and the tiny seeded configuration behind `tiny-flux`.
+image/text position ids, timesteps scaled to [0, 1] and Flux's resolution
+dependent sigma shift (the tiny seeded folder behind `tiny-flux` is
+``tiny_folder.py``'s).
 """
 
 from __future__ import annotations
