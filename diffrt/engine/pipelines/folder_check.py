@@ -127,14 +127,22 @@ def check_model_folder(folder: str) -> dict[str, Any]:
 
 
 def _written_by_diffrt(folder: str) -> bool:
-    """A shipped or embedded model folder (diffrt built its weights from its configs)."""
-    from diffrt.engine.pipelines.embedded import cache_dir
-
+    """A shipped model folder (inside the package) or an embedded one (in the
+    diffrt cache): diffrt built their weights from their configs."""
     real = os.path.realpath(folder)
     package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
-    roots = (os.path.join(package, "models"), os.path.join(os.path.realpath(cache_dir()),
-                                                          "models"))
-    return any(os.path.commonpath([real, root]) == root for root in roots)
+    roots = (os.path.join(package, "models"), os.path.join(_cache_dir(), "models"))
+    return any(os.path.commonpath([real, os.path.realpath(root)]) == os.path.realpath(root)
+               for root in roots)
+
+
+def _cache_dir() -> str:
+    """embedded.cache_dir's rule (not imported: embedded imports this module)."""
+    explicit = os.environ.get("DIFFRT_CACHE_DIR")
+    if explicit:
+        return os.path.abspath(os.path.expanduser(explicit))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "diffrt")
 
 
 def _check_class(index_path: str, name: str, library: str, class_name: Any, *,
