@@ -73,8 +73,10 @@ class RequestContext:
         except ClientGone:
             access_log.info("%s: the client left before its body was complete", request_id)
         except ApiError as exc:
-            if not status[0]:
-                await _send_json(send_with_id, exc.status, exc.body(), exc.headers)
+            if not status[0]:  # refused before the app: the body may still be coming,
+                # so the connection is closed rather than left to receive it
+                await _send_json(send_with_id, exc.status, exc.body(),
+                                 {**exc.headers, "Connection": "close"})
         except Exception as exc:
             # what the app's handlers did not turn into a response: still
             # OpenAI's shape, with the request id

@@ -172,3 +172,19 @@ def test_a_second_sigterm_ends_the_drain_cleanly(toy_app, caplog):
     for record in caplog.records:
         assert record.exc_info is None, record.getMessage()
         assert "CancelledError" not in record.getMessage()
+
+
+def test_a_refusal_before_the_body_closes_the_connection(toy_app):
+    """401 for a 1 MB body that never comes: answered at once, and the
+    connection closed instead of left open to receive it."""
+    app = toy_app()
+    with running(app, HttpLimits(), client=app.state.client) as (_, port):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+                         + b"{" * 1000)
+            sock.settimeout(5)
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower()
