@@ -19,10 +19,14 @@ those very configs).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import struct
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -97,10 +101,7 @@ def check_model_folder(folder: str) -> dict[str, Any]:
     classes exist and the weights match the configs). Returns the index."""
     index_path = os.path.join(folder, "model_index.json")
     index = read_json_object(index_path)
-    deep = not _written_by_diffrt(folder)
-    if deep:
-        _check_class(index_path, "_class_name", "diffusers", index.get("_class_name"),
-                     pipeline=True)
+    models: list[tuple[str, str, str, str]] = []  # (name, subfolder, library, class)
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
             continue
@@ -119,11 +120,34 @@ def check_model_folder(folder: str) -> dict[str, Any]:
         if "config.json" in files and not any(f.endswith(WEIGHT_SUFFIXES) for f in files):
             raise ModelLoadError(f"{sub}: component {name!r} has a config.json but no weights "
                                  "(no *.safetensors or *.bin file)")
-        if deep and entry[0] in _LIBRARIES:
-            cls = _check_class(index_path, name, entry[0], entry[1])
-            if cls is not None and "config.json" in files:
-                check_weights_match(sub, name, entry[0], cls)
+        if entry[0] in _LIBRARIES:
+            models.append((name, sub, entry[0], entry[1]))
+    if not _written_by_diffrt(folder):  # the cheap checks passed: now the classes
+        with _quiet_libraries():
+            _check_class(index_path, "_class_name", "diffusers", index.get("_class_name"),
+                         pipeline=True)
+            for name, sub, library, class_name in models:
+                cls = _check_class(index_path, name, library, class_name)
+                if cls is not None and os.path.isfile(os.path.join(sub, "config.json")):
+                    check_weights_match(sub, name, library, cls)
     return index
+
+
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """diffusers' and transformers' import-time and construction warnings off:
+    the check's answer is one line or nothing."""
+    loggers = [logging.getLogger(name) for name in _LIBRARIES]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
 
 
 def _written_by_diffrt(folder: str) -> bool:
@@ -156,8 +180,13 @@ def _check_class(index_path: str, name: str, library: str, class_name: Any, *,
         module = __import__(library)
     except ImportError:
         return None
-    cls = getattr(module, class_name, None)
-    if not isinstance(cls, type) or (pipeline and not class_name.endswith("Pipeline")):
+    if pipeline:  # named by the library (its lazy index): its module is not imported
+        if class_name.endswith("Pipeline") and class_name in dir(module):
+            return None
+        cls = None
+    else:
+        cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
         raise ModelLoadError(f"{index_path}: {what} {class_name!r} is not a {library} "
                              f"{'pipeline' if pipeline else 'class'}")
     return cls
@@ -200,23 +229,13 @@ def _weight_shapes(sub: str) -> dict[str, tuple[int, ...]]:
 def _meta_shapes(sub: str, library: str, cls: Any) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of the model ``cls`` builds from ``sub``'s
     config.json, on the meta device."""
-    import logging
-
     import torch
 
-    quiet = [logging.getLogger(n) for n in _LIBRARIES]
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
-        with torch.device("meta"):
-            if library == "diffusers":
-                model = cls.from_config(cls.load_config(sub))
-            else:
-                model = cls(cls.config_class.from_pretrained(sub))
-    finally:
-        for log, level in zip(quiet, levels, strict=True):
-            log.setLevel(level)
+    with torch.device("meta"):
+        if library == "diffusers":
+            model = cls.from_config(cls.load_config(sub))
+        else:
+            model = cls(cls.config_class.from_pretrained(sub))
     return {key: tuple(t.shape) for key, t in model.state_dict().items()}
 
 
