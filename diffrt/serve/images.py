@@ -76,7 +76,13 @@ class ImageStore:
         self._reserved_bytes = 0
 
     def reserve(self, count: int, bytes_each: int) -> Reservation:
-        """Room for ``count`` images of about ``bytes_each`` bytes, or StoreFull."""
+        """Room for ``count`` images of about ``bytes_each`` bytes; StoreFull
+        while others hold the room, ValueError when even an empty store is
+        too small (waiting would not help)."""
+        if count > self.max_images or count * bytes_each > self.max_bytes:
+            raise ValueError(f"{count} images of about {bytes_each} bytes do not fit in the url "
+                             f"image store (at most {self.max_images} images, {self.max_bytes} "
+                             'bytes); use response_format="b64_json"')
         with self._lock:
             self._expire_locked()
             images = len(self._items) + self._reserved_images + count

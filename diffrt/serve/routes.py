@@ -134,6 +134,8 @@ def _reserve_urls(body: ImageGenerationRequest, engine_request: DiffusionRequest
     except StoreFull as exc:
         raise ApiError(429, str(exc), code="url_store_full",
                        headers={"Retry-After": str(exc.retry_after_s)}) from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="response_format", code="invalid_value") from None
 
 
 def image_url(request: Request, image_id: str) -> str:

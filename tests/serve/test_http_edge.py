@@ -187,8 +187,12 @@ def test_an_unexpired_image_is_never_evicted():
         store.reserve(1, 1)
     assert full.value.retry_after_s == 6  # a expires at 10
     assert store.get(a) and store.get(b)
-    with pytest.raises(StoreFull):
-        ImageStore(ttl_s=10, max_images=9, max_bytes=100).reserve(2, 60)  # bytes too
+    by_bytes = ImageStore(ttl_s=10, max_images=9, max_bytes=100)
+    by_bytes.put(b"x" * 60, "image/png")
+    with pytest.raises(StoreFull):  # bytes too
+        by_bytes.reserve(1, 60)
+    with pytest.raises(ValueError):  # never fits, however long one waits
+        ImageStore(ttl_s=10, max_images=9, max_bytes=100).reserve(2, 60)
     now[0] = 10.5  # a expired: room for one
     room = store.reserve(1, 1)
     assert store.get(a) is None and store.get(b)
@@ -212,6 +216,8 @@ def test_a_url_request_that_does_not_fit_is_429_at_submission(toy_app):
     for item in first.json()["data"]:  # the first client's images are still there
         assert call(app, "GET", item["url"]).status_code == 200
     assert call(app, "POST", GEN, json=body).status_code == 200  # one still fits
+    never = _error(call(app, "POST", GEN, json={**body, "n": 4}), 400)  # not even if empty
+    assert never["param"] == "response_format" and "b64_json" in never["message"]
     text = call(app, "GET", "/metrics").text
     assert "diffrt_url_images 3.0" in text and "diffrt_url_images_max 3.0" in text
     assert "diffrt_url_image_bytes_max" in text and "diffrt_url_images_reserved 0.0" in text
