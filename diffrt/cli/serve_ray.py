@@ -57,7 +57,7 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
         if args.host in ("127.0.0.1", "localhost"):
             init["_node_ip_address"] = "127.0.0.1"
     ray.init(**init)
-    deployed = False
+    started = deployed = False
     try:
         from diffrt.platforms import current_platform
 
@@ -68,6 +68,7 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
             print(f"diffrt serve: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
         serve.start(http_options={"host": args.host, "port": args.port})
+        started = True
         board = ray.remote(StatsBoard).options(num_cpus=0).remote()
         print(f"diffrt serve: deploying {config.model} on Ray ({_describe(replicas)})",
               file=sys.stderr, flush=True)
@@ -98,7 +99,7 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
     finally:
         if deployed:
             serve.delete(APP_NAME)  # Ray drains the replicas first
-        if local:
+        if local and started:
             serve.shutdown()
         ray.shutdown()
 
