@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from diffrt.cli.http_target import HttpTarget
 from diffrt.cli.bench_load import EngineTarget, drive
 from diffrt.cli.bench_stats import summarize
+from diffrt.cli.http_target import HttpTarget
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 
 

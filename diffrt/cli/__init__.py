@@ -54,7 +54,11 @@ PROGRESS_LOGGERS = ("diffrt.load",)
 
 
 def configure_logging(level: str) -> None:
-    """The terminal's logging: ``level`` for libraries, progress loggers at INFO."""
+    """The terminal's logging: ``level`` for libraries, progress loggers at INFO,
+    no prompt text (``diffrt.log_filters``)."""
+    from diffrt import log_filters
+
+    log_filters.install()
     logging.basicConfig(level=getattr(logging, level),
                         format="%(levelname)s %(name)s: %(message)s")
     for name in PROGRESS_LOGGERS:

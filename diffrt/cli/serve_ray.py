@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
+from diffrt.serve.ray_placement import PlacementError, wait_until_placed
 
 
 def replica_settings(args: argparse.Namespace) -> Any:
@@ -57,20 +58,37 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
         if args.host in ("127.0.0.1", "localhost"):
             init["_node_ip_address"] = "127.0.0.1"
     ray.init(**init)
-    deployed = False
+    started = deployed = False
     try:
+        from diffrt.platforms import current_platform
+
+        try:  # what the cluster cannot hold is refused before anything is deployed
+            replicas = check_placement(replicas, config, settings, current_platform,
+                                       ray.cluster_resources())
+        except PlacementError as exc:
+            print(f"diffrt serve: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         serve.start(http_options={"host": args.host, "port": args.port})
+        started = True
         board = ray.remote(StatsBoard).options(num_cpus=0).remote()
         print(f"diffrt serve: deploying {config.model} on Ray ({_describe(replicas)})",
               file=sys.stderr, flush=True)
+        deployed = True  # from here a failure leaves something to delete
+        failed: list[BaseException] = []
+
+        def deploy() -> None:
+            try:
+                serve.run(build_application(config, settings, replicas, board), name=APP_NAME,
+                          route_prefix="/")
+            except BaseException as exc:  # reported by the watchdog below
+                failed.append(exc)
+
+        threading.Thread(target=deploy, name="diffrt-deploy", daemon=True).start()
         try:
-            deployed = True  # from here a failure leaves something to delete
-            serve.run(build_application(config, settings, replicas, board), name=APP_NAME,
-                      route_prefix="/")
-        except Exception as exc:
-            print(f"diffrt serve: error: the application could not start: "
-                  f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
-            return EXIT_FAILURE
+            wait_until_placed(lambda: _app_status(serve, failed), args.placement_timeout)
+        except PlacementError as exc:
+            print(f"diffrt serve: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE if not failed else EXIT_FAILURE
         stop = threading.Event()  # the first signal drains; Ctrl-C before this interrupts
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -82,9 +100,48 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
     finally:
         if deployed:
             serve.delete(APP_NAME)  # Ray drains the replicas first
-        if local:
+        if local and started:
             serve.shutdown()
         ray.shutdown()
+
+
+def check_placement(replicas: Any, config: Any, settings: Any, platform: Any,
+                    cluster: dict[str, float]) -> Any:
+    """``replicas`` sized for this cluster (CPU replicas: an equal share of its
+    CPUs), or PlacementError naming what the deployment asks beyond what the
+    cluster has (the initial replicas and the ingress)."""
+    from diffrt.serve.ray_app import ingress_cpus
+    from diffrt.serve.ray_placement import check_fits, demand
+
+    sized = replicas.sized_for(platform, cluster.get("CPU", 0.0))
+    actor = sized.deployment_options(config, settings, platform)["ray_actor_options"]
+    need = demand(actor, sized.initial_count, ingress_cpus(sized))
+    check_fits(need, cluster, f"{_describe(sized)} (each {_resources(actor)}) and the ingress")
+    return sized
+
+
+def _resources(actor: dict[str, Any]) -> str:
+    parts = [f"CPU {actor.get('num_cpus', 1):g}"]
+    if actor.get("num_gpus"):
+        parts.append(f"GPU {actor['num_gpus']:g}")
+    parts += [f"{k} {v:g}" for k, v in (actor.get("resources") or {}).items()]
+    return ", ".join(parts)
+
+
+def _app_status(serve: Any, failed: list[BaseException]) -> tuple[str, str]:
+    """(state, message) of the application for the placement watchdog."""
+    if failed:
+        exc = failed[0]
+        return "DEPLOY_FAILED", f"{type(exc).__name__}: {exc}"
+    from diffrt.serve.ray_app import APP_NAME
+
+    app = serve.status().applications.get(APP_NAME)
+    if app is None:
+        return "NOT_STARTED", ""
+    state = str(getattr(app.status, "value", app.status))
+    messages = [app.message, *(f"{name}: {d.message}" for name, d in app.deployments.items()
+                               if d.message)]
+    return state, "; ".join(m for m in messages if m)
 
 
 def _describe(replicas: Any) -> str:

@@ -60,6 +60,9 @@ DEFAULT_LOG_SPEC = "WARNING,diffrt.load=INFO"
 def configure_logging(spec: str) -> None:
     """``DIFFRT_LOG_LEVEL``: comma-separated parts, each a root level (``INFO``)
     or a ``logger=LEVEL`` pair (``diffrt.load=INFO``); the root defaults to WARNING."""
+    from diffrt import log_filters
+
+    log_filters.install()  # no prompt text in the logs (diffusers' truncation warnings)
     parts = [part.strip() for part in spec.split(",") if part.strip()]
     roots = [p for p in parts if "=" not in p]
     logging.basicConfig(level=(roots[-1] if roots else "WARNING").upper(),

@@ -60,18 +60,20 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
             await starting
             await client.close()
 
-    app = FastAPI(title="diffrt", version=_version(), lifespan=lifespan,
+    # no trailing-slash redirects: their Location would be built from the Host header
+    app = FastAPI(title="diffrt", version=_version(), lifespan=lifespan, redirect_slashes=False,
                   description="OpenAI-compatible images API over a diffrt engine.")
     app.state.client = client
     app.state.settings = settings
     app.state.images = ImageStore(ttl_s=settings.url_ttl_s, max_images=settings.url_max_images,
                                   max_bytes=settings.url_max_bytes)
-    app.state.metrics = ServerMetrics(client.metric_snapshots, replica=replica)
+    app.state.metrics = ServerMetrics(client.metric_snapshots, replica=replica,
+                                      url_store=app.state.images.usage)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.include_router(routes.router)
     app.include_router(playground.router)
-    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
+    app.add_middleware(RequestContext, settings=settings,
                        on_response=app.state.metrics.count_response)
     return app
 

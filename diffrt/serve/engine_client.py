@@ -53,6 +53,8 @@ class EngineClient:
         #: 503 at once (a request-mode forward cannot be cut short). Flags polled
         #: rather than asyncio Events, which bind to one event loop.
         self._gave_up = False
+        #: a second signal: the drain stops waiting for requests to finish
+        self._hurry = False
         self._owns_engine = engine is None
 
     @property
@@ -96,15 +98,22 @@ class EngineClient:
             self.engine.abort(rid)  # type: ignore[union-attr]
         if await self._until_idle(ABORT_GRACE_S):
             return
-        logger.error("%d request(s) still running after their abort; answering them 503",
-                     self._in_flight)
+        logger.log(logging.INFO if self._hurry else logging.ERROR,
+                   "%d request(s) still running after their abort; answering them 503",
+                   self._in_flight)
         self._gave_up = True
-        await self._until_idle(ABORT_GRACE_S)
+        await self._until_idle(ABORT_GRACE_S, hurry=False)  # their handlers answer
 
-    async def _until_idle(self, timeout_s: float) -> bool:
-        """True once no request is in flight, False after ``timeout_s``."""
+    def end_drain(self) -> None:
+        """Stop waiting for requests in flight: they are aborted and answered 503
+        at once (a second SIGTERM during the drain)."""
+        self._hurry = True
+
+    async def _until_idle(self, timeout_s: float, *, hurry: bool = True) -> bool:
+        """True once no request is in flight, False after ``timeout_s`` (or at
+        once after ``end_drain``, unless ``hurry`` is False)."""
         give_up_at = time.monotonic() + timeout_s
-        while self._in_flight and time.monotonic() < give_up_at:
+        while self._in_flight and time.monotonic() < give_up_at and not (hurry and self._hurry):
             await asyncio.sleep(IDLE_POLL_S)
         return self._in_flight == 0
 

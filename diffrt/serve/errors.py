@@ -24,7 +24,9 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -67,6 +69,8 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     kind = first.get("type", "")
+    if param is None and kind == "missing":  # no body at all
+        return ApiError(400, "a JSON object body is required", code="invalid_value")
     if kind == "extra_forbidden":
         message = f"unknown field {param!r}"
     elif kind == "missing":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import threading
 import time
 import uuid
@@ -30,9 +31,37 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+class StoreFull(Exception):
+    """The store has no room for a request's images before some expire."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Reservation:
+    """Room taken in an ``ImageStore`` at submission for one request's images,
+    filled by ``put`` and given back by ``release`` (what was not filled)."""
+
+    def __init__(self, store: ImageStore, count: int, bytes_each: int):
+        self.store, self.count, self.bytes_each = store, count, bytes_each
+
+    def put(self, data: bytes, media_type: str) -> str:
+        return self.store._fill(self, data, media_type)
+
+    def release(self) -> None:
+        self.store._release(self)
+
+
 class ImageStore:
     """Images kept for ``/v1/images/{id}/content``: at most ``max_images`` and
-    ``max_bytes``, each for ``ttl_s`` seconds (the oldest go first when full)."""
+    ``max_bytes``, each for ``ttl_s`` seconds.
+
+    An unexpired image is never evicted: a request takes room for its images
+    at submission (``reserve``: its count, and for each its estimated size),
+    and one that does not fit is refused there (``StoreFull``, with the
+    seconds until the oldest image expires); the room is filled with the
+    encoded images (their real sizes replace the estimates) or given back."""
 
     def __init__(self, *, ttl_s: float, max_images: int, max_bytes: int = 256 << 20,
                  clock: Callable[[], float] = time.monotonic):
@@ -43,17 +72,52 @@ class ImageStore:
         self._lock = threading.Lock()
         self._items: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
         self._bytes = 0
+        self._reserved_images = 0
+        self._reserved_bytes = 0
 
-    def put(self, data: bytes, media_type: str) -> str:
-        image_id = uuid.uuid4().hex
+    def reserve(self, count: int, bytes_each: int) -> Reservation:
+        """Room for ``count`` images of about ``bytes_each`` bytes; StoreFull
+        while others hold the room, ValueError when even an empty store is
+        too small (waiting would not help)."""
+        if count > self.max_images or count * bytes_each > self.max_bytes:
+            raise ValueError(f"{count} images of about {bytes_each} bytes do not fit in the url "
+                             f"image store (at most {self.max_images} images, {self.max_bytes} "
+                             'bytes); use response_format="b64_json"')
         with self._lock:
             self._expire_locked()
+            images = len(self._items) + self._reserved_images + count
+            size = self._bytes + self._reserved_bytes + count * bytes_each
+            if images > self.max_images or size > self.max_bytes:
+                raise StoreFull(
+                    f"the url image store is full ({len(self._items)} images, {self._bytes} "
+                    f"bytes kept, {self._reserved_images} being made; at most "
+                    f"{self.max_images} images and {self.max_bytes} bytes); retry later or "
+                    'use response_format="b64_json"', self._retry_after_locked())
+            self._reserved_images += count
+            self._reserved_bytes += count * bytes_each
+        return Reservation(self, count, bytes_each)
+
+    def _fill(self, reservation: Reservation, data: bytes, media_type: str) -> str:
+        if reservation.count <= 0:
+            raise RuntimeError("more images put than reserved")
+        image_id = uuid.uuid4().hex
+        with self._lock:
+            reservation.count -= 1
+            self._reserved_images -= 1
+            self._reserved_bytes -= reservation.bytes_each
             self._items[image_id] = (self._clock() + self.ttl_s, data, media_type)
             self._bytes += len(data)
-            while len(self._items) > self.max_images or (
-                    self._bytes > self.max_bytes and len(self._items) > 1):
-                self._pop_oldest()
         return image_id
+
+    def _release(self, reservation: Reservation) -> None:
+        with self._lock:
+            self._reserved_images -= reservation.count
+            self._reserved_bytes -= reservation.count * reservation.bytes_each
+            reservation.count = 0
+
+    def put(self, data: bytes, media_type: str) -> str:
+        """Keep one image (a reservation of one, filled at once)."""
+        return self.reserve(1, len(data)).put(data, media_type)
 
     def get(self, image_id: str) -> tuple[bytes, str] | None:
         with self._lock:
@@ -61,16 +125,30 @@ class ImageStore:
             item = self._items.get(image_id)
         return None if item is None else (item[1], item[2])
 
+    def usage(self) -> dict[str, float]:
+        """What /metrics shows: images and bytes kept and reserved, and the bounds."""
+        with self._lock:
+            self._expire_locked()
+            return {"images": len(self._items), "bytes": self._bytes,
+                    "reserved_images": self._reserved_images,
+                    "reserved_bytes": self._reserved_bytes,
+                    "max_images": self.max_images, "max_bytes": self.max_bytes,
+                    "ttl_seconds": self.ttl_s}
+
     def __len__(self) -> int:
         with self._lock:
             self._expire_locked()
             return len(self._items)
 
+    def _retry_after_locked(self) -> int:
+        """Whole seconds until the oldest image expires (at least 1)."""
+        if not self._items:
+            return max(1, math.ceil(self.ttl_s))
+        expires = next(iter(self._items.values()))[0]
+        return max(1, math.ceil(expires - self._clock()))
+
     def _expire_locked(self) -> None:
         now = self._clock()
         while self._items and next(iter(self._items.values()))[0] <= now:
-            self._pop_oldest()
-
-    def _pop_oldest(self) -> None:
-        _, (_, data, _) = self._items.popitem(last=False)
-        self._bytes -= len(data)
+            _, (_, data, _) = self._items.popitem(last=False)
+            self._bytes -= len(data)

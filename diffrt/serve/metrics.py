@@ -102,13 +102,46 @@ class EngineCollector(Collector):
                       "ones", lambda s: s.worker_restarts)
 
 
-class ServerMetrics:
-    """The registry /metrics exposes: the engines' metrics and the HTTP answers
-    (labelled with the serving process's ``replica`` when it is one of several)."""
+#: (name, usage key, help) of the url image store's gauges
+URL_STORE_GAUGES = (
+    ("diffrt_url_images", "images", 'response_format="url" images kept'),
+    ("diffrt_url_image_bytes", "bytes", "Bytes of the url images kept"),
+    ("diffrt_url_images_reserved", "reserved_images",
+     "url images of requests in flight (room taken at submission)"),
+    ("diffrt_url_image_bytes_reserved", "reserved_bytes",
+     "Estimated bytes of the url images of requests in flight"),
+    ("diffrt_url_images_max", "max_images", "The most url images kept"),
+    ("diffrt_url_image_bytes_max", "max_bytes", "The most bytes of url images kept"),
+    ("diffrt_url_image_ttl_seconds", "ttl_seconds", "Seconds a url image is kept"),
+)
 
-    def __init__(self, snapshots: Snapshots, replica: str | None = None):
+
+class UrlStoreCollector(Collector):
+    """The url image store's use and bounds (``ImageStore.usage``)."""
+
+    def __init__(self, usage: Callable[[], dict[str, float]], labels: dict[str, str]):
+        self._usage, self._labels = usage, labels
+
+    def collect(self) -> Iterator[Metric]:
+        usage = self._usage()
+        for name, key, help_text in URL_STORE_GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=list(self._labels))
+            family.add_metric(list(self._labels.values()), usage[key])
+            yield family
+
+
+class ServerMetrics:
+    """The registry /metrics exposes: the engines' metrics, the url image store
+    and the HTTP answers (labelled with the serving process's ``replica`` when
+    it is one of several)."""
+
+    def __init__(self, snapshots: Snapshots, replica: str | None = None,
+                 url_store: Callable[[], dict[str, float]] | None = None):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(snapshots))
+        if url_store is not None:
+            labels = {} if replica is None else {"replica": replica}
+            self.registry.register(UrlStoreCollector(url_store, labels))
         labels = ["code"] if replica is None else ["code", "replica"]
         counter = Counter("diffrt_http_responses", "HTTP responses by status code", labels,
                           registry=self.registry)

@@ -1,32 +1,50 @@
-"""One ASGI middleware around every request: its id, the body-size limit,
-the access log line and the count of answers by status.
+"""One ASGI middleware around every request: its id, the checks made before
+its body is read, the body itself (bounded in size and time), the access log
+line and the count of answers by status.
 
-The body is read here, within the limit, and handed to the app whole (bodies
-are small: a prompt and a few fields); a larger one is answered 413 at once.
+In order: a request target longer than ``max_request_line_bytes`` is 414,
+a ``Host`` the server does not answer is 400, a missing or wrong API key is
+401 (``guards.py``: all from the headers, nothing of the body read yet); then
+the body is read within ``max_body_bytes`` (413) and ``body_timeout_s``
+(408), and handed to the app whole (bodies are small: a prompt and a few
+fields). A client that leaves before its body is complete is not served:
+nothing of a cut-short body reaches the engine.
 
-Plain ASGI rather than Starlette's BaseHTTPMiddleware, which buffers streamed
-responses and hides client disconnects from the handlers.
+Every refusal is an ``ApiError`` answered in OpenAI's shape, as the app's
+own handlers answer theirs. Plain ASGI rather than Starlette's
+BaseHTTPMiddleware, which buffers streamed responses and hides client
+disconnects from the handlers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from typing import Any
 
-from diffrt.serve.errors import error_body
+from diffrt.serve.errors import ApiError, error_body
+from diffrt.serve.guards import HostGuard, check_api_key
+from diffrt.serve.logsafe import escape
+from diffrt.serve.settings import ServeSettings
 
 access_log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = b"x-request-id"
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
 class RequestContext:
-    def __init__(self, app: Any, *, max_body_bytes: int, on_response: Any = None):
+    def __init__(self, app: Any, *, settings: ServeSettings, on_response: Any = None):
         self.app = app
-        self.max_body_bytes = max_body_bytes
+        self.settings = settings
+        self.max_body_bytes = settings.max_body_bytes
+        self.hosts = HostGuard(settings.allowed_hosts)
         self.on_response = on_response
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -47,11 +65,18 @@ class RequestContext:
             await send(message)
 
         try:
+            self._check_request_line(scope)
+            await self.hosts.check(scope)
+            check_api_key(scope, self.settings.api_key)
             body = await self._read_body(scope, receive)
-            if body is None:
-                await self._too_large(send_with_id)
-                return
             await self.app(scope, _replay(body, receive), send_with_id)
+        except ClientGone:
+            access_log.info("%s: the client left before its body was complete", request_id)
+        except ApiError as exc:
+            if not status[0]:  # refused before the app: the body may still be coming,
+                # so the connection is closed rather than left to receive it
+                await _send_json(send_with_id, exc.status, exc.body(),
+                                 {**exc.headers, "Connection": "close"})
         except Exception as exc:
             # what the app's handlers did not turn into a response: still
             # OpenAI's shape, with the request id
@@ -62,39 +87,57 @@ class RequestContext:
         finally:
             if self.on_response is not None and status[0]:
                 self.on_response(status[0])
-            access_log.info("%s %s %s %d %.3fs", request_id, scope.get("method"),
-                            scope.get("path"), status[0], time.monotonic() - start)
+            access_log.info("%s %s %s %d %.3fs", request_id, escape(scope.get("method", "")),
+                            escape(scope.get("path", "")), status[0], time.monotonic() - start)
 
-    async def _read_body(self, scope: dict, receive: Any) -> bytes | None:
-        """The whole request body, or None past the limit (a declared length is
-        refused before reading; a chunked upload as it grows)."""
+    def _check_request_line(self, scope: dict) -> None:
+        target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        if target > self.settings.max_request_line_bytes:
+            raise ApiError(414, f"request target longer than "
+                                f"{self.settings.max_request_line_bytes} bytes",
+                           code="uri_too_long")
+
+    async def _read_body(self, scope: dict, receive: Any) -> bytes:
+        """The whole request body, within ``max_body_bytes`` (a declared length
+        is refused before reading, a chunked upload as it grows) and
+        ``body_timeout_s``. Raises ApiError (413, 408) or ClientGone."""
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            return None
+            raise self._too_large()
+        timeout = self.settings.body_timeout_s
+        try:
+            return await asyncio.wait_for(self._chunks(receive), timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
+                           code="request_timeout") from None
+
+    async def _chunks(self, receive: Any) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # the client left
-                return b"".join(chunks)
+            if message["type"] != "http.request":  # the client left mid-body
+                raise ClientGone
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return None
+                raise self._too_large()
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _too_large(self, send: Any) -> None:
-        await _send_json(send, 413, error_body(
-            413, f"request body larger than {self.max_body_bytes} bytes",
-            code="request_too_large"))
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body larger than {self.max_body_bytes} bytes",
+                        code="request_too_large")
 
 
-async def _send_json(send: Any, status: int, doc: dict) -> None:
+async def _send_json(send: Any, status: int, doc: dict,
+                     headers: dict[str, str] | None = None) -> None:
     body = json.dumps(doc).encode()
+    extra = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+             for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
 from diffrt.serve.errors import ApiError
+from diffrt.serve.ray_placement import INGRESS_CPUS, cpu_share, torch_threads_for
 from diffrt.serve.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class ReplicaSettings:
         look_back_s: the window over which the load is averaged.
         replica_cpus: CPUs each replica reserves (fractional on CPU; the
             engine's worker processes are its own, outside Ray's count).
+            None: on CPU an equal share of the node's CPUs ((CPUs - the
+            ingress's 0.5) / replicas), elsewhere 1 (``sized_for``).
     """
 
     replicas: int | None = 1
@@ -72,14 +75,33 @@ class ReplicaSettings:
     downscale_delay_s: float = 600.0
     #: autoscaling: the window of load it averages (Ray's default 30 s)
     look_back_s: float = 30.0
-    replica_cpus: float = 1.0
+    replica_cpus: float | None = None
+
+    @property
+    def initial_count(self) -> int:
+        """The replicas deployed first (autoscaling: the initial count)."""
+        return self.replicas or self.min_replicas
+
+    def sized_for(self, platform: Any, node_cpus: float) -> ReplicaSettings:
+        """These settings with ``replica_cpus`` filled in: given, or on CPU the
+        node's equal share for the initial replicas, else 1."""
+        import dataclasses
+
+        if self.replica_cpus is not None:
+            return self
+        cpus = cpu_share(node_cpus, self.initial_count) if platform.ray_resource is None else 1.0
+        return dataclasses.replace(self, replica_cpus=cpus)
+
+    @property
+    def cpus(self) -> float:
+        return 1.0 if self.replica_cpus is None else self.replica_cpus
 
     def deployment_options(self, config: EngineConfig, settings: ServeSettings,
                            platform: Any) -> dict[str, Any]:
         """The model deployment's Ray Serve options."""
         from diffrt.runtime.ray_executor import ray_device_options
 
-        actor: dict[str, Any] = {"num_cpus": self.replica_cpus}
+        actor: dict[str, Any] = {"num_cpus": self.cpus}
         if config.executor_backend != "ray":  # else the rank actors reserve their devices
             actor.update(ray_device_options(platform, config.ranks))
         options: dict[str, Any] = {
@@ -105,7 +127,7 @@ class ReplicaSettings:
                 "metrics_interval_s": min(10.0, self.look_back_s / 3),
             }
         else:
-            options["num_replicas"] = self.replicas or 1
+            options["num_replicas"] = self.initial_count
         return options
 
 
@@ -153,7 +175,7 @@ class ModelReplica:
         pin_to_ray_devices(ray_pinning_var(current_platform))  # MUSA: no Ray manager
 
         if current_platform.device_type == "cpu" and config.torch_threads is None:
-            changes["torch_threads"] = max(1, round(cpus / max(1, config.ranks)))
+            changes["torch_threads"] = torch_threads_for(cpus, config.ranks)
         self.engine = DiffusionEngine.make_engine(config.replace(**changes))
         self.client = EngineClient(None, settings, engine=self.engine)
         self._publisher = threading.Thread(target=self._publish, name="diffrt-stats",
@@ -329,6 +351,11 @@ class Ingress:
                          replica=self.replica)
 
 
+def ingress_cpus(replicas: ReplicaSettings) -> float:
+    """CPUs the ingress reserves: 0.5, or a replica's share when that is less."""
+    return min(INGRESS_CPUS, replicas.cpus)
+
+
 def build_application(config: EngineConfig, settings: ServeSettings,
                       replicas: ReplicaSettings, board: Any, platform: Any = None) -> Any:
     """The Ray Serve application: ``serve.run(build_application(...),
@@ -344,10 +371,10 @@ def build_application(config: EngineConfig, settings: ServeSettings,
         num_replicas=1, max_ongoing_requests=max(100, 4 * settings.max_pending),
         # outlives the replicas' drain, so answers in flight still reach their clients
         graceful_shutdown_timeout_s=settings.shutdown_timeout_s + 10,
-        ray_actor_options={"num_cpus": min(0.5, replicas.replica_cpus)})
-    return ingress.bind(model.bind(config, settings, board, replicas.replica_cpus), board,
+        ray_actor_options={"num_cpus": ingress_cpus(replicas)})
+    return ingress.bind(model.bind(config, settings, board, replicas.cpus), board,
                         settings, config.model, config.step_execution)
 
 
 __all__ = ["APP_NAME", "REPLICA_HEADER", "Ingress", "ModelReplica", "ReplicaClient",
-           "ReplicaSettings", "StatsBoard", "build_application"]
+           "ReplicaSettings", "StatsBoard", "build_application", "ingress_cpus"]

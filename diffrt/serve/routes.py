@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import re
@@ -23,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -31,7 +30,7 @@ from diffrt.engine import DiffusionOutput, DiffusionRequest, InvalidRequestError
 from diffrt.engine.errors import EngineError
 from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.errors import ApiError
-from diffrt.serve.images import MEDIA_TYPES, b64, encode_image
+from diffrt.serve.images import MEDIA_TYPES, ImageStore, Reservation, StoreFull, b64, encode_image
 from diffrt.serve.protocol import (
     SAMPLING_FIELDS,
     DiffrtInfo,
@@ -62,21 +61,10 @@ def _client(request: Request) -> EngineClient:
     return request.app.state.client
 
 
-async def require_api_key(request: Request) -> None:
-    """``Authorization: Bearer <key>`` when the server has a key."""
-    key = request.app.state.settings.api_key
-    if not key:  # None or "": no key required
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             key.encode()):
-        raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
-
-
 # -- images ---------------------------------------------------------------------------
-@router.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS,
-             dependencies=[Depends(require_api_key)])
+# The API key of /v1/* is checked by the request middleware, before the body
+# is read (guards.py).
+@router.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
 async def generate(body: ImageGenerationRequest, request: Request) -> Any:  # type: ignore[valid-type]
     """Generate images (OpenAI's Images API). ``stream: true`` answers with
     server-sent events: ``image_generation.partial_image`` previews, then
@@ -92,6 +80,17 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:  # ty
                             "--step-execution, the default)", param="stream_progress")
     engine_request = to_engine_request(body, request.state.request_id)
     created = int(time.time())
+    room = _reserve_urls(body, engine_request, request) if body.response_format == "url" else None
+    try:
+        return await _generate(client, body, engine_request, request, created, room)
+    finally:
+        if room is not None:
+            room.release()
+
+
+async def _generate(client: EngineClient, body: ImageGenerationRequest,
+                    engine_request: DiffusionRequest, request: Request, created: int,
+                    room: Reservation | None) -> Any:
     # capacity (429/503) and the engine's checks (400) answer on the first
     # output, which both paths below await before any response goes out
     outputs = client.run(engine_request)
@@ -112,9 +111,39 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:  # ty
     if final is None:  # the client left: nobody reads an answer
         return Response(status_code=499)
     raise_for_final(final, client)
-    response = await _response(final, body, request, created)
+    response = await _response(final, body, request, created, room)
     response.headers.update(client.response_headers(final.request_id))
     return response
+
+
+def _reserve_urls(body: ImageGenerationRequest, engine_request: DiffusionRequest,
+                  request: Request) -> Reservation:
+    """Room in the url store for the request's images, taken at submission: a
+    request that does not fit is refused (429) and no image is ever evicted.
+    Each image is estimated at its raw RGBA size (a PNG of it is smaller);
+    ``size="auto"`` at the store's average share."""
+    store: ImageStore = request.app.state.images
+    params = engine_request.sampling_params
+    if params.height and params.width:
+        bytes_each = params.height * params.width * 4 + 4096
+    else:
+        bytes_each = store.max_bytes // max(1, store.max_images)
+    try:
+        return store.reserve(body.n, bytes_each)
+    except StoreFull as exc:
+        raise ApiError(429, str(exc), code="url_store_full",
+                       headers={"Retry-After": str(exc.retry_after_s)}) from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="response_format", code="invalid_value") from None
+
+
+def image_url(request: Request, image_id: str) -> str:
+    """The URL of a stored image: under ``public_url`` when the server has one,
+    else relative to this server (never built from the client's Host)."""
+    path = request.scope.get("root_path", "") + request.app.url_path_for(
+        "image_content", image_id=image_id)
+    public = request.app.state.settings.public_url
+    return f"{public.rstrip('/')}{path}" if public else path
 
 
 def _invalid(exc: InvalidRequestError) -> ApiError:
@@ -151,7 +180,7 @@ def parse_size(size: str) -> tuple[int | None, int | None]:
     """``"WxH"`` -> (height, width); ``"auto"`` -> the model's default."""
     if size == "auto":
         return None, None
-    match = re.fullmatch(r"(\d{1,5})x(\d{1,5})", size)
+    match = re.fullmatch(r"([0-9]{1,5})x([0-9]{1,5})", size)  # ASCII digits only
     if match is None:
         raise ApiError(400, f'size: must be "WxH" in pixels or "auto", got {size!r}',
                        param="size", code="invalid_value")
@@ -217,21 +246,19 @@ def _info(out: DiffusionOutput) -> DiffrtInfo:
 
 
 async def _response(out: DiffusionOutput, body: ImageGenerationRequest, request: Request,
-                    created: int) -> Response:
+                    created: int, room: Reservation | None) -> Response:
     """The ``ImagesResponse``, encoded off the event loop: PNG/JPEG/WebP, base64
     and JSON are the CPU work of an answer (megabytes for n=10 at 1024 px). It
     is returned as a ready Response, so FastAPI does not validate and
     serialise it a second time (the route's response_model documents it)."""
     images = out.images or []
     urls = None
-    if body.response_format == "url":
+    if room is not None:
         encoded = await asyncio.to_thread(
             lambda: [encode_image(im, body.output_format, body.output_compression)
                      for im in images])
-        store = request.app.state.images
         media = MEDIA_TYPES[body.output_format]
-        urls = [str(request.url_for("image_content", image_id=store.put(blob, media)))
-                for blob in encoded]
+        urls = [image_url(request, room.put(blob, media)) for blob in encoded]
     width, height = images[0].size if images else (0, 0)
     info = _info(out)
 
@@ -324,8 +351,7 @@ async def image_content(image_id: str, request: Request) -> Response:
 
 
 # -- models, health, metrics --------------------------------------------------------
-@router.get("/v1/models", response_model=ModelList, responses=_ERRORS,
-            dependencies=[Depends(require_api_key)])
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
 async def models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=_client(request).model_name,
                                      created=request.app.state.started_at)])

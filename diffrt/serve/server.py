@@ -1,10 +1,13 @@
-"""uvicorn's server with a drain before it stops.
+"""uvicorn's server with a drain before it stops, and the bounds of its
+connections.
 
 The first SIGTERM or SIGINT does not stop the server at once: the
 EngineClient drains (``/ready`` and new requests 503, requests in flight get
 ``shutdown_timeout_s`` to finish, the rest are aborted with an error), and only
 then does uvicorn stop; the app's lifespan closes the engine (workers exit,
-the shared-memory arena is freed). A second signal stops at once.
+the shared-memory arena is freed). A second signal ends the drain at once:
+the requests in flight are aborted and answered 503, then the server stops as
+after a drain (no traceback, exit 0). A third stops uvicorn without waiting.
 
 uvicorn re-raises the signals it caught once it has stopped, which would end
 the process by the signal; the drain records none, so the process exits 0.
@@ -14,13 +17,48 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 
 from diffrt.serve.engine_client import EngineClient
+from diffrt.serve.http_protocol import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one connection may hold (``diffrt serve`` flags; uvicorn's settings).
+
+    Attributes:
+        max_header_bytes: the request line and headers together; a larger
+            head is 400 (h11's ``max_incomplete_event_size``).
+        header_timeout_s: from a connection's opening (or the first byte of
+            its next request) to the end of the request's headers; past it the
+            connection is closed.
+        keep_alive_timeout_s: an idle kept-alive connection is closed after this.
+        limit_concurrency: connections (and requests in progress) beyond this
+            are answered 503 at once.
+    """
+
+    max_header_bytes: int = 16 << 10
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    keep_alive_timeout_s: float = 5.0
+    limit_concurrency: int = 512
+
+
+def uvicorn_config(app: Any, limits: HttpLimits, *, host: str, port: int) -> uvicorn.Config:
+    """The uvicorn configuration of ``diffrt serve``: h11 (whose head-size bound
+    httptools lacks) with the head timeout, the keep-alive and concurrency
+    bounds, diffrt's own access log (uvicorn's off) and the app's lifespan."""
+    return uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
+                          timeout_graceful_shutdown=5, lifespan="on",
+                          http=with_header_timeout(limits.header_timeout_s),
+                          h11_max_incomplete_event_size=limits.max_header_bytes,
+                          timeout_keep_alive=limits.keep_alive_timeout_s,
+                          limit_concurrency=limits.limit_concurrency)
 
 
 class DrainingServer(uvicorn.Server):
@@ -29,7 +67,7 @@ class DrainingServer(uvicorn.Server):
         self.client = client
         self.shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
+        self._signals = 0
         self._drain_task: asyncio.Future | None = None
 
     async def serve(self, sockets: Any = None) -> None:
@@ -40,13 +78,18 @@ class DrainingServer(uvicorn.Server):
             await self.client.close()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._draining or self._loop is None:  # a second signal: stop now
+        if self._loop is None:  # before serving: stop
             self.should_exit = True
-            self.force_exit = self._draining
             return
-        self._draining = True
-        logger.info("signal %d: draining", sig)
-        self._loop.call_soon_threadsafe(self._start_drain)
+        self._signals += 1
+        if self._signals == 1:
+            logger.info("signal %d: draining", sig)
+            self._loop.call_soon_threadsafe(self._start_drain)
+        elif self._signals == 2:
+            logger.info("signal %d again: ending the drain now", sig)
+            self._loop.call_soon_threadsafe(self.client.end_drain)
+        else:  # the drain itself is stuck: stop without waiting
+            self.should_exit = self.force_exit = True
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self._drain())  # kept: not collected midway

@@ -21,8 +21,20 @@ class ServeSettings:
             take to finish before they are aborted.
         max_body_bytes: larger request bodies get 413.
         url_ttl_s / url_max_images / url_max_bytes: ``response_format="url"``
-            images are kept this long, at most this many and this many bytes
-            (the oldest go first).
+            images are kept this long, at most this many and this many bytes;
+            an unexpired image is never evicted: a url request that does not
+            fit is refused (429).
+        allowed_hosts: the ``Host`` names (``*.example.com`` patterns allowed)
+            the server answers; others get 400. None: any host (the app alone;
+            ``diffrt serve`` derives a default from the address it binds).
+        public_url: the base of the URLs of ``response_format="url"`` images
+            (e.g. ``https://images.example.com``); None: relative URLs. Never
+            built from the request's ``Host``.
+        body_timeout_s: a request body not read whole within this is 408.
+        max_request_line_bytes: a longer request target (path and query) is 414.
+
+    The bounds of the connection itself (header size and time, idle time, the
+    count of connections) are uvicorn's: ``diffrt.serve.server.HttpLimits``.
     """
 
     model_name: str | None = None
@@ -34,3 +46,7 @@ class ServeSettings:
     url_ttl_s: float = 600.0
     url_max_images: int = 256
     url_max_bytes: int = 256 << 20
+    allowed_hosts: tuple[str, ...] | None = None
+    public_url: str | None = None
+    body_timeout_s: float = 30.0
+    max_request_line_bytes: int = 8 << 10

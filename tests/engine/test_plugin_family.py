@@ -53,7 +53,8 @@ def test_the_family_is_unknown_until_its_plugin_is_imported(folder):
 
     registry._FAMILIES.pop("stripes", None)
     try:
-        with pytest.raises(EngineConfigError, match="unsupported pipeline class StripesPipeline"):
+        with pytest.raises(EngineConfigError,
+                           match="_class_name 'StripesPipeline' is not a diffusers pipeline"):
             EngineConfig(model=folder, executor_backend="inproc")
         config = EngineConfig(model=folder, executor_backend="inproc", plugin_modules=[PLUGIN])
         spec = config.model_spec()

@@ -98,3 +98,66 @@ def test_replica_settings_follow_the_flags(flags):
     settings = replica_settings(build_parser().parse_args(["serve", *flags]))
     assert settings.replicas == (2 if "--replicas" in flags else 1)
     assert settings.max_replicas == (3 if "--max-replicas" in flags else None)
+
+
+# -- issue 27 item 3: sizing to the cluster, refusing what cannot be placed -------------------
+def test_cpu_replicas_default_to_an_equal_share_of_the_node():
+    from diffrt.cli.serve_ray import check_placement
+    from diffrt.serve.ray_placement import torch_threads_for
+
+    config = EngineConfig(model="tiny-flux", max_num_seqs=2)
+    sized = check_placement(ReplicaSettings(replicas=2), config, ServeSettings(), Platform(None),
+                            {"CPU": 2.0})
+    assert sized.replica_cpus == 0.75  # (2 - the ingress's 0.5) / 2: it fits, it deploys
+    assert torch_threads_for(sized.replica_cpus) == 1 and torch_threads_for(7.5, 2) == 3
+    on_gpu = ReplicaSettings(replicas=2).sized_for(Platform("GPU"), 16.0)
+    assert on_gpu.replica_cpus == 1.0
+
+
+@pytest.mark.parametrize(("replicas", "platform", "cluster", "needle"), [
+    (ReplicaSettings(replicas=2, replica_cpus=1.0), Platform(None), {"CPU": 2.0},
+     "CPU 2.5 (the cluster has 2)"),
+    (ReplicaSettings(replicas=2), Platform("GPU"), {"CPU": 8.0, "GPU": 1.0},
+     "GPU 2 (the cluster has 1)"),
+    (ReplicaSettings(replicas=1), Platform("NPU"), {"CPU": 8.0},
+     "NPU 1 (the cluster has 0)"),
+])
+def test_a_deployment_that_cannot_be_placed_is_refused_naming_what_is_missing(
+        replicas, platform, cluster, needle):
+    from diffrt.cli.serve_ray import check_placement
+    from diffrt.serve.ray_placement import PlacementError
+
+    with pytest.raises(PlacementError) as info:
+        check_placement(replicas, EngineConfig(model="tiny-flux"), ServeSettings(), platform,
+                        cluster)
+    message = str(info.value)
+    assert needle in message and "\n" not in message and "the cluster has CPU" in message
+
+
+def test_the_placement_watchdog_names_what_ray_last_said():
+    from diffrt.serve.ray_placement import PlacementError, wait_until_placed
+
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += s
+
+    said = ("DEPLOYING", "ModelReplica: 1 replica has taken more than 30s to be scheduled.\n"
+                         "Resources required for each replica: {'CPU': 4}")
+    with pytest.raises(PlacementError) as info:
+        wait_until_placed(lambda: said, 5.0, clock=lambda: now[0], sleep=sleep)
+    assert "within 5 s" in str(info.value) and "to be scheduled" in str(info.value)
+    assert "\n" not in str(info.value) and now[0] >= 5.0
+    states = iter([("DEPLOYING", ""), ("RUNNING", "")])
+    wait_until_placed(lambda: next(states), 5.0, clock=lambda: now[0], sleep=sleep)
+    with pytest.raises(PlacementError, match="failed to deploy: boom"):
+        wait_until_placed(lambda: ("DEPLOY_FAILED", "boom"), 5.0, clock=lambda: now[0],
+                          sleep=sleep)
+
+
+def test_the_placement_timeout_is_a_flag():
+    from diffrt.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--placement-timeout", "3"])
+    assert args.placement_timeout == 3.0
+    assert build_parser().parse_args(["serve"]).placement_timeout == 60.0

@@ -16,7 +16,7 @@ from PIL import Image
 from serve_helpers import API_KEY, AUTH, call
 
 from diffrt.serve import ServeSettings
-from diffrt.serve.images import ImageStore
+from diffrt.serve.images import ImageStore, StoreFull
 
 GEN = "/v1/images/generations"
 
@@ -95,14 +95,13 @@ def test_url_responses_are_served_then_expire(flux_app):
     r = call(flux_app, "POST", GEN, json={"prompt": "x", "size": "64x64",
                                          "num_inference_steps": 2, "response_format": "url"})
     url = r.json()["data"][0]["url"]
-    assert url.startswith("http://testserver/v1/images/") and url.endswith("/content")
-    image = call(flux_app, "GET", url.removeprefix("http://testserver"))
+    assert url.startswith("/v1/images/") and url.endswith("/content")  # relative: no Host
+    image = call(flux_app, "GET", url)
     assert image.status_code == 200 and image.headers["content-type"] == "image/png"
     assert Image.open(io.BytesIO(image.content)).size == (64, 64)
     _error(call(flux_app, "GET", "/v1/images/nope/content"), 404, "image_id")
     # no key needed: the random id is the credential (the URL works in an <img>)
-    assert call(flux_app, "GET", url.removeprefix("http://testserver"),
-                headers={}).status_code == 200
+    assert call(flux_app, "GET", url, headers={}).status_code == 200
 
 
 def test_the_image_store_is_bounded_in_time_and_count():
@@ -111,10 +110,11 @@ def test_the_image_store_is_bounded_in_time_and_count():
     a = store.put(b"a", "image/png")
     now[0] = 5
     b = store.put(b"b", "image/png")
-    c = store.put(b"c", "image/png")  # the third: the oldest goes
-    assert store.get(a) is None and store.get(b) == (b"b", "image/png") and len(store) == 2
-    now[0] = 15.5  # b and c were put at 5: expired
-    assert store.get(c) is None and len(store) == 0
+    with pytest.raises(StoreFull):  # a third: refused, nothing evicted
+        store.put(b"c", "image/png")
+    assert store.get(a) == (b"a", "image/png") and store.get(b) and len(store) == 2
+    now[0] = 15.5  # both expired
+    assert store.get(b) is None and len(store) == 0
 
 
 # -- refusals --------------------------------------------------------------------------

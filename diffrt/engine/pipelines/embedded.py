@@ -133,8 +133,8 @@ def embedded_folder(name: str) -> str:
     if os.path.exists(final):
         raise ModelLoadError(f"{final}: not a model folder (no model_index.json); delete it "
                              f"and diffrt writes {name} again")
+    from diffrt.engine.pipelines.family import load_object
     from diffrt.engine.pipelines.loading import library_bars_off
-    from diffrt.engine.pipelines.registry import load_object  # registry imports this module
 
     try:
         os.makedirs(root, exist_ok=True)

@@ -10,6 +10,7 @@ the one hook, for the built-in families and plugins alike.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,15 @@ class Family:
     transformer_classes: tuple[str, ...]
     #: ModelFolder -> ModelSpec, or "module:function" imported on first use
     describe: Callable[[ModelFolder], ModelSpec] | str
+    #: its folders are diffusers pipelines (their classes are checked against
+    #: diffusers'); False for a family with a pipeline class of its own
+    diffusers: bool = True
 
 
-__all__ = ["Family", "ModelFolder"]
+def load_object(path: str) -> Any:
+    """``"module:attribute"`` -> the attribute (the module imported on first use)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["Family", "ModelFolder", "load_object"]

@@ -22,7 +22,6 @@ requests at submission with ``resolve_model_spec(model).check(request)``.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import re
@@ -34,7 +33,7 @@ import torch
 
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.pipelines.embedded import EMBEDDED_MODELS, embedded_folder
-from diffrt.engine.pipelines.family import Family, ModelFolder
+from diffrt.engine.pipelines.family import Family, ModelFolder, load_object
 from diffrt.engine.pipelines.folder_check import (
     ModelLoadError,
     check_model_folder,
@@ -70,12 +69,6 @@ class UnknownModelError(ValueError):
             "cache"
         )
         self.model = model
-
-
-def load_object(path: str) -> Any:
-    """``"module:attribute"`` -> the attribute (the module imported on first use)."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def register_family(family: Family) -> None:
@@ -115,7 +108,7 @@ def families() -> list[Family]:
     return out
 
 
-def _family_of(index_path: str, index: dict[str, Any]) -> Family:
+def _family_of(folder: str, index_path: str, index: dict[str, Any]) -> Family:
     """The family of a folder: by the pipeline class its index names, else (an
     index without ``_class_name``) by its transformer class. A folder naming a
     pipeline class no family serves is refused: an editing model shares its
@@ -124,6 +117,7 @@ def _family_of(index_path: str, index: dict[str, Any]) -> Family:
     if isinstance(pipeline_class, str):
         family = next((f for f in families() if pipeline_class in f.diffusers_pipelines), None)
         if family is None:
+            check_model_folder(folder)  # a class diffusers does not know is named as such
             served = sorted(p for f in families() for p in f.diffusers_pipelines)
             raise UnknownModelError(os.path.dirname(index_path), (
                 f"unsupported pipeline class {pipeline_class} in model_index.json; "
@@ -144,8 +138,9 @@ def _folder_spec(folder: str, name: str | None = None) -> ModelSpec:
     index_path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(index_path):
         raise UnknownModelError(folder, "not a diffusers pipeline folder: no model_index.json")
-    family = _family_of(index_path, read_json_object(index_path))
-    index = check_model_folder(folder)  # every component whole, before any worker loads it
+    family = _family_of(folder, index_path, read_json_object(index_path))
+    # every component whole, before any worker loads it
+    index = check_model_folder(folder, diffusers_pipeline=family.diffusers)
     describe = load_object(family.describe) if isinstance(family.describe, str) else family.describe
     spec = describe(ModelFolder.read(folder, name or folder, index))
     named = SHIPPED_MODELS.get(name) or EMBEDDED_MODELS.get(name)  # type: ignore[arg-type]

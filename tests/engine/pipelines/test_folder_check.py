@@ -71,8 +71,46 @@ def _no_text_encoder(folder):
     return path, "lists no text_encoder"
 
 
+def _edit(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def _no_vae_weights(folder):
+    weights(folder, "vae").unlink()
+    return folder / "vae", "component 'vae' has a config.json but no weights"
+
+
+def _more_layers(folder):
+    _edit(folder / "transformer" / "config.json", num_layers=3)
+    return folder / "transformer", "transformer_blocks: 2 in the weights, 3 by config.json"
+
+
+def _other_head_count(folder):
+    _edit(folder / "transformer" / "config.json", num_attention_heads=4)
+    return folder / "transformer", "in the weights, [64"
+
+
+def _other_vae_channels(folder):
+    _edit(folder / "vae" / "config.json", block_out_channels=[32, 32, 64, 128])
+    return folder / "vae", "component 'vae' do not match its config.json"
+
+
+def _unknown_pipeline(folder):
+    _edit(folder / "model_index.json", _class_name="NoSuchPipeline")
+    return folder / "model_index.json", "pipeline _class_name 'NoSuchPipeline' is not a"
+
+
+def _unknown_component_class(folder):
+    index = json.loads((folder / "model_index.json").read_text())
+    _edit(folder / "model_index.json", vae=[index["vae"][0], "NoSuchAutoencoder"])
+    return folder / "model_index.json", "component 'vae' class 'NoSuchAutoencoder'"
+
+
 BREAKAGES = [_truncate, _missing_vae, _corrupt_config, _index_is_a_list, _header_only,
-             _no_text_encoder]
+             _no_text_encoder, _no_vae_weights, _more_layers, _other_head_count,
+             _other_vae_channels, _unknown_pipeline, _unknown_component_class]
 
 
 def test_a_good_folder_passes(good_folder):

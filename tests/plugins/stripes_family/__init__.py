@@ -15,6 +15,6 @@ mis-batched or mis-stepped request shows in its pixels.
 from diffrt.engine.pipelines import Family, register_family
 
 FAMILY = Family("stripes", diffusers_pipelines=("StripesPipeline",), transformer_classes=(),
-                describe="plugins.stripes_family.spec:describe")
+                describe="plugins.stripes_family.spec:describe", diffusers=False)
 
 register_family(FAMILY)
