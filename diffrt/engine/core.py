@@ -1,12 +1,17 @@
-"""EngineCore: the scheduler, the executor and the tick loop.
+"""EngineCore: the scheduler, the executor, the tick loop and the timer.
 
 One thread (``diffrt-engine-loop``) repeats: wait for work, ask the scheduler
 for a tick, send it to the workers as one typed request (``ExecuteBatch`` or
 ``ExecuteStep``), wait for COMPUTE_DONE, apply the reply to the scheduler, and
-report what happened as a ``TickResult`` (progress, terminal events, the ids of
-the outputs now on their way to host memory). The core owns no streams and
-never waits for an output: whoever receives the ``TickResult`` (the engine's
-``OutputProcessor``) delivers it.
+report what happened as a ``TickResult`` (progress, terminal events, the
+outputs now on their way to host memory as ``OutputRef``s). The core owns no
+streams and never waits for an output: whoever receives the ``TickResult``
+(the engine's ``OutputProcessor``) delivers it.
+
+Data flows one way, from the core to ``on_tick``: an abort is one call here
+(``abort``), whose outcome travels back as a ``TickResult`` like any tick's;
+the timer thread (``diffrt-engine-timer``) ends requests past their timeout
+the same way and asks the output processor to free outputs left unread.
 
 Locking: the core's Condition guards the scheduler. It is never held while the
 executor is called or a callback runs, and never together with the output
@@ -15,6 +20,8 @@ processor's lock.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -24,6 +31,7 @@ from typing import Any
 
 from diffrt import tracing
 from diffrt.engine.config import EngineMode
+from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.runner_messages import BatchDone, ExecuteBatch, ExecuteStep, StepDone
@@ -49,6 +57,22 @@ RESTART_CHECK_S = 0.5
 RESTART_BACKOFF_S = 1.0
 #: ``_next_tick``'s answer when the workers died and fresh ones are to be started.
 _RESTART = object()
+#: How often the timer looks for requests past their timeout and unread outputs.
+TIMER_PERIOD_S = 0.1
+
+
+@dataclass
+class AbortNotice:
+    """The outcome of one ``EngineCore.abort``, for the output processor."""
+
+    request_id: str
+    #: None: the user aborted it; else the limit that ended it (its error)
+    reason: str | None
+    outcome: AbortOutcome
+    #: the terminal event when the scheduler ended it at once (``DONE``)
+    event: Finished | None = None
+    #: the record meant (None: whichever is active under that id)
+    record: RequestRecord | None = None
 
 
 @dataclass
@@ -62,11 +86,13 @@ class TickResult:
     progress: list[Progress] = field(default_factory=list)
     #: requests that left the scheduler in this tick.
     finished: list[Finished] = field(default_factory=list)
-    #: request id -> output id, for the FINISHED events that produced an output.
-    output_ids: dict[str, str] = field(default_factory=dict)
-    #: request id -> (output id, preview index), for previews of requests
-    #: still running (``partial_images``).
-    previews: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: request id -> its output, for the FINISHED events that produced one.
+    outputs: dict[str, OutputRef] = field(default_factory=dict)
+    #: request id -> (output, preview index), for previews of requests still
+    #: running (``partial_images``).
+    previews: dict[str, tuple[OutputRef, int]] = field(default_factory=dict)
+    #: aborts decided since the last report (``EngineCore.abort``, the timer)
+    aborts: list[AbortNotice] = field(default_factory=list)
     #: seconds per denoise step of this tick's batch (None: nothing ran).
     step_seconds: float | None = None
     #: how many denoise steps ``step_seconds`` stands for (a multi-step tick)
@@ -82,7 +108,7 @@ class EngineCore:
                  on_tick: Callable[[TickResult], None], on_dead: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic,
                  restart: Callable[[], Executor] | None = None,
-                 on_restart: Callable[[Executor], None] | None = None,
+                 on_timer: Callable[[float], None] | None = None,
                  restart_attempts: int = 3):
         self.mode = mode
         self.scheduler = scheduler
@@ -95,13 +121,21 @@ class EngineCore:
         self.dead_reason: str | None = None
         #: builds fresh (warm) workers after the old ones died; None: no restart
         self._restart = restart
-        self._on_restart = on_restart
         self._restart_attempts = restart_attempts
         self.restarts = 0
+        #: called by the timer with ``now`` (the output processor frees unread outputs)
+        self._on_timer = on_timer
+        #: (timeout_at, n, record) of every record given a timeout
+        self._timeouts: list[tuple[float, int, RequestRecord]] = []
+        self._timeout_seq = itertools.count()
+        self._timer_stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="diffrt-engine-loop", daemon=True)
+        self._timer = threading.Thread(target=self._watch, name="diffrt-engine-timer",
+                                       daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        self._timer.start()
 
     # -- called by the engine's threads ---------------------------------------------
     def add(self, records: list[RequestRecord]) -> bool:
@@ -123,13 +157,28 @@ class EngineCore:
             for record in records:
                 if not record.aborted:
                     self.scheduler.add(record)
+                if record.timeout_at is not None:
+                    heapq.heappush(self._timeouts,
+                                   (record.timeout_at, next(self._timeout_seq), record))
             self._cond.notify_all()
         return True
 
-    def abort(self, request_id: str) -> tuple[AbortOutcome, Finished | None]:
+    def abort(self, request_id: str, reason: str | None = None,
+              record: RequestRecord | None = None) -> None:
+        """Stop a request at the next step boundary (``reason`` None: the
+        user's abort; else the error of the limit that ends it); with
+        ``record``, only that record, not a newer request reusing its id. The
+        outcome goes to ``on_tick`` as a ``TickResult`` with one ``AbortNotice``."""
         with self._cond:
+            current = self.scheduler.record(request_id)
+            if record is not None and current is not record:
+                outcome, event = AbortOutcome.UNKNOWN, None  # it left the scheduler
+            else:
+                outcome, event = self.scheduler.abort(request_id)
             self._cond.notify_all()  # STEP_BATCH: the loop sends the drop
-            return self.scheduler.abort(request_id)
+        self._on_tick(TickResult(scheduled_ids=[], started_at=self._clock(), elapsed=0.0,
+                                 aborts=[AbortNotice(request_id, reason, outcome, event,
+                                                     record)]))
 
     def queue_sizes(self) -> tuple[int, int]:
         """(waiting, running) requests in the scheduler."""
@@ -146,6 +195,9 @@ class EngineCore:
             self._stopped = True
             self.scheduler.fail_all("engine closed")
             self._cond.notify_all()
+        self._timer_stop.set()
+        if self._timer.is_alive() and self._timer is not threading.current_thread():
+            self._timer.join(grace_s)
         if self._thread.is_alive():
             self._thread.join(grace_s)
             if self._thread.is_alive():
@@ -224,8 +276,6 @@ class EngineCore:
                     return False
                 self.executor = new
                 self.restarts += 1
-            if self._on_restart is not None:
-                self._on_restart(new)
             logger.warning("fresh workers serving (restart %d)", self.restarts)
             return True
         self._die(f"executor died and {self._restart_attempts} restarts failed: {error}")
@@ -240,6 +290,7 @@ class EngineCore:
     def _run_tick(self, tick: SchedulerOutput) -> TickResult | None:
         start = self._clock()
         request = self._request(tick)
+        executor = self.executor  # the outputs of this tick are this executor's
         output_ids: dict[str, str] = {}
         text_encoding = None
         preview_index: dict[str, int] = {}
@@ -247,7 +298,7 @@ class EngineCore:
         try:
             with tracing.span(tracing.ENGINE_LOOP_TRACK, request.__struct_config__.tag,
                               keys=tick.scheduled_ids, drop=tick.drop_ids):
-                ro = self.executor.execute(request)
+                ro = executor.execute(request)
             output_ids = dict(ro.output_ids)
             result = _execution_result(tick, ro.reply, output_ids)
             text_encoding = getattr(ro.reply, "text_encoding", None)
@@ -272,21 +323,22 @@ class EngineCore:
             for event in update.finished:  # the automatic batching window learns from them
                 if event.status is RequestStatus.FINISHED and event.admitted_at is not None:
                     self.scheduler.observe_run_time(done_at - event.admitted_at)
-        kept: dict[str, str] = {}
+        kept: dict[str, OutputRef] = {}
         ended = {event.request_id for event in update.finished}
-        previews = {rid: (output_ids.pop(rid), index) for rid, index in preview_index.items()
+        previews = {rid: (OutputRef(output_ids.pop(rid), executor), index)
+                    for rid, index in preview_index.items()
                     if rid in output_ids and rid not in ended}
         for event in update.finished:
             oid = output_ids.pop(event.request_id, None)
             if oid is not None and event.has_output:
-                kept[event.request_id] = oid
+                kept[event.request_id] = OutputRef(oid, executor)
             elif oid is not None:  # produced, but the request failed or was aborted
-                self.executor.release_output(oid)
+                executor.release_output(oid)
         for oid in output_ids.values():  # outputs of requests that left already
-            self.executor.release_output(oid)
+            executor.release_output(oid)
         return TickResult(scheduled_ids=list(tick.scheduled_ids), started_at=start,
                           elapsed=elapsed, progress=update.progress, finished=update.finished,
-                          output_ids=kept, previews=previews, step_seconds=step_seconds,
+                          outputs=kept, previews=previews, step_seconds=step_seconds,
                           steps=steps_run if self.mode is EngineMode.STEP_BATCH else 1,
                           text_encoding=text_encoding)
 
@@ -299,6 +351,34 @@ class EngineCore:
         if self.mode is EngineMode.STEP_BATCH:
             return elapsed / max(1, steps_run)  # a tick may carry several steps
         return elapsed / max(1, tick.new[0].sampling_params.num_inference_steps)
+
+    # -- the timer ----------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Every ``TIMER_PERIOD_S``: end the requests past their timeout (as
+        aborts with the limit's error; a forward in flight cannot be
+        interrupted, but its request is answered now) and let ``on_timer`` free
+        outputs left unread. A failed pass is logged and retried."""
+        while not self._timer_stop.wait(TIMER_PERIOD_S):
+            try:
+                now = self._clock()
+                for record in self._due(now):
+                    logger.info("%s: %s", record.request_id, record.timeout_reason)
+                    self.abort(record.request_id, record.timeout_reason or "request timed out",
+                               record)
+                if self._on_timer is not None:
+                    self._on_timer(now)
+            except Exception:
+                logger.exception("engine timer pass failed")
+
+    def _due(self, now: float) -> list[RequestRecord]:
+        """Records whose timeout has come and that have not ended yet."""
+        due = []
+        with self._cond:
+            while self._timeouts and self._timeouts[0][0] <= now:
+                _, _, record = heapq.heappop(self._timeouts)
+                if record.metrics.finished_time is None and not record.aborted:
+                    due.append(record)
+        return due
 
     def _die(self, reason: str) -> None:
         logger.error("engine is unhealthy: %s", reason)

@@ -44,7 +44,6 @@ from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.runner_messages import ExecuteBatch
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 from diffrt.engine.sched import (
-    AbortOutcome,
     RequestScheduler,
     Scheduler,
     StepScheduler,
@@ -59,8 +58,6 @@ logger = logging.getLogger(__name__)
 
 #: How long close() lets the current tick finish before shutting the executor.
 CLOSE_GRACE_S = 5.0
-#: How often the timer looks for requests past their timeout and unread outputs.
-TIMER_PERIOD_S = 0.1
 
 __all__ = ["DiffusionEngine", "EngineClosedError", "EngineDeadError", "EngineError",
            "EngineWarmupError"]
@@ -83,21 +80,17 @@ class DiffusionEngine:
         self.spec = config.model_spec()
         self._clock = clock
         self.output_processor = OutputProcessor(
-            executor, output_postprocessor(self.spec),
+            output_postprocessor(self.spec),
             workers=config.executor.postprocess_workers,
             unread_output_timeout_s=config.limits.unread_output_timeout_s, clock=clock)
         self._core = EngineCore(
             self.mode, scheduler or self._make_scheduler(), executor,
             on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock,
             restart=self._fresh_executor if config.executor.restart_workers else None,
-            on_restart=self.output_processor.use_executor)
+            on_timer=self.output_processor.expire_unread)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._timer = threading.Thread(target=self._watch, name="diffrt-engine-timer",
-                                       daemon=True)
         self._core.start()
-        self._timer.start()
 
     @classmethod
     def make_engine(cls, config: EngineConfig, *, scheduler: Scheduler | None = None,
@@ -249,25 +242,9 @@ class DiffusionEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a waiting or running request at the next step boundary and free
-        its outputs. An unknown or finished id does nothing."""
-        self._stop(request_id, reason=None)
-
-    def _stop(self, request_id: str, reason: str | None,
-              record: RequestRecord | None = None) -> None:
-        """Abort, or end with ``reason`` as its error (an expired limit); with
-        ``record``, only that record (not a newer request reusing its id)."""
-        if self.output_processor.mark_aborted(request_id, reason, record) is None:
-            return
-        outcome, event = self._core.abort(request_id)
-        if outcome is AbortOutcome.DONE:
-            assert event is not None
-            self.output_processor.finish(event)
-        elif outcome is AbortOutcome.UNKNOWN or reason is not None:
-            # Computed already (its output is on the way), or an expired limit
-            # that must answer now although the forward in flight (REQUEST_BATCH)
-            # cannot be interrupted: end it here; the late output is dropped.
-            self.output_processor.finish_aborted(request_id)
-        # A user abort in flight: the tick ends it at the next step boundary.
+        its outputs. An unknown or finished id does nothing. One call into the
+        core; its outcome reaches the output processor as the core's report."""
+        self._core.abort(request_id)
 
     def is_healthy(self) -> bool:
         return not self._closed and self._core.is_alive() and self.executor.is_healthy()
@@ -332,17 +309,6 @@ class DiffusionEngine:
             raise EngineClosedError("engine is closed")
         return streams
 
-    def _watch(self) -> None:
-        """The timer thread: ends requests past their timeout and frees outputs
-        left unread, at most ``TIMER_PERIOD_S`` late."""
-        while not self._stopping.wait(TIMER_PERIOD_S):
-            try:
-                for record, reason in self.output_processor.expire_due(self._clock()):
-                    logger.info("%s: %s", record.request_id, reason)
-                    self._stop(record.request_id, reason, record)
-            except Exception:  # keep watching: a failed pass is retried next period
-                logger.exception("engine timer pass failed")
-
     def _on_dead(self, reason: str) -> None:
         self.output_processor.fail_all(reason, dead=True)
 
@@ -355,9 +321,7 @@ class DiffusionEngine:
         # Streams hear at once; a tick still in flight finds its requests gone
         # and frees whatever it produced.
         self.output_processor.fail_all("engine closed", dead=False)
-        self._stopping.set()
         self._core.stop(grace_s)
-        self._timer.join(grace_s)
         self.output_processor.close()
         logger.info("engine closed")
 

@@ -1,8 +1,10 @@
 """OutputProcessor: from tick results to each request's output stream.
 
 It holds the active requests' records and streams. For every ``TickResult``
-of the core it records metrics, emits progress, and for a finished request
-registers a callback on the executor's output future. When the output lands
+of the core it records metrics, emits progress, applies the aborts the core
+decided, and for a finished request registers a callback on its output's
+future (the ``OutputRef`` the tick carries: the output processor never holds
+the executor). When the output lands
 in host memory it is not copied or converted: a ``FinalSlot`` holding its
 lease goes on the stream, and the consumer's own read post-processes it (to
 PIL) and frees its slot. Unread outputs therefore stay in the shared-memory
@@ -16,8 +18,8 @@ Lifecycle and delivery are separate: a record always reaches a terminal output
 someone listens. A consumer that goes away removes its stream and frees its
 unread output, nothing else.
 
-Locking: one lock guards records, streams and pending slots. Executor calls
-(which may write to a pipe), stream puts and slot expiry happen after it is
+Locking: one lock guards records, streams and pending slots. Output releases
+and waits (executor calls, which may write to a pipe), stream puts and slot expiry happen after it is
 released, and it is never held together with the core's lock. A slot's own
 lock may be held when this lock is taken (a consumer completing its output),
 never the other way round.
@@ -34,15 +36,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from diffrt.engine.core import TickResult
+from diffrt.engine.core import AbortNotice, TickResult
 from diffrt.engine.errors import EngineClosedError, EngineDeadError
+from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.output_streams import FinalSlot, OutputStream
 from diffrt.engine.outputs import DiffusionOutput
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
-from diffrt.engine.sched import Finished
+from diffrt.engine.sched import AbortOutcome, Finished
 from diffrt.engine.stats import StatsRecorder
-from diffrt.runtime.executor import Executor
 from diffrt.runtime.shm_transport import OutputLease
 
 logger = logging.getLogger(__name__)
@@ -53,11 +55,10 @@ DELIVERY_JOIN_S = 5.0
 
 
 class OutputProcessor:
-    def __init__(self, executor: Executor, post_process: PostProcess, *, workers: int,
+    def __init__(self, post_process: PostProcess, *, workers: int,
                  unread_output_timeout_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  stats: StatsRecorder | None = None):
-        self._executor = executor
         self.stats = stats or StatsRecorder()
         self._post = post_process
         self._clock = clock
@@ -75,11 +76,6 @@ class OutputProcessor:
         self._delivery = threading.Thread(target=self._deliver_loop,
                                           name="diffrt-engine-delivery", daemon=True)
         self._delivery.start()
-
-    def use_executor(self, executor: Executor) -> None:
-        """Fresh workers replaced dead ones (``restart_workers``): outputs of new
-        ticks come from them. Outputs of the old ones failed with them."""
-        self._executor = executor
 
     # -- requests in ---------------------------------------------------------------
     def add(self, records: list[RequestRecord], loop: asyncio.AbstractEventLoop | None,
@@ -123,27 +119,17 @@ class OutputProcessor:
         if slot is not None and slot.stream is stream:
             self._expire(slot, "output released: its consumer went away")
 
-    def mark_aborted(self, request_id: str, reason: str | None = None,
-                     record: RequestRecord | None = None) -> RequestRecord | None:
-        """The first half of an abort: late outputs of this request are dropped,
-        and ``reason`` (an expired limit) becomes its error instead of "aborted".
-        Returns the record, or None when the request (or, when given, this very
-        ``record``) is not active."""
-        with self._lock:
-            active = self._records.get(request_id)
-            if active is None or (record is not None and active is not record):
-                return None
-            if not active.aborted:
-                active.aborted = True
-                active.abort_reason = reason
-            return active
-
     # -- what happened ---------------------------------------------------------------
     def on_tick(self, result: TickResult) -> None:
-        """Apply one tick (the core's loop thread calls this)."""
-        to_wait: list[tuple[str, str]] = []
-        to_preview: list[tuple[str, str, int]] = []
-        to_release: list[str] = []
+        """Apply one tick or abort (the core calls this: its loop thread, the
+        caller of an abort, its timer)."""
+        for notice in result.aborts:
+            self._on_abort(notice)
+        if not result.scheduled_ids and not result.finished:
+            return  # nothing ran (an abort's report, a restart's first step)
+        to_wait: list[tuple[str, OutputRef]] = []
+        to_preview: list[tuple[str, OutputRef, int]] = []
+        to_release: list[OutputRef] = []
         self.stats.on_tick(result.step_seconds, result.text_encoding, result.steps)
         with self._lock:
             for rid in result.scheduled_ids:
@@ -155,7 +141,7 @@ class OutputProcessor:
                     self._emit_locked(p.request_id, DiffusionOutput(
                         p.request_id, step=p.step, total_steps=p.total_steps))
             for event in result.finished:
-                oid = result.output_ids.get(event.request_id)
+                oid = result.outputs.get(event.request_id)
                 record = self._records.get(event.request_id)
                 if record is None:  # aborted or closed meanwhile
                     if oid is not None:
@@ -167,7 +153,7 @@ class OutputProcessor:
                         event.request_id, finished=True, error="runner reported no output id",
                         step=event.step, total_steps=event.total_steps))
                 else:
-                    record.output_id = oid
+                    record.output = oid
                     record.compute_done_at = self._clock()
                     to_wait.append((event.request_id, oid))
             for rid, (oid, index) in result.previews.items():
@@ -175,38 +161,49 @@ class OutputProcessor:
                     to_preview.append((rid, oid, index))
                 else:  # nobody to show it to
                     to_release.append(oid)
-        for oid in to_release:
-            self._executor.release_output(oid)
-        for rid, oid, index in to_preview:
-            future = self._executor.wait_output_ready(oid)
-            future.add_done_callback(
+        for ref in to_release:
+            ref.release()
+        for rid, ref, index in to_preview:
+            ref.ready().add_done_callback(
                 lambda f, rid=rid, index=index: self._on_preview(rid, index, f))
-        for rid, oid in to_wait:
-            future = self._executor.wait_output_ready(oid)
-            future.add_done_callback(lambda f, rid=rid, oid=oid: self._on_output(rid, oid, f))
+        for rid, ref in to_wait:
+            ref.ready().add_done_callback(
+                lambda f, rid=rid, ref=ref: self._on_output(rid, ref, f))
 
-    def finish(self, event: Finished) -> None:
-        """A terminal event outside a tick (an abort of a queued request)."""
+    def _on_abort(self, notice: AbortNotice) -> None:
+        """The core decided an abort: late outputs of the request are dropped
+        and ``notice.reason`` (an expired limit) becomes its error instead of
+        "aborted". Ended at once when the scheduler ended it (``DONE``), when it
+        had left the scheduler already (its output is computed: freed), or when
+        a limit expired (answered now although a forward in flight cannot be
+        interrupted); a user's abort of a request in flight ends with its tick."""
+        rid = notice.request_id
+        slot = None
         with self._lock:
-            self._finalize_locked(event.request_id, terminal_output(event))
-
-    def finish_aborted(self, request_id: str) -> None:
-        """An abort of a request that already left the scheduler: free its output
-        (computed, on its way or waiting unread) and end it as aborted."""
-        with self._lock:
-            record = self._records.get(request_id)
-            if record is None:
+            active = self._records.get(rid)
+            if active is None or (notice.record is not None and active is not notice.record):
                 return
-            slot = self._pending.get(request_id)
-            output = DiffusionOutput(request_id, finished=True, aborted=True, step=record.step,
-                                     total_steps=record.total_steps)
-            oid = record.output_id
+            if notice.reason is not None and rid in self._pending:
+                return  # its output landed: the consumer is reading it
+            if not active.aborted:
+                active.aborted = True
+                active.abort_reason = notice.reason
+            if notice.outcome is AbortOutcome.DONE:
+                assert notice.event is not None
+                self._finalize_locked(rid, terminal_output(notice.event))
+                return
+            if notice.outcome is not AbortOutcome.UNKNOWN and notice.reason is None:
+                return  # in flight: the tick ends it at the next step boundary
+            slot = self._pending.get(rid)
+            output = DiffusionOutput(rid, finished=True, aborted=True, step=active.step,
+                                     total_steps=active.total_steps)
+            ref = active.output
             if slot is None:
-                self._finalize_locked(request_id, output)
+                self._finalize_locked(rid, output)
         if slot is not None:
             self._expire_with(slot, output)
-        elif oid is not None:
-            self._executor.release_output(oid)
+        elif ref is not None:
+            ref.release()
 
     def fail_all(self, reason: str, *, dead: bool) -> None:
         """Refuse new work from now on and end every active request with ``reason``."""
@@ -222,30 +219,23 @@ class OutputProcessor:
         for slot in slots:
             self._expire(slot, reason)
         for record in records:
-            if record.output_id is not None:
-                self._executor.release_output(record.output_id)
+            if record.output is not None:
+                record.output.release()
 
-    def expire_due(self, now: float) -> list[tuple[RequestRecord, str]]:
-        """Housekeeping at ``now``: frees outputs unread past
-        ``unread_output_timeout_s`` (their requests end with "output expired")
-        and returns (record, reason) of running or waiting requests past their
-        timeout, for the engine to stop."""
+    def expire_unread(self, now: float) -> None:
+        """Housekeeping at ``now`` (the core's timer): frees outputs unread past
+        ``unread_output_timeout_s``; their requests end with "output expired"."""
         with self._lock:
             unread = [] if self._unread_timeout is None else [
                 slot for slot in self._pending.values()
                 if now - slot.ready_at >= self._unread_timeout]
-            late = [(record, record.timeout_reason or "request timed out")
-                    for rid, record in self._records.items()
-                    if record.timeout_at is not None and now >= record.timeout_at
-                    and not record.aborted and rid not in self._pending]
         for slot in unread:
             self._expire(slot, f"output expired: unread for {self._unread_timeout:g} s "
                                f"(unread_output_timeout_s={self._unread_timeout:g})",
                          timed_out=True)
-        return late
 
     # -- outputs landing ------------------------------------------------------------------
-    def _on_output(self, rid: str, oid: str, future: concurrent.futures.Future) -> None:
+    def _on_output(self, rid: str, ref: OutputRef, future: concurrent.futures.Future) -> None:
         """The output is in host memory (or lost). Runs in the executor's pump
         thread (or inline): it only queues a slot, the consumer converts it."""
         ready_at = self._clock()
@@ -254,14 +244,14 @@ class OutputProcessor:
         except Exception as exc:
             with self._lock:
                 record = self._records.get(rid)
-                if record is not None and record.output_id == oid:
+                if record is not None and record.output is ref:
                     self._finalize_locked(rid, DiffusionOutput(
                         rid, finished=True, error=f"output lost: {type(exc).__name__}: {exc}",
                         step=record.step, total_steps=record.total_steps))
             return
         with self._lock:
             record = self._records.get(rid)
-            wanted = record is not None and record.output_id == oid and not record.aborted
+            wanted = record is not None and record.output is ref and not record.aborted
             stream = self._streams.get(rid) if wanted else None
             if stream is not None:
                 assert record is not None
@@ -428,7 +418,8 @@ class OutputProcessor:
         """The id of the output on its way for an active request (diagnostics)."""
         with self._lock:
             record = self._records.get(request_id)
-            return record.output_id if record is not None else None
+            ref = record.output if record is not None else None
+            return ref.output_id if ref is not None else None
 
     def close(self) -> None:
         """Stop post-processing and delivery (after ``fail_all``)."""

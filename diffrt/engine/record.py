@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from diffrt.engine.outputs import RequestMetrics
 from diffrt.engine.request import DiffusionRequest
+
+if TYPE_CHECKING:
+    from diffrt.engine.output_ref import OutputRef
 
 
 class RequestStatus(enum.Enum):
@@ -46,18 +50,19 @@ class RequestRecord:
     #: abort arrived while the request was inside an execute call.
     abort_requested: bool = False
 
+    # -- set at submission, before the record is shared; the core's timer reads them --
+    #: when a limit (request_timeout_s, SamplingParams.timeout_s) ends it, and
+    #: the error that names the limit
+    timeout_at: float | None = None
+    timeout_reason: str | None = None
+
     # -- the output processor's (written under its lock) ----------------------------
     #: the user aborted it: a late output is dropped, not delivered.
     aborted: bool = False
     #: an expired limit stopped it: its final output carries this error.
     abort_reason: str | None = None
-    #: when it has run too long (request_timeout_s / timeout_s), and which limit.
-    #: when a limit (request_timeout_s, SamplingParams.timeout_s) ends it, and
-    #: the error that names the limit
-    timeout_at: float | None = None
-    timeout_reason: str | None = None
     #: the output being moved off the device for it (after COMPUTE_DONE).
-    output_id: str | None = None
+    output: OutputRef | None = None
     compute_done_at: float | None = None
     #: wall time of the execute calls it took part in.
     forward_time: float = 0.0

@@ -74,7 +74,9 @@ def test_a_request_batch_tick_reports_finished_ids_with_their_output_ids():
     assert [r.request_id for r in ex.requests[0].requests] == ["a", "b"]
     assert tick.scheduled_ids == ["a", "b"]
     by_id = {e.request_id: e for e in tick.finished}
-    assert by_id["a"].status is RequestStatus.FINISHED and tick.output_ids == {"a": "out-1/0"}
+    assert by_id["a"].status is RequestStatus.FINISHED
+    assert {rid: ref.output_id for rid, ref in tick.outputs.items()} == {"a": "out-1/0"}
+    assert tick.outputs["a"].executor is ex  # the output travels with its executor
     assert by_id["b"].status is RequestStatus.FAILED and by_id["b"].error == "boom"
     assert ex.released == ["out-1/1"]  # produced for a failed request: nobody reads it
     assert all(r.admitted_at is not None for r in recs)
@@ -90,7 +92,8 @@ def test_step_ticks_report_progress_then_the_finish():
     assert isinstance(ex.requests[0], ExecuteStep) and [r.request_id for r in ex.requests[0].new] == ["a"]
     assert ex.requests[1] == ExecuteStep(new=[], advance=["a"], drop=[])
     assert [(p.request_id, p.step) for p in ticks[0].progress] == [("a", 1)]
-    assert ticks[1].output_ids == {"a": "out-2/0"} and ticks[1].finished[0].step == 2
+    assert {rid: ref.output_id for rid, ref in ticks[1].outputs.items()} == {"a": "out-2/0"}
+    assert ticks[1].finished[0].step == 2
 
 
 def test_a_runner_error_fails_the_tick_and_a_dead_executor_kills_the_core():

@@ -63,8 +63,10 @@ def test_previews_come_in_order_before_the_final_image(engine):
     assert not any(o.preview is not None for o in without)
 
     final = np.asarray(with_previews[-1].images[0]).astype(np.int16)
-    # asking for previews does not change the image
-    assert np.array_equal(final, np.asarray(without[-1].images[0]).astype(np.int16))
+    # asking for previews does not change the image (the two may join the step
+    # batch at different steps, so batched matmuls may round differently: the
+    # contract is 1/255, bit-identical only when batched alike)
+    assert np.abs(final - np.asarray(without[-1].images[0]).astype(np.int16)).max() <= 1
     # each preview is the image as predicted then: closer to the final as steps go
     errors = [np.abs(np.asarray(o.preview[0]).astype(np.int16) - final).mean()
               for o in previews]

@@ -193,9 +193,10 @@ def test_unread_outputs_stay_within_the_bound_and_arrive_intact_when_read():
             # Nobody reads: the arena fills up and the worker waits for room
             # instead of the engine copying outputs into its own memory.
             await wait_for(lambda: _writer(engine).used_bytes == 5 * 12288)  # arena full
-            # five outputs landed and wait unread; the others wait in the worker
-            # (its output queue is bounded, then its main thread waits too)
-            assert engine.output_processor.unread_bytes() == 5 * 12288
+            # five outputs landed and wait unread (each is queued as it lands,
+            # just after the writer counts its bytes); the others wait in the
+            # worker (its output queue is bounded, then its main thread waits too)
+            await wait_for(lambda: engine.output_processor.unread_bytes() == 5 * 12288)
             assert engine.num_active_requests() == 20  # nothing dropped, nothing expired
             resume.set()
             return await asyncio.gather(*tasks)

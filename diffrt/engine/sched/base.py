@@ -111,6 +111,9 @@ class BaseScheduler(Scheduler):
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def record(self, request_id: str) -> RequestRecord | None:
+        return self._requests.get(request_id)
+
     def _set_window(self, max_wait_s: float) -> None:
         self.max_wait_s = max_wait_s
         self.stable_s = (self._fixed_stable_s if self._fixed_stable_s is not None

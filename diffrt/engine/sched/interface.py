@@ -126,6 +126,10 @@ class Scheduler(ABC):
     def has_request(self, request_id: str) -> bool:
         """True while ``request_id`` is queued or running here."""
 
+    @abstractmethod
+    def record(self, request_id: str) -> RequestRecord | None:
+        """The record of ``request_id`` while it is queued or running here."""
+
     def admission_wait_s(self, now: float) -> float:
         """Seconds the engine should still hold back the next schedule()."""
         return 0.0
