@@ -162,15 +162,29 @@ class EngineConfig:
         worker starts with the allocator policy of ``cpu_policy``)."""
         self._check_devices(platform)
         ex = self.executor
+        spec = self.model_spec()
         options = {name: getattr(ex, name) for name in ExecutorOptions.__struct_fields__}
         options["worker_env"] = {**cpu_worker_env(platform), **ex.worker_env}
+        options["max_pending_output_bytes"] = min(ex.max_pending_output_bytes,
+                                                  self.output_arena_bytes(spec))
         async_output = (bool(platform.supports_async_output) if ex.async_output is None
                         else ex.async_output)
-        settings = RunnerSettings(spec=self.model_spec(), model=self.model_config,
+        settings = RunnerSettings(spec=spec, model=self.model_config,
                                   parallel=self.parallel)
         runner = RunnerSpec(PIPELINE_RUNNER_CLS, PIPELINE_PROTOCOL, settings)
         return ExecutorConfig(runner=runner, world_size=self.ranks,
                               async_output=async_output, **options)
+
+    def output_arena_bytes(self, spec: ModelSpec) -> int:
+        """What the configured outputs can need at once: the largest output a
+        request may ask for (``spec.largest_output_bytes``) for every request
+        of a batch and every output the workers' output threads may still
+        hold, in whole MiB. The arena is the smaller of this and
+        ``max_pending_output_bytes``, so a small model does not page-lock
+        (and count against a container's memory) 2 GiB it can never fill."""
+        outputs = self.scheduling.max_num_seqs + self.executor.output_queue_depth
+        need = spec.largest_output_bytes() * outputs
+        return max(4096, -(-need // (1 << 20)) * (1 << 20))
 
     def _check_devices(self, platform: Any) -> None:
         """One device per rank on an accelerator (two ranks on one device would

@@ -24,7 +24,12 @@ import msgspec
 
 from diffrt.engine.parallel.degrees import ParallelConfigError, ParallelDegrees
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import MAX_STEPS, InvalidRequestError, SamplingParams
+from diffrt.engine.sampling import (
+    MAX_OUTPUTS_PER_PROMPT,
+    MAX_STEPS,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 #: what a model can be asked to do (the image-input issue adds
 #: "image-to-image", "inpainting" and "editing")
@@ -109,6 +114,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: module names (diffusers' ``target_modules``) a LoRA adapter may change;
     #: empty: the model takes no adapters
     lora_target_modules: tuple[str, ...] = ()
+    #: the most bytes one output pixel takes on its way to the host: 3 for
+    #: uint8 RGB images, more for float32 latents of a VAE that downsamples
+    #: little (what sizes the output arena, ``output_arena_bytes``)
+    output_bytes_per_pixel: float = 3.0
     #: how a finished output becomes what the request asked for
     #: (``engine.postprocess``): uint8 images -> PIL / tensor, latents as is
     postprocess: Literal["images"] = "images"
@@ -202,6 +211,11 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         if vae_parallel and caps.vae_class != "AutoencoderKL":
             raise ParallelConfigError("vae_parallel", f"splits an AutoencoderKL's decoder; "
                                                       f"{self.name} has a {caps.vae_class}")
+
+    def largest_output_bytes(self) -> int:
+        """The bytes of the largest output one request may ask for."""
+        return int(self.max_size * self.max_size * self.output_bytes_per_pixel
+                   * MAX_OUTPUTS_PER_PROMPT)
 
     # -- what the engine needs for its own warm-up ------------------------------------------------
     def warmup_size(self) -> int:

@@ -213,3 +213,51 @@ def test_auto_dtype_is_float32_on_cpu_and_half_on_devices():
     assert resolve_dtype("float16", Device("cpu")) is torch.float16
     # a device type torch has no module for cannot say it supports bf16: fp16
     assert resolve_dtype("auto", Device("nosuchdevice")) is torch.float16
+
+
+def test_the_output_arena_is_what_the_configured_outputs_need():
+    """Issue 28, item 10: the arena (page-locked where the platform registers
+    it) is the smaller of max_pending_output_bytes and what the model's
+    largest outputs need for a batch plus the output threads' queue, so a
+    small model does not lock 2 GiB it can never fill."""
+    from types import SimpleNamespace
+
+    cpu = SimpleNamespace(supports_async_output=True, device_type="cpu")
+    shapes = EngineConfig(model="diffrt-shapes", max_num_seqs=2)
+    spec = shapes.model_spec()
+    # 512 px at most, float32 latents of a 2x VAE with 4 channels: 4 bytes a pixel
+    assert (spec.max_size, spec.output_bytes_per_pixel) == (512, 4.0)
+    largest = 512 * 512 * 4 * 16
+    arena = shapes.executor_config(platform=cpu).max_pending_output_bytes
+    assert arena == -(-largest * (2 + 2) // (1 << 20)) * (1 << 20) == 64 << 20
+    small = EngineConfig(model="diffrt-shapes", max_pending_output_bytes=1 << 20)
+    assert small.executor_config(platform=cpu).max_pending_output_bytes == 1 << 20  # the user's
+    assert EngineConfig(model="tiny-sd3").executor_config(
+        platform=cpu).max_pending_output_bytes == 36 << 20  # 512 px images, 3 bytes a pixel
+
+
+def test_the_largest_requests_fit_the_derived_arena():
+    """Two of the largest requests the toy model accepts (512x512, 16 outputs)
+    at once in an arena sized for them: both arrive whole."""
+    import engine_toy as toy
+    from engine_helpers import toy_engine, toy_request
+
+    with toy_engine(max_num_seqs=2, max_pending_output_bytes=2 << 30, warmup=False,
+                    request_batch_max_wait_ms=200) as engine:
+        arena = engine.config.executor_config(
+            platform=_cpu()).max_pending_output_bytes
+        assert arena == -(-(512 * 512 * 3 * 16) * 4 // (1 << 20)) * (1 << 20)
+        big = [toy_request(seed=s, steps=1, size=512, num_outputs_per_prompt=16)
+               for s in (1, 2)]
+        outs = engine.generate(big, timeout=60)
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        for request, out in zip(big, outs, strict=True):
+            assert len(out.images) == 16 and out.images[0].size == (512, 512)
+            assert out.images[15].getpixel((511, 511))[0] == toy.expected_pixel(
+                request.sampling_params.seed, 1)
+
+
+def _cpu():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(supports_async_output=True, device_type="cpu")

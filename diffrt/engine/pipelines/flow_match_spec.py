@@ -25,6 +25,13 @@ def qwen_vae_factor(vae_config: dict[str, Any]) -> int:
     return 2 ** len(vae_config.get("temperal_downsample", (False, True, True)))
 
 
+def output_bytes_per_pixel(latent_channels: int, factor: int) -> float:
+    """uint8 RGB images take 3 bytes a pixel; float32 latents (``output_type
+    "latent"``) ``channels x 4`` per ``factor x factor`` pixels: more than an
+    image for a VAE that downsamples little (diffrt-shapes' 2x)."""
+    return max(3.0, latent_channels * 4 / (factor * factor))
+
+
 def scaled_max_size(factor: int) -> int:
     """The family's largest side is meant for an 8x VAE: it bounds the
     transformer's tokens, so a folder whose VAE downsamples less (the 2x VAE
@@ -53,5 +60,6 @@ def sequence_parallel_support(folder: ModelFolder, vae_class: str) -> ParallelSu
                            vae_class=folder.vae_config.get("_class_name", vae_class))
 
 
-__all__ = ["FAMILY_MAX_SIZE", "check_text_encoder", "qwen_vae_factor", "scaled_max_size",
+__all__ = ["FAMILY_MAX_SIZE", "check_text_encoder", "output_bytes_per_pixel", "qwen_vae_factor",
+           "scaled_max_size",
            "sequence_parallel_support", "vae_factor"]

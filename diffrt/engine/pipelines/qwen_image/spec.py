@@ -6,6 +6,7 @@ from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
 from diffrt.engine.pipelines.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
     check_text_encoder,
+    output_bytes_per_pixel,
     qwen_vae_factor,
     scaled_max_size,
     sequence_parallel_support,
@@ -36,4 +37,5 @@ def describe(folder: ModelFolder) -> ModelSpec:
         cfg_rule=CfgRule.TRUE_CFG_AND_NEGATIVE,
         supports_request_batch=True, supports_step_execution=True,
         parallel=sequence_parallel_support(folder, "AutoencoderKLQwenImage"),
-        lora_target_modules=LORA_TARGET_MODULES)
+        lora_target_modules=LORA_TARGET_MODULES,
+        output_bytes_per_pixel=output_bytes_per_pixel(int(folder.vae_config.get("z_dim", 16)), factor))

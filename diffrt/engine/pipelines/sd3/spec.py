@@ -6,6 +6,7 @@ from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
 from diffrt.engine.pipelines.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
     check_text_encoder,
+    output_bytes_per_pixel,
     scaled_max_size,
     sequence_parallel_support,
     vae_factor,
@@ -39,4 +40,5 @@ def describe(folder: ModelFolder) -> ModelSpec:
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True,
         parallel=sequence_parallel_support(folder, "AutoencoderKL"),
-        lora_target_modules=LORA_TARGET_MODULES)
+        lora_target_modules=LORA_TARGET_MODULES,
+        output_bytes_per_pixel=output_bytes_per_pixel(int(folder.vae_config.get("latent_channels", 16)), factor))
