@@ -184,6 +184,9 @@ class DiffusionEngine:
         aborted). Outputs are taken as they finish, whatever the order.
         """
         single = isinstance(requests, DiffusionRequest)
+        if not single and not isinstance(requests, (list, tuple)):  # a dict is not a batch
+            raise InvalidRequestError("request", "must be a DiffusionRequest or a list of "
+                                      f"them, got {type(requests).__name__}")
         batch = [requests] if single else list(requests)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         streams = self._submit(batch, loop=None, inbox=inbox)

@@ -289,3 +289,11 @@ def test_pump_death_fails_the_request_and_marks_the_engine_unhealthy(monkeypatch
         assert wait_until(lambda: not engine.is_healthy())
         with pytest.raises(EngineDeadError):
             engine.generate(toy_request())
+
+
+def test_a_dict_is_refused_as_not_a_request(req_engine1):
+    """generate({"prompt": ...}) names what it got, not "got str" (its keys)."""
+    with pytest.raises(InvalidRequestError, match="must be a DiffusionRequest or a list of "
+                                                  "them, got dict") as info:
+        req_engine1.generate({"prompt": "a fox"})
+    assert info.value.field == "request"
