@@ -15,4 +15,5 @@ if [ -z "${DIFFRT_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
         || { $APT update -qq && $APT install -y -qq --no-install-recommends chromium >/dev/null; }
 fi
 .venv/bin/ruff check diffrt tests benchmarks
+.venv/bin/mypy diffrt
 .venv/bin/python -m pytest -q "$@"

@@ -18,7 +18,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 from diffrt.runtime.messages import FreeSlots, Shutdown, encode
 from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
@@ -150,8 +150,10 @@ class MultiprocExecutor(PumpedExecutor):
         sentinels = {p.pidfd: p for p in self._procs if p.pidfd is not None}
         out: list[bytes] = []
         dead: _Proc | None = None
-        for obj in wait(list(conns) + list(sentinels), timeout):
-            proc = conns.get(obj) or sentinels[obj]
+        # wait() hands back some of the objects it was given: pipes and pidfds
+        ready = cast("list[Connection | int]", wait(list(conns) + list(sentinels), timeout))
+        for obj in ready:
+            proc = sentinels[obj] if isinstance(obj, int) else conns[obj]
             try:  # also drains what a dead worker managed to send
                 while proc.results_open and proc.results.poll():
                     out.append(proc.results.recv_bytes())

@@ -259,10 +259,11 @@ def _literal_values(t: Any) -> tuple[Any, ...] | None:
 RayOutputTransport = typing.Literal["auto", "shm", "object_store"]
 
 
-class ExecutorOptions(msgspec.Struct, kw_only=True):
+class ExecutorOptions(msgspec.Struct, kw_only=True, frozen=True):
     """The executor's tuning, declared once: ``ExecutorConfig`` carries these
     fields, and the engine's executor settings are this same declaration (an
-    ``EngineConfig`` keyword for each)."""
+    ``EngineConfig`` keyword for each). Frozen, as the engine's settings that
+    extend it are: nothing changes an executor's options once it is made."""
 
     #: seconds a ``wait_output_ready`` future (and an unclaimed output) may wait
     output_timeout_s: Annotated[float, msgspec.Meta(gt=0, description=(
@@ -299,7 +300,7 @@ class ExecutorOptions(msgspec.Struct, kw_only=True):
         "ray backend: CPUs in each rank's placement-group bundle (fractions allowed)"))] = 1.0
 
 
-class ExecutorConfig(ExecutorOptions, kw_only=True):
+class ExecutorConfig(ExecutorOptions, kw_only=True, frozen=True):
     """What an executor runs (``runner``, on ``world_size`` ranks) and how."""
 
     runner: Any

@@ -65,7 +65,7 @@ def _client(request: Request) -> EngineClient:
 # The API key of /v1/* is checked by the request middleware, before the body
 # is read (guards.py).
 @router.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
-async def generate(body: ImageGenerationRequest, request: Request) -> Any:  # type: ignore[valid-type]
+async def generate(body: ImageGenerationRequest, request: Request) -> Any:
     """Generate images (OpenAI's Images API). ``stream: true`` answers with
     server-sent events: ``image_generation.partial_image`` previews, then
     ``image_generation.completed``."""

@@ -33,7 +33,7 @@ import torch
 
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import SamplingParams
+from diffrt.engine.sampling import SamplingParams, filled
 
 if TYPE_CHECKING:
     from diffrt.engine.outputs import TextEncoderStats
@@ -67,11 +67,11 @@ class StepRequestState:
 
     @property
     def request_id(self) -> str:
-        return self.request.request_id  # type: ignore[return-value]
+        return self.request.request_id
 
     @property
     def total_steps(self) -> int:
-        return self.request.sampling_params.num_inference_steps
+        return filled(self.request.sampling_params.num_inference_steps)
 
     @property
     def finished(self) -> bool:
