@@ -148,6 +148,7 @@ def _add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: D
         help_text += f" (default: {field.default if default is UNSET else default!r})"
     kw: dict[str, Any] = {"dest": field.name, "default": default, "help": help_text}
     parse: Callable[[str], Any]
+    convert: Callable[[str], Any]
     if field.kind == "bool":
         kw["action"] = argparse.BooleanOptionalAction
         parse = _bool

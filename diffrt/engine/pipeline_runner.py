@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from diffrt.engine.runner_messages import (
 )
 from diffrt.runtime.types import RankFailure, RunnerResult
 
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,7 +67,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_dtype(name: str, platform: Any) -> torch.dtype:
+def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
     """``"auto"``: float32 on CPU; elsewhere bfloat16 where the device computes
     in it natively (``Platform.bf16_supported``: not the emulated bfloat16 of
     T4/V100 or Arc A-series), else float16."""
@@ -79,7 +82,7 @@ def resolve_dtype(name: str, platform: Any) -> torch.dtype:
     return torch.bfloat16 if supported else torch.float16
 
 
-def rank_device(platform: Any, rank: int) -> torch.device:
+def rank_device(platform: Platform, rank: int) -> torch.device:
     """The device of ``rank``, made this process's device (``set_device``), so
     tensors, streams and events agree: ``rank % device_count`` where a worker
     sees several devices (pinning failed or was not possible), 0 where it was
@@ -96,7 +99,7 @@ class PipelineRunner:
 
     protocol = PIPELINE_PROTOCOL
 
-    def __init__(self, settings: RunnerSettings, *, rank: int, world_size: int, platform: Any):
+    def __init__(self, settings: RunnerSettings, *, rank: int, world_size: int, platform: Platform):
         model, parallel = settings.model, settings.parallel
         threads = model.torch_threads or cpu_worker_threads(platform, world_size)
         if threads:
@@ -182,8 +185,8 @@ class PipelineRunner:
         return result
 
     # -- REQUEST_BATCH ------------------------------------------------------------
-    def execute_batch(self, request: ExecuteBatch) -> RunnerResult:
-        requests = request.requests
+    def execute_batch(self, batch: ExecuteBatch) -> RunnerResult:
+        requests = batch.requests
         outputs: dict[str, Any] = {}
         errors: dict[str, str] = {}
         try:

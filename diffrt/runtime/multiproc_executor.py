@@ -18,11 +18,14 @@ import sys
 import threading
 from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 from diffrt.runtime.messages import FreeSlots, Shutdown, encode
 from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
 from diffrt.runtime.types import ExecutorConfig
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_device_env(platform: Any, rank: int, world_size: int,
+def worker_device_env(platform: Platform, rank: int, world_size: int,
                       environ: Mapping[str, str]) -> dict[str, str]:
     """Pin rank ``rank`` to one device through the vendor's visibility variable
     (e.g. CUDA_VISIBLE_DEVICES), so its compute stream and its output thread's
@@ -80,7 +83,7 @@ class MultiprocExecutor(PumpedExecutor):
         super().__init__(config)
         self._procs: list[_Proc] = []
         self._death: str | None = None
-        self._platform: Any = None
+        self._platform: Platform | None = None
         if config.world_size > 1:
             from diffrt.platforms import current_platform
 

@@ -72,7 +72,7 @@ class RunnerProtocol:
             collective results).
     """
 
-    settings: type
+    settings: type[msgspec.Struct]
     requests: Any
     replies: Any
 

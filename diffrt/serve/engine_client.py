@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
@@ -150,7 +150,7 @@ class EngineClient:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         return self.engine
 
-    async def run(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:
+    async def run(self, request: DiffusionRequest) -> AsyncGenerator[DiffusionOutput, None]:
         """The request's outputs (progress, previews, then the final one); a
         consumer that leaves before the final one aborts the request. Raises
         ApiError (503/429) when the server takes no work, InvalidRequestError

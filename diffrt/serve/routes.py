@@ -19,7 +19,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -280,7 +280,7 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-async def _events(client: EngineClient, outputs: AsyncIterator[DiffusionOutput],
+async def _events(client: EngineClient, outputs: AsyncGenerator[DiffusionOutput, None],
                   first: DiffusionOutput, body: ImageGenerationRequest) -> AsyncIterator[bytes]:
     """Server-sent events as OpenAI streams them, from ``first`` on. A client
     that disconnects cancels this generator, and ``client.run`` aborts the
@@ -299,8 +299,7 @@ async def _events(client: EngineClient, outputs: AsyncIterator[DiffusionOutput],
         async for out in rest():
             if out.preview is not None:
                 image = out.preview[0]
-                text = await asyncio.to_thread(lambda im=image: b64(encode_image(im, fmt,
-                                                                                 compression)))
+                text = await asyncio.to_thread(_b64_image, image, fmt, compression)
                 yield _sse("image_generation.partial_image", {
                     "type": "image_generation.partial_image", "b64_json": text,
                     "partial_image_index": out.preview_index,
@@ -312,8 +311,7 @@ async def _events(client: EngineClient, outputs: AsyncIterator[DiffusionOutput],
             else:
                 raise_for_final(out, client)
                 image = out.images[0]  # type: ignore[index]
-                text = await asyncio.to_thread(lambda im=image: b64(encode_image(im, fmt,
-                                                                                 compression)))
+                text = await asyncio.to_thread(_b64_image, image, fmt, compression)
                 yield _sse("image_generation.completed", {
                     "type": "image_generation.completed", "b64_json": text,
                     "size": f"{image.size[0]}x{image.size[1]}",
@@ -331,6 +329,11 @@ async def _events(client: EngineClient, outputs: AsyncIterator[DiffusionOutput],
         yield _error_event(ApiError(500, f"internal error: {type(exc).__name__}"))
     finally:
         await outputs.aclose()
+
+
+def _b64_image(image: Any, output_format: str, compression: int | None) -> str:
+    """An image as base64 of its encoded bytes (run off the event loop)."""
+    return b64(encode_image(image, output_format, compression))
 
 
 def _error_event(error: ApiError) -> bytes:

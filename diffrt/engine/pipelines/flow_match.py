@@ -448,15 +448,17 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     @torch.no_grad()
     def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
-        t = state.timesteps[state.step]  # type: ignore[index]
+        latents, timesteps = state.latents, state.timesteps
+        assert latents is not None and timesteps is not None  # set when it was admitted
+        t = timesteps[state.step]
         noise_scheduler = state.noise_scheduler
         if state.step + 1 in state.extra.setdefault(
                 "preview_steps", state.request.sampling_params.preview_steps()):
             # flow matching: x_t = (1 - sigma) x0 + sigma noise and the model
             # predicts noise - x0, so x0 = x_t - sigma * prediction
-            sigma = noise_scheduler.sigmas[state.step].to(state.latents.dtype)
-            state.extra["x0"] = state.latents - sigma * noise_pred
-        state.latents = noise_scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
+            sigma = noise_scheduler.sigmas[state.step].to(latents.dtype)
+            state.extra["x0"] = latents - sigma * noise_pred
+        state.latents = noise_scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         state.step += 1
 
     @torch.no_grad()
