@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install diffrt with its test and Ray extras (torch pinned to the CPU build) and
-# Debian's chromium (the playground's browser test), then run ruff plus the
-# whole test suite. Idempotent. pytest's exit code 5 ("no tests ran") fails.
+# Debian's chromium (the playground's browser test), then run ruff, mypy over
+# diffrt/ and the whole test suite. Idempotent. pytest's exit code 5 ("no tests
+# ran") fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
