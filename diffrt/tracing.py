@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 TRACE_DIR_ENV = "DIFFRT_TRACE_DIR"
 
@@ -75,7 +75,7 @@ def parse_worker_track(track: str) -> tuple[int, str] | None:
 
 
 _lock = threading.Lock()
-_file = None
+_file: TextIO | None = None
 _file_pid: int | None = None
 _tracks: dict[str, int] = {}
 
@@ -111,16 +111,17 @@ def now_us() -> float:
     return time.monotonic_ns() / 1000.0
 
 
-def _open_locked(pid: int) -> bool:
+def _open_locked(pid: int) -> TextIO | None:
+    """This process's trace file, opened; None when tracing was turned off."""
     global _file, _file_pid
     trace_dir = os.environ.get(TRACE_DIR_ENV)
     if not trace_dir:  # disabled by another thread since the caller checked
-        return False
+        return None
     path = Path(trace_dir) / f"trace-{pid}.jsonl"
     _file = open(path, "a", buffering=1)  # noqa: SIM115 - lives for the process
     _file_pid = pid
     _tracks.clear()
-    return True
+    return _file
 
 
 def track_sort_index(track: str) -> int:
@@ -141,7 +142,8 @@ def _write(event: dict[str, Any]) -> None:
     pid = os.getpid()
     with _lock:
         # First event, or we are a forked child: open this process's own file.
-        if (_file is None or _file_pid != pid) and not _open_locked(pid):
+        file = _file if _file is not None and _file_pid == pid else _open_locked(pid)
+        if file is None:
             return
         track = event.pop("track", None)
         if track is None:
@@ -152,9 +154,9 @@ def _write(event: dict[str, Any]) -> None:
                 for meta in ({"name": "thread_name", "args": {"name": track}},
                              {"name": "thread_sort_index",
                               "args": {"sort_index": track_sort_index(track)}}):
-                    _file.write(json.dumps({"ph": "M", "pid": pid, "tid": tid, **meta}) + "\n")
+                    file.write(json.dumps({"ph": "M", "pid": pid, "tid": tid, **meta}) + "\n")
             event.update(pid=pid, tid=_tracks[track])
-        _file.write(json.dumps(event, default=str) + "\n")
+        file.write(json.dumps(event, default=str) + "\n")
 
 
 def record(track: str, name: str, start_us: float, end_us: float, **args: Any) -> None:

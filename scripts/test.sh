@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install diffrt with its test and Ray extras (torch pinned to the CPU build) and
-# Debian's chromium (the playground's browser test), then run ruff plus the
-# whole test suite. Idempotent. pytest's exit code 5 ("no tests ran") fails.
+# Debian's chromium (the playground's browser test), then run ruff, mypy over
+# diffrt/ and the whole test suite. Idempotent. pytest's exit code 5 ("no tests
+# ran") fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -15,4 +16,5 @@ if [ -z "${DIFFRT_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
         || { $APT update -qq && $APT install -y -qq --no-install-recommends chromium >/dev/null; }
 fi
 .venv/bin/ruff check diffrt tests benchmarks
+.venv/bin/mypy diffrt
 .venv/bin/python -m pytest -q "$@"

@@ -100,6 +100,9 @@ def parse_spec(spec: str) -> dict[str, Any]:
         key = key.strip().replace("-", "_")
         if key in RENAMED_KEYS:
             raise CliError(f"--compare {spec!r}: {key} was renamed: use {RENAMED_KEYS[key]}")
+        if key in ("plugin_modules", "worker_env"):  # lists: the same for every configuration
+            raise CliError(f"--compare {spec!r}: {key} is not compared; give it as "
+                           f"--{key.replace('_', '-')} for all configurations")
         if not sep or key not in keys:
             raise CliError(f"--compare {spec!r}: expected key=value with a key among the "
                            f"engine settings, the sampling fields and "
@@ -188,6 +191,9 @@ _LOAD_SHOWN = ("num_requests", "concurrency", "request_rate", "height", "width",
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.seed is None:
+        raise CliError("--seed: bench needs a number (it seeds the requests and the arrival "
+                       "times)")
     configs = build_configs(args)
     if args.json:
         check_writable_file(args.json, "the results")

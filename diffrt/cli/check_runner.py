@@ -11,12 +11,15 @@ picture is before the uint8 transfer form), made from the final latents.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
 from diffrt.runtime import RunnerProtocol, RunnerResult
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 #: (heads, head dim, text width, pooled width, rope axes) per width preset
 WIDTHS = {
@@ -67,7 +70,7 @@ class FluxWidthRunner:
 
     protocol = CHECK_PROTOCOL
 
-    def __init__(self, settings: CheckSettings, *, rank: int, world_size: int, platform: Any):
+    def __init__(self, settings: CheckSettings, *, rank: int, world_size: int, platform: Platform):
         from diffusers import FluxTransformer2DModel
 
         self.platform = platform
@@ -84,7 +87,8 @@ class FluxWidthRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = FluxTransformer2DModel(
+                # mypy sees no inherited methods on diffusers' mixin classes (eval)
+                self.model = FluxTransformer2DModel(  # type: ignore[attr-defined]
                     patch_size=1, in_channels=64, num_layers=settings.double_blocks,
                     num_single_layers=settings.single_blocks, attention_head_dim=head_dim,
                     num_attention_heads=heads, joint_attention_dim=text_dim,

@@ -28,11 +28,14 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffrt.cli.bench_stats import median
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 #: no request of the check may take longer (a hang fails its part, not the check)
 REQUEST_TIMEOUT_S = 300.0
@@ -106,7 +109,7 @@ def serve_back_to_back(ex: Any, payloads: list[Any], consume: Callable[[Any], No
     for p in payloads:
         out = ex.execute(p)
         reply = out.reply
-        forward += getattr(reply, "forward_s", None) or getattr(reply, "seconds", 0.0)
+        forward += getattr(reply, "forward_s", 0.0) or getattr(reply, "seconds", 0.0)
         oid = out.output_ids.get(output_key(p))
         if oid is None:
             finished.append(time.perf_counter())
@@ -124,6 +127,13 @@ def serve_back_to_back(ex: Any, payloads: list[Any], consume: Callable[[Any], No
     return per_request, forward / n
 
 
+def _median(values: Sequence[float]) -> float:
+    """``median`` of a run's samples (every run here has some)."""
+    value = median(values)
+    assert value is not None
+    return value
+
+
 def bubble_removed(sync_s: float, async_s: float, bound_s: float) -> float | None:
     """(sync - async) / (sync - bound): the share of the output bubble the async
     path removes; None when there is no bubble to remove."""
@@ -132,7 +142,7 @@ def bubble_removed(sync_s: float, async_s: float, bound_s: float) -> float | Non
 
 
 # -- parts ---------------------------------------------------------------------------------
-def d2h_rates(platform: Any, mib: int, repeats: int = 10) -> dict[str, Any]:
+def d2h_rates(platform: Platform, mib: int, repeats: int = 10) -> dict[str, Any]:
     """GB/s of one device-to-host copy of ``mib`` MiB into each kind of host memory."""
     import torch
 
@@ -161,7 +171,7 @@ def d2h_rates(platform: Any, mib: int, repeats: int = 10) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
         if not torch.equal(dst, src.cpu()):
             raise RuntimeError("the copied bytes differ from the device's")
-        return round(numel * 4 / median(times) / 1e9, 2)
+        return round(numel * 4 / _median(times) / 1e9, 2)
 
     out: dict[str, Any] = {"mib": mib, "pageable": rate(torch.empty(numel))}
     out["pinned"] = (rate(platform.empty_pinned((numel,), torch.float32))
@@ -252,7 +262,7 @@ def bubble(opts: CheckOptions) -> dict[str, Any]:
             for mode in ("async", "sync"):
                 runs[mode].append(serve_back_to_back(
                     executors[mode], payloads(False, base), _release, _forward_id)[0])
-        t = {k: median(v) for k, v in runs.items()}
+        t = {k: _median(v) for k, v in runs.items()}
         forward = step_s * steps
         return {
             "size": opts.size, "widths": opts.widths,
@@ -310,7 +320,7 @@ def engine_overhead(opts: CheckOptions) -> dict[str, Any]:
                 start = time.perf_counter()
                 fn(i)
                 times[name].append(time.perf_counter() - start)
-        t = {k: median(v) for k, v in times.items()}
+        t = {k: _median(v) for k, v in times.items()}
         return {"model": "tiny-flux", "size": opts.identical_size,
                 "steps": opts.identical_steps,
                 "ms_per_request": {k: round(v * 1e3, 2) for k, v in t.items()},

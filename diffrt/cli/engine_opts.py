@@ -128,8 +128,8 @@ def _one_of(convert: Callable[[str], Any], choices: tuple[Any, ...]) -> Callable
 
 
 def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``none`` is None (the setting's "no limit" / "automatic")."""
-    return lambda text: None if text.lower() == "none" else parse(text)
+    """``none`` (or ``auto``) is None: the setting's "no limit" / "automatic"."""
+    return lambda text: None if text.lower() in ("none", "auto") else parse(text)
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -148,9 +148,10 @@ def _add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: D
         help_text += f" (default: {field.default if default is UNSET else default!r})"
     kw: dict[str, Any] = {"dest": field.name, "default": default, "help": help_text}
     parse: Callable[[str], Any]
+    convert: Callable[[str], Any]
     if field.kind == "bool":
         kw["action"] = argparse.BooleanOptionalAction
-        parse = _bool
+        parse = _optional(_bool) if field.optional else _bool
     elif field.kind == "choice":
         convert = int if all(isinstance(v, int) for v in field.choices) else str
         kw.update(type=convert, choices=list(field.choices))

@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
 
     model, plugins = model_name(args), plugin_modules(args)
     requests = [DiffusionRequest(prompt=p, negative_prompt=args.negative_prompt,
-                                 sampling_params=sampling_params(args, seed=args.seed + i))
+                                 sampling_params=sampling_params(
+                                     args, seed=None if args.seed is None else args.seed + i))
                 for i, p in enumerate(prompts)]
     check_requests(model, requests, plugins)
     settings = engine_settings(args)

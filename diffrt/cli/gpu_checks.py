@@ -21,13 +21,16 @@ import json
 import subprocess
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 #: seconds one rank's child process may take (imports torch, initialises CUDA)
 RANK_TIMEOUT_S = 60.0
 
 
-def skip_reason(platform: Any) -> str | None:
+def skip_reason(platform: Platform) -> str | None:
     """Why the GPU parts cannot run here, or None."""
     if platform.name != "cuda":
         return f"needs an NVIDIA GPU (platform {platform.name})"
@@ -81,7 +84,7 @@ def _raw_binding_leaves_error(device: Any) -> bool | str:
     return answer[0]
 
 
-def host_register_error(platform: Any) -> dict[str, Any]:
+def host_register_error(platform: Platform) -> dict[str, Any]:
     """A failed host registration, then a kernel launch on the same thread."""
     reason = skip_reason(platform)
     if reason:
@@ -140,7 +143,7 @@ def _event_device(event: Any) -> int | None:
     return getattr(device, "index", None)
 
 
-def rank_devices(platform: Any, ranks: int | None = None) -> dict[str, Any]:
+def rank_devices(platform: Platform, ranks: int | None = None) -> dict[str, Any]:
     """``rank_child`` for each rank (one per visible device, at least two)."""
     reason = skip_reason(platform)
     if reason:

@@ -13,10 +13,13 @@ import argparse
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 from diffrt.serve.ray_placement import PlacementError, wait_until_placed
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 
 def replica_settings(args: argparse.Namespace) -> Any:
@@ -105,7 +108,7 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
         ray.shutdown()
 
 
-def check_placement(replicas: Any, config: Any, settings: Any, platform: Any,
+def check_placement(replicas: Any, config: Any, settings: Any, platform: Platform,
                     cluster: dict[str, float]) -> Any:
     """``replicas`` sized for this cluster (CPU replicas: an equal share of its
     CPUs), or PlacementError naming what the deployment asks beyond what the

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import enum
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffrt.engine.cpu_policy import cpu_worker_env
 from diffrt.engine.model_spec import ModelSpec
@@ -36,6 +36,9 @@ from diffrt.runtime.types import (
     RunnerSpec,
     convert_declared,
 )
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 #: the runner every worker builds (imported only inside the workers).
 PIPELINE_RUNNER_CLS = "diffrt.engine.pipeline_runner:PipelineRunner"
@@ -156,7 +159,7 @@ class EngineConfig:
                                ring=p.ring_degree)
 
     # -- what the runtime receives --------------------------------------------------------------
-    def executor_config(self, *, platform: Any) -> ExecutorConfig:
+    def executor_config(self, *, platform: Platform) -> ExecutorConfig:
         """The runtime settings this config implies on ``platform`` (whether it
         supports the two-phase output decides ``async_output=None``; a CPU
         worker starts with the allocator policy of ``cpu_policy``)."""
@@ -186,7 +189,7 @@ class EngineConfig:
         need = spec.largest_output_bytes() * outputs
         return max(4096, -(-need // (1 << 20)) * (1 << 20))
 
-    def _check_devices(self, platform: Any) -> None:
+    def _check_devices(self, platform: Platform) -> None:
         """One device per rank on an accelerator (two ranks on one device would
         fail in the first collective). The ray backend takes its devices from
         the cluster, which checks them itself."""

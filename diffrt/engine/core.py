@@ -25,6 +25,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.runner_messages import BatchDone, ExecuteBatch, ExecuteStep, StepDone
-from diffrt.engine.sampling import InvalidRequestError
+from diffrt.engine.sampling import InvalidRequestError, filled
 from diffrt.engine.sched import (
     AbortOutcome,
     ExecutionResult,
@@ -125,8 +126,9 @@ class EngineCore:
         self.restarts = 0
         #: called by the timer with ``now`` (the output processor frees unread outputs)
         self._on_timer = on_timer
-        #: (timeout_at, n, record) of every record given a timeout
-        self._timeouts: list[tuple[float, int, RequestRecord]] = []
+        #: (timeout_at, n, record) of every record given a timeout; weak, so a
+        #: finished request's record (prompt, output) is not kept until then
+        self._timeouts: list[tuple[float, int, weakref.ref[RequestRecord]]] = []
         self._timeout_seq = itertools.count()
         self._timer_stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="diffrt-engine-loop", daemon=True)
@@ -158,8 +160,8 @@ class EngineCore:
                 if not record.aborted:
                     self.scheduler.add(record)
                 if record.timeout_at is not None:
-                    heapq.heappush(self._timeouts,
-                                   (record.timeout_at, next(self._timeout_seq), record))
+                    heapq.heappush(self._timeouts, (record.timeout_at, next(self._timeout_seq),
+                                                    weakref.ref(record)))
             self._cond.notify_all()
         return True
 
@@ -168,11 +170,19 @@ class EngineCore:
         """Stop a request at the next step boundary (``reason`` None: the
         user's abort; else the error of the limit that ends it); with
         ``record``, only that record, not a newer request reusing its id. The
-        outcome goes to ``on_tick`` as a ``TickResult`` with one ``AbortNotice``."""
+        outcome goes to ``on_tick`` as a ``TickResult`` with one ``AbortNotice``.
+
+        The record is marked here, under the core's lock, before the
+        scheduler decides: a tick that ends it meanwhile reports it with this
+        reason, and a record not yet queued (an abort racing its submission)
+        is never queued."""
         with self._cond:
             current = self.scheduler.record(request_id)
+            target = record if record is not None else current
+            if target is not None and not target.aborted:
+                target.aborted, target.abort_reason = True, reason
             if record is not None and current is not record:
-                outcome, event = AbortOutcome.UNKNOWN, None  # it left the scheduler
+                outcome, event = AbortOutcome.UNKNOWN, None  # not (or no longer) scheduled
             else:
                 outcome, event = self.scheduler.abort(request_id)
             self._cond.notify_all()  # STEP_BATCH: the loop sends the drop
@@ -212,7 +222,7 @@ class EngineCore:
         tracing.process_name(tracing.ENGINE_PROCESS)
         try:
             while (tick := self._next_tick()) is not None:
-                if tick is _RESTART:
+                if not isinstance(tick, SchedulerOutput):  # _RESTART
                     if not self._restart_workers():
                         return
                     continue
@@ -296,7 +306,7 @@ class EngineCore:
         preview_index: dict[str, int] = {}
         steps_run = 1
         try:
-            with tracing.span(tracing.ENGINE_LOOP_TRACK, request.__struct_config__.tag,
+            with tracing.span(tracing.ENGINE_LOOP_TRACK, str(request.__struct_config__.tag),
                               keys=tick.scheduled_ids, drop=tick.drop_ids):
                 ro = executor.execute(request)
             output_ids = dict(ro.output_ids)
@@ -350,7 +360,7 @@ class EngineCore:
             return None
         if self.mode is EngineMode.STEP_BATCH:
             return elapsed / max(1, steps_run)  # a tick may carry several steps
-        return elapsed / max(1, tick.new[0].sampling_params.num_inference_steps)
+        return elapsed / max(1, filled(tick.new[0].sampling_params.num_inference_steps))
 
     # -- the timer ----------------------------------------------------------------------
     def _watch(self) -> None:
@@ -375,8 +385,10 @@ class EngineCore:
         due = []
         with self._cond:
             while self._timeouts and self._timeouts[0][0] <= now:
-                _, _, record = heapq.heappop(self._timeouts)
-                if record.metrics.finished_time is None and not record.aborted:
+                _, _, ref = heapq.heappop(self._timeouts)
+                record = ref()
+                if (record is not None and record.metrics.finished_time is None
+                        and not record.aborted):
                     due.append(record)
         return due
 

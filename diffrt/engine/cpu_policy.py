@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 #: glibc tunables of a CPU worker's environment (read when the process starts)
 CPU_WORKER_MALLOC_ENV = {
@@ -34,7 +37,7 @@ CPU_WORKER_MALLOC_ENV = {
 }
 
 
-def cpu_worker_threads(platform: Any, world_size: int) -> int | None:
+def cpu_worker_threads(platform: Platform, world_size: int) -> int | None:
     """Default torch threads of a CPU worker: the cores this process may use,
     shared among the ranks. None (torch's default) off CPU."""
     if platform.device_type != "cpu":
@@ -46,7 +49,7 @@ def cpu_worker_threads(platform: Any, world_size: int) -> int | None:
     return max(1, cores // max(1, world_size))
 
 
-def cpu_worker_env(platform: Any, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+def cpu_worker_env(platform: Platform, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """Environment a CPU worker process starts with (empty off CPU): the
     allocator settings above, except those the user already set."""
     if platform.device_type != "cpu":

@@ -3,7 +3,7 @@
 Follow one request:
 
 1. ``generate`` / ``step_streaming`` check it here against the model's
-   ``ModelSpec`` (``admission.py``; duplicate ids too), create its ``RequestRecord``, open its stream in the
+   ``ModelSpec`` (``submission.py``; duplicate ids too), create its ``RequestRecord``, open its stream in the
    ``OutputProcessor`` and queue it in the ``EngineCore``.
 2. The core's loop (``core.py``) schedules a tick, sends it to the workers as
    one typed request (``runner_messages.py``), where ``PipelineRunner``
@@ -25,7 +25,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import overload
 
 from diffrt.engine.config import EngineConfig, EngineMode
 from diffrt.engine.core import EngineCore
@@ -76,7 +77,7 @@ class DiffusionEngine:
     ):
         self.config = config
         self.mode = config.mode
-        #: what the served model accepts (admission, batch keys, post-processing)
+        #: what the served model accepts (submission checks, batch keys, post-processing)
         self.spec = config.model_spec()
         self._clock = clock
         self.output_processor = OutputProcessor(
@@ -175,6 +176,14 @@ class DiffusionEngine:
         logger.info("warm-up done in %.2f s", time.monotonic() - start)
 
     # -- public API -------------------------------------------------------------------
+    @overload
+    def generate(self, requests: DiffusionRequest, *,
+                 timeout: float | None = None) -> DiffusionOutput: ...
+
+    @overload
+    def generate(self, requests: Sequence[DiffusionRequest], *,
+                 timeout: float | None = None) -> list[DiffusionOutput]: ...
+
     def generate(self, requests: DiffusionRequest | Sequence[DiffusionRequest], *,
                  timeout: float | None = None) -> DiffusionOutput | list[DiffusionOutput]:
         """Run requests to completion; one output, or a list in the same order.
@@ -184,10 +193,13 @@ class DiffusionEngine:
         aborted). Outputs are taken as they finish, whatever the order.
         """
         single = isinstance(requests, DiffusionRequest)
-        if not single and not isinstance(requests, (list, tuple)):  # a dict is not a batch
+        if isinstance(requests, DiffusionRequest):
+            batch = [requests]
+        elif isinstance(requests, (list, tuple)):
+            batch = list(requests)
+        else:  # a dict is not a batch (its keys would be taken for requests)
             raise InvalidRequestError("request", "must be a DiffusionRequest or a list of "
                                       f"them, got {type(requests).__name__}")
-        batch = [requests] if single else list(requests)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         streams = self._submit(batch, loop=None, inbox=inbox)
         give_up_at = None if timeout is None else time.monotonic() + timeout
@@ -213,7 +225,8 @@ class DiffusionEngine:
         outputs = [finals[stream.request_id] for stream in streams]
         return outputs[0] if single else outputs
 
-    async def step_streaming(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:
+    async def step_streaming(self, request: DiffusionRequest
+                             ) -> AsyncGenerator[DiffusionOutput, None]:
         """Yield the request's progress outputs, then its final output.
 
         Leaving early (break, cancellation) detaches this consumer only: the
@@ -247,7 +260,9 @@ class DiffusionEngine:
         """Stop a waiting or running request at the next step boundary and free
         its outputs. An unknown or finished id does nothing. One call into the
         core; its outcome reaches the output processor as the core's report."""
-        self._core.abort(request_id)
+        record = self.output_processor.active_record(request_id)
+        if record is not None:  # else unknown or finished: nothing to stop
+            self._core.abort(request_id, None, record)
 
     def is_healthy(self) -> bool:
         return not self._closed and self._core.is_alive() and self.executor.is_healthy()

@@ -3,7 +3,7 @@ needs to know what the model accepts.
 
 A spec is resolved once from a model folder (``pipelines.registry``) without
 loading weights, and it is plain data: a msgspec Struct, so the worker
-receives the same object in its settings. Admission (defaults, limits, cost),
+receives the same object in its settings. Submission (defaults, limits, cost),
 the schedulers (batch keys), the CLI's input check, the server's defaults and
 ``/v1/models``, and post-processing read it; the pipeline object in each
 worker is compute only and consults the same spec for the request-level
@@ -29,6 +29,7 @@ from diffrt.engine.sampling import (
     MAX_STEPS,
     InvalidRequestError,
     SamplingParams,
+    filled,
 )
 
 #: what a model can be asked to do (the image-input issue adds
@@ -122,7 +123,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: (``engine.postprocess``): uint8 images -> PIL / tensor, latents as is
     postprocess: Literal["images"] = "images"
 
-    # -- defaults and checks (admission, the CLI, direct pipeline callers) -------------
+    # -- defaults and checks (submission, the CLI, direct pipeline callers) ------------
     def with_defaults(self, request: DiffusionRequest) -> DiffusionRequest:
         """``request`` with the sampling fields it left at None taken from
         ``defaults`` (the same object when none was left)."""
@@ -138,12 +139,12 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         params = self.with_defaults(request).sampling_params
         params.validate()
         for field in ("height", "width"):
-            value = getattr(params, field)
+            value = filled(getattr(params, field))
             if value > self.max_size or value % self.size_multiple:
                 raise InvalidRequestError(field, (
                     f"must be a positive multiple of {self.size_multiple} no larger than "
                     f"{self.max_size} for {self.name}, got {value}"))
-        if params.num_inference_steps > self.max_steps:
+        if filled(params.num_inference_steps) > self.max_steps:
             raise InvalidRequestError("num_inference_steps", (
                 f"must be at most {self.max_steps} for {self.name}, "
                 f"got {params.num_inference_steps}"))
@@ -166,17 +167,18 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         params = request.sampling_params
         match self.cfg_rule:
             case CfgRule.GUIDANCE_GT_1:
-                return params.guidance_scale > 1.0
+                return filled(params.guidance_scale) > 1.0
             case CfgRule.TRUE_CFG_AND_NEGATIVE:
-                return params.true_cfg_scale > 1.0 and self.negative_prompt(request) is not None
+                return (filled(params.true_cfg_scale) > 1.0
+                        and self.negative_prompt(request) is not None)
             case CfgRule.NEVER:
                 return False
 
     def cfg_scale(self, params: SamplingParams) -> float:
         """The scale of classifier-free guidance when it runs."""
         if self.cfg_rule is CfgRule.TRUE_CFG_AND_NEGATIVE:
-            return float(params.true_cfg_scale)  # type: ignore[arg-type]
-        return float(params.guidance_scale)  # type: ignore[arg-type]
+            return float(filled(params.true_cfg_scale))
+        return float(filled(params.guidance_scale))
 
     def cost(self, request: DiffusionRequest) -> float:
         """Megapixel-steps, doubled when CFG runs for this request."""

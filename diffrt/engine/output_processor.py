@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from diffrt.engine.core import AbortNotice, TickResult
 from diffrt.engine.errors import EngineClosedError, EngineDeadError
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.output_streams import FinalSlot, OutputStream
 from diffrt.engine.outputs import DiffusionOutput
+from diffrt.engine.postprocess import PostProcess
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched import AbortOutcome, Finished
@@ -49,18 +50,17 @@ from diffrt.runtime.shm_transport import OutputLease
 
 logger = logging.getLogger(__name__)
 
-PostProcess = Callable[[Any, str], tuple[list[Any] | None, Any]]
 #: How long close() waits for the delivery thread to drain.
 DELIVERY_JOIN_S = 5.0
 
 
 class OutputProcessor:
-    def __init__(self, post_process: PostProcess, *, workers: int,
+    def __init__(self, postprocess: PostProcess, *, workers: int,
                  unread_output_timeout_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  stats: StatsRecorder | None = None):
         self.stats = stats or StatsRecorder()
-        self._post = post_process
+        self._post = postprocess
         self._clock = clock
         self._unread_timeout = unread_output_timeout_s
         self._lock = threading.Lock()
@@ -164,11 +164,9 @@ class OutputProcessor:
         for ref in to_release:
             ref.release()
         for rid, ref, index in to_preview:
-            ref.ready().add_done_callback(
-                lambda f, rid=rid, index=index: self._on_preview(rid, index, f))
+            ref.ready().add_done_callback(functools.partial(self._on_preview, rid, index))
         for rid, ref in to_wait:
-            ref.ready().add_done_callback(
-                lambda f, rid=rid, ref=ref: self._on_output(rid, ref, f))
+            ref.ready().add_done_callback(functools.partial(self._on_output, rid, ref))
 
     def _on_abort(self, notice: AbortNotice) -> None:
         """The core decided an abort: late outputs of the request are dropped
@@ -255,8 +253,9 @@ class OutputProcessor:
             stream = self._streams.get(rid) if wanted else None
             if stream is not None:
                 assert record is not None
-                slot = FinalSlot(rid, lease, lambda lease, r=record, t=ready_at:
-                                 self._complete(r, lease, t), ready_at, stream)
+                slot = FinalSlot(rid, lease, functools.partial(self._complete, record,
+                                                               ready_at=ready_at),
+                                 ready_at, stream)
                 self._pending[rid] = slot
                 self._deliveries.put((stream, slot))
                 return
@@ -382,9 +381,9 @@ class OutputProcessor:
         record.metrics.finished_time = self._clock()
         output.metrics = record.metrics
         output.seed = record.request.sampling_params.seed
-        if record.abort_reason is not None and output.aborted:
-            output.aborted, output.error = False, record.abort_reason
-        output.timed_out = timed_out or record.abort_reason is not None
+        if record.abort_reason is not None and output.aborted:  # a limit ended it
+            output.aborted, output.error, timed_out = False, record.abort_reason, True
+        output.timed_out = timed_out
         self.stats.on_final(output)
         stream = self._streams.pop(rid, None)
         if deliver and stream is not None:
@@ -401,6 +400,11 @@ class OutputProcessor:
                 self.detach(stream)
 
     # -- introspection and shutdown ------------------------------------------------------------
+    def active_record(self, request_id: str) -> RequestRecord | None:
+        """The record of an active request (None: unknown or ended)."""
+        with self._lock:
+            return self._records.get(request_id)
+
     def num_active(self) -> int:
         with self._lock:
             return len(self._records)

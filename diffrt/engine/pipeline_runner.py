@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from diffrt.engine.runner_messages import (
 )
 from diffrt.runtime.types import RankFailure, RunnerResult
 
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,7 +67,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_dtype(name: str, platform: Any) -> torch.dtype:
+def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
     """``"auto"``: float32 on CPU; elsewhere bfloat16 where the device computes
     in it natively (``Platform.bf16_supported``: not the emulated bfloat16 of
     T4/V100 or Arc A-series), else float16."""
@@ -79,7 +82,7 @@ def resolve_dtype(name: str, platform: Any) -> torch.dtype:
     return torch.bfloat16 if supported else torch.float16
 
 
-def rank_device(platform: Any, rank: int) -> torch.device:
+def rank_device(platform: Platform, rank: int) -> torch.device:
     """The device of ``rank``, made this process's device (``set_device``), so
     tensors, streams and events agree: ``rank % device_count`` where a worker
     sees several devices (pinning failed or was not possible), 0 where it was
@@ -96,7 +99,7 @@ class PipelineRunner:
 
     protocol = PIPELINE_PROTOCOL
 
-    def __init__(self, settings: RunnerSettings, *, rank: int, world_size: int, platform: Any):
+    def __init__(self, settings: RunnerSettings, *, rank: int, world_size: int, platform: Platform):
         model, parallel = settings.model, settings.parallel
         threads = model.torch_threads or cpu_worker_threads(platform, world_size)
         if threads:
@@ -182,8 +185,8 @@ class PipelineRunner:
         return result
 
     # -- REQUEST_BATCH ------------------------------------------------------------
-    def execute_batch(self, request: ExecuteBatch) -> RunnerResult:
-        requests = request.requests
+    def execute_batch(self, batch: ExecuteBatch) -> RunnerResult:
+        requests = batch.requests
         outputs: dict[str, Any] = {}
         errors: dict[str, str] = {}
         try:
@@ -217,9 +220,9 @@ class PipelineRunner:
         outputs: dict[str, Any] = {}
         for rid in step.drop:
             self.states.pop(rid, None)
-        self._admit(step.new, reply)
+        self._prepare(step.new, reply)
         if self.parallel and step.new:
-            self._agree_on_admission(step.new, reply)
+            self._agree_on_prepared(step.new, reply)
         states = []
         for rid in step.advance:
             if rid in reply.errors:
@@ -275,7 +278,7 @@ class PipelineRunner:
                 self._end_if_shared(exc)
             logger.warning("preview of %s failed: %s", state.request_id, describe_error(exc))
 
-    def _admit(self, requests: list[DiffusionRequest], reply: StepDone) -> None:
+    def _prepare(self, requests: list[DiffusionRequest], reply: StepDone) -> None:
         """Prepare the requests admitted in this tick together (one text-encoder
         call); on a failure, one by one so the error lands on its own request."""
         if not requests:
@@ -287,17 +290,17 @@ class PipelineRunner:
             if len(states) == 1:
                 reply.errors[requests[0].request_id] = self._failed(exc)
                 return
-            logger.warning("admitting %d together failed (%s); one by one", len(states),
+            logger.warning("preparing %d together failed (%s); one by one", len(states),
                            self._failed(exc))
             for request in requests:
-                self._admit([request], reply)
+                self._prepare([request], reply)
             return
         for state in states:
             self.states[state.request_id] = state
 
-    def _agree_on_admission(self, requests: list[DiffusionRequest], reply: StepDone) -> None:
-        """With several ranks, keep a new request only where every rank admitted
-        it (admission is local: a rank-local failure, out of memory on one
+    def _agree_on_prepared(self, requests: list[DiffusionRequest], reply: StepDone) -> None:
+        """With several ranks, keep a new request only where every rank prepared
+        it (preparing is local: a rank-local failure, out of memory on one
         device, must not leave the ranks with different batches)."""
         import torch.distributed as dist
 
@@ -308,7 +311,7 @@ class PipelineRunner:
             rid = request.request_id
             if not everywhere and rid in self.states:
                 del self.states[rid]
-                reply.errors.setdefault(rid, "RuntimeError: admission failed on another rank")
+                reply.errors.setdefault(rid, "RuntimeError: preparing it failed on another rank")
 
     def _end_if_shared(self, exc: BaseException) -> None:
         """With several ranks, a failure inside work they share ends this rank

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from diffrt.engine.outputs import RequestMetrics
 from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.sampling import filled
 
 if TYPE_CHECKING:
     from diffrt.engine.output_ref import OutputRef
@@ -56,11 +57,14 @@ class RequestRecord:
     timeout_at: float | None = None
     timeout_reason: str | None = None
 
-    # -- the output processor's (written under its lock) ----------------------------
+    # -- set once by EngineCore.abort, under the core's lock, before the scheduler
+    # -- decides; the output processor reads them under its own lock --------------
     #: the user aborted it: a late output is dropped, not delivered.
     aborted: bool = False
     #: an expired limit stopped it: its final output carries this error.
     abort_reason: str | None = None
+
+    # -- the output processor's (written under its lock) ----------------------------
     #: the output being moved off the device for it (after COMPUTE_DONE).
     output: OutputRef | None = None
     compute_done_at: float | None = None
@@ -69,8 +73,8 @@ class RequestRecord:
 
     @property
     def request_id(self) -> str:
-        return self.request.request_id  # type: ignore[return-value]
+        return self.request.request_id
 
     @property
     def total_steps(self) -> int:
-        return self.request.sampling_params.num_inference_steps
+        return filled(self.request.sampling_params.num_inference_steps)

@@ -37,13 +37,13 @@ def _check_text(field: str, value: object, *, optional: bool) -> None:
 class DiffusionRequest(msgspec.Struct):
     """One prompt and its sampling parameters.
 
-    `request_id` is generated when not given; the engine refuses a duplicate
-    id while the first request with that id is still active.
+    `request_id` is generated when not given (or given as None); the engine
+    refuses a duplicate id while the first request with that id is still active.
     """
 
     prompt: str
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    request_id: str | None = None
+    request_id: str = msgspec.field(default_factory=new_request_id)
     negative_prompt: str | None = None
 
     def __post_init__(self) -> None:
@@ -56,7 +56,7 @@ class DiffusionRequest(msgspec.Struct):
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field that cannot be carried
-        to a worker and back (the model's own limits are ``check_inputs``')."""
+        to a worker and back (the model's own limits are its ``ModelSpec.check``)."""
         rid = self.request_id
         if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(

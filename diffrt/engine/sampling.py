@@ -8,7 +8,7 @@ model (the size multiple, the largest size) are its ``ModelSpec``'s.
 from __future__ import annotations
 
 import random
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -34,6 +34,16 @@ def random_seed() -> int:
     return random.SystemRandom().randrange(2**53)
 
 
+_T = TypeVar("_T")
+
+
+def filled(value: _T | None) -> _T:
+    """A model-defaulted field (``MODEL_DEFAULTED``) of a request the engine
+    accepted: its defaults were filled in at submission, so never None."""
+    assert value is not None, "read before the model's defaults were filled in"
+    return value
+
+
 class InvalidRequestError(ValueError):
     """A request the user can fix: names the field and the allowed range."""
 
@@ -49,26 +59,21 @@ MAX_GUIDANCE = 1000.0
 INT64_MAX = 2**63 - 1
 
 
-def _field(kind: Any, *, description: str, http: str | None = "",
-           cli: tuple[str, ...] | None = (), **limits: Any) -> Any:
-    """A sampling field's declaration: its type with ``limits`` (msgspec
-    ``Meta``: the check and the error naming the field), its help, and how the
+def _about(description: str, *, http: str | None = "", cli: tuple[str, ...] | None = (),
+           unchecked_le: int | None = None, **limits: Any) -> Meta:
+    """A sampling field's declaration beside its type (``Annotated[type, _about(...)]``):
+    its help, ``limits`` (msgspec ``Meta``: the check and the error naming the
+    field; on an optional field they sit on the inner type instead), and how the
     other surfaces spell it: ``http`` is the HTTP body's name ("" the same
     name, None: no meaning over HTTP, the declaration says why), ``cli`` the
-    command line's extra aliases (None: no flag). The HTTP body (``serve/protocol.py``) and
-    the CLI flags (``cli/engine_opts.py``) are built from these."""
+    command line's extra aliases (None: no flag). ``unchecked_le`` is an upper
+    bound beyond msgspec's int64 ones, kept here and checked by ``validate``.
+    The HTTP body (``serve/protocol.py``) and the CLI flags
+    (``cli/engine_opts.py``) are built from these."""
     extra: dict[str, Any] = {"http": http, "cli": None if cli is None else list(cli)}
-    if limits.get("le", 0) > INT64_MAX:  # msgspec bounds are int64: kept and checked here
-        extra["le"] = limits.pop("le")
-    inner = Annotated[kind, Meta(**limits)] if limits else kind
-    return Annotated[inner | None, Meta(description=description, extra=extra)]
-
-
-def _required(kind: Any, *, description: str, http: str | None = "",
-              cli: tuple[str, ...] | None = (), **limits: Any) -> Any:
-    """``_field`` for a field that is never None."""
-    extra = {"http": http, "cli": None if cli is None else list(cli)}
-    return Annotated[kind, Meta(description=description, extra=extra, **limits)]
+    if unchecked_le is not None:
+        extra["le"] = unchecked_le
+    return Meta(description=description, extra=extra, **limits)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -80,48 +85,49 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     pipeline would use), filled in when the engine accepts the request.
     """
 
-    height: _field(int, ge=1, description="pixels (default: the model's)",
-                   http="size") = None
-    width: _field(int, ge=1, description="pixels (default: the model's)",
-                  http="size") = None
-    num_inference_steps: _field(int, ge=1, le=MAX_STEPS, cli=("--steps",), description=(
-        "denoising steps (default: the model's)")) = None
-    guidance_scale: _field(float, ge=0, le=MAX_GUIDANCE, description=(
+    height: Annotated[Annotated[int, Meta(ge=1)] | None, _about(
+        "pixels (default: the model's)", http="size")] = None
+    width: Annotated[Annotated[int, Meta(ge=1)] | None, _about(
+        "pixels (default: the model's)", http="size")] = None
+    num_inference_steps: Annotated[Annotated[int, Meta(ge=1, le=MAX_STEPS)] | None, _about(
+        "denoising steps (default: the model's)", cli=("--steps",))] = None
+    guidance_scale: Annotated[Annotated[float, Meta(ge=0, le=MAX_GUIDANCE)] | None, _about(
         "SD3: classifier-free guidance runs when > 1; Flux: the embedded guidance of "
-        "guidance-distilled checkpoints (default: the model's)")) = None
-    seed: _field(int, ge=SEED_MIN, le=SEED_MAX, description=(
-        "the request's noise seed; None: a fresh one, returned with the output")) = None
-    num_outputs_per_prompt: _required(int, ge=1, le=MAX_OUTPUTS_PER_PROMPT, http="n",
-                                      cli=("-n", "--num-images"), description=(
-                                          "images for the prompt")) = 1
-    output_type: _required(OutputType, http=None, cli=None, description=(
+        "guidance-distilled checkpoints (default: the model's)")] = None
+    seed: Annotated[Annotated[int, Meta(ge=SEED_MIN)] | None, _about(
+        "the request's noise seed; None: a fresh one, returned with the output",
+        unchecked_le=SEED_MAX)] = None
+    num_outputs_per_prompt: Annotated[int, _about(
+        "images for the prompt", http="n", cli=("-n", "--num-images"),
+        ge=1, le=MAX_OUTPUTS_PER_PROMPT)] = 1
+    output_type: Annotated[OutputType, _about(
         "pil, pt (uint8 tensor) or latent; over HTTP the response_format and "
-        "output_format say what comes back instead")) = "pil"
-    lora_name: _field(str, max_length=MAX_LORA_NAME_CHARS, http=None, cli=None, description=(
+        "output_format say what comes back instead", http=None, cli=None)] = "pil"
+    lora_name: Annotated[Annotated[str, Meta(max_length=MAX_LORA_NAME_CHARS)] | None, _about(
         "an adapter by name; no model loads adapters yet (refused), so neither the HTTP "
-        "body nor the CLI offers it")) = None
+        "body nor the CLI offers it", http=None, cli=None)] = None
     #: seconds this request may take from submission to its final output; it
     #: can only lower the engine's ``request_timeout_s``. None: the engine's.
-    timeout_s: _field(float, gt=0, le=1e9, http="timeout_ms", description=(
+    timeout_s: Annotated[Annotated[float, Meta(gt=0, le=1e9)] | None, _about(
         "seconds from submission to the final output; only lowers the engine's "
-        "request_timeout_s")) = None
+        "request_timeout_s", http="timeout_ms")] = None
     #: classifier-free guidance for families whose ``guidance_scale`` is an
     #: embedded input or unused (Flux, Qwen-Image): it runs when > 1 and a
     #: negative prompt is given or the model has a default one (diffrt-shapes:
     #: ""). None: the model's (diffrt-shapes 3.0, Qwen-Image 4.0, else 1.0).
-    true_cfg_scale: _field(float, ge=0, le=MAX_GUIDANCE, description=(
+    true_cfg_scale: Annotated[Annotated[float, Meta(ge=0, le=MAX_GUIDANCE)] | None, _about(
         "Flux, Qwen-Image: true classifier-free guidance, runs when > 1 with a negative "
-        "prompt or the model's default one (default: the model's)")) = None
+        "prompt or the model's default one (default: the model's)")] = None
     #: previews decoded from the current x0 prediction while the request runs
     #: (STEP_BATCH only): preview k of N after step ceil(k * T / (N + 1)).
-    partial_images: _required(int, ge=0, le=MAX_PARTIAL_IMAGES, cli=None, description=(
+    partial_images: Annotated[int, _about(
         "previews streamed before the final image (STEP_BATCH; over HTTP with stream=true; "
-        "the CLI writes final images only)")) = 0
+        "the CLI writes final images only)", cli=None, ge=0, le=MAX_PARTIAL_IMAGES)] = 0
 
     def preview_steps(self) -> list[int]:
         """The step counts after which a preview is decoded, in order: distinct
         and before the last step (the final image comes then)."""
-        n, total = self.partial_images, self.num_inference_steps
+        n, total = self.partial_images, filled(self.num_inference_steps)
         steps = sorted({-(-k * total // (n + 1)) for k in range(1, n + 1)})
         return [s for s in steps if 0 < s < total]
 
@@ -151,7 +157,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def megapixel_steps(self) -> float:
         """pixels x steps x outputs / 10^6: the transformer work without CFG
         (the pipeline knows whether CFG runs, which doubles it)."""
-        pixels = self.height * self.width * self.num_inference_steps * self.num_outputs_per_prompt
+        pixels = (filled(self.height) * filled(self.width) * filled(self.num_inference_steps)
+                  * self.num_outputs_per_prompt)
         return pixels / 1e6
 
     def request_batch_key(self) -> tuple:

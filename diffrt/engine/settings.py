@@ -4,7 +4,7 @@ Users pass one flat ``EngineConfig(model=..., max_num_seqs=...)``
 (``config.py``); inside, each keyword lands in one of these groups, and each
 room reads its own group: the worker its ``ModelConfig`` and
 ``ParallelConfig`` (they travel in ``RunnerSettings``), the schedulers the
-``SchedulingConfig``, admission the ``LimitsConfig``, the executors the
+``SchedulingConfig``, the submission checks the ``LimitsConfig``, the executors the
 ``ExecutorSettings`` (whose tuning fields are the runtime's own
 ``ExecutorOptions`` declaration). A field's ``msgspec.Meta`` gives its check
 (``check_declared``: the error names the field), its CLI flag and help
@@ -19,19 +19,23 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from diffrt.runtime.types import ExecutorOptions
+from diffrt.runtime.types import ExecutorBackend, ExecutorOptions
 
 #: the shipped demo model (tiny, trained: its pictures follow the prompt)
 DEFAULT_MODEL = "diffrt-shapes"
-ExecutorBackend = Literal["mp", "inproc", "ray"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Policy = Literal["fifo", "skip_ahead"]
 
-#: a finite number of milliseconds >= 0, or None (automatic)
-_WaitMs = Annotated[Annotated[float, Meta(ge=0, le=3.6e6)] | None, Meta(description=(
-    "how long an idle engine may hold the first request of a new batch so a burst can "
-    "join it, in ms: None (the default) sizes it from measured request run times (a "
-    "tenth of their moving average, at most 50 ms); 0 schedules at once"))]
+#: the two coalescing windows, in ms: None (automatic) or a finite number >= 0
+_AUTOMATIC = ("None (the default) sizes it from measured request run times (a tenth of "
+              "their moving average, at most 50 ms); 0 schedules at once; irrelevant with "
+              "max_num_seqs=1")
+_RequestWaitMs = Annotated[Annotated[float, Meta(ge=0, le=3.6e6)] | None, Meta(description=(
+    "REQUEST_BATCH only: how long an idle engine may hold the first request of a new wave "
+    "so a burst can join it, in ms; " + _AUTOMATIC))]
+_StepWaitMs = Annotated[Annotated[float, Meta(ge=0, le=3.6e6)] | None, Meta(description=(
+    "STEP_BATCH only: the same window for a step batch that forms while nothing runs "
+    "(joining a running batch never waits), in ms; " + _AUTOMATIC))]
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -80,8 +84,8 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_num_seqs: Annotated[int, Meta(ge=1, description=(
         "how many requests share one forward (REQUEST_BATCH) or one denoise step "
         "(STEP_BATCH)"))] = 1
-    request_batch_max_wait_ms: _WaitMs = None
-    step_batch_max_wait_ms: _WaitMs = None
+    request_batch_max_wait_ms: _RequestWaitMs = None
+    step_batch_max_wait_ms: _StepWaitMs = None
     max_steps_per_tick: Annotated[int, Meta(ge=1, description=(
         "STEP_BATCH: denoise steps one worker call may run while no request waits to join "
         "(a request arriving meanwhile waits at most this many steps); 1: one per call"))] = 4

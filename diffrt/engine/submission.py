@@ -5,7 +5,7 @@ A request is accepted only if it can be carried end to end: every field's type
 and range, the model's own limits (its ``ModelSpec``), the engine's cost limit,
 and the message a worker will receive (encoded here, per request, so one
 request that cannot be encoded never reaches a tick its neighbours share).
-Refusals raise ``InvalidRequestError`` naming the field. The admitted request
+Refusals raise ``InvalidRequestError`` naming the field. The accepted request
 is the engine's own copy, with the model's sampling defaults filled in and its
 seed drawn when none was given.
 """

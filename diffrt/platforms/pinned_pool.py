@@ -47,8 +47,9 @@ class PinnedBufferPool:
 
     def __init__(self, platform: Platform | None = None, max_buffers: int | None = None):
         if platform is None:
-            from diffrt.platforms import current_platform as platform
-        self.platform = platform
+            from diffrt.platforms import current_platform
+            platform = current_platform
+        self.platform: Platform = platform
         self.max_buffers = max_buffers
         self._lock = threading.Lock()
         self._slots: list[PinnedSlot] = []

@@ -3,12 +3,14 @@ the engine does, so the backends can import the contract without a cycle."""
 
 from __future__ import annotations
 
+import typing
+
 from diffrt.runtime.executor import Executor
 from diffrt.runtime.inproc_executor import InprocExecutor
 from diffrt.runtime.multiproc_executor import MultiprocExecutor
-from diffrt.runtime.types import ExecutorConfig
+from diffrt.runtime.types import ExecutorBackend, ExecutorConfig
 
-BACKENDS = ("mp", "inproc", "ray")
+BACKENDS: tuple[str, ...] = typing.get_args(ExecutorBackend)
 
 
 def make_executor(backend: str, config: ExecutorConfig) -> Executor:

@@ -12,25 +12,29 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffrt.runtime.messages import FreeSlots, InitWorker, Shutdown, encode
 from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
 from diffrt.runtime.types import ExecutorConfig, ExecutorDeadError
 from diffrt.runtime.worker_core import WorkerCore, serve
 
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
+
 logger = logging.getLogger(__name__)
 
 
 class InprocExecutor(PumpedExecutor):
-    def __init__(self, config: ExecutorConfig, platform: Any = None):
+    def __init__(self, config: ExecutorConfig, platform: Platform | None = None):
         if config.world_size != 1:
             raise ValueError(f"the inproc executor runs one rank; world_size={config.world_size} "
                              "needs the 'mp' backend")
         super().__init__(config)
         if platform is None:
-            from diffrt.platforms import current_platform as platform
-        self.platform = platform
+            from diffrt.platforms import current_platform
+            platform = current_platform
+        self.platform: Platform = platform
         self._requests: queue.Queue[bytes] = queue.Queue()
         self._results: queue.Queue[bytes] = queue.Queue()
         self._frees: queue.Queue[FreeSlots] = queue.Queue()

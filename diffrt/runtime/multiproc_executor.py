@@ -18,11 +18,14 @@ import sys
 import threading
 from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from diffrt.runtime.messages import FreeSlots, Shutdown, encode
 from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
 from diffrt.runtime.types import ExecutorConfig
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_device_env(platform: Any, rank: int, world_size: int,
+def worker_device_env(platform: Platform, rank: int, world_size: int,
                       environ: Mapping[str, str]) -> dict[str, str]:
     """Pin rank ``rank`` to one device through the vendor's visibility variable
     (e.g. CUDA_VISIBLE_DEVICES), so its compute stream and its output thread's
@@ -80,7 +83,7 @@ class MultiprocExecutor(PumpedExecutor):
         super().__init__(config)
         self._procs: list[_Proc] = []
         self._death: str | None = None
-        self._platform: Any = None
+        self._platform: Platform | None = None
         if config.world_size > 1:
             from diffrt.platforms import current_platform
 
@@ -150,8 +153,10 @@ class MultiprocExecutor(PumpedExecutor):
         sentinels = {p.pidfd: p for p in self._procs if p.pidfd is not None}
         out: list[bytes] = []
         dead: _Proc | None = None
-        for obj in wait(list(conns) + list(sentinels), timeout):
-            proc = conns.get(obj) or sentinels[obj]
+        # wait() hands back some of the objects it was given: pipes and pidfds
+        ready = cast("list[Connection | int]", wait(list(conns) + list(sentinels), timeout))
+        for obj in ready:
+            proc = sentinels[obj] if isinstance(obj, int) else conns[obj]
             try:  # also drains what a dead worker managed to send
                 while proc.results_open and proc.results.poll():
                     out.append(proc.results.recv_bytes())

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from diffrt import tracing
-from diffrt.platforms.interface import output_path, outputs_are_host_memory
+from diffrt.platforms.interface import Platform, output_path, outputs_are_host_memory
 from diffrt.runtime.messages import (
     PENDING_NOTICE_S,
     FreeSlots,
@@ -67,7 +67,7 @@ class OutputWriterClosed(RuntimeError):
 class OutputWriter:
     """Packs outputs into the arena on a background thread (or synchronously)."""
 
-    def __init__(self, platform: Any, arena: Arena, free_source: FreeSource,
+    def __init__(self, platform: Platform, arena: Arena, free_source: FreeSource,
                  send: Callable[[Any], None], *, rank: int = 0, queue_depth: int = 2,
                  async_output: bool = True):
         self.platform = platform
@@ -190,9 +190,9 @@ class OutputWriter:
             return copy_host
         if sync:  # on the compute stream; _pack_run synchronises after the run
             return lambda dst, src: self.platform.copy_async(dst, src, None)
-        stream = self._side_stream
-        if self._staging is not None:
-            return lambda dst, src: self._staging.copy(dst, src, stream)
+        stream, staging = self._side_stream, self._staging
+        if staging is not None:
+            return lambda dst, src: staging.copy(dst, src, stream)
         return lambda dst, src: self.platform.copy_async(dst, src, stream)
 
     def _pack(self, batch_id: str, ids: dict[str, str], outputs: dict[str, Any],

@@ -33,11 +33,14 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffrt.runtime.messages import FreeSlots, OutputReady, Shutdown, encode, result_decoder
 from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
 from diffrt.runtime.types import ExecutorConfig
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +357,7 @@ class RayExecutor(PumpedExecutor):
             logger.debug("removing the placement group failed", exc_info=True)
 
 
-def ray_device_options(platform: Any, devices: int) -> dict[str, Any]:
+def ray_device_options(platform: Platform, devices: int) -> dict[str, Any]:
     """Ray actor options reserving ``devices`` of the platform's devices, under
     the Ray resource that counts them (``Platform.ray_resource``: "GPU" for
     CUDA, ROCm, XPU and MUSA, "NPU" for Ascend; a custom resource must be
@@ -370,7 +373,7 @@ def ray_device_options(platform: Any, devices: int) -> dict[str, Any]:
     return {"resources": {resource: devices}}
 
 
-def ray_bundle(platform: Any, cpus_per_rank: float) -> dict[str, float]:
+def ray_bundle(platform: Platform, cpus_per_rank: float) -> dict[str, float]:
     """One rank's placement-group bundle: its CPUs and one device."""
     bundle: dict[str, float] = {"CPU": float(cpus_per_rank)}
     options = ray_device_options(platform, 1)
@@ -383,7 +386,7 @@ def ray_bundle(platform: Any, cpus_per_rank: float) -> dict[str, float]:
 _noted: set[str] = set()
 
 
-def ray_limitation(platform: Any) -> str | None:
+def ray_limitation(platform: Platform) -> str | None:
     """One line on what Ray cannot do for ``platform`` on this node, or None:
     Ray counts Intel GPUs only through ``dpctl`` (its intel_gpu.py returns 0
     without it), and it has no MUSA accelerator manager."""
@@ -401,14 +404,14 @@ def ray_limitation(platform: Any) -> str | None:
     return None
 
 
-def _note_limitation(platform: Any) -> None:
+def _note_limitation(platform: Platform) -> None:
     note = ray_limitation(platform)
     if note is not None and note not in _noted:
         _noted.add(note)
         logger.warning("%s", note)
 
 
-def ray_pinning_var(platform: Any) -> str | None:
+def ray_pinning_var(platform: Platform) -> str | None:
     """The visibility variable diffrt must set from ``ray.get_gpu_ids()`` in
     an actor, where Ray's manager for the platform's resource does not set it
     (MUSA under the "GPU" resource); None where Ray pins by itself."""

@@ -151,6 +151,12 @@ class _Output:
     future: Future | None = None   # WAITING
     result: Any = None             # ARRIVED: an OutputLease or an exception
 
+    @property
+    def waiter(self) -> Future:
+        """A WAITING output's future (every WAITING ``_Output`` is made with one)."""
+        assert self.future is not None
+        return self.future
+
 
 @dataclass
 class _Effects:
@@ -204,68 +210,68 @@ class ResultRouter:
                     result: Any = None, future: Future | None = None) -> None:
         """The one place an output changes state (called with the lock held)."""
         entry = self._outputs.get(oid)
-        state = entry.state if entry is not None else None
         S, E = OutputState, OutputEvent
-        match event, state:
+        match event, entry:
             case E.WAIT, None:
                 assert future is not None
                 self._outputs[oid] = _Output(S.WAITING, now + self.output_timeout_s, future=future)
-            case E.WAIT, S.BLOCKED:
+            case E.WAIT, _Output(state=S.BLOCKED):
                 assert future is not None
                 self._outputs[oid] = _Output(S.WAITING, max(entry.expires_at, now + self.output_timeout_s),
                                              future=future)
-            case E.WAIT, S.ARRIVED:
+            case E.WAIT, _Output(state=S.ARRIVED):
                 assert future is not None
                 self._claim_locked(oid, entry.result)
                 fx.hand_over.append((oid, future, entry.result))
-            case E.WAIT, S.CLAIMED | S.DROPPED:
+            case E.WAIT, _Output(state=S.CLAIMED | S.DROPPED):
                 assert future is not None
                 fx.resolve.append((future, ExecutorError(
-                    f"output {oid} was already {state.value}")))
-            case E.ARRIVE, None | S.BLOCKED:
+                    f"output {oid} was already {entry.state.value}")))
+            case E.ARRIVE, None | _Output(state=S.BLOCKED):
                 self._outputs[oid] = _Output(S.ARRIVED, now + self.output_timeout_s, result=result)
-            case E.ARRIVE, S.WAITING:
-                if entry.future.done():  # its waiter was cancelled: keep it for another
+            case E.ARRIVE, _Output(state=S.WAITING):
+                if entry.waiter.done():  # its waiter was cancelled: keep it for another
                     self._outputs[oid] = _Output(S.ARRIVED, now + self.output_timeout_s,
                                                  result=result)
                 else:
                     self._claim_locked(oid, result)
-                    fx.hand_over.append((oid, entry.future, result))
-            case E.ARRIVE, S.DROPPED:
+                    fx.hand_over.append((oid, entry.waiter, result))
+            case E.ARRIVE, _Output(state=S.DROPPED):
                 del self._outputs[oid]
                 fx.discard.append(result)
             case E.ARRIVE, _:  # a duplicate: the first one wins
                 fx.discard.append(result)
-            case E.RELEASE, None | S.BLOCKED:
+            case E.RELEASE, None | _Output(state=S.BLOCKED):
                 self._drop_locked(oid, now)
-            case E.RELEASE, S.WAITING:
-                fx.cancel.append(entry.future)
+            case E.RELEASE, _Output(state=S.WAITING):
+                fx.cancel.append(entry.waiter)
                 self._drop_locked(oid, now)
-            case E.RELEASE, S.ARRIVED:
+            case E.RELEASE, _Output(state=S.ARRIVED):
                 del self._outputs[oid]
                 fx.discard.append(entry.result)
             case E.RELEASE, _:
                 pass  # claimed: its lease holder frees it; dropped: already on its way
-            case E.PENDING, None | S.BLOCKED | S.WAITING:  # notices repeat every PENDING_NOTICE_S
+            # notices repeat every PENDING_NOTICE_S
+            case E.PENDING, None | _Output(state=S.BLOCKED | S.WAITING):
                 expires_at = now + max(self.output_timeout_s, 3 * PENDING_NOTICE_S)
                 if entry is None:
                     self._outputs[oid] = _Output(S.BLOCKED, expires_at)
                 else:
                     entry.expires_at = expires_at
-            case E.HANDOVER_FAILED | E.LEASE_DONE, S.CLAIMED:
+            case E.HANDOVER_FAILED | E.LEASE_DONE, _Output(state=S.CLAIMED):
                 del self._outputs[oid]
-            case E.EXPIRE, S.WAITING if entry.future.done():
+            case E.EXPIRE, _Output(state=S.WAITING) if entry.waiter.done():
                 del self._outputs[oid]  # cancelled by its owner and never arrived
-            case E.EXPIRE, S.WAITING if entry.expires_at <= now:
+            case E.EXPIRE, _Output(state=S.WAITING) if entry.expires_at <= now:
                 self._drop_locked(oid, now)
-                fx.resolve.append((entry.future, OutputTimeoutError(
+                fx.resolve.append((entry.waiter, OutputTimeoutError(
                     f"output {oid} not ready within {self.output_timeout_s} s "
                     "(ExecutorConfig.output_timeout_s / DIFFRT_OUTPUT_TIMEOUT_S)")))
-            case E.EXPIRE, S.ARRIVED if entry.expires_at <= now:
+            case E.EXPIRE, _Output(state=S.ARRIVED) if entry.expires_at <= now:
                 logger.warning("output %s unclaimed for %.0f s: freed", oid, self.output_timeout_s)
                 del self._outputs[oid]
                 fx.discard.append(entry.result)
-            case E.EXPIRE, S.DROPPED | S.BLOCKED if entry.expires_at <= now:
+            case E.EXPIRE, _Output(state=S.DROPPED | S.BLOCKED) if entry.expires_at <= now:
                 del self._outputs[oid]  # BLOCKED: no notice for a while, the writer moved on
             case _:
                 pass
@@ -453,8 +459,8 @@ class ResultRouter:
             self._forget_released_locked()
             entry = self._outputs.get(oid)
             if entry is not None and entry.state is OutputState.WAITING:
-                if not entry.future.done():
-                    return entry.future  # one future per id, shared by its waiters
+                if not entry.waiter.done():
+                    return entry.waiter  # one future per id, shared by its waiters
                 del self._outputs[oid]  # its waiter was cancelled: start afresh
             fut = Future()
             self._transition(oid, OutputEvent.WAIT, fx, now=time.monotonic(), future=fut)
@@ -494,7 +500,7 @@ class ResultRouter:
             _set_exception(p.future, err)
         for entry in outputs:
             if entry.state is OutputState.WAITING:
-                _set_exception(entry.future, err)
+                _set_exception(entry.waiter, err)
             elif entry.state is OutputState.ARRIVED:
                 _discard(entry.result)
 

@@ -12,12 +12,15 @@ which is already launching the next forward.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffrt.platforms.pinned_pool import PinnedBufferPool, PinnedSlot
 from diffrt.runtime.shm_transport import copy_host
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 #: pinned staging buffers kept (soft cap: a run with more outputs grows the pool)
 MAX_STAGING_BUFFERS = 4
@@ -28,7 +31,7 @@ class StagedCopier:
     copy, ``finish`` (after the side stream's copies completed) moves the
     bytes into their arena views, ``discard`` drops a failed run."""
 
-    def __init__(self, platform: Any) -> None:
+    def __init__(self, platform: Platform) -> None:
         self.platform = platform
         self.pool = PinnedBufferPool(platform, max_buffers=MAX_STAGING_BUFFERS)
         self._pending: list[tuple[torch.Tensor, PinnedSlot]] = []

@@ -23,6 +23,7 @@ before anything is sent, never a failure inside a worker.
 
 from __future__ import annotations
 
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ class RunnerProtocol:
             collective results).
     """
 
-    settings: type
+    settings: type[msgspec.Struct]
     requests: Any
     replies: Any
 
@@ -167,10 +168,19 @@ def check_declared(struct: msgspec.Struct, fields: tuple[str, ...] | None = None
     names = fields if fields is not None else struct.__struct_fields__
     values = {name: getattr(struct, name) for name in names}
     cls = type(struct) if fields is None else _subset(type(struct), names)
+    _check_finite(values)
     try:
         msgspec.convert(values, cls, strict=True)
     except msgspec.ValidationError as exc:
         raise DeclaredValueError.from_validation(exc, values, cls) from None
+
+
+def _check_finite(values: dict[str, Any]) -> None:
+    """No declared number is infinite or NaN: a limit of ``inf`` seconds
+    reaches ``threading`` and ``queue`` calls that refuse it."""
+    for name, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DeclaredValueError(name, f"must be a finite number, got {value!r}")
 
 
 def convert_declared(cls: type, values: dict[str, Any]) -> Any:
@@ -181,6 +191,7 @@ def convert_declared(cls: type, values: dict[str, Any]) -> Any:
     Raises:
         DeclaredValueError: naming the first field that breaks its declaration.
     """
+    _check_finite(values)
     try:
         return msgspec.convert(values, cls, strict=True)
     except msgspec.ValidationError as exc:
@@ -255,14 +266,17 @@ def _literal_values(t: Any) -> tuple[Any, ...] | None:
     return None
 
 
+#: where an engine's ranks run: worker processes, a thread of this process, Ray actors
+ExecutorBackend = typing.Literal["mp", "inproc", "ray"]
 #: how an executor's outputs travel from a Ray rank 0 to the engine
 RayOutputTransport = typing.Literal["auto", "shm", "object_store"]
 
 
-class ExecutorOptions(msgspec.Struct, kw_only=True):
+class ExecutorOptions(msgspec.Struct, kw_only=True, frozen=True):
     """The executor's tuning, declared once: ``ExecutorConfig`` carries these
     fields, and the engine's executor settings are this same declaration (an
-    ``EngineConfig`` keyword for each)."""
+    ``EngineConfig`` keyword for each). Frozen, as the engine's settings that
+    extend it are: nothing changes an executor's options once it is made."""
 
     #: seconds a ``wait_output_ready`` future (and an unclaimed output) may wait
     output_timeout_s: Annotated[float, msgspec.Meta(gt=0, description=(
@@ -299,7 +313,7 @@ class ExecutorOptions(msgspec.Struct, kw_only=True):
         "ray backend: CPUs in each rank's placement-group bundle (fractions allowed)"))] = 1.0
 
 
-class ExecutorConfig(ExecutorOptions, kw_only=True):
+class ExecutorConfig(ExecutorOptions, kw_only=True, frozen=True):
     """What an executor runs (``runner``, on ``world_size`` ranks) and how."""
 
     runner: Any

@@ -13,7 +13,7 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import msgspec
 
@@ -35,6 +35,9 @@ from diffrt.runtime.output_thread import FreeSource, OutputWriter
 from diffrt.runtime.shm_transport import Arena
 from diffrt.runtime.types import RankFailure, RunnerProtocol, RunnerResult
 
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
+
 logger = logging.getLogger(__name__)
 
 OUTPUT_RANK = 0
@@ -48,7 +51,23 @@ def error_reply(rpc_id: int, rank: int, exc: BaseException) -> RpcResult:
                      traceback="".join(traceback.format_exception(exc)))
 
 
-def resolve_runner_cls(path: str) -> type:
+class Runner(Protocol):
+    """What a worker calls on the runner class it builds (``runtime/types.py``
+    describes the contract)."""
+
+    protocol: ClassVar[RunnerProtocol]
+    #: set by the worker before the first request; a long execute calls it
+    heartbeat: Callable[[], None]
+
+    def __init__(self, settings: Any, *, rank: int, world_size: int,
+                 platform: Platform) -> None: ...
+
+    def handle(self, request: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def resolve_runner_cls(path: str) -> type[Runner]:
     """Import ``"pkg.module:Class"`` and check it declares a RunnerProtocol."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
@@ -66,14 +85,14 @@ def resolve_runner_cls(path: str) -> type:
 class WorkerCore:
     """Builds the runner and handles RPCs for one rank."""
 
-    def __init__(self, init: InitWorker, platform: Any, send: Callable[[Any], None],
+    def __init__(self, init: InitWorker, platform: Platform, send: Callable[[Any], None],
                  arena: Arena | None = None, free_source: FreeSource | None = None):
         self.rank = init.rank
         self.platform = platform
         self._send = send
         self._track = tracing.worker_main_track(self.rank)
         cls = resolve_runner_cls(init.runner_cls)
-        protocol: RunnerProtocol = cls.protocol
+        protocol = cls.protocol
         self._requests = msgspec.msgpack.Decoder(protocol.requests)
         settings = msgspec.msgpack.decode(init.runner_settings, type=protocol.settings)
         self.runner = cls(settings, rank=init.rank, world_size=init.world_size, platform=platform)

@@ -18,10 +18,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
+from diffrt.engine.model_spec import ModelSpec
 from diffrt.serve.errors import ApiError
 from diffrt.serve.settings import ServeSettings
 
@@ -64,6 +65,10 @@ class EngineClient:
     @property
     def step_mode(self) -> bool:
         return self.config.step_execution
+
+    def model_spec(self) -> ModelSpec | None:
+        """The served model's description (``/v1/models`` shows it)."""
+        return self.config.model_spec()
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -150,7 +155,7 @@ class EngineClient:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         return self.engine
 
-    async def run(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:
+    async def run(self, request: DiffusionRequest) -> AsyncGenerator[DiffusionOutput, None]:
         """The request's outputs (progress, previews, then the final one); a
         consumer that leaves before the final one aborts the request. Raises
         ApiError (503/429) when the server takes no work, InvalidRequestError

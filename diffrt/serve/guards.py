@@ -13,9 +13,9 @@ import hmac
 import ipaddress
 import re
 from collections.abc import Sequence
-from typing import Any
 
 from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.types import Message, Receive, Scope, Send
 
 from diffrt.serve.errors import ApiError
 
@@ -66,15 +66,15 @@ class HostGuard:
                                 "(see diffrt serve --allowed-hosts)", code="invalid_host")
 
 
-async def _passed(scope: dict, receive: Any, send: Any) -> None:
+async def _passed(scope: Scope, receive: Receive, send: Send) -> None:
     scope["diffrt.host_ok"] = True
 
 
-async def _no_receive() -> dict:  # the check never reads a body
+async def _no_receive() -> Message:  # the check never reads a body
     return {"type": "http.disconnect"}
 
 
-async def _drop(message: dict) -> None:  # the middleware's own refusal: replaced
+async def _drop(message: Message) -> None:  # the middleware's own refusal: replaced
     return None
 
 

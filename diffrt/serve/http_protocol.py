@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 import h11
+from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # as uvicorn's h11_impl does
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class HeadTimeoutH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self._max_head = self.config.h11_max_incomplete_event_size or h11.DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        self._max_head = (self.config.h11_max_incomplete_event_size
+                          or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
         parse = self.conn.next_event
 
         def next_event() -> Any:

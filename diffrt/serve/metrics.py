@@ -140,10 +140,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(snapshots))
         if url_store is not None:
-            labels = {} if replica is None else {"replica": replica}
-            self.registry.register(UrlStoreCollector(url_store, labels))
-        labels = ["code"] if replica is None else ["code", "replica"]
-        counter = Counter("diffrt_http_responses", "HTTP responses by status code", labels,
+            store_labels = {} if replica is None else {"replica": replica}
+            self.registry.register(UrlStoreCollector(url_store, store_labels))
+        label_names = ["code"] if replica is None else ["code", "replica"]
+        counter = Counter("diffrt_http_responses", "HTTP responses by status code", label_names,
                           registry=self.registry)
         self._counter, self._replica = counter, replica
 

@@ -14,7 +14,7 @@ where OpenAI has one (``n``; ``size`` for height and width; ``*_ms`` for a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -96,10 +96,18 @@ SAMPLING_FIELDS: tuple[BodyField, ...] = tuple(
     BodyField(d.name, name, _scale(d, name))
     for d in _DECLARED.values() if (name := _http_name(d)) is not None)
 
-ImageGenerationRequest = create_model(
-    "ImageGenerationRequest", __base__=_ImageGenerationBody,
-    __doc__="POST /v1/images/generations (OpenAI's fields, then the sampling fields).",
-    **{f.http: _body_field(_DECLARED[f.field], f.http) for f in SAMPLING_FIELDS})
+if TYPE_CHECKING:
+    class ImageGenerationRequest(_ImageGenerationBody):
+        """What a type checker sees of the model made below: the sampling
+        fields are read by name (``SAMPLING_FIELDS``), except ``n``, which the
+        route checks against ``stream`` itself."""
+
+        n: int
+else:
+    ImageGenerationRequest = create_model(
+        "ImageGenerationRequest", __base__=_ImageGenerationBody,
+        __doc__="POST /v1/images/generations (OpenAI's fields, then the sampling fields).",
+        **{f.http: _body_field(_DECLARED[f.field], f.http) for f in SAMPLING_FIELDS})
 
 
 class ImageData(BaseModel):
@@ -133,11 +141,27 @@ class ImagesResponse(BaseModel):
     diffrt: DiffrtInfo
 
 
+class ModelInfo(BaseModel):
+    """diffrt's extension of a model card: what the model's ``ModelSpec``
+    says a request may ask and gets by default."""
+
+    family: str
+    tasks: list[str]
+    size_multiple: int
+    max_size: int
+    max_steps: int
+    defaults: dict[str, Any]
+    default_negative_prompt: str | None
+    cfg_rule: str
+    step_execution: bool
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "diffrt"
+    diffrt: ModelInfo | None = None
 
 
 class ModelList(BaseModel):

@@ -33,12 +33,15 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
 from diffrt.serve.errors import ApiError
 from diffrt.serve.ray_placement import INGRESS_CPUS, cpu_share, torch_threads_for
 from diffrt.serve.settings import ServeSettings
+
+if TYPE_CHECKING:
+    from diffrt.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ class ReplicaSettings:
         """The replicas deployed first (autoscaling: the initial count)."""
         return self.replicas or self.min_replicas
 
-    def sized_for(self, platform: Any, node_cpus: float) -> ReplicaSettings:
+    def sized_for(self, platform: Platform, node_cpus: float) -> ReplicaSettings:
         """These settings with ``replica_cpus`` filled in: given, or on CPU the
         node's equal share for the initial replicas, else 1."""
         import dataclasses
@@ -97,7 +100,7 @@ class ReplicaSettings:
         return 1.0 if self.replica_cpus is None else self.replica_cpus
 
     def deployment_options(self, config: EngineConfig, settings: ServeSettings,
-                           platform: Any) -> dict[str, Any]:
+                           platform: Platform) -> dict[str, Any]:
         """The model deployment's Ray Serve options."""
         from diffrt.runtime.ray_executor import ray_device_options
 
@@ -183,9 +186,11 @@ class ModelReplica:
         self._publisher.start()
 
     def _publish(self) -> None:
+        engine = self.engine
+        assert engine is not None  # made before this thread starts
         while not self._stop.is_set():
             try:
-                self.board.put.remote(self.name, self.engine.stats())
+                self.board.put.remote(self.name, engine.stats())
             except Exception:  # the board may be gone while the app shuts down
                 logger.debug("publishing statistics failed", exc_info=True)
             self._stop.wait(PUBLISH_EVERY_S)
@@ -196,6 +201,7 @@ class ModelReplica:
             yield self.name, out
 
     def check_health(self) -> None:
+        assert self.engine is not None  # Ray checks a replica whose __init__ returned
         if not self.engine.is_healthy():
             raise RuntimeError("the engine is not healthy")
 
@@ -229,6 +235,7 @@ class ReplicaClient:
         self.settings = settings
         self.model_name = settings.model_name or model_name
         self.step_mode = step_mode
+        self._model = model_name
         # ready from the start: Ray deploys the ingress once the model replicas
         # passed their health checks (and may route to it before the app's
         # lifespan has run)
@@ -272,6 +279,16 @@ class ReplicaClient:
         self.state = "stopped"
         if self._watch is not None:
             self._watch.cancel()
+
+    def model_spec(self) -> Any:
+        """The model's description when this node can read its folder (the
+        replicas' node may hold a folder the ingress's does not)."""
+        from diffrt.engine.pipelines.registry import resolve_model_spec
+
+        try:
+            return resolve_model_spec(self._model)
+        except (ValueError, OSError):
+            return None
 
     def healthy(self) -> bool:
         """Some replica's engine reported itself healthy within the last
@@ -357,17 +374,18 @@ def ingress_cpus(replicas: ReplicaSettings) -> float:
 
 
 def build_application(config: EngineConfig, settings: ServeSettings,
-                      replicas: ReplicaSettings, board: Any, platform: Any = None) -> Any:
+                      replicas: ReplicaSettings, board: Any, platform: Platform | None = None) -> Any:
     """The Ray Serve application: ``serve.run(build_application(...),
     name=APP_NAME, route_prefix="/")``. ``board`` is a ``StatsBoard`` actor
     the caller created (``ray.remote(StatsBoard).remote()``) and keeps alive."""
     from ray import serve
 
     if platform is None:
-        from diffrt.platforms import current_platform as platform
-    model = serve.deployment(ModelReplica, name="ModelReplica").options(
+        from diffrt.platforms import current_platform
+        platform = current_platform
+    model = serve.deployment(name="ModelReplica")(ModelReplica).options(
         **replicas.deployment_options(config, settings, platform))
-    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress").options(
+    ingress = serve.deployment(name="Ingress")(serve.ingress()(Ingress)).options(
         num_replicas=1, max_ongoing_requests=max(100, 4 * settings.max_pending),
         # outlives the replicas' drain, so answers in flight still reach their clients
         graceful_shutdown_timeout_s=settings.shutdown_timeout_s + 10,

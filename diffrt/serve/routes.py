@@ -19,9 +19,10 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -39,6 +40,7 @@ from diffrt.serve.protocol import (
     ImageGenerationRequest,
     ImagesResponse,
     ModelCard,
+    ModelInfo,
     ModelList,
     Timings,
 )
@@ -65,7 +67,7 @@ def _client(request: Request) -> EngineClient:
 # The API key of /v1/* is checked by the request middleware, before the body
 # is read (guards.py).
 @router.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
-async def generate(body: ImageGenerationRequest, request: Request) -> Any:  # type: ignore[valid-type]
+async def generate(body: ImageGenerationRequest, request: Request) -> Any:
     """Generate images (OpenAI's Images API). ``stream: true`` answers with
     server-sent events: ``image_generation.partial_image`` previews, then
     ``image_generation.completed``."""
@@ -78,7 +80,8 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:  # ty
     if body.stream_progress and not client.step_mode:  # previews: the engine's own check
         raise ApiError(400, "stream_progress: needs a server with step_execution (diffrt serve "
                             "--step-execution, the default)", param="stream_progress")
-    engine_request = to_engine_request(body, request.state.request_id)
+    engine_request = to_engine_request(body, request.state.request_id,
+                                       step_execution=client.step_mode)
     created = int(time.time())
     room = _reserve_urls(body, engine_request, request) if body.response_format == "url" else None
     try:
@@ -161,16 +164,19 @@ async def _last(outputs: AsyncIterator[DiffusionOutput]) -> DiffusionOutput | No
     return final
 
 
-def to_engine_request(body: Any, request_id: str) -> DiffusionRequest:
+def to_engine_request(body: Any, request_id: str, *, step_execution: bool = True
+                      ) -> DiffusionRequest:
     """The engine request of a body: its sampling fields by their declared
-    names (``protocol.SAMPLING_FIELDS``), ``size`` as height and width;
-    previews only for a stream."""
+    names (``protocol.SAMPLING_FIELDS``), ``size`` as height and width.
+    Previews go only to a stream; a body without one asks for none from a
+    STEP_BATCH server, while a REQUEST_BATCH server passes them on for the
+    engine to refuse (it has no step boundaries to show them at)."""
     height, width = parse_size(body.size)
     fields: dict[str, Any] = {"height": height, "width": width}
     for f in SAMPLING_FIELDS:
         value = getattr(body, f.http)
         fields[f.field] = value / f.scale if value is not None and f.scale != 1.0 else value
-    if not body.stream:
+    if not body.stream and step_execution:
         fields["partial_images"] = 0
     return DiffusionRequest(prompt=body.prompt, negative_prompt=body.negative_prompt,
                             request_id=request_id, sampling_params=SamplingParams(**fields))
@@ -280,7 +286,7 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-async def _events(client: EngineClient, outputs: AsyncIterator[DiffusionOutput],
+async def _events(client: EngineClient, outputs: AsyncGenerator[DiffusionOutput, None],
                   first: DiffusionOutput, body: ImageGenerationRequest) -> AsyncIterator[bytes]:
     """Server-sent events as OpenAI streams them, from ``first`` on. A client
     that disconnects cancels this generator, and ``client.run`` aborts the
@@ -299,8 +305,7 @@ async def _events(client: EngineClient, outputs: AsyncIterator[DiffusionOutput],
         async for out in rest():
             if out.preview is not None:
                 image = out.preview[0]
-                text = await asyncio.to_thread(lambda im=image: b64(encode_image(im, fmt,
-                                                                                 compression)))
+                text = await asyncio.to_thread(_b64_image, image, fmt, compression)
                 yield _sse("image_generation.partial_image", {
                     "type": "image_generation.partial_image", "b64_json": text,
                     "partial_image_index": out.preview_index,
@@ -312,8 +317,7 @@ async def _events(client: EngineClient, outputs: AsyncIterator[DiffusionOutput],
             else:
                 raise_for_final(out, client)
                 image = out.images[0]  # type: ignore[index]
-                text = await asyncio.to_thread(lambda im=image: b64(encode_image(im, fmt,
-                                                                                 compression)))
+                text = await asyncio.to_thread(_b64_image, image, fmt, compression)
                 yield _sse("image_generation.completed", {
                     "type": "image_generation.completed", "b64_json": text,
                     "size": f"{image.size[0]}x{image.size[1]}",
@@ -331,6 +335,11 @@ async def _events(client: EngineClient, outputs: AsyncIterator[DiffusionOutput],
         yield _error_event(ApiError(500, f"internal error: {type(exc).__name__}"))
     finally:
         await outputs.aclose()
+
+
+def _b64_image(image: Any, output_format: str, compression: int | None) -> str:
+    """An image as base64 of its encoded bytes (run off the event loop)."""
+    return b64(encode_image(image, output_format, compression))
 
 
 def _error_event(error: ApiError) -> bytes:
@@ -353,8 +362,16 @@ async def image_content(image_id: str, request: Request) -> Response:
 # -- models, health, metrics --------------------------------------------------------
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
 async def models(request: Request) -> ModelList:
-    return ModelList(data=[ModelCard(id=_client(request).model_name,
-                                     created=request.app.state.started_at)])
+    client = _client(request)
+    spec = client.model_spec()
+    info = None if spec is None else ModelInfo(
+        family=spec.family, tasks=list(spec.tasks), size_multiple=spec.size_multiple,
+        max_size=spec.max_size, max_steps=spec.max_steps,
+        defaults=msgspec.structs.asdict(spec.defaults),
+        default_negative_prompt=spec.default_negative_prompt, cfg_rule=spec.cfg_rule.value,
+        step_execution=spec.supports_step_execution)
+    return ModelList(data=[ModelCard(id=client.model_name, created=request.app.state.started_at,
+                                     diffrt=info)])
 
 
 @router.get("/health")

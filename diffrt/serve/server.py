@@ -57,7 +57,8 @@ def uvicorn_config(app: Any, limits: HttpLimits, *, host: str, port: int) -> uvi
                           timeout_graceful_shutdown=5, lifespan="on",
                           http=with_header_timeout(limits.header_timeout_s),
                           h11_max_incomplete_event_size=limits.max_header_bytes,
-                          timeout_keep_alive=limits.keep_alive_timeout_s,
+                          # uvicorn annotates int; it hands the value to loop.call_later
+                          timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
                           limit_concurrency=limits.limit_concurrency)
 
 

@@ -229,7 +229,7 @@ def test_out_of_range_flags_are_the_declarations_one_line_refusals(capsys):
     for argv, message in ((["--max-num-seqs", "0"], "max_num_seqs: must be an int >= 1"),
                           (["--num-inference-steps", "1001"],
                            "num_inference_steps: must be an int <= 1000"),
-                          (["--guidance-scale", "nan"], "guidance_scale: must be a number"),
+                          (["--guidance-scale", "nan"], "guidance_scale: must be a finite number"),
                           (["--height", "0"], "height: must be an int >= 1")):
         assert main(["generate", "-p", "x", "--executor-backend", "inproc", *argv]) == 2
         err = capsys.readouterr().err

@@ -156,6 +156,20 @@ def test_the_same_limits_refuse_the_same_values_on_every_surface(field):
             elif not math.isinf(sent):
                 with pytest.raises(ValidationError):
                     ImageGenerationRequest(**body)
+            if d.extra["cli"] is None:
+                continue
+            from diffrt.cli.engine_opts import sampling_params
+
+            args = _subcommand("generate").parse_args(
+                ["-p", "x", f"--{field.replace('_', '-')}={value!r}"])
+            from_cli = sampling_params(args, **{k: v for k, v in base.items()
+                                                if k != field})
+            if ok:
+                from_cli.validate()
+            else:
+                with pytest.raises(InvalidRequestError) as info:
+                    from_cli.validate()
+                assert info.value.field == field
 
 
 def test_a_new_request_field_needs_only_its_declaration():
@@ -172,13 +186,16 @@ def test_a_new_request_field_needs_only_its_declaration():
     assert p.parse_args(["--brightness", "1.5"]).brightness == 1.5
 
 
-def test_renamed_flags_are_not_settings():
+def test_renamed_flags_are_not_settings(capsys):
     for old in RENAMED_FLAGS:
         assert old[2:].replace("-", "_") not in FIELD_GROUP
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    with pytest.raises(SystemExit):
-        p.parse_args(["--threads", "2"])
+    for old, new in RENAMED_FLAGS.items():
+        with pytest.raises(SystemExit) as exc:
+            p.parse_args([old, "2"])
+        assert exc.value.code == 2
+        assert f"{old} was renamed: use {new}" in capsys.readouterr().err
 
 
 class WithBrightness(msgspec.Struct, kw_only=True):

@@ -116,3 +116,27 @@ def test_the_engine_refuses_a_request_its_runner_does_not_declare(req_engine1):
     with pytest.raises(TypeError, match="not a request of this runner"):
         req_engine1.executor.execute(StepDone())
     assert req_engine1.is_healthy()
+
+
+def test_an_abort_is_one_call_whose_outcome_comes_back_as_a_report():
+    """The core decides an abort and reports it through on_tick: a queued
+    request ends at once (DONE, its terminal event in the notice); a record
+    aborted before it reached the core (an abort racing its submission) is
+    never queued; the limit's reason is on the record before the scheduler
+    decides, so a tick that ends it meanwhile reports the timeout."""
+    from diffrt.engine.sched import AbortOutcome
+
+    events: queue.Queue = queue.Queue()
+    core = EngineCore(EngineMode.REQUEST_BATCH, RequestScheduler(1), ScriptedExecutor([]),
+                      on_tick=events.put, on_dead=events.put)
+    queued, racing = records("queued", "racing")
+    with core._cond:  # no loop thread: the scheduler stays as add() leaves it
+        core.scheduler.add(queued)
+    core.abort("queued", "request timed out after 1 s (timeout_s=1)", queued)
+    [notice] = events.get(timeout=5).aborts
+    assert notice.outcome is AbortOutcome.DONE and notice.event.request_id == "queued"
+    assert queued.aborted and queued.abort_reason.startswith("request timed out")
+    core.abort("racing", None, racing)  # before add: nothing scheduled
+    assert events.get(timeout=5).aborts[0].outcome is AbortOutcome.UNKNOWN
+    assert core.add([racing]) and not core.scheduler.has_request("racing")
+    core.stop(grace_s=1.0)

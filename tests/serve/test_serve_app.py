@@ -186,6 +186,11 @@ def test_models_lists_the_served_model(flux_app):
     assert doc["object"] == "list"
     assert [(m["id"], m["object"], m["owned_by"]) for m in doc["data"]] == [
         ("tiny-flux", "model", "diffrt")]
+    info = doc["data"][0]["diffrt"]  # the model's spec: what a request may ask
+    assert (info["family"], info["tasks"], info["max_size"], info["size_multiple"]) == (
+        "flux", ["text-to-image"], 2048, 16)
+    assert info["defaults"]["num_inference_steps"] == 4 and info["cfg_rule"] == (
+        "true_cfg_and_negative")
 
 
 def test_request_mode_refuses_previews_and_progress(toy_app):
@@ -195,6 +200,10 @@ def test_request_mode_refuses_previews_and_progress(toy_app):
         error = _error(call(app, "POST", GEN, json={"prompt": "x", "stream": True,
                                                      field: value}), 400, field)
         assert "step_execution" in error["message"]  # one rule, the engine's
+    # not streamed: no previews could be shown, and REQUEST_BATCH still refuses them
+    error = _error(call(app, "POST", GEN, json={"prompt": "x", "partial_images": 1}), 400,
+                   "partial_images")
+    assert "step_execution" in error["message"]
 
 
 # -- streams ----------------------------------------------------------------------------
@@ -340,7 +349,7 @@ def test_an_unexpected_error_is_still_an_openai_500_with_an_id(toy_app, monkeypa
 
     app = toy_app()
 
-    def broken(body, request_id):
+    def broken(body, request_id, **kw):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(routes, "to_engine_request", broken)

@@ -89,10 +89,11 @@ class HaloConv2d(nn.Module):
     def __init__(self, conv: nn.Conv2d, bands: Bands) -> None:
         super().__init__()
         kh, _ = conv.kernel_size
-        ph, pw = conv.padding if isinstance(conv.padding, tuple) else (None, None)
+        padding = conv.padding if isinstance(conv.padding, tuple) else None  # not "same"
         if (conv.stride != (1, 1) or conv.dilation != (1, 1) or conv.padding_mode != "zeros"
-                or ph is None or kh != 2 * ph + 1):
+                or padding is None or kh != 2 * padding[0] + 1):
             raise ValueError(f"parallel VAE decode needs stride-1 'same' convolutions, got {conv}")
+        ph, pw = padding
         self.conv, self.bands, self.halo, self.pad_w = conv, bands, ph, pw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +213,9 @@ def convert_decoder(decoder: nn.Module, group: Any) -> Bands:
         setattr(parent, name, replacement)
     for module in decoder.modules():
         if isinstance(module, Attention):
-            module.set_processor(BandAttnProcessor(bands))
+            # diffusers annotates the union of its own processors; any callable
+            # with their signature is one
+            module.set_processor(BandAttnProcessor(bands))  # type: ignore[arg-type]
     return bands
 
 

@@ -39,7 +39,7 @@ from diffrt.engine.pipelines.interface import (
 )
 from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder, cat_rows
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import SamplingParams, random_seed
+from diffrt.engine.sampling import SamplingParams, filled, random_seed
 
 logger = logging.getLogger(__name__)
 
@@ -273,14 +273,13 @@ class FlowMatchPipeline(DiffusionPipeline):
             out.append(Conditioning(e, x, ne, nx))
         return out
 
-    def latent_shape(self, params: SamplingParams) -> tuple[int, int, int, int]:
+    def latent_size(self, params: SamplingParams) -> tuple[int, int]:
+        """(height, width) of the request's latents (its size filled in at submission)."""
         f = self.vae_scale_factor
-        return (
-            params.num_outputs_per_prompt,
-            self.latent_channels,
-            params.height // f,
-            params.width // f,
-        )
+        return filled(params.height) // f, filled(params.width) // f
+
+    def latent_shape(self, params: SamplingParams) -> tuple[int, int, int, int]:
+        return (params.num_outputs_per_prompt, self.latent_channels, *self.latent_size(params))
 
     def prepare_latents(self, params: SamplingParams, seed: int) -> torch.Tensor:
         """Initial noise from the request's own CPU generator (device independent)."""
@@ -292,7 +291,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         """A fresh noise-scheduler copy with its timesteps set, and those
         timesteps; never the shared template."""
         noise_scheduler = copy.deepcopy(self.noise_scheduler)
-        steps = params.num_inference_steps
+        steps = filled(params.num_inference_steps)
         noise_scheduler.set_timesteps(
             steps, device=self.device, **self.timestep_kwargs(steps, params)
         )
@@ -321,20 +320,22 @@ class FlowMatchPipeline(DiffusionPipeline):
             return self.transformer_forward(
                 latents, timesteps, cond.embeds, cond.extra, guidance, params
             )
+        neg_embeds, neg_extra = cond.neg_embeds, cond.neg_extra
+        assert neg_extra is not None  # the negative prompt's two outputs come together
         scale = cfg_scale if cfg_scale is not None else guidance
         if self.cfg_parallel_group is not None:  # one branch here, the other on the peer
             from diffrt.engine.parallel.cfg import cfg_branch, gather_branches
 
             conditional = cfg_branch(self.cfg_parallel_group)
             pred = self.transformer_forward(
-                latents, timesteps, cond.embeds if conditional else cond.neg_embeds,
-                cond.extra if conditional else cond.neg_extra, guidance, params)
+                latents, timesteps, cond.embeds if conditional else neg_embeds,
+                cond.extra if conditional else neg_extra, guidance, params)
             return self.combine_guidance(*gather_branches(pred, self.cfg_parallel_group), scale)
         pred = self.transformer_forward(
             torch.cat([latents, latents]),
             torch.cat([timesteps, timesteps]),
-            cat_rows([cond.neg_embeds, cond.embeds]),  # type: ignore[list-item]
-            cat_rows([cond.neg_extra, cond.extra]),  # type: ignore[list-item]
+            cat_rows([neg_embeds, cond.embeds]),
+            cat_rows([neg_extra, cond.extra]),
             torch.cat([guidance, guidance]),
             params,
         )
@@ -367,7 +368,8 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     def _guidance_rows(self, params: SamplingParams) -> torch.Tensor:
         return torch.full(
-            (params.num_outputs_per_prompt,), float(params.guidance_scale), device=self.device
+            (params.num_outputs_per_prompt,), float(filled(params.guidance_scale)),
+            device=self.device
         )
 
     def _cfg_rows(self, params: SamplingParams) -> torch.Tensor:
@@ -378,7 +380,7 @@ class FlowMatchPipeline(DiffusionPipeline):
     # -- REQUEST_BATCH --------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
-        # The engine admits requests with their defaults filled in; a caller
+        # The engine accepts requests with their defaults filled in; a caller
         # using the pipeline directly may leave them at None.
         batch = DiffusionRequestBatch([self.prepared(r) for r in batch.requests])
         params = batch.sampling_params
@@ -446,15 +448,17 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     @torch.no_grad()
     def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
-        t = state.timesteps[state.step]  # type: ignore[index]
+        latents, timesteps = state.latents, state.timesteps
+        assert latents is not None and timesteps is not None  # set when it was admitted
+        t = timesteps[state.step]
         noise_scheduler = state.noise_scheduler
         if state.step + 1 in state.extra.setdefault(
                 "preview_steps", state.request.sampling_params.preview_steps()):
             # flow matching: x_t = (1 - sigma) x0 + sigma noise and the model
             # predicts noise - x0, so x0 = x_t - sigma * prediction
-            sigma = noise_scheduler.sigmas[state.step].to(state.latents.dtype)
-            state.extra["x0"] = state.latents - sigma * noise_pred
-        state.latents = noise_scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
+            sigma = noise_scheduler.sigmas[state.step].to(latents.dtype)
+            state.extra["x0"] = latents - sigma * noise_pred
+        state.latents = noise_scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         state.step += 1
 
     @torch.no_grad()

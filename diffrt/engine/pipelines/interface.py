@@ -33,7 +33,7 @@ import torch
 
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import SamplingParams
+from diffrt.engine.sampling import SamplingParams, filled
 
 if TYPE_CHECKING:
     from diffrt.engine.outputs import TextEncoderStats
@@ -56,7 +56,7 @@ class DiffusionRequestBatch:
 
 @dataclass
 class StepRequestState:
-    """Request-local state of a step-style request, owned by the worker."""
+    """Request-local state of a STEP_BATCH request, owned by the worker."""
 
     request: DiffusionRequest
     latents: torch.Tensor | None = None
@@ -67,11 +67,11 @@ class StepRequestState:
 
     @property
     def request_id(self) -> str:
-        return self.request.request_id  # type: ignore[return-value]
+        return self.request.request_id
 
     @property
     def total_steps(self) -> int:
-        return self.request.sampling_params.num_inference_steps
+        return filled(self.request.sampling_params.num_inference_steps)
 
     @property
     def finished(self) -> bool:
@@ -80,7 +80,7 @@ class StepRequestState:
 
 class DiffusionPipeline(ABC):
     """Base class of diffrt pipelines: weights and compute, no request state
-    and no admission (what a request may ask is the model's ``ModelSpec``,
+    and no submission checks (what a request may ask is the model's ``ModelSpec``,
     read by the engine; the pipeline consults the same spec for the decisions
     it shares with the engine, such as whether CFG runs)."""
 
@@ -115,7 +115,7 @@ class DiffusionPipeline(ABC):
 
     def prepared(self, request: DiffusionRequest) -> DiffusionRequest:
         """``request`` as it will run: the spec's defaults for the fields it
-        left at None, checked (the engine admits requests this way already;
+        left at None, checked (the engine accepts requests this way already;
         a caller using the pipeline directly may not have)."""
         request = self.spec.with_defaults(request)
         self.spec.check(request)

@@ -24,11 +24,14 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffrt.engine.pipelines.folder_check import read_json_object
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline as DiffusersPipeline
 
 #: The logger of loading progress (shown by the CLI and the server).
 PROGRESS_LOGGER = "diffrt.load"
@@ -99,7 +102,7 @@ def library_bars_off() -> Iterator[None]:
             transformers_logging.enable_progress_bar()
 
 
-def _diffusers_pipeline_class(name: str) -> type:
+def _diffusers_pipeline_class(name: str) -> type[DiffusersPipeline]:
     """``diffusers.<name>``. Importing a pipeline module makes transformers warn
     that the image processors of IP-adapters want torchvision; text-to-image
     never builds one, so that warning is held back (only during the import)."""

@@ -244,7 +244,8 @@ def build_clip_tokenizer(folder: str | os.PathLike, *, extra: tuple[str, ...] = 
                                        encoding="utf-8")
     (folder / "merges.txt").write_text(
         "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges,
+    # transformers annotates merges as strings; the BPE model takes these pairs
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges,  # type: ignore[arg-type]
                               model_max_length=max_length or CLIP_MAX_LENGTH)
     tokenizer.save_pretrained(folder)
     return tokenizer
@@ -283,7 +284,7 @@ def build_t5_tokenizer(folder: str | os.PathLike, *, extra: tuple[str, ...] = ()
     (``extra`` words first, padded to ``max_length``)."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import Unigram
-    from transformers import T5TokenizerFast
+    from transformers import T5Tokenizer  # T5TokenizerFast is the same class (transformers 5)
 
     backend = Tokenizer(Unigram(t5_pieces(extra), unk_id=2, byte_fallback=False))
     # The same pipeline as transformers' T5 tokenizer rebuilds on loading.
@@ -294,7 +295,7 @@ def build_t5_tokenizer(folder: str | os.PathLike, *, extra: tuple[str, ...] = ()
     backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     backend.post_processor = processors.TemplateProcessing(
         single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)])
-    tokenizer = T5TokenizerFast(tokenizer_object=backend, extra_ids=0,
+    tokenizer = T5Tokenizer(tokenizer_object=backend, extra_ids=0,
                                 model_max_length=max_length or T5_MAX_LENGTH)
     tokenizer.save_pretrained(folder)
     return tokenizer
@@ -335,7 +336,8 @@ def _clip_text(cls: type, seed: int, vocab: dict[str, int]) -> Any:
 def _t5(seed: int, vocab_size: int, config_kwargs: dict[str, Any]) -> Any:
     from transformers import T5Config, T5EncoderModel
 
-    config = T5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1,
+    # T5Config keeps keys it does not list (config.json carries decoder_start_token_id)
+    config = T5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1,  # type: ignore[call-arg]
                       decoder_start_token_id=0, is_encoder_decoder=False, **config_kwargs)
     with seeded_init(seed):
         return T5EncoderModel(config).eval()

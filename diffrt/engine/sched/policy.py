@@ -16,12 +16,14 @@ They differ in what an incompatible request in the queue does:
 
 from __future__ import annotations
 
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from diffrt.engine.record import RequestRecord
+from diffrt.engine.settings import Policy
 
-POLICIES = ("fifo", "skip_ahead")
+POLICIES: tuple[str, ...] = typing.get_args(Policy)  # declared once, with the setting
 
 
 class AdmissionPolicy(ABC):

@@ -51,14 +51,12 @@ class FluxPipeline(FlowMatchPipeline):
 
     def unpack_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         n, _, d = latents.shape
-        h = params.height // self.vae_scale_factor
-        w = params.width // self.vae_scale_factor
+        h, w = self.latent_size(params)
         latents = latents.view(n, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
         return latents.reshape(n, d // 4, h, w)
 
     def image_ids(self, params: SamplingParams) -> torch.Tensor:
-        h = params.height // self.vae_scale_factor // 2
-        w = params.width // self.vae_scale_factor // 2
+        h, w = (side // 2 for side in self.latent_size(params))
         ids = torch.zeros(h, w, 3)
         ids[..., 1] += torch.arange(h)[:, None]
         ids[..., 2] += torch.arange(w)[None, :]
@@ -70,9 +68,8 @@ class FluxPipeline(FlowMatchPipeline):
         kwargs: dict[str, Any] = {"sigmas": sigmas}
         cfg = self.noise_scheduler.config
         if cfg.get("use_dynamic_shifting", False):
-            seq_len = (params.height // self.vae_scale_factor // 2) * (
-                params.width // self.vae_scale_factor // 2
-            )
+            h, w = self.latent_size(params)
+            seq_len = (h // 2) * (w // 2)
             kwargs["mu"] = calculate_shift(
                 seq_len,
                 cfg.get("base_image_seq_len", 256),

@@ -11,13 +11,19 @@ gathered; the pipeline splits the image tokens before the call.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 from torch import nn
 
 from diffrt.engine.parallel.sequence import GatherTokens, SequenceSplit
+
+
+def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    # with use_real=False it returns one tensor; diffusers annotates the pair
+    # that use_real=True returns
+    return cast(torch.Tensor, apply_rotary_emb_qwen(x, freqs, use_real=False))
 
 
 class SequenceParallelQwenAttnProcessor:
@@ -51,10 +57,8 @@ class SequenceParallelQwenAttnProcessor:
             txt_k = attn.norm_added_k(txt_k)
         if image_rotary_emb is not None:
             img_freqs, txt_freqs = image_rotary_emb
-            img_q = apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
-            img_k = apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
-            txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
-            txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+            img_q, img_k = _rotate(img_q, img_freqs), _rotate(img_k, img_freqs)
+            txt_q, txt_k = _rotate(txt_q, txt_freqs), _rotate(txt_k, txt_freqs)
         text_len = encoder_hidden_states.shape[1]
         query, key, value = (torch.cat([t, i], dim=1).transpose(1, 2)
                              for t, i in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))

@@ -69,8 +69,7 @@ class QwenImagePipeline(FluxPipeline):
 
     def image_shapes(self, params: SamplingParams, rows: int) -> list[list[tuple[int, int, int]]]:
         """The transformer's rotary embedding input: one frame of packed tokens."""
-        h = params.height // self.vae_scale_factor // 2
-        w = params.width // self.vae_scale_factor // 2
+        h, w = (side // 2 for side in self.latent_size(params))
         return [[(1, h, w)]] * rows
 
     def transformer_forward(

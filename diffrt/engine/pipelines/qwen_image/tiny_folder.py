@@ -122,7 +122,8 @@ def build_qwen_tokenizer(folder: str | os.PathLike) -> Any:
     from transformers import Qwen2Tokenizer
 
     vocab, merges = qwen_vocab_and_merges()
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges,
+    # transformers annotates merges as strings; the BPE model takes these pairs
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges,  # type: ignore[arg-type]
                                model_max_length=32768)
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
     tokenizer.add_tokens(["<|endoftext|>"], special_tokens=True)
@@ -164,12 +165,13 @@ def build_tiny_qwen_image_folder(path: str | os.PathLike, *, seed: int = 0) -> P
     tokenizer = build_qwen_tokenizer(path / "tokenizer")
     with seeded_init(seed + _SEED_OFFSETS["transformer"]):
         transformer = QwenImageTransformer2DModel(**TINY_QWEN_TRANSFORMER)
-    _boost(transformer, QWEN_BOOST)
+    _boost(transformer, QWEN_BOOST)  # type: ignore[arg-type]  # a Module; mypy sees no diffusers bases
     _save(transformer, path / "transformer")
     with seeded_init(seed + _SEED_OFFSETS["vae"]):
         vae = AutoencoderKLQwenImage(**TINY_QWEN_VAE)
     _save(vae, path / "vae")
-    FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER).save_pretrained(path / "scheduler")
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER)
+    scheduler.save_pretrained(path / "scheduler")  # type: ignore[attr-defined]  # mypy sees no inherited methods on diffusers' mixin classes
     _save(_text_encoder(seed + _SEED_OFFSETS["text_encoder"], tokenizer), path / "text_encoder")
     _write_index(path, "QwenImagePipeline", {
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),

@@ -35,8 +35,8 @@ class SD3Pipeline(FlowMatchPipeline):
         from diffrt.engine.pipelines.flux.pipeline import calculate_shift
 
         patch = self.transformer.config.patch_size
-        seq_len = (params.height // self.vae_scale_factor // patch) * (
-            params.width // self.vae_scale_factor // patch)
+        h, w = self.latent_size(params)
+        seq_len = (h // patch) * (w // patch)
         return {"mu": calculate_shift(seq_len, cfg.get("base_image_seq_len", 256),
                                       cfg.get("max_image_seq_len", 4096),
                                       cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))}
