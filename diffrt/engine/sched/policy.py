@@ -40,7 +40,8 @@ class AdmissionPolicy(ABC):
 class FifoPolicy(AdmissionPolicy):
     name = "fifo"
 
-    def select(self, waiting, key, capacity):
+    def select(self, waiting: Sequence[RequestRecord], key: tuple | None,
+               capacity: int) -> list[RequestRecord]:
         if capacity <= 0 or not waiting:
             return []
         if key is None:
@@ -61,7 +62,8 @@ class SkipAheadPolicy(AdmissionPolicy):
             raise ValueError(f"max_bypass must be >= 0, got {max_bypass}")
         self.max_bypass = max_bypass
 
-    def select(self, waiting, key, capacity):
+    def select(self, waiting: Sequence[RequestRecord], key: tuple | None,
+               capacity: int) -> list[RequestRecord]:
         if capacity <= 0 or not waiting:
             return []
         if key is None:
