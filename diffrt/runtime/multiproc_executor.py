@@ -188,7 +188,9 @@ class MultiprocExecutor(PumpedExecutor):
                 proc.requests.send_bytes(encode(Shutdown()))
             except OSError:
                 pass
-        self._escalate(self.config.shutdown_grace_s)
+        # a worker still starting (importing torch, loading the model) reads no
+        # request until it serves: asking it to stop would only wait
+        self._escalate(self.config.shutdown_grace_s if self.started else 0.0)
         for proc in self._procs:
             for conn in (proc.requests, proc.results):
                 conn.close()
@@ -206,8 +208,9 @@ class MultiprocExecutor(PumpedExecutor):
             alive = [p for p in self._procs if p.popen.poll() is None]
             if not alive:
                 return
-            if action != "ask":
-                logger.warning("%s %d worker(s) still running", action, len(alive))
+            if action != "ask":  # expected for workers stopped while starting
+                logger.log(logging.WARNING if self.started else logging.INFO,
+                           "%s %d worker(s) still running", action, len(alive))
             for p in alive:
                 if action == "terminate":
                     p.popen.terminate()

@@ -57,6 +57,8 @@ class PumpedExecutor(Executor):
         # progress (any message from a worker, or the start of a call).
         self._executing = 0
         self._last_progress = time.monotonic()
+        #: every rank acknowledged its start: it reads requests (a stop, too)
+        self.started = False
         self._exec_lock = threading.Lock()
 
     def _make_router(self, send_free: Callable[[FreeSlots], None]) -> ResultRouter:
@@ -117,6 +119,7 @@ class PumpedExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        self.started = True
 
     # -- the pump -------------------------------------------------------------------------
     def _pump(self) -> None:
