@@ -20,6 +20,7 @@ others discard theirs, so a reader never sees a half-written folder.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -30,6 +31,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +98,21 @@ def builder_sources(name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys((spec.origin, SHARED_SOURCE)))
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Build on one torch thread: the builders' float arithmetic then rounds
+    the same in every process (a worker on one thread, a test on two), so the
+    same key always means the same bytes."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def folder_key(name: str) -> str:
     """12 hex digits naming what a folder was built from (no import of the libraries)."""
     return _folder_key(name, builder_sources(name))
@@ -147,7 +164,7 @@ def embedded_folder(name: str) -> str:
     os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the model from other users
     try:
         logger.info("writing embedded model %s to %s", name, final)
-        with library_bars_off():
+        with library_bars_off(), _one_thread():
             load_object(model.builder)(tmp, **model.kwargs)
         try:
             os.rename(tmp, final)
