@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffrt.engine.pipelines.folder_check import ModelLoadError
+from diffrt.engine.pipelines.folder_check import ModelLoadError, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +69,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 }
 
 _VERSIONED = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")
-
-
-def cache_dir() -> str:
-    """``$DIFFRT_CACHE_DIR``, else ``$XDG_CACHE_HOME/diffrt``, else ``~/.cache/diffrt``."""
-    explicit = os.environ.get("DIFFRT_CACHE_DIR")
-    if explicit:
-        return os.path.abspath(os.path.expanduser(explicit))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "diffrt")
 
 
 def _version(dist: str) -> str:

@@ -158,13 +158,14 @@ def _written_by_diffrt(folder: str) -> bool:
     diffrt cache): diffrt built their weights from their configs."""
     real = os.path.realpath(folder)
     package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
-    roots = (os.path.join(package, "models"), os.path.join(_cache_dir(), "models"))
+    roots = (os.path.join(package, "models"), os.path.join(cache_dir(), "models"))
     return any(os.path.commonpath([real, os.path.realpath(root)]) == os.path.realpath(root)
                for root in roots)
 
 
-def _cache_dir() -> str:
-    """embedded.cache_dir's rule (not imported: embedded imports this module)."""
+def cache_dir() -> str:
+    """``$DIFFRT_CACHE_DIR``, else ``$XDG_CACHE_HOME/diffrt``, else ``~/.cache/diffrt``
+    (here, not in ``embedded``, which imports this module)."""
     explicit = os.environ.get("DIFFRT_CACHE_DIR")
     if explicit:
         return os.path.abspath(os.path.expanduser(explicit))
