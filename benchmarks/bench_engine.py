@@ -76,9 +76,10 @@ class DirectSubject:
 
     def run(self, tag: str) -> tuple[float, list[float]]:
         from diffrt.engine.pipelines import DiffusionRequestBatch
-        from diffrt.engine.postprocess import output_postprocessor
 
-        postprocess = output_postprocessor(self.pipe.spec)
+        # the image conversion every toy model's spec names; imported by this name so
+        # compare_trees.py can drive older trees with this script too
+        from diffrt.engine.postprocess import postprocess_output as postprocess
 
         requests = make_requests(self.args, tag)
         start = time.perf_counter()
@@ -112,6 +113,25 @@ def measure(subjects: list, args: argparse.Namespace) -> list[dict]:
             row.update(p50=median(lat), p99=percentile(lat, 99), mean=statistics.mean(lat))
         rows.append(row)
     return rows
+
+
+def serve_passes(subjects: list, args: argparse.Namespace) -> None:
+    """``--serve-passes``: after the warm pass, print one ``ready`` line (JSON: each
+    subject's label and max_num_seqs), then run one timed pass of subject ``i``
+    for each ``run i TAG`` line on stdin and answer ``wall SECONDS``. This is how
+    ``compare_trees.py`` interleaves two trees pass by pass."""
+    import json
+    import sys
+
+    for subject in subjects:
+        subject.run("warm")
+    print("ready " + json.dumps([[s.label, s.max_num_seqs] for s in subjects]), flush=True)
+    for line in sys.stdin:
+        verb, *rest = line.split()
+        if verb != "run":
+            break
+        wall, _ = subjects[int(rest[0])].run(rest[1])
+        print(f"wall {wall!r}", flush=True)
 
 
 def worker_forward_share(args: argparse.Namespace) -> tuple[float, float]:
@@ -158,6 +178,8 @@ def main() -> None:
                              "(request/step_batch_max_wait_ms; 0: skip)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed passes per configuration; the fastest is reported")
+    parser.add_argument("--serve-passes", action="store_true",
+                        help="run passes on request from stdin (compare_trees.py's driver)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads in the workers and the direct loop (0: the "
                              "engine's auto choice, EngineConfig.torch_threads=None)")
@@ -182,6 +204,9 @@ def main() -> None:
                      for step in (True, False)]
     subjects += [DirectSubject(args, 1, pipe), DirectSubject(args, args.batch, pipe)]
     try:
+        if args.serve_passes:
+            serve_passes(subjects, args)
+            return
         rows = measure(subjects, args)
     finally:
         for subject in subjects:

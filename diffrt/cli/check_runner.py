@@ -88,7 +88,7 @@ class FluxWidthRunner:
         try:
             with torch.device(self.device):
                 # mypy sees no inherited methods on diffusers' mixin classes (eval)
-                self.model = FluxTransformer2DModel(  # type: ignore[attr-defined]
+                self.model = FluxTransformer2DModel(
                     patch_size=1, in_channels=64, num_layers=settings.double_blocks,
                     num_single_layers=settings.single_blocks, attention_head_dim=head_dim,
                     num_attention_heads=heads, joint_attention_dim=text_dim,

@@ -215,7 +215,7 @@ def convert_decoder(decoder: nn.Module, group: Any) -> Bands:
         if isinstance(module, Attention):
             # diffusers annotates the union of its own processors; any callable
             # with their signature is one
-            module.set_processor(BandAttnProcessor(bands))  # type: ignore[arg-type]
+            module.set_processor(BandAttnProcessor(bands))
     return bands
 
 

@@ -245,7 +245,7 @@ def build_clip_tokenizer(folder: str | os.PathLike, *, extra: tuple[str, ...] = 
     (folder / "merges.txt").write_text(
         "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
     # transformers annotates merges as strings; the BPE model takes these pairs
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges,  # type: ignore[arg-type]
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges,
                               model_max_length=max_length or CLIP_MAX_LENGTH)
     tokenizer.save_pretrained(folder)
     return tokenizer
@@ -337,7 +337,7 @@ def _t5(seed: int, vocab_size: int, config_kwargs: dict[str, Any]) -> Any:
     from transformers import T5Config, T5EncoderModel
 
     # T5Config keeps keys it does not list (config.json carries decoder_start_token_id)
-    config = T5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1,  # type: ignore[call-arg]
+    config = T5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1,
                       decoder_start_token_id=0, is_encoder_decoder=False, **config_kwargs)
     with seeded_init(seed):
         return T5EncoderModel(config).eval()

@@ -72,7 +72,7 @@ def build_tiny_flux_folder(path: str | os.PathLike, *, seed: int = 0,
                        guidance_embeds=guidance_embeds)
     shared.save_seeded(path / "vae", AutoencoderKL, seed + offsets["vae"], **TINY_FLUX_VAE)
     scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
-    scheduler.save_pretrained(path / "scheduler")  # type: ignore[attr-defined]  # mypy sees no inherited methods on diffusers' mixin classes
+    scheduler.save_pretrained(path / "scheduler")
     shared._save(shared._clip_text(CLIPTextModel, seed + offsets["text_encoder"],
                                    clip_tok.get_vocab()), path / "text_encoder")
     shared._save(shared._t5(seed + offsets["text_encoder_2"], len(t5_tok), shared.TINY_T5),

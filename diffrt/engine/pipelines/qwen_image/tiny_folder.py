@@ -123,7 +123,7 @@ def build_qwen_tokenizer(folder: str | os.PathLike) -> Any:
 
     vocab, merges = qwen_vocab_and_merges()
     # transformers annotates merges as strings; the BPE model takes these pairs
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges,  # type: ignore[arg-type]
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges,
                                model_max_length=32768)
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
     tokenizer.add_tokens(["<|endoftext|>"], special_tokens=True)
@@ -165,13 +165,13 @@ def build_tiny_qwen_image_folder(path: str | os.PathLike, *, seed: int = 0) -> P
     tokenizer = build_qwen_tokenizer(path / "tokenizer")
     with seeded_init(seed + _SEED_OFFSETS["transformer"]):
         transformer = QwenImageTransformer2DModel(**TINY_QWEN_TRANSFORMER)
-    _boost(transformer, QWEN_BOOST)  # type: ignore[arg-type]  # a Module; mypy sees no diffusers bases
+    _boost(transformer, QWEN_BOOST)
     _save(transformer, path / "transformer")
     with seeded_init(seed + _SEED_OFFSETS["vae"]):
         vae = AutoencoderKLQwenImage(**TINY_QWEN_VAE)
     _save(vae, path / "vae")
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER)
-    scheduler.save_pretrained(path / "scheduler")  # type: ignore[attr-defined]  # mypy sees no inherited methods on diffusers' mixin classes
+    scheduler.save_pretrained(path / "scheduler")
     _save(_text_encoder(seed + _SEED_OFFSETS["text_encoder"], tokenizer), path / "text_encoder")
     _write_index(path, "QwenImagePipeline", {
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),

@@ -105,7 +105,7 @@ def build_tiny_sd3_folder(path: str | os.PathLike, *, seed: int = 0, sd35: bool 
     shared.save_seeded(path / "vae", AutoencoderKL, seed + offsets["vae"], **TINY_SD3_VAE)
     scheduler = {**SD3_SCHEDULER, **(shared.DYNAMIC_SHIFT if dynamic_shifting else {})}
     noise_scheduler = FlowMatchEulerDiscreteScheduler(**scheduler)
-    noise_scheduler.save_pretrained(path / "scheduler")  # type: ignore[attr-defined]  # mypy sees no inherited methods on diffusers' mixin classes
+    noise_scheduler.save_pretrained(path / "scheduler")
     vocab = clip_tok.get_vocab()
     for name in ("text_encoder", "text_encoder_2"):
         shared._save(shared._clip_text(CLIPTextModelWithProjection, seed + offsets[name], vocab),
