@@ -1,7 +1,8 @@
 """Fault seams for tests: each wraps one runtime method for the duration of a
 test (through pytest's ``monkeypatch``), so production code carries no test
 branches. They act on executors running in this process (the in-process
-executor's worker thread and output thread, and every executor's pump)."""
+executor's worker thread and output thread, and every executor's pump), and
+on the engine's building of fresh workers for a restart."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from diffrt.runtime.inproc_executor import InprocExecutor
 from diffrt.runtime.messages import OutputReady
 from diffrt.runtime.output_thread import OutputWriter
 from diffrt.runtime.result_router import ResultRouter
+from diffrt.runtime.types import ExecutorDeadError
 
 #: how long a held output thread waits for its gate before giving up
 HOLD_LIMIT_S = 30.0
@@ -62,3 +64,34 @@ def crash_pump_on_output_ready(monkeypatch: pytest.MonkeyPatch) -> None:
         on_message(self, msg)
 
     monkeypatch.setattr(ResultRouter, "on_message", failing)
+
+
+def kill_executor(executor) -> None:
+    """The executor's workers are gone, as far as the engine can tell: every
+    call in flight fails and ``is_healthy()`` turns False at once (what a dead
+    pump or a killed worker process does, without a process to kill)."""
+    executor.router.fail_all(ExecutorDeadError("injected: the workers died"))
+
+
+def hold_restarts(monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> threading.Event:
+    """Fresh workers for a restart start only once the returned event is set.
+    Every executor an engine builds from now on waits so (``make_executor``):
+    build the engine first. ``fail``: then every attempt fails, with no
+    back-off between attempts, so the restart gives up at once."""
+    import diffrt.engine.core as core_module
+    import diffrt.engine.engine as engine_module
+
+    gate = threading.Event()
+    make = engine_module.make_executor
+
+    def held_make(*args, **kwargs):
+        if not gate.wait(HOLD_LIMIT_S):
+            raise TimeoutError("the restart gate never opened")
+        if fail:
+            raise RuntimeError("injected: fresh workers failed to start")
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "make_executor", held_make)
+    if fail:
+        monkeypatch.setattr(core_module, "RESTART_BACKOFF_S", 0.0)
+    return gate

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         EngineClosedError,
         EngineDeadError,
         EngineError,
+        EngineRestartingError,
         EngineWarmupError,
     )
     from diffrt.engine.stats import EngineStats, Histogram
@@ -37,6 +38,7 @@ _LAZY = {
     "EngineError": "diffrt.engine.errors",
     "EngineClosedError": "diffrt.engine.errors",
     "EngineDeadError": "diffrt.engine.errors",
+    "EngineRestartingError": "diffrt.engine.errors",
     "EngineWarmupError": "diffrt.engine.errors",
     "EngineStats": "diffrt.engine.stats",
     "Histogram": "diffrt.engine.stats",
@@ -52,6 +54,7 @@ __all__ = [
     "EngineDeadError",
     "EngineError",
     "EngineMode",
+    "EngineRestartingError",
     "EngineStats",
     "EngineWarmupError",
     "Histogram",

@@ -35,6 +35,7 @@ from diffrt.engine.config import EngineMode
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.record import RequestRecord, RequestStatus
+from diffrt.engine.restart_gate import RestartGate
 from diffrt.engine.runner_messages import BatchDone, ExecuteBatch, ExecuteStep, StepDone
 from diffrt.engine.sampling import InvalidRequestError, filled
 from diffrt.engine.sched import (
@@ -56,6 +57,10 @@ IDLE_RETRY_S = 0.05
 RESTART_CHECK_S = 0.5
 #: The first wait after a failed restart attempt (doubling each time).
 RESTART_BACKOFF_S = 1.0
+#: The longest wait after a failed restart attempt.
+RESTART_BACKOFF_MAX_S = 30.0
+#: How many times a restart tries to start fresh workers before the engine is dead.
+RESTART_ATTEMPTS = 3
 #: ``_next_tick``'s answer when the workers died and fresh ones are to be started.
 _RESTART = object()
 #: How often the timer looks for requests past their timeout and unread outputs.
@@ -110,7 +115,7 @@ class EngineCore:
                  clock: Callable[[], float] = time.monotonic,
                  restart: Callable[[], Executor] | None = None,
                  on_timer: Callable[[float], None] | None = None,
-                 restart_attempts: int = 3):
+                 restart_attempts: int = RESTART_ATTEMPTS):
         self.mode = mode
         self.scheduler = scheduler
         self.executor = executor
@@ -124,6 +129,8 @@ class EngineCore:
         self._restart = restart
         self._restart_attempts = restart_attempts
         self.restarts = 0
+        #: submissions made while fresh workers start wait here (``restart_gate.py``)
+        self.restart_gate = RestartGate()
         #: called by the timer with ``now`` (the output processor frees unread outputs)
         self._on_timer = on_timer
         #: (timeout_at, n, record) of every record given a timeout; weak, so a
@@ -198,6 +205,33 @@ class EngineCore:
     def is_alive(self) -> bool:
         return self.dead_reason is None and self._thread.is_alive()
 
+    def is_restarting(self) -> bool:
+        """Fresh workers are being started, or are about to be (the executor
+        is down and the loop has yet to notice): restarts are on and the core
+        neither stopped nor gave up. New records are queued for them."""
+        return (self._restart is not None and self.dead_reason is None and not self._stopped
+                and self._thread.is_alive() and not self.executor.is_healthy())
+
+    def any_waiting(self, records: list[RequestRecord]) -> bool:
+        """Some of ``records`` is still queued, not yet admitted to a batch."""
+        with self._cond:
+            return any(self.scheduler.record(r.request_id) is r
+                       and r.status is RequestStatus.WAITING for r in records)
+
+    def withdraw(self, records: list[RequestRecord]) -> bool:
+        """Take queued ``records`` back, reporting nothing: a submission that
+        waited for a restart in vain is refused as if never queued. All or
+        none: False, and nothing changed, once one of them was admitted (the
+        fresh workers serve it, so its submission stands)."""
+        with self._cond:
+            queued = [r for r in records if self.scheduler.record(r.request_id) is r]
+            if any(r.status is not RequestStatus.WAITING for r in queued):
+                return False
+            for record in queued:
+                self.scheduler.abort(record.request_id)  # a waiting one: removed at once
+            self._cond.notify_all()
+        return True
+
     def stop(self, grace_s: float) -> None:
         """Stop taking ticks, let the one in flight finish for up to ``grace_s``,
         then shut the executor down (which fails a tick still waiting)."""
@@ -205,6 +239,7 @@ class EngineCore:
             self._stopped = True
             self.scheduler.fail_all("engine closed")
             self._cond.notify_all()
+        self.restart_gate.wake()
         self._timer_stop.set()
         if self._timer.is_alive() and self._timer is not threading.current_thread():
             self._timer.join(grace_s)
@@ -259,7 +294,14 @@ class EngineCore:
     def _restart_workers(self) -> bool:
         """Fail the requests that were running (their state died with the
         workers), start fresh workers (bounded attempts, with back-off) and
-        serve the waiting requests with them; False when it gave up."""
+        serve the waiting requests with them; False when it gave up. Either
+        way the submissions held meanwhile are woken at the end."""
+        try:
+            return self._replace_executor()
+        finally:
+            self.restart_gate.wake()
+
+    def _replace_executor(self) -> bool:
         old = self.executor
         with self._cond:
             events = self.scheduler.fail_running("workers died; the request was running on them")
@@ -278,7 +320,7 @@ class EngineCore:
             except Exception as exc:
                 error = exc
                 logger.error("restart attempt %d failed: %s", attempt, exc)
-                time.sleep(min(RESTART_BACKOFF_S * 2 ** (attempt - 1), 30.0))
+                time.sleep(restart_backoff_s(attempt))
                 continue
             with self._cond:
                 if self._stopped:
@@ -381,15 +423,21 @@ class EngineCore:
                 logger.exception("engine timer pass failed")
 
     def _due(self, now: float) -> list[RequestRecord]:
-        """Records whose timeout has come and that have not ended yet."""
+        """Records whose timeout has come and that have not ended yet. One
+        whose submitter still waits for a restart is that wait's to end (the
+        restarting error, not a timeout): it is looked at again next pass."""
         due = []
         with self._cond:
             while self._timeouts and self._timeouts[0][0] <= now:
-                _, _, ref = heapq.heappop(self._timeouts)
-                record = ref()
-                if (record is not None and record.metrics.finished_time is None
-                        and not record.aborted):
-                    due.append(record)
+                entry = heapq.heappop(self._timeouts)
+                record = entry[2]()
+                if (record is None or record.metrics.finished_time is not None
+                        or record.aborted):
+                    continue
+                if record.held:
+                    heapq.heappush(self._timeouts, (now + TIMER_PERIOD_S, *entry[1:]))
+                    continue
+                due.append(record)
         return due
 
     def _die(self, reason: str) -> None:
@@ -400,6 +448,22 @@ class EngineCore:
             self.scheduler.fail_all(reason)
             self._cond.notify_all()
         self._on_dead(reason)
+        self.restart_gate.wake()
+
+
+def restart_backoff_s(attempt: int) -> float:
+    """The wait after failed restart attempt ``attempt`` (1-based)."""
+    return min(RESTART_BACKOFF_S * 2 ** (attempt - 1), RESTART_BACKOFF_MAX_S)
+
+
+def restart_worst_case_s(start_s: float, stop_s: float,
+                         attempts: int = RESTART_ATTEMPTS) -> float:
+    """The longest a restart takes before fresh workers serve or it gives up:
+    the loop noticing the dead workers, stopping them, then per attempt
+    starting fresh ones (``start_s``: their start-up and warm-up limits),
+    stopping them when the attempt failed, and the back-off."""
+    per_attempt = [start_s + stop_s + restart_backoff_s(a) for a in range(1, attempts + 1)]
+    return RESTART_CHECK_S + stop_s + sum(per_attempt)
 
 
 def _execution_result(tick: SchedulerOutput, reply: Any,

@@ -13,6 +13,11 @@ Follow one request:
    when a finished request's output has landed in host memory, post-processes
    it on a small pool and emits the final output on the stream.
 
+With ``restart_workers``, a request submitted while fresh workers start is
+queued for them and its submitter waits (``restart_gate.py``): served once
+they are, refused with ``EngineRestartingError`` past ``restart_wait_s`` (or
+its own timeout), ``EngineDeadError`` when the restart gives up.
+
 The core never waits for an output and the output processor never calls the
 workers, so a slow copy or PIL conversion never delays the next tick.
 """
@@ -26,14 +31,16 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from typing import overload
 
 from diffrt.engine.config import EngineConfig, EngineMode
-from diffrt.engine.core import EngineCore
+from diffrt.engine.core import EngineCore, restart_worst_case_s
 from diffrt.engine.errors import (
     EngineClosedError,
     EngineDeadError,
     EngineError,
+    EngineRestartingError,
     EngineWarmupError,
 )
 from diffrt.engine.output_processor import OutputProcessor
@@ -59,9 +66,30 @@ logger = logging.getLogger(__name__)
 
 #: How long close() lets the current tick finish before shutting the executor.
 CLOSE_GRACE_S = 5.0
+#: What stopping a set of workers may add to shutdown_grace_s (the pump's join,
+#: then SIGTERM and SIGKILL in the multiprocess executor: 5 + 2 + 5 s), for
+#: the worst case of a restart (``restart_wait_s=None``).
+WORKER_STOP_SLACK_S = 12.0
 
 __all__ = ["DiffusionEngine", "EngineClosedError", "EngineDeadError", "EngineError",
-           "EngineWarmupError"]
+           "EngineRestartingError", "EngineWarmupError"]
+
+
+@dataclass
+class _Hold:
+    """A submission made while fresh workers start: its records are queued
+    for them, and its submitter waits until ``until`` (the engine's clock)."""
+
+    records: list[RequestRecord]
+    since: float
+    until: float
+    #: what set ``until``, for the error past it
+    bound: str
+
+    def release(self) -> None:
+        """The wait is over: the core's timer may end the records again."""
+        for record in self.records:
+            record.held = False
 
 
 class DiffusionEngine:
@@ -89,6 +117,8 @@ class DiffusionEngine:
             on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock,
             restart=self._fresh_executor if config.executor.restart_workers else None,
             on_timer=self.output_processor.expire_unread)
+        #: how long a submission during a restart waits for it, and why that long
+        self._restart_wait_s, self._restart_wait_bound = _restart_wait(config)
         self._closed = False
         self._close_lock = threading.Lock()
         self._core.start()
@@ -190,7 +220,10 @@ class DiffusionEngine:
 
         Raises InvalidRequestError (nothing submitted) for a bad request, and
         TimeoutError after ``timeout`` seconds (the unfinished requests are
-        aborted). Outputs are taken as they finish, whatever the order.
+        aborted). Outputs are taken as they finish, whatever the order. While
+        fresh workers start (``restart_workers``) the call waits for them;
+        past ``restart_wait_s`` it raises EngineRestartingError, and
+        EngineDeadError when the restart gives up (nothing submitted).
         """
         single = isinstance(requests, DiffusionRequest)
         if isinstance(requests, DiffusionRequest):
@@ -201,10 +234,12 @@ class DiffusionEngine:
             raise InvalidRequestError("request", "must be a DiffusionRequest or a list of "
                                       f"them, got {type(requests).__name__}")
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        streams = self._submit(batch, loop=None, inbox=inbox)
         give_up_at = None if timeout is None else time.monotonic() + timeout
+        streams, hold = self._submit(batch, loop=None, inbox=inbox)
         finals: dict[str, DiffusionOutput] = {}
         try:
+            if hold is not None:  # fresh workers are starting: wait for them here
+                self._hold(hold, give_up_at, timeout)
             while len(finals) < len(streams):
                 remaining = None if give_up_at is None else give_up_at - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -231,11 +266,15 @@ class DiffusionEngine:
 
         Leaving early (break, cancellation) detaches this consumer only: the
         request still runs to its end and is cleaned up (an unread output is
-        freed at once); use ``abort`` to stop it.
+        freed at once); use ``abort`` to stop it. While fresh workers start,
+        the first item waits for them without blocking the event loop, and
+        raises as ``generate`` does when they do not come.
         """
-        [stream] = self._submit([request], loop=asyncio.get_running_loop())
+        [stream], hold = self._submit([request], loop=asyncio.get_running_loop())
         finished = False
         try:
+            if hold is not None:
+                await self._hold_async(hold)
             while not finished:
                 item = await stream.aget()
                 if isinstance(item, FinalSlot):  # post-processed off the event loop
@@ -263,9 +302,16 @@ class DiffusionEngine:
         record = self.output_processor.active_record(request_id)
         if record is not None:  # else unknown or finished: nothing to stop
             self._core.abort(request_id, None, record)
+            self._core.restart_gate.wake()  # a submitter held for a restart returns
 
     def is_healthy(self) -> bool:
         return not self._closed and self._core.is_alive() and self.executor.is_healthy()
+
+    def is_restarting(self) -> bool:
+        """Fresh workers are starting after the old ones died or hung
+        (``restart_workers``): a request submitted now waits for them, up to
+        ``restart_wait_s``. ``is_healthy()`` is False meanwhile."""
+        return not self._closed and self._core.is_restarting()
 
     def close(self) -> None:
         """Refuse new work, send an error output to every open stream, stop the
@@ -299,7 +345,11 @@ class DiffusionEngine:
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,
-                inbox: queue.SimpleQueue | None = None) -> list[OutputStream]:
+                inbox: queue.SimpleQueue | None = None
+                ) -> tuple[list[OutputStream], _Hold | None]:
+        """Check, register and queue ``requests`` (all or none); their streams,
+        and the hold its caller is to wait out when fresh workers are starting
+        (``_hold`` or ``RestartGate.wait_async``, then ``_end_hold``)."""
         records = []
         seen: set[str] = set()
         now = self._clock()
@@ -312,9 +362,12 @@ class DiffusionEngine:
             record.timeout_at, record.timeout_reason = timeout_of(request, now, self.config)
             records.append(record)
         streams = self.output_processor.add(records, loop, inbox)  # refuses once closed or dead
-        if not self.executor.is_healthy():
+        restarting = self._core.is_restarting()  # queued for the fresh workers
+        if not restarting and not self.executor.is_healthy():
             self.output_processor.discard(records)
             raise EngineDeadError("engine is not healthy: executor is down")
+        for record in records:  # until the hold ends, it answers for them
+            record.held = restarting
         try:
             queued = self._core.add(records)
         except BaseException:
@@ -325,7 +378,63 @@ class DiffusionEngine:
             if self._core.dead_reason is not None:
                 raise EngineDeadError(f"engine is not healthy: {self._core.dead_reason}")
             raise EngineClosedError("engine is closed")
-        return streams
+        return streams, (self._hold_for(records, now) if restarting else None)
+
+    # -- submissions during a restart ----------------------------------------------------
+    def _hold_for(self, records: list[RequestRecord], now: float) -> _Hold:
+        """How long records submitted at ``now`` wait for fresh workers: the
+        restart wait, or the first of their own timeouts when that comes sooner."""
+        until, bound = now + self._restart_wait_s, self._restart_wait_bound
+        for record in records:
+            if record.timeout_at is not None and record.timeout_at < until:
+                until, bound = record.timeout_at, "its timeout"
+        return _Hold(records, now, until, bound)
+
+    def _held(self, hold: _Hold) -> bool:
+        """Fresh workers are still starting and some of the records still waits."""
+        return self._core.is_restarting() and self._core.any_waiting(hold.records)
+
+    def _hold(self, hold: _Hold, give_up_at: float | None, timeout: float | None) -> None:
+        """``generate``'s wait for fresh workers (the calling thread blocks):
+        raises as ``_end_hold`` does, or TimeoutError when the call's own
+        ``timeout`` (``give_up_at``, monotonic) comes first."""
+        try:
+            until = hold.until
+            if give_up_at is not None:
+                until = min(until, self._clock() + give_up_at - time.monotonic())
+            done = self._core.restart_gate.wait(lambda: self._held(hold), until, self._clock)
+            if not done and until < hold.until:
+                raise TimeoutError(f"{len(hold.records)} request(s) did not finish within "
+                                   f"{timeout} s (fresh workers were still starting)")
+            self._end_hold(hold, done)
+        finally:
+            hold.release()
+
+    async def _hold_async(self, hold: _Hold) -> None:
+        """``step_streaming``'s wait for fresh workers: the event loop runs on."""
+        try:
+            done = await self._core.restart_gate.wait_async(lambda: self._held(hold),
+                                                            hold.until, self._clock)
+            self._end_hold(hold, done)
+        finally:
+            hold.release()
+
+    def _end_hold(self, hold: _Hold, done: bool) -> None:
+        """The outcome of a hold (``done``: it ended before ``hold.until``):
+        the records stand (the fresh workers serve them, an abort or a close
+        ended them), or EngineDeadError when the restart gave up, or
+        EngineRestartingError when the workers were still starting at
+        ``hold.until`` — then the records are taken back unreported, as if
+        refused at submission."""
+        if self._core.dead_reason is not None:
+            self.output_processor.discard(hold.records)  # ended already: streams closed
+            raise EngineDeadError(f"engine is not healthy: {self._core.dead_reason}")
+        if done or not self._core.withdraw(hold.records):  # else admitted meanwhile: served
+            return
+        self.output_processor.discard(hold.records)
+        raise EngineRestartingError(
+            f"the engine is restarting: fresh workers were not serving within "
+            f"{hold.until - hold.since:g} s ({hold.bound}); retry shortly")
 
     def _on_dead(self, reason: str) -> None:
         self.output_processor.fail_all(reason, dead=True)
@@ -342,6 +451,18 @@ class DiffusionEngine:
         self._core.stop(grace_s)
         self.output_processor.close()
         logger.info("engine closed")
+
+
+def _restart_wait(config: EngineConfig) -> tuple[float, str]:
+    """``restart_wait_s``, or the restart's worst case when it is None; and
+    how the error past it names it."""
+    ex = config.executor
+    if ex.restart_wait_s is not None:
+        return ex.restart_wait_s, f"restart_wait_s={ex.restart_wait_s:g}"
+    worst = restart_worst_case_s(
+        start_s=ex.startup_timeout_s + config.model_config.warmup_timeout_s,
+        stop_s=ex.shutdown_grace_s + WORKER_STOP_SLACK_S)
+    return worst, f"the longest a restart takes, {worst:g} s"
 
 
 def _seconds(ms: float | None) -> float | None:

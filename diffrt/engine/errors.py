@@ -15,5 +15,12 @@ class EngineDeadError(EngineError):
     pass
 
 
+class EngineRestartingError(EngineDeadError):
+    """Fresh workers were still starting when the request's wait for them
+    ended (``restart_wait_s``, or its own timeout): retry shortly. An
+    ``EngineDeadError``, so code that handles a dead engine handles this too;
+    the HTTP server answers it 503 with ``Retry-After``."""
+
+
 class EngineWarmupError(EngineError):
     """The start-up request failed or did not finish within warmup_timeout_s."""

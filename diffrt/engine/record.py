@@ -56,6 +56,11 @@ class RequestRecord:
     #: the error that names the limit
     timeout_at: float | None = None
     timeout_reason: str | None = None
+    #: its submitter waits for fresh workers (a restart) until at most
+    #: ``timeout_at`` and answers then; the timer leaves it alone meanwhile.
+    #: Set before the record is shared, cleared when that wait ends; only the
+    #: submitting thread writes it.
+    held: bool = False
 
     # -- set once by EngineCore.abort, under the core's lock, before the scheduler
     # -- decides; the output processor reads them under its own lock --------------

@@ -148,7 +148,15 @@ class ExecutorSettings(ExecutorOptions, kw_only=True, frozen=True):
         "supports it"))] = None
     restart_workers: Annotated[bool, Meta(description=(
         "after the workers died or hung, fail only the running requests, start fresh "
-        "workers (3 attempts) and serve the waiting ones"))] = False
+        "workers (3 attempts) and serve the waiting ones, and those submitted meanwhile "
+        "(restart_wait_s)"))] = False
+    restart_wait_s: Annotated[Annotated[float, Meta(ge=0)] | None, Meta(description=(
+        "with restart_workers: how long a request submitted while fresh workers start "
+        "waits for them (queued, counted as waiting) before it is refused with "
+        "EngineRestartingError (HTTP 503 with Retry-After); never past its own timeout; "
+        "0: refused at once; None: as long as the restart can take (3 x "
+        "(startup_timeout_s + warmup_timeout_s), plus the back-offs and the workers' "
+        "shutdowns)"))] = None
     postprocess_workers: Annotated[int, Meta(ge=1, description=(
         "threads that turn outputs into PIL images for asyncio consumers"))] = 2
 

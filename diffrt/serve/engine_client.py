@@ -5,7 +5,9 @@ States: ``starting`` (the engine loads and warms up; /ready is 503),
 ``ready``, ``draining`` (after SIGTERM: new requests get 503, requests in
 flight may finish), ``stopped``, ``failed`` (the engine could not start).
 Whether the engine is alive is the engine's to say (``is_healthy``): a worker
-that died makes /health 503 in any state.
+that died makes /health 503 in any state. While fresh workers replace it
+(``is_restarting``) requests are still taken: the engine holds them for the
+fresh workers, up to ``restart_wait_s``.
 
 Every request runs through ``run``, which aborts it in the engine when its
 consumer leaves early (a client that disconnected, a cancelled stream), so
@@ -132,6 +134,10 @@ class EngineClient:
     def healthy(self) -> bool:
         return self.engine is not None and self.engine.is_healthy()
 
+    def restarting(self) -> bool:
+        """Fresh workers are starting: not healthy, but taking requests."""
+        return self.engine is not None and self.engine.is_restarting()
+
     def ready(self) -> bool:
         return self.state == "ready" and self.healthy()
 
@@ -143,7 +149,7 @@ class EngineClient:
                            code="warming_up", headers={"Retry-After": "5"})
         if self.state in ("draining", "stopped"):
             raise ApiError(503, "the server is shutting down", code="shutting_down")
-        if self.state == "failed" or not self.healthy():
+        if self.state == "failed" or not (self.healthy() or self.restarting()):
             reason = self.failure or "the engine is not healthy"
             raise ApiError(503, f"the engine is down: {reason}", code="engine_down")
         assert self.engine is not None

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from diffrt.engine import DiffusionOutput, DiffusionRequest, InvalidRequestError, SamplingParams
-from diffrt.engine.errors import EngineError
+from diffrt.engine.errors import EngineError, EngineRestartingError
 from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.errors import ApiError
 from diffrt.serve.images import MEDIA_TYPES, ImageStore, Reservation, StoreFull, b64, encode_image
@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 #: how often a waiting request checks that its client is still there
 DISCONNECT_POLL_S = 0.1
+#: the Retry-After of a request refused while fresh workers start (as for a
+#: server still loading: workers take seconds to start)
+RESTART_RETRY_AFTER_S = 5
 #: engine field -> the API field a client set it with
 _PARAMS = {"height": "size", "width": "size", "num_outputs_per_prompt": "n",
            "sampling_params": "size", "num_inference_steps": "num_inference_steps"}
@@ -218,10 +221,19 @@ def _submitted(task: asyncio.Future) -> DiffusionOutput:
     except InvalidRequestError as exc:
         raise _invalid(exc) from None
     except EngineError as exc:
-        raise ApiError(503, f"the engine is down: {exc}", code="engine_down") from None
+        raise engine_error(exc) from None
     if out is None:
         raise ApiError(500, "the request ended without an output")
     return out
+
+
+def engine_error(exc: EngineError) -> ApiError:
+    """The 503 of an engine that refused a request: restarting (retry after
+    ``RESTART_RETRY_AFTER_S``) or down."""
+    if isinstance(exc, EngineRestartingError):
+        return ApiError(503, str(exc), code="engine_restarting",
+                        headers={"Retry-After": str(RESTART_RETRY_AFTER_S)})
+    return ApiError(503, f"the engine is down: {exc}", code="engine_down")
 
 
 def raise_for_final(out: DiffusionOutput, client: EngineClient) -> None:
@@ -329,7 +341,7 @@ async def _events(client: EngineClient, outputs: AsyncGenerator[DiffusionOutput,
     except InvalidRequestError as exc:
         yield _error_event(_invalid(exc))
     except EngineError as exc:
-        yield _error_event(ApiError(503, f"the engine is down: {exc}", code="engine_down"))
+        yield _error_event(engine_error(exc))
     except Exception as exc:  # never end a stream without saying why
         logger.exception("stream of %s failed", first.request_id)
         yield _error_event(ApiError(500, f"internal error: {type(exc).__name__}"))

@@ -180,7 +180,8 @@ def test_close_returns_within_its_grace_when_a_worker_is_stopped():
 
 def test_restart_workers_replaces_a_dead_worker():
     """With restart_workers: the request running on a killed worker fails, a
-    waiting one is served by the fresh worker, and so is everything after."""
+    waiting one is served by the fresh worker, so is one submitted while it
+    starts (held for it, not refused), and so is everything after."""
     engine = DiffusionEngine.make_engine(EngineConfig(
         model="toy", plugin_modules=["engine_toy"], restart_workers=True, warmup=False,
         worker_env={"PYTHONPATH": str(ENGINE_TESTS)}))
@@ -195,6 +196,9 @@ def test_restart_workers_replaces_a_dead_worker():
                           and engine.scheduler.num_waiting == 1)
         os.kill(pid, signal.SIGKILL)
         assert wait_until(lambda: not engine.is_healthy(), timeout=10)
+        assert engine.is_restarting()  # a fresh process takes seconds to start
+        during = engine.generate(toy_req("during"), timeout=90)
+        assert during.ok, during.error
         t.join(90)
         assert got and not got[0].ok and "workers died" in got[0].error
         assert got[1].ok, got[1].error  # it waited, then ran on the fresh worker

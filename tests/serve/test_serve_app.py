@@ -12,8 +12,10 @@ import re
 import engine_toy
 import httpx
 import pytest
+from faults import hold_restarts, kill_executor
 from PIL import Image
 from serve_helpers import API_KEY, AUTH, call
+from waiting import wait_for, wait_until
 
 from diffrt.serve import ServeSettings
 from diffrt.serve.images import ImageStore, StoreFull
@@ -290,6 +292,40 @@ def test_overload_is_429_with_retry_after(toy_app):
         assert response.headers["retry-after"] == "3"
         assert error["code"] == "rate_limit_exceeded"
     assert running.status_code == waiting.status_code == 200
+
+
+def test_during_a_restart_requests_wait_for_the_fresh_workers_or_get_503(toy_app, monkeypatch):
+    """While fresh workers start, /health stays 503 and a request waits for
+    them: served (200) once they are; one whose wait ends first (here its own
+    timeout_ms) is 503 ``engine_restarting`` with Retry-After, a stream too."""
+    app = toy_app(restart_workers=True)
+    engine = app.state.client.engine
+    gate = hold_restarts(monkeypatch)
+    kill_executor(engine.executor)
+    body = {"size": "16x16", "num_inference_steps": 2}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                     headers=AUTH) as c:
+            health = (await c.get("/health")).status_code
+            refused = await c.post(GEN, json={"prompt": "p", "timeout_ms": 200, **body})
+            refused_stream = await c.post(GEN, json={"prompt": "p", "timeout_ms": 200,
+                                                     "stream": True, **body})
+            held = asyncio.create_task(c.post(GEN, json={"prompt": "p", **body}))
+            await wait_for(lambda: engine.stats().requests_waiting == 1)
+            health_held = (await c.get("/health")).status_code
+            gate.set()
+            return health, refused, refused_stream, health_held, await held
+
+    health, refused, refused_stream, health_held, served = asyncio.run(main())
+    assert health == health_held == 503
+    for response in (refused, refused_stream):
+        error = _error(response, 503, None)
+        assert error["code"] == "engine_restarting" and "restarting" in error["message"]
+        assert response.headers["retry-after"] == "5"
+    assert served.status_code == 200, served.text
+    assert wait_until(lambda: call(app, "GET", "/health").status_code == 200)
 
 
 def test_states_answer_on_health_and_ready(toy_app):
