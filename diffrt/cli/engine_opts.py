@@ -54,6 +54,7 @@ RENAMED_FLAGS = {
     "--unread-output-timeout": "--unread-output-timeout-s",
     "--startup-timeout": "--startup-timeout-s",
     "--no-restart": "--no-restart-workers",
+    "--max-request-cost": "--max-request-seconds (an estimated run time, not megapixel-steps)",
 }
 
 

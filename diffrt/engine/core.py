@@ -35,7 +35,9 @@ from diffrt.engine.config import EngineMode
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.record import RequestRecord, RequestStatus
+from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.restart_gate import RestartGate
+from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.runner_messages import BatchDone, ExecuteBatch, ExecuteStep, StepDone
 from diffrt.engine.sampling import InvalidRequestError, filled
 from diffrt.engine.sched import (
@@ -115,7 +117,8 @@ class EngineCore:
                  clock: Callable[[], float] = time.monotonic,
                  restart: Callable[[], Executor] | None = None,
                  on_timer: Callable[[float], None] | None = None,
-                 restart_attempts: int = RESTART_ATTEMPTS):
+                 restart_attempts: int = RESTART_ATTEMPTS,
+                 run_time: RunTimeModel | None = None):
         self.mode = mode
         self.scheduler = scheduler
         self.executor = executor
@@ -133,6 +136,8 @@ class EngineCore:
         self.restart_gate = RestartGate()
         #: called by the timer with ``now`` (the output processor frees unread outputs)
         self._on_timer = on_timer
+        #: learns each tick's seconds per step (the estimate max_request_seconds reads)
+        self._run_time = run_time
         #: (timeout_at, n, record) of every record given a timeout; weak, so a
         #: finished request's record (prompt, output) is not kept until then
         self._timeouts: list[tuple[float, int, weakref.ref[RequestRecord]]] = []
@@ -370,6 +375,8 @@ class EngineCore:
         elapsed = self._clock() - start
         step_seconds = None if result.failed_all else self._step_seconds(tick, elapsed, steps_run)
         with self._cond:
+            if self._run_time is not None and step_seconds is not None:
+                self._run_time.observe(self._ran(tick), step_seconds)
             update = self.scheduler.update_from_output(tick, result)
             done_at = self._clock()
             for event in update.finished:  # the automatic batching window learns from them
@@ -393,6 +400,14 @@ class EngineCore:
                           outputs=kept, previews=previews, step_seconds=step_seconds,
                           steps=steps_run if self.mode is EngineMode.STEP_BATCH else 1,
                           text_encoding=text_encoding)
+
+    def _ran(self, tick: SchedulerOutput) -> list[DiffusionRequest]:
+        """The requests a tick ran (under the lock, before the scheduler lets
+        finished ones go)."""
+        if self.mode is not EngineMode.STEP_BATCH:
+            return tick.new
+        records = (self.scheduler.record(rid) for rid in tick.scheduled_ids)
+        return [record.request for record in records if record is not None]
 
     def _step_seconds(self, tick: SchedulerOutput, elapsed: float,
                       steps_run: int) -> float | None:

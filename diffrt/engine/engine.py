@@ -49,6 +49,7 @@ from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
 from diffrt.engine.postprocess import output_postprocessor
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.runner_messages import ExecuteBatch
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 from diffrt.engine.sched import (
@@ -108,6 +109,8 @@ class DiffusionEngine:
         #: what the served model accepts (submission checks, batch keys, post-processing)
         self.spec = config.model_spec()
         self._clock = clock
+        #: the estimate of a request's seconds that max_request_seconds refuses by
+        self.run_time = RunTimeModel(self.spec)
         self.output_processor = OutputProcessor(
             output_postprocessor(self.spec),
             workers=config.executor.postprocess_workers,
@@ -116,7 +119,7 @@ class DiffusionEngine:
             self.mode, scheduler or self._make_scheduler(), executor,
             on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock,
             restart=self._fresh_executor if config.executor.restart_workers else None,
-            on_timer=self.output_processor.expire_unread)
+            on_timer=self.output_processor.expire_unread, run_time=self.run_time)
         #: how long a submission during a restart waits for it, and why that long
         self._restart_wait_s, self._restart_wait_bound = _restart_wait(config)
         self._closed = False
@@ -189,9 +192,7 @@ class DiffusionEngine:
             raise
         return executor
 
-    def _warmup(self) -> None:
-        request = self._warmup_request()
-        start = time.monotonic()
+    def _run_start_up_request(self, request: DiffusionRequest) -> None:
         try:
             out = self.generate(request, timeout=self.config.model_config.warmup_timeout_s)
         except TimeoutError:
@@ -201,6 +202,24 @@ class DiffusionEngine:
             ) from None
         if not out.ok:
             raise EngineWarmupError(f"warm-up request failed: {out.error}")
+
+    def _calibration_request(self) -> DiffusionRequest:
+        """Two steps at twice the warm-up's side (within the model's limits):
+        the run-time estimate's first measurement, on warm kernels."""
+        multiple, size = self.spec.size_multiple, 2 * self.spec.warmup_size()
+        size = max(multiple, min(size, self.spec.max_size // multiple * multiple))
+        return DiffusionRequest(
+            prompt="calibration", request_id=f"calibrate-{uuid.uuid4().hex[:8]}",
+            sampling_params=SamplingParams(height=size, width=size, num_inference_steps=2,
+                                           seed=0, guidance_scale=1.0))
+
+    def _warmup(self) -> None:
+        """The warm-up request (cold: loads kernels, allocates buffers), then a
+        calibration request whose measured steps are the run-time estimate's first."""
+        start = time.monotonic()
+        self._run_start_up_request(self._warmup_request())
+        self.run_time.reset()  # a cold tick is no measure of a warm one
+        self._run_start_up_request(self._calibration_request())
         self.output_processor.stats.reset()  # stats() describes served requests only
         self.scheduler.forget_run_times()  # a cold one-step request sizes no window
         logger.info("warm-up done in %.2f s", time.monotonic() - start)
@@ -354,7 +373,7 @@ class DiffusionEngine:
         seen: set[str] = set()
         now = self._clock()
         for request in requests:
-            request = accept(request, self.spec, self.config)
+            request = accept(request, self.spec, self.config, self.run_time)
             if request.request_id in seen:
                 raise InvalidRequestError("request_id", f"{request.request_id!r} given twice")
             seen.add(request.request_id)

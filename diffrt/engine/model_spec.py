@@ -3,9 +3,9 @@ needs to know what the model accepts.
 
 A spec is resolved once from a model folder (``pipelines.registry``) without
 loading weights, and it is plain data: a msgspec Struct, so the worker
-receives the same object in its settings. Submission (defaults, limits, cost),
-the schedulers (batch keys), the CLI's input check, the server's defaults and
-``/v1/models``, and post-processing read it; the pipeline object in each
+receives the same object in its settings. Submission (defaults, limits, the
+run-time estimate's shape), the schedulers (batch keys), the CLI's input
+check, the server's defaults and ``/v1/models``, and post-processing read it; the pipeline object in each
 worker is compute only and consults the same spec for the request-level
 decisions it shares with the engine (whether CFG runs, the negative prompt).
 
@@ -119,6 +119,12 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: uint8 RGB images, more for float32 latents of a VAE that downsamples
     #: little (what sizes the output arena, ``output_arena_bytes``)
     output_bytes_per_pixel: float = 3.0
+    #: the transformer's attention width (heads x head dim) and the text tokens
+    #: each row attends with: the shape of the run-time estimate
+    #: (``engine.run_time``); 0: not known (the estimate is then linear in
+    #: image tokens)
+    transformer_width: int = 0
+    text_tokens: int = 0
     #: how a finished output becomes what the request asked for
     #: (``engine.postprocess``): uint8 images -> PIL / tensor, latents as is
     postprocess: Literal["images"] = "images"
@@ -179,10 +185,6 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         if self.cfg_rule is CfgRule.TRUE_CFG_AND_NEGATIVE:
             return float(filled(params.true_cfg_scale))
         return float(filled(params.guidance_scale))
-
-    def cost(self, request: DiffusionRequest) -> float:
-        """Megapixel-steps, doubled when CFG runs for this request."""
-        return request.sampling_params.megapixel_steps * (2 if self.uses_cfg(request) else 1)
 
     # -- batching ------------------------------------------------------------------------------
     def request_batch_key(self, request: DiffusionRequest) -> tuple:

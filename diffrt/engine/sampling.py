@@ -153,14 +153,6 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if self.seed is not None and self.seed > SEED_MAX:  # beyond msgspec's int64 bounds
             raise InvalidRequestError("seed", f"must be <= {SEED_MAX}, got {self.seed}")
 
-    @property
-    def megapixel_steps(self) -> float:
-        """pixels x steps x outputs / 10^6: the transformer work without CFG
-        (the pipeline knows whether CFG runs, which doubles it)."""
-        pixels = (filled(self.height) * filled(self.width) * filled(self.num_inference_steps)
-                  * self.num_outputs_per_prompt)
-        return pixels / 1e6
-
     def request_batch_key(self) -> tuple:
         """Parameter fields that must match for two requests to share one fused
         forward, for a scheduler used without a model (``ModelSpec.request_batch_key``

@@ -69,10 +69,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         "modules imported before the model is resolved, here and in each worker, e.g. one "
         "that registers a model family"))] = ()
     warmup: Annotated[bool, Meta(description=(
-        "run one tiny request at start-up (fails and cleans up if it does not finish in "
-        "warmup_timeout_s)"))] = True
+        "run one tiny request at start-up, then a two-step one that calibrates the run-time "
+        "estimate (max_request_seconds); fails and cleans up if one does not finish in "
+        "warmup_timeout_s"))] = True
     warmup_timeout_s: Annotated[float, Meta(gt=0, description=(
-        "seconds the warm-up request may take"))] = 300.0
+        "seconds each start-up request (warm-up, calibration) may take"))] = 300.0
 
 
 class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -124,10 +125,12 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True):
 class LimitsConfig(msgspec.Struct, kw_only=True, frozen=True):
     """What one request may cost and how long it may take."""
 
-    max_request_cost: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description=(
-        "the largest request accepted, in megapixel-steps (height x width x steps x "
-        "outputs / 1e6, x2 with CFG); None: no limit. 1000 accepts 1024x1024 x 50 steps x "
-        "8 outputs with CFG"))] = 1000.0
+    max_request_seconds: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description=(
+        "the longest a request may be estimated to run on this engine, alone, in seconds "
+        "(engine.run_time: per-step overhead plus work in tokens, attention's quadratic "
+        "term included, fitted from measured steps and calibrated at warm-up); a longer "
+        "one is refused naming the estimate; None: no limit. Without warm-up nothing is "
+        "refused until the first tick is measured"))] = 120.0
     request_timeout_s: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description=(
         "seconds from submission to the final output after which a request ends with an "
         "error (SamplingParams.timeout_s may lower it); None: no limit"))] = 600.0

@@ -2,7 +2,8 @@
 what it cannot carry).
 
 A request is accepted only if it can be carried end to end: every field's type
-and range, the model's own limits (its ``ModelSpec``), the engine's cost limit,
+and range, the model's own limits (its ``ModelSpec``), the engine's run-time limit
+(``max_request_seconds``, on ``run_time``'s estimate),
 and the message a worker will receive (encoded here, per request, so one
 request that cannot be encoded never reaches a tick its neighbours share).
 Refusals raise ``InvalidRequestError`` naming the field. The accepted request
@@ -19,12 +20,15 @@ import msgspec
 from diffrt.engine.config import EngineConfig
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import InvalidRequestError, random_seed
+from diffrt.engine.run_time import RunTimeModel
+from diffrt.engine.sampling import InvalidRequestError, filled, random_seed
 
 
-def accept(request: Any, spec: ModelSpec, config: EngineConfig) -> DiffusionRequest:
+def accept(request: Any, spec: ModelSpec, config: EngineConfig,
+           run_time: RunTimeModel | None = None) -> DiffusionRequest:
     """Check one request end to end (``InvalidRequestError`` refuses it);
-    return it as it will run."""
+    return it as it will run. ``run_time`` estimates its seconds for
+    ``max_request_seconds`` (None: not checked)."""
     if not isinstance(request, DiffusionRequest):
         raise InvalidRequestError(
             "request", f"must be a DiffusionRequest, got {type(request).__name__}")
@@ -36,12 +40,12 @@ def accept(request: Any, spec: ModelSpec, config: EngineConfig) -> DiffusionRequ
         raise InvalidRequestError(
             "partial_images", "previews need step boundaries: run the engine with "
             "step_execution=True (REQUEST_BATCH runs a request as one forward)")
-    limit = config.limits.max_request_cost
-    cost = spec.cost(request)
-    if limit is not None and cost > limit:
-        raise InvalidRequestError(
-            "sampling_params", f"costs {cost:g} megapixel-steps (height x width x "
-            f"steps x outputs / 1e6, x2 with CFG), above max_request_cost={limit:g}")
+    limit = config.limits.max_request_seconds
+    estimate = run_time.estimate(request) if run_time is not None else None
+    if limit is not None and estimate is not None and estimate > limit:
+        raise InvalidRequestError("sampling_params", (
+            f"would run about {estimate:.3g} s on this engine ({_size(request)}), "
+            f"above max_request_seconds={limit:g}"))
     # The engine's own copy (a caller mutating its request later changes
     # nothing), with the seed drawn here when none was given so the output can
     # name it.
@@ -53,6 +57,13 @@ def accept(request: Any, spec: ModelSpec, config: EngineConfig) -> DiffusionRequ
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidRequestError("request", f"cannot be sent to a worker: {exc}") from None
     return request
+
+
+def _size(request: DiffusionRequest) -> str:
+    """What the estimate was of, in the request's own terms."""
+    params = request.sampling_params
+    return (f"{filled(params.height)}x{filled(params.width)}, "
+            f"{filled(params.num_inference_steps)} steps, n={params.num_outputs_per_prompt}")
 
 
 def timeout_of(request: DiffusionRequest, now: float,

@@ -278,10 +278,10 @@ def test_serve_defaults_to_step_mode():
     assert engine_settings(args) == {"step_execution": True, "max_num_seqs": 8,
                                      "unread_output_timeout_s": 120.0, "restart_workers": True}
     args = build_parser().parse_args(["serve", "--no-step-execution", "--request-timeout-s",
-                                      "5", "--max-request-cost", "2", "--no-restart-workers"])
+                                      "5", "--max-request-seconds", "2", "--no-restart-workers"])
     settings = engine_settings(args)
     assert settings["step_execution"] is False and settings["restart_workers"] is False
-    assert (settings["request_timeout_s"], settings["max_request_cost"]) == (5.0, 2.0)
+    assert (settings["request_timeout_s"], settings["max_request_seconds"]) == (5.0, 2.0)
 
 
 def test_env_refuses_a_forced_platform_without_its_package(monkeypatch, capsys):

@@ -45,9 +45,9 @@ def toy_app():
         engine.close()
 
 
-#: megapixel-steps: requests up to ~1 s each run, larger fuzzed ones (n=10 at
-#: 1000 steps...) are refused at once, so schemathesis stays fast
-COST_LIMIT = "2.0"
+#: seconds: requests estimated to run up to ~10 s are accepted, larger fuzzed
+#: ones (n=10 at 1000 steps...) are refused at once, so schemathesis stays fast
+MAX_REQUEST_SECONDS = "10"
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +55,7 @@ def real_server():
     """One ``diffrt serve`` process (the default model diffrt-shapes, step mode, an API key) shared
     by the end-to-end tests that can share it."""
     proc = ServerProcess("--api-key", API_KEY, "--max-num-seqs", "8", "--max-pending", "64",
-                         "--max-request-cost", COST_LIMIT)
+                         "--max-request-seconds", MAX_REQUEST_SECONDS)
     try:
         yield proc.wait_ready()
     finally:

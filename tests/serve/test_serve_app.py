@@ -137,7 +137,7 @@ REFUSALS = [
     ({"prompt": "x", "num_inference_steps": 0}, 400, "num_inference_steps", ""),
     ({"prompt": "x", "model": "other"}, 404, "model", "not served"),
     ({"prompt": "x", "size": "2048x2048", "num_inference_steps": 1000}, 400, "size",
-     "max_request_cost"),
+     "max_request_seconds"),
 ]
 
 

@@ -95,7 +95,7 @@ def test_disconnected_clients_free_their_requests(real_server):
                                                "num_inference_steps": 6, "seed": i})
 
             async def leaves_a_stream(i: int) -> None:
-                # 900 steps, guided (x2): under the server's cost limit of 2 megapixel-steps
+                # 900 steps, guided (x2): estimated under the server's max_request_seconds
                 body = {"prompt": f"leave {i}", "size": "32x32", "num_inference_steps": 900,
                         "stream": True, "stream_progress": True}
                 async with c.stream("POST", GEN, json=body) as response:

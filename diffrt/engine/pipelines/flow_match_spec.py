@@ -9,7 +9,7 @@ from typing import Any
 
 from diffrt.engine.model_spec import ParallelSupport
 from diffrt.engine.pipelines.family import ModelFolder
-from diffrt.engine.pipelines.folder_check import ModelLoadError
+from diffrt.engine.pipelines.folder_check import ModelLoadError, read_json_object
 
 #: the largest side a family allows with its usual 8x VAE
 FAMILY_MAX_SIZE = 2048
@@ -40,6 +40,22 @@ def scaled_max_size(factor: int) -> int:
     return FAMILY_MAX_SIZE * min(factor, 8) // 8
 
 
+
+
+def attention_width(folder: ModelFolder) -> int:
+    """The transformer's attention width, heads x head dim (0 if its config lacks one)."""
+    config = folder.transformer_config
+    heads, dim = config.get("num_attention_heads"), config.get("attention_head_dim")
+    return heads * dim if isinstance(heads, int) and isinstance(dim, int) else 0
+
+
+def tokenizer_max_length(folder: ModelFolder, component: str, default: int) -> int:
+    """A tokenizer's ``model_max_length`` (``default`` when it names none)."""
+    path = os.path.join(folder.path, component, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return default
+    value = read_json_object(path).get("model_max_length", default)
+    return value if isinstance(value, int) and 0 < value < default else default
 
 
 def check_text_encoder(folder: ModelFolder) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
 from diffrt.engine.pipelines.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
+    attention_width,
     check_text_encoder,
     output_bytes_per_pixel,
     scaled_max_size,
     sequence_parallel_support,
+    tokenizer_max_length,
     vae_factor,
 )
 
@@ -38,4 +40,6 @@ def describe(folder: ModelFolder) -> ModelSpec:
         supports_request_batch=True, supports_step_execution=True,
         parallel=sequence_parallel_support(folder, "AutoencoderKL"),
         lora_target_modules=LORA_TARGET_MODULES,
+        transformer_width=attention_width(folder),
+        text_tokens=tokenizer_max_length(folder, "tokenizer_2", 512),  # as its encoding
         output_bytes_per_pixel=output_bytes_per_pixel(int(folder.vae_config.get("latent_channels", 16)), factor))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
 from diffrt.engine.pipelines.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
+    attention_width,
     check_text_encoder,
     output_bytes_per_pixel,
     qwen_vae_factor,
@@ -38,4 +39,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         supports_request_batch=True, supports_step_execution=True,
         parallel=sequence_parallel_support(folder, "AutoencoderKLQwenImage"),
         lora_target_modules=LORA_TARGET_MODULES,
+        # its text follows each prompt (padded to the batch's longest): the
+        # run-time estimate counts image tokens only
+        transformer_width=attention_width(folder), text_tokens=0,
         output_bytes_per_pixel=output_bytes_per_pixel(int(folder.vae_config.get("z_dim", 16)), factor))

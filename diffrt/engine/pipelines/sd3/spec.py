@@ -5,6 +5,7 @@ from __future__ import annotations
 from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
 from diffrt.engine.pipelines.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
+    attention_width,
     check_text_encoder,
     output_bytes_per_pixel,
     scaled_max_size,
@@ -17,6 +18,11 @@ from diffrt.engine.pipelines.flow_match_spec import (
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
                        "add_v_proj", "to_add_out", "ff.net.0.proj", "ff.net.2",
                        "ff_context.net.0.proj", "ff_context.net.2")
+
+
+#: the joint sequence's text part: the CLIPs' 77 tokens and T5's 256
+#: (``SD3Pipeline.encode_with_diffusers``), concatenated
+TEXT_TOKENS = 77 + 256
 
 
 def describe(folder: ModelFolder) -> ModelSpec:
@@ -41,4 +47,5 @@ def describe(folder: ModelFolder) -> ModelSpec:
         supports_request_batch=True, supports_step_execution=True,
         parallel=sequence_parallel_support(folder, "AutoencoderKL"),
         lora_target_modules=LORA_TARGET_MODULES,
+        transformer_width=attention_width(folder), text_tokens=TEXT_TOKENS,
         output_bytes_per_pixel=output_bytes_per_pixel(int(folder.vae_config.get("latent_channels", 16)), factor))
