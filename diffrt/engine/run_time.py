@@ -63,7 +63,7 @@ class RunTimeModel:
     """Estimates a request's seconds on this engine from measured ticks (see the module).
 
     ``observe`` runs on the engine core's thread, ``estimate`` on submitting
-    threads: the fitted pair is swapped under a lock."""
+    threads; the bins are refitted under a lock when next read."""
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
@@ -71,6 +71,7 @@ class RunTimeModel:
         self._bins: dict[int, deque[tuple[float, float]]] = {}
         self._lock = threading.Lock()
         self._fit: tuple[float, float] | None = None  # (o, k)
+        self._stale = False
 
     # -- the work of a request -----------------------------------------------------------
     def tokens(self, request: DiffusionRequest) -> float:
@@ -101,30 +102,34 @@ class RunTimeModel:
         key = round(math.log2(units) * BINS_PER_OCTAVE)
         with self._lock:
             self._bins.setdefault(key, deque(maxlen=TICKS_PER_BIN)).append((units, step_seconds))
-            self._fit = _fit([(statistics.fmean(u for u, _ in ticks),
-                               statistics.median(s for _, s in ticks))
-                              for ticks in self._bins.values()])
+            self._stale = True  # refitted when next read: ticks outnumber submissions
 
     def reset(self) -> None:
         """Forget every measurement (the cold warm-up request says little)."""
         with self._lock:
             self._bins.clear()
-            self._fit = None
+            self._fit, self._stale = None, False
 
     @property
     def calibrated(self) -> bool:
-        return self._fit is not None
+        return self.coefficients is not None
 
     @property
     def coefficients(self) -> tuple[float, float] | None:
         """(seconds of overhead per step, seconds per W unit), None before a measurement."""
-        return self._fit
+        with self._lock:
+            if self._stale:
+                self._fit = _fit([(statistics.fmean(u for u, _ in ticks),
+                                   statistics.median(s for _, s in ticks))
+                                  for ticks in self._bins.values()])
+                self._stale = False
+            return self._fit
 
     # -- estimating ------------------------------------------------------------------------
     def estimate(self, request: DiffusionRequest) -> float | None:
         """Seconds ``request`` (defaults filled in) would run alone; None before
         the first measured tick."""
-        fit = self._fit
+        fit = self.coefficients
         if fit is None:
             return None
         overhead, per_unit = fit
