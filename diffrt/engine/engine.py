@@ -50,6 +50,7 @@ from diffrt.engine.sched import (
     StepScheduler,
     make_policy,
 )
+from diffrt.engine.seats import Seat
 from diffrt.engine.stats import EngineStats
 from diffrt.engine.submission import accept, timeout_of
 from diffrt.runtime.executor import Executor
@@ -225,15 +226,18 @@ class DiffusionEngine:
         outputs = [finals[stream.request_id] for stream in streams]
         return outputs[0] if single else outputs
 
-    async def step_streaming(self, request: DiffusionRequest
+    async def step_streaming(self, request: DiffusionRequest, *, seat: Seat | None = None
                              ) -> AsyncGenerator[DiffusionOutput, None]:
         """Yield the request's progress outputs, then its final output.
 
         Leaving early (break, cancellation) detaches this consumer only: the
         request still runs to its end and is cleaned up (an unread output is
-        freed at once); use ``abort`` to stop it.
+        freed at once); use ``abort`` to stop it. ``seat`` (``take_seat``)
+        moves into the waiting queue with the request when it is submitted
+        (on the first item); a seat whose request never got there is the
+        caller's to ``release``.
         """
-        [stream] = self._submit([request], loop=asyncio.get_running_loop())
+        [stream] = self._submit([request], loop=asyncio.get_running_loop(), seat=seat)
         finished = False
         try:
             while not finished:
@@ -263,6 +267,16 @@ class DiffusionEngine:
         record = self.output_processor.active_record(request_id)
         if record is not None:  # else unknown or finished: nothing to stop
             self._core.abort(request_id, None, record)
+
+    def take_seat(self, limit: int, *, on_admitted: Callable[[], None] | None = None) -> Seat:
+        """A place among the waiting requests for one about to be submitted,
+        taken at once under the core's lock; refused (``seat.taken`` False)
+        when ``limit`` wait already, counting the seats not yet submitted
+        (``seats.py``: how a server sheds without a race). ``on_admitted`` is
+        called on the engine loop's thread, with no lock held, when the
+        request joins the running set; it must be quick and must not call
+        into the engine."""
+        return self._core.take_seat(limit, on_admitted)
 
     def is_healthy(self) -> bool:
         return not self._closed and self._core.is_alive() and self.executor.is_healthy()
@@ -299,7 +313,8 @@ class DiffusionEngine:
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,
-                inbox: queue.SimpleQueue | None = None) -> list[OutputStream]:
+                inbox: queue.SimpleQueue | None = None,
+                seat: Seat | None = None) -> list[OutputStream]:
         records = []
         seen: set[str] = set()
         now = self._clock()
@@ -310,6 +325,7 @@ class DiffusionEngine:
             seen.add(request.request_id)
             record = RequestRecord(request, arrival=now, metrics=RequestMetrics(arrival_time=now))
             record.timeout_at, record.timeout_reason = timeout_of(request, now, self.config)
+            record.seat = seat  # step_streaming: one request
             records.append(record)
         streams = self.output_processor.add(records, loop, inbox)  # refuses once closed or dead
         if not self.executor.is_healthy():
