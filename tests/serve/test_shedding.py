@@ -35,6 +35,7 @@ def test_a_burst_of_ten_times_the_bound_never_passes_it(toy_app):
     max_pending, seqs, burst = 6, 4, 60
     app = toy_app(ServeSettings(api_key=API_KEY, max_pending=max_pending), max_num_seqs=seqs)
     engine = app.state.client.engine
+    engine_toy.reset()
     engine_toy.gate("burst").clear()
     body = {"prompt": "block:burst", **BODY}
 
@@ -65,6 +66,8 @@ def test_a_burst_of_ten_times_the_bound_never_passes_it(toy_app):
                             == burst + before.requests_running + before.requests_waiting)
 
                 await wait_for(settled, timeout=30, message=lambda: engine.stats())
+                # the running batch is in its held step: no admission until the gate opens
+                await wait_for(lambda: engine_toy.calls("step"), timeout=30)
                 return ([t.result() for t in tasks if t.done()],
                         [t for t in tasks if not t.done()], engine.stats())
 
