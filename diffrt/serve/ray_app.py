@@ -205,8 +205,11 @@ class ModelReplica:
         seat back)."""
         loop = asyncio.get_running_loop()
         admitted = asyncio.Event()
-        outputs = self.client.run(
-            request, on_admitted=lambda: loop.call_soon_threadsafe(admitted.set))
+
+        def on_admitted() -> None:  # on the engine loop's thread
+            loop.call_soon_threadsafe(admitted.set)
+
+        outputs = self.client.run(request, on_admitted=on_admitted)
         async for item in announce_admission(outputs, admitted):
             yield self.name, item
 
