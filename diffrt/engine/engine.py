@@ -281,6 +281,20 @@ class DiffusionEngine:
     def is_healthy(self) -> bool:
         return not self._closed and self._core.is_alive() and self.executor.is_healthy()
 
+    def stall(self, idle_s: float | None = None) -> str | None:
+        """Why the engine counts as stalled now, or None: the execute call in
+        flight has gone without a sign of progress (a reply, an output, a
+        heartbeat) for longer than ``stall_timeout_s`` — a hung or stopped
+        worker, or a step or compile that long. Progress clears it. It only
+        reports (a server's /health says so within seconds); the workers are
+        killed at ``execute_timeout_s``. ``idle_s``: the executor's
+        ``seconds_without_progress()`` if the caller read it already."""
+        limit = self.config.executor.stall_timeout_s
+        idle = self.executor.seconds_without_progress() if idle_s is None else idle_s
+        if limit is None or idle <= limit:
+            return None
+        return f"no progress for {idle:.0f} s (stall_timeout_s={limit:g})"
+
     def close(self) -> None:
         """Refuse new work, send an error output to every open stream, stop the
         executor (idempotent)."""
@@ -306,10 +320,12 @@ class DiffusionEngine:
     def stats(self) -> EngineStats:
         """Queue gauges now, plus counters and histograms since start (``stats.py``)."""
         waiting, running = self._core.queue_sizes()
+        idle = self.executor.seconds_without_progress()
         return self.output_processor.stats.snapshot(
             waiting=waiting, running=running,
             pending_output_bytes=self.output_processor.unread_bytes(),
-            healthy=self.is_healthy(), worker_restarts=self._core.restarts)
+            healthy=self.is_healthy(), worker_restarts=self._core.restarts,
+            seconds_without_progress=idle, stall=self.stall(idle))
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,

@@ -13,7 +13,10 @@ States: ``starting`` (the engine loads and warms up; /ready is 503),
 ``ready``, ``draining`` (after SIGTERM: new requests get 503, requests in
 flight may finish), ``stopped``, ``failed`` (the engine could not start).
 Whether the engine is alive is the engine's to say (``is_healthy``): a worker
-that died makes /health 503 in any state.
+that died makes /health 503 in any state. So is whether it is stalled
+(``stall``: the worker call in flight has gone ``stall_timeout_s`` without
+progress): /health and /ready are 503 until progress resumes, long before the
+watchdog kills a hung worker (``execute_timeout_s``).
 
 Every request runs through ``run``, which aborts it in the engine when its
 consumer leaves early (a client that disconnected, a cancelled stream), so
@@ -141,8 +144,12 @@ class EngineClient:
     def healthy(self) -> bool:
         return self.engine is not None and self.engine.is_healthy()
 
+    def stall(self) -> str | None:
+        """Why the engine makes no progress now (``DiffusionEngine.stall``), or None."""
+        return None if self.engine is None else self.engine.stall()
+
     def ready(self) -> bool:
-        return self.state == "ready" and self.healthy()
+        return self.state == "ready" and self.healthy() and self.stall() is None
 
     # -- requests ------------------------------------------------------------------------
     def engine_or_shed(self, on_admitted: Callable[[], None] | None = None

@@ -313,8 +313,17 @@ class ReplicaClient:
             return True
         return any(stats.healthy for _, stats in self._snapshots)
 
+    def stall(self) -> str | None:
+        """Why no replica makes progress, when every healthy one reported a
+        stall (``DiffusionEngine.stall``); else None."""
+        live = [stats for _, stats in self._snapshots if stats.healthy]
+        stalls = [getattr(stats, "stall", None) for stats in live]
+        if live and all(stalls):
+            return stalls[0]
+        return None
+
     def ready(self) -> bool:
-        return self.state == "ready" and self.healthy()
+        return self.state == "ready" and self.healthy() and self.stall() is None
 
     # -- requests -----------------------------------------------------------------------
     async def run(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:

@@ -55,8 +55,9 @@ def test_the_board_forgets_a_replica_that_went_silent(monkeypatch):
 
 
 class Stats:
-    def __init__(self, healthy):
+    def __init__(self, healthy, stall=None):
         self.healthy = healthy
+        self.stall = stall
 
 
 def test_the_ingress_is_healthy_while_a_replica_says_so():
@@ -73,6 +74,21 @@ def test_the_ingress_is_healthy_while_a_replica_says_so():
     client._served_by["r1"] = "replica-a"
     assert client.response_headers("r1") == {"x-diffrt-replica": "replica-a"}
     assert client.response_headers("r1") == {}  # read once
+
+
+def test_the_ingress_is_stalled_while_every_live_replica_is():
+    """Issue 27 item 7 over Ray: /health and /ready follow the replicas'
+    stall reports (a stalled replica next to a working one is not the
+    application's stall; a dead one does not count)."""
+    client = ReplicaClient(model=None, board=None, settings=ServeSettings(), model_name="m",
+                           step_mode=True)
+    client._heard_from_replicas = True
+    stalled = Stats(True, "no progress for 31 s (stall_timeout_s=30)")
+    client._snapshots = [("a", stalled), ("b", Stats(True))]
+    assert client.stall() is None and client.ready()
+    client._snapshots = [("a", stalled), ("b", Stats(False))]
+    assert client.stall() == stalled.stall and not client.ready()
+    assert client.healthy()  # alive, only stalled: /health says which
 
 
 def test_a_rank_actor_starts_with_the_engines_settings(monkeypatch):
