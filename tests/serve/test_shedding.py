@@ -6,14 +6,17 @@ can end gives its seat back (the count returns to 0)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 
 import engine_toy
 import httpx
+import pytest
 from serve_helpers import API_KEY, AUTH
-from waiting import wait_for
+from waiting import wait_for, wait_until
 
 from diffrt.serve import ServeSettings
+from diffrt.serve.errors import ApiError
 
 GEN = "/v1/images/generations"
 BODY = {"size": "16x16", "num_inference_steps": 2}
@@ -147,3 +150,34 @@ def test_every_way_a_request_ends_gives_its_seat_back(toy_app):
     assert running.status_code == ok.status_code == 200 and failing.status_code == 500
     stats = engine.stats()  # waiting counts the seats not yet queued, too
     assert stats.requests_waiting == stats.requests_running == 0
+
+
+def test_a_request_counts_as_waiting_from_its_acceptance(toy_app):
+    """The seat is taken when the server accepts the request, a turn of the
+    event loop before the submission (what a check of the queue alone
+    missed); a client that leaves then gives it back."""
+    from diffrt.engine import DiffusionRequest, SamplingParams
+
+    app = toy_app(ServeSettings(api_key=API_KEY, max_pending=1))
+    client, engine = app.state.client, app.state.client.engine
+    request = DiffusionRequest(prompt="p", sampling_params=SamplingParams(
+        height=16, width=16, num_inference_steps=2))
+
+    async def main():
+        outputs = client.run(request)
+        first = asyncio.ensure_future(outputs.__anext__())
+        await asyncio.sleep(0)  # run() took the seat; the submission is scheduled
+        taken = engine.stats().requests_waiting, engine.scheduler.num_waiting
+        with pytest.raises(ApiError) as shed:  # the bound is full already
+            await client.run(request).__anext__()
+        first.cancel()  # the client leaves
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        await outputs.aclose()
+        return taken, shed.value
+
+    taken, shed = asyncio.run(main())
+    assert taken == (1, 0)  # a seat, nothing in the engine's queue yet
+    assert shed.status == 429
+    assert engine.stats().requests_waiting == 0
+    assert wait_until(lambda: engine.num_active_requests() == 0)
