@@ -13,9 +13,14 @@ Data flows one way, from the core to ``on_tick``: an abort is one call here
 the timer thread (``diffrt-engine-timer``) ends requests past their timeout
 the same way and asks the output processor to free outputs left unread.
 
-Locking: the core's Condition guards the scheduler. It is never held while the
-executor is called or a callback runs, and never together with the output
-processor's lock.
+The core also keeps a server's seats among the waiting (``seats.py``): a
+seat is taken, moved into the queue with its record, and told of its
+admission under the same lock as the scheduler, so a server's bound on the
+waiting requests has no race.
+
+Locking: the core's Condition guards the scheduler and the seat count. It is
+never held while the executor is called or a callback runs, and never
+together with the output processor's lock.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from diffrt.engine.sched import (
     Scheduler,
     SchedulerOutput,
 )
+from diffrt.engine.seats import Seat, SeatState
 from diffrt.runtime.executor import Executor
 from diffrt.runtime.types import ExecutorDeadError
 
@@ -143,6 +149,10 @@ class EngineCore:
         self._timeouts: list[tuple[float, int, weakref.ref[RequestRecord]]] = []
         self._timeout_seq = itertools.count()
         self._timer_stop = threading.Event()
+        #: seats taken whose request has not reached the scheduler (under _cond)
+        self._held_seats = 0
+        #: seats of the requests the last schedule admitted (the loop's thread only)
+        self._admitted_seats: list[Seat] = []
         self._thread = threading.Thread(target=self._loop, name="diffrt-engine-loop", daemon=True)
         self._timer = threading.Thread(target=self._watch, name="diffrt-engine-timer",
                                        daemon=True)
@@ -171,6 +181,7 @@ class EngineCore:
             for record in records:
                 if not record.aborted:
                     self.scheduler.add(record)
+                self._queue_seat(record)
                 if record.timeout_at is not None:
                     heapq.heappush(self._timeouts, (record.timeout_at, next(self._timeout_seq),
                                                     weakref.ref(record)))
@@ -203,9 +214,45 @@ class EngineCore:
                                                      record)]))
 
     def queue_sizes(self) -> tuple[int, int]:
-        """(waiting, running) requests in the scheduler."""
+        """(waiting, running) requests: waiting counts the scheduler's queue and
+        the seats whose request has not reached it yet."""
         with self._cond:
-            return self.scheduler.num_waiting, self.scheduler.num_running
+            return self._held_seats + self.scheduler.num_waiting, self.scheduler.num_running
+
+    # -- seats among the waiting (seats.py) ----------------------------------------------
+    def take_seat(self, limit: int, on_admitted: Callable[[], None] | None = None) -> Seat:
+        """A seat, or a refused one when ``limit`` requests wait already
+        (the seats not yet queued plus the queue)."""
+        with self._cond:
+            waiting = self._held_seats + self.scheduler.num_waiting
+            if waiting >= limit:
+                return Seat(waiting)
+            self._held_seats += 1
+            return Seat(waiting, self._give_back, on_admitted)
+
+    def _give_back(self, seat: Seat) -> None:
+        with self._cond:
+            if seat.state is SeatState.HELD:
+                self._held_seats -= 1
+                seat.state = SeatState.RELEASED
+
+    def _queue_seat(self, record: RequestRecord) -> None:
+        """Under the lock: ``record`` reached the scheduler (or ended first,
+        an abort racing its submission); the queue counts it from now on."""
+        seat = record.seat
+        if seat is not None and seat.state is SeatState.HELD:
+            self._held_seats -= 1
+            seat.state = SeatState.QUEUED if not record.aborted else SeatState.RELEASED
+
+    def _note_admitted(self, tick: SchedulerOutput) -> None:
+        """Under the lock: the seats of the requests ``tick`` admits, told by
+        the loop once the lock is released."""
+        for request in tick.new:
+            record = self.scheduler.record(request.request_id)
+            seat = record.seat if record is not None else None
+            if seat is not None and seat.state is SeatState.QUEUED:
+                seat.state = SeatState.ADMITTED
+                self._admitted_seats.append(seat)
 
     def is_alive(self) -> bool:
         return self.dead_reason is None and self._thread.is_alive()
@@ -266,6 +313,9 @@ class EngineCore:
                     if not self._restart_workers():
                         return
                     continue
+                admitted, self._admitted_seats = self._admitted_seats, []
+                for seat in admitted:
+                    seat.admitted()
                 result = self._run_tick(tick)
                 if result is None:
                     return
@@ -292,6 +342,7 @@ class EngineCore:
                 if wait <= 0:
                     tick = self.scheduler.schedule(now)
                     if tick is not None:
+                        self._note_admitted(tick)
                         return tick
                     wait = IDLE_RETRY_S
                 self._cond.wait(wait)

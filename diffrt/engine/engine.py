@@ -58,6 +58,7 @@ from diffrt.engine.sched import (
     StepScheduler,
     make_policy,
 )
+from diffrt.engine.seats import Seat
 from diffrt.engine.stats import EngineStats
 from diffrt.engine.submission import accept, timeout_of
 from diffrt.runtime.executor import Executor
@@ -279,7 +280,7 @@ class DiffusionEngine:
         outputs = [finals[stream.request_id] for stream in streams]
         return outputs[0] if single else outputs
 
-    async def step_streaming(self, request: DiffusionRequest
+    async def step_streaming(self, request: DiffusionRequest, *, seat: Seat | None = None
                              ) -> AsyncGenerator[DiffusionOutput, None]:
         """Yield the request's progress outputs, then its final output.
 
@@ -287,9 +288,12 @@ class DiffusionEngine:
         request still runs to its end and is cleaned up (an unread output is
         freed at once); use ``abort`` to stop it. While fresh workers start,
         the first item waits for them without blocking the event loop, and
-        raises as ``generate`` does when they do not come.
+        raises as ``generate`` does when they do not come. ``seat``
+        (``take_seat``) moves into the waiting queue with the request when it
+        is submitted (on the first item); a seat whose request never got there
+        is the caller's to ``release``.
         """
-        [stream], hold = self._submit([request], loop=asyncio.get_running_loop())
+        [stream], hold = self._submit([request], loop=asyncio.get_running_loop(), seat=seat)
         finished = False
         try:
             if hold is not None:
@@ -323,6 +327,16 @@ class DiffusionEngine:
             self._core.abort(request_id, None, record)
             self._core.restart_gate.wake()  # a submitter held for a restart returns
 
+    def take_seat(self, limit: int, *, on_admitted: Callable[[], None] | None = None) -> Seat:
+        """A place among the waiting requests for one about to be submitted,
+        taken at once under the core's lock; refused (``seat.taken`` False)
+        when ``limit`` wait already, counting the seats not yet submitted
+        (``seats.py``: how a server sheds without a race). ``on_admitted`` is
+        called on the engine loop's thread, with no lock held, when the
+        request joins the running set; it must be quick and must not call
+        into the engine."""
+        return self._core.take_seat(limit, on_admitted)
+
     def is_healthy(self) -> bool:
         return not self._closed and self._core.is_alive() and self.executor.is_healthy()
 
@@ -331,6 +345,20 @@ class DiffusionEngine:
         (``restart_workers``): a request submitted now waits for them, up to
         ``restart_wait_s``. ``is_healthy()`` is False meanwhile."""
         return not self._closed and self._core.is_restarting()
+
+    def stall(self, idle_s: float | None = None) -> str | None:
+        """Why the engine counts as stalled now, or None: the execute call in
+        flight has gone without a sign of progress (a reply, an output, a
+        heartbeat) for longer than ``stall_timeout_s`` — a hung or stopped
+        worker, or a step or compile that long. Progress clears it. It only
+        reports (a server's /health says so within seconds); the workers are
+        killed at ``execute_timeout_s``. ``idle_s``: the executor's
+        ``seconds_without_progress()`` if the caller read it already."""
+        limit = self.config.executor.stall_timeout_s
+        idle = self.executor.seconds_without_progress() if idle_s is None else idle_s
+        if limit is None or idle <= limit:
+            return None
+        return f"no progress for {idle:.0f} s (stall_timeout_s={limit:g})"
 
     def close(self) -> None:
         """Refuse new work, send an error output to every open stream, stop the
@@ -357,15 +385,17 @@ class DiffusionEngine:
     def stats(self) -> EngineStats:
         """Queue gauges now, plus counters and histograms since start (``stats.py``)."""
         waiting, running = self._core.queue_sizes()
+        idle = self.executor.seconds_without_progress()
         return self.output_processor.stats.snapshot(
             waiting=waiting, running=running,
             pending_output_bytes=self.output_processor.unread_bytes(),
-            healthy=self.is_healthy(), worker_restarts=self._core.restarts)
+            healthy=self.is_healthy(), worker_restarts=self._core.restarts,
+            seconds_without_progress=idle, stall=self.stall(idle))
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,
-                inbox: queue.SimpleQueue | None = None
-                ) -> tuple[list[OutputStream], _Hold | None]:
+                inbox: queue.SimpleQueue | None = None,
+                seat: Seat | None = None) -> tuple[list[OutputStream], _Hold | None]:
         """Check, register and queue ``requests`` (all or none); their streams,
         and the hold its caller is to wait out when fresh workers are starting
         (``_hold`` or ``RestartGate.wait_async``, then ``_end_hold``)."""
@@ -379,6 +409,7 @@ class DiffusionEngine:
             seen.add(request.request_id)
             record = RequestRecord(request, arrival=now, metrics=RequestMetrics(arrival_time=now))
             record.timeout_at, record.timeout_reason = timeout_of(request, now, self.config)
+            record.seat = seat  # step_streaming: one request
             records.append(record)
         streams = self.output_processor.add(records, loop, inbox)  # refuses once closed or dead
         restarting = self._core.is_restarting()  # queued for the fresh workers

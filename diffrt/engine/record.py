@@ -20,6 +20,7 @@ from diffrt.engine.sampling import filled
 
 if TYPE_CHECKING:
     from diffrt.engine.output_ref import OutputRef
+    from diffrt.engine.seats import Seat
 
 
 class RequestStatus(enum.Enum):
@@ -51,7 +52,7 @@ class RequestRecord:
     #: abort arrived while the request was inside an execute call.
     abort_requested: bool = False
 
-    # -- set at submission, before the record is shared; the core's timer reads them --
+    # -- set at submission, before the record is shared; the core (its timer) reads them --
     #: when a limit (request_timeout_s, SamplingParams.timeout_s) ends it, and
     #: the error that names the limit
     timeout_at: float | None = None
@@ -61,6 +62,9 @@ class RequestRecord:
     #: Set before the record is shared, cleared when that wait ends; only the
     #: submitting thread writes it.
     held: bool = False
+    #: the server's seat among the waiting (``seats.py``): the core moves it
+    #: into the queue with the record and tells it when the record is admitted
+    seat: Seat | None = None
 
     # -- set once by EngineCore.abort, under the core's lock, before the scheduler
     # -- decides; the output processor reads them under its own lock --------------

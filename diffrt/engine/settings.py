@@ -160,6 +160,11 @@ class ExecutorSettings(ExecutorOptions, kw_only=True, frozen=True):
         "0: refused at once; None: as long as the restart can take (3 x "
         "(startup_timeout_s + warmup_timeout_s), plus the back-offs and the workers' "
         "shutdowns)"))] = None
+    stall_timeout_s: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description=(
+        "seconds an execute call may go without a sign of progress (a reply, an output, a "
+        "per-step heartbeat) before the engine reports itself stalled (stall(); diffrt "
+        "serve: /health and /ready 503 until progress resumes). It only reports: the "
+        "workers are killed at execute_timeout_s. None: never"))] = 30.0
     postprocess_workers: Annotated[int, Meta(ge=1, description=(
         "threads that turn outputs into PIL images for asyncio consumers"))] = 2
 

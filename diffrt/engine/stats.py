@@ -66,6 +66,10 @@ class EngineStats:
     healthy: bool = True
     #: times fresh workers replaced dead or hung ones (``restart_workers``)
     worker_restarts: int = 0
+    #: how long the execute call in flight has gone without progress (0: none in flight)
+    seconds_without_progress: float = 0.0
+    #: ``DiffusionEngine.stall()``: why the engine counts as stalled, else None
+    stall: str | None = None
 
 
 def classify(output: DiffusionOutput) -> str:
@@ -133,7 +137,9 @@ class StatsRecorder:
                 self._output_wait.observe(m.output_wait)
 
     def snapshot(self, *, waiting: int, running: int, pending_output_bytes: int,
-                 healthy: bool, worker_restarts: int = 0) -> EngineStats:
+                 healthy: bool, worker_restarts: int = 0,
+                 seconds_without_progress: float = 0.0,
+                 stall: str | None = None) -> EngineStats:
         with self._lock:
             return EngineStats(
                 requests_waiting=waiting, requests_running=running,
@@ -144,4 +150,5 @@ class StatsRecorder:
                 output_wait_s=self._output_wait.snapshot(),
                 text_encoding=self._text,
                 pending_output_bytes=pending_output_bytes, healthy=healthy,
-                worker_restarts=worker_restarts)
+                worker_restarts=worker_restarts,
+                seconds_without_progress=seconds_without_progress, stall=stall)

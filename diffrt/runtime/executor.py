@@ -47,6 +47,12 @@ class Executor(ABC):
     def is_healthy(self) -> bool: ...
 
     @abstractmethod
+    def seconds_without_progress(self) -> float:
+        """How long the execute call in flight has gone without a sign of
+        progress (a reply, an output, a heartbeat); 0.0 while none is in
+        flight. What the hang watchdog and a health check measure."""
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Fail all pending work and stop the workers (idempotent)."""
 

@@ -194,6 +194,12 @@ class PumpedExecutor(Executor):
     def release_output(self, output_id: str) -> None:
         self.router.release_output(output_id)
 
+    def seconds_without_progress(self) -> float:
+        with self._exec_lock:
+            if not self._executing:
+                return 0.0
+            return max(0.0, time.monotonic() - self._last_progress)
+
     def is_healthy(self) -> bool:
         return (not self._stopping.is_set() and self.router.dead is None
                 and self._pump_thread is not None and self._pump_thread.is_alive()

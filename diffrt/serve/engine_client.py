@@ -1,13 +1,24 @@
 """The server's side of the engine: start-up, shedding (429/503), one request's
 stream, and the drain that ends it all.
 
+Shedding by ``max_pending`` takes a seat among the waiting requests
+(``engine/seats.py``) at once, under the engine core's lock: the count
+includes the requests accepted but not yet submitted, so a burst cannot pass
+the check all together. The seat moves into the engine's queue with the
+request and ends when the engine admits it to the running set; ``run`` gives
+back a seat whose request never got there (refused at submission, its client
+gone first), which is a no-op otherwise.
+
 States: ``starting`` (the engine loads and warms up; /ready is 503),
 ``ready``, ``draining`` (after SIGTERM: new requests get 503, requests in
 flight may finish), ``stopped``, ``failed`` (the engine could not start).
 Whether the engine is alive is the engine's to say (``is_healthy``): a worker
-that died makes /health 503 in any state. While fresh workers replace it
-(``is_restarting``) requests are still taken: the engine holds them for the
-fresh workers, up to ``restart_wait_s``.
+that died makes /health 503 in any state. So is whether it is stalled
+(``stall``: the worker call in flight has gone ``stall_timeout_s`` without
+progress): /health and /ready are 503 until progress resumes, long before the
+watchdog kills a hung worker (``execute_timeout_s``). While fresh workers
+replace a dead one (``is_restarting``) requests are still taken: the engine
+holds them for the fresh workers, up to ``restart_wait_s``.
 
 Every request runs through ``run``, which aborts it in the engine when its
 consumer leaves early (a client that disconnected, a cancelled stream), so
@@ -25,6 +36,7 @@ from typing import Any
 
 from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
 from diffrt.engine.model_spec import ModelSpec
+from diffrt.engine.seats import Seat
 from diffrt.serve.errors import ApiError
 from diffrt.serve.settings import ServeSettings
 
@@ -138,12 +150,18 @@ class EngineClient:
         """Fresh workers are starting: not healthy, but taking requests."""
         return self.engine is not None and self.engine.is_restarting()
 
+    def stall(self) -> str | None:
+        """Why the engine makes no progress now (``DiffusionEngine.stall``), or None."""
+        return None if self.engine is None else self.engine.stall()
+
     def ready(self) -> bool:
-        return self.state == "ready" and self.healthy()
+        return self.state == "ready" and self.healthy() and self.stall() is None
 
     # -- requests ------------------------------------------------------------------------
-    def engine_or_shed(self) -> DiffusionEngine:
-        """The engine, if it takes work now; else the 503/429 that sheds the request."""
+    def engine_or_shed(self, on_admitted: Callable[[], None] | None = None
+                       ) -> tuple[DiffusionEngine, Seat]:
+        """The engine and the request's seat among the waiting, if it takes
+        work now; else the 503/429 that sheds the request."""
         if self.state == "starting":
             raise ApiError(503, "the model is still loading; retry shortly",
                            code="warming_up", headers={"Retry-After": "5"})
@@ -153,25 +171,28 @@ class EngineClient:
             reason = self.failure or "the engine is not healthy"
             raise ApiError(503, f"the engine is down: {reason}", code="engine_down")
         assert self.engine is not None
-        waiting = self.engine.stats().requests_waiting
-        if waiting >= self.settings.max_pending:
-            raise ApiError(429, f"{waiting} requests are waiting (max_pending="
+        seat = self.engine.take_seat(self.settings.max_pending, on_admitted=on_admitted)
+        if not seat.taken:
+            raise ApiError(429, f"{seat.waiting} requests are waiting (max_pending="
                                 f"{self.settings.max_pending}); retry later",
                            code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
-        return self.engine
+        return self.engine, seat
 
-    async def run(self, request: DiffusionRequest) -> AsyncGenerator[DiffusionOutput, None]:
+    async def run(self, request: DiffusionRequest, *,
+                  on_admitted: Callable[[], None] | None = None
+                  ) -> AsyncGenerator[DiffusionOutput, None]:
         """The request's outputs (progress, previews, then the final one); a
         consumer that leaves before the final one aborts the request. Raises
         ApiError (503/429) when the server takes no work, InvalidRequestError
-        or an EngineError at submission (on the first item)."""
-        engine = self.engine_or_shed()
+        or an EngineError at submission (on the first item). ``on_admitted``:
+        see ``DiffusionEngine.take_seat``."""
+        engine, seat = self.engine_or_shed(on_admitted)
         rid = request.request_id
         self._running[rid] = None
         self._in_flight += 1
         finished = False
-        outputs = engine.step_streaming(request)
+        outputs = engine.step_streaming(request, seat=seat)
         step: asyncio.Future | None = None
         try:
             while not finished:
@@ -188,15 +209,18 @@ class EngineClient:
                 finished = out.finished
                 yield out
         finally:
-            if step is not None and not step.done():  # this consumer left mid-wait
-                step.cancel()
-                with contextlib.suppress(BaseException):
-                    await step
-            await outputs.aclose()
-            if not finished:
-                engine.abort(rid)
-            self._running.pop(rid, None)
-            self._in_flight -= 1
+            try:
+                if step is not None and not step.done():  # this consumer left mid-wait
+                    step.cancel()
+                    with contextlib.suppress(BaseException):
+                        await step
+                await outputs.aclose()
+                if not finished:
+                    engine.abort(rid)
+            finally:
+                seat.release()  # a request never submitted; else a no-op
+                self._running.pop(rid, None)
+                self._in_flight -= 1
 
     def metric_snapshots(self) -> list[tuple[dict[str, str], Any]]:
         """The engine's stats for /metrics (none while it starts)."""

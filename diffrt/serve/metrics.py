@@ -100,6 +100,9 @@ class EngineCollector(Collector):
                     lambda s: 1.0 if s.healthy else 0.0)
         yield counter("diffrt_worker_restarts", "Times fresh workers replaced dead or hung "
                       "ones", lambda s: s.worker_restarts)
+        yield gauge("diffrt_seconds_without_progress", "Seconds the worker call in flight "
+                    "has gone without progress (0: none in flight)",
+                    lambda s: s.seconds_without_progress)
 
 
 #: (name, usage key, help) of the url image store's gauges

@@ -9,12 +9,15 @@ Two deployments (``build_application``):
   aborts the request in the engine. Ray's health check calls the engine's
   ``is_healthy()``; Ray drains a replica (no new requests, those in flight
   finish, up to ``graceful_shutdown_timeout_s``) before it removes it.
-  ``max_ongoing_requests`` is the engine's batch capacity (``max_num_seqs``),
-  so everything a replica holds runs; ``max_queued_requests`` is
-  ``--max-pending``: beyond it the handle refuses (429 with Retry-After).
+  ``max_ongoing_requests`` is the engine's batch capacity (``max_num_seqs``);
+  a request's stream carries ``ADMITTED`` once its engine admitted it.
 - ``Ingress``: the FastAPI app of ``build_app`` (routes, errors, image URLs,
   metrics) with a ``ReplicaClient`` in place of the local engine client. One
-  replica: it keeps the ``response_format="url"`` images.
+  replica: it keeps the ``response_format="url"`` images, and holds
+  ``--max-pending`` for the whole application: a seat is taken when it
+  accepts a request and given back when a replica admits it or the call ends
+  (``ingress_seats.py``); past the bound, 429 with Retry-After. (The handle's
+  ``max_queued_requests`` is ``--max-pending`` too, a second line.)
 
 Every model replica publishes its engine's statistics once a second to a
 ``StatsBoard`` actor (created by whoever deploys the application and handed
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
 from diffrt.serve.errors import ApiError
+from diffrt.serve.ingress_seats import WaitingSeats, announce_admission, is_admitted
 from diffrt.serve.ray_placement import INGRESS_CPUS, cpu_share, torch_threads_for
 from diffrt.serve.settings import ServeSettings
 
@@ -196,9 +200,18 @@ class ModelReplica:
             self._stop.wait(PUBLISH_EVERY_S)
 
     async def generate(self, request: DiffusionRequest) -> AsyncIterator[tuple[str, Any]]:
-        """The request's outputs, each with this replica's name."""
-        async for out in self.client.run(request):
-            yield self.name, out
+        """The request's outputs, each with this replica's name; ``ADMITTED``
+        first, once the engine admitted the request (the ingress gives its
+        seat back)."""
+        loop = asyncio.get_running_loop()
+        admitted = asyncio.Event()
+
+        def on_admitted() -> None:  # on the engine loop's thread
+            loop.call_soon_threadsafe(admitted.set)
+
+        outputs = self.client.run(request, on_admitted=on_admitted)
+        async for item in announce_admission(outputs, admitted):
+            yield self.name, item
 
     def check_health(self) -> None:
         assert self.engine is not None  # Ray checks a replica whose __init__ returned
@@ -242,6 +255,8 @@ class ReplicaClient:
         self.state = "ready"
         self.failure: str | None = None
         self._in_flight = 0
+        #: max_pending over every replica: requests accepted, not yet admitted
+        self.seats = WaitingSeats(settings.max_pending)
         #: request id -> the replica that answered it, until the route reads it
         #: (bounded: the answers of failed requests are never read)
         self._served_by: OrderedDict[str, str] = OrderedDict()
@@ -298,8 +313,17 @@ class ReplicaClient:
             return True
         return any(stats.healthy for _, stats in self._snapshots)
 
+    def stall(self) -> str | None:
+        """Why no replica makes progress, when every healthy one reported a
+        stall (``DiffusionEngine.stall``); else None."""
+        live = [stats for _, stats in self._snapshots if stats.healthy]
+        stalls = [getattr(stats, "stall", None) for stats in live]
+        if live and all(stalls):
+            return stalls[0]
+        return None
+
     def ready(self) -> bool:
-        return self.state == "ready" and self.healthy()
+        return self.state == "ready" and self.healthy() and self.stall() is None
 
     # -- requests -----------------------------------------------------------------------
     async def run(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:
@@ -310,13 +334,22 @@ class ReplicaClient:
 
         if self.state != "ready":
             raise ApiError(503, "the server is shutting down", code="shutting_down")
-        await self.start()
+        seat = self.seats.take()
+        if seat is None:
+            raise ApiError(429, f"{self.seats.limit} requests are waiting (max_pending="
+                                f"{self.settings.max_pending}); retry later",
+                           code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
         self._in_flight += 1
         finished = False
         stream = None
         try:
+            await self.start()
             stream = self.model.options(stream=True).generate.remote(request)
             async for replica, out in stream:
+                if is_admitted(out):  # the replica's engine runs it: the seat is free
+                    seat.release()
+                    continue
                 if not self._served_by.get(out.request_id):
                     self._served_by[out.request_id] = replica
                     while len(self._served_by) > 4096:
@@ -340,6 +373,7 @@ class ReplicaClient:
                     stream.cancel()
                 except Exception:
                     logger.debug("cancelling the replica call failed", exc_info=True)
+            seat.release()
             self._in_flight -= 1
 
     def metric_snapshots(self) -> list[tuple[dict[str, str], Any]]:

@@ -388,25 +388,35 @@ async def models(request: Request) -> ModelList:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 while the engine lives (loading included), 503 once it is dead."""
+    """200 while the engine lives (loading included); 503 once it is dead, and
+    while it is stalled (the worker call in flight made no progress for
+    ``stall_timeout_s``; ``reason`` says so) until progress resumes."""
     from diffrt.platforms.vendor_packages import import_failures
 
     client = _client(request)
     alive = client.healthy() or client.state == "starting"
-    body: dict[str, Any] = {"status": "ok" if alive else "dead", "state": client.state}
+    stall = client.stall() if alive else None
+    ok = alive and stall is None
+    body: dict[str, Any] = {"status": "ok" if ok else "stalled" if alive else "dead",
+                            "state": client.state}
+    if stall is not None:
+        body["reason"] = stall
     broken = import_failures()  # e.g. a torch_musa built for another torch: served on CPU
     if broken:
         body["details"] = {"vendor_import_failures": broken}
-    return JSONResponse(body, status_code=200 if alive else 503)
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """200 while taking work; 503 while loading, draining or dead."""
+    """200 while taking work; 503 while loading, draining, dead or stalled."""
     client = _client(request)
     ok = client.ready()
-    return JSONResponse({"status": "ready" if ok else "unavailable", "state": client.state},
-                        status_code=200 if ok else 503)
+    body: dict[str, Any] = {"status": "ready" if ok else "unavailable", "state": client.state}
+    stall = None if ok else client.stall()
+    if stall is not None:
+        body["reason"] = stall
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/metrics")

@@ -385,6 +385,9 @@ def test_health_names_a_broken_vendor_package(monkeypatch):
         def is_healthy(self) -> bool:
             return True
 
+        def stall(self) -> None:
+            return None
+
     why = vendor_packages.describe_failure("torch_musa", ImportError("libmusa.so.4: cannot open"))
     monkeypatch.setattr(vendor_packages, "_failures", {"torch_musa": why})
     app = build_app(settings=ServeSettings(), engine=Engine())

@@ -55,8 +55,9 @@ def test_the_board_forgets_a_replica_that_went_silent(monkeypatch):
 
 
 class Stats:
-    def __init__(self, healthy):
+    def __init__(self, healthy, stall=None):
         self.healthy = healthy
+        self.stall = stall
 
 
 def test_the_ingress_is_healthy_while_a_replica_says_so():
@@ -73,6 +74,21 @@ def test_the_ingress_is_healthy_while_a_replica_says_so():
     client._served_by["r1"] = "replica-a"
     assert client.response_headers("r1") == {"x-diffrt-replica": "replica-a"}
     assert client.response_headers("r1") == {}  # read once
+
+
+def test_the_ingress_is_stalled_while_every_live_replica_is():
+    """Issue 27 item 7 over Ray: /health and /ready follow the replicas'
+    stall reports (a stalled replica next to a working one is not the
+    application's stall; a dead one does not count)."""
+    client = ReplicaClient(model=None, board=None, settings=ServeSettings(), model_name="m",
+                           step_mode=True)
+    client._heard_from_replicas = True
+    stalled = Stats(True, "no progress for 31 s (stall_timeout_s=30)")
+    client._snapshots = [("a", stalled), ("b", Stats(True))]
+    assert client.stall() is None and client.ready()
+    client._snapshots = [("a", stalled), ("b", Stats(False))]
+    assert client.stall() == stalled.stall and not client.ready()
+    assert client.healthy()  # alive, only stalled: /health says which
 
 
 def test_a_rank_actor_starts_with_the_engines_settings(monkeypatch):
@@ -161,3 +177,191 @@ def test_the_placement_timeout_is_a_flag():
     args = build_parser().parse_args(["serve", "--replicas", "2", "--placement-timeout", "3"])
     assert args.placement_timeout == 3.0
     assert build_parser().parse_args(["serve"]).placement_timeout == 60.0
+
+
+# -- issue 27 item 1: the single ingress holds max_pending ---------------------------------
+class FakeReplicas:
+    """A Ray Serve handle over replicas that run ``capacity`` requests at a
+    time: a call waits for room, yields ``ADMITTED`` once it has it, then its
+    final output when the test sets ``finish``."""
+
+    def __init__(self, capacity: int):
+        import asyncio
+
+        self.capacity = capacity
+        self.running = 0
+        self.waiting = 0
+        self.most_waiting = 0
+        self.finish = asyncio.Event()
+
+    def options(self, **kw):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, request):
+        return FakeCall(self._serve(request))
+
+    async def _serve(self, request):
+        import asyncio
+
+        from diffrt.engine import DiffusionOutput
+        from diffrt.serve.ingress_seats import ADMITTED
+
+        self.waiting += 1
+        self.most_waiting = max(self.most_waiting, self.waiting)
+        try:
+            while self.running >= self.capacity:
+                await asyncio.sleep(0.001)
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            yield "replica-a", ADMITTED
+            await self.finish.wait()
+            yield "replica-a", DiffusionOutput(request.request_id, finished=True, images=[])
+        finally:
+            self.running -= 1
+
+
+class FakeCall:
+    """A streaming call: iterable, and ``cancel`` closes it (as Ray's does)."""
+
+    def __init__(self, gen):
+        self._gen = gen
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        return self._gen.__anext__()
+
+    def cancel(self):
+        import asyncio
+
+        asyncio.get_running_loop().create_task(self._gen.aclose())
+
+
+def test_the_ingress_holds_max_pending_over_the_replicas():
+    """Bursts of 10x the bound through the ingress's client: the requests it
+    accepted and no replica admitted yet never pass max_pending (nor do those
+    waiting at the replicas); each 429 is sent with the bound full, a second
+    burst fills it exactly, and every seat comes back — also a client's that
+    left while waiting."""
+    import asyncio
+
+    from diffrt.engine import DiffusionRequest
+    from diffrt.serve.errors import ApiError
+
+    max_pending, seqs, burst = 6, 4, 60
+    replicas = FakeReplicas(seqs)
+    client = ReplicaClient(model=replicas, board=None,
+                           settings=ServeSettings(max_pending=max_pending), model_name="m",
+                           step_mode=True)
+
+    async def one(i: int):
+        try:
+            async for out in client.run(DiffusionRequest(prompt="p", request_id=f"r{i}")):
+                last = out
+            return last
+        except ApiError as exc:
+            return exc
+
+    async def main():
+        seen: list[int] = []
+        stop = asyncio.Event()
+
+        async def sample():
+            while not stop.is_set():
+                seen.append(client.seats.taken)
+                await asyncio.sleep(0.001)
+
+        sampler = asyncio.create_task(sample())
+
+        async def wave(start: int):
+            tasks = [asyncio.create_task(one(start + i)) for i in range(burst)]
+            for _ in range(2000):  # until each is shed or held by a seat or a replica
+                if sum(t.done() for t in tasks) + client.seats.taken + replicas.running \
+                        >= burst + before:
+                    break
+                await asyncio.sleep(0.002)
+            return tasks
+
+        before = 0
+        first = await wave(0)
+        held_after_first = client.seats.taken
+        before = client.seats.taken + replicas.running
+        second = await wave(burst)
+        assert client.seats.taken == max_pending
+        # the last one accepted waits (the replicas run the first ones)
+        leaving = [t for t in first + second if not t.done()][-1]
+        leaving.cancel()  # a client that leaves while waiting
+        for _ in range(500):
+            if client.seats.taken == max_pending - 1:
+                break
+            await asyncio.sleep(0.002)
+        assert client.seats.taken == max_pending - 1
+        replicas.finish.set()
+        answers = await asyncio.gather(*[t for t in first + second if t is not leaving])
+        stop.set()
+        await sampler
+        await client.close()
+        return seen, held_after_first, answers
+
+    seen, held_after_first, answers = asyncio.run(main())
+    assert max(seen) <= max_pending and replicas.most_waiting <= max_pending
+    assert max_pending - seqs <= held_after_first <= max_pending
+    assert client.seats.taken == 0 and replicas.running == 0
+    shed = [a for a in answers if isinstance(a, ApiError)]
+    served = [a for a in answers if not isinstance(a, ApiError)]
+    assert all(a.status == 429 and a.headers["Retry-After"] for a in shed)
+    assert all(out.finished for out in served)
+    assert len(served) == seqs + max_pending - 1  # the one that left is not answered
+
+
+def test_a_replica_announces_admission_before_any_output():
+    """``announce_admission``: ADMITTED as soon as the engine says so, though
+    the request-mode forward's only output comes later; leaving early closes
+    the outputs (which aborts the request)."""
+    import asyncio
+    import threading
+
+    from diffrt.serve.ingress_seats import ADMITTED, announce_admission
+
+    closed = []
+
+    async def outputs(release: asyncio.Event):
+        try:
+            await release.wait()
+            yield "final"
+        finally:
+            closed.append(True)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        admitted, release = asyncio.Event(), asyncio.Event()
+        stream = announce_admission(outputs(release), admitted)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        assert not first.done()
+        threading.Thread(target=lambda: loop.call_soon_threadsafe(admitted.set)).start()
+        assert await first == ADMITTED
+        second = asyncio.ensure_future(stream.__anext__())
+        release.set()
+        assert await second == "final"
+        rest = [item async for item in stream]
+        left = announce_admission(outputs(asyncio.Event()), asyncio.Event())
+        pending = asyncio.ensure_future(left.__anext__())
+        await asyncio.sleep(0.02)
+        pending.cancel()
+        try:
+            await pending
+        except asyncio.CancelledError:
+            pass
+        await left.aclose()
+        return rest
+
+    assert asyncio.run(main()) == []
+    assert closed == [True, True]

@@ -346,6 +346,51 @@ def test_states_answer_on_health_and_ready(toy_app):
     assert _error(call(app, "POST", GEN, json={"prompt": "x"}), 503)["code"] == "engine_down"
 
 
+def test_a_stalled_worker_turns_health_503_until_it_makes_progress(toy_app):
+    """A worker call that makes no progress for stall_timeout_s (here a step
+    held in the worker) turns /health and /ready 503, saying why, within
+    seconds, and back to 200 once the step goes on; the request is served."""
+    from waiting import wait_for
+
+    app = toy_app(stall_timeout_s=0.3)
+    engine = app.state.client.engine
+    engine_toy.gate("stall").clear()
+    body = {"prompt": "block:stall", "size": "16x16", "num_inference_steps": 2}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                     headers=AUTH) as c:
+            assert (await c.get("/health")).status_code == 200
+            task = asyncio.create_task(c.post(GEN, json=body))
+            await wait_for(lambda: engine.stats().requests_running == 1)
+            health = ready = None
+            for _ in range(250):  # bounded: 5 s
+                health = await c.get("/health")
+                if health.status_code == 503:
+                    break
+                await asyncio.sleep(0.02)
+            ready = await c.get("/ready")
+            metrics = (await c.get("/metrics")).text
+            engine_toy.gate("stall").set()
+            answer = await task
+            after = await c.get("/health")
+            return health, ready, metrics, answer, after, await c.get("/ready")
+
+    health, ready, metrics, answer, after, ready_after = asyncio.run(main())
+    assert health.status_code == 503, health.text
+    assert health.json()["status"] == "stalled" and health.json()["state"] == "ready"
+    assert re.fullmatch(r"no progress for \d+ s \(stall_timeout_s=0.3\)",
+                        health.json()["reason"]), health.json()
+    assert ready.status_code == 503 and "no progress" in ready.json()["reason"]
+    idle = float(re.search(r"^diffrt_seconds_without_progress (\S+)$", metrics, re.M).group(1))
+    assert idle > 0.3
+    assert answer.status_code == 200  # only reported: nothing was killed
+    assert after.status_code == 200 and after.json() == {"status": "ok", "state": "ready"}
+    assert ready_after.status_code == 200
+    assert engine.stats().worker_restarts == 0
+
+
 def test_a_drain_lets_requests_finish_then_aborts_the_rest(toy_app):
     """A request in flight when the drain starts finishes if it can within the
     timeout; one that cannot is aborted at its next step boundary and answered

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -104,6 +105,59 @@ def test_a_killed_worker_fails_its_request_and_is_replaced():
         late = httpx.post(f"{server.url}{GEN}", json={"prompt": "x", "size": "32x32"}, timeout=60)
         assert late.status_code == 200, late.text
         assert "diffrt_worker_restarts_total 1.0" in httpx.get(f"{server.url}/metrics").text
+    finally:
+        code = server.stop()
+    assert code == 0
+
+
+def test_a_stopped_worker_turns_health_503_within_the_stall_bound():
+    """SIGSTOP of the worker while a request runs: /health and /ready turn 503
+    within seconds (--stall-timeout-s 2, naming the stall), long before the
+    watchdog's execute_timeout_s; after SIGCONT they are 200 again, the request
+    finishes and no worker was replaced."""
+    server = ServerProcess("--max-num-seqs", "1", "--stall-timeout-s", "2").wait_ready()
+    try:
+        [worker] = children(server.proc.pid)
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+                in_flight = asyncio.create_task(c.post(GEN, json={"prompt": "x", **LONG}))
+                for _ in range(200):
+                    if "diffrt_requests_running 1.0" in (await c.get("/metrics")).text:
+                        break
+                    await asyncio.sleep(0.05)
+                os.kill(worker, signal.SIGSTOP)
+                stopped = time.monotonic()
+                try:
+                    health = None
+                    for _ in range(300):  # bounded: about 15 s
+                        health = await c.get("/health")
+                        if health.status_code == 503:
+                            break
+                        await asyncio.sleep(0.05)
+                    took = time.monotonic() - stopped
+                    ready = await c.get("/ready")
+                finally:
+                    os.kill(worker, signal.SIGCONT)
+                healthy_again = None
+                for _ in range(300):
+                    healthy_again = await c.get("/health")
+                    if healthy_again.status_code == 200:
+                        break
+                    await asyncio.sleep(0.05)
+                return health, took, ready, healthy_again, await in_flight
+
+        health, took, ready, healthy_again, answer = asyncio.run(main())
+        assert health.status_code == 503, health.text
+        assert health.json()["status"] == "stalled"
+        reason = re.fullmatch(r"no progress for (\d+) s \(stall_timeout_s=2\)",
+                              health.json()["reason"])
+        assert reason and int(reason.group(1)) >= 2, health.json()
+        assert took < 15  # the stall bound (counted from the last progress), not 300 s
+        assert ready.status_code == 503
+        assert healthy_again.status_code == 200, healthy_again.text
+        assert answer.status_code == 200, answer.text
+        assert "diffrt_worker_restarts_total 0.0" in httpx.get(f"{server.url}/metrics").text
     finally:
         code = server.stop()
     assert code == 0
