@@ -47,6 +47,19 @@ def resident_bytes(statm: str = STATM) -> int | None:
         return None
 
 
+def available_host_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of the memory new work can take without swapping
+    (``MemAvailable``); None where there is no such file (not Linux)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
