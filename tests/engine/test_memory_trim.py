@@ -12,6 +12,8 @@ import pytest
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 from diffrt.engine.memory_trim import TRIM_SLACK_BYTES, MemoryTrimmer, trim_bound
+from diffrt.platforms.cpu import CpuPlatform
+from diffrt.platforms.interface import Platform
 
 MiB = 1 << 20
 
@@ -125,10 +127,22 @@ def test_a_cpu_worker_comes_back_near_its_warm_baseline(trimmed):
     resident size; the same request without it (``plugin_no_memory_trim``)
     leaves it far above that bound, so the check means something."""
     plugins = () if trimmed else ("plugin_no_memory_trim",)
-    warm, after = rss_after_large_request(plugins)
+    # the engine imports plugin_modules here too: undo the plugin's patch after
+    kept = {cls: cls.__dict__["trim_memory"] for cls in (Platform, CpuPlatform)}
+    try:
+        warm, after = rss_after_large_request(plugins)
+    finally:
+        for cls, method in kept.items():
+            cls.trim_memory = method  # type: ignore[method-assign]
     print(f"worker RSS: warm {warm / MiB:.0f} MiB, after the large request "
           f"{after / MiB:.0f} MiB, bound {trim_bound(warm) / MiB:.0f} MiB")
     if trimmed:
         assert after <= trim_bound(warm)
     else:
         assert after > trim_bound(warm) + TRIM_SLACK_BYTES
+
+
+def test_the_no_trim_plugin_is_undone_in_this_process():
+    """Runs after the worker tests: the patch stayed in the workers."""
+    assert "_keep_everything" not in CpuPlatform.trim_memory.__qualname__
+    assert "_keep_everything" not in Platform.trim_memory.__qualname__
