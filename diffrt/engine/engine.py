@@ -43,6 +43,11 @@ from diffrt.engine.errors import (
     EngineRestartingError,
     EngineWarmupError,
 )
+from diffrt.engine.memory_estimate import (
+    default_batch_memory_budget,
+    peak_activation_bytes,
+    value_bytes,
+)
 from diffrt.engine.output_processor import OutputProcessor
 from diffrt.engine.output_streams import FinalSlot, OutputStream, resolve
 from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
@@ -159,14 +164,34 @@ class DiffusionEngine:
     def _make_scheduler(self) -> Scheduler:
         c = self.config.scheduling
         policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass)
+        memory, budget = self._memory_budget()
         if self.mode is EngineMode.STEP_BATCH:
             return StepScheduler(c.max_num_seqs, policy,
                                  max_wait_s=_seconds(c.step_batch_max_wait_ms),
                                  key=self.spec.step_batch_key,
-                                 max_steps_per_tick=c.max_steps_per_tick)
+                                 max_steps_per_tick=c.max_steps_per_tick,
+                                 memory=memory, memory_budget=budget)
         wait_ms = c.request_batch_max_wait_ms if self.spec.supports_request_batch else 0.0
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
-                                key=self.spec.request_batch_key)
+                                key=self.spec.request_batch_key,
+                                memory=memory, memory_budget=budget)
+
+    def _memory_budget(self) -> tuple[Callable[[DiffusionRequest], int] | None, int | None]:
+        """A request's estimated peak memory and the budget of a batch
+        (``max_batch_memory_bytes``, or its default); (None, None) with one
+        request per batch or no budget: nothing to bound."""
+        from diffrt.platforms import current_platform
+
+        if self.config.scheduling.max_num_seqs == 1:
+            return None, None
+        budget = self.config.scheduling.max_batch_memory_bytes
+        if budget is None:
+            budget = default_batch_memory_budget(current_platform)
+        if budget is None:
+            return None, None
+        spec, nbytes = self.spec, value_bytes(self.config.model_config.dtype, current_platform)
+        logger.info("batch memory budget %d MiB of estimated peak activations", budget >> 20)
+        return (lambda request: peak_activation_bytes(spec, request, nbytes)), budget
 
     def _warmup_request(self) -> DiffusionRequest:
         """A one-step request of about 64 px: loads kernels, allocates buffers."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffrt.engine.cpu_policy import cpu_worker_threads
+from diffrt.engine.memory_trim import MemoryTrimmer
 from diffrt.engine.parallel.degrees import ParallelDegrees
 from diffrt.engine.parallel.groups import build_groups
 from diffrt.engine.pipelines.interface import (
@@ -131,6 +132,8 @@ class PipelineRunner:
         #: text-encoding counters already reported to the engine.
         self._reported = self.pipeline.text_encoder_stats()
         self.states: dict[str, StepRequestState] = {}
+        #: gives memory back after an execute that ended requests far above the baseline
+        self.memory = MemoryTrimmer(platform)
         # progress from inside a forward reaches the executor's watchdog
         self.pipeline.step_hook = lambda: self.heartbeat()
         logger.info("rank %d: runner ready for %s on %s", rank, settings.spec.name, device)
@@ -138,9 +141,16 @@ class PipelineRunner:
     def handle(self, request: ExecuteBatch | ExecuteStep | CountStepStates) -> Any:
         match request:
             case ExecuteBatch():
-                return self._counting_text_encoding(self.execute_batch, request)
+                result = self._counting_text_encoding(self.execute_batch, request)
+                self.memory.after_execute()
+                return result
             case ExecuteStep():
-                return self._counting_text_encoding(self.execute_step, request)
+                result = self._counting_text_encoding(self.execute_step, request)
+                if result.reply.finished or result.reply.errors or request.drop:
+                    # a request left: its memory is free now, not while it runs
+                    # (trimming between its steps would fault it back in each tick)
+                    self.memory.after_execute()
+                return result
             case CountStepStates():
                 return StepStateCount(len(self.states))
             case _:

@@ -96,6 +96,12 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
         "times each)"))] = "fifo"
     scheduling_max_bypass: Annotated[int, Meta(ge=0, description=(
         "skip_ahead: how often one waiting request may be passed"))] = 4
+    max_batch_memory_bytes: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(description=(
+        "the estimated peak activation memory (engine.memory_estimate) the requests of one "
+        "batch may take together, in bytes; a request that would push a batch over it waits "
+        "for a later tick (a request alone always runs, nothing is refused for it); None: "
+        "on CPU half the host's available memory when the engine starts, on a device no "
+        "budget"))] = None
 
 
 class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True):

@@ -152,6 +152,15 @@ class TorchAcceleratorPlatform(Platform):
         if callable(empty):
             empty()
 
+    def held_memory_bytes(self) -> int | None:
+        """``torch.<vendor>.memory_reserved`` of the selected device (what the
+        caching allocator holds, used or cached); None where the vendor module
+        has no such call."""
+        reserved = getattr(self.device_module(), "memory_reserved", None)
+        if not callable(reserved):
+            return None
+        return int(reserved(self.selected_device()))
+
     # -- streams ---------------------------------------------------------------
     def current_stream(self) -> Any:
         """The calling thread's current stream of this family.

@@ -122,6 +122,20 @@ class Platform:
         out-of-memory error). A platform without a device cache has nothing to
         give back: the default does nothing."""
 
+    def trim_memory(self) -> None:
+        """Return to the system the memory this process's allocator keeps for
+        reuse (after a request far larger than the usual ones, so its peak is
+        not held for good). A device: its caching allocator's unused blocks
+        (``empty_cache``); the CPU platform: the C heap's free pages."""
+        self.empty_cache()
+
+    def held_memory_bytes(self) -> int | None:
+        """The memory this process holds that ``trim_memory`` can shrink, in
+        bytes: a device's caching-allocator reservation on the current device;
+        the CPU platform's resident set. None where the platform cannot tell
+        (callers then never trim for size)."""
+        return None
+
     # -- streams ---------------------------------------------------------------
     def current_stream(self) -> Any:
         raise PlatformFeatureError(self.name, "current_stream")

@@ -29,6 +29,23 @@ def test_pinned_side_stream_copy_is_complete_after_its_event():
     assert pool.acquire(src.shape, src.dtype) is slot
 
 
+def test_trim_memory_gives_the_cached_blocks_back():
+    """What the worker's trim rule reads and does (engine/memory_trim.py): the
+    reservation stays after a tensor is freed and goes once trimmed."""
+    from diffrt.platforms.cuda import CudaPlatform
+
+    p = CudaPlatform()
+    p.trim_memory()
+    before = p.held_memory_bytes()
+    block = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del block
+    kept = p.held_memory_bytes()
+    assert before is not None and kept is not None and kept >= before + (256 << 20)
+    p.trim_memory()
+    after = p.held_memory_bytes()
+    assert after is not None and after <= before
+
+
 def test_the_output_arena_is_page_locked_and_receives_async_copies():
     """The serving path's arena: registered (is_pinned), written by an async
     side-stream copy that is complete after wait_copied, unregistered after."""

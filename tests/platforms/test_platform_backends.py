@@ -285,3 +285,47 @@ def test_a_failed_registration_is_the_unregistered_path(backend, caplog):
     mm, arena = page_aligned_arena(4096)
     assert platform.register_host_memory(arena) is None
     assert any("page-locking 4096 bytes failed" in r.message for r in caplog.records)
+
+
+def test_trim_memory_and_what_a_platform_holds():
+    """An accelerator trims through its cache and reports the reservation of
+    its selected device; a vendor module without ``memory_reserved`` cannot
+    tell (None: never trimmed for size)."""
+    from types import SimpleNamespace
+
+    from diffrt.platforms.accelerator import TorchAcceleratorPlatform
+
+    calls: list[object] = []
+
+    class Fake(TorchAcceleratorPlatform):
+        name = "fake"
+        device_type = "fake"
+
+        def device_module(self):
+            return self.module
+
+    platform = Fake()
+    platform.module = SimpleNamespace(empty_cache=lambda: calls.append("empty"),
+                                      memory_reserved=lambda i: calls.append(i) or 7 << 20,
+                                      current_device=lambda: 0)
+    platform._device_index = 3
+    platform.trim_memory()
+    assert platform.held_memory_bytes() == 7 << 20
+    assert calls == ["empty", 3]
+    platform.module = SimpleNamespace(current_device=lambda: 0)
+    assert platform.held_memory_bytes() is None
+
+
+def test_the_cpu_platform_trims_the_c_heap_and_reads_its_resident_set(tmp_path):
+    import os
+
+    from diffrt.platforms.cpu import CpuPlatform, libc_malloc_trim, resident_bytes
+
+    if os.path.exists("/proc/self/statm"):
+        assert CpuPlatform().held_memory_bytes() > 10 << 20  # torch alone is more
+    statm = tmp_path / "statm"
+    statm.write_text("1000 250 10 1 0 200 0\n")
+    assert resident_bytes(str(statm)) == 250 * os.sysconf("SC_PAGE_SIZE")
+    assert resident_bytes(str(tmp_path / "none")) is None  # not Linux: cannot tell
+    if libc_malloc_trim() is not None:  # glibc
+        CpuPlatform().trim_memory()

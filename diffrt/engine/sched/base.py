@@ -32,11 +32,21 @@ class BaseScheduler(Scheduler):
     50 ms, so a lone request waits at most a quarter of that (``stable_s``)
     while a closed-loop burst — clients resubmitting as a batch finishes —
     gathers into one batch instead of alternating a batch of one with a batch
-    of the rest. Nothing is held before the first request finished."""
+    of the rest. Nothing is held before the first request finished.
+
+    ``memory`` and ``memory_budget`` bound a batch's estimated peak memory
+    (``engine.memory_estimate``, ``max_batch_memory_bytes``): of the requests
+    the policy admits, in its order, those that would push the batch (the
+    running requests and those admitted before them) over the budget stay
+    waiting, in their place, for a later tick. The first request of an empty
+    batch is always admitted, whatever its estimate: a request alone always
+    runs, and nothing fails for the budget."""
 
     def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
                  max_wait_s: float | None = 0.0, stable_s: float | None = None,
-                 key: Callable[[DiffusionRequest], tuple] | None = None):
+                 key: Callable[[DiffusionRequest], tuple] | None = None,
+                 memory: Callable[[DiffusionRequest], int] | None = None,
+                 memory_budget: int | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_wait_s is not None and max_wait_s < 0:
@@ -45,6 +55,8 @@ class BaseScheduler(Scheduler):
         #: the compatibility key (the pipeline's; by default the parameters' own)
         self._key = key
         self.policy = policy or FifoPolicy()
+        self._memory = memory
+        self.memory_budget = memory_budget
         self.auto_window = max_wait_s is None
         self._fixed_stable_s = stable_s
         self._run_s_ema: float | None = None
@@ -153,7 +165,7 @@ class BaseScheduler(Scheduler):
 
     # -- helpers ------------------------------------------------------------------
     def _admit(self, key: tuple | None, capacity: int, now: float) -> list[RequestRecord]:
-        chosen = self.policy.select(self._waiting, key, capacity)
+        chosen = self._within_budget(self.policy.select(self._waiting, key, capacity))
         if chosen:
             ids = {id(record) for record in chosen}
             self._waiting = [record for record in self._waiting if id(record) not in ids]
@@ -162,6 +174,27 @@ class BaseScheduler(Scheduler):
                 record.admitted_at = now
             self._running.extend(chosen)
         return chosen
+
+    def batch_memory(self) -> int:
+        """The running requests' estimated peak memory, in bytes (0 without an estimate)."""
+        memory = self._memory
+        return sum(memory(r.request) for r in self._running) if memory is not None else 0
+
+    def _within_budget(self, chosen: list[RequestRecord]) -> list[RequestRecord]:
+        """The prefix of ``chosen`` that keeps the batch within ``memory_budget``
+        (the rest waits); never empty when nothing runs and ``chosen`` is not."""
+        memory, budget = self._memory, self.memory_budget
+        if memory is None or budget is None or not chosen:
+            return chosen
+        used = self.batch_memory()
+        kept: list[RequestRecord] = []
+        for record in chosen:
+            need = memory(record.request)
+            if used + need > budget and (self._running or kept):
+                break
+            kept.append(record)
+            used += need
+        return kept
 
     def _on_running_aborted(self, record: RequestRecord) -> None:
         """A running request (not in flight) was aborted: STEP_BATCH drops its state."""

@@ -38,8 +38,11 @@ class StepScheduler(BaseScheduler):
     def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
                  max_wait_s: float | None = 0.0, stable_s: float | None = None,
                  key: Callable[[DiffusionRequest], tuple] | None = None,
-                 max_steps_per_tick: int = 1):
-        super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key)
+                 max_steps_per_tick: int = 1,
+                 memory: Callable[[DiffusionRequest], int] | None = None,
+                 memory_budget: int | None = None):
+        super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key,
+                         memory=memory, memory_budget=memory_budget)
         if max_steps_per_tick < 1:
             raise ValueError(f"max_steps_per_tick must be >= 1, got {max_steps_per_tick}")
         self.max_steps_per_tick = max_steps_per_tick
