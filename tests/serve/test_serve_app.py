@@ -386,7 +386,9 @@ def test_a_stalled_worker_turns_health_503_until_it_makes_progress(toy_app):
     idle = float(re.search(r"^diffrt_seconds_without_progress (\S+)$", metrics, re.M).group(1))
     assert idle > 0.3
     assert answer.status_code == 200  # only reported: nothing was killed
-    assert after.status_code == 200 and after.json() == {"status": "ok", "state": "ready"}
+    # (other keys, such as vendor import details, depend on the process)
+    assert after.status_code == 200
+    assert (after.json()["status"], after.json()["state"]) == ("ok", "ready")
     assert ready_after.status_code == 200
     assert engine.stats().worker_restarts == 0
 
