@@ -26,6 +26,23 @@ BACKENDS = [
 ]
 
 
+def _fake_accelerator(module):
+    """A torch-accelerator platform whose device module is ``module`` (its
+    ``module`` attribute: a test may swap it)."""
+    from diffrt.platforms.accelerator import TorchAcceleratorPlatform
+
+    class Fake(TorchAcceleratorPlatform):
+        name = "fake"
+        device_type = "fake"
+
+        def device_module(self):
+            return self.module
+
+    platform = Fake()
+    platform.module = module
+    return platform
+
+
 @pytest.fixture(params=BACKENDS, ids=lambda b: b[0].name)
 def backend(request, monkeypatch, device_module_factory):
     cls, attr, package = request.param
@@ -173,21 +190,12 @@ def test_current_stream_cache_is_per_thread(backend):
 def test_empty_cache_gives_the_device_cache_back_where_there_is_one():
     from types import SimpleNamespace
 
-    from diffrt.platforms.accelerator import TorchAcceleratorPlatform
     from diffrt.platforms.cpu import CpuPlatform
 
     calls = []
     with_cache = SimpleNamespace(empty_cache=lambda: calls.append("empty"))
 
-    class Fake(TorchAcceleratorPlatform):
-        name = "fake"
-        device_type = "fake"
-
-        def device_module(self):
-            return self.module
-
-    platform = Fake()
-    platform.module = with_cache
+    platform = _fake_accelerator(with_cache)
     platform.empty_cache()
     assert calls == ["empty"]
     platform.module = SimpleNamespace()  # a backend without a cache: nothing to do
@@ -293,21 +301,11 @@ def test_trim_memory_and_what_a_platform_holds():
     tell (None: never trimmed for size)."""
     from types import SimpleNamespace
 
-    from diffrt.platforms.accelerator import TorchAcceleratorPlatform
-
     calls: list[object] = []
 
-    class Fake(TorchAcceleratorPlatform):
-        name = "fake"
-        device_type = "fake"
-
-        def device_module(self):
-            return self.module
-
-    platform = Fake()
-    platform.module = SimpleNamespace(empty_cache=lambda: calls.append("empty"),
-                                      memory_reserved=lambda i: calls.append(i) or 7 << 20,
-                                      current_device=lambda: 0)
+    platform = _fake_accelerator(SimpleNamespace(
+        empty_cache=lambda: calls.append("empty"),
+        memory_reserved=lambda i: calls.append(i) or 7 << 20, current_device=lambda: 0))
     platform._device_index = 3
     platform.trim_memory()
     assert platform.held_memory_bytes() == 7 << 20

@@ -73,6 +73,16 @@ def test_overload_then_a_drain_on_sigterm():
         server.stop()
 
 
+async def _long_request_running(c: httpx.AsyncClient) -> asyncio.Task:
+    """A LONG request in flight, once the engine runs it (bounded: 10 s)."""
+    in_flight = asyncio.create_task(c.post(GEN, json={"prompt": "x", **LONG}))
+    for _ in range(200):
+        if "diffrt_requests_running 1.0" in (await c.get("/metrics")).text:
+            break
+        await asyncio.sleep(0.05)
+    return in_flight
+
+
 def test_a_killed_worker_fails_its_request_and_is_replaced():
     """The request running on a SIGKILLed worker answers 503 (never a hang);
     /health is 503 until fresh workers serve, then 200, and requests succeed
@@ -83,11 +93,7 @@ def test_a_killed_worker_fails_its_request_and_is_replaced():
 
         async def main():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
-                in_flight = asyncio.create_task(c.post(GEN, json={"prompt": "x", **LONG}))
-                for _ in range(200):
-                    if "diffrt_requests_running 1.0" in (await c.get("/metrics")).text:
-                        break
-                    await asyncio.sleep(0.05)
+                in_flight = await _long_request_running(c)
                 os.kill(worker, signal.SIGKILL)
                 started = time.monotonic()
                 response = await in_flight
@@ -121,11 +127,7 @@ def test_a_stopped_worker_turns_health_503_within_the_stall_bound():
 
         async def main():
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
-                in_flight = asyncio.create_task(c.post(GEN, json={"prompt": "x", **LONG}))
-                for _ in range(200):
-                    if "diffrt_requests_running 1.0" in (await c.get("/metrics")).text:
-                        break
-                    await asyncio.sleep(0.05)
+                in_flight = await _long_request_running(c)
                 os.kill(worker, signal.SIGSTOP)
                 stopped = time.monotonic()
                 try:
