@@ -77,9 +77,7 @@ def peak_activation_bytes(spec: ModelSpec, request: DiffusionRequest,
     params = request.sampling_params
     height, width = filled(params.height), filled(params.width)
     outputs = filled(params.num_outputs_per_prompt)
-    multiple = spec.size_multiple
-    tokens = (height // multiple) * (width // multiple) + spec.text_tokens
-    rows = outputs * (2 if spec.uses_cfg(request) else 1)
-    transformer = rows * tokens * max(1, spec.transformer_width) * LINEAR_WIDTHS * value_bytes
+    transformer = (spec.rows(request) * spec.row_tokens(request)
+                   * max(1, spec.transformer_width) * LINEAR_WIDTHS * value_bytes)
     decode = outputs * height * width * DECODE_BYTES_PER_PIXEL * value_bytes // 4
     return int(transformer + decode)

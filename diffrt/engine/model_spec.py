@@ -180,6 +180,20 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             case CfgRule.NEVER:
                 return False
 
+    # -- the work of a request (the run-time and memory estimates count it) -------------
+    def rows(self, request: DiffusionRequest) -> int:
+        """Transformer rows one denoise step of ``request`` runs: one per
+        output, two with CFG (defaults filled in)."""
+        return filled(request.sampling_params.num_outputs_per_prompt) * (
+            2 if self.uses_cfg(request) else 1)
+
+    def row_tokens(self, request: DiffusionRequest) -> int:
+        """One row's tokens: the image's latent patches plus the model's text tokens."""
+        params = request.sampling_params
+        multiple = self.size_multiple
+        return ((filled(params.height) // multiple) * (filled(params.width) // multiple)
+                + self.text_tokens)
+
     def cfg_scale(self, params: SamplingParams) -> float:
         """The scale of classifier-free guidance when it runs."""
         if self.cfg_rule is CfgRule.TRUE_CFG_AND_NEGATIVE:

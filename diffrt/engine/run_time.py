@@ -74,24 +74,12 @@ class RunTimeModel:
         self._stale = False
 
     # -- the work of a request -----------------------------------------------------------
-    def tokens(self, request: DiffusionRequest) -> float:
-        """One row's tokens: image patches plus the model's text tokens."""
-        params = request.sampling_params
-        multiple = self.spec.size_multiple
-        image = (filled(params.height) // multiple) * (filled(params.width) // multiple)
-        return float(image + self.spec.text_tokens)
-
-    def rows(self, request: DiffusionRequest) -> int:
-        """Transformer rows per step: one per output, two with CFG."""
-        return request.sampling_params.num_outputs_per_prompt * (
-            2 if self.spec.uses_cfg(request) else 1)
-
     def units(self, request: DiffusionRequest) -> float:
         """The work one denoise step of ``request`` does, in W units."""
-        tokens = self.tokens(request)
+        tokens = float(self.spec.row_tokens(request))
         width = self.spec.transformer_width
         per_row = tokens * (1 + tokens / (6 * width)) if width else tokens
-        return self.rows(request) * per_row
+        return self.spec.rows(request) * per_row
 
     # -- measuring -------------------------------------------------------------------------
     def observe(self, requests: Iterable[DiffusionRequest], step_seconds: float) -> None:

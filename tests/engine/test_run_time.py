@@ -35,7 +35,7 @@ def test_work_grows_with_attention_quadratic_term_rows_and_text():
     assert model.units(req(256, n=3)) == 3 * small
     assert model.units(req(256, guidance=2.0)) == 2 * small  # CFG: two rows an output
     with_text = RunTimeModel(spec(width=64, text_tokens=77))
-    assert with_text.tokens(req(256)) == (256 // 16) ** 2 + 77
+    assert with_text.spec.row_tokens(req(256)) == (256 // 16) ** 2 + 77
 
 
 def test_the_fit_recovers_overhead_and_rate_from_two_sizes():
