@@ -4,9 +4,10 @@ diffusers' Flux and SD3 pipelines warn, on every prompt longer than a text
 encoder takes, with the cut-off part of the prompt itself ("The following
 part of your input was truncated because ...: ['...']"): a client sending long
 prompts fills the disk at twice its request bytes and discloses prompts to
-whoever reads the log. ``install`` turns each such warning into one DEBUG
-line with the limit and the number of prompts cut — never their text — and
-drops it unless DEBUG is on for that logger.
+whoever reads the log. ``install`` drops each such warning. What was cut is
+reported instead by the pipeline runner, once per request, as counts of
+tokens per text encoder: at DEBUG and in the request's
+``RequestMetrics.prompt_tokens_dropped`` — never the text.
 
 A leaf (standard library only): the worker's and the CLI's logging set-up
 install it; the loggers are named before the libraries are imported, so the
@@ -15,46 +16,21 @@ order does not matter.
 
 from __future__ import annotations
 
-import ast
 import logging
-import re
 
 #: the loggers of the diffusers pipelines whose encode_prompt diffrt calls
 TRUNCATION_LOGGERS = (
     "diffusers.pipelines.flux.pipeline_flux",
     "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",
 )
-_TRUNCATED = re.compile(r"The following part of your input was truncated because (.*?) "
-                        r"(\d+) tokens: (.*)", re.S)
+_TRUNCATED = "The following part of your input was truncated because"
 
 
 class PromptTruncationFilter(logging.Filter):
-    """Replaces a truncation warning's prompt text by a count (see the module)."""
+    """Drops diffusers' truncation warnings, which quote the cut text (see the module)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a record that cannot be formatted is not ours to judge
-            return True
-        match = _TRUNCATED.match(message)
-        if match is None:
-            return True
-        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
-            return False
-        why, limit, removed = match.groups()
-        record.msg = "%d prompt(s) cut at %s tokens (%s; the cut text is not logged)"
-        record.args = (_count(removed), limit, why.replace("`", ""))
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return True
-
-
-def _count(removed: str) -> int:
-    """The prompts that lost text, from the printed list (1 if unreadable)."""
-    try:
-        parts = ast.literal_eval(removed.strip())
-    except (ValueError, SyntaxError):
-        return 1
-    return sum(1 for part in parts if str(part).strip()) if isinstance(parts, list) else 1
+        return not (isinstance(record.msg, str) and record.msg.startswith(_TRUNCATED))
 
 
 _FILTER = PromptTruncationFilter()

@@ -113,6 +113,8 @@ class TickResult:
     steps: int = 1
     #: the text encoding the workers did in this tick.
     text_encoding: TextEncoderStats | None = None
+    #: request id -> text encoder -> prompt tokens it cut (``BatchDone``)
+    prompt_tokens_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -401,6 +403,7 @@ class EngineCore:
         executor = self.executor  # the outputs of this tick are this executor's
         output_ids: dict[str, str] = {}
         text_encoding = None
+        prompt_cuts: dict[str, dict[str, int]] = {}
         preview_index: dict[str, int] = {}
         steps_run = 1
         try:
@@ -410,6 +413,7 @@ class EngineCore:
             output_ids = dict(ro.output_ids)
             result = _execution_result(tick, ro.reply, output_ids)
             text_encoding = getattr(ro.reply, "text_encoding", None)
+            prompt_cuts = dict(getattr(ro.reply, "prompt_tokens_dropped", {}))
             preview_index = dict(getattr(ro.reply, "previews", {}))
             steps_run = getattr(ro.reply, "steps_run", 1)
         except ExecutorDeadError as exc:
@@ -450,7 +454,7 @@ class EngineCore:
                           elapsed=elapsed, progress=update.progress, finished=update.finished,
                           outputs=kept, previews=previews, step_seconds=step_seconds,
                           steps=steps_run if self.mode is EngineMode.STEP_BATCH else 1,
-                          text_encoding=text_encoding)
+                          text_encoding=text_encoding, prompt_tokens_dropped=prompt_cuts)
 
     def _ran(self, tick: SchedulerOutput) -> list[DiffusionRequest]:
         """The requests a tick ran (under the lock, before the scheduler lets

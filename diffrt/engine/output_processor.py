@@ -136,6 +136,10 @@ class OutputProcessor:
                 record = self._records.get(rid)
                 if record is not None:
                     record.forward_time += result.elapsed
+            for rid, cuts in result.prompt_tokens_dropped.items():
+                record = self._records.get(rid)
+                if record is not None:
+                    record.metrics.prompt_tokens_dropped = dict(cuts)
             for p in result.progress:
                 if p.request_id in self._records:
                     self._emit_locked(p.request_id, DiffusionOutput(

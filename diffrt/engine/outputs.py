@@ -10,7 +10,8 @@ import msgspec
 
 @dataclass
 class RequestMetrics:
-    """Per-request timings in seconds (None when a phase did not happen)."""
+    """Per-request timings in seconds (None when a phase did not happen), and
+    what its text encoders cut from its prompts."""
 
     arrival_time: float = 0.0
     queue_wait: float | None = None
@@ -18,6 +19,11 @@ class RequestMetrics:
     output_wait: float | None = None
     postprocess_time: float | None = None
     finished_time: float | None = None
+    #: text encoder (the folder's component name) -> the tokens of the prompt
+    #: and negative prompt (together) it cut, for the encoders that cut any:
+    #: a prompt longer than an encoder's window is cut there, as in diffusers
+    #: (CLIP's window is 77 tokens, Flux's T5 512, SD3's T5 256)
+    prompt_tokens_dropped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

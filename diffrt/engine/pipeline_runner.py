@@ -141,11 +141,11 @@ class PipelineRunner:
     def handle(self, request: ExecuteBatch | ExecuteStep | CountStepStates) -> Any:
         match request:
             case ExecuteBatch():
-                result = self._counting_text_encoding(self.execute_batch, request)
+                result = self._reporting_encoding(self.execute_batch, request)
                 self.memory.after_execute()
                 return result
             case ExecuteStep():
-                result = self._counting_text_encoding(self.execute_step, request)
+                result = self._reporting_encoding(self.execute_step, request)
                 if result.reply.finished or result.reply.errors or request.drop:
                     # a request left: its memory is free now, not while it runs
                     # (trimming between its steps would fault it back in each tick)
@@ -184,14 +184,21 @@ class PipelineRunner:
                 logger.exception("empty_cache failed")
         return describe_error(exc)
 
-    def _counting_text_encoding(self, execute: Any, request: Any) -> RunnerResult:
+    def _reporting_encoding(self, execute: Any, request: Any) -> RunnerResult:
         """Run ``execute(request)`` and put in its reply the text encoding done
-        since the last reply (a tick that raised reports its work with the next)."""
+        since the last reply (a tick that raised reports its work with the next)
+        and the prompt tokens the text encoders cut, per request (logged once per
+        request at DEBUG, as counts: a prompt's text is never logged)."""
         result = execute(request)
         now = self.pipeline.text_encoder_stats()
         if now is not None and self._reported is not None:
             result.reply.text_encoding = now - self._reported
             self._reported = now
+        cuts = self.pipeline.take_prompt_cuts()
+        for rid, per_encoder in cuts.items():
+            logger.debug("request %s: prompt tokens cut by %s", rid, ", ".join(
+                f"{encoder} {n}" for encoder, n in sorted(per_encoder.items())))
+        result.reply.prompt_tokens_dropped = cuts
         return result
 
     # -- REQUEST_BATCH ------------------------------------------------------------

@@ -58,6 +58,9 @@ class BatchDone(msgspec.Struct, tag="batch_done"):
     errors: dict[str, str] = {}
     #: text encoding done in this tick (None: the pipeline does not count it).
     text_encoding: TextEncoderStats | None = None
+    #: request id -> text encoder -> tokens it cut from the request's prompts
+    #: (only requests encoded in this tick that lost some)
+    prompt_tokens_dropped: dict[str, dict[str, int]] = {}
 
 
 class StepDone(msgspec.Struct, tag="step_done"):
@@ -71,6 +74,8 @@ class StepDone(msgspec.Struct, tag="step_done"):
     errors: dict[str, str] = {}
     #: text encoding done in this tick (new requests are encoded when prepared).
     text_encoding: TextEncoderStats | None = None
+    #: as ``BatchDone.prompt_tokens_dropped`` (new requests are encoded when prepared)
+    prompt_tokens_dropped: dict[str, dict[str, int]] = {}
     #: denoise steps this call ran (``ExecuteStep.steps`` or fewer)
     steps_run: int = 1
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from diffrt.engine.model_spec import ModelSpec, check_heads
 from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.pipelines.flow_match_spec import vae_factor
 from diffrt.engine.pipelines.folder_check import ModelLoadError
+from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
     DiffusionRequestBatch,
@@ -116,6 +118,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         self.noise_scheduler = noise_scheduler
         #: prompts -> (embeds, extra), one row per prompt (FolderTextEncoder).
         self.text_encoder = text_encoder
+        #: request id -> text encoder -> tokens it cut, since ``take_prompt_cuts``
+        self._prompt_cuts: dict[str, dict[str, int]] = {}
         self.vae_scale_factor = self.vae_factor(dict(vae.config))
         self.latent_channels = self.vae_latent_channels(dict(vae.config))
         scaling = getattr(vae.config, "scaling_factor", None)
@@ -154,7 +158,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         for name, module in full.components.items():
             if name.startswith("text_encoder") and module is not None:
                 _place(module, device)
-        text = FolderTextEncoder(full, cls.encode_with_diffusers, device=device)
+        text = FolderTextEncoder(full, cls.encode_with_diffusers, device=device,
+                                 windows=cls.prompt_windows(full))
         pipeline = cls(full.transformer, full.vae, full.scheduler, text, device=device,
                        dtype=dtype)
         pipeline.spec = spec
@@ -219,6 +224,16 @@ class FlowMatchPipeline(DiffusionPipeline):
         """The family's diffusers ``encode_prompt``: (embeds, extra) per prompt."""
         raise NotImplementedError
 
+    @staticmethod
+    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+        """The family's text encoders and where each cuts a prompt, as its
+        ``encode_with_diffusers`` calls them (what ``take_prompt_cuts`` counts)."""
+        return []
+
+    def take_prompt_cuts(self) -> dict[str, dict[str, int]]:
+        cuts, self._prompt_cuts = self._prompt_cuts, {}
+        return cuts
+
     # -- family hooks -----------------------------------------------------------
     def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """(N, C, h, w) VAE latents -> the transformer's layout."""
@@ -258,6 +273,7 @@ class FlowMatchPipeline(DiffusionPipeline):
             if self.spec.uses_cfg(request):
                 texts.append(self.spec.negative_prompt(request) or "")
         embeds, extra = self.text_encoder(texts)
+        self._count_cuts(requests)
         embeds, extra = embeds.to(self.device, self.dtype), extra.to(self.device, self.dtype)
         out, row = [], 0
         for request in requests:
@@ -272,6 +288,19 @@ class FlowMatchPipeline(DiffusionPipeline):
             row += 1
             out.append(Conditioning(e, x, ne, nx))
         return out
+
+    def _count_cuts(self, requests: list[DiffusionRequest]) -> None:
+        """Record, per request, the tokens each text encoder cut from its
+        prompt and negative prompt (together), for the requests that lost any."""
+        counter = getattr(self.text_encoder, "tokens_dropped", None)
+        if counter is None:
+            return
+        for request in requests:
+            cuts = Counter(counter(request.prompt))
+            if self.spec.uses_cfg(request):
+                cuts.update(counter(self.spec.negative_prompt(request) or ""))
+            if cuts:
+                self._prompt_cuts[request.request_id] = dict(cuts)
 
     def latent_size(self, params: SamplingParams) -> tuple[int, int]:
         """(height, width) of the request's latents (its size filled in at submission)."""

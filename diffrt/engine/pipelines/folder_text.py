@@ -12,19 +12,43 @@ and a new family only names its diffusers pipeline and the arguments its
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
+
+
+class PromptWindow(NamedTuple):
+    """How much of a prompt one of the folder's text encoders sees: its
+    tokenizer cuts the text (``template`` with the prompt in it) at
+    ``max_tokens`` tokens, as the family's diffusers ``encode_prompt`` calls it."""
+
+    #: the folder's component whose input this is ("text_encoder_2")
+    encoder: str
+    tokenizer: Any
+    max_tokens: int
+    template: str = "{}"
+
+    def tokens_dropped(self, prompt: str) -> int:
+        """Tokens of ``prompt`` this encoder never sees. A text of at most
+        ``max_tokens - 2`` characters is never cut (a token covers at least one
+        character; two for the begin and end markers), so the usual short
+        prompt costs no second tokenization."""
+        text = self.template.format(prompt)
+        if len(text) + 2 <= self.max_tokens:
+            return 0
+        ids = self.tokenizer(text, truncation=False, verbose=False)["input_ids"]
+        return max(0, len(ids) - self.max_tokens)
 
 
 class FolderTextEncoder:
     """Callable as the pipelines' text encoder: prompts -> (embeds, pooled)."""
 
     def __init__(self, text_pipeline: Any, encode: Callable[[Any, list[str]], tuple], *,
-                 device: torch.device):
+                 device: torch.device, windows: Sequence[PromptWindow] = ()):
         self.pipeline = text_pipeline
         self._encode = encode
+        self.windows = tuple(windows)
         self.device = device
         self._offloaded = False
 
@@ -39,6 +63,11 @@ class FolderTextEncoder:
         for name, module in self.pipeline.components.items():
             if name.startswith("text_encoder") and module is not None:
                 module.to(device)
+
+    def tokens_dropped(self, prompt: str) -> dict[str, int]:
+        """Text encoder -> the tokens of ``prompt`` it cuts, for those that cut any."""
+        cuts = {w.encoder: w.tokens_dropped(prompt) for w in self.windows}
+        return {name: n for name, n in cuts.items() if n}
 
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -208,6 +208,13 @@ class DiffusionPipeline(ABC):
         None for a pipeline that does not count."""
         return None
 
+    def take_prompt_cuts(self) -> dict[str, dict[str, int]]:
+        """Request id -> text encoder -> the tokens it cut from the request's
+        prompts, for the requests encoded since the last call that lost any
+        (a prompt longer than an encoder takes is cut, as diffusers cuts it);
+        {} from a pipeline that does not count."""
+        return {}
+
     # -- output hooks --------------------------------------------------------
     def to_transfer(self, output: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Worker side, on the device, before any copy: images become uint8

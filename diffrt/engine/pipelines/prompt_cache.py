@@ -56,6 +56,12 @@ class CachedTextEncoder:
     def stats(self) -> TextEncoderStats:
         return TextEncoderStats(encoded=self.misses, cache_hits=self.hits, seconds=self.seconds)
 
+    def tokens_dropped(self, prompt: str) -> dict[str, int]:
+        """The wrapped encoder's count of the tokens it cuts from ``prompt``
+        (``FolderTextEncoder.tokens_dropped``); {} from one that does not count."""
+        counter = getattr(self.encoder, "tokens_dropped", None)
+        return counter(prompt) if counter is not None else {}
+
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         missing = list(dict.fromkeys(p for p in prompts if p not in self._entries))
         fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
+from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.sampling import SamplingParams
 
 
@@ -43,6 +44,14 @@ class FluxPipeline(FlowMatchPipeline):
             prompt=prompts, prompt_2=None, device=pipeline.text_encoder.device,
             num_images_per_prompt=1, max_sequence_length=length)
         return embeds, pooled
+
+    @staticmethod
+    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+        """CLIP at the pipeline's ``tokenizer_max_length`` (77), T5 at the
+        length ``encode_with_diffusers`` asks."""
+        length = min(512, int(getattr(pipeline.tokenizer_2, "model_max_length", 512)))
+        return [PromptWindow("text_encoder", pipeline.tokenizer, pipeline.tokenizer_max_length),
+                PromptWindow("text_encoder_2", pipeline.tokenizer_2, length)]
 
     def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
         n, c, h, w = latents.shape

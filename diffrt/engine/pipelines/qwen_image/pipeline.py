@@ -26,6 +26,7 @@ import torch
 
 from diffrt.engine.pipelines.flow_match_spec import qwen_vae_factor
 from diffrt.engine.pipelines.flux.pipeline import FluxPipeline
+from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.sampling import SamplingParams
 
 
@@ -42,6 +43,15 @@ class QwenImagePipeline(FluxPipeline):
         if mask is None:  # diffusers drops an all-ones mask
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         return embeds, mask
+
+    @staticmethod
+    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+        """Qwen2.5-VL's tokenizer cuts the prompt in its chat template at 1024
+        tokens past the template's dropped prefix, as ``encode_prompt`` does."""
+        return [PromptWindow("text_encoder", pipeline.tokenizer,
+                             pipeline.tokenizer_max_length
+                             + pipeline.prompt_template_encode_start_idx,
+                             pipeline.prompt_template_encode)]
 
     @staticmethod
     def vae_factor(vae_config: dict) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
+from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.sampling import SamplingParams
 
 
@@ -25,6 +26,17 @@ class SD3Pipeline(FlowMatchPipeline):
             prompt=prompts, prompt_2=None, prompt_3=None, device=pipeline.text_encoder.device,
             num_images_per_prompt=1, do_classifier_free_guidance=False, max_sequence_length=256)
         return embeds, pooled
+
+    @staticmethod
+    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+        """Both CLIPs at ``tokenizer_max_length`` (77) and T5, where the folder
+        has one, at the 256 tokens ``encode_with_diffusers`` asks."""
+        windows = [PromptWindow("text_encoder", pipeline.tokenizer, pipeline.tokenizer_max_length),
+                   PromptWindow("text_encoder_2", pipeline.tokenizer_2,
+                                pipeline.tokenizer_max_length)]
+        if pipeline.text_encoder_3 is not None:
+            windows.append(PromptWindow("text_encoder_3", pipeline.tokenizer_3, 256))
+        return windows
 
     def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
         """``mu`` when the noise scheduler shifts dynamically (SD3.5 configs), from
