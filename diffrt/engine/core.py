@@ -37,6 +37,7 @@ from typing import Any
 
 from diffrt import tracing
 from diffrt.engine.config import EngineMode
+from diffrt.engine.memory_estimate import MemoryModel
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.record import RequestRecord, RequestStatus
@@ -126,10 +127,12 @@ class EngineCore:
                  restart: Callable[[], Executor] | None = None,
                  on_timer: Callable[[float], None] | None = None,
                  restart_attempts: int = RESTART_ATTEMPTS,
-                 run_time: RunTimeModel | None = None):
+                 run_time: RunTimeModel | None = None,
+                 memory: MemoryModel | None = None):
         self.mode = mode
         self.scheduler = scheduler
         self.executor = executor
+        self._memory = memory
         self._on_tick = on_tick
         self._on_dead = on_dead
         self._clock = clock
@@ -404,6 +407,7 @@ class EngineCore:
         output_ids: dict[str, str] = {}
         text_encoding = None
         prompt_cuts: dict[str, dict[str, int]] = {}
+        peak_bytes = free_bytes = None
         preview_index: dict[str, int] = {}
         steps_run = 1
         try:
@@ -414,6 +418,8 @@ class EngineCore:
             result = _execution_result(tick, ro.reply, output_ids)
             text_encoding = getattr(ro.reply, "text_encoding", None)
             prompt_cuts = dict(getattr(ro.reply, "prompt_tokens_dropped", {}))
+            peak_bytes = getattr(ro.reply, "peak_memory_bytes", None)
+            free_bytes = getattr(ro.reply, "free_memory_bytes", None)
             preview_index = dict(getattr(ro.reply, "previews", {}))
             steps_run = getattr(ro.reply, "steps_run", 1)
         except ExecutorDeadError as exc:
@@ -432,6 +438,8 @@ class EngineCore:
         with self._cond:
             if self._run_time is not None and step_seconds is not None:
                 self._run_time.observe(self._ran(tick), step_seconds)
+            if self._memory is not None and (peak_bytes is not None or free_bytes is not None):
+                self._memory.observe(self._ran(tick), peak_bytes, free_bytes)
             update = self.scheduler.update_from_output(tick, result)
             done_at = self._clock()
             for event in update.finished:  # the automatic batching window learns from them

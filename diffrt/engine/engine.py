@@ -44,8 +44,10 @@ from diffrt.engine.errors import (
     EngineWarmupError,
 )
 from diffrt.engine.memory_estimate import (
+    DEFAULT_DEVICE_SHARE,
+    DEFAULT_HOST_SHARE,
+    MemoryModel,
     default_batch_memory_budget,
-    peak_activation_bytes,
     value_bytes,
 )
 from diffrt.engine.output_processor import OutputProcessor
@@ -117,6 +119,8 @@ class DiffusionEngine:
         self._clock = clock
         #: the estimate of a request's seconds that max_request_seconds refuses by
         self.run_time = RunTimeModel(self.spec)
+        #: a request's estimated peak memory and the batch budget (None: unbounded)
+        self.memory = self._memory_model()
         self.output_processor = OutputProcessor(
             output_postprocessor(self.spec),
             workers=config.executor.postprocess_workers,
@@ -125,7 +129,8 @@ class DiffusionEngine:
             self.mode, scheduler or self._make_scheduler(), executor,
             on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock,
             restart=self._fresh_executor if config.executor.restart_workers else None,
-            on_timer=self.output_processor.expire_unread, run_time=self.run_time)
+            on_timer=self.output_processor.expire_unread, run_time=self.run_time,
+            memory=self.memory)
         #: how long a submission during a restart waits for it, and why that long
         self._restart_wait_s, self._restart_wait_bound = _restart_wait(config)
         self._closed = False
@@ -164,34 +169,35 @@ class DiffusionEngine:
     def _make_scheduler(self) -> Scheduler:
         c = self.config.scheduling
         policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass)
-        memory, budget = self._memory_budget()
         if self.mode is EngineMode.STEP_BATCH:
             return StepScheduler(c.max_num_seqs, policy,
                                  max_wait_s=_seconds(c.step_batch_max_wait_ms),
                                  key=self.spec.step_batch_key,
-                                 max_steps_per_tick=c.max_steps_per_tick,
-                                 memory=memory, memory_budget=budget)
+                                 max_steps_per_tick=c.max_steps_per_tick, memory=self.memory)
         wait_ms = c.request_batch_max_wait_ms if self.spec.supports_request_batch else 0.0
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
-                                key=self.spec.request_batch_key,
-                                memory=memory, memory_budget=budget)
+                                key=self.spec.request_batch_key, memory=self.memory)
 
-    def _memory_budget(self) -> tuple[Callable[[DiffusionRequest], int] | None, int | None]:
-        """A request's estimated peak memory and the budget of a batch
-        (``max_batch_memory_bytes``, or its default); (None, None) with one
-        request per batch or no budget: nothing to bound."""
+    def _memory_model(self) -> MemoryModel | None:
+        """A request's estimated peak memory and the batch budget
+        (``max_batch_memory_bytes``, or a share of the memory the workers
+        report free; see ``engine/memory_estimate.py``); None with one request
+        per batch: nothing to bound."""
         from diffrt.platforms import current_platform
 
         if self.config.scheduling.max_num_seqs == 1:
-            return None, None
+            return None
         budget = self.config.scheduling.max_batch_memory_bytes
-        if budget is None:
-            budget = default_batch_memory_budget(current_platform)
-        if budget is None:
-            return None, None
-        spec, nbytes = self.spec, value_bytes(self.config.model_config.dtype, current_platform)
-        logger.info("batch memory budget %d MiB of estimated peak activations", budget >> 20)
-        return (lambda request: peak_activation_bytes(spec, request, nbytes)), budget
+        on_cpu = current_platform.device_type == "cpu"
+        model = MemoryModel(
+            self.spec, value_bytes(self.config.model_config.dtype, current_platform),
+            budget=budget if budget is not None else default_batch_memory_budget(current_platform),
+            explicit=budget is not None,
+            share=DEFAULT_HOST_SHARE if on_cpu else DEFAULT_DEVICE_SHARE)
+        if model.budget is not None:
+            logger.info("batch memory budget %d MiB of estimated peak activations",
+                        model.budget >> 20)
+        return model
 
     def _warmup_request(self) -> DiffusionRequest:
         """A one-step request of about 64 px: loads kernels, allocates buffers."""

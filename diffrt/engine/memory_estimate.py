@@ -24,14 +24,35 @@ also on CPU) do not materialise the score matrix.
 The constants are from measurements on this CPU (float32): tiny-flux, 512 x
 512 n=4, 1 step, took a worker 713 MiB above its warm size (this formula:
 1.0 GiB); diffrt-shapes 512 x 512 n=10 with its true CFG took 2,966 MB
-(issue 27; this formula: 4.4 GiB). The estimate errs high, which errs on the side of the
-host: a batch is split sooner than it needs to be, never later. It is not
-calibrated per engine (the run-time estimate is; peaks are not reported
-by the workers yet).
+(issue 27; this formula: 4.4 GiB). The formula errs high, on the side of
+the host.
+
+``MemoryModel`` calibrates it per engine: every execute's reply carries the
+most the worker held during it above its warm baseline
+(``engine/memory_trim.py``), and the model keeps the ratio of that peak to
+the formula's sum over the requests that ran, for the executes large enough
+to tell (a formula of ``MIN_CALIBRATION_BYTES`` or more: below that, a
+peak is a few MiB of scratch that says nothing of the scale). An estimate is
+the formula times the *scale*: the largest of the latest
+``CALIBRATION_WINDOW`` ratios, with ``CALIBRATION_MARGIN``, within
+``SCALE_BOUNDS`` — the largest, because the budget exists to keep the host
+alive, so the estimate follows the worst batch measured, not the typical
+one. Until a large enough execute is measured the scale is 1: the formula.
+
+The budget (``max_batch_memory_bytes``, when not set) is a share of the
+memory the workers report free once they are loaded and warm
+(``Platform.free_memory_bytes``, with the reply that takes the baseline):
+``DEFAULT_HOST_SHARE`` of the host's available memory on CPU (other
+processes share the host), ``DEFAULT_DEVICE_SHARE`` of a device's free
+memory. Until that reply a CPU engine uses the share of the host's available
+memory read when it starts; a device engine has no budget.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from diffrt.engine.model_spec import ModelSpec
@@ -41,12 +62,24 @@ from diffrt.engine.sampling import filled
 if TYPE_CHECKING:
     from diffrt.platforms.interface import Platform
 
+logger = logging.getLogger(__name__)
+
 #: the widths of activations one token holds inside a transformer block
 LINEAR_WIDTHS = 12
 #: the bytes per output pixel the VAE decode holds at its peak, in float32
 DECODE_BYTES_PER_PIXEL = 1024
 #: the share of the host's available memory a CPU engine's batch may take by default
 DEFAULT_HOST_SHARE = 0.5
+#: the share of a device's free memory (after loading) a batch may take by default
+DEFAULT_DEVICE_SHARE = 0.8
+#: executes whose formula is below this do not calibrate the scale
+MIN_CALIBRATION_BYTES = 64 << 20
+#: the latest measured ratios the scale follows
+CALIBRATION_WINDOW = 32
+#: the scale is the largest measured ratio times this
+CALIBRATION_MARGIN = 1.1
+#: the scale never leaves these bounds, whatever was measured
+SCALE_BOUNDS = (0.25, 4.0)
 
 
 def value_bytes(dtype: str, platform: Platform) -> int:
@@ -81,3 +114,47 @@ def peak_activation_bytes(spec: ModelSpec, request: DiffusionRequest,
                    * max(1, spec.transformer_width) * LINEAR_WIDTHS * value_bytes)
     decode = outputs * height * width * DECODE_BYTES_PER_PIXEL * value_bytes // 4
     return int(transformer + decode)
+
+
+class MemoryModel:
+    """A request's estimated peak memory on this engine, and the batch budget
+    it is held to (see the module). The schedulers read ``estimate`` and
+    ``budget``; the engine core feeds ``observe`` with each execute's reply,
+    on the core's thread."""
+
+    def __init__(self, spec: ModelSpec, value_bytes: int = 4, *, budget: int | None = None,
+                 explicit: bool = False, share: float = DEFAULT_HOST_SHARE):
+        self.spec = spec
+        self.value_bytes = value_bytes
+        #: bytes of estimated peak memory one batch may take (None: no bound)
+        self.budget = budget
+        self._explicit = explicit  # max_batch_memory_bytes was set: never replaced
+        self.share = share
+        self._ratios: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
+        #: the formula's calibration: 1 until a large enough execute is measured
+        self.scale = 1.0
+
+    def formula(self, request: DiffusionRequest) -> int:
+        return peak_activation_bytes(self.spec, request, self.value_bytes)
+
+    def estimate(self, request: DiffusionRequest) -> int:
+        """Bytes ``request`` is expected to take at its peak, alone."""
+        return int(self.formula(request) * self.scale)
+
+    def observe(self, requests: Iterable[DiffusionRequest], peak_bytes: int | None,
+                free_bytes: int | None = None) -> None:
+        """One execute ran ``requests`` and the worker held at most
+        ``peak_bytes`` above its warm baseline (None: not measured);
+        ``free_bytes``: the memory free when it took its baseline."""
+        if free_bytes is not None and not self._explicit:
+            self.budget = int(free_bytes * self.share)
+            logger.info("batch memory budget %d MiB: %.0f%% of the %d MiB free to the warm workers",
+                        self.budget >> 20, 100 * self.share, free_bytes >> 20)
+        if peak_bytes is None:
+            return
+        formula = sum(self.formula(r) for r in requests)
+        if formula < MIN_CALIBRATION_BYTES:
+            return
+        self._ratios.append(peak_bytes / formula)
+        low, high = SCALE_BOUNDS
+        self.scale = min(high, max(low, max(self._ratios) * CALIBRATION_MARGIN))

@@ -18,6 +18,13 @@ and trims (``Platform.trim_memory``: ``malloc_trim(0)`` on CPU, the vendor's
 bound nothing is trimmed, so requests of the usual sizes keep reusing their
 memory (a trim costs the next request its page faults or device
 allocations); above it the trimmed worker is back near its baseline.
+
+The same bookkeeping measures what each execute took: the most the worker
+held during it above the baseline (``Platform.peak_memory_bytes``: the
+resident high-water mark on CPU, the allocator's peak reservation on a
+device), which the engine's memory estimate is calibrated from
+(``engine/memory_estimate.py``), and, once, the memory still free when the
+baseline is taken, of which the default batch budget is a share.
 """
 
 from __future__ import annotations
@@ -53,6 +60,28 @@ class MemoryTrimmer:
         self.baseline: int | None = None
         #: trims done for size (the first execute's is not counted)
         self.trims = 0
+        #: what the platform said was free when the baseline was taken
+        self.free_at_baseline: int | None = None
+
+    def start_execute(self) -> None:
+        """An execute begins: its peak is measured from here."""
+        try:
+            self.platform.reset_peak_memory()
+        except Exception:
+            logger.exception("resetting the memory peak failed")
+
+    def peak_above_baseline(self) -> int | None:
+        """The most held since ``start_execute`` above the warm baseline, in
+        bytes (0 when the execute stayed within it); None before the baseline
+        is taken or where the platform cannot tell."""
+        if self.baseline is None:
+            return None
+        try:
+            peak = self.platform.peak_memory_bytes()
+        except Exception:
+            logger.exception("reading the memory peak failed")
+            return None
+        return None if peak is None else max(0, peak - self.baseline)
 
     def after_execute(self) -> None:
         """Trim when the process holds more than ``trim_bound(baseline)``; the
@@ -66,6 +95,7 @@ class MemoryTrimmer:
             if self.baseline is None:
                 self.platform.trim_memory()
                 self.baseline = self.platform.held_memory_bytes() or held
+                self.free_at_baseline = self.platform.free_memory_bytes()
                 logger.info("warm memory baseline %d MiB (trimmed above %d MiB)",
                             self.baseline >> 20, trim_bound(self.baseline) >> 20)
                 return

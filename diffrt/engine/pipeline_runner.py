@@ -141,15 +141,18 @@ class PipelineRunner:
     def handle(self, request: ExecuteBatch | ExecuteStep | CountStepStates) -> Any:
         match request:
             case ExecuteBatch():
+                self.memory.start_execute()
                 result = self._reporting_encoding(self.execute_batch, request)
-                self.memory.after_execute()
+                self._report_memory(result.reply, trim=True)
                 return result
             case ExecuteStep():
+                self.memory.start_execute()
                 result = self._reporting_encoding(self.execute_step, request)
-                if result.reply.finished or result.reply.errors or request.drop:
-                    # a request left: its memory is free now, not while it runs
-                    # (trimming between its steps would fault it back in each tick)
-                    self.memory.after_execute()
+                # trimmed only when a request left: its memory is free now, not
+                # while it runs (trimming between its steps would fault it back
+                # in each tick)
+                self._report_memory(result.reply, trim=bool(
+                    result.reply.finished or result.reply.errors or request.drop))
                 return result
             case CountStepStates():
                 return StepStateCount(len(self.states))
@@ -183,6 +186,17 @@ class PipelineRunner:
             except Exception:
                 logger.exception("empty_cache failed")
         return describe_error(exc)
+
+    def _report_memory(self, reply: BatchDone | StepDone, *, trim: bool) -> None:
+        """Put in ``reply`` the execute's peak above the warm baseline, then
+        trim if asked (the first trim takes the baseline: its reply also
+        carries the free memory then)."""
+        reply.peak_memory_bytes = self.memory.peak_above_baseline()
+        if trim:
+            first = self.memory.baseline is None
+            self.memory.after_execute()
+            if first:
+                reply.free_memory_bytes = self.memory.free_at_baseline
 
     def _reporting_encoding(self, execute: Any, request: Any) -> RunnerResult:
         """Run ``execute(request)`` and put in its reply the text encoding done

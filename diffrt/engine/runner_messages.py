@@ -61,6 +61,12 @@ class BatchDone(msgspec.Struct, tag="batch_done"):
     #: request id -> text encoder -> tokens it cut from the request's prompts
     #: (only requests encoded in this tick that lost some)
     prompt_tokens_dropped: dict[str, dict[str, int]] = {}
+    #: the most the worker held above its warm baseline during this execute,
+    #: in bytes (None: no baseline yet, or the platform cannot tell)
+    peak_memory_bytes: int | None = None
+    #: the memory free to the worker when it took its warm baseline (only in
+    #: the reply of the execute that took it)
+    free_memory_bytes: int | None = None
 
 
 class StepDone(msgspec.Struct, tag="step_done"):
@@ -76,6 +82,12 @@ class StepDone(msgspec.Struct, tag="step_done"):
     text_encoding: TextEncoderStats | None = None
     #: as ``BatchDone.prompt_tokens_dropped`` (new requests are encoded when prepared)
     prompt_tokens_dropped: dict[str, dict[str, int]] = {}
+    #: the most the worker held above its warm baseline during this execute,
+    #: in bytes (None: no baseline yet, or the platform cannot tell)
+    peak_memory_bytes: int | None = None
+    #: the memory free to the worker when it took its warm baseline (only in
+    #: the reply of the execute that took it)
+    free_memory_bytes: int | None = None
     #: denoise steps this call ran (``ExecuteStep.steps`` or fewer)
     steps_run: int = 1
 

@@ -161,6 +161,31 @@ class TorchAcceleratorPlatform(Platform):
             return None
         return int(reserved(self.selected_device()))
 
+    def reset_peak_memory(self) -> None:
+        reset = getattr(self.device_module(), "reset_peak_memory_stats", None)
+        if callable(reset):
+            reset(self.selected_device())
+
+    def peak_memory_bytes(self) -> int | None:
+        """``torch.<vendor>.max_memory_reserved`` of the selected device since
+        ``reset_peak_memory``; None where the vendor module has no such call."""
+        peak = getattr(self.device_module(), "max_memory_reserved", None)
+        if not callable(peak):
+            return None
+        return int(peak(self.selected_device()))
+
+    def free_memory_bytes(self) -> int | None:
+        """Free device memory (``mem_get_info``) plus the caching allocator's
+        unused reservation (``memory_reserved - memory_allocated``); None where
+        the vendor module lacks one of them."""
+        mod, index = self.device_module(), self.selected_device()
+        info = getattr(mod, "mem_get_info", None)
+        reserved = getattr(mod, "memory_reserved", None)
+        allocated = getattr(mod, "memory_allocated", None)
+        if not (callable(info) and callable(reserved) and callable(allocated)):
+            return None
+        return int(info(index)[0]) + int(reserved(index)) - int(allocated(index))
+
     # -- streams ---------------------------------------------------------------
     def current_stream(self) -> Any:
         """The calling thread's current stream of this family.

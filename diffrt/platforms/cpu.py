@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 #: where the kernel reports this process's sizes, in pages (Linux)
 STATM = "/proc/self/statm"
+STATUS = "/proc/self/status"
+CLEAR_REFS = "/proc/self/clear_refs"
 
 
 @functools.cache
@@ -45,6 +47,28 @@ def resident_bytes(statm: str = STATM) -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def reset_peak_resident(clear_refs: str = CLEAR_REFS) -> None:
+    """Reset the kernel's resident high-water mark of this process (``VmHWM``;
+    writing 5 to ``clear_refs``, Linux 4.0+); nothing where it cannot."""
+    try:
+        with open(clear_refs, "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_resident_bytes(status: str = STATUS) -> int | None:
+    """The resident high-water mark (``VmHWM`` of ``status``); None where there is none."""
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def available_host_bytes(meminfo: str = "/proc/meminfo") -> int | None:
@@ -112,6 +136,18 @@ class CpuPlatform(Platform):
     def held_memory_bytes(self) -> int | None:
         """The resident set (``/proc/self/statm``); None off Linux."""
         return resident_bytes()
+
+    def reset_peak_memory(self) -> None:
+        reset_peak_resident()
+
+    def peak_memory_bytes(self) -> int | None:
+        """The resident set's high-water mark since ``reset_peak_memory``
+        (``VmHWM``); None off Linux."""
+        return peak_resident_bytes()
+
+    def free_memory_bytes(self) -> int | None:
+        """The host's ``MemAvailable``; None off Linux."""
+        return available_host_bytes()
 
     def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)

@@ -136,6 +136,24 @@ class Platform:
         (callers then never trim for size)."""
         return None
 
+    def reset_peak_memory(self) -> None:
+        """Start a new measure for ``peak_memory_bytes`` (before an execute)."""
+
+    def peak_memory_bytes(self) -> int | None:
+        """The most this process held, as ``held_memory_bytes`` counts it,
+        since ``reset_peak_memory``: what one execute's activations took, the
+        figure the engine calibrates its memory estimate from. None where the
+        platform cannot tell."""
+        return None
+
+    def free_memory_bytes(self) -> int | None:
+        """The memory this process could still take, in bytes: the host's
+        available memory on CPU; on a device, what is free on it plus what its
+        caching allocator holds unused. The engine's default batch memory
+        budget is a share of it, read once the model is loaded and warm.
+        None where the platform cannot tell."""
+        return None
+
     # -- streams ---------------------------------------------------------------
     def current_stream(self) -> Any:
         raise PlatformFeatureError(self.name, "current_stream")

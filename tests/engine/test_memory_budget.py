@@ -9,8 +9,13 @@ from sched_helpers import all_done, req
 
 from diffrt.engine import DiffusionRequest, EngineConfig, SamplingParams
 from diffrt.engine.memory_estimate import (
+    CALIBRATION_MARGIN,
+    CALIBRATION_WINDOW,
     DECODE_BYTES_PER_PIXEL,
     LINEAR_WIDTHS,
+    MIN_CALIBRATION_BYTES,
+    SCALE_BOUNDS,
+    MemoryModel,
     default_batch_memory_budget,
     peak_activation_bytes,
     value_bytes,
@@ -20,14 +25,18 @@ from diffrt.engine.sched import RequestScheduler, StepScheduler, make_policy
 from diffrt.platforms.cpu import CpuPlatform, available_host_bytes
 
 
-def by_size(request: DiffusionRequest) -> int:
+class BySize:
     """A request's memory in the tests: its side (64 -> 64 bytes)."""
-    return request.sampling_params.height
+
+    def __init__(self, budget: int | None):
+        self.budget = budget
+
+    def estimate(self, request: DiffusionRequest) -> int:
+        return request.sampling_params.height
 
 
 def request_scheduler(budget: int | None, **kw) -> RequestScheduler:
-    return RequestScheduler(4, memory=by_size, memory_budget=budget,
-                            key=lambda r: (), **kw)
+    return RequestScheduler(4, memory=BySize(budget), key=lambda r: (), **kw)
 
 
 def test_a_wave_over_the_budget_is_split_in_arrival_order():
@@ -63,7 +72,7 @@ def test_no_budget_batches_as_before():
 
 
 def test_a_step_batch_joiner_over_the_budget_waits_until_a_request_leaves():
-    s = StepScheduler(4, make_policy("fifo"), memory=by_size, memory_budget=150,
+    s = StepScheduler(4, make_policy("fifo"), memory=BySize(150),
                       key=lambda r: ())
     s.add_request(req("long", size=96, steps=3), now=0.0)
     out = s.schedule(now=0.0)
@@ -83,7 +92,7 @@ def test_a_step_batch_joiner_over_the_budget_waits_until_a_request_leaves():
 def test_a_small_request_does_not_pass_one_that_waits_for_memory():
     """The budget keeps a prefix of what the policy chose: a small request
     behind a large one that waits for memory waits too (no starvation)."""
-    s = StepScheduler(4, make_policy("skip_ahead"), memory=by_size, memory_budget=150,
+    s = StepScheduler(4, make_policy("skip_ahead"), memory=BySize(150),
                       key=lambda r: ())
     s.add_request(req("running", size=96, steps=3), now=0.0)
     out = s.schedule(now=0.0)
@@ -144,3 +153,68 @@ def test_the_setting_is_a_positive_number_of_bytes_or_none(value):
     assert EngineConfig(max_batch_memory_bytes=None).scheduling.max_batch_memory_bytes is None
     with pytest.raises(EngineConfigError, match="max_batch_memory_bytes"):
         EngineConfig(max_batch_memory_bytes=value)
+
+
+# -- calibration ------------------------------------------------------------------------
+def large(side: int = 512, n: int = 4) -> DiffusionRequest:
+    return DiffusionRequest("x", SamplingParams(
+        height=side, width=side, num_outputs_per_prompt=n, num_inference_steps=1,
+        guidance_scale=1.0, true_cfg_scale=1.0))
+
+
+def test_the_estimate_follows_the_largest_measured_peak():
+    model = MemoryModel(resolve_model_spec("tiny-flux"))
+    request = large()
+    formula = model.formula(request)
+    assert model.estimate(request) == formula  # nothing measured: the formula
+    model.observe([request], peak_bytes=formula // 2)
+    assert model.estimate(request) == int(formula * 0.5 * CALIBRATION_MARGIN)
+    model.observe([request, request], peak_bytes=formula * 3 // 2)  # 0.75 of two
+    model.observe([request], peak_bytes=formula // 4)
+    assert model.scale == pytest.approx(0.75 * CALIBRATION_MARGIN)  # the largest ratio
+    for _ in range(CALIBRATION_WINDOW):  # ... of the latest CALIBRATION_WINDOW
+        model.observe([request], peak_bytes=formula // 2)
+    assert model.scale == pytest.approx(0.5 * CALIBRATION_MARGIN)
+
+
+def test_small_executes_and_unmeasured_ones_calibrate_nothing():
+    model = MemoryModel(resolve_model_spec("tiny-flux"))
+    small = large(side=64, n=1)
+    assert model.formula(small) < MIN_CALIBRATION_BYTES
+    model.observe([small], peak_bytes=100 * model.formula(small))  # scratch, not scale
+    model.observe([large()], peak_bytes=None)
+    assert model.scale == 1.0
+
+
+def test_the_scale_stays_within_its_bounds():
+    model = MemoryModel(resolve_model_spec("tiny-flux"))
+    model.observe([large()], peak_bytes=0)
+    assert model.scale == SCALE_BOUNDS[0]
+    model.observe([large()], peak_bytes=100 * model.formula(large()))
+    assert model.scale == SCALE_BOUNDS[1]
+
+
+def test_the_default_budget_is_a_share_of_what_the_warm_workers_report_free():
+    spec = resolve_model_spec("tiny-flux")
+    model = MemoryModel(spec, budget=123, share=0.8)
+    model.observe([], peak_bytes=None, free_bytes=1000)
+    assert model.budget == 800
+    explicit = MemoryModel(spec, budget=123, explicit=True)
+    explicit.observe([], peak_bytes=None, free_bytes=1000)
+    assert explicit.budget == 123  # max_batch_memory_bytes is never replaced
+
+
+def test_a_cpu_platform_measures_an_execute_peak():
+    platform = CpuPlatform()
+    if platform.peak_memory_bytes() is None:
+        pytest.skip("no VmHWM: not Linux")
+    platform.reset_peak_memory()
+    before = platform.peak_memory_bytes()
+    block = bytearray(256 << 20)
+    block[::4096] = b"\1" * len(block[::4096])  # touch every page
+    del block
+    after = platform.peak_memory_bytes()
+    assert after - before >= 250 << 20
+    platform.reset_peak_memory()
+    assert platform.peak_memory_bytes() < after - (200 << 20)
+    assert platform.free_memory_bytes() == pytest.approx(available_host_bytes(), rel=0.2)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 from diffrt.engine.memory_trim import TRIM_SLACK_BYTES, MemoryTrimmer, trim_bound
-from diffrt.platforms.cpu import CpuPlatform
+from diffrt.platforms.cpu import CpuPlatform, available_host_bytes
 from diffrt.platforms.interface import Platform
 
 MiB = 1 << 20
@@ -107,17 +108,38 @@ def worker_rss(engine: DiffusionEngine) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def rss_after_large_request(plugins: tuple[str, ...]) -> tuple[int, int]:
-    """(the worker's resident bytes after warm-up, after one LARGE request)."""
+def worker_peak(engine: DiffusionEngine) -> int:
+    """The worker's resident high-water mark (``VmHWM``), which it resets as
+    each execute starts: the peak of its last execute."""
+    [pid] = engine._core.executor.worker_pids
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+@dataclass
+class LargeRun:
+    warm: int  # the worker's resident bytes after warm-up
+    after: int  # ... after one LARGE request
+    peak: int  # its high-water mark during that request
+    budget_at_start: int | None  # the batch budget once warm
+    formula: int  # the memory formula's estimate of LARGE
+    estimate: int  # the calibrated estimate, after LARGE ran
+
+
+def large_run(plugins: tuple[str, ...]) -> LargeRun:
     path = os.pathsep.join(p for p in (str(TESTS_ENGINE), os.environ.get("PYTHONPATH")) if p)
     config = EngineConfig(model="tiny-flux", max_request_seconds=None, plugin_modules=plugins,
-                          worker_env={"PYTHONPATH": path})
+                          worker_env={"PYTHONPATH": path}, max_num_seqs=2)
     with DiffusionEngine.make_engine(config) as engine:
-        warm = worker_rss(engine)
-        out = engine.generate(DiffusionRequest("a large one", LARGE), timeout=300)
+        warm, budget = worker_rss(engine), engine.memory.budget
+        request = DiffusionRequest("a large one", LARGE)
+        out = engine.generate(request, timeout=300)
         assert out.ok, out.error
+        peak = worker_peak(engine)
         time.sleep(0.2)  # the trim follows the reply
-        return warm, worker_rss(engine)
+        filled_in = engine.spec.with_defaults(request)
+        return LargeRun(warm, worker_rss(engine), peak, budget,
+                        engine.memory.formula(filled_in), engine.memory.estimate(filled_in))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="RSS from /proc (Linux)")
@@ -130,16 +152,27 @@ def test_a_cpu_worker_comes_back_near_its_warm_baseline(trimmed):
     # the engine imports plugin_modules here too: undo the plugin's patch after
     kept = {cls: cls.__dict__["trim_memory"] for cls in (Platform, CpuPlatform)}
     try:
-        warm, after = rss_after_large_request(plugins)
+        run = large_run(plugins)
     finally:
         for cls, method in kept.items():
             cls.trim_memory = method  # type: ignore[method-assign]
+    warm, after = run.warm, run.after
     print(f"worker RSS: warm {warm / MiB:.0f} MiB, after the large request "
-          f"{after / MiB:.0f} MiB, bound {trim_bound(warm) / MiB:.0f} MiB")
+          f"{after / MiB:.0f} MiB, bound {trim_bound(warm) / MiB:.0f} MiB; its peak "
+          f"{(run.peak - warm) / MiB:.0f} MiB above warm, estimated {run.formula / MiB:.0f} MiB "
+          f"by the formula, {run.estimate / MiB:.0f} MiB calibrated")
     if trimmed:
         assert after <= trim_bound(warm)
     else:
         assert after > trim_bound(warm) + TRIM_SLACK_BYTES
+    # the estimate follows the measured peak: the worker's reply carried it
+    assert run.estimate != run.formula
+    measured = run.peak - warm
+    assert 1.0 * measured <= run.estimate <= 1.25 * measured
+    # the budget is half of what the warm worker found free on the host
+    available = available_host_bytes()
+    assert run.budget_at_start is not None and available is not None
+    assert 0.2 * available <= run.budget_at_start <= 0.8 * available
 
 
 def test_the_no_trim_plugin_is_undone_in_this_process():

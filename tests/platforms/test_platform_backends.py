@@ -314,6 +314,38 @@ def test_trim_memory_and_what_a_platform_holds():
     assert platform.held_memory_bytes() is None
 
 
+def test_an_accelerator_measures_peaks_and_free_memory_on_its_selected_device():
+    """The peak is the allocator's peak reservation since the reset; free is
+    the device's free memory plus what the allocator holds unused. A module
+    without the calls cannot tell."""
+    from types import SimpleNamespace
+
+    calls: list[object] = []
+    platform = _fake_accelerator(SimpleNamespace(
+        reset_peak_memory_stats=lambda i: calls.append(("reset", i)),
+        max_memory_reserved=lambda i: 9 << 20, mem_get_info=lambda i: (100 << 20, 800 << 20),
+        memory_reserved=lambda i: 30 << 20, memory_allocated=lambda i: 20 << 20,
+        current_device=lambda: 0))
+    platform._device_index = 2
+    platform.reset_peak_memory()
+    assert calls == [("reset", 2)]
+    assert platform.peak_memory_bytes() == 9 << 20
+    assert platform.free_memory_bytes() == 110 << 20
+    platform.module = SimpleNamespace(current_device=lambda: 0, mem_get_info=lambda i: (1, 2))
+    platform.reset_peak_memory()  # nothing to reset: no error
+    assert platform.peak_memory_bytes() is None and platform.free_memory_bytes() is None
+
+
+def test_the_cpu_platform_reads_its_resident_peak(tmp_path):
+    from diffrt.platforms.cpu import peak_resident_bytes, reset_peak_resident
+
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  4096 kB\nVmRSS:\t  2048 kB\n")
+    assert peak_resident_bytes(str(status)) == 4096 * 1024
+    assert peak_resident_bytes(str(tmp_path / "none")) is None
+    reset_peak_resident(str(tmp_path / "no-dir" / "clear_refs"))  # cannot: nothing raised
+
+
 def test_the_cpu_platform_trims_the_c_heap_and_reads_its_resident_set(tmp_path):
     import os
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sched.interface import AbortOutcome, Finished, Scheduler
+from diffrt.engine.sched.interface import AbortOutcome, BatchMemory, Finished, Scheduler
 from diffrt.engine.sched.policy import AdmissionPolicy, FifoPolicy
 
 #: the automatic window: this share of the recent requests' run time ...
@@ -34,8 +34,8 @@ class BaseScheduler(Scheduler):
     gathers into one batch instead of alternating a batch of one with a batch
     of the rest. Nothing is held before the first request finished.
 
-    ``memory`` and ``memory_budget`` bound a batch's estimated peak memory
-    (``engine.memory_estimate``, ``max_batch_memory_bytes``): of the requests
+    ``memory`` bounds a batch's estimated peak memory (a ``BatchMemory``:
+    ``engine.memory_estimate.MemoryModel``, ``max_batch_memory_bytes``): of the requests
     the policy admits, in its order, those that would push the batch (the
     running requests and those admitted before them) over the budget stay
     waiting, in their place, for a later tick. The first request of an empty
@@ -45,8 +45,7 @@ class BaseScheduler(Scheduler):
     def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
                  max_wait_s: float | None = 0.0, stable_s: float | None = None,
                  key: Callable[[DiffusionRequest], tuple] | None = None,
-                 memory: Callable[[DiffusionRequest], int] | None = None,
-                 memory_budget: int | None = None):
+                 memory: BatchMemory | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_wait_s is not None and max_wait_s < 0:
@@ -55,8 +54,7 @@ class BaseScheduler(Scheduler):
         #: the compatibility key (the pipeline's; by default the parameters' own)
         self._key = key
         self.policy = policy or FifoPolicy()
-        self._memory = memory
-        self.memory_budget = memory_budget
+        self.memory = memory
         self.auto_window = max_wait_s is None
         self._fixed_stable_s = stable_s
         self._run_s_ema: float | None = None
@@ -177,19 +175,20 @@ class BaseScheduler(Scheduler):
 
     def batch_memory(self) -> int:
         """The running requests' estimated peak memory, in bytes (0 without an estimate)."""
-        memory = self._memory
-        return sum(memory(r.request) for r in self._running) if memory is not None else 0
+        memory = self.memory
+        return sum(memory.estimate(r.request) for r in self._running) if memory else 0
 
     def _within_budget(self, chosen: list[RequestRecord]) -> list[RequestRecord]:
-        """The prefix of ``chosen`` that keeps the batch within ``memory_budget``
-        (the rest waits); never empty when nothing runs and ``chosen`` is not."""
-        memory, budget = self._memory, self.memory_budget
+        """The prefix of ``chosen`` that keeps the batch within the memory
+        budget (the rest waits); never empty when nothing runs and ``chosen`` is not."""
+        memory = self.memory
+        budget = memory.budget if memory is not None else None
         if memory is None or budget is None or not chosen:
             return chosen
         used = self.batch_memory()
         kept: list[RequestRecord] = []
         for record in chosen:
-            need = memory(record.request)
+            need = memory.estimate(record.request)
             if used + need > budget and (self._running or kept):
                 break
             kept.append(record)

@@ -6,9 +6,20 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
+
+
+class BatchMemory(Protocol):
+    """What a scheduler needs to keep a batch's memory bounded: a request's
+    estimated peak, in bytes, and the budget of a batch (None: unbounded).
+    The engine's is ``engine.memory_estimate.MemoryModel``."""
+
+    budget: int | None
+
+    def estimate(self, request: DiffusionRequest) -> int: ...
 
 
 @dataclass

@@ -26,6 +26,7 @@ from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sched.base import BaseScheduler
 from diffrt.engine.sched.interface import (
+    BatchMemory,
     ExecutionResult,
     Progress,
     SchedulerOutput,
@@ -39,10 +40,9 @@ class StepScheduler(BaseScheduler):
                  max_wait_s: float | None = 0.0, stable_s: float | None = None,
                  key: Callable[[DiffusionRequest], tuple] | None = None,
                  max_steps_per_tick: int = 1,
-                 memory: Callable[[DiffusionRequest], int] | None = None,
-                 memory_budget: int | None = None):
+                 memory: BatchMemory | None = None):
         super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key,
-                         memory=memory, memory_budget=memory_budget)
+                         memory=memory)
         if max_steps_per_tick < 1:
             raise ValueError(f"max_steps_per_tick must be >= 1, got {max_steps_per_tick}")
         self.max_steps_per_tick = max_steps_per_tick
