@@ -172,11 +172,26 @@ class DiffusionEngine:
         if self.mode is EngineMode.STEP_BATCH:
             return StepScheduler(c.max_num_seqs, policy,
                                  max_wait_s=_seconds(c.step_batch_max_wait_ms),
-                                 key=self.spec.step_batch_key,
+                                 key=self._step_batch_key(),
                                  max_steps_per_tick=c.max_steps_per_tick, memory=self.memory)
         wait_ms = c.request_batch_max_wait_ms if self.spec.supports_request_batch else 0.0
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
                                 key=self.spec.request_batch_key, memory=self.memory)
+
+    def _step_batch_key(self) -> Callable[[DiffusionRequest], tuple]:
+        """Sizes share a step when the setting, the model and the split allow
+        (``mixed_size_batching``; a sequence-parallel split shards one size's
+        tokens, so there the size stays in the key)."""
+        spec = self.spec
+        if not (self.config.scheduling.mixed_size_batching and spec.mixed_sizes):
+            return spec.step_batch_key
+        p = self.config.parallel
+        if p.ulysses_degree * p.ring_degree > 1:
+            logger.info("mixed_size_batching: off with ulysses_degree=%d ring_degree=%d "
+                        "(a sequence split needs one size per step)",
+                        p.ulysses_degree, p.ring_degree)
+            return spec.step_batch_key
+        return spec.mixed_step_batch_key
 
     def _memory_model(self) -> MemoryModel | None:
         """A request's estimated peak memory and the batch budget

@@ -90,6 +90,10 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_steps_per_tick: Annotated[int, Meta(ge=1, description=(
         "STEP_BATCH: denoise steps one worker call may run while no request waits to join "
         "(a request arriving meanwhile waits at most this many steps); 1: one per call"))] = 4
+    mixed_size_batching: Annotated[bool, Meta(description=(
+        "STEP_BATCH: requests of different sizes, output counts and output types share a "
+        "denoise step (a model whose spec has mixed_sizes; not with ulysses/ring); False: "
+        "only requests of one size do"))] = True
     scheduling_policy: Annotated[Policy, Meta(description=(
         "fifo (strict arrival order, head-of-line blocking) or skip_ahead (compatible "
         "younger requests may pass an incompatible one, at most scheduling_max_bypass "
@@ -100,8 +104,8 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
         "the estimated peak activation memory (engine.memory_estimate) the requests of one "
         "batch may take together, in bytes; a request that would push a batch over it waits "
         "for a later tick (a request alone always runs, nothing is refused for it); None: "
-        "on CPU half the host's available memory when the engine starts, on a device no "
-        "budget"))] = None
+        "a share of the memory the warm workers report free: half the host's available "
+        "memory on CPU, 80% of a device's free memory"))] = None
 
 
 class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True):

@@ -40,6 +40,7 @@ from diffrt.engine.pipelines.interface import (
     StepRequestState,
 )
 from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder, cat_rows
+from diffrt.engine.pipelines.segments import RowLayout, pad_tokens
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams, filled, random_seed
 
@@ -254,10 +255,24 @@ class FlowMatchPipeline(DiffusionPipeline):
         embeds: torch.Tensor,
         extra: torch.Tensor,
         guidance: torch.Tensor,
-        params: SamplingParams,
+        layout: RowLayout,
     ) -> torch.Tensor:
-        """One transformer call over rows; `timesteps` and `guidance` are per row."""
+        """One transformer call over rows; `timesteps` and `guidance` are per
+        row, ``layout`` says each row's image size. A family that takes rows
+        of different sizes in one call (``ModelSpec.mixed_sizes``) gets them
+        zero-padded to the longest row (``segments``)."""
         raise NotImplementedError
+
+    def image_tokens(self, size: tuple[int, int]) -> int:
+        """The transformer's image tokens for latents of ``size`` (h, w)."""
+        h, w = size
+        return h * w
+
+    def row_layout(self, params: SamplingParams, rows: int | None = None) -> RowLayout:
+        """The layout of ``rows`` rows (default: one per output) of one request."""
+        size = self.latent_size(params)
+        return RowLayout.uniform_rows(size, self.image_tokens(size),
+                                      params.num_outputs_per_prompt if rows is None else rows)
 
     # -- stages (shared by both execution modes) -----------------------------------
     def encode_prompt(self, request: DiffusionRequest) -> Conditioning:
@@ -332,7 +347,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         timesteps: torch.Tensor,
         cond: Conditioning,
         guidance: torch.Tensor,
-        params: SamplingParams,
+        layout: RowLayout,
         cfg_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Transformer call with CFG combined per row (uncond + s * (cond - uncond),
@@ -344,10 +359,11 @@ class FlowMatchPipeline(DiffusionPipeline):
                 rows = latents.shape[0]
                 mine = rows_here(rows, self.cfg_parallel_group)
                 pred = self.transformer_forward(latents[mine], timesteps[mine], cond.embeds[mine],
-                                                cond.extra[mine], guidance[mine], params)
+                                                cond.extra[mine], guidance[mine],
+                                                layout.rows(mine))
                 return gather_rows(pred, rows, self.cfg_parallel_group)
             return self.transformer_forward(
-                latents, timesteps, cond.embeds, cond.extra, guidance, params
+                latents, timesteps, cond.embeds, cond.extra, guidance, layout
             )
         neg_embeds, neg_extra = cond.neg_embeds, cond.neg_extra
         assert neg_extra is not None  # the negative prompt's two outputs come together
@@ -358,7 +374,7 @@ class FlowMatchPipeline(DiffusionPipeline):
             conditional = cfg_branch(self.cfg_parallel_group)
             pred = self.transformer_forward(
                 latents, timesteps, cond.embeds if conditional else neg_embeds,
-                cond.extra if conditional else neg_extra, guidance, params)
+                cond.extra if conditional else neg_extra, guidance, layout)
             return self.combine_guidance(*gather_branches(pred, self.cfg_parallel_group), scale)
         pred = self.transformer_forward(
             torch.cat([latents, latents]),
@@ -366,7 +382,7 @@ class FlowMatchPipeline(DiffusionPipeline):
             cat_rows([neg_embeds, cond.embeds]),
             cat_rows([neg_extra, cond.extra]),
             torch.cat([guidance, guidance]),
-            params,
+            layout + layout,
         )
         uncond, text = pred.chunk(2)
         return self.combine_guidance(text, uncond, scale)
@@ -425,9 +441,10 @@ class FlowMatchPipeline(DiffusionPipeline):
         guidance = torch.cat([self._guidance_rows(r.sampling_params) for r in batch.requests])
         scales = torch.cat([self._cfg_rows(r.sampling_params) for r in batch.requests])
         noise_scheduler, timesteps = self.prepare_timesteps(params)
+        layout = self.row_layout(params, latents.shape[0])
         for t in timesteps:
             pred = self.guided_prediction(
-                latents, t.expand(latents.shape[0]), cond, guidance, params, scales
+                latents, t.expand(latents.shape[0]), cond, guidance, layout, scales
             )
             latents = noise_scheduler.step(pred, t, latents, return_dict=False)[0]
             self.report_step()
@@ -464,16 +481,34 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     @torch.no_grad()
     def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
-        params = states[0].request.sampling_params
-        _check_compatible([s.request for s in states], self.spec.step_batch_key)
-        latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
+        """One transformer call for every row of ``states``; rows of different
+        sizes (``ModelSpec.mixed_sizes``) zero-padded to the longest
+        (``segments``), their predictions cut back by ``split_predictions``."""
+        _check_compatible([s.request for s in states], self.spec.mixed_step_batch_key
+                          if self.spec.mixed_sizes else self.spec.step_batch_key)
+        layout = RowLayout((), ())
+        for s in states:
+            layout = layout + self.row_layout(s.request.sampling_params)
+        if layout.uniform:
+            latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
+        else:
+            latents = pad_tokens([s.latents for s in states], layout.longest)  # type: ignore[misc]
         timesteps = torch.cat(
             [s.timesteps[s.step].expand(s.latents.shape[0]) for s in states]  # type: ignore[index,union-attr]
         )
         cond = Conditioning.cat([s.extra["cond"] for s in states])
         guidance = torch.cat([s.extra["guidance"] for s in states])
         scales = torch.cat([s.extra["cfg_scale"] for s in states])
-        return self.guided_prediction(latents, timesteps, cond, guidance, params, scales)
+        return self.guided_prediction(latents, timesteps, cond, guidance, layout, scales)
+
+    def split_predictions(self, noise_pred: torch.Tensor,
+                          states: list[StepRequestState]) -> list[torch.Tensor]:
+        """Each state's rows, cut back to its own tokens (a padded call's rows
+        are as long as the longest)."""
+        parts = super().split_predictions(noise_pred, states)
+        return [part if part.shape == s.latents.shape  # type: ignore[union-attr]
+                else part[:, :s.latents.shape[1]]  # type: ignore[union-attr]
+                for part, s in zip(parts, states, strict=True)]
 
     @torch.no_grad()
     def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
@@ -506,7 +541,19 @@ class FlowMatchPipeline(DiffusionPipeline):
         """One VAE decode for requests finishing in the same tick (as forward does)."""
         if len(states) == 1:
             return [self.post_decode(states[0])]
-        params = states[0].request.sampling_params
-        latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
-        parts = self.finish(latents, params).split(params.num_outputs_per_prompt, dim=0)
-        return [p.clone() for p in parts]  # each request's tensor owns its storage
+        groups: dict[tuple, list[int]] = {}  # decoded together: same size and output
+        for i, s in enumerate(states):
+            params = s.request.sampling_params
+            groups.setdefault((self.latent_size(params), params.output_type), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(states)
+        for members in groups.values():
+            if len(members) == 1:
+                out[members[0]] = self.post_decode(states[members[0]])
+                continue
+            params = states[members[0]].request.sampling_params
+            latents = torch.cat([states[i].latents for i in members])  # type: ignore[misc]
+            parts = self.finish(latents, params).split(
+                [states[i].request.sampling_params.num_outputs_per_prompt for i in members])
+            for i, part in zip(members, parts, strict=True):
+                out[i] = part.clone()  # each request's tensor owns its storage
+        return out  # type: ignore[return-value]

@@ -15,6 +15,7 @@ import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.folder_text import PromptWindow
+from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.sampling import SamplingParams
 
 
@@ -64,8 +65,13 @@ class FluxPipeline(FlowMatchPipeline):
         latents = latents.view(n, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
         return latents.reshape(n, d // 4, h, w)
 
-    def image_ids(self, params: SamplingParams) -> torch.Tensor:
-        h, w = (side // 2 for side in self.latent_size(params))
+    def image_tokens(self, size: tuple[int, int]) -> int:
+        """2 x 2 latent patches a token."""
+        return (size[0] // 2) * (size[1] // 2)
+
+    def image_ids(self, size: tuple[int, int]) -> torch.Tensor:
+        """Flux's (row, column) positions of the packed tokens of latents of ``size``."""
+        h, w = (side // 2 for side in size)
         ids = torch.zeros(h, w, 3)
         ids[..., 1] += torch.arange(h)[:, None]
         ids[..., 2] += torch.arange(w)[None, :]
@@ -95,13 +101,26 @@ class FluxPipeline(FlowMatchPipeline):
         embeds: torch.Tensor,
         pooled: torch.Tensor,
         guidance: torch.Tensor,
-        params: SamplingParams,
+        layout: RowLayout,
     ) -> torch.Tensor:
         # Guidance-distilled checkpoints (guidance_embeds=True) take the scale as
         # an input; others ignore it (true CFG is true_cfg_scale's business).
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
-        img_ids = self.image_ids(params)
+        # as FluxPipeline: cast to the model dtype first, then scale (in bf16
+        # the other order rounds differently)
+        timestep = timesteps.to(latents.dtype) / 1000
+        if not layout.uniform:  # rows of several sizes: a rotary table per row
+            from diffrt.engine.pipelines.flux.mixed import forward_rows, row_rotary
+
+            ids = {size: self.image_ids(size) for size in set(layout.sizes)}
+            rotary = row_rotary(self.transformer, txt_ids, [ids[size] for size in layout.sizes],
+                                layout.longest)
+            return forward_rows(
+                self.transformer, hidden_states=latents, encoder_hidden_states=embeds,
+                pooled_projections=pooled, timestep=timestep, guidance=embedded, rotary=rotary,
+                attention_mask=layout.key_mask(embeds.shape[1], latents.device))  # type: ignore[arg-type]
+        img_ids = self.image_ids(layout.sizes[0])
         sequence = self._sequence_split
         if sequence is not None and sequence.begin(latents.shape[1]):  # this rank's image tokens
             latents, img_ids = sequence.shard(latents, 1), sequence.shard(img_ids, 0)
@@ -110,9 +129,7 @@ class FluxPipeline(FlowMatchPipeline):
             hidden_states=latents,
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
-            # as FluxPipeline: cast to the model dtype first, then scale (in bf16
-            # the other order rounds differently)
-            timestep=timesteps.to(latents.dtype) / 1000,
+            timestep=timestep,
             img_ids=img_ids,
             txt_ids=txt_ids,
             guidance=embedded,

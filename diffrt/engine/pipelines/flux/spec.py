@@ -37,7 +37,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         defaults=SamplingDefaults(height=size, width=size, num_inference_steps=28,
                                   guidance_scale=3.5),
         cfg_rule=CfgRule.TRUE_CFG_AND_NEGATIVE,
-        supports_request_batch=True, supports_step_execution=True,
+        supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
         parallel=sequence_parallel_support(folder, "AutoencoderKL"),
         lora_target_modules=LORA_TARGET_MODULES,
         transformer_width=attention_width(folder),

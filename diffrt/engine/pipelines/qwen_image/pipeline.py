@@ -27,6 +27,7 @@ import torch
 from diffrt.engine.pipelines.flow_match_spec import qwen_vae_factor
 from diffrt.engine.pipelines.flux.pipeline import FluxPipeline
 from diffrt.engine.pipelines.folder_text import PromptWindow
+from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.sampling import SamplingParams
 
 
@@ -77,10 +78,9 @@ class QwenImagePipeline(FluxPipeline):
         cond_norm = torch.norm(cond, dim=-1, keepdim=True)
         return combined * (cond_norm / torch.norm(combined, dim=-1, keepdim=True))
 
-    def image_shapes(self, params: SamplingParams, rows: int) -> list[list[tuple[int, int, int]]]:
-        """The transformer's rotary embedding input: one frame of packed tokens."""
-        h, w = (side // 2 for side in self.latent_size(params))
-        return [[(1, h, w)]] * rows
+    def image_shapes(self, layout: RowLayout) -> list[list[tuple[int, int, int]]]:
+        """The transformer's rotary embedding input: one frame of packed tokens a row."""
+        return [[(1, h // 2, w // 2)] for h, w in layout.sizes]
 
     def transformer_forward(
         self,
@@ -89,7 +89,7 @@ class QwenImagePipeline(FluxPipeline):
         embeds: torch.Tensor,
         extra: torch.Tensor,
         guidance: torch.Tensor,
-        params: SamplingParams,
+        layout: RowLayout,
     ) -> torch.Tensor:
         mask = extra.to(torch.bool)
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
@@ -106,7 +106,7 @@ class QwenImagePipeline(FluxPipeline):
             guidance=embedded,
             encoder_hidden_states_mask=None if mask.all() else mask,
             encoder_hidden_states=embeds,
-            img_shapes=self.image_shapes(params, latents.shape[0]),
+            img_shapes=self.image_shapes(layout),
             return_dict=False,
         )[0]
         return out

@@ -12,6 +12,7 @@ import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.folder_text import PromptWindow
+from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.sampling import SamplingParams
 
 
@@ -60,7 +61,7 @@ class SD3Pipeline(FlowMatchPipeline):
         embeds: torch.Tensor,
         pooled: torch.Tensor,
         guidance: torch.Tensor,
-        params: SamplingParams,
+        layout: RowLayout,
     ) -> torch.Tensor:
         return self.transformer(
             hidden_states=latents,

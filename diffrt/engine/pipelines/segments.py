@@ -1,0 +1,74 @@
+"""The rows of one transformer call, and how rows of different sizes share it.
+
+A *row* is one image's pass through the transformer: a request has
+``num_outputs_per_prompt`` rows, and twice that while classifier-free
+guidance runs both branches in one call (``ModelSpec.rows`` counts the same).
+A request's *segment* is its rows in a call together with the token range
+each of them fills: ``[0, tokens)`` of the call's sequence, where ``tokens``
+is its image's token count (text tokens come first and are the same for
+every row of a family with fixed-length prompts). The later per-request
+capabilities (adapters, caches) index a call by segment.
+
+Rows of different image sizes share a call by padding: every row's image
+tokens are zero-padded at the end to the call's longest row, and attention
+masks the padding out as keys (``RowLayout.key_mask``). What a padded query
+computes is never read: each segment's prediction is cut back to its own
+tokens (``FlowMatchPipeline.split_predictions``). Each row keeps its own
+positions (the family builds them per size) and its own modulation (the
+timestep and guidance embeddings are per row already).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """The image of each row of one transformer call: its latent (height,
+    width) and image tokens, in row order."""
+
+    sizes: tuple[tuple[int, int], ...]
+    tokens: tuple[int, ...]
+
+    @staticmethod
+    def uniform_rows(size: tuple[int, int], tokens: int, rows: int) -> RowLayout:
+        return RowLayout((size,) * rows, (tokens,) * rows)
+
+    @property
+    def uniform(self) -> bool:
+        """Every row has the same size (no padding, no mask)."""
+        return len(set(self.sizes)) <= 1
+
+    @property
+    def longest(self) -> int:
+        return max(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __add__(self, other: RowLayout) -> RowLayout:
+        return RowLayout(self.sizes + other.sizes, self.tokens + other.tokens)
+
+    def rows(self, index: slice) -> RowLayout:
+        """The layout of the rows ``index`` selects (a CFG-parallel rank's share)."""
+        return RowLayout(self.sizes[index], self.tokens[index])
+
+    def key_mask(self, text_tokens: int, device: torch.device) -> torch.Tensor | None:
+        """(rows, text_tokens + longest) booleans, True where a key is a real
+        token (text first, then the row's image tokens); None when uniform."""
+        if self.uniform:
+            return None
+        image = torch.arange(self.longest, device=device)[None, :] < torch.tensor(
+            self.tokens, device=device)[:, None]
+        text = torch.ones(len(self), text_tokens, dtype=torch.bool, device=device)
+        return torch.cat([text, image], dim=1)
+
+
+def pad_tokens(parts: list[torch.Tensor], longest: int) -> torch.Tensor:
+    """Row groups of (rows, tokens, channels) in one (rows, longest, channels)
+    tensor, each zero-padded at the end of its tokens."""
+    return torch.cat([part if part.shape[1] == longest else torch.nn.functional.pad(
+        part, (0, 0, 0, longest - part.shape[1])) for part in parts])
