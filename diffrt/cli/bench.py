@@ -152,12 +152,26 @@ def _run_config(engine: Any, label: str, opts: dict[str, Any], args: argparse.Na
     # Prompts of their own per configuration: configurations sharing an engine
     # would otherwise find the previous one's prompts in the prompt cache.
     requests = _requests(opts, opts["num_requests"], args.seed, f"{label} measured")
-    before = engine.stats().text_encoding
+    before = engine.stats()
     with tw.window(label):  # the trace shows the measured requests only
         samples, wall = drive(EngineTarget(engine), requests, concurrency=opts["concurrency"],
                               rate=opts["request_rate"], seed=args.seed)
+    after = engine.stats()
     return {**summarize(samples, wall),
-            **text_encoding_summary(engine.stats().text_encoding - before, len(requests))}
+            **text_encoding_summary(after.text_encoding - before.text_encoding, len(requests)),
+            **step_batch_summary(before, after)}
+
+
+def step_batch_summary(before: Any, after: Any) -> dict[str, float | None]:
+    """Mean rows and tokens per denoise step between two stats snapshots
+    (None in REQUEST_BATCH, which does not count them)."""
+    def mean(field: str) -> float | None:
+        b, a = getattr(before, field), getattr(after, field)
+        steps = a.count - b.count
+        return (a.sum - b.sum) / steps if steps else None
+
+    return {"step_rows_mean": mean("step_batch_rows"),
+            "step_tokens_mean": mean("step_batch_tokens")}
 
 
 def text_encoding_summary(delta: Any, num_requests: int) -> dict[str, Any]:
@@ -263,7 +277,7 @@ def _run_http(args: argparse.Namespace, configs: list[tuple[str, dict[str, Any]]
         samples, wall = drive(target(), requests, concurrency=opts["concurrency"],
                               rate=opts["request_rate"], seed=args.seed)
         stats = {**summarize(samples, wall), "text_encode_ms": None, "prompts_encoded": None,
-                 "prompt_cache_hit_rate": None}
+                 "prompt_cache_hit_rate": None, "step_rows_mean": None, "step_tokens_mean": None}
         results.append({"label": label, "engine": {"base_url": args.base_url, "model": model},
                         "load": {k: _shown(opts.get(k)) for k in _LOAD_SHOWN}, **stats})
         print(f"{tag}: {stats['throughput_rps'] or 0:.2f} req/s, "
@@ -322,11 +336,12 @@ def _percent(value: float | None) -> str | None:
 def render_results(results: list[dict[str, Any]]) -> str:
     headers = ["config", "req/s", "x first", "p50 ms", "p90 ms", "p99 ms", "p50 x first",
                "queue ms", "forward ms", "encode ms", "cache hit", "out wait ms", "post ms",
-               "failed"]
+               "rows/step", "tokens/step", "failed"]
     rows = [[r["label"], r["throughput_rps"], _times(r["throughput_vs_first"]), r["latency_p50_ms"],
              r["latency_p90_ms"], r["latency_p99_ms"], _times(r["p50_vs_first"]), r["queue_wait_ms"],
              r["forward_ms"], r["text_encode_ms"], _percent(r["prompt_cache_hit_rate"]),
-             r["output_wait_ms"], r["postprocess_ms"], _failed(r)]
+             r["output_wait_ms"], r["postprocess_ms"], r.get("step_rows_mean"),
+             r.get("step_tokens_mean"), _failed(r)]
             for r in results]
     loads = {_load_text(r["load"]) for r in results}
     title = "load: " + (loads.pop() if len(loads) == 1 else "per configuration")

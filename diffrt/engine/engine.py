@@ -68,6 +68,7 @@ from diffrt.engine.sched import (
 from diffrt.engine.seats import Seat
 from diffrt.engine.stats import EngineStats
 from diffrt.engine.submission import accept, timeout_of
+from diffrt.engine.token_budget import derived_token_budget
 from diffrt.runtime.executor import Executor
 from diffrt.runtime.factory import make_executor
 
@@ -173,7 +174,9 @@ class DiffusionEngine:
             return StepScheduler(c.max_num_seqs, policy,
                                  max_wait_s=_seconds(c.step_batch_max_wait_ms),
                                  key=self._step_batch_key(),
-                                 max_steps_per_tick=c.max_steps_per_tick, memory=self.memory)
+                                 max_steps_per_tick=c.max_steps_per_tick, memory=self.memory,
+                                 tokens=lambda r: (self.spec.rows(r), self.spec.row_tokens(r)),
+                                 token_budget=c.max_num_batched_tokens or None)
         wait_ms = c.request_batch_max_wait_ms if self.spec.supports_request_batch else 0.0
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
                                 key=self.spec.request_batch_key, memory=self.memory)
@@ -250,25 +253,35 @@ class DiffusionEngine:
         if not out.ok:
             raise EngineWarmupError(f"warm-up request failed: {out.error}")
 
-    def _calibration_request(self) -> DiffusionRequest:
-        """Two steps at twice the warm-up's side (within the model's limits):
-        the run-time estimate's first measurement, on warm kernels."""
-        multiple, size = self.spec.size_multiple, 2 * self.spec.warmup_size()
-        size = max(multiple, min(size, self.spec.max_size // multiple * multiple))
-        return DiffusionRequest(
+    def _calibration_requests(self) -> list[DiffusionRequest]:
+        """Two steps at the warm-up's side and at twice it (within the model's
+        limits): the run-time estimate's first measurements, on warm kernels,
+        of two sizes (what tells a step's overhead from its per-token cost)."""
+        multiple, side = self.spec.size_multiple, self.spec.warmup_size()
+        sizes = dict.fromkeys(max(multiple, min(s, self.spec.max_size // multiple * multiple))
+                              for s in (side, 2 * side))
+        return [DiffusionRequest(
             prompt="calibration", request_id=f"calibrate-{uuid.uuid4().hex[:8]}",
             sampling_params=SamplingParams(height=size, width=size, num_inference_steps=2,
-                                           seed=0, guidance_scale=1.0))
+                                           seed=0, guidance_scale=1.0)) for size in sizes]
 
     def _warmup(self) -> None:
-        """The warm-up request (cold: loads kernels, allocates buffers), then a
-        calibration request whose measured steps are the run-time estimate's first."""
+        """The warm-up request (cold: loads kernels, allocates buffers), then the
+        calibration requests whose measured steps are the run-time estimate's
+        first (and, in STEP_BATCH, what the default token budget is derived from)."""
         start = time.monotonic()
         self._run_start_up_request(self._warmup_request())
         self.run_time.reset()  # a cold tick is no measure of a warm one
-        self._run_start_up_request(self._calibration_request())
+        for request in self._calibration_requests():
+            self._run_start_up_request(request)
         self.output_processor.stats.reset()  # stats() describes served requests only
         self.scheduler.forget_run_times()  # a cold one-step request sizes no window
+        scheduler = self.scheduler
+        if (isinstance(scheduler, StepScheduler)
+                and self.config.scheduling.max_num_batched_tokens is None):
+            scheduler.token_budget = derived_token_budget(self.run_time.coefficients)
+            logger.info("max_num_batched_tokens: %s (derived from the warm-up's step times)",
+                        scheduler.token_budget or "no bound")
         logger.info("warm-up done in %.2f s", time.monotonic() - start)
 
     # -- public API -------------------------------------------------------------------

@@ -130,7 +130,8 @@ class OutputProcessor:
         to_wait: list[tuple[str, OutputRef]] = []
         to_preview: list[tuple[str, OutputRef, int]] = []
         to_release: list[OutputRef] = []
-        self.stats.on_tick(result.step_seconds, result.text_encoding, result.steps)
+        self.stats.on_tick(result.step_seconds, result.text_encoding, result.steps,
+                           rows=result.step_rows, tokens=result.step_tokens)
         with self._lock:
             for rid in result.scheduled_ids:
                 record = self._records.get(rid)

@@ -24,6 +24,11 @@ REQUEST_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.
 #: Upper bounds (seconds) for one denoise step.
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
+#: Upper bounds for the rows of one step (STEP_BATCH).
+STEP_ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: Upper bounds for the tokens one step computes (STEP_BATCH).
+STEP_TOKENS_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+
 #: How a finished request ended (the ``outcome`` of ``requests_total``).
 OUTCOMES = ("success", "error", "aborted", "timeout")
 
@@ -70,6 +75,12 @@ class EngineStats:
     seconds_without_progress: float = 0.0
     #: ``DiffusionEngine.stall()``: why the engine counts as stalled, else None
     stall: str | None = None
+    #: STEP_BATCH: the rows of each denoise step (outputs, twice with CFG), and
+    #: the tokens it computed (rows x the longest row's text + image tokens:
+    #: rows of different sizes are padded to the longest)
+    step_batch_rows: Histogram = field(default_factory=lambda: _Buckets(STEP_ROWS_BUCKETS).snapshot())
+    step_batch_tokens: Histogram = field(
+        default_factory=lambda: _Buckets(STEP_TOKENS_BUCKETS).snapshot())
 
 
 def classify(output: DiffusionOutput) -> str:
@@ -113,15 +124,21 @@ class StatsRecorder:
         self._step = _Buckets(STEP_BUCKETS_S)
         self._output_wait = _Buckets(REQUEST_BUCKETS_S)
         self._text = TextEncoderStats()
+        self._rows = _Buckets(STEP_ROWS_BUCKETS)
+        self._tokens = _Buckets(STEP_TOKENS_BUCKETS)
 
     def on_tick(self, step_seconds: float | None, text: TextEncoderStats | None,
-                steps: int = 1) -> None:
-        """A tick that ran ``steps`` denoise steps of ``step_seconds`` each (one
-        observation per step: a multi-step tick counts as its steps)."""
+                steps: int = 1, *, rows: int = 0, tokens: int = 0) -> None:
+        """A tick that ran ``steps`` denoise steps of ``step_seconds`` each, of
+        ``rows`` rows and ``tokens`` tokens (one observation per step: a
+        multi-step tick counts as its steps; rows 0: not counted)."""
         with self._lock:
             if step_seconds is not None:
                 for _ in range(max(1, steps)):
                     self._step.observe(step_seconds)
+                    if rows:
+                        self._rows.observe(rows)
+                        self._tokens.observe(tokens)
             if text is not None:
                 self._text = self._text + text
 
@@ -151,4 +168,5 @@ class StatsRecorder:
                 text_encoding=self._text,
                 pending_output_bytes=pending_output_bytes, healthy=healthy,
                 worker_restarts=worker_restarts,
-                seconds_without_progress=seconds_without_progress, stall=stall)
+                seconds_without_progress=seconds_without_progress, stall=stall,
+                step_batch_rows=self._rows.snapshot(), step_batch_tokens=self._tokens.snapshot())

@@ -27,6 +27,11 @@ HISTOGRAMS = (
     ("diffrt_step_seconds", "step_time_s", "One denoise step of a batch"),
     ("diffrt_output_wait_seconds", "output_wait_s",
      "Compute done to the output in host memory, per request"),
+    ("diffrt_step_batch_rows", "step_batch_rows",
+     "Rows of one denoise step (outputs, twice with CFG; step mode)"),
+    ("diffrt_step_batch_tokens", "step_batch_tokens",
+     "Tokens one denoise step computed: rows x the longest row's text and image tokens "
+     "(step mode)"),
 )
 
 

@@ -137,6 +137,11 @@ class Scheduler(ABC):
     def has_request(self, request_id: str) -> bool:
         """True while ``request_id`` is queued or running here."""
 
+    def step_shape(self, requests: list[DiffusionRequest]) -> tuple[int, int]:
+        """(rows, tokens of the longest row) of one step of ``requests`` (what
+        the stats count); (0, 0) where the scheduler does not count them."""
+        return 0, 0
+
     @abstractmethod
     def record(self, request_id: str) -> RequestRecord | None:
         """The record of ``request_id`` while it is queued or running here."""

@@ -16,6 +16,14 @@ request that leaves without finishing there is listed in the next tick's
 only when nothing runs: a batch forming from scratch, e.g. after a burst of
 requests finished together and their clients send the next ones; joining a
 running batch never waits.
+
+``token_budget`` (``max_num_batched_tokens``) bounds the tokens one step
+computes: its rows (outputs, twice with CFG) times the tokens of its longest
+row (text plus image tokens; rows of different sizes are padded to the
+longest, and the padding is computed too). Of the requests the policy
+admits, in its order, those that would push the step over it wait, in their
+place, for a later boundary (as with the memory budget); a request alone
+always runs, whatever its tokens. 0 or None: no bound.
 """
 
 from __future__ import annotations
@@ -40,9 +48,14 @@ class StepScheduler(BaseScheduler):
                  max_wait_s: float | None = 0.0, stable_s: float | None = None,
                  key: Callable[[DiffusionRequest], tuple] | None = None,
                  max_steps_per_tick: int = 1,
-                 memory: BatchMemory | None = None):
+                 memory: BatchMemory | None = None,
+                 tokens: Callable[[DiffusionRequest], tuple[int, int]] | None = None,
+                 token_budget: int | None = None):
         super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key,
                          memory=memory)
+        #: a request's (rows, tokens a row) in a step; with ``token_budget``
+        self._tokens = tokens
+        self.token_budget = token_budget
         if max_steps_per_tick < 1:
             raise ValueError(f"max_steps_per_tick must be >= 1, got {max_steps_per_tick}")
         self.max_steps_per_tick = max_steps_per_tick
@@ -70,6 +83,32 @@ class StepScheduler(BaseScheduler):
             return None
         self._in_flight.update(ids)
         return out
+
+    def step_shape(self, requests: list[DiffusionRequest] | None = None) -> tuple[int, int]:
+        """(rows, tokens of the longest row) of a step of ``requests`` (default:
+        the running ones); (0, 0) without a ``tokens`` function."""
+        if self._tokens is None:
+            return 0, 0
+        if requests is None:
+            requests = [record.request for record in self._running]
+        shapes = [self._tokens(request) for request in requests]
+        return sum(rows for rows, _ in shapes), max((t for _, t in shapes), default=0)
+
+    def _within_budget(self, chosen: list[RequestRecord]) -> list[RequestRecord]:
+        """The memory budget's prefix, then the prefix that keeps the step within
+        ``token_budget`` (see the module)."""
+        chosen = super()._within_budget(chosen)
+        if not self.token_budget or self._tokens is None or not chosen:
+            return chosen
+        rows, longest = self.step_shape()
+        kept: list[RequestRecord] = []
+        for record in chosen:
+            more, tokens = self._tokens(record.request)
+            if (rows + more) * max(longest, tokens) > self.token_budget and (self._running or kept):
+                break
+            kept.append(record)
+            rows, longest = rows + more, max(longest, tokens)
+        return kept
 
     def _steps_for_tick(self, drops: list[str]) -> int:
         """Several steps unless worker state is to be dropped; never past the

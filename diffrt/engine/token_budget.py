@@ -1,0 +1,33 @@
+"""The default ``max_num_batched_tokens``: where a larger step stops paying.
+
+A denoise step costs ``o + k x W`` seconds (``engine.run_time``): a fixed
+overhead ``o`` (launches, the Python around the forward) plus work that grows
+with its tokens. Batching more tokens into one step amortises ``o`` and
+nothing else, while every token added makes each request in the step wait
+longer. So the default budget is the step at which the overhead is
+``OVERHEAD_SHARE`` of the step's time: ``k x W = o (1 - share) / share``,
+counted in tokens through the linear term (``W`` ~ tokens; attention's
+quadratic term only makes a step reach that point sooner, so the budget
+errs large). Past it a step gains at most that share in throughput and
+costs its requests' latency in full.
+
+It is derived once, at warm-up, from the calibration requests of two sizes
+(the fit needs two to tell ``o`` from ``k``). Where ``o`` is not measurably
+above zero, a larger step gains nothing and there is no bound.
+"""
+
+from __future__ import annotations
+
+#: the overhead's share of a step at the default budget
+OVERHEAD_SHARE = 0.1
+
+
+def derived_token_budget(coefficients: tuple[float, float] | None) -> int | None:
+    """Tokens a step may take by default, from the run-time fit ``(o, k)``
+    (seconds of overhead a step, seconds a token); None: no bound."""
+    if coefficients is None:
+        return None
+    overhead, per_token = coefficients
+    if overhead <= 0 or per_token <= 0:
+        return None
+    return max(1, round(overhead * (1 - OVERHEAD_SHARE) / OVERHEAD_SHARE / per_token))
