@@ -12,7 +12,8 @@ default scale 4.0), so it derives from ``FluxPipeline``. What is its own:
   masked when they share a batch, as diffusers pads a batch;
 - guidance: after combining the two branches, the result is rescaled to the
   conditional prediction's norm per token (``combine_guidance``);
-- the transformer call (image shapes for its rotary embedding, the mask);
+- the transformer call (image shapes for its rotary embedding, the mask;
+  rows of different sizes through ``mixed.py``, frequencies per row);
 - the VAE (``AutoencoderKLQwenImage``): 3-D latents with one frame,
   per-channel ``latents_mean``/``latents_std`` instead of a scaling factor,
   8x from its temporal-downsample list.
@@ -92,6 +93,18 @@ class QwenImagePipeline(FluxPipeline):
         layout: RowLayout,
     ) -> torch.Tensor:
         mask = extra.to(torch.bool)
+        # as QwenImagePipeline: the model dtype first, then scaled
+        timestep = timesteps.to(latents.dtype) / 1000
+        if not layout.uniform:  # rows of several sizes: frequencies per row
+            from diffrt.engine.pipelines.qwen_image.mixed import forward_rows, row_rotary
+
+            rotary = row_rotary(self.transformer, self.image_shapes(layout), embeds.shape[1],
+                                layout.longest, latents.device)
+            # one key mask: each row's text (its prompt's padding out), then its image tokens
+            keys = torch.cat([mask, layout.key_mask(0, latents.device)], dim=1)  # type: ignore[list-item]
+            return forward_rows(self.transformer, hidden_states=latents,
+                                encoder_hidden_states=embeds, timestep=timestep, rotary=rotary,
+                                key_mask=keys)
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
         sequence = self._sequence_split
         if sequence is not None:  # this rank's image tokens; gathered by proj_out's wrapper
@@ -101,8 +114,7 @@ class QwenImagePipeline(FluxPipeline):
             sequence.text_mask = None if mask.all() else mask
         out = self.transformer(
             hidden_states=latents,
-            # as QwenImagePipeline: the model dtype first, then scaled
-            timestep=timesteps.to(latents.dtype) / 1000,
+            timestep=timestep,
             guidance=embedded,
             encoder_hidden_states_mask=None if mask.all() else mask,
             encoder_hidden_states=embeds,

@@ -19,6 +19,10 @@ LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_
                        "add_v_proj", "to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",
                        "txt_mlp.net.0.proj", "txt_mlp.net.2")
 
+#: QwenImageTransformer2DModel options of the edit and layered variants, which
+#: ``mixed.forward_rows`` does not implement
+EDIT_OPTIONS = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+
 
 def describe(folder: ModelFolder) -> ModelSpec:
     """QwenImagePipeline's semantics: Flux's packed layout, 1024 px and 50
@@ -37,6 +41,9 @@ def describe(folder: ModelFolder) -> ModelSpec:
                                   guidance_scale=1.0, true_cfg_scale=4.0),
         cfg_rule=CfgRule.TRUE_CFG_AND_NEGATIVE,
         supports_request_batch=True, supports_step_execution=True,
+        # rows of different sizes share a call (mixed.py), for the text-to-image
+        # transformer: the edit variants' inputs are not in that forward
+        mixed_sizes=not any(folder.transformer_config.get(option) for option in EDIT_OPTIONS),
         parallel=sequence_parallel_support(folder, "AutoencoderKLQwenImage"),
         lora_target_modules=LORA_TARGET_MODULES,
         # its text follows each prompt (padded to the batch's longest): the

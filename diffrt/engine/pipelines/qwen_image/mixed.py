@@ -1,0 +1,132 @@
+"""Qwen-Image over rows of different image sizes in one transformer call.
+
+diffusers' ``QwenImageTransformer2DModel.forward`` builds its rotary
+frequencies with ``QwenEmbedRope`` from the *first* row's image shape only
+(it warns when the shapes differ and uses the first): one table for the whole
+batch, for the image tokens and for the text too — the text's positions start
+past the image's largest half side, so they depend on the size as well.
+Everything else in it is per row already: the timestep embedding (``temb``)
+that modulates each block, and the attention, which masks the text padding.
+So ``forward_rows`` is that forward with one change — image and text
+frequencies per row, from each row's own ``(1, h/2, w/2)`` — over diffusers'
+own modules and weights, and its attention processor (``RowsAttnProcessor``)
+is diffusers' ``QwenDoubleStreamAttnProcessor2_0`` with the per-row
+frequencies and one key mask for the text padding and the image padding
+(``segments.RowLayout``). ControlNet residuals, which diffrt does not pass,
+and the edit variants' inputs (``zero_cond_t``, ``use_additional_t_cond``,
+``use_layer3d_rope``: the spec leaves such folders to uniform batches) are
+left out.
+
+Uniform batches keep diffusers' own forward (``QwenImagePipeline.transformer_forward``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb_qwen`` (``use_real=False``: pairs as
+    complex numbers) with frequencies per row: ``x`` (rows, tokens, heads,
+    dim), ``freqs`` complex (rows, tokens, dim / 2)."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs[:, :, None, :]).flatten(3).type_as(x)
+
+
+class RowsAttnProcessor:
+    """diffusers' ``QwenDoubleStreamAttnProcessor2_0`` with frequencies per
+    row and a key mask over text then image (True: attend), in the processor
+    call diffusers' ``Attention`` makes (the mask comes as ``attention_mask``,
+    which diffusers' processor refuses because it builds its own from the text
+    mask alone). Attention runs through torch's ``scaled_dot_product_attention``."""
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor | None = None,
+                 encoder_hidden_states_mask: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None,
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        if encoder_hidden_states is None or encoder_hidden_states_mask is not None:
+            raise ValueError("mixed-size Qwen-Image attention takes the text stream, "
+                             "its mask inside attention_mask")
+        head_dim = attn.inner_dim // attn.heads
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(-1, (-1, head_dim))
+
+        img_q, img_k = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states))
+        img_v = heads(attn.to_v(hidden_states))
+        txt_q = heads(attn.add_q_proj(encoder_hidden_states))
+        txt_k = heads(attn.add_k_proj(encoder_hidden_states))
+        txt_v = heads(attn.add_v_proj(encoder_hidden_states))
+        if attn.norm_q is not None:
+            img_q = attn.norm_q(img_q)
+        if attn.norm_k is not None:
+            img_k = attn.norm_k(img_k)
+        if attn.norm_added_q is not None:
+            txt_q = attn.norm_added_q(txt_q)
+        if attn.norm_added_k is not None:
+            txt_k = attn.norm_added_k(txt_k)
+        if image_rotary_emb is not None:
+            img_freqs, txt_freqs = image_rotary_emb
+            img_q, img_k = rotate(img_q, img_freqs), rotate(img_k, img_freqs)
+            txt_q, txt_k = rotate(txt_q, txt_freqs), rotate(txt_k, txt_freqs)
+        # text first, then image, as diffusers' processor
+        query, key, value = (torch.cat([t, i], dim=1).transpose(1, 2)
+                             for t, i in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
+        mask = None if attention_mask is None else attention_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
+        text = encoder_hidden_states.shape[1]
+        image = attn.to_out[0](out[:, text:].contiguous())
+        if len(attn.to_out) > 1:
+            image = attn.to_out[1](image)  # dropout
+        return image, attn.to_add_out(out[:, :text].contiguous())
+
+
+_ROWS_PROCESSOR = RowsAttnProcessor()
+
+
+def row_rotary(model: Any, shapes: list[list[tuple[int, int, int]]], text_tokens: int,
+               longest: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image, text) complex frequencies, (rows, longest, dim / 2) and (rows,
+    text_tokens, dim / 2): each row's from its own shapes by diffusers'
+    ``pos_embed`` (padding positions get no rotation, masked anyway); built
+    once per distinct shape."""
+    tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    image_rows, text_rows = [], []
+    for shape in shapes:
+        table = tables.get(tuple(shape))
+        if table is None:
+            image, text = model.pos_embed(shape, max_txt_seq_len=text_tokens, device=device)
+            pad = image.new_ones(longest - image.shape[0], image.shape[1])
+            table = tables[tuple(shape)] = (torch.cat([image, pad]), text)
+        image_rows.append(table[0])
+        text_rows.append(table[1])
+    return torch.stack(image_rows), torch.stack(text_rows)
+
+
+def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                 timestep: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                 key_mask: torch.Tensor) -> torch.Tensor:
+    """``QwenImageTransformer2DModel.forward`` with frequencies per row and
+    the text and image padding in one key mask, (rows, text + longest) (see
+    the module); the model's attention processors are ``RowsAttnProcessor``
+    while it runs. No guidance input: diffusers' Qwen timestep embedding
+    (``QwenTimestepProjEmbeddings``) has none."""
+    kept = model.attn_processors
+    model.set_attn_processor(_ROWS_PROCESSOR)
+    try:
+        hidden = model.img_in(hidden_states)
+        temb = model.time_text_embed(timestep.to(hidden.dtype), hidden)
+        encoder = model.txt_in(model.txt_norm(encoder_hidden_states))
+        kwargs = {"attention_mask": key_mask}
+        for block in model.transformer_blocks:
+            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
+                                    encoder_hidden_states_mask=None, temb=temb,
+                                    image_rotary_emb=rotary, joint_attention_kwargs=kwargs)
+        return model.proj_out(model.norm_out(hidden, temb))
+    finally:
+        model.set_attn_processor(kept)
