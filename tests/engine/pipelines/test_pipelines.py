@@ -301,10 +301,12 @@ def test_tiny_sd3_size_is_bounded_by_its_position_grid():
 def test_incompatible_batches_are_refused(pipe):
     with pytest.raises(ValueError, match="request_batch_key"):
         run_request(pipe, make_request(num_inference_steps=2), make_request(num_inference_steps=3))
-    # sizes share a step where the family pads rows (Flux), not elsewhere; CFG
-    # and no CFG never do (one call runs both branches for all its rows or none)
+    # sizes share a step where the family pads rows (Flux, SD3), not elsewhere;
+    # CFG and no CFG never do (one call runs both branches for all its rows or
+    # none): ``guidance_scale`` 1 runs no CFG in either family, 5 runs it in both
     other = {"guidance_scale": 5.0} if pipe.spec.mixed_sizes else {"height": 2 * SIZE}
-    a, b = StepRequestState(make_request()), StepRequestState(make_request(**other))
+    a = StepRequestState(make_request(guidance_scale=1.0))
+    b = StepRequestState(make_request(**other))
     pipe.prepare_encode(a)
     pipe.prepare_encode(b)
     with pytest.raises(ValueError, match="step_batch_key"):

@@ -1,6 +1,7 @@
-"""The SD3 family: its spec (``spec.py``), its pipeline (``pipeline.py``),
-its sequence-parallel attention (``parallel.py``) and its tiny test folder
-(``tiny_folder.py``)."""
+"""The SD3 family: its spec (``spec.py``), its pipeline (``pipeline.py``)
+on patch-token latents (``patches.py``), its forward over rows of several
+sizes (``mixed.py``), its sequence-parallel attention (``parallel.py``) and
+its tiny test folder (``tiny_folder.py``)."""
 
 from diffrt.engine.pipelines.family import Family
 

@@ -1,7 +1,12 @@
-"""SD3 family: SD3Transformer2DModel on spatial latents (it patchifies itself).
+"""SD3 family: SD3Transformer2DModel, its latents kept as patch tokens.
 
 Only what is SD3-specific lives here: the transformer call (timesteps in
-[0, 1000]) and the size limit from its positional-embedding grid.
+[0, 1000]) and the latents' layout. diffusers' transformer takes spatial
+latents and patchifies them itself; diffrt keeps them as its patch tokens
+(``patches.py``) so that rows of different sizes can be padded into one call
+(``mixed.py``) as Flux's packed tokens are. A call of one size unpacks them
+and runs diffusers' own forward, unchanged; the layout only moves values, so
+its images are the same either way.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.folder_text import PromptWindow
+from diffrt.engine.pipelines.sd3.patches import patchify, unpatchify
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.sampling import SamplingParams
 
@@ -39,6 +45,21 @@ class SD3Pipeline(FlowMatchPipeline):
             windows.append(PromptWindow("text_encoder_3", pipeline.tokenizer_3, 256))
         return windows
 
+    @property
+    def patch(self) -> int:
+        """Latents per token side (the transformer's ``patch_size``)."""
+        return int(self.transformer.config.patch_size)
+
+    def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return patchify(latents, self.patch)
+
+    def unpack_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        return unpatchify(latents, self.latent_size(params), self.patch)
+
+    def image_tokens(self, size: tuple[int, int]) -> int:
+        """One token a ``patch`` x ``patch`` latent patch."""
+        return (size[0] // self.patch) * (size[1] // self.patch)
+
     def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
         """``mu`` when the noise scheduler shifts dynamically (SD3.5 configs), from
         the latent patch count, as StableDiffusion3Pipeline computes it."""
@@ -47,9 +68,7 @@ class SD3Pipeline(FlowMatchPipeline):
             return {}
         from diffrt.engine.pipelines.flux.pipeline import calculate_shift
 
-        patch = self.transformer.config.patch_size
-        h, w = self.latent_size(params)
-        seq_len = (h // patch) * (w // patch)
+        seq_len = self.image_tokens(self.latent_size(params))
         return {"mu": calculate_shift(seq_len, cfg.get("base_image_seq_len", 256),
                                       cfg.get("max_image_seq_len", 4096),
                                       cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))}
@@ -63,13 +82,21 @@ class SD3Pipeline(FlowMatchPipeline):
         guidance: torch.Tensor,
         layout: RowLayout,
     ) -> torch.Tensor:
-        return self.transformer(
-            hidden_states=latents,
+        # timesteps float32 whatever the model dtype, as diffusers passes them
+        if not layout.uniform:  # rows of several sizes: padded tokens, masked keys
+            from diffrt.engine.pipelines.sd3.mixed import forward_rows
+
+            return forward_rows(self.transformer, hidden_states=latents,
+                                encoder_hidden_states=embeds, pooled_projections=pooled,
+                                timestep=timesteps, layout=layout)
+        out = self.transformer(
+            hidden_states=unpatchify(latents, layout.sizes[0], self.patch),
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
-            timestep=timesteps,  # float32 whatever the model dtype, as diffusers passes them
+            timestep=timesteps,
             return_dict=False,
         )[0]
+        return patchify(out, self.patch)
 
     def enable_sequence_parallel(self, groups: Any) -> None:
         """Each rank runs the transformer blocks on its slice of the image

@@ -29,7 +29,8 @@ def describe(folder: ModelFolder) -> ModelSpec:
     """StableDiffusion3Pipeline's semantics: the transformer patchifies (size
     multiple VAE factor x patch), its positional-embedding grid bounds the
     size, the default size is its ``sample_size``, 28 steps, CFG when
-    ``guidance_scale`` > 1 (7.0 by default)."""
+    ``guidance_scale`` > 1 (7.0 by default); rows of different sizes share
+    a step (``sd3/mixed.py``, SD3.5's dual attention included)."""
     check_text_encoder(folder)
     config = folder.transformer_config
     factor = vae_factor(folder.vae_config)
@@ -44,7 +45,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         defaults=SamplingDefaults(height=size, width=size, num_inference_steps=28,
                                   guidance_scale=7.0),
         cfg_rule=CfgRule.GUIDANCE_GT_1,
-        supports_request_batch=True, supports_step_execution=True,
+        supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
         parallel=sequence_parallel_support(folder, "AutoencoderKL"),
         lora_target_modules=LORA_TARGET_MODULES,
         transformer_width=attention_width(folder), text_tokens=TEXT_TOKENS,

@@ -1,0 +1,130 @@
+"""SD3 over rows of different image sizes in one transformer call.
+
+diffusers' ``SD3Transformer2DModel.forward`` takes spatial latents (N, C, h,
+w): its patch embedding (``PatchEmbed``: a stride-``p`` convolution plus the
+positional embedding cropped to the image's size) and its unpatchify need
+one size per batch, and its attention processor (``JointAttnProcessor2_0``)
+ignores ``attention_mask``. Everything between is per token or per row
+already (the timestep and pooled-text modulation, the norms and
+feed-forwards). So ``forward_rows`` is that forward with two changes, over
+diffusers' own modules and weights:
+
+- the patch embedding runs once per size, on that size's rows, through the
+  model's own ``pos_embed`` (the same convolution and cropped positions
+  diffusers would apply to a batch of that size), and its tokens are
+  zero-padded to the call's longest row;
+- the attention processor (``RowsJointAttnProcessor``) is diffusers'
+  ``JointAttnProcessor2_0`` with the padding masked out as keys.
+
+The output stays tokens: ``proj_out`` gives each token's patch in the
+layout of ``patches.py``, what the pipeline's latents are. SD3.5's
+dual-attention blocks need nothing more: the block passes the same
+``attention_mask`` to its image-only second attention (``attn2``), which the
+processor masks without the text. ControlNet residuals, skipped layers and
+IP-adapter inputs, which diffrt does not pass, are left out.
+
+Uniform batches keep diffusers' own forward (``SD3Pipeline.transformer_forward``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from diffrt.engine.pipelines.sd3.patches import unpatchify
+from diffrt.engine.pipelines.segments import RowLayout
+
+
+class RowsJointAttnProcessor:
+    """diffusers' ``JointAttnProcessor2_0`` with a key mask over the image
+    tokens, ``attention_mask`` (rows, image tokens), True: attend. Its joint
+    sequence is [image, text], so text keys (all real) are appended as True;
+    the image-only attention (``encoder_hidden_states`` None) takes the mask
+    as it is."""
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> Any:
+        b, image = hidden_states.shape[:2]
+        query, key = attn.to_q(hidden_states), attn.to_k(hidden_states)
+        value = attn.to_v(hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.view(b, -1, attn.heads, head_dim).transpose(1, 2)
+
+        query, key, value = heads(query), heads(key), heads(value)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        mask = attention_mask
+        if encoder_hidden_states is not None:
+            text_q = heads(attn.add_q_proj(encoder_hidden_states))
+            text_k = heads(attn.add_k_proj(encoder_hidden_states))
+            text_v = heads(attn.add_v_proj(encoder_hidden_states))
+            if attn.norm_added_q is not None:
+                text_q = attn.norm_added_q(text_q)
+            if attn.norm_added_k is not None:
+                text_k = attn.norm_added_k(text_k)
+            query, key = torch.cat([query, text_q], dim=2), torch.cat([key, text_k], dim=2)
+            value = torch.cat([value, text_v], dim=2)
+            if mask is not None:
+                mask = F.pad(mask, (0, encoder_hidden_states.shape[1]), value=True)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=None if mask is None else mask[:, None, None, :])
+        out = out.transpose(1, 2).reshape(b, -1, attn.heads * head_dim).to(query.dtype)
+        out, text = out[:, :image], out[:, image:]
+        out = attn.to_out[1](attn.to_out[0](out))
+        if encoder_hidden_states is None:
+            return out
+        if not attn.context_pre_only:
+            text = attn.to_add_out(text)
+        return out, text
+
+
+_ROWS_PROCESSOR = RowsJointAttnProcessor()
+
+
+def embed_patches(model: Any, latents: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """(rows, longest, inner dim): each size's rows through the model's
+    ``pos_embed`` (convolution + that size's cropped positions), at the
+    start of their rows; the padding zero."""
+    patch = model.config.patch_size
+    out: torch.Tensor | None = None
+    for size in dict.fromkeys(layout.sizes):  # each size once, in row order
+        index = [i for i, s in enumerate(layout.sizes) if s == size]
+        tokens = layout.tokens[index[0]]
+        rows = torch.tensor(index, device=latents.device)
+        embedded = model.pos_embed(unpatchify(latents[rows, :tokens], size, patch))
+        if out is None:
+            out = embedded.new_zeros(len(layout), layout.longest, embedded.shape[-1])
+        out[rows, :tokens] = embedded
+    assert out is not None  # a call has rows
+    return out
+
+
+def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                 pooled_projections: torch.Tensor, timestep: torch.Tensor,
+                 layout: RowLayout) -> torch.Tensor:
+    """``SD3Transformer2DModel.forward`` over rows of several sizes (see the
+    module): ``hidden_states`` (rows, longest, p·p·C) token-layout latents,
+    each row zero-padded after its own tokens; the prediction in the same
+    layout. The model's attention processors are ``RowsJointAttnProcessor``
+    while it runs."""
+    kept = model.attn_processors
+    model.set_attn_processor(_ROWS_PROCESSOR)
+    try:
+        hidden = embed_patches(model, hidden_states, layout)
+        temb = model.time_text_embed(timestep, pooled_projections)
+        encoder = model.context_embedder(encoder_hidden_states)
+        # image keys only: the processor appends the text's
+        kwargs = {"attention_mask": layout.key_mask(0, hidden.device)}
+        for block in model.transformer_blocks:
+            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
+                                    temb=temb, joint_attention_kwargs=kwargs)
+        return model.proj_out(model.norm_out(hidden, temb))
+    finally:
+        model.set_attn_processor(kept)
