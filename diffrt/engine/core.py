@@ -114,8 +114,8 @@ class TickResult:
     steps: int = 1
     #: the text encoding the workers did in this tick.
     text_encoding: TextEncoderStats | None = None
-    #: STEP_BATCH: the tick's rows and the tokens a step of it computed (rows x
-    #: the longest row's tokens); 0 when not counted
+    #: STEP_BATCH: the tick's rows and the tokens a step of it computed
+    #: (``StepScheduler.step_tokens``); 0 when not counted
     step_rows: int = 0
     step_tokens: int = 0
     #: request id -> text encoder -> prompt tokens it cut (``BatchDone``)
@@ -443,7 +443,7 @@ class EngineCore:
             ran = self._ran(tick)
             if self._run_time is not None and step_seconds is not None:
                 self._run_time.observe(ran, step_seconds)
-            rows, longest = self.scheduler.step_shape(ran) if step_seconds is not None else (0, 0)
+            rows, tokens = self.scheduler.step_tokens(ran) if step_seconds is not None else (0, 0)
             if self._memory is not None and (peak_bytes is not None or free_bytes is not None):
                 self._memory.observe(ran, peak_bytes, free_bytes)
             update = self.scheduler.update_from_output(tick, result)
@@ -469,7 +469,7 @@ class EngineCore:
                           outputs=kept, previews=previews, step_seconds=step_seconds,
                           steps=steps_run if self.mode is EngineMode.STEP_BATCH else 1,
                           text_encoding=text_encoding, prompt_tokens_dropped=prompt_cuts,
-                          step_rows=rows, step_tokens=rows * longest)
+                          step_rows=rows, step_tokens=tokens)
 
     def _ran(self, tick: SchedulerOutput) -> list[DiffusionRequest]:
         """The requests a tick ran (under the lock, before the scheduler lets

@@ -53,6 +53,7 @@ from diffrt.engine.memory_estimate import (
 from diffrt.engine.output_processor import OutputProcessor
 from diffrt.engine.output_streams import FinalSlot, OutputStream, resolve
 from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
+from diffrt.engine.pipelines.segments import resolve_mixed_rows
 from diffrt.engine.postprocess import output_postprocessor
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
@@ -168,6 +169,8 @@ class DiffusionEngine:
         return engine
 
     def _make_scheduler(self) -> Scheduler:
+        from diffrt.platforms import current_platform
+
         c = self.config.scheduling
         policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass)
         if self.mode is EngineMode.STEP_BATCH:
@@ -176,7 +179,9 @@ class DiffusionEngine:
                                  key=self._step_batch_key(),
                                  max_steps_per_tick=c.max_steps_per_tick, memory=self.memory,
                                  tokens=lambda r: (self.spec.rows(r), self.spec.row_tokens(r)),
-                                 token_budget=c.max_num_batched_tokens or None)
+                                 token_budget=c.max_num_batched_tokens or None,
+                                 padded=resolve_mixed_rows(self.config.model_config.mixed_rows,
+                                                           current_platform) == "padded")
         wait_ms = c.request_batch_max_wait_ms if self.spec.supports_request_batch else 0.0
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
                                 key=self.spec.request_batch_key, memory=self.memory)

@@ -33,6 +33,7 @@ from diffrt.engine.pipelines.interface import (
     StepRequestState,
 )
 from diffrt.engine.pipelines.registry import load_pipeline
+from diffrt.engine.pipelines.segments import resolve_mixed_rows
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.runner_messages import (
     PIPELINE_PROTOCOL,
@@ -114,6 +115,7 @@ class PipelineRunner:
         self.pipeline: DiffusionPipeline = load_pipeline(settings.spec, device=device,
                                                          dtype=resolve_dtype(model.dtype,
                                                                              platform))
+        self.pipeline.mixed_rows = resolve_mixed_rows(model.mixed_rows, platform)
         self.pipeline.configure_memory(vae_tiling=model.vae_tiling,
                                        vae_slicing=model.vae_slicing,
                                        offload_text_encoders=model.offload_text_encoders)

@@ -1,5 +1,5 @@
 """Requests of different sizes share a denoise step (``mixed_size_batching``,
-Flux): each request of a mixed batch equals its own run alone within 1/255
+Flux; padded into one transformer call or one call per size, ``mixed_rows``): each request of a mixed batch equals its own run alone within 1/255
 (float32), with and without CFG, with different step counts and output
 counts, joining and leaving mid-way; the stats show the steps were shared;
 a token budget smaller than the batch admits the rest later; with
@@ -51,9 +51,12 @@ def engine_config(**kw) -> EngineConfig:
                         max_num_seqs=8, warmup=False, **kw)
 
 
-@pytest.fixture(scope="module")
-def mixed():
-    with shared_engine(DiffusionEngine.make_engine(engine_config())) as engine:
+@pytest.fixture(scope="module", params=["padded", "by_size"])
+def mixed(request):
+    """Both ways rows of several sizes share a step: one padded transformer
+    call, or one call per size (``mixed_rows``; ``auto`` is by_size on CPU)."""
+    with shared_engine(DiffusionEngine.make_engine(engine_config(
+            mixed_rows=request.param))) as engine:
         yield engine
 
 

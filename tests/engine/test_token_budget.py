@@ -19,28 +19,37 @@ def shape(request) -> tuple[int, int]:
     return params.num_outputs_per_prompt or 1, params.height
 
 
-def scheduler(budget: int | None, policy: str = "fifo") -> StepScheduler:
+def scheduler(budget: int | None, policy: str = "fifo", padded: bool = True) -> StepScheduler:
     return StepScheduler(8, make_policy(policy), key=lambda r: (), tokens=shape,
-                         token_budget=budget)
+                         token_budget=budget, padded=padded)
 
 
 def advance(out, steps: dict[str, int], finished: list[str] | None = None) -> ExecutionResult:
     return ExecutionResult(steps=steps, finished=finished or [])
 
 
-def test_a_step_counts_its_rows_times_its_longest_row():
+def test_a_padded_step_counts_its_rows_times_its_longest_row():
     s = scheduler(400)
     for rid, size, n in [("a", 64, 2), ("b", 96, 1), ("c", 32, 1), ("d", 16, 1)]:
         s.add_request(req(rid, size=size, steps=3, num_outputs_per_prompt=n), now=0.0)
     out = s.schedule(now=0.0)
     # a: 2 x 64 = 128; + b: 3 rows x 96 = 288; + c: 4 x 96 = 384; + d: 5 x 96 = 480 > 400
-    assert out.scheduled_ids == ["a", "b", "c"] and s.step_shape() == (4, 96)
+    assert out.scheduled_ids == ["a", "b", "c"] and s.step_tokens() == (4, 384)
     s.update_from_output(out, advance(out, {rid: 1 for rid in out.scheduled_ids}))
     out = s.schedule(now=0.0)
     assert out.scheduled_ids == ["a", "b", "c"] and s.num_waiting == 1  # still no room
     s.update_from_output(out, advance(out, {"a": 2, "c": 2}, finished=["b"]))
     out = s.schedule(now=0.0)
     assert out.scheduled_ids == ["a", "c", "d"]  # b left: 4 rows x 64 = 256
+
+
+def test_a_step_by_size_counts_each_rows_own_tokens():
+    s = scheduler(300, padded=False)
+    for rid, size, n in [("a", 64, 2), ("b", 96, 1), ("c", 32, 1), ("d", 16, 1)]:
+        s.add_request(req(rid, size=size, steps=3, num_outputs_per_prompt=n), now=0.0)
+    out = s.schedule(now=0.0)
+    # a: 128; + b: 224; + c: 256; + d: 272 (padded, the same four would be 480)
+    assert out.scheduled_ids == ["a", "b", "c", "d"] and s.step_tokens() == (5, 272)
 
 
 def test_a_request_larger_than_the_budget_runs_alone():

@@ -491,6 +491,8 @@ class FlowMatchPipeline(DiffusionPipeline):
             layout = layout + self.row_layout(s.request.sampling_params)
         if layout.uniform:
             latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
+        elif self.mixed_rows == "by_size":
+            return self._denoise_by_size(states, layout.longest)
         else:
             latents = pad_tokens([s.latents for s in states], layout.longest)  # type: ignore[misc]
         timesteps = torch.cat(
@@ -500,6 +502,21 @@ class FlowMatchPipeline(DiffusionPipeline):
         guidance = torch.cat([s.extra["guidance"] for s in states])
         scales = torch.cat([s.extra["cfg_scale"] for s in states])
         return self.guided_prediction(latents, timesteps, cond, guidance, layout, scales)
+
+    def _denoise_by_size(self, states: list[StepRequestState], longest: int) -> torch.Tensor:
+        """One transformer call per latent size among ``states``; the
+        predictions, in the states' order, padded to ``longest`` tokens as a
+        padded call's would be (``split_predictions`` cuts them back)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(states):
+            groups.setdefault(self.latent_size(s.request.sampling_params), []).append(i)
+        preds: list[torch.Tensor | None] = [None] * len(states)
+        for members in groups.values():
+            group = [states[i] for i in members]
+            for i, pred in zip(members, super().split_predictions(
+                    self.denoise_step(group), group), strict=True):
+                preds[i] = pred
+        return pad_tokens(preds, longest)  # type: ignore[arg-type]
 
     def split_predictions(self, noise_pred: torch.Tensor,
                           states: list[StepRequestState]) -> list[torch.Tensor]:

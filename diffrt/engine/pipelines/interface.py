@@ -95,6 +95,10 @@ class DiffusionPipeline(ABC):
     #: group whose rank 0 computes the conditional branch of CFG and rank 1
     #: the other (``engine.parallel.cfg``); None computes both branches here.
     cfg_parallel_group: Any = None
+    #: set by the runner (``ModelConfig.mixed_rows``, resolved): how rows of
+    #: different sizes share a step in a pipeline whose spec has
+    #: ``mixed_sizes`` — "padded" (one call) or "by_size" (a call per size)
+    mixed_rows: str = "padded"
 
     @property
     def name(self) -> str:

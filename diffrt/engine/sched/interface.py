@@ -137,9 +137,9 @@ class Scheduler(ABC):
     def has_request(self, request_id: str) -> bool:
         """True while ``request_id`` is queued or running here."""
 
-    def step_shape(self, requests: list[DiffusionRequest]) -> tuple[int, int]:
-        """(rows, tokens of the longest row) of one step of ``requests`` (what
-        the stats count); (0, 0) where the scheduler does not count them."""
+    def step_tokens(self, requests: list[DiffusionRequest]) -> tuple[int, int]:
+        """(rows, tokens computed) of one step of ``requests`` (what the stats
+        count); (0, 0) where the scheduler does not count them."""
         return 0, 0
 
     @abstractmethod

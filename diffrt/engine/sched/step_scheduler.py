@@ -18,12 +18,13 @@ requests finished together and their clients send the next ones; joining a
 running batch never waits.
 
 ``token_budget`` (``max_num_batched_tokens``) bounds the tokens one step
-computes: its rows (outputs, twice with CFG) times the tokens of its longest
-row (text plus image tokens; rows of different sizes are padded to the
-longest, and the padding is computed too). Of the requests the policy
-admits, in its order, those that would push the step over it wait, in their
-place, for a later boundary (as with the memory budget); a request alone
-always runs, whatever its tokens. 0 or None: no bound.
+computes: each row's text plus image tokens, summed over the step's rows
+(outputs, twice with CFG) — or, where rows of different sizes share one
+transformer call padded to the longest (``padded``), the rows times the
+longest row's tokens, since the padding is computed too. Of the requests the
+policy admits, in its order, those that would push the step over it wait,
+in their place, for a later boundary (as with the memory budget); a request
+alone always runs, whatever its tokens. 0 or None: no bound.
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ class StepScheduler(BaseScheduler):
                  max_steps_per_tick: int = 1,
                  memory: BatchMemory | None = None,
                  tokens: Callable[[DiffusionRequest], tuple[int, int]] | None = None,
-                 token_budget: int | None = None):
+                 token_budget: int | None = None, padded: bool = False):
         super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key,
                          memory=memory)
         #: a request's (rows, tokens a row) in a step; with ``token_budget``
         self._tokens = tokens
         self.token_budget = token_budget
+        self.padded = padded
         if max_steps_per_tick < 1:
             raise ValueError(f"max_steps_per_tick must be >= 1, got {max_steps_per_tick}")
         self.max_steps_per_tick = max_steps_per_tick
@@ -84,15 +86,20 @@ class StepScheduler(BaseScheduler):
         self._in_flight.update(ids)
         return out
 
-    def step_shape(self, requests: list[DiffusionRequest] | None = None) -> tuple[int, int]:
-        """(rows, tokens of the longest row) of a step of ``requests`` (default:
-        the running ones); (0, 0) without a ``tokens`` function."""
+    def step_tokens(self, requests: list[DiffusionRequest] | None = None) -> tuple[int, int]:
+        """(rows, tokens computed) of a step of ``requests`` (default: the
+        running ones), as the module counts them; (0, 0) without ``tokens``."""
         if self._tokens is None:
             return 0, 0
         if requests is None:
             requests = [record.request for record in self._running]
-        shapes = [self._tokens(request) for request in requests]
-        return sum(rows for rows, _ in shapes), max((t for _, t in shapes), default=0)
+        return self._count([self._tokens(request) for request in requests])
+
+    def _count(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
+        rows = sum(n for n, _ in shapes)
+        if self.padded:
+            return rows, rows * max((t for _, t in shapes), default=0)
+        return rows, sum(n * t for n, t in shapes)
 
     def _within_budget(self, chosen: list[RequestRecord]) -> list[RequestRecord]:
         """The memory budget's prefix, then the prefix that keeps the step within
@@ -100,14 +107,14 @@ class StepScheduler(BaseScheduler):
         chosen = super()._within_budget(chosen)
         if not self.token_budget or self._tokens is None or not chosen:
             return chosen
-        rows, longest = self.step_shape()
+        shapes = [self._tokens(record.request) for record in self._running]
         kept: list[RequestRecord] = []
         for record in chosen:
-            more, tokens = self._tokens(record.request)
-            if (rows + more) * max(longest, tokens) > self.token_budget and (self._running or kept):
+            shape = self._tokens(record.request)
+            if self._count([*shapes, shape])[1] > self.token_budget and (self._running or kept):
                 break
             kept.append(record)
-            rows, longest = rows + more, max(longest, tokens)
+            shapes.append(shape)
         return kept
 
     def _steps_for_tick(self, drops: list[str]) -> int:

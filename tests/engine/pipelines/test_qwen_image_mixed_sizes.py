@@ -33,7 +33,7 @@ def folder(tmp_path_factory):
 def mixed(folder):
     with shared_engine(DiffusionEngine.make_engine(EngineConfig(
             model=folder, executor_backend="inproc", step_execution=True, max_num_seqs=8,
-            warmup=False))) as engine:
+            warmup=False, mixed_rows="padded"))) as engine:
         yield engine
 
 
