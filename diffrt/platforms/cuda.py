@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
 from diffrt.platforms.accelerator import TorchAcceleratorPlatform
+
+
+@functools.cache
+def _flash_attn_varlen() -> Callable[..., Any] | None:
+    """flash-attention 2's ``flash_attn_varlen_func``, where the package is installed."""
+    try:
+        from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
 
 
 class CudaPlatform(TorchAcceleratorPlatform):
@@ -17,3 +33,18 @@ class CudaPlatform(TorchAcceleratorPlatform):
     event_sync_sleeps = True
     # torch's public cudart() binding (ROCm's torch maps it to hipHostRegister)
     host_register_api = ("cudart", "cudaHostRegister", "cudaHostUnregister")
+
+    def varlen_attention(self, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+        """flash-attention's ``flash_attn_varlen_func(q, k, v, cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False)`` with the same
+        offsets for queries and keys, for the half types it computes in (it
+        has no float32 kernel); None without the package."""
+        varlen = _flash_attn_varlen()
+        if varlen is None or dtype not in (torch.float16, torch.bfloat16):
+            return None
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                   longest: int) -> torch.Tensor:
+            return varlen(q, k, v, starts, starts, longest, longest, causal=False)
+
+        return attend

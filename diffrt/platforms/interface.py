@@ -136,6 +136,16 @@ class Platform:
         (callers then never trim for size)."""
         return None
 
+    def varlen_attention(self, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+        """The vendor's variable-length attention for ``dtype``, or None:
+        ``f(q, k, v, starts, longest)`` with q/k/v (tokens, heads, dim), several
+        sequences packed one after another, ``starts`` their int32 offsets
+        (sequences + 1, from 0), ``longest`` the longest, each sequence
+        attending to itself alone: softmax(q k^T / sqrt(dim)) v. Rows
+        of several sizes in one padded call attend through it
+        (``pipelines.segments.masked_attention``); None: SDPA with a mask."""
+        return None
+
     def reset_peak_memory(self) -> None:
         """Start a new measure for ``peak_memory_bytes`` (before an execute)."""
 

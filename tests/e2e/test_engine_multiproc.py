@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from leaks import alive, arena_mappings, arena_refs
 from waiting import wait_until
@@ -26,9 +27,13 @@ from diffrt.engine import (
 from diffrt.engine.runner_messages import CountStepStates, StepStateCount
 
 
-def req(seed: int, steps: int = 3) -> DiffusionRequest:
+def req(seed: int, steps: int = 3, size: tuple[int, int] = (64, 64)) -> DiffusionRequest:
     return DiffusionRequest(prompt=f"a red fox {seed}", sampling_params=SamplingParams(
-        height=64, width=64, num_inference_steps=steps, seed=seed))
+        height=size[0], width=size[1], num_inference_steps=steps, seed=seed))
+
+
+#: the streaming test's requests: three sizes sharing steps in the worker process
+SIZES = [(64, 64), (128, 64), (64, 128)]
 
 
 ENGINE_TESTS = Path(__file__).resolve().parents[1] / "engine"
@@ -46,7 +51,7 @@ def make_step_engine() -> DiffusionEngine:
         model="tiny-flux", step_execution=True, max_num_seqs=4, async_output=True))
 
 
-def test_step_mode_streams_across_processes_and_close_leaves_nothing():
+def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_engine):
     """One engine's whole life: progress streamed from a worker process, outputs
     through the arena, then close. The output arena is a memfd: it lives in the
     mappings and descriptors of this process and of the output rank, never in
@@ -63,14 +68,22 @@ def test_step_mode_streams_across_processes_and_close_leaves_nothing():
             return [o async for o in engine.step_streaming(request)]
 
         async def main():
-            return await asyncio.gather(*(collect(req(i, 2 + i)) for i in range(3)))
+            return await asyncio.gather(*(collect(req(i, 2 + i, SIZES[i])) for i in range(3)))
 
         results = asyncio.run(main())
         for i, outs in enumerate(results):
             assert [o.step for o in outs] == list(range(1, 3 + i))
-            assert outs[-1].ok and outs[-1].images[0].size == (64, 64)
+            assert outs[-1].ok and outs[-1].images[0].size == SIZES[i][::-1]
             m = outs[-1].metrics
             assert m.output_wait is not None and m.postprocess_time is not None
+        # the three sizes shared steps, and each is its own image alone (in-process)
+        rows = engine.stats().step_batch_rows
+        assert sum(rows.counts[1:]) > 0  # a step of two rows or more: two sizes
+        for i, outs in enumerate(results):
+            alone = flux_step_engine.generate(req(i, 2 + i, SIZES[i]))
+            diff = np.abs(np.asarray(outs[-1].images[0]).astype(int)
+                          - np.asarray(alone.images[0]).astype(int))
+            assert diff.max() <= 1
         assert engine.is_healthy()
         assert engine.executor.collective_rpc(CountStepStates()) == [StepStateCount(0)]
     finally:

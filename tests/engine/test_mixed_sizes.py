@@ -8,6 +8,7 @@ a token budget smaller than the batch admits the rest later; with
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import numpy as np
 import pytest
@@ -147,3 +148,58 @@ def test_without_mixed_size_batching_sizes_run_apart():
         assert all(o.ok for o in outs)
         # never more rows in a step than one size's (the 64x128 request: 2)
         assert sum(after.counts[2:]) == sum(before.counts[2:])
+
+
+# -- a vendor's variable-length attention --------------------------------------------------
+def reference_varlen(calls: list[int]):
+    """A variable-length attention as ``Platform.varlen_attention`` returns
+    one: each packed sequence attends to itself (torch's SDPA, one at a time)."""
+    import torch
+    import torch.nn.functional as F
+
+    def attend(q, k, v, starts, longest):
+        calls.append(len(starts) - 1)
+        bounds = starts.tolist()
+        assert max(b - a for a, b in itertools.pairwise(bounds)) == longest
+        return torch.cat([F.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1)[None] for x in (q, k, v)))[0].transpose(0, 1)
+            for a, b in itertools.pairwise(bounds)])
+
+    return attend
+
+
+def test_masked_attention_through_varlen_equals_the_masked_sdpa(monkeypatch):
+    import torch
+
+    from diffrt.engine.pipelines.segments import masked_attention
+    from diffrt.platforms import current_platform
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 10, 8) for _ in range(3))
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[0, 7:] = False
+    mask[1, 2:4] = False  # not a prefix: text padding before the image tokens
+    want = masked_attention(q, k, v, mask)
+    calls: list[int] = []
+    monkeypatch.setattr(current_platform, "varlen_attention",
+                        lambda dtype: reference_varlen(calls))
+    got = masked_attention(q, k, v, mask)
+    assert calls == [3]
+    real = mask[:, None, :, None].expand_as(got)
+    assert torch.allclose(got[real], want[real], atol=1e-5)
+    assert not got[~real].any()  # a padded query's output: 0, never read
+
+
+def test_a_padded_step_attends_through_the_platforms_varlen(monkeypatch):
+    from diffrt.platforms import current_platform
+
+    calls: list[int] = []
+    with shared_engine(DiffusionEngine.make_engine(engine_config(mixed_rows="padded"))) as engine:
+        alone = [engine.generate(r) for r in batch(cfg=False)]
+        assert calls == []  # one size a call: diffusers' own forward
+        monkeypatch.setattr(current_platform, "varlen_attention",
+                            lambda dtype: reference_varlen(calls))
+        together = engine.generate(batch(cfg=False))
+    for got, want in zip(together, alone, strict=True):
+        assert_same(got, want)
+    assert calls and max(calls) == 5  # the five rows of the first steps

@@ -359,3 +359,33 @@ def test_the_cpu_platform_trims_the_c_heap_and_reads_its_resident_set(tmp_path):
     assert resident_bytes(str(tmp_path / "none")) is None  # not Linux: cannot tell
     if libc_malloc_trim() is not None:  # glibc
         CpuPlatform().trim_memory()
+
+
+def test_cuda_offers_flash_attentions_varlen_for_half_types(monkeypatch):
+    """``flash_attn_varlen_func`` with the same offsets for queries and keys,
+    not causal; None for float32 (no such kernel) and without the package."""
+    import sys
+    import types
+
+    import torch
+
+    from diffrt.platforms import cuda
+
+    calls: list[tuple] = []
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = lambda *a, **kw: calls.append((a, kw)) or "out"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    cuda._flash_attn_varlen.cache_clear()
+    try:
+        platform = cuda.CudaPlatform()
+        assert platform.varlen_attention(torch.float32) is None
+        attend = platform.varlen_attention(torch.bfloat16)
+        starts = torch.tensor([0, 3, 5], dtype=torch.int32)
+        assert attend("q", "k", "v", starts, 3) == "out"
+        (args, kwargs), = calls
+        assert args == ("q", "k", "v", starts, starts, 3, 3) and kwargs == {"causal": False}
+        monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
+        cuda._flash_attn_varlen.cache_clear()
+        assert platform.varlen_attention(torch.float16) is None
+    finally:
+        cuda._flash_attn_varlen.cache_clear()

@@ -16,7 +16,11 @@ among them, each diffrt's uniform path. Measured on CPU (tiny-flux and
 diffrt-shapes, 32 requests of five sizes at concurrency 16), ``by_size`` was
 5-7 % faster: a CPU gains nothing from one larger call, and padding costs its
 computed tokens and attention's mask. On a device one call saves launches, so
-``auto`` pads there (not measured here: no device was lent).
+``auto`` pads there (not measured here: no device was lent). Where the
+platform supplies a variable-length attention (``Platform.varlen_attention``:
+flash-attention's ``flash_attn_varlen_func`` on CUDA and ROCm when installed),
+a padded call's attention runs over each row's real tokens only
+(``masked_attention``), so padding costs only the linear layers.
 
 In ``padded`` mode rows of different image sizes share a call by padding: every row's image
 tokens are zero-padded at the end to the call's longest row, and attention
@@ -92,3 +96,35 @@ def resolve_mixed_rows(setting: str, platform: Platform) -> Literal["padded", "b
     if setting == "auto":
         return "by_size" if platform.device_type == "cpu" else "padded"
     return "by_size" if setting == "by_size" else "padded"
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     key_mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of rows whose keys ``key_mask`` (rows, tokens; True: a real
+    token) marks, ``query``/``key``/``value`` (rows, heads, tokens, dim) as
+    torch's SDPA takes them. Through the platform's variable-length attention
+    when it has one for this dtype: each row's real tokens packed one after
+    another, attending to their own row's (a padded query's output is 0,
+    never read); else SDPA with the mask."""
+    import torch.nn.functional as F
+
+    if key_mask is None:
+        return F.scaled_dot_product_attention(query, key, value)
+    from diffrt.platforms import current_platform
+
+    varlen = current_platform.varlen_attention(query.dtype)
+    if varlen is None:
+        return F.scaled_dot_product_attention(query, key, value,
+                                              attn_mask=key_mask[:, None, None, :])
+    rows, heads, tokens, dim = query.shape
+    real = key_mask.reshape(-1).nonzero().squeeze(1)
+    lengths = key_mask.sum(dim=1, dtype=torch.int32)
+    starts = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+    def packed(x: torch.Tensor) -> torch.Tensor:  # (real tokens, heads, dim)
+        return x.transpose(1, 2).reshape(rows * tokens, heads, -1)[real]
+
+    out = varlen(packed(query), packed(key), packed(value), starts, int(lengths.max()))
+    full = out.new_zeros(rows * tokens, heads, out.shape[-1])
+    full[real] = out
+    return full.view(rows, tokens, heads, -1).transpose(1, 2)

@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from diffrt.engine.pipelines.segments import masked_attention
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -57,9 +58,8 @@ class RowsAttnProcessor:
         if image_rotary_emb is not None:
             cos, sin = image_rotary_emb
             query, key = rotate(query, cos, sin), rotate(key, cos, sin)
-        mask = None if attention_mask is None else attention_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
-                                             value.transpose(1, 2), attn_mask=mask)
+        out = masked_attention(query.transpose(1, 2), key.transpose(1, 2),
+                               value.transpose(1, 2), attention_mask)
         out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out

@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from diffrt.engine.pipelines.segments import masked_attention
 
 
 def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -76,8 +77,7 @@ class RowsAttnProcessor:
         # text first, then image, as diffusers' processor
         query, key, value = (torch.cat([t, i], dim=1).transpose(1, 2)
                              for t, i in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
-        mask = None if attention_mask is None else attention_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+        out = masked_attention(query, key, value, attention_mask)
         out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
         text = encoder_hidden_states.shape[1]
         image = attn.to_out[0](out[:, text:].contiguous())

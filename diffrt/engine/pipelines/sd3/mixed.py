@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from diffrt.engine.pipelines.sd3.patches import unpatchify
-from diffrt.engine.pipelines.segments import RowLayout
+from diffrt.engine.pipelines.segments import RowLayout, masked_attention
 
 
 class RowsJointAttnProcessor:
@@ -73,8 +73,7 @@ class RowsJointAttnProcessor:
             value = torch.cat([value, text_v], dim=2)
             if mask is not None:
                 mask = F.pad(mask, (0, encoder_hidden_states.shape[1]), value=True)
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=None if mask is None else mask[:, None, None, :])
+        out = masked_attention(query, key, value, mask)
         out = out.transpose(1, 2).reshape(b, -1, attn.heads * head_dim).to(query.dtype)
         out, text = out[:, :image], out[:, image:]
         out = attn.to_out[1](attn.to_out[0](out))
