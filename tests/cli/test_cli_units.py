@@ -77,6 +77,7 @@ def test_results_table_shows_ratios_against_the_first():
              "p50_vs_first": 0.5, **summarize([Sample(0.05, True, 1)], 0.5), **text_b}]
     text = render_results(rows)
     assert "x first" in text and "encode ms" in text and "cache hit" in text
+    assert "rows/step" in text and "tokens/step" in text
     assert "load: per configuration" in text  # the two loads differ in distinct prompts
     line_b = [ln for ln in text.splitlines() if ln.startswith("b ")][0]
     assert "2.00x" in line_b and "0.50x" in line_b and "75%" in line_b
@@ -310,3 +311,21 @@ def test_serve_on_ray_without_the_extra_names_it(monkeypatch, capsys):
     assert main(["serve", "--replicas", "2", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'diffrt[ray]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_reports_mean_rows_and_tokens_per_step():
+    """From two stats snapshots: the steps between them, their rows and tokens;
+    None when no step was counted (request mode)."""
+    from types import SimpleNamespace
+
+    from diffrt.cli.bench import step_batch_summary
+    from diffrt.engine.stats import Histogram
+
+    def snap(steps: int, rows: float, tokens: float):
+        return SimpleNamespace(step_batch_rows=Histogram((1,), (0, steps), rows),
+                               step_batch_tokens=Histogram((1,), (0, steps), tokens))
+
+    assert step_batch_summary(snap(2, 4, 1000), snap(6, 24, 9000)) == {
+        "step_rows_mean": 5.0, "step_tokens_mean": 2000.0}
+    assert step_batch_summary(snap(2, 4, 1000), snap(2, 4, 1000)) == {
+        "step_rows_mean": None, "step_tokens_mean": None}

@@ -451,7 +451,8 @@ def test_metrics_are_prometheus_text(flux_app):
                  'diffrt_request_latency_seconds_bucket{le="+Inf"}',
                  "diffrt_queue_wait_seconds_count", "diffrt_step_seconds_sum",
                  "diffrt_output_wait_seconds_bucket", "diffrt_prompts_encoded_total",
-                 "diffrt_prompt_cache_hits_total", 'diffrt_http_responses_total{code="200"}'):
+                 "diffrt_prompt_cache_hits_total", 'diffrt_http_responses_total{code="200"}',
+                 'diffrt_step_batch_rows_bucket{le="1.0"}', "diffrt_step_batch_tokens_sum"):
         assert name in text, name
     buckets = [float(v) for v in re.findall(
         r'^diffrt_request_latency_seconds_bucket\{le="[^"]+"\} (\S+)$', text, re.M)]
