@@ -103,6 +103,10 @@ class _Hold:
             record.held = False
 
 
+#: the second calibration request has at least this many times the first's work
+CALIBRATION_WORK_RATIO = 2.0
+
+
 class DiffusionEngine:
     """Serves one model; see the module docstring for the request path."""
 
@@ -259,16 +263,32 @@ class DiffusionEngine:
             raise EngineWarmupError(f"warm-up request failed: {out.error}")
 
     def _calibration_requests(self) -> list[DiffusionRequest]:
-        """Two steps at the warm-up's side and at twice it (within the model's
-        limits): the run-time estimate's first measurements, on warm kernels,
-        of two sizes (what tells a step's overhead from its per-token cost)."""
-        multiple, side = self.spec.size_multiple, self.spec.warmup_size()
-        sizes = dict.fromkeys(max(multiple, min(s, self.spec.max_size // multiple * multiple))
-                              for s in (side, 2 * side))
-        return [DiffusionRequest(
-            prompt="calibration", request_id=f"calibrate-{uuid.uuid4().hex[:8]}",
-            sampling_params=SamplingParams(height=size, width=size, num_inference_steps=2,
-                                           seed=0, guidance_scale=1.0)) for size in sizes]
+        """The run-time estimate's first measurements, on warm kernels, at two
+        sizes far enough apart in work to tell a step's overhead from its
+        per-unit cost (``run_time.MIN_SPREAD``): the warm-up's side, and the
+        smallest side (within the model's limits) with at least ``CALIBRATION_WORK_RATIO`` times its work — text tokens dominate
+        a small image's row, so twice the side is not always enough. Each
+        runs two worker calls' worth of steps (so prompt encoding and the
+        decode weigh on few of them), with a prompt of its own (the prompt
+        cache would spare the second its encoding)."""
+        spec, multiple = self.spec, self.spec.size_multiple
+        largest = spec.max_size // multiple * multiple
+
+        def request(i: int, side: int) -> DiffusionRequest:
+            return DiffusionRequest(
+                prompt=f"calibration {i}", request_id=f"calibrate-{uuid.uuid4().hex[:8]}",
+                sampling_params=SamplingParams(
+                    height=side, width=side, seed=0, guidance_scale=1.0,
+                    num_inference_steps=2 * self.config.scheduling.max_steps_per_tick))
+
+        first = request(0, spec.warmup_size())
+        side, work = spec.warmup_size(), self.run_time.units(spec.with_defaults(first))
+        while side + multiple <= largest:
+            side += multiple
+            if self.run_time.units(spec.with_defaults(request(1, side))) >= (
+                    CALIBRATION_WORK_RATIO * work):
+                break
+        return [first] if side == spec.warmup_size() else [first, request(1, side)]
 
     def _warmup(self) -> None:
         """The warm-up request (cold: loads kernels, allocates buffers), then the

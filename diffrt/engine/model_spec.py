@@ -57,11 +57,11 @@ REQUEST_BATCH_FIELDS = ("height", "width", "num_inference_steps", "guidance_scal
 #: what two requests must agree on to share a denoise step: each keeps its own
 #: noise scheduler (step counts may differ) and guidance is applied per row
 STEP_BATCH_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type", "lora_name")
-#: what two requests must agree on to share a denoise step when rows of
-#: different sizes share a transformer call (``ModelSpec.mixed_sizes``):
-#: sizes, output counts and output types may differ (rows are padded, decodes
-#: grouped by size); the adapter may not (the LoRA issue lifts it)
-MIXED_STEP_BATCH_FIELDS = ("lora_name",)
+#: the step batch fields that may differ within a step where the pipeline runs
+#: rows of different sizes together (``ModelSpec.mixed_sizes``): sizes, output
+#: counts and output types (decodes are grouped by size and output type); the
+#: rest of ``step_batch_fields`` (the adapter, until the LoRA issue) must match
+MIXED_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type")
 
 
 class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,9 +116,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     supports_request_batch: bool = False
     #: the step protocol (STEP_BATCH)
     supports_step_execution: bool = False
-    #: STEP_BATCH: rows of different image sizes share one transformer call
-    #: (the pipeline pads them, ``pipelines.segments``), so requests of
-    #: different sizes share a step (``mixed_step_batch_key``)
+    #: STEP_BATCH: the pipeline runs rows of different image sizes in one step
+    #: (one padded transformer call, or a call per size: ``pipelines.segments``),
+    #: so requests of different sizes share a step (``mixed_step_batch_key``)
     mixed_sizes: bool = False
     parallel: ParallelSupport = ParallelSupport()
     #: module names (diffusers' ``target_modules``) a LoRA adapter may change;
@@ -222,10 +222,12 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def mixed_step_batch_key(self, request: DiffusionRequest) -> tuple:
         """What must match for two requests to share a denoise step when sizes
-        may differ (``mixed_sizes``): ``MIXED_STEP_BATCH_FIELDS`` and whether
-        CFG runs (a call runs both branches for all its rows or for none)."""
+        may differ (``mixed_sizes``): ``step_batch_fields`` less
+        ``MIXED_FIELDS``, and whether CFG runs (a call runs both branches for
+        all its rows or for none)."""
         params = request.sampling_params
-        return (*(getattr(params, f) for f in MIXED_STEP_BATCH_FIELDS), self.uses_cfg(request))
+        return (*(getattr(params, f) for f in self.step_batch_fields if f not in MIXED_FIELDS),
+                self.uses_cfg(request))
 
     # -- parallelism -----------------------------------------------------------------------------
     def check_parallel(self, degrees: ParallelDegrees, vae_parallel: bool = False) -> None:

@@ -97,8 +97,9 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
         "STEP_BATCH: denoise steps one worker call may run while no request waits to join "
         "(a request arriving meanwhile waits at most this many steps); 1: one per call"))] = 4
     max_num_batched_tokens: Annotated[Annotated[int, Meta(ge=0)] | None, Meta(description=(
-        "STEP_BATCH: the tokens one denoise step may compute, rows (outputs, twice with "
-        "CFG) x the longest row's text + image tokens; a request that would pass it waits "
+        "STEP_BATCH: the tokens one denoise step may compute: each row's (outputs, twice "
+        "with CFG) text + image tokens, summed; with mixed_rows padded every row counts the "
+        "longest row's; a request that would pass it waits "
         "for a later step (alone it always runs); None: derived at warm-up from the "
         "measured step times; 0: no bound"))] = None
     mixed_size_batching: Annotated[bool, Meta(description=(

@@ -76,8 +76,9 @@ class EngineStats:
     #: ``DiffusionEngine.stall()``: why the engine counts as stalled, else None
     stall: str | None = None
     #: STEP_BATCH: the rows of each denoise step (outputs, twice with CFG), and
-    #: the tokens it computed (rows x the longest row's text + image tokens:
-    #: rows of different sizes are padded to the longest)
+    #: the tokens it computed (each row's text + image tokens, summed; every
+    #: row the longest row's when rows of several sizes are padded into one
+    #: call, ``mixed_rows="padded"``)
     step_batch_rows: Histogram = field(default_factory=lambda: _Buckets(STEP_ROWS_BUCKETS).snapshot())
     step_batch_tokens: Histogram = field(
         default_factory=lambda: _Buckets(STEP_TOKENS_BUCKETS).snapshot())

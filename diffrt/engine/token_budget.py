@@ -12,8 +12,12 @@ errs large). Past it a step gains at most that share in throughput and
 costs its requests' latency in full.
 
 It is derived once, at warm-up, from the calibration requests of two sizes
-(the fit needs two to tell ``o`` from ``k``). Where ``o`` is not measurably
-above zero, a larger step gains nothing and there is no bound.
+(the fit needs two, far enough apart in work, to tell ``o`` from ``k``;
+``DiffusionEngine._calibration_requests``). Their ticks also carry the
+requests' prompt encoding and decode, which the fit reads as overhead: the
+derived budget errs large. Where ``o`` is not measurably above zero — a
+compute-bound step, as tiny-flux's and tiny-sd3's on a CPU — a larger step
+gains nothing and there is no bound.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ OVERHEAD_SHARE = 0.1
 
 def derived_token_budget(coefficients: tuple[float, float] | None) -> int | None:
     """Tokens a step may take by default, from the run-time fit ``(o, k)``
-    (seconds of overhead a step, seconds a token); None: no bound."""
+    (seconds of overhead a step, seconds a work unit — about a token while
+    attention's quadratic term is small); None: no bound."""
     if coefficients is None:
         return None
-    overhead, per_token = coefficients
-    if overhead <= 0 or per_token <= 0:
+    overhead, per_unit = coefficients
+    if overhead <= 0 or per_unit <= 0:
         return None
-    return max(1, round(overhead * (1 - OVERHEAD_SHARE) / OVERHEAD_SHARE / per_token))
+    return max(1, round(overhead * (1 - OVERHEAD_SHARE) / OVERHEAD_SHARE / per_unit))

@@ -30,7 +30,7 @@ HISTOGRAMS = (
     ("diffrt_step_batch_rows", "step_batch_rows",
      "Rows of one denoise step (outputs, twice with CFG; step mode)"),
     ("diffrt_step_batch_tokens", "step_batch_tokens",
-     "Tokens one denoise step computed: rows x the longest row's text and image tokens "
+     "Tokens one denoise step computed: each row's text and image tokens, summed "
      "(step mode)"),
 )
 

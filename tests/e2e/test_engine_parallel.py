@@ -86,6 +86,17 @@ def test_cfg_parallel_matches_one_rank_batched(step, one_rank):
     assert_close(without, one_rank["tiny-sd3", False])
 
 
+def test_cfg_parallel_shares_out_a_padded_mixed_step(one_rank):
+    """Two ranks, Flux, rows of two sizes (64 and 48 px) padded into one call:
+    a CFG batch runs a branch on each rank; a CFG-less batch shares its rows
+    out, each rank's share as long as its own longest row."""
+    with_cfg, without = on_ranks(
+        [requests("mixcfg", model="tiny-flux"), requests("mix", model="tiny-flux", cfg=False)],
+        model="tiny-flux", cfg_parallel_size=2, step_execution=True, mixed_rows="padded")
+    assert_close(with_cfg, one_rank["tiny-flux", True])
+    assert_close(without, one_rank["tiny-flux", False])
+
+
 @pytest.mark.parametrize("model,method,step", [
     ("tiny-flux", "ulysses_degree", False), ("tiny-flux", "ulysses_degree", True),
     ("tiny-flux", "ring_degree", True), ("tiny-sd3", "ulysses_degree", True),

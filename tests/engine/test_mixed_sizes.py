@@ -117,8 +117,11 @@ def test_requests_join_and_leave_mid_way(mixed):
         third = asyncio.ensure_future(finals(short))
         return await asyncio.gather(first, second, third)
 
+    before = mixed.stats().step_batch_rows
     for got, req in zip(asyncio.run(run()), (long, joiner, short), strict=True):
         assert_same(got, alone[req.prompt])
+    after = mixed.stats().step_batch_rows
+    assert sum(after.counts[1:]) > sum(before.counts[1:])  # some step ran two sizes
 
 
 def test_a_token_budget_smaller_than_the_batch_admits_the_rest_later():

@@ -358,9 +358,14 @@ class FlowMatchPipeline(DiffusionPipeline):
 
                 rows = latents.shape[0]
                 mine = rows_here(rows, self.cfg_parallel_group)
-                pred = self.transformer_forward(latents[mine], timesteps[mine], cond.embeds[mine],
-                                                cond.extra[mine], guidance[mine],
-                                                layout.rows(mine))
+                # this rank's rows as long as their own longest (a padded step's
+                # rows are the whole step's longest), padded back before the gather
+                sub = layout.rows(mine)
+                pred = self.transformer_forward(
+                    latents[mine][:, :sub.longest], timesteps[mine], cond.embeds[mine],
+                    cond.extra[mine], guidance[mine], sub)
+                if pred.shape[1] != latents.shape[1]:
+                    pred = pad_tokens([pred], latents.shape[1])
                 return gather_rows(pred, rows, self.cfg_parallel_group)
             return self.transformer_forward(
                 latents, timesteps, cond.embeds, cond.extra, guidance, layout

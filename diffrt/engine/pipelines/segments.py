@@ -3,19 +3,25 @@
 A *row* is one image's pass through the transformer: a request has
 ``num_outputs_per_prompt`` rows, and twice that while classifier-free
 guidance runs both branches in one call (``ModelSpec.rows`` counts the same).
-A request's *segment* is its rows in a call together with the token range
-each of them fills: ``[0, tokens)`` of the call's sequence, where ``tokens``
-is its image's token count (text tokens come first and are the same for
-every row of a family with fixed-length prompts). The later per-request
-capabilities (adapters, caches) index a call by segment.
+A request's *segment* is its rows in a call (consecutive: states are laid out
+in order) together with the image-token range each of them fills, ``[0,
+tokens)`` of the call's image tokens (``RowLayout.tokens``; where the text
+sits around them is the family's: before them in Flux and Qwen-Image, after
+them in SD3). The later per-request capabilities (adapters, caches) index a
+call by segment; this module has the layout they build on (``RowLayout``),
+not yet a segment type of its own.
 
 Rows of different sizes share a *step* in one of two ways
 (``ModelConfig.mixed_rows``, resolved by ``resolve_mixed_rows``): ``padded``,
 one transformer call for all rows (below), or ``by_size``, one call per size
-among them, each diffrt's uniform path. Measured on CPU (tiny-flux and
-diffrt-shapes, 32 requests of five sizes at concurrency 16), ``by_size`` was
-5-7 % faster: a CPU gains nothing from one larger call, and padding costs its
-computed tokens and attention's mask. On a device one call saves launches, so
+among them, each diffrt's uniform path. Measured on CPU (32 requests of five
+sizes at concurrency 16, in-process, one run each), ``by_size`` took 35.7 s
+against ``padded``'s 42.8 s on diffrt-shapes and 3.49 s against 3.78 s on
+tiny-flux: a CPU gains nothing from one larger call, and padding costs its
+computed tokens and attention's mask. Padded steps run the transformer's
+modules eagerly, outside a ``torch.compile``d forward (``compile``), and the
+memory budget estimates each request as if unpadded (on CPU, where
+``by_size`` is the default, nothing is padded). On a device one call saves launches, so
 ``auto`` pads there (not measured here: no device was lent). Where the
 platform supplies a variable-length attention (``Platform.varlen_attention``:
 flash-attention's ``flash_attn_varlen_func`` on CUDA and ROCm when installed),
