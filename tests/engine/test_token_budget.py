@@ -98,16 +98,24 @@ def test_a_bad_budget_is_refused_naming_the_field(value):
 
 
 def test_the_engine_derives_its_budget_at_warm_up():
-    """Two calibration sizes at warm-up give the fit an overhead, and the
-    budget follows from it (None only where it measured none). diffrt-shapes:
-    16 text tokens, so its two calibration sizes differ enough in work."""
+    """Two calibration sizes at warm-up, far enough apart in work, give the
+    fit its overhead, and the budget follows from it (None where it measured
+    none: on this CPU every tiny model's step is compute-bound)."""
     from diffrt.engine import DiffusionEngine
+
+    from diffrt.engine.engine import CALIBRATION_WORK_RATIO
+    from diffrt.engine.run_time import MIN_SPREAD
 
     with DiffusionEngine.make_engine(EngineConfig(
             executor_backend="inproc", step_execution=True, max_num_seqs=4)) as engine:
         fit = engine.run_time.coefficients
         assert fit is not None
         assert engine.scheduler.token_budget == derived_token_budget(fit)
+        # the two calibration sizes differ enough in work for the fit to tell o from k
+        small, large = (engine.run_time.units(engine.spec.with_defaults(r))
+                        for r in engine._calibration_requests())
+        assert large >= CALIBRATION_WORK_RATIO * small
+        assert (large - small) / (large + small) >= MIN_SPREAD
     with DiffusionEngine.make_engine(EngineConfig(
             executor_backend="inproc", step_execution=True, max_num_seqs=4,
             max_num_batched_tokens=0)) as engine:
