@@ -108,62 +108,6 @@ def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, 
     return [s.latency for s in samples], wall, {k: after[k] - before[k] for k in after}
 
 
-class SerialPeer:
-    """diffusers behind a lock: one request at a time, in arrival order."""
-
-    def __init__(self, pipe: Any) -> None:
-        self.pipe, self.lock = pipe, asyncio.Lock()
-
-    async def run(self, i: int, height: int, width: int, steps: int) -> None:
-        async with self.lock:
-            await asyncio.to_thread(_peer_call, self.pipe, [i], height, width, steps)
-
-
-class StaticBatcherPeer:
-    """Groups by (size, steps); a group runs when it has ``batch`` requests or its
-    oldest waited ``wait_s``; one pipeline call at a time, the oldest due group first."""
-
-    def __init__(self, pipe: Any, batch: int = MAX_NUM_SEQS, wait_s: float = STATIC_WAIT_S):
-        self.pipe, self.batch, self.wait_s = pipe, batch, wait_s
-        self.groups: dict[tuple[int, int, int], list[tuple[float, int, asyncio.Future]]] = (
-            defaultdict(list))
-        self.wake = asyncio.Event()
-        self.task: asyncio.Task | None = None
-
-    async def run(self, i: int, height: int, width: int, steps: int) -> None:
-        if self.task is None:
-            self.task = asyncio.create_task(self._loop())
-        fut = asyncio.get_running_loop().create_future()
-        self.groups[(height, width, steps)].append((time.perf_counter(), i, fut))
-        self.wake.set()
-        await fut
-
-    def _due(self) -> tuple[int, int, int] | None:
-        now = time.perf_counter()
-        due = [(items[0][0], key) for key, items in self.groups.items()
-               if items and (len(items) >= self.batch or now - items[0][0] >= self.wait_s)]
-        return min(due)[1] if due else None
-
-    async def _loop(self) -> None:
-        while True:
-            key = self._due()
-            if key is None:
-                self.wake.clear()
-                oldest = [items[0][0] for items in self.groups.values() if items]
-                timeout = (max(0.0, min(oldest) + self.wait_s - time.perf_counter())
-                           if oldest else None)
-                try:
-                    await asyncio.wait_for(self.wake.wait(), timeout)
-                except TimeoutError:
-                    pass
-                continue
-            items = self.groups[key][:self.batch]
-            del self.groups[key][:self.batch]
-            await asyncio.to_thread(_peer_call, self.pipe, [i for _, i, _ in items], *key)
-            for _, _, fut in items:
-                fut.set_result(None)
-
-
 def _peer_call(pipe: Any, seeds: list[int], height: int, width: int, steps: int) -> None:
     import torch
 
@@ -186,7 +130,8 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
     for stage in stage_timers.TOTALS:
         stage_timers.TOTALS[stage] = 0.0
     mix = traffic(spec["requests"], spec["seed"])
-    peer = (SerialPeer(pipe) if spec["system"] == "diffusers serial" else StaticBatcherPeer(pipe))
+    peer = (SerialPeer(pipe, _peer_call) if spec["system"] == "diffusers serial"
+            else StaticBatcherPeer(pipe, _peer_call, MAX_NUM_SEQS, STATIC_WAIT_S))
     rate = spec.get("rate")
 
     async def main() -> tuple[list[float], float, dict]:
@@ -320,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 import stage_timers  # noqa: E402  (after HERE is on sys.path)
+from diffusers_peers import SerialPeer, StaticBatcherPeer  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -122,64 +122,9 @@ def _mix(n: int, seed: int) -> list[tuple[int, int]]:
     return [(rng.choice(MIX_SIZES), rng.choice(MIX_STEPS)) for _ in range(n)]
 
 
-class SerialPeer:
-    """diffusers behind a lock: one request at a time, in arrival order."""
-
-    def __init__(self) -> None:
-        self.pipe = _peer_pipeline()
-        self.lock = asyncio.Lock()
-
-    async def run(self, i: int, size: int, steps: int) -> None:
-        async with self.lock:
-            await asyncio.to_thread(_peer_call, self.pipe, [f"a red fox {i}"], size, steps, i)
-
-
-class StaticBatcherPeer:
-    """Groups requests by (size, steps); a group runs when it has 8 or its
-    oldest request waited 2 s; one pipeline call at a time, oldest group first."""
-
-    def __init__(self, batch: int = 8, wait_s: float = 2.0) -> None:
-        self.pipe = _peer_pipeline()
-        self.batch, self.wait_s = batch, wait_s
-        self.groups: dict[tuple[int, int], list[tuple[float, int, asyncio.Future]]] = (
-            defaultdict(list))
-        self.wake = asyncio.Event()
-        self.task: asyncio.Task | None = None
-
-    async def run(self, i: int, size: int, steps: int) -> None:
-        if self.task is None:
-            self.task = asyncio.create_task(self._loop())
-        fut = asyncio.get_running_loop().create_future()
-        self.groups[(size, steps)].append((time.perf_counter(), i, fut))
-        self.wake.set()
-        await fut
-
-    def _ready(self) -> tuple[int, int] | None:
-        now = time.perf_counter()
-        due = [(items[0][0], key) for key, items in self.groups.items()
-               if items and (len(items) >= self.batch or now - items[0][0] >= self.wait_s)]
-        return min(due)[1] if due else None
-
-    async def _loop(self) -> None:
-        while True:
-            key = self._ready()
-            if key is None:
-                self.wake.clear()
-                pending = [items[0][0] for items in self.groups.values() if items]
-                timeout = (max(0.0, min(pending) + self.wait_s - time.perf_counter())
-                           if pending else None)
-                try:
-                    await asyncio.wait_for(self.wake.wait(), timeout)
-                except TimeoutError:
-                    pass
-                continue
-            items = self.groups[key][:self.batch]
-            del self.groups[key][:self.batch]
-            size, steps = key
-            await asyncio.to_thread(_peer_call, self.pipe, [f"a red fox {i}" for _, i, _ in items],
-                                    size, steps, items[0][1])
-            for _, _, fut in items:
-                fut.set_result(None)
+def _peer_batch(pipe: Any, ids: list[int], size: int, steps: int) -> None:
+    """The requests ``ids`` of one (size, steps) in one pipeline call."""
+    _peer_call(pipe, [f"a red fox {i}" for i in ids], size, steps, ids[0])
 
 
 def latency_child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -214,8 +159,12 @@ def latency_child(spec: dict[str, Any]) -> dict[str, Any]:
         if not all(s.ok for s in samples):
             raise RuntimeError("a request failed")
         return {"latencies": [s.latency for s in samples]}
-    peer = SerialPeer() if system == "diffusers serial" else StaticBatcherPeer()
-    _peer_call(peer.pipe, ["warm"], 64, 4, 0)
+    from diffusers_peers import SerialPeer, StaticBatcherPeer
+
+    pipe = _peer_pipeline()
+    peer = (SerialPeer(pipe, _peer_batch) if system == "diffusers serial"
+            else StaticBatcherPeer(pipe, _peer_batch, batch=8, wait_s=2.0))
+    _peer_call(pipe, ["warm"], 64, 4, 0)
 
     async def main() -> list[float]:
         rng = random.Random(spec["seed"])  # the same arrivals as bench_load's open loop

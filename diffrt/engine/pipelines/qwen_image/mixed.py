@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.pipelines.qwen_image.joint_attention import joint_outputs, joint_qkv
 from diffrt.engine.pipelines.segments import masked_attention
 
 
@@ -52,38 +53,10 @@ class RowsAttnProcessor:
         if encoder_hidden_states is None or encoder_hidden_states_mask is not None:
             raise ValueError("mixed-size Qwen-Image attention takes the text stream, "
                              "its mask inside attention_mask")
-        head_dim = attn.inner_dim // attn.heads
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.unflatten(-1, (-1, head_dim))
-
-        img_q, img_k = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states))
-        img_v = heads(attn.to_v(hidden_states))
-        txt_q = heads(attn.add_q_proj(encoder_hidden_states))
-        txt_k = heads(attn.add_k_proj(encoder_hidden_states))
-        txt_v = heads(attn.add_v_proj(encoder_hidden_states))
-        if attn.norm_q is not None:
-            img_q = attn.norm_q(img_q)
-        if attn.norm_k is not None:
-            img_k = attn.norm_k(img_k)
-        if attn.norm_added_q is not None:
-            txt_q = attn.norm_added_q(txt_q)
-        if attn.norm_added_k is not None:
-            txt_k = attn.norm_added_k(txt_k)
-        if image_rotary_emb is not None:
-            img_freqs, txt_freqs = image_rotary_emb
-            img_q, img_k = rotate(img_q, img_freqs), rotate(img_k, img_freqs)
-            txt_q, txt_k = rotate(txt_q, txt_freqs), rotate(txt_k, txt_freqs)
-        # text first, then image, as diffusers' processor
-        query, key, value = (torch.cat([t, i], dim=1).transpose(1, 2)
-                             for t, i in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
+        query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states,
+                                      image_rotary_emb, rotate)
         out = masked_attention(query, key, value, attention_mask)
-        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
-        text = encoder_hidden_states.shape[1]
-        image = attn.to_out[0](out[:, text:].contiguous())
-        if len(attn.to_out) > 1:
-            image = attn.to_out[1](image)  # dropout
-        return image, attn.to_add_out(out[:, :text].contiguous())
+        return joint_outputs(attn, out.to(query.dtype), encoder_hidden_states.shape[1])
 
 
 _ROWS_PROCESSOR = RowsAttnProcessor()

@@ -18,6 +18,7 @@ from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb
 from torch import nn
 
 from diffrt.engine.parallel.sequence import GatherTokens, SequenceSplit
+from diffrt.engine.pipelines.qwen_image.joint_attention import joint_outputs, joint_qkv
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -37,37 +38,11 @@ class SequenceParallelQwenAttnProcessor:
                  image_rotary_emb: Any = None) -> Any:
         if encoder_hidden_states is None or attention_mask is not None:
             raise ValueError("Qwen-Image attention takes the text stream and no external mask")
-        head_dim = attn.inner_dim // attn.heads
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.unflatten(-1, (-1, head_dim))
-
-        img_q, img_k = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states))
-        img_v = heads(attn.to_v(hidden_states))
-        txt_q = heads(attn.add_q_proj(encoder_hidden_states))
-        txt_k = heads(attn.add_k_proj(encoder_hidden_states))
-        txt_v = heads(attn.add_v_proj(encoder_hidden_states))
-        if attn.norm_q is not None:
-            img_q = attn.norm_q(img_q)
-        if attn.norm_k is not None:
-            img_k = attn.norm_k(img_k)
-        if attn.norm_added_q is not None:
-            txt_q = attn.norm_added_q(txt_q)
-        if attn.norm_added_k is not None:
-            txt_k = attn.norm_added_k(txt_k)
-        if image_rotary_emb is not None:
-            img_freqs, txt_freqs = image_rotary_emb
-            img_q, img_k = _rotate(img_q, img_freqs), _rotate(img_k, img_freqs)
-            txt_q, txt_k = _rotate(txt_q, txt_freqs), _rotate(txt_k, txt_freqs)
+        query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states,
+                                      image_rotary_emb, _rotate)
         text_len = encoder_hidden_states.shape[1]
-        query, key, value = (torch.cat([t, i], dim=1).transpose(1, 2)
-                             for t, i in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
         out = self.sequence.attention(query, key, value, text_len)
-        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
-        image = attn.to_out[0](out[:, text_len:].contiguous())
-        if len(attn.to_out) > 1:
-            image = attn.to_out[1](image)
-        return image, attn.to_add_out(out[:, :text_len].contiguous())
+        return joint_outputs(attn, out.to(query.dtype), text_len)
 
 
 class ShardRotary(nn.Module):

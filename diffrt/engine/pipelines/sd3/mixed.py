@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from diffrt.engine.pipelines.sd3.joint_attention import joint_outputs, joint_qkv
 from diffrt.engine.pipelines.sd3.patches import unpatchify
 from diffrt.engine.pipelines.segments import RowLayout, masked_attention
 
@@ -47,41 +48,14 @@ class RowsJointAttnProcessor:
     def __call__(self, attn: Any, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None) -> Any:
-        b, image = hidden_states.shape[:2]
-        query, key = attn.to_q(hidden_states), attn.to_k(hidden_states)
-        value = attn.to_v(hidden_states)
-        head_dim = key.shape[-1] // attn.heads
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.view(b, -1, attn.heads, head_dim).transpose(1, 2)
-
-        query, key, value = heads(query), heads(key), heads(value)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states,
+                                      text_first=False)
         mask = attention_mask
-        if encoder_hidden_states is not None:
-            text_q = heads(attn.add_q_proj(encoder_hidden_states))
-            text_k = heads(attn.add_k_proj(encoder_hidden_states))
-            text_v = heads(attn.add_v_proj(encoder_hidden_states))
-            if attn.norm_added_q is not None:
-                text_q = attn.norm_added_q(text_q)
-            if attn.norm_added_k is not None:
-                text_k = attn.norm_added_k(text_k)
-            query, key = torch.cat([query, text_q], dim=2), torch.cat([key, text_k], dim=2)
-            value = torch.cat([value, text_v], dim=2)
-            if mask is not None:
-                mask = F.pad(mask, (0, encoder_hidden_states.shape[1]), value=True)
-        out = masked_attention(query, key, value, mask)
-        out = out.transpose(1, 2).reshape(b, -1, attn.heads * head_dim).to(query.dtype)
-        out, text = out[:, :image], out[:, image:]
-        out = attn.to_out[1](attn.to_out[0](out))
-        if encoder_hidden_states is None:
-            return out
-        if not attn.context_pre_only:
-            text = attn.to_add_out(text)
-        return out, text
+        if mask is not None and encoder_hidden_states is not None:  # text keys: all real
+            mask = F.pad(mask, (0, encoder_hidden_states.shape[1]), value=True)
+        out = masked_attention(query, key, value, mask).to(query.dtype)
+        return joint_outputs(attn, out, hidden_states.shape[1], text_first=False,
+                             has_text=encoder_hidden_states is not None)
 
 
 _ROWS_PROCESSOR = RowsJointAttnProcessor()

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from diffrt.engine.parallel.sequence import SequenceSplit
+from diffrt.engine.pipelines.sd3.joint_attention import joint_outputs, joint_qkv
 
 
 class SequenceParallelJointAttnProcessor:
@@ -26,39 +27,12 @@ class SequenceParallelJointAttnProcessor:
                  **kwargs: Any) -> Any:
         if attention_mask is not None:
             raise ValueError("sequence-parallel attention does not take an attention mask")
-        b = hidden_states.shape[0]
-        head_dim = attn.to_k.out_features // attn.heads
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.view(b, -1, attn.heads, head_dim).transpose(1, 2)
-
-        query, key = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states))
-        value = heads(attn.to_v(hidden_states))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        text_len = 0
-        if encoder_hidden_states is not None:
-            text_len = encoder_hidden_states.shape[1]
-            tq, tk = heads(attn.add_q_proj(encoder_hidden_states)), heads(
-                attn.add_k_proj(encoder_hidden_states))
-            tv = heads(attn.add_v_proj(encoder_hidden_states))
-            if attn.norm_added_q is not None:
-                tq = attn.norm_added_q(tq)
-            if attn.norm_added_k is not None:
-                tk = attn.norm_added_k(tk)
-            query, key = torch.cat([tq, query], dim=2), torch.cat([tk, key], dim=2)
-            value = torch.cat([tv, value], dim=2)
-        out = self.sequence.attention(query, key, value, text_len)
-        out = out.transpose(1, 2).reshape(b, -1, attn.heads * head_dim).to(query.dtype)
-        text, image = out[:, :text_len], out[:, text_len:]
-        image = attn.to_out[1](attn.to_out[0](image))
-        if encoder_hidden_states is None:
-            return image
-        if not attn.context_pre_only:
-            text = attn.to_add_out(text)
-        return image, text
+        query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states,
+                                      text_first=True)
+        text_len = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
+        out = self.sequence.attention(query, key, value, text_len).to(query.dtype)
+        return joint_outputs(attn, out, hidden_states.shape[1], text_first=True,
+                             has_text=encoder_hidden_states is not None)
 
 
 __all__ = ["SequenceParallelJointAttnProcessor"]
