@@ -83,3 +83,11 @@ def settle_shared_engines() -> None:
         if engine.mode is EngineMode.STEP_BATCH:
             assert_no_step_states(engine)
     engine_toy.reset()
+
+
+def assert_shared_steps(before, after, rows: int, steps: int) -> None:
+    """Between two ``step_batch_rows`` histograms: a step ran ``rows`` rows at
+    once, and ``steps`` steps ran in all (the longest request's: one at a time)."""
+    bucket = next(i for i, bound in enumerate(after.bounds) if rows <= bound)
+    assert after.counts[bucket] > before.counts[bucket]
+    assert after.count - before.count == steps

@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 import pytest
-from engine_helpers import assert_clean, shared_engine
+from engine_helpers import assert_clean, assert_shared_steps, shared_engine
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 
@@ -61,10 +61,6 @@ def mixed(request):
         yield engine
 
 
-def rows_histogram(engine) -> tuple[int, ...]:
-    return engine.stats().step_batch_rows.counts
-
-
 @pytest.mark.parametrize("cfg", [False, True], ids=["plain", "cfg"])
 def test_each_request_of_a_mixed_batch_equals_its_run_alone(mixed, cfg):
     alone = [mixed.generate(r) for r in batch(cfg)]
@@ -75,11 +71,7 @@ def test_each_request_of_a_mixed_batch_equals_its_run_alone(mixed, cfg):
         assert_same(got, want)
     assert [o.images[0].size for o in together] == [(w, h) for h, w, _, _ in SHAPES]
     # they shared steps: the first steps ran all 5 rows (10 with CFG) at once
-    rows = 5 * (2 if cfg else 1)
-    bounds = after.bounds
-    bucket = next(i for i, bound in enumerate(bounds) if rows <= bound)
-    assert after.counts[bucket] > before.counts[bucket]
-    assert after.count - before.count == max(s for *_, s in SHAPES)  # one step at a time
+    assert_shared_steps(before, after, 5 * (2 if cfg else 1), max(s for *_, s in SHAPES))
     assert_clean(mixed)
 
 

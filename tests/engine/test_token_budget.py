@@ -102,7 +102,6 @@ def test_the_engine_derives_its_budget_at_warm_up():
     fit its overhead, and the budget follows from it (None where it measured
     none: on this CPU every tiny model's step is compute-bound)."""
     from diffrt.engine import DiffusionEngine
-
     from diffrt.engine.engine import CALIBRATION_WORK_RATIO
     from diffrt.engine.run_time import MIN_SPREAD
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_helpers import assert_clean, shared_engine
+from engine_helpers import assert_clean, assert_shared_steps, shared_engine
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 from diffrt.engine.pipelines.qwen_image.tiny_folder import build_tiny_qwen_image_folder
@@ -73,10 +73,7 @@ def test_each_request_of_a_mixed_batch_equals_its_run_alone(mixed, cfg):
     assert worst <= 1, worst
     assert [o.images[0].size for o in together] == [(w, h) for h, w, _, _ in SHAPES]
     # they shared steps: the first steps ran all 5 rows (10 with CFG) at once
-    rows = 5 * (2 if cfg else 1)
-    bucket = next(i for i, bound in enumerate(after.bounds) if rows <= bound)
-    assert after.counts[bucket] > before.counts[bucket]
-    assert after.count - before.count == max(s for *_, s in SHAPES)  # one step at a time
+    assert_shared_steps(before, after, 5 * (2 if cfg else 1), max(s for *_, s in SHAPES))
     assert_clean(mixed)
 
 

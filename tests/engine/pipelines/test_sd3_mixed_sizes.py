@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_helpers import assert_clean, shared_engine
+from engine_helpers import assert_clean, assert_shared_steps, shared_engine
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 from diffrt.engine.pipelines import StepRequestState, load_pipeline
@@ -66,10 +66,7 @@ def test_each_request_of_a_mixed_batch_equals_its_run_alone(engine, cfg):
     assert [o.images[0].size for o in together[:3]] == [(w, h) for h, w, *_ in SHAPES[:3]]
     assert together[3].images is None and together[3].output.shape == (1, 4, 12, 8)
     # they shared steps: the first steps ran all 5 rows (10 with CFG) at once
-    rows = 5 * (2 if cfg else 1)
-    bucket = next(i for i, bound in enumerate(after.bounds) if rows <= bound)
-    assert after.counts[bucket] > before.counts[bucket]
-    assert after.count - before.count == max(shape[3] for shape in SHAPES)  # one step at a time
+    assert_shared_steps(before, after, 5 * (2 if cfg else 1), max(shape[3] for shape in SHAPES))
     assert_clean(engine)
 
 
