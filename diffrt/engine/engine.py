@@ -297,14 +297,16 @@ class DiffusionEngine:
         start = time.monotonic()
         self._run_start_up_request(self._warmup_request())
         self.run_time.reset()  # a cold tick is no measure of a warm one
-        for request in self._calibration_requests():
+        calibration = self._calibration_requests()
+        for request in calibration:
             self._run_start_up_request(request)
         self.output_processor.stats.reset()  # stats() describes served requests only
         self.scheduler.forget_run_times()  # a cold one-step request sizes no window
         scheduler = self.scheduler
         if (isinstance(scheduler, StepScheduler)
                 and self.config.scheduling.max_num_batched_tokens is None):
-            scheduler.token_budget = derived_token_budget(self.run_time.coefficients)
+            smallest = self.run_time.units(self.spec.with_defaults(calibration[0]))
+            scheduler.token_budget = derived_token_budget(self.run_time.coefficients, smallest)
             logger.info("max_num_batched_tokens: %s (derived from the warm-up's step times)",
                         scheduler.token_budget or "no bound")
         logger.info("warm-up done in %.2f s", time.monotonic() - start)

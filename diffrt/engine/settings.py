@@ -25,7 +25,7 @@ from diffrt.runtime.types import ExecutorBackend, ExecutorOptions
 DEFAULT_MODEL = "diffrt-shapes"
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Policy = Literal["fifo", "skip_ahead"]
-MixedRows = Literal["auto", "padded", "by_size"]
+MixedRows = Literal["auto", "padded", "by_size", "packed"]
 
 #: the two coalescing windows, in ms: None (automatic) or a finite number >= 0
 _AUTOMATIC = ("None (the default) sizes it from measured request run times (a tenth of "
@@ -72,8 +72,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     mixed_rows: Annotated[MixedRows, Meta(description=(
         "STEP_BATCH with mixed_size_batching: how rows of different sizes share a step; "
         "padded: one transformer call, rows padded to the longest and masked; by_size: one "
-        "call per size in the step; auto: by_size on CPU (measured faster there), padded "
-        "on a device"))] = "auto"
+        "call per size in the step; packed (Flux; other families pad): one call over all "
+        "rows' tokens in one sequence, nothing padded; auto: by_size on CPU (as fast as "
+        "any there, every family), padded on a device"))] = "auto"
     warmup: Annotated[bool, Meta(description=(
         "run one tiny request at start-up, then a two-step one that calibrates the run-time "
         "estimate (max_request_seconds); fails and cleans up if one does not finish in "

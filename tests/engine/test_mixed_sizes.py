@@ -1,5 +1,6 @@
 """Requests of different sizes share a denoise step (``mixed_size_batching``,
-Flux; padded into one transformer call or one call per size, ``mixed_rows``): each request of a mixed batch equals its own run alone within 1/255
+Flux; padded into one transformer call, one call per size, or packed into one
+sequence, ``mixed_rows``): each request of a mixed batch equals its own run alone within 1/255
 (float32), with and without CFG, with different step counts and output
 counts, joining and leaving mid-way; the stats show the steps were shared;
 a token budget smaller than the batch admits the rest later; with
@@ -52,10 +53,11 @@ def engine_config(**kw) -> EngineConfig:
                         max_num_seqs=8, warmup=False, **kw)
 
 
-@pytest.fixture(scope="module", params=["padded", "by_size"])
+@pytest.fixture(scope="module", params=["padded", "by_size", "packed"])
 def mixed(request):
-    """Both ways rows of several sizes share a step: one padded transformer
-    call, or one call per size (``mixed_rows``; ``auto`` is by_size on CPU)."""
+    """Every way rows of several sizes share a step: one padded transformer
+    call, one call per size, or one call over all rows' tokens packed in one
+    sequence (``mixed_rows``; ``auto`` is by_size on CPU)."""
     with shared_engine(DiffusionEngine.make_engine(engine_config(
             mixed_rows=request.param))) as engine:
         yield engine
@@ -185,11 +187,12 @@ def test_masked_attention_through_varlen_equals_the_masked_sdpa(monkeypatch):
     assert not got[~real].any()  # a padded query's output: 0, never read
 
 
-def test_a_padded_step_attends_through_the_platforms_varlen(monkeypatch):
+@pytest.mark.parametrize("rows", ["padded", "packed"])
+def test_a_mixed_step_attends_through_the_platforms_varlen(monkeypatch, rows):
     from diffrt.platforms import current_platform
 
     calls: list[int] = []
-    with shared_engine(DiffusionEngine.make_engine(engine_config(mixed_rows="padded"))) as engine:
+    with shared_engine(DiffusionEngine.make_engine(engine_config(mixed_rows=rows))) as engine:
         alone = [engine.generate(r) for r in batch(cfg=False)]
         assert calls == []  # one size a call: diffusers' own forward
         monkeypatch.setattr(current_platform, "varlen_attention",

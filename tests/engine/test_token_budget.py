@@ -83,12 +83,15 @@ def test_skip_ahead_keeps_the_budget_and_its_order():
 
 
 def test_the_default_is_where_the_overhead_is_a_tenth_of_a_step():
-    overhead, per_token = 0.02, 1e-5
-    budget = derived_token_budget((overhead, per_token))
-    assert budget == round(overhead * 9 / per_token)
-    assert overhead / (overhead + per_token * budget) == pytest.approx(OVERHEAD_SHARE)
-    assert derived_token_budget((0.0, 1e-5)) is None  # no overhead: nothing to amortise
-    assert derived_token_budget(None) is None
+    overhead, per_unit = 0.02, 1e-5
+    budget = derived_token_budget((overhead, per_unit), smallest=500)
+    assert budget == round(overhead * 9 / per_unit)
+    assert overhead / (overhead + per_unit * budget) == pytest.approx(OVERHEAD_SHARE)
+    assert derived_token_budget((0.0, 1e-5), 500) is None  # no overhead: nothing to amortise
+    assert derived_token_budget(None, 500) is None
+    # an overhead under a tenth of the smallest measured step is the fit's noise
+    assert derived_token_budget((0.0004, 1e-5), smallest=500) is None
+    assert derived_token_budget((0.0006, 1e-5), smallest=500) == 540
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, "many"])
@@ -109,7 +112,9 @@ def test_the_engine_derives_its_budget_at_warm_up():
             executor_backend="inproc", step_execution=True, max_num_seqs=4)) as engine:
         fit = engine.run_time.coefficients
         assert fit is not None
-        assert engine.scheduler.token_budget == derived_token_budget(fit)
+        smallest = engine.run_time.units(engine.spec.with_defaults(
+            engine._calibration_requests()[0]))
+        assert engine.scheduler.token_budget == derived_token_budget(fit, smallest)
         # the two calibration sizes differ enough in work for the fit to tell o from k
         small, large = (engine.run_time.units(engine.spec.with_defaults(r))
                         for r in engine._calibration_requests())

@@ -11,18 +11,20 @@ them in SD3). The later per-request capabilities (adapters, caches) index a
 call by segment; this module has the layout they build on (``RowLayout``),
 not yet a segment type of its own.
 
-Rows of different sizes share a *step* in one of two ways
+Rows of different sizes share a *step* in one of three ways
 (``ModelConfig.mixed_rows``, resolved by ``resolve_mixed_rows``): ``padded``,
-one transformer call for all rows (below), or ``by_size``, one call per size
-among them, each diffrt's uniform path. Measured on CPU (32 requests of five
-sizes at concurrency 16, in-process, one run each), ``by_size`` took 35.7 s
-against ``padded``'s 42.8 s on diffrt-shapes and 3.49 s against 3.78 s on
-tiny-flux: a CPU gains nothing from one larger call, and padding costs its
-computed tokens and attention's mask. Padded steps run the transformer's
+one transformer call for all rows (below); ``by_size``, one call per size
+among them, each diffrt's uniform path; or ``packed`` (Flux,
+``flux/packed.py``), one call over all rows' tokens in one sequence.
+Measured on CPU (docs/engine.md, "Mixed sizes in one step"), none is faster
+beyond the machine's noise except that ``padded`` is slowest where rows
+differ most: a CPU gains nothing from one larger call, and padding costs its
+computed tokens and attention's mask. ``by_size`` is the CPU default (every
+family, diffusers' own forward size by size). Padded steps run the transformer's
 modules eagerly, outside a ``torch.compile``d forward (``compile``), and the
 memory budget estimates each request as if unpadded (on CPU, where
-``by_size`` is the default, nothing is padded). On a device one call saves launches, so
-``auto`` pads there (not measured here: no device was lent). Where the
+``by_size`` is the default, nothing is padded). On a device one call saves
+launches, so ``auto`` pads there (not measured here: no device was lent). Where the
 platform supplies a variable-length attention (``Platform.varlen_attention``:
 flash-attention's ``flash_attn_varlen_func`` on CUDA and ROCm when installed),
 a padded call's attention runs over each row's real tokens only
@@ -97,11 +99,14 @@ def pad_tokens(parts: list[torch.Tensor], longest: int) -> torch.Tensor:
         part, (0, 0, 0, longest - part.shape[1])) for part in parts])
 
 
-def resolve_mixed_rows(setting: str, platform: Platform) -> Literal["padded", "by_size"]:
+def resolve_mixed_rows(setting: str, platform: Platform
+                       ) -> Literal["padded", "by_size", "packed"]:
     """``ModelConfig.mixed_rows``, ``auto`` resolved for ``platform`` (see the module)."""
     if setting == "auto":
         return "by_size" if platform.device_type == "cpu" else "padded"
-    return "by_size" if setting == "by_size" else "padded"
+    if setting in ("by_size", "packed"):
+        return setting  # type: ignore[return-value]
+    return "padded"
 
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

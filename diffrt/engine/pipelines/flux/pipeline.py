@@ -116,6 +116,13 @@ class FluxPipeline(FlowMatchPipeline):
             ids = {size: self.image_ids(size) for size in set(layout.sizes)}
             rotary = row_rotary(self.transformer, txt_ids, [ids[size] for size in layout.sizes],
                                 layout.longest)
+            if self.mixed_rows == "packed":
+                from diffrt.engine.pipelines.flux.packed import forward_packed
+
+                return forward_packed(
+                    self.transformer, hidden_states=latents, layout=layout,
+                    encoder_hidden_states=embeds, pooled_projections=pooled, timestep=timestep,
+                    guidance=embedded, rotary=rotary)
             return forward_rows(
                 self.transformer, hidden_states=latents, encoder_hidden_states=embeds,
                 pooled_projections=pooled, timestep=timestep, guidance=embedded, rotary=rotary,
