@@ -165,10 +165,15 @@ def test_a_cpu_worker_comes_back_near_its_warm_baseline(trimmed):
         assert after <= trim_bound(warm)
     else:
         assert after > trim_bound(warm) + TRIM_SLACK_BYTES
-    # the estimate follows the measured peak: the worker's reply carried it
+    # the estimate follows the measured peak: the workers' replies carry it,
+    # from the worker's own baseline (after the warm-up request, trimmed: at or
+    # below ``warm``), and the scale is the largest ratio of the latest
+    # executes (the calibration requests' too) with a 1.1 margin
     assert run.estimate != run.formula
     measured = run.peak - warm
-    assert 1.0 * measured <= run.estimate <= 1.25 * measured
+    assert measured <= run.estimate
+    if trimmed:
+        assert run.estimate <= 1.5 * measured
     # the budget is half of what the warm worker found free on the host
     available = available_host_bytes()
     assert run.budget_at_start is not None and available is not None
