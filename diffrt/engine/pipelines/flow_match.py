@@ -491,9 +491,9 @@ class FlowMatchPipeline(DiffusionPipeline):
         (``segments``), their predictions cut back by ``split_predictions``."""
         _check_compatible([s.request for s in states], self.spec.mixed_step_batch_key
                           if self.spec.mixed_sizes else self.spec.step_batch_key)
-        layout = RowLayout((), ())
-        for s in states:
-            layout = layout + self.row_layout(s.request.sampling_params)
+        layouts = [self.row_layout(s.request.sampling_params) for s in states]
+        layout = RowLayout(tuple(size for part in layouts for size in part.sizes),
+                           tuple(n for part in layouts for n in part.tokens))
         if layout.uniform:
             latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
         elif self.mixed_rows == "by_size":
