@@ -28,6 +28,8 @@ if TYPE_CHECKING:
         EngineRestartingError,
         EngineWarmupError,
     )
+    from diffrt.engine.lora.adapter_file import AdapterFileError
+    from diffrt.engine.lora.registry import LoraExistsError, LoraInfo
     from diffrt.engine.stats import EngineStats, Histogram
 
 _LAZY = {
@@ -42,9 +44,13 @@ _LAZY = {
     "EngineWarmupError": "diffrt.engine.errors",
     "EngineStats": "diffrt.engine.stats",
     "Histogram": "diffrt.engine.stats",
+    "AdapterFileError": "diffrt.engine.lora.adapter_file",
+    "LoraExistsError": "diffrt.engine.lora.registry",
+    "LoraInfo": "diffrt.engine.lora.registry",
 }
 
 __all__ = [
+    "AdapterFileError",
     "DiffusionEngine",
     "DiffusionOutput",
     "DiffusionRequest",
@@ -59,6 +65,8 @@ __all__ = [
     "EngineWarmupError",
     "Histogram",
     "InvalidRequestError",
+    "LoraExistsError",
+    "LoraInfo",
     "RequestMetrics",
     "SamplingParams",
     "TextEncoderStats",

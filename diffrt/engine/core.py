@@ -37,6 +37,7 @@ from typing import Any
 
 from diffrt import tracing
 from diffrt.engine.config import EngineMode
+from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.memory_estimate import MemoryModel
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.outputs import TextEncoderStats
@@ -44,7 +45,13 @@ from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.restart_gate import RestartGate
 from diffrt.engine.run_time import RunTimeModel
-from diffrt.engine.runner_messages import BatchDone, ExecuteBatch, ExecuteStep, StepDone
+from diffrt.engine.runner_messages import (
+    BatchDone,
+    DropLora,
+    ExecuteBatch,
+    ExecuteStep,
+    StepDone,
+)
 from diffrt.engine.sampling import InvalidRequestError, filled
 from diffrt.engine.sched import (
     AbortOutcome,
@@ -132,8 +139,12 @@ class EngineCore:
                  on_timer: Callable[[float], None] | None = None,
                  restart_attempts: int = RESTART_ATTEMPTS,
                  run_time: RunTimeModel | None = None,
-                 memory: MemoryModel | None = None):
+                 memory: MemoryModel | None = None,
+                 adapters: AdapterRegistry | None = None):
         self.mode = mode
+        #: LoRA adapters: pinned by the requests queued here, their device
+        #: slots sent with each tick (None: the model takes none)
+        self.adapters = adapters
         self.scheduler = scheduler
         self.executor = executor
         self._memory = memory
@@ -187,6 +198,7 @@ class EngineCore:
                     raise InvalidRequestError(
                         "request_id", f"{record.request_id!r} is still finishing; "
                         "use another id or retry in a moment")
+            self._pin_adapters([r for r in records if not r.aborted])
             for record in records:
                 if not record.aborted:
                     self.scheduler.add(record)
@@ -196,6 +208,21 @@ class EngineCore:
                                                     weakref.ref(record)))
             self._cond.notify_all()
         return True
+
+    def _pin_adapters(self, records: list[RequestRecord]) -> None:
+        """Under the lock: resolve and hold the records' adapters (all or none:
+        one removed since its submission was checked refuses the lot)."""
+        if self.adapters is None:
+            return
+        pinned = []
+        try:
+            for record in records:
+                self.adapters.pin(record)
+                pinned.append(record)
+        except InvalidRequestError:
+            for record in pinned:
+                self.adapters.release(record)
+            raise
 
     def abort(self, request_id: str, reason: str | None = None,
               record: RequestRecord | None = None) -> None:
@@ -329,6 +356,7 @@ class EngineCore:
                 if result is None:
                     return
                 self._on_tick(result)
+                self.drop_adapters()
         except Exception as exc:  # a bug in the engine: fail everything, visibly
             logger.exception("engine loop crashed")
             self._die(f"engine loop crashed: {exc!r}")
@@ -352,9 +380,35 @@ class EngineCore:
                     tick = self.scheduler.schedule(now)
                     if tick is not None:
                         self._note_admitted(tick)
+                        self._attach_loras(tick)
                         return tick
                     wait = IDLE_RETRY_S
                 self._cond.wait(wait)
+
+    def _attach_loras(self, tick: SchedulerOutput) -> None:
+        """Under the lock: the slot assignments made since the last tick, and
+        the adapters of the requests ``tick`` admits."""
+        if self.adapters is None:
+            return
+        tick.lora_installs = self.adapters.take_installs()
+        for request in tick.new:
+            record = self.scheduler.record(request.request_id)
+            if record is not None and record.lora_slots:
+                tick.lora_rows[request.request_id] = [
+                    (slot, adapter_id, scale) for (slot, scale), (adapter_id, _)
+                    in zip(record.lora_slots, record.adapters, strict=True)]
+
+    def drop_adapters(self) -> None:
+        """Have the workers forget the removed adapters no request holds any more."""
+        if self.adapters is None:
+            return
+        ids = self.adapters.take_drops()
+        if not ids:
+            return
+        try:
+            self.executor.collective_rpc(DropLora(ids))
+        except Exception as exc:  # workers gone: nothing of theirs to free
+            logger.warning("dropping LoRA adapters %s failed: %s", ids, exc)
 
     def _restart_workers(self) -> bool:
         """Fail the requests that were running (their state died with the
@@ -393,6 +447,8 @@ class EngineCore:
                     return False
                 self.executor = new
                 self.restarts += 1
+                if self.adapters is not None:
+                    self.adapters.workers_replaced()
             logger.warning("fresh workers serving (restart %d)", self.restarts)
             return True
         self._die(f"executor died and {self._restart_attempts} restarts failed: {error}")
@@ -401,8 +457,10 @@ class EngineCore:
     def _request(self, tick: SchedulerOutput) -> ExecuteBatch | ExecuteStep:
         if self.mode is EngineMode.STEP_BATCH:
             return ExecuteStep(new=tick.new, advance=tick.scheduled_ids, drop=tick.drop_ids,
-                               steps=tick.steps)
-        return ExecuteBatch(requests=tick.new)
+                               steps=tick.steps, lora_installs=tick.lora_installs,
+                               lora_rows=tick.lora_rows)
+        return ExecuteBatch(requests=tick.new, lora_installs=tick.lora_installs,
+                            lora_rows=tick.lora_rows)
 
     def _run_tick(self, tick: SchedulerOutput) -> TickResult | None:
         start = self._clock()

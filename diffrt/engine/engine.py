@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,6 +44,8 @@ from diffrt.engine.errors import (
     EngineRestartingError,
     EngineWarmupError,
 )
+from diffrt.engine.lora.registration import load_on_workers
+from diffrt.engine.lora.registry import AdapterRegistry, LoraInfo
 from diffrt.engine.memory_estimate import (
     DEFAULT_DEVICE_SHARE,
     DEFAULT_HOST_SHARE,
@@ -58,7 +61,7 @@ from diffrt.engine.postprocess import output_postprocessor
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.run_time import RunTimeModel
-from diffrt.engine.runner_messages import ExecuteBatch
+from diffrt.engine.runner_messages import DropLora, ExecuteBatch
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 from diffrt.engine.sched import (
     RequestScheduler,
@@ -127,6 +130,12 @@ class DiffusionEngine:
         self.run_time = RunTimeModel(self.spec)
         #: a request's estimated peak memory and the batch budget (None: unbounded)
         self.memory = self._memory_model()
+        #: the LoRA adapters registered, their requests and device slots
+        self.adapters = AdapterRegistry(config.model_config.max_loras,
+                                        accepts_adapters=bool(self.spec.lora_target_modules),
+                                        model=self.spec.name)
+        if scheduler is not None and getattr(scheduler, "adapters", False) is None:
+            scheduler.adapters = self.adapters  # type: ignore[attr-defined]
         self.output_processor = OutputProcessor(
             output_postprocessor(self.spec),
             workers=config.executor.postprocess_workers,
@@ -136,7 +145,7 @@ class DiffusionEngine:
             on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock,
             restart=self._fresh_executor if config.executor.restart_workers else None,
             on_timer=self.output_processor.expire_unread, run_time=self.run_time,
-            memory=self.memory)
+            memory=self.memory, adapters=self.adapters)
         #: how long a submission during a restart waits for it, and why that long
         self._restart_wait_s, self._restart_wait_bound = _restart_wait(config)
         self._closed = False
@@ -158,6 +167,12 @@ class DiffusionEngine:
             engine = cls(config, executor, scheduler)
         except BaseException:
             executor.shutdown()
+            raise
+        try:
+            for name, path in config.model_config.lora_modules.items():
+                engine.add_lora(name, path)
+        except BaseException:
+            engine._shutdown(grace_s=0.0)
             raise
         if config.model_config.warmup:
             try:
@@ -185,10 +200,12 @@ class DiffusionEngine:
                                  tokens=lambda r: (self.spec.rows(r), self.spec.row_tokens(r)),
                                  token_budget=c.max_num_batched_tokens or None,
                                  padded=resolve_mixed_rows(self.config.model_config.mixed_rows,
-                                                           current_platform) == "padded")
+                                                           current_platform) == "padded",
+                                 adapters=self.adapters)
         wait_ms = c.request_batch_max_wait_ms if self.spec.supports_request_batch else 0.0
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
-                                key=self.spec.request_batch_key, memory=self.memory)
+                                key=self.spec.request_batch_key, memory=self.memory,
+                                adapters=self.adapters)
 
     def _step_batch_key(self) -> Callable[[DiffusionRequest], tuple]:
         """Sizes share a step when the setting, the model and the split allow
@@ -246,6 +263,9 @@ class DiffusionEngine:
                                    timeout=self.config.model_config.warmup_timeout_s)
             for oid in out.output_ids.values():
                 executor.release_output(oid)
+            for adapter in self.adapters.registered():  # the new workers read them again
+                load_on_workers(executor, adapter.id, adapter.path,
+                                self.config.model_config.lora_load_timeout_s)
         except BaseException:
             executor.shutdown()
             raise
@@ -413,6 +433,39 @@ class DiffusionEngine:
             self._core.abort(request_id, None, record)
             self._core.restart_gate.wake()  # a submitter held for a restart returns
 
+    # -- LoRA adapters ---------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> LoraInfo:
+        """Register the adapter file (or folder) ``path`` as ``name``; every
+        worker reads it on its loader thread while requests keep running, and
+        this call returns once they all have it. ``LoraExistsError`` for a
+        name registered already, ``AdapterFileError`` naming the file and why
+        it is not an adapter this model can serve (the engine serves on)."""
+        adapter = self.adapters.reserve(name, os.path.abspath(path))
+        try:
+            state = load_on_workers(self.executor, adapter.id, adapter.path,
+                                    self.config.model_config.lora_load_timeout_s)
+        except BaseException:
+            self.adapters.abandon(adapter)
+            raise
+        adapter.rank, adapter.modules, adapter.nbytes = state.rank, state.modules, state.nbytes
+        self.adapters.confirm(adapter)
+        logger.info("LoRA adapter %r registered: %s (rank %d, %d layers, %d KiB)", name,
+                    adapter.path, state.rank, state.modules, state.nbytes >> 10)
+        return next(info for info in self.adapters.infos() if info.name == name)
+
+    def remove_lora(self, name: str) -> None:
+        """Refuse ``name`` in new requests (``KeyError`` when not registered);
+        the requests accepted with it are served, and its weights leave the
+        workers when the last of them ends."""
+        ids = self.adapters.remove(name)
+        if ids:
+            self.executor.collective_rpc(DropLora(ids))
+        logger.info("LoRA adapter %r removed", name)
+
+    def list_loras(self) -> list[LoraInfo]:
+        """The registered adapters, by name."""
+        return self.adapters.infos()
+
     def take_seat(self, limit: int, *, on_admitted: Callable[[], None] | None = None) -> Seat:
         """A place among the waiting requests for one about to be submitted,
         taken at once under the core's lock; refused (``seat.taken`` False)
@@ -490,6 +543,7 @@ class DiffusionEngine:
         now = self._clock()
         for request in requests:
             request = accept(request, self.spec, self.config, self.run_time)
+            self.adapters.check(request.sampling_params.loras)
             if request.request_id in seen:
                 raise InvalidRequestError("request_id", f"{request.request_id!r} given twice")
             seen.add(request.request_id)

@@ -53,14 +53,15 @@ class CfgRule(enum.Enum):
 #: what two requests must agree on to share one fused forward: a request-level
 #: forward runs one denoising loop, so the step count is in it
 REQUEST_BATCH_FIELDS = ("height", "width", "num_inference_steps", "guidance_scale",
-                        "true_cfg_scale", "num_outputs_per_prompt", "output_type", "lora_name")
+                        "true_cfg_scale", "num_outputs_per_prompt", "output_type")
 #: what two requests must agree on to share a denoise step: each keeps its own
 #: noise scheduler (step counts may differ) and guidance is applied per row
-STEP_BATCH_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type", "lora_name")
+STEP_BATCH_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type")
 #: the step batch fields that may differ within a step where the pipeline runs
 #: rows of different sizes together (``ModelSpec.mixed_sizes``): sizes, output
 #: counts and output types (decodes are grouped by size and output type); the
-#: rest of ``step_batch_fields`` (the adapter, until the LoRA issue) must match
+#: rest of ``step_batch_fields`` (a plugin family's own) must match. LoRA
+#: adapters are in no key: rows with any adapters share calls (``engine.lora``)
 MIXED_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type")
 
 
@@ -163,12 +164,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequestError("num_inference_steps", (
                 f"must be at most {self.max_steps} for {self.name}, "
                 f"got {params.num_inference_steps}"))
-        if params.lora_name is not None:
-            # no adapter is loaded (adapters arrive with the LoRA issue), and
-            # silently ignoring one would return an image nobody asked for
-            raise InvalidRequestError("lora_name", (
-                f"{self.name} has no LoRA adapters loaded; must be None, "
-                f"got {params.lora_name!r}"))
+        if params.loras and not self.lora_target_modules:
+            raise InvalidRequestError("loras", f"{self.name} takes no LoRA adapters")
 
     # -- classifier-free guidance ------------------------------------------------------------
     def negative_prompt(self, request: DiffusionRequest) -> str | None:

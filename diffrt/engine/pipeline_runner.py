@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffrt.engine.cpu_policy import cpu_worker_threads
+from diffrt.engine.lora import adapter_file
+from diffrt.engine.lora.loader import READY, AdapterLoader
 from diffrt.engine.memory_trim import MemoryTrimmer
 from diffrt.engine.parallel.degrees import ParallelDegrees
 from diffrt.engine.parallel.groups import build_groups
@@ -39,8 +41,13 @@ from diffrt.engine.runner_messages import (
     PIPELINE_PROTOCOL,
     BatchDone,
     CountStepStates,
+    DropLora,
     ExecuteBatch,
     ExecuteStep,
+    LoadLora,
+    LoraRows,
+    LoraState,
+    LoraStatus,
     RunnerSettings,
     StepDone,
     StepStateCount,
@@ -127,7 +134,15 @@ class PipelineRunner:
         if self.parallel:  # every rank builds the same groups, in the same order
             self.pipeline.enable_parallel(build_groups(degrees),
                                           vae_parallel=parallel.vae_parallel)
-        if model.compile:  # after the parallel hooks: they patch the eager model
+        #: LoRA adapter files read on a thread of their own (None: the model takes none)
+        self.adapters: AdapterLoader | None = None
+        spec = settings.spec
+        family_class = spec.diffusers_pipeline
+        if spec.lora_target_modules and family_class is not None:
+            linears = self.pipeline.enable_loras(model.max_loras)
+            self.adapters = AdapterLoader(lambda path: adapter_file.read_adapter(
+                path, family_class, linears, spec.lora_target_modules))
+        if model.compile:  # after the parallel and LoRA hooks: they patch the eager model
             self.pipeline.compile_models(model.compile_backend)
         self.pipeline.enable_prompt_cache(model.prompt_cache_bytes,
                                           synchronize=self._wait_for_current_stream)
@@ -140,14 +155,16 @@ class PipelineRunner:
         self.pipeline.step_hook = lambda: self.heartbeat()
         logger.info("rank %d: runner ready for %s on %s", rank, settings.spec.name, device)
 
-    def handle(self, request: ExecuteBatch | ExecuteStep | CountStepStates) -> Any:
+    def handle(self, request: Any) -> Any:
         match request:
             case ExecuteBatch():
+                self._install_loras(request.lora_installs)
                 self.memory.start_execute()
                 result = self._reporting_encoding(self.execute_batch, request)
                 self._report_memory(result.reply, trim=True)
                 return result
             case ExecuteStep():
+                self._install_loras(request.lora_installs)
                 self.memory.start_execute()
                 result = self._reporting_encoding(self.execute_step, request)
                 # trimmed only when a request left: its memory is free now, not
@@ -158,8 +175,45 @@ class PipelineRunner:
                 return result
             case CountStepStates():
                 return StepStateCount(len(self.states))
+            case LoadLora(adapter_id=adapter_id, path=path):
+                self._loader().start(adapter_id, path)
+                return LoraState("loading")
+            case LoraStatus(adapter_id=adapter_id):
+                state = self._loader().status(adapter_id)
+                if state != READY:
+                    return LoraState(state)
+                weights = self._loader().get(adapter_id)
+                return LoraState(READY, rank=weights.rank, modules=len(weights.modules),
+                                 nbytes=weights.nbytes)
+            case DropLora(adapter_ids=ids):
+                for adapter_id in ids:
+                    self._loader().drop(adapter_id)
+                    slot = self.pipeline.row_loras.slot_of(adapter_id)
+                    if slot is not None:
+                        self.pipeline.row_loras.clear(slot)
+                return LoraState("dropped")
             case _:
                 raise TypeError(f"PipelineRunner cannot handle {type(request).__name__}")
+
+    def _loader(self) -> AdapterLoader:
+        if self.adapters is None:
+            raise RuntimeError("this model takes no LoRA adapters")
+        return self.adapters
+
+    def _install_loras(self, installs: dict[int, int]) -> None:
+        """Copy the adapters the engine assigned to device slots since the last
+        execute into them, before this execute's rows use them."""
+        for slot, adapter_id in installs.items():
+            self.pipeline.row_loras.install(slot, adapter_id, self._loader().get(adapter_id))
+
+    def _slots(self, uses: LoraRows) -> tuple[tuple[int, float], ...]:
+        """A request's (slot, scale) pairs, each slot checked to hold the adapter
+        the engine assigned it (a mismatch is a bug: never other pixels)."""
+        for slot, adapter_id, _ in uses:
+            entry = self.pipeline.row_loras.installed[slot]
+            if entry is None or entry[0] != adapter_id:
+                raise RuntimeError(f"LoRA slot {slot} does not hold adapter {adapter_id}")
+        return tuple((slot, scale) for slot, _, scale in uses)
 
     def _wait_for_current_stream(self) -> None:
         """Wait for the work queued on this thread's stream (the text encoder's),
@@ -222,8 +276,9 @@ class PipelineRunner:
         requests = batch.requests
         outputs: dict[str, Any] = {}
         errors: dict[str, str] = {}
+        rows = batch.lora_rows
         try:
-            self._forward(requests, outputs)
+            self._forward(requests, outputs, rows)
         except Exception as exc:
             self._end_if_shared(exc)
             if len(requests) == 1:
@@ -234,13 +289,16 @@ class PipelineRunner:
                 outputs.clear()
                 for request in requests:
                     try:
-                        self._forward([request], outputs)
+                        self._forward([request], outputs, rows)
                     except Exception as one:
                         errors[request.request_id] = self._failed(one)
         return RunnerResult(reply=BatchDone(errors=errors), outputs=outputs)
 
-    def _forward(self, requests: list[DiffusionRequest], outputs: dict[str, Any]) -> None:
-        results = self.pipeline.forward(DiffusionRequestBatch(requests=list(requests)))
+    def _forward(self, requests: list[DiffusionRequest], outputs: dict[str, Any],
+                 lora_rows: dict[str, LoraRows]) -> None:
+        loras = [self._slots(lora_rows.get(r.request_id, [])) for r in requests]
+        results = self.pipeline.forward(DiffusionRequestBatch(
+            requests=list(requests), loras=loras if any(loras) else []))
         if len(results) != len(requests):
             raise RuntimeError(
                 f"pipeline returned {len(results)} outputs for {len(requests)} requests")
@@ -253,7 +311,7 @@ class PipelineRunner:
         outputs: dict[str, Any] = {}
         for rid in step.drop:
             self.states.pop(rid, None)
-        self._prepare(step.new, reply)
+        self._prepare(step.new, reply, step.lora_rows)
         if self.parallel and step.new:
             self._agree_on_prepared(step.new, reply)
         states = []
@@ -311,12 +369,14 @@ class PipelineRunner:
                 self._end_if_shared(exc)
             logger.warning("preview of %s failed: %s", state.request_id, describe_error(exc))
 
-    def _prepare(self, requests: list[DiffusionRequest], reply: StepDone) -> None:
+    def _prepare(self, requests: list[DiffusionRequest], reply: StepDone,
+                 lora_rows: dict[str, LoraRows]) -> None:
         """Prepare the requests admitted in this tick together (one text-encoder
         call); on a failure, one by one so the error lands on its own request."""
         if not requests:
             return
-        states = [StepRequestState(request=r) for r in requests]
+        states = [StepRequestState(request=r, loras=self._slots(lora_rows.get(r.request_id, [])))
+                  for r in requests]
         try:
             self.pipeline.prepare_encode_batch(states)
         except Exception as exc:
@@ -326,7 +386,7 @@ class PipelineRunner:
             logger.warning("preparing %d together failed (%s); one by one", len(states),
                            self._failed(exc))
             for request in requests:
-                self._prepare([request], reply)
+                self._prepare([request], reply, lora_rows)
             return
         for state in states:
             self.states[state.request_id] = state
@@ -416,3 +476,5 @@ class PipelineRunner:
     # -- shutdown ---------------------------------------------------------------------
     def close(self) -> None:
         self.states.clear()
+        if self.adapters is not None:
+            self.adapters.close()

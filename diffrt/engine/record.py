@@ -51,6 +51,11 @@ class RequestRecord:
     step: int = 0
     #: abort arrived while the request was inside an execute call.
     abort_requested: bool = False
+    #: its LoRA adapters as (adapter id, scale), resolved and held from when
+    #: the core queued it until it ends (``lora.registry``)
+    adapters: tuple[tuple[int, float], ...] = ()
+    #: the same as (device slot, scale), once admitted to a batch
+    lora_slots: tuple[tuple[int, float], ...] = ()
 
     # -- set at submission, before the record is shared; the core (its timer) reads them --
     #: when a limit (request_timeout_s, SamplingParams.timeout_s) ends it, and

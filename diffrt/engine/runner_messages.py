@@ -28,10 +28,19 @@ class RunnerSettings(msgspec.Struct, frozen=True):
 
 
 # -- requests -------------------------------------------------------------------------
+#: one request's LoRA adapters in a worker: (device slot, adapter id, scale);
+#: the id lets the worker check the slot holds what the engine assigned
+LoraRows = list[tuple[int, int, float]]
+
+
 class ExecuteBatch(msgspec.Struct, tag="execute_batch"):
     """REQUEST_BATCH: run these whole requests (fused when several)."""
 
     requests: list[DiffusionRequest]
+    #: device slot -> adapter id to copy into it before running (``lora.slot_table``)
+    lora_installs: dict[int, int] = {}
+    #: request id -> its adapters' slots and scales (requests without adapters: absent)
+    lora_rows: dict[str, LoraRows] = {}
 
 
 class ExecuteStep(msgspec.Struct, tag="execute_step"):
@@ -43,13 +52,34 @@ class ExecuteStep(msgspec.Struct, tag="execute_step"):
     advance: list[str] = []
     drop: list[str] = []
     steps: int = 1
+    #: as ``ExecuteBatch``'s; ``lora_rows`` for ``new`` (kept with their state)
+    lora_installs: dict[int, int] = {}
+    lora_rows: dict[str, LoraRows] = {}
 
 
 class CountStepStates(msgspec.Struct, tag="count_step_states"):
     """How many step-mode request states the worker holds (leak checks)."""
 
 
-RunnerRequest = ExecuteBatch | ExecuteStep | CountStepStates
+class LoadLora(msgspec.Struct, tag="load_lora"):
+    """Start reading an adapter file on the worker's loader thread (answered at
+    once with ``LoraState``; ``LoraStatus`` asks how far it got)."""
+
+    adapter_id: int
+    path: str
+
+
+class LoraStatus(msgspec.Struct, tag="lora_status"):
+    adapter_id: int
+
+
+class DropLora(msgspec.Struct, tag="drop_lora"):
+    """Forget these adapters (host copies and device slots)."""
+
+    adapter_ids: list[int]
+
+
+RunnerRequest = ExecuteBatch | ExecuteStep | CountStepStates | LoadLora | LoraStatus | DropLora
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -96,7 +126,15 @@ class StepStateCount(msgspec.Struct, tag="step_state_count"):
     count: int
 
 
-RunnerReply = BatchDone | StepDone | StepStateCount
+class LoraState(msgspec.Struct, tag="lora_state"):
+    #: "loading", "ready", or why the file was refused
+    state: str
+    rank: int = 0
+    modules: int = 0
+    nbytes: int = 0
+
+
+RunnerReply = BatchDone | StepDone | StepStateCount | LoraState
 
 PIPELINE_PROTOCOL = RunnerProtocol(settings=RunnerSettings, requests=RunnerRequest,
                                    replies=RunnerReply)

@@ -7,6 +7,7 @@ model (the size multiple, the largest size) are its ``ModelSpec``'s.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -23,6 +24,10 @@ MAX_OUTPUTS_PER_PROMPT = 16
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 MAX_LORA_NAME_CHARS = 256
+#: the adapters one request may name (``max_loras`` may bound it lower) and
+#: the largest scale (either sign) it may give one
+MAX_LORAS_PER_REQUEST = 16
+MAX_LORA_SCALE = 100.0
 #: previews a step-mode request may ask for (as OpenAI's ``partial_images``).
 MAX_PARTIAL_IMAGES = 3
 
@@ -103,9 +108,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     output_type: Annotated[OutputType, _about(
         "pil, pt (uint8 tensor) or latent; over HTTP the response_format and "
         "output_format say what comes back instead", http=None, cli=None)] = "pil"
-    lora_name: Annotated[Annotated[str, Meta(max_length=MAX_LORA_NAME_CHARS)] | None, _about(
-        "an adapter by name; no model loads adapters yet (refused), so neither the HTTP "
-        "body nor the CLI offers it", http=None, cli=None)] = None
+    loras: Annotated[Annotated[dict[Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME_CHARS)],
+                                    Annotated[float, Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)]],
+                               Meta(max_length=MAX_LORAS_PER_REQUEST)] | None, _about(
+        "LoRA adapters by registered name and their scales, composed as diffusers' "
+        "set_adapters(names, adapter_weights) composes them (at most max_loras)",
+        cli=("--lora",))] = None
     #: seconds this request may take from submission to its final output; it
     #: can only lower the engine's ``request_timeout_s``. None: the engine's.
     timeout_s: Annotated[Annotated[float, Meta(gt=0, le=1e9)] | None, _about(
@@ -152,6 +160,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(exc.field, exc.reason) from None
         if self.seed is not None and self.seed > SEED_MAX:  # beyond msgspec's int64 bounds
             raise InvalidRequestError("seed", f"must be <= {SEED_MAX}, got {self.seed}")
+        for name, scale in (self.loras or {}).items():
+            if not math.isfinite(scale):
+                raise InvalidRequestError("loras", f"{name}: scale must be finite, got {scale}")
 
     def request_batch_key(self) -> tuple:
         """Parameter fields that must match for two requests to share one fused
@@ -168,7 +179,6 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.true_cfg_scale,
             self.num_outputs_per_prompt,
             self.output_type,
-            self.lora_name,
         )
 
     def step_batch_key(self) -> tuple:
@@ -184,5 +194,4 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.width,
             self.num_outputs_per_prompt,
             self.output_type,
-            self.lora_name,
         )

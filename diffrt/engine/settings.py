@@ -75,6 +75,17 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         "call per size in the step; packed (Flux; other families pad): one call over all "
         "rows' tokens in one sequence, nothing padded; auto: by_size on CPU (as fast as "
         "any there, every family), padded on a device"))] = "auto"
+    lora_modules: Annotated[dict[Annotated[str, Meta(min_length=1, max_length=256)],
+                                 Annotated[str, Meta(min_length=1)]], Meta(description=(
+        "LoRA adapters registered at start, name -> a safetensors file or folder in any "
+        "format diffusers' load_lora_weights reads for the family (more at run time: "
+        "DiffusionEngine.add_lora)"))] = {}
+    max_loras: Annotated[int, Meta(ge=1, le=64, description=(
+        "LoRA adapters each worker holds on the device at once (LRU; one a running request "
+        "uses is never evicted), and the most one request may name"))] = 4
+    lora_load_timeout_s: Annotated[float, Meta(gt=0, description=(
+        "seconds registering one LoRA adapter (reading and checking its file in every "
+        "worker) may take"))] = 300.0
     warmup: Annotated[bool, Meta(description=(
         "run one tiny request at start-up, then a two-step one that calibrates the run-time "
         "estimate (max_request_seconds); fails and cleans up if one does not finish in "

@@ -218,7 +218,9 @@ class DeclaredValueError(ValueError):
                         struct: type) -> DeclaredValueError:
         """msgspec's "Expected `int` >= 1 - at `$.name`" as "name: must be an
         int >= 1, got 0" (a choice lists the values allowed)."""
-        message, _, where = str(exc).rpartition(" - at `$.")
+        # a mapping's key: "... - at `key` in `$.name`"
+        text = str(exc).replace(" - at `key` in `$.", " (a key) - at `$.")
+        message, _, where = text.rpartition(" - at `$.")
         if not where:  # not about one field
             return cls("value", str(exc))
         field = where.rstrip("`").split(".")[0].split("[")[0]

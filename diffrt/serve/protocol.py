@@ -82,7 +82,9 @@ def _scale(declared: Declared, name: str) -> float:
 def _body_field(declared: Declared, name: str) -> tuple[Any, Any]:
     """A pydantic field with the declaration's type, limits and default."""
     scale = _scale(declared, name)
-    python = {"int": int, "float": float, "str": str, "bool": bool}[declared.kind]
+    # the one mapping among the sampling fields is ``loras``: adapter name -> scale
+    python = {"int": int, "float": float, "str": str, "bool": bool,
+              "mapping": dict[str, float]}[declared.kind]
     bounds = {k: v * scale if scale != 1.0 and k in ("ge", "gt", "le", "lt") else v
               for k, v in declared.bounds.items()}
     annotation: Any = python | None if declared.optional else python

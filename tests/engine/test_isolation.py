@@ -33,7 +33,10 @@ POISON = [
     ("sampling_params", dict(sampling_params=None)),
     ("sampling_params", dict(sampling_params={"height": 16})),
     ("timeout_s", dict(sampling_params=SamplingParams(height=16, width=16, timeout_s=0))),
-    ("lora_name", dict(sampling_params=SamplingParams(height=16, width=16, lora_name=3))),
+    ("loras", dict(sampling_params=SamplingParams(height=16, width=16, loras=3))),
+    ("loras", dict(sampling_params=SamplingParams(height=16, width=16,
+                                                  loras={"a": float("inf")}))),
+    ("loras", dict(sampling_params=SamplingParams(height=16, width=16, loras={"": 1.0}))),
 ]
 
 

@@ -17,7 +17,7 @@ from diffrt.engine import DiffusionRequest, InvalidRequestError, SamplingParams
 
 FIELDS = {"request", "request_id", "prompt", "negative_prompt", "sampling_params", "height",
           "width", "num_inference_steps", "guidance_scale", "num_outputs_per_prompt", "seed",
-          "output_type", "lora_name", "timeout_s"}
+          "output_type", "loras", "timeout_s"}
 
 anything = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**80), max_value=2**80),

@@ -268,11 +268,14 @@ class FlowMatchPipeline(DiffusionPipeline):
         h, w = size
         return h * w
 
-    def row_layout(self, params: SamplingParams, rows: int | None = None) -> RowLayout:
-        """The layout of ``rows`` rows (default: one per output) of one request."""
+    def row_layout(self, params: SamplingParams, rows: int | None = None,
+                   loras: tuple[tuple[int, float], ...] = ()) -> RowLayout:
+        """The layout of ``rows`` rows (default: one per output) of one
+        request, each with the request's LoRA adapters ``loras``."""
         size = self.latent_size(params)
         return RowLayout.uniform_rows(size, self.image_tokens(size),
-                                      params.num_outputs_per_prompt if rows is None else rows)
+                                      params.num_outputs_per_prompt if rows is None else rows,
+                                      loras)
 
     # -- stages (shared by both execution modes) -----------------------------------
     def encode_prompt(self, request: DiffusionRequest) -> Conditioning:
@@ -361,13 +364,13 @@ class FlowMatchPipeline(DiffusionPipeline):
                 # this rank's rows as long as their own longest (a padded step's
                 # rows are the whole step's longest), padded back before the gather
                 sub = layout.rows(mine)
-                pred = self.transformer_forward(
+                pred = self._transformer(
                     latents[mine][:, :sub.longest], timesteps[mine], cond.embeds[mine],
                     cond.extra[mine], guidance[mine], sub)
                 if pred.shape[1] != latents.shape[1]:
                     pred = pad_tokens([pred], latents.shape[1])
                 return gather_rows(pred, rows, self.cfg_parallel_group)
-            return self.transformer_forward(
+            return self._transformer(
                 latents, timesteps, cond.embeds, cond.extra, guidance, layout
             )
         neg_embeds, neg_extra = cond.neg_embeds, cond.neg_extra
@@ -377,11 +380,11 @@ class FlowMatchPipeline(DiffusionPipeline):
             from diffrt.engine.parallel.cfg import cfg_branch, gather_branches
 
             conditional = cfg_branch(self.cfg_parallel_group)
-            pred = self.transformer_forward(
+            pred = self._transformer(
                 latents, timesteps, cond.embeds if conditional else neg_embeds,
                 cond.extra if conditional else neg_extra, guidance, layout)
             return self.combine_guidance(*gather_branches(pred, self.cfg_parallel_group), scale)
-        pred = self.transformer_forward(
+        pred = self._transformer(
             torch.cat([latents, latents]),
             torch.cat([timesteps, timesteps]),
             cat_rows([neg_embeds, cond.embeds]),
@@ -391,6 +394,29 @@ class FlowMatchPipeline(DiffusionPipeline):
         )
         uncond, text = pred.chunk(2)
         return self.combine_guidance(text, uncond, scale)
+
+    def _transformer(self, latents: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor,
+                     extra: torch.Tensor, guidance: torch.Tensor, layout: RowLayout
+                     ) -> torch.Tensor:
+        """``transformer_forward`` with the rows' LoRA adapters applied
+        (``layout.loras``; the eager transformer then, not a compiled one:
+        its hooks read per-call state)."""
+        if not layout.loras:
+            return self.transformer_forward(latents, timesteps, embeds, extra, guidance, layout)
+        compiled = self.transformer
+        self.transformer = getattr(compiled, "_orig_mod", compiled)
+        try:
+            with self.row_loras.rows(layout.loras):
+                return self.transformer_forward(latents, timesteps, embeds, extra, guidance,
+                                                layout)
+        finally:
+            self.transformer = compiled
+
+    def enable_loras(self, slots: int) -> dict[str, tuple[int, int]]:
+        from diffrt.engine.lora.row_lora import RowLoras
+
+        self.row_loras = RowLoras(self.transformer, slots, device=self.device, dtype=self.dtype)
+        return self.row_loras.shapes()
 
     def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor,
                          scale: torch.Tensor) -> torch.Tensor:
@@ -432,7 +458,7 @@ class FlowMatchPipeline(DiffusionPipeline):
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
         # The engine accepts requests with their defaults filled in; a caller
         # using the pipeline directly may leave them at None.
-        batch = DiffusionRequestBatch([self.prepared(r) for r in batch.requests])
+        batch = DiffusionRequestBatch([self.prepared(r) for r in batch.requests], batch.loras)
         params = batch.sampling_params
         _check_compatible(batch.requests, self.spec.request_batch_key)
         n = params.num_outputs_per_prompt
@@ -446,7 +472,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         guidance = torch.cat([self._guidance_rows(r.sampling_params) for r in batch.requests])
         scales = torch.cat([self._cfg_rows(r.sampling_params) for r in batch.requests])
         noise_scheduler, timesteps = self.prepare_timesteps(params)
-        layout = self.row_layout(params, latents.shape[0])
+        layout = RowLayout.join([self.row_layout(params, None, batch.loras_of(i))
+                                 for i in range(len(batch.requests))])
         for t in timesteps:
             pred = self.guided_prediction(
                 latents, t.expand(latents.shape[0]), cond, guidance, layout, scales
@@ -491,9 +518,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         (``segments``), their predictions cut back by ``split_predictions``."""
         _check_compatible([s.request for s in states], self.spec.mixed_step_batch_key
                           if self.spec.mixed_sizes else self.spec.step_batch_key)
-        layouts = [self.row_layout(s.request.sampling_params) for s in states]
-        layout = RowLayout(tuple(size for part in layouts for size in part.sizes),
-                           tuple(n for part in layouts for n in part.tokens))
+        layout = RowLayout.join([self.row_layout(s.request.sampling_params, None, s.loras)
+                                 for s in states])
         if layout.uniform:
             latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
         elif self.mixed_rows == "by_size":

@@ -44,6 +44,12 @@ class DiffusionRequestBatch:
     """Compatible requests that share one request-level forward."""
 
     requests: list[DiffusionRequest]
+    #: each request's LoRA adapters as (device slot, scale) pairs, in order
+    #: (empty: no request has any)
+    loras: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+
+    def loras_of(self, index: int) -> tuple[tuple[int, float], ...]:
+        return self.loras[index] if self.loras else ()
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -63,6 +69,8 @@ class StepRequestState:
     timesteps: torch.Tensor | None = None
     step: int = 0
     noise_scheduler: Any = None  # this request's own copy of the diffusers noise scheduler
+    #: its LoRA adapters as (device slot, scale) pairs (``engine.lora``)
+    loras: tuple[tuple[int, float], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -99,6 +107,9 @@ class DiffusionPipeline(ABC):
     #: different sizes share a step in a pipeline whose spec has
     #: ``mixed_sizes`` — "padded" (one call) or "by_size" (a call per size)
     mixed_rows: str = "padded"
+    #: set by ``enable_loras``: the device slots of LoRA adapters and the
+    #: hooked layers that apply them per row (``engine.lora.row_lora``)
+    row_loras: Any = None
 
     @property
     def name(self) -> str:
@@ -185,6 +196,13 @@ class DiffusionPipeline(ABC):
         """Trade speed for device memory: VAE decoding in tiles (large images) or
         one image at a time (large batches), text encoders kept on the CPU
         between encodings (small devices). Pipelines without them ignore it."""
+
+    def enable_loras(self, slots: int) -> dict[str, tuple[int, int]]:
+        """Give the denoiser ``slots`` device slots for LoRA adapters applied
+        per row (``row_loras``); return its linear layers, name -> (out, in),
+        what an adapter file must fit. A pipeline whose spec names no
+        ``lora_target_modules`` is never asked."""
+        raise NotImplementedError(f"pipeline {self.name!r} takes no LoRA adapters")
 
     def enable_parallel(self, groups: Any, *, vae_parallel: bool = False) -> None:
         """Split each request across the ranks of ``groups`` (an

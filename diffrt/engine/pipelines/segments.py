@@ -53,14 +53,26 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RowLayout:
     """The image of each row of one transformer call: its latent (height,
-    width) and image tokens, in row order."""
+    width) and image tokens, in row order; and each row's LoRA adapters as
+    (device slot, scale) pairs (``loras``: () when no row has any;
+    ``engine.lora.row_lora`` applies them)."""
 
     sizes: tuple[tuple[int, int], ...]
     tokens: tuple[int, ...]
+    loras: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     @staticmethod
-    def uniform_rows(size: tuple[int, int], tokens: int, rows: int) -> RowLayout:
-        return RowLayout((size,) * rows, (tokens,) * rows)
+    def uniform_rows(size: tuple[int, int], tokens: int, rows: int,
+                     loras: tuple[tuple[int, float], ...] = ()) -> RowLayout:
+        return RowLayout((size,) * rows, (tokens,) * rows, (loras,) * rows if loras else ())
+
+    @staticmethod
+    def join(parts: list[RowLayout]) -> RowLayout:
+        """The rows of ``parts`` one after another."""
+        loras = () if not any(p.loras for p in parts) else tuple(
+            uses for p in parts for uses in (p.loras or ((),) * len(p)))
+        return RowLayout(tuple(size for p in parts for size in p.sizes),
+                         tuple(n for p in parts for n in p.tokens), loras)
 
     @property
     def uniform(self) -> bool:
@@ -75,11 +87,12 @@ class RowLayout:
         return len(self.sizes)
 
     def __add__(self, other: RowLayout) -> RowLayout:
-        return RowLayout(self.sizes + other.sizes, self.tokens + other.tokens)
+        return RowLayout.join([self, other])
 
     def rows(self, index: slice) -> RowLayout:
         """The layout of the rows ``index`` selects (a CFG-parallel rank's share)."""
-        return RowLayout(self.sizes[index], self.tokens[index])
+        loras = self.loras[index] if self.loras else ()
+        return RowLayout(self.sizes[index], self.tokens[index], loras if any(loras) else ())
 
     def key_mask(self, text_tokens: int, device: torch.device) -> torch.Tensor | None:
         """(rows, text_tokens + longest) booleans, True where a key is a real

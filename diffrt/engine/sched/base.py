@@ -8,7 +8,13 @@ from collections.abc import Callable
 
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sched.interface import AbortOutcome, BatchMemory, Finished, Scheduler
+from diffrt.engine.sched.interface import (
+    AbortOutcome,
+    BatchAdapters,
+    BatchMemory,
+    Finished,
+    Scheduler,
+)
 from diffrt.engine.sched.policy import AdmissionPolicy, FifoPolicy
 
 #: the automatic window: this share of the recent requests' run time ...
@@ -40,12 +46,17 @@ class BaseScheduler(Scheduler):
     running requests and those admitted before them) over the budget stay
     waiting, in their place, for a later tick. The first request of an empty
     batch is always admitted, whatever its estimate: a request alone always
-    runs, and nothing fails for the budget."""
+    runs, and nothing fails for the budget.
+
+    ``adapters`` gives admitted requests device slots for their LoRA
+    adapters (a ``BatchAdapters``: ``engine.lora.registry``); one whose
+    adapters find no slot stays waiting, in its place, and so does every
+    later one that needs a slot in the same pass (see ``lora.slot_table``)."""
 
     def __init__(self, max_num_seqs: int = 1, policy: AdmissionPolicy | None = None, *,
                  max_wait_s: float | None = 0.0, stable_s: float | None = None,
                  key: Callable[[DiffusionRequest], tuple] | None = None,
-                 memory: BatchMemory | None = None):
+                 memory: BatchMemory | None = None, adapters: BatchAdapters | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_wait_s is not None and max_wait_s < 0:
@@ -55,6 +66,7 @@ class BaseScheduler(Scheduler):
         self._key = key
         self.policy = policy or FifoPolicy()
         self.memory = memory
+        self.adapters = adapters
         self.auto_window = max_wait_s is None
         self._fixed_stable_s = stable_s
         self._run_s_ema: float | None = None
@@ -163,7 +175,8 @@ class BaseScheduler(Scheduler):
 
     # -- helpers ------------------------------------------------------------------
     def _admit(self, key: tuple | None, capacity: int, now: float) -> list[RequestRecord]:
-        chosen = self._within_budget(self.policy.select(self._waiting, key, capacity))
+        chosen = self._with_slots(self._within_budget(
+            self.policy.select(self._waiting, key, capacity)))
         if chosen:
             ids = {id(record) for record in chosen}
             self._waiting = [record for record in self._waiting if id(record) not in ids]
@@ -195,6 +208,18 @@ class BaseScheduler(Scheduler):
             used += need
         return kept
 
+    def _with_slots(self, chosen: list[RequestRecord]) -> list[RequestRecord]:
+        """Those of ``chosen`` whose adapters have device slots now (the rest wait)."""
+        if self.adapters is None:
+            return chosen
+        kept, blocked = [], False
+        for record in chosen:
+            if self.adapters.admit(record, blocked=blocked):
+                kept.append(record)
+            else:
+                blocked = True
+        return kept
+
     def _on_running_aborted(self, record: RequestRecord) -> None:
         """A running request (not in flight) was aborted: STEP_BATCH drops its state."""
 
@@ -203,5 +228,7 @@ class BaseScheduler(Scheduler):
         record.status = status
         self._requests.pop(record.request_id, None)
         self._in_flight.discard(record.request_id)
+        if self.adapters is not None:
+            self.adapters.release(record)
         return Finished(record.request_id, status, error=error, has_output=has_output,
                         step=record.step, total_steps=record.total_steps, admitted_at=record.admitted_at)

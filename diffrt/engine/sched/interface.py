@@ -22,6 +22,16 @@ class BatchMemory(Protocol):
     def estimate(self, request: DiffusionRequest) -> int: ...
 
 
+class BatchAdapters(Protocol):
+    """What a scheduler needs of LoRA adapters: device slots for a request's
+    adapters before it joins a batch (False: none free now; it waits), and
+    their release when it ends. The engine's is ``engine.lora.registry.AdapterRegistry``."""
+
+    def admit(self, record: RequestRecord, *, blocked: bool) -> bool: ...
+
+    def release(self, record: RequestRecord) -> None: ...
+
+
 @dataclass
 class ExecutionResult:
     """What one execute call reported, in scheduler terms."""
@@ -86,6 +96,10 @@ class SchedulerOutput:
     #: STEP_BATCH: denoise steps the worker may run in this call (it stops
     #: early after a step that finishes a request or reaches a preview)
     steps: int = 1
+    #: LoRA (set by the engine's core): device slot -> adapter id to install
+    #: first, and the (slot, adapter id, scale) of the admitted requests' adapters
+    lora_installs: dict[int, int] = field(default_factory=dict)
+    lora_rows: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -35,6 +35,7 @@ from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sched.base import BaseScheduler
 from diffrt.engine.sched.interface import (
+    BatchAdapters,
     BatchMemory,
     ExecutionResult,
     Progress,
@@ -51,9 +52,10 @@ class StepScheduler(BaseScheduler):
                  max_steps_per_tick: int = 1,
                  memory: BatchMemory | None = None,
                  tokens: Callable[[DiffusionRequest], tuple[int, int]] | None = None,
-                 token_budget: int | None = None, padded: bool = False):
+                 token_budget: int | None = None, padded: bool = False,
+                 adapters: BatchAdapters | None = None):
         super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key,
-                         memory=memory)
+                         memory=memory, adapters=adapters)
         #: a request's (rows, tokens a row) in a step; with ``token_budget``
         self._tokens = tokens
         self.token_budget = token_budget

@@ -272,7 +272,7 @@ def test_noise_scheduler_state_is_per_request(pipe):
         ("guidance_scale", {"guidance_scale": float("nan")}),
         ("num_outputs_per_prompt", {"num_outputs_per_prompt": 0}),
         ("seed", {"seed": "7"}),
-        ("lora_name", {"lora_name": "watercolour"}),
+        ("loras", {"loras": {"watercolour": float("nan")}}),
     ],
 )
 def test_invalid_params_raise_before_compute(pipe, monkeypatch, field, params):

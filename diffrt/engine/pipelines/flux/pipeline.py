@@ -116,7 +116,7 @@ class FluxPipeline(FlowMatchPipeline):
             ids = {size: self.image_ids(size) for size in set(layout.sizes)}
             rotary = row_rotary(self.transformer, txt_ids, [ids[size] for size in layout.sizes],
                                 layout.longest)
-            if self.mixed_rows == "packed":
+            if self.mixed_rows == "packed" and not layout.loras:  # adapters index rows
                 from diffrt.engine.pipelines.flux.packed import forward_packed
 
                 return forward_packed(

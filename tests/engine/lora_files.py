@@ -1,0 +1,72 @@
+"""Tiny LoRA adapter files for the tests, made offline: PEFT adapters on a
+tiny folder's transformer with both factors drawn from a seeded generator
+(PEFT's default leaves B at zero, which changes nothing), saved by the
+family's diffusers pipeline class (``save_lora_weights``) as diffusers would
+save a trained one; and a kohya-format Flux file diffusers converts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def make_adapter(folder: str, pipeline_class: str, out: str | os.PathLike, *,
+                 targets: tuple[str, ...], rank: int = 4, alpha: float | None = None,
+                 seed: int = 0, magnitude: float = 0.5) -> str:
+    """Write ``out``/pytorch_lora_weights.safetensors; return ``out``."""
+    import diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    cls = getattr(diffusers, pipeline_class)
+    index = __import__("json").loads(Path(folder, "model_index.json").read_text())
+    transformer_cls = getattr(diffusers, index["transformer"][1])
+    transformer = transformer_cls.from_pretrained(os.path.join(folder, "transformer"))
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank,
+                        target_modules=list(targets), init_lora_weights=False)
+    transformer.add_adapter(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in transformer.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * magnitude
+                            / param.shape[-1] ** 0.5)
+    state = get_peft_model_state_dict(transformer)
+    os.makedirs(out, exist_ok=True)
+    cls.save_lora_weights(str(out), transformer_lora_layers=state,
+                          transformer_lora_adapter_metadata=config.to_dict())
+    return str(out)
+
+
+def make_kohya_flux(folder: str, out: str | os.PathLike, *, rank: int = 4, seed: int = 0,
+                    magnitude: float = 0.5) -> str:
+    """A kohya-style Flux file (``lora_unet_double_blocks_0_img_attn_qkv.lora_down``,
+    ``.lora_up``, ``.alpha``) for the tiny folder's transformer; returns its path."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = json.loads(Path(folder, "transformer", "config.json").read_text())
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def pair(prefix: str, out_features: int, in_features: int) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.lora_down.weight": torch.randn(rank, in_features, generator=generator)
+                * magnitude / in_features ** 0.5,
+                f"{prefix}.lora_up.weight": torch.randn(out_features, rank, generator=generator)
+                * magnitude / rank ** 0.5,
+                f"{prefix}.alpha": torch.tensor(float(rank) / 2)}
+
+    state: dict[str, torch.Tensor] = {}
+    for i in range(config["num_layers"]):
+        state |= pair(f"lora_unet_double_blocks_{i}_img_attn_qkv", 3 * dim, dim)
+        state |= pair(f"lora_unet_double_blocks_{i}_txt_attn_proj", dim, dim)
+    for i in range(config["num_single_layers"]):
+        state |= pair(f"lora_unet_single_blocks_{i}_linear2", dim,
+                      dim + int(dim * config.get("mlp_ratio", 4.0)))
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    return str(path)
