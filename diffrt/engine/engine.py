@@ -529,7 +529,8 @@ class DiffusionEngine:
             waiting=waiting, running=running,
             pending_output_bytes=self.output_processor.unread_bytes(),
             healthy=self.is_healthy(), worker_restarts=self._core.restarts,
-            seconds_without_progress=idle, stall=self.stall(idle))
+            seconds_without_progress=idle, stall=self.stall(idle),
+            loras=self.adapters.snapshot(), lora_requests=self.adapters.requests_by_name())
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,

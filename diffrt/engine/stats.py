@@ -82,6 +82,16 @@ class EngineStats:
     step_batch_rows: Histogram = field(default_factory=lambda: _Buckets(STEP_ROWS_BUCKETS).snapshot())
     step_batch_tokens: Histogram = field(
         default_factory=lambda: _Buckets(STEP_TOKENS_BUCKETS).snapshot())
+    #: LoRA adapters (``engine.lora``): registered now, device slots in use of
+    #: ``lora_slots`` (``max_loras``), adapters copied into a slot since start
+    #: and the copies that evicted another, and requests accepted per adapter
+    #: name (registered names only: operators choose them, so bounded)
+    loras_registered: int = 0
+    lora_slots_used: int = 0
+    lora_slots: int = 0
+    lora_loads_total: int = 0
+    lora_evictions_total: int = 0
+    lora_requests_total: dict[str, int] = field(default_factory=dict)
 
 
 def classify(output: DiffusionOutput) -> str:
@@ -157,7 +167,9 @@ class StatsRecorder:
     def snapshot(self, *, waiting: int, running: int, pending_output_bytes: int,
                  healthy: bool, worker_restarts: int = 0,
                  seconds_without_progress: float = 0.0,
-                 stall: str | None = None) -> EngineStats:
+                 stall: str | None = None, loras: dict[str, int] | None = None,
+                 lora_requests: dict[str, int] | None = None) -> EngineStats:
+        lora = loras or {}
         with self._lock:
             return EngineStats(
                 requests_waiting=waiting, requests_running=running,
@@ -170,4 +182,8 @@ class StatsRecorder:
                 pending_output_bytes=pending_output_bytes, healthy=healthy,
                 worker_restarts=worker_restarts,
                 seconds_without_progress=seconds_without_progress, stall=stall,
-                step_batch_rows=self._rows.snapshot(), step_batch_tokens=self._tokens.snapshot())
+                step_batch_rows=self._rows.snapshot(), step_batch_tokens=self._tokens.snapshot(),
+                loras_registered=lora.get("registered", 0), lora_slots_used=lora.get("slots_used", 0),
+                lora_slots=lora.get("slots", 0), lora_loads_total=lora.get("loads", 0),
+                lora_evictions_total=lora.get("evictions", 0),
+                lora_requests_total=dict(lora_requests or {}))
