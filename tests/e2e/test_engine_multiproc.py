@@ -51,15 +51,26 @@ def make_step_engine() -> DiffusionEngine:
         model="tiny-flux", step_execution=True, max_num_seqs=4, async_output=True))
 
 
-def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_engine):
+def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_engine,
+                                                                     tmp_path):
     """One engine's whole life: progress streamed from a worker process, outputs
     through the arena, then close. The output arena is a memfd: it lives in the
     mappings and descriptors of this process and of the output rank, never in
-    /dev/shm, and close leaves neither it nor a process behind."""
+    /dev/shm, and close leaves neither it nor a process behind. One request
+    carries a LoRA adapter registered at run time (read in the worker process)."""
+    from lora_files import make_adapter
+
+    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
+
+    adapter = make_adapter(embedded_folder("tiny-flux"), "FluxPipeline", tmp_path / "style",
+                           targets=LORA_TARGET_MODULES, rank=4, seed=9)
     gc.collect()  # arenas of earlier tests still viewed by garbage go first
     held_before = arena_refs(os.getpid())
     engine = make_step_engine()
+    flux_step_engine.add_lora("mp-style", adapter)
     try:
+        assert engine.add_lora("style", adapter).rank == 4
         pids = list(engine.executor.worker_pids)
         # where the arena lives while the engine runs: here and in the output rank
         assert arena_refs(os.getpid()) > held_before and arena_mappings(pids[0]) == 1
@@ -67,8 +78,14 @@ def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_e
         async def collect(request):
             return [o async for o in engine.step_streaming(request)]
 
+        def styled(i: int, name: str) -> DiffusionRequest:
+            r = req(i, 2 + i, SIZES[i])
+            if i == 0:
+                r.sampling_params.loras = {name: 1.0}
+            return r
+
         async def main():
-            return await asyncio.gather(*(collect(req(i, 2 + i, SIZES[i])) for i in range(3)))
+            return await asyncio.gather(*(collect(styled(i, "style")) for i in range(3)))
 
         results = asyncio.run(main())
         for i, outs in enumerate(results):
@@ -80,14 +97,18 @@ def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_e
         rows = engine.stats().step_batch_rows
         assert sum(rows.counts[1:]) > 0  # a step of two rows or more: two sizes
         for i, outs in enumerate(results):
-            alone = flux_step_engine.generate(req(i, 2 + i, SIZES[i]))
+            alone = flux_step_engine.generate(styled(i, "mp-style"))
             diff = np.abs(np.asarray(outs[-1].images[0]).astype(int)
                           - np.asarray(alone.images[0]).astype(int))
             assert diff.max() <= 1
+        plain = flux_step_engine.generate(req(0, 2, SIZES[0]))  # the adapter moved it
+        assert np.abs(np.asarray(results[0][-1].images[0]).astype(int)
+                      - np.asarray(plain.images[0]).astype(int)).mean() >= 10
         assert engine.is_healthy()
         assert engine.executor.collective_rpc(CountStepStates()) == [StepStateCount(0)]
     finally:
         engine.close()
+        flux_step_engine.remove_lora("mp-style")
     assert wait_until(lambda: not any(alive(p) for p in pids))
     assert not any(arena_mappings(p) for p in pids)
     gc.collect()  # a view of the arena still alive would keep its mapping

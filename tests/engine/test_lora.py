@@ -298,3 +298,20 @@ def test_a_slow_adapter_read_does_not_stop_the_steps(files, tmp_path):
         adder.join(30)
         assert out.ok and done["request"] < done["added"]
         assert engine.generate(request("slow-used", {"slow": 1.0})).ok
+
+
+def test_fresh_workers_read_the_registered_adapters_again(step_engine):
+    """The workers a restart starts (``restart_workers``) are given every
+    registered adapter before they serve: their slots start empty."""
+    from diffrt.engine.runner_messages import LoraState, LoraStatus
+
+    fresh = step_engine._fresh_executor()
+    try:
+        for info in step_engine.list_loras():
+            adapter_id = next(a.id for a in step_engine.adapters.registered()
+                              if a.name == info.name)
+            [state] = fresh.collective_rpc(LoraStatus(adapter_id))
+            assert state == LoraState("ready", rank=info.rank, modules=info.modules,
+                                      nbytes=info.nbytes)
+    finally:
+        fresh.shutdown()
