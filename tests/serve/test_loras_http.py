@@ -150,3 +150,35 @@ def test_the_lora_routes_need_the_api_key(app):
         _error(call(app, method, path, headers={"Authorization": "Bearer wrong"}, **kw),
                401, None, "API key")
     assert call(app, "GET", LORAS).json()["data"] == []  # nothing was registered
+
+
+def test_registration_runs_off_the_event_loop(app, lora_engine, monkeypatch):
+    """add_lora waits for every worker to read the file: meanwhile the server
+    answers other requests."""
+    import threading
+
+    from diffrt.engine import LoraInfo
+
+    entered, release = threading.Event(), threading.Event()
+
+    def add_lora(name: str, path: str) -> LoraInfo:  # a file that takes long to read
+        entered.set()
+        release.wait(10)
+        return LoraInfo(name=name, path=path, rank=1, modules=1, nbytes=1, requests=0,
+                        active=0, slot=None)
+
+    monkeypatch.setattr(lora_engine, "add_lora", add_lora)
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver",
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            posting = asyncio.ensure_future(c.post(LORAS, json={"name": "slow", "path": "style"}))
+            assert await asyncio.to_thread(entered.wait, 10)
+            health = await asyncio.wait_for(c.get("/health"), 5)  # not stuck behind add_lora
+            assert health.status_code == 200
+            assert not posting.done()
+            release.set()
+            assert (await posting).json()["name"] == "slow"
+
+    asyncio.run(main())
