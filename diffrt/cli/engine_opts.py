@@ -178,7 +178,8 @@ def _add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: D
         parse = str if field.kind == "sequence" else _key_value(
             _ITEM_CONVERT.get(field.item_kind, str))
         kw.update(action="append", type=parse, default=None if default is UNSET else default,
-                  metavar="VALUE" if field.kind == "sequence" else "KEY=VALUE")
+                  metavar="VALUE" if field.kind == "sequence" else
+                  "KEY=N" if field.item_kind in _ITEM_CONVERT else "KEY=VALUE")
         _REPEATABLE.add(field.name)
         if field.kind == "mapping":
             _MAPPINGS[field.name] = flag

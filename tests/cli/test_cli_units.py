@@ -344,6 +344,9 @@ def test_lora_flags_become_the_config_mapping_and_the_request_scales(capsys):
     EngineConfig(**settings)  # the config takes the mapping as it is
     assert sampling_params(args).loras == {"a": 0.5, "b": -1.0}
     assert sampling_params(build_parser().parse_args(["generate", "-p", "x"])).loras is None
+    for key in ("loras", "lora_modules"):  # repeatable: the same in every configuration
+        with pytest.raises(CliError, match=f"{key} is not compared"):
+            parse_spec(f"{key}=a=1")
     with pytest.raises(CliError, match="--lora-modules: 'a' given twice"):
         engine_settings(build_parser().parse_args(
             ["generate", "-p", "x", "--lora-modules", "a=1", "--lora-modules", "a=2"]))
