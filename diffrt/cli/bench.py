@@ -100,7 +100,8 @@ def parse_spec(spec: str) -> dict[str, Any]:
         key = key.strip().replace("-", "_")
         if key in RENAMED_KEYS:
             raise CliError(f"--compare {spec!r}: {key} was renamed: use {RENAMED_KEYS[key]}")
-        if key in ("plugin_modules", "worker_env"):  # lists: the same for every configuration
+        # repeatable flags: the same for every configuration
+        if key in ("plugin_modules", "worker_env", "lora_modules", "loras", "lora"):
             raise CliError(f"--compare {spec!r}: {key} is not compared; give it as "
                            f"--{key.replace('_', '-')} for all configurations")
         if not sep or key not in keys:

@@ -133,11 +133,28 @@ def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return lambda text: None if text.lower() in ("none", "auto") else parse(text)
 
 
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
+def _key_value(convert: Callable[[str], Any] = str) -> Callable[[str], tuple[str, Any]]:
+    """``KEY=VALUE`` -> (key, value), the value read as the mapping declares
+    its values (a number for ``--loras name=0.8``)."""
+    def parse(text: str) -> tuple[str, Any]:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+        if convert is str:
+            return key, value
+        try:
+            number = convert(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{key}: expected a number after '=', got {value!r}") from None
+        if not math.isfinite(number):
+            raise argparse.ArgumentTypeError(f"{key}: must be a finite number, got {value}")
+        return key, number
+    return parse
+
+
+#: how a mapping's values are read from ``KEY=VALUE``, by their declared kind
+_ITEM_CONVERT: dict[str, Callable[[str], Any]] = {"float": float, "int": int}
 
 
 # -- flags from declarations ------------------------------------------------------------------
@@ -158,10 +175,14 @@ def _add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: D
         kw.update(type=convert, choices=list(field.choices))
         parse = _one_of(convert, field.choices)
     elif field.kind in ("sequence", "mapping"):  # repeatable; None until given
-        parse = str if field.kind == "sequence" else _key_value
+        parse = str if field.kind == "sequence" else _key_value(
+            _ITEM_CONVERT.get(field.item_kind, str))
         kw.update(action="append", type=parse, default=None if default is UNSET else default,
-                  metavar="VALUE" if field.kind == "sequence" else "KEY=VALUE")
+                  metavar="VALUE" if field.kind == "sequence" else
+                  "KEY=N" if field.item_kind in _ITEM_CONVERT else "KEY=VALUE")
         _REPEATABLE.add(field.name)
+        if field.kind == "mapping":
+            _MAPPINGS[field.name] = flag
     elif field.kind in ("int", "float"):
         # the flag converts; the limits are the engine's check, whose error
         # names the field in one line (bench --compare checks them at once)
@@ -181,6 +202,8 @@ _ENGINE_PARSERS: dict[str, Callable[[str], Any]] = {}
 _SAMPLING_PARSERS: dict[str, Callable[[str], Any]] = {}
 #: repeatable flags (their argparse default is None, not UNSET)
 _REPEATABLE: set[str] = set()
+#: KEY=VALUE fields -> their flag: given as (key, value) pairs, taken as a dict
+_MAPPINGS: dict[str, str] = {}
 
 
 def flag_parsers() -> dict[str, Callable[[str], Any]]:
@@ -258,8 +281,8 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         if name not in given:
             continue
         value = given[name]
-        if name == "worker_env":
-            value = dict(value)
+        if name in _MAPPINGS:
+            value = as_mapping(name, value)
         elif name == "plugin_modules":
             value = tuple(value)
         settings[name] = value
@@ -268,6 +291,19 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         settings["worker_env"] = {"DIFFRT_LOG_LEVEL": worker_log_spec(level),
                                   **settings.get("worker_env", {})}
     return settings
+
+
+def as_mapping(name: str, value: Any) -> dict[str, Any]:
+    """A repeatable ``KEY=VALUE`` flag's (key, value) pairs as the dict its
+    setting takes; a key given twice is refused (which one was meant?)."""
+    if isinstance(value, dict):
+        return value
+    out: dict[str, Any] = {}
+    for key, item in value:
+        if key in out:
+            raise CliError(f"{_MAPPINGS.get(name, name)}: {key!r} given twice")
+        out[key] = item
+    return out
 
 
 def worker_log_spec(level: str) -> str:
@@ -290,7 +326,8 @@ def sampling_params(args: argparse.Namespace | dict[str, Any], **overrides: Any)
     from diffrt.engine.sampling import SamplingParams
 
     given = _given(args)
-    fields = {f.name: given[f.name] for f in _sampling_fields() if f.name in given}
+    fields = {f.name: as_mapping(f.name, given[f.name]) if f.kind == "mapping" else given[f.name]
+              for f in _sampling_fields() if f.name in given}
     return SamplingParams(**{**fields, **overrides})
 
 

@@ -43,8 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model over HTTP (OpenAI images API)",
         description="Serve a model over HTTP: POST /v1/images/generations (OpenAI's Images "
-                    "API, streamed previews with stream=true), GET /v1/models, /health, "
-                    "/ready, /metrics.")
+                    "API, streamed previews with stream=true), GET /v1/models, "
+                    "GET/POST/DELETE /v1/loras, /health, /ready, /metrics.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000,
                    help="port, 0-65535 (0: a free one; default: %(default)s)")
@@ -63,6 +63,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="largest request body (default: %(default)s)")
     p.add_argument("--url-ttl", type=non_negative_float, default=600.0,
                    help='seconds a response_format="url" image is kept (default: %(default)s)')
+    p.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="allow POST /v1/loras to register LoRA adapters whose real path "
+                        "(symlinks resolved) lies inside DIR (default: off, 403; adapters "
+                        "given with --lora-modules need none)")
     edge = p.add_argument_group(
         "the HTTP edge (docs/limits.md#http)",
         "Bounds on what one client may hold, each checked before a request reaches the "
@@ -162,6 +166,21 @@ def public_url(args: argparse.Namespace) -> str | None:
     return args.public_url.rstrip("/")
 
 
+def lora_dir(args: argparse.Namespace) -> str | None:
+    """``--lora-dir`` as its real path: an existing folder, one engine (Ray
+    Serve replicas register adapters at start only)."""
+    if args.lora_dir is None:
+        return None
+    if on_ray(args):
+        raise CliError("--lora-dir: adapters cannot be registered at run time on Ray Serve "
+                       "replicas (each has an engine of its own); give them with "
+                       "--lora-modules NAME=PATH")
+    real = os.path.realpath(args.lora_dir)
+    if not os.path.isdir(real):
+        raise CliError(f"--lora-dir {args.lora_dir!r}: not an existing folder")
+    return real
+
+
 def build_serve_settings(args: argparse.Namespace) -> Any:
     """The ServeSettings of the command line."""
     from diffrt.serve import ServeSettings
@@ -171,7 +190,8 @@ def build_serve_settings(args: argparse.Namespace) -> Any:
         max_pending=args.max_pending, shutdown_timeout_s=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, url_ttl_s=args.url_ttl,
         allowed_hosts=allowed_hosts(args), public_url=public_url(args),
-        body_timeout_s=args.body_timeout, max_request_line_bytes=args.max_request_line_bytes)
+        body_timeout_s=args.body_timeout, max_request_line_bytes=args.max_request_line_bytes,
+        lora_dir=lora_dir(args))
 
 
 def http_limits(args: argparse.Namespace) -> Any:

@@ -40,6 +40,9 @@ class Declared:
     choices: tuple[Any, ...] = ()
     #: what the declaration adds for other surfaces (``Meta(extra=...)``)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the kind of a mapping's values or a sequence's items ("" for the others),
+    #: so a surface can read ``name=1.5`` as a number where one is declared
+    item_kind: str = ""
 
     @property
     def has_factory_default(self) -> bool:
@@ -78,7 +81,18 @@ def _declared(f: msgspec.inspect.Field) -> Declared:
     kind = next(k for cls, k in _KINDS.items() if isinstance(t, cls))
     choices = tuple(t.values) if kind == "choice" else ()
     default = f.default if f.default_factory is msgspec.NODEFAULT else msgspec.NODEFAULT
-    return Declared(f.name, kind, optional, default, description, bounds, choices, extra)
+    return Declared(f.name, kind, optional, default, description, bounds, choices, extra,
+                    _item_kind(t))
+
+
+def _item_kind(t: Any) -> str:
+    """The kind of a mapping's values or a sequence's items ("" otherwise)."""
+    item = getattr(t, "value_type", None) or getattr(t, "item_type", None)
+    if item is None:  # a fixed-length tuple has item_types; not a repeatable kind
+        return ""
+    while isinstance(item, msgspec.inspect.Metadata):
+        item = item.type
+    return next((k for cls, k in _KINDS.items() if isinstance(item, cls)), "")
 
 
 __all__ = ["Declared", "declared_fields"]

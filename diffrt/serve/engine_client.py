@@ -35,6 +35,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
+from diffrt.engine.lora.registry import LoraInfo
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.seats import Seat
 from diffrt.serve.errors import ApiError
@@ -49,6 +50,9 @@ IDLE_POLL_S = 0.05
 
 
 class EngineClient:
+    #: adapters may be registered and removed while serving (one engine here)
+    runtime_loras = True
+
     def __init__(self, config: EngineConfig | None, settings: ServeSettings, *,
                  engine: DiffusionEngine | None = None,
                  on_ready: Callable[[], None] | None = None,
@@ -221,6 +225,32 @@ class EngineClient:
                 seat.release()  # a request never submitted; else a no-op
                 self._running.pop(rid, None)
                 self._in_flight -= 1
+
+    # -- LoRA adapters (routes: lora_routes.py) ----------------------------------------
+    def _engine_for_adapters(self) -> DiffusionEngine:
+        """The engine, once it has started (adapters live in its workers)."""
+        if self.state == "starting":
+            raise ApiError(503, "the model is still loading; retry shortly",
+                           code="warming_up", headers={"Retry-After": "5"})
+        if self.engine is None or self.state == "failed":
+            raise ApiError(503, f"the engine is down: {self.failure or 'not started'}",
+                           code="engine_down")
+        return self.engine
+
+    async def list_loras(self) -> list[LoraInfo]:
+        return self._engine_for_adapters().list_loras()
+
+    async def add_lora(self, name: str, path: str) -> LoraInfo:
+        """Register an adapter. ``DiffusionEngine.add_lora`` waits until every
+        worker has read the file (seconds for a large one), so it runs on a
+        thread: the event loop serves other requests meanwhile."""
+        engine = self._engine_for_adapters()
+        return await asyncio.to_thread(engine.add_lora, name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        """Unregister an adapter (a call to the workers when none holds it: on a thread)."""
+        engine = self._engine_for_adapters()
+        await asyncio.to_thread(engine.remove_lora, name)
 
     def metric_snapshots(self) -> list[tuple[dict[str, str], Any]]:
         """The engine's stats for /metrics (none while it starts)."""

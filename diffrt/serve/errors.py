@@ -22,13 +22,16 @@ logger = logging.getLogger(__name__)
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     414: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "server_error",
     503: "service_unavailable",
     504: "timeout_error",
 }

@@ -105,9 +105,35 @@ class EngineCollector(Collector):
                     lambda s: 1.0 if s.healthy else 0.0)
         yield counter("diffrt_worker_restarts", "Times fresh workers replaced dead or hung "
                       "ones", lambda s: s.worker_restarts)
+        yield from self._loras(snapshots, names, values, gauge, counter)
         yield gauge("diffrt_seconds_without_progress", "Seconds the worker call in flight "
                     "has gone without progress (0: none in flight)",
                     lambda s: s.seconds_without_progress)
+
+
+    @staticmethod
+    def _loras(snapshots: list[tuple[dict[str, str], Any]], names: list[str],
+               values: Callable[[dict[str, str]], list[str]],
+               gauge: Callable[..., Metric], counter: Callable[..., Metric]) -> Iterator[Metric]:
+        """The LoRA adapters: registered, device slots, loads and evictions, and
+        the requests accepted per adapter (``adapter`` label; a removed
+        adapter's series ends with it)."""
+        yield gauge("diffrt_loras_registered", "LoRA adapters registered now",
+                    lambda s: s.loras_registered)
+        yield gauge("diffrt_lora_slots_used", "Device slots holding a LoRA adapter now",
+                    lambda s: s.lora_slots_used)
+        yield gauge("diffrt_lora_slots", "Device slots for LoRA adapters (max_loras)",
+                    lambda s: s.lora_slots)
+        yield counter("diffrt_lora_loads", "LoRA adapters copied into a device slot",
+                      lambda s: s.lora_loads_total)
+        yield counter("diffrt_lora_evictions", "LoRA adapters evicted from a device slot "
+                      "for another one", lambda s: s.lora_evictions_total)
+        per_adapter = CounterMetricFamily("diffrt_lora_requests", "Requests accepted with "
+                                          "each LoRA adapter", labels=[*names, "adapter"])
+        for labels, stats in snapshots:
+            for adapter, count in sorted(stats.lora_requests_total.items()):
+                per_adapter.add_metric([*values(labels), adapter], count)
+        yield per_adapter
 
 
 #: (name, usage key, help) of the url image store's gauges

@@ -171,6 +171,34 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class LoraRegistration(BaseModel):
+    """POST /v1/loras: an adapter file (or folder) to register under ``name``;
+    a relative ``path`` is taken inside the server's ``--lora-dir``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=256)
+    path: str = Field(min_length=1, max_length=4096)
+
+
+class LoraCard(BaseModel):
+    """A registered adapter (the engine's ``LoraInfo``)."""
+
+    name: str
+    path: str
+    rank: int = Field(description="the largest rank of its modules")
+    modules: int = Field(description="the linear layers it changes")
+    nbytes: int = Field(description="its factors' bytes in host memory, in each worker")
+    requests: int = Field(description="requests accepted with it since it was registered")
+    active: int = Field(description="requests holding it now (queued or running)")
+    slot: int | None = Field(description="its device slot now (null: on the host only)")
+
+
+class LoraList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[LoraCard]
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

@@ -213,6 +213,11 @@ class ModelReplica:
         async for item in announce_admission(outputs, admitted):
             yield self.name, item
 
+    def list_loras(self) -> list[Any]:
+        """This replica's adapters (every replica registers ``lora_modules`` at start)."""
+        assert self.engine is not None
+        return self.engine.list_loras()
+
     def check_health(self) -> None:
         assert self.engine is not None  # Ray checks a replica whose __init__ returned
         if not self.engine.is_healthy():
@@ -240,6 +245,11 @@ class ModelReplica:
 class ReplicaClient:
     """The ingress's engine client: the same interface as ``EngineClient``,
     answered by the model replicas through a Ray Serve handle."""
+
+    #: each replica has an engine of its own, and a handle reaches one of
+    #: them (and not those autoscaling adds later): adapters are registered
+    #: at start (``lora_modules``) only, and POST/DELETE /v1/loras answer 501
+    runtime_loras = False
 
     def __init__(self, model: Any, board: Any, settings: ServeSettings, model_name: str,
                  step_mode: bool) -> None:
@@ -375,6 +385,27 @@ class ReplicaClient:
                     logger.debug("cancelling the replica call failed", exc_info=True)
             seat.release()
             self._in_flight -= 1
+
+    async def list_loras(self) -> list[Any]:
+        """The adapters of one replica, which Ray picks (all register the same
+        ``lora_modules`` at start; ``requests``, ``active`` and ``slot`` are that
+        replica's)."""
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        try:
+            return await self.model.list_loras.remote()
+        except (RayActorError, DeploymentUnavailableError) as exc:
+            raise ApiError(503, f"no replica answered ({type(exc).__name__})",
+                           code="engine_down") from None
+
+    async def add_lora(self, name: str, path: str) -> Any:
+        raise ApiError(501, "adapters are registered at start on Ray Serve (--lora-modules)",
+                       code="not_implemented")
+
+    async def remove_lora(self, name: str) -> None:
+        raise ApiError(501, "adapters are registered at start on Ray Serve (--lora-modules)",
+                       code="not_implemented")
 
     def metric_snapshots(self) -> list[tuple[dict[str, str], Any]]:
         return [({"replica": replica}, stats) for replica, stats in self._snapshots]

@@ -32,6 +32,11 @@ class ServeSettings:
             built from the request's ``Host``.
         body_timeout_s: a request body not read whole within this is 408.
         max_request_line_bytes: a longer request target (path and query) is 414.
+        lora_dir: the folder ``POST /v1/loras`` may register adapters from
+            (a path is accepted when its real path, symlinks resolved, lies
+            inside this folder's); None: run-time registration is refused
+            (403), so no client can make the server read a file of its
+            choosing. Adapters given at start (``lora_modules``) need none.
 
     The bounds of the connection itself (header size and time, idle time, the
     count of connections) are uvicorn's: ``diffrt.serve.server.HttpLimits``.
@@ -50,3 +55,4 @@ class ServeSettings:
     public_url: str | None = None
     body_timeout_s: float = 30.0
     max_request_line_bytes: int = 8 << 10
+    lora_dir: str | None = None

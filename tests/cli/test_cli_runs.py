@@ -124,3 +124,27 @@ def test_bench_compare_prints_table_json_and_overlapping_trace(cli, tmp_path):
     assert any(inside(f, async_window) for f, _ in pairs)
     assert not any(inside(f, sync_window) for f, _ in pairs)  # sync path: copies never overlap
     assert _png_size(tmp_path / "timeline.png")[0] >= 800
+
+
+def test_generate_registers_an_adapter_at_start_for_its_requests(cli, tmp_path):
+    """``--lora-modules NAME=PATH`` registers the adapter before the first
+    request, which names it with ``--loras NAME=SCALE`` (an unregistered name
+    would be refused; that the adapter changes the image is test_loras_http's)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+    from lora_files import make_adapter
+
+    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
+
+    adapter = make_adapter(embedded_folder("tiny-flux"), "FluxPipeline", tmp_path / "style",
+                           targets=LORA_TARGET_MODULES, rank=4, seed=1)
+    proc = cli("--log-level", "INFO", "generate", "-m", "tiny-flux", "--executor-backend",
+               "inproc", "--no-warmup", "-p", "a red fox", "--height", "64", "--width", "64",
+               "--steps", "2", "--seed", "3", "--lora-modules", f"style={adapter}",
+               "--loras", "style=1.0", "-o", "fox.png", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "LoRA adapter 'style' registered" in proc.stderr, proc.stderr
+    with Image.open(tmp_path / "fox.png") as im:
+        assert im.size == (64, 64)

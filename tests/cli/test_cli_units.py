@@ -329,3 +329,51 @@ def test_bench_reports_mean_rows_and_tokens_per_step():
         "step_rows_mean": 5.0, "step_tokens_mean": 2000.0}
     assert step_batch_summary(snap(2, 4, 1000), snap(2, 4, 1000)) == {
         "step_rows_mean": None, "step_tokens_mean": None}
+
+
+def test_lora_flags_become_the_config_mapping_and_the_request_scales(capsys):
+    from diffrt.cli import build_parser
+    from diffrt.cli.engine_opts import engine_settings, sampling_params
+    from diffrt.engine import EngineConfig
+
+    args = build_parser().parse_args([
+        "generate", "-p", "x", "--lora-modules", "a=/adapters/a.safetensors",
+        "--lora-modules", "b=rel/b", "--loras", "a=0.5", "--lora", "b=-1"])
+    settings = engine_settings(args)
+    assert settings["lora_modules"] == {"a": "/adapters/a.safetensors", "b": "rel/b"}
+    EngineConfig(**settings)  # the config takes the mapping as it is
+    assert sampling_params(args).loras == {"a": 0.5, "b": -1.0}
+    assert sampling_params(build_parser().parse_args(["generate", "-p", "x"])).loras is None
+    for key in ("loras", "lora_modules"):  # repeatable: the same in every configuration
+        with pytest.raises(CliError, match=f"{key} is not compared"):
+            parse_spec(f"{key}=a=1")
+    with pytest.raises(CliError, match="--lora-modules: 'a' given twice"):
+        engine_settings(build_parser().parse_args(
+            ["generate", "-p", "x", "--lora-modules", "a=1", "--lora-modules", "a=2"]))
+    for flag, value, needle in (("--lora-modules", "a", "expected KEY=VALUE, got 'a'"),
+                                ("--loras", "a=strong", "a: expected a number after '='"),
+                                ("--lora", "a=inf", "a: must be a finite number"),
+                                ("--loras", "=1", "expected KEY=VALUE")):
+        with pytest.raises(SystemExit) as exc:
+            main(["generate", "-p", "x", flag, value])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--loras/--lora" in err or "--lora-modules" in err, err
+        assert needle in err, err
+
+
+def test_serve_lora_dir_must_be_a_folder_and_one_engine(tmp_path, capsys):
+    from diffrt.cli import build_parser
+    from diffrt.cli.serve import build_serve_settings
+
+    assert build_serve_settings(build_parser().parse_args(["serve"])).lora_dir is None
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    args = build_parser().parse_args(["serve", "--lora-dir", str(tmp_path / "link")])
+    assert build_serve_settings(args).lora_dir == str((tmp_path / "real").resolve())
+    for argv, needle in ((["--lora-dir", str(tmp_path / "none")], "not an existing folder"),
+                         (["--lora-dir", str(tmp_path / "real"), "--replicas", "2"],
+                          "Ray Serve")):
+        assert main(["serve", "--port", "0", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "--lora-dir" in err and needle in err and len(err.strip().splitlines()) == 1

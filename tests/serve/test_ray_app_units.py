@@ -365,3 +365,35 @@ def test_a_replica_announces_admission_before_any_output():
 
     assert asyncio.run(main()) == []
     assert closed == [True, True]
+
+
+def test_the_ingress_lists_a_replicas_adapters_and_refuses_run_time_changes():
+    """Each replica has an engine of its own: /v1/loras lists what one replica
+    holds (all register --lora-modules at start), POST and DELETE answer 501."""
+    from serve_helpers import call
+
+    from diffrt.engine import LoraInfo
+    from diffrt.serve import build_app
+
+    info = LoraInfo(name="style", path="/adapters/style", rank=4, modules=12, nbytes=1024,
+                    requests=3, active=1, slot=0)
+
+    class Handle:
+        @property
+        def list_loras(self):
+            return self
+
+        async def remote(self):
+            return [info]
+
+    settings = ServeSettings(lora_dir="/adapters")
+    client = ReplicaClient(Handle(), None, settings, "tiny-flux", True)
+    app = build_app(settings=settings, client=client)
+    doc = call(app, "GET", "/v1/loras").json()
+    assert doc == {"object": "list", "data": [{
+        "name": "style", "path": "/adapters/style", "rank": 4, "modules": 12, "nbytes": 1024,
+        "requests": 3, "active": 1, "slot": 0}]}
+    for method, kw in (("POST", {"json": {"name": "b", "path": "b"}}), ("DELETE", {})):
+        path = "/v1/loras" if method == "POST" else "/v1/loras/style"
+        r = call(app, method, path, **kw)
+        assert r.status_code == 501 and "--lora-modules" in r.json()["error"]["message"], r.text
