@@ -248,6 +248,7 @@ class EngineCore:
         self._on_tick(TickResult(scheduled_ids=[], started_at=self._clock(), elapsed=0.0,
                                  aborts=[AbortNotice(request_id, reason, outcome, event,
                                                      record)]))
+        self.drop_adapters()  # it may have held the last claim on a removed adapter
 
     def queue_sizes(self) -> tuple[int, int]:
         """(waiting, running) requests: waiting counts the scheduler's queue and
@@ -318,6 +319,7 @@ class EngineCore:
             for record in queued:
                 self.scheduler.abort(record.request_id)  # a waiting one: removed at once
             self._cond.notify_all()
+        self.drop_adapters()
         return True
 
     def stop(self, grace_s: float) -> None:
@@ -397,6 +399,11 @@ class EngineCore:
                 tick.lora_rows[request.request_id] = [
                     (slot, adapter_id, scale) for (slot, scale), (adapter_id, _)
                     in zip(record.lora_slots, record.adapters, strict=True)]
+
+    def _installs_unknown(self, tick: SchedulerOutput) -> None:
+        """A tick that raised may not have filled its LoRA slots: assign them anew."""
+        if self.adapters is not None and tick.lora_installs:
+            self.adapters.slots_empty(list(tick.lora_installs))
 
     def drop_adapters(self) -> None:
         """Have the workers forget the removed adapters no request holds any more."""
@@ -484,7 +491,10 @@ class EngineCore:
             free_bytes = getattr(ro.reply, "free_memory_bytes", None)
             preview_index = dict(getattr(ro.reply, "previews", {}))
             steps_run = getattr(ro.reply, "steps_run", 1)
+            if self.adapters is not None:
+                self.adapters.slots_empty(list(getattr(ro.reply, "lora_missing", [])))
         except ExecutorDeadError as exc:
+            self._installs_unknown(tick)
             if self._restart is None:
                 self._die(f"executor died: {exc}")
                 return None
@@ -493,6 +503,7 @@ class EngineCore:
             logger.error("executor died: %s", exc)
             return TickResult(scheduled_ids=[], started_at=start, elapsed=self._clock() - start)
         except Exception as exc:  # the runner raised: this tick's requests fail
+            self._installs_unknown(tick)
             logger.error("%s failed: %s", type(request).__name__, exc)
             result = ExecutionResult(failed_all=f"{type(exc).__name__}: {exc}")
         elapsed = self._clock() - start

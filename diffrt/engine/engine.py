@@ -44,6 +44,7 @@ from diffrt.engine.errors import (
     EngineRestartingError,
     EngineWarmupError,
 )
+from diffrt.engine.lora.adapter_file import AdapterFileError
 from diffrt.engine.lora.registration import load_on_workers
 from diffrt.engine.lora.registry import AdapterRegistry, LoraInfo
 from diffrt.engine.memory_estimate import (
@@ -263,13 +264,23 @@ class DiffusionEngine:
                                    timeout=self.config.model_config.warmup_timeout_s)
             for oid in out.output_ids.values():
                 executor.release_output(oid)
-            for adapter in self.adapters.registered():  # the new workers read them again
-                load_on_workers(executor, adapter.id, adapter.path,
-                                self.config.model_config.lora_load_timeout_s)
+            self._reload_adapters(executor)
         except BaseException:
             executor.shutdown()
             raise
         return executor
+
+    def _reload_adapters(self, executor: Executor) -> None:
+        """Fresh workers read every registered adapter again; one whose file
+        cannot be read now is dropped from the registry (logged), not a
+        reason to stay down."""
+        for adapter in self.adapters.registered():
+            try:
+                load_on_workers(executor, adapter.id, adapter.path,
+                                self.config.model_config.lora_load_timeout_s)
+            except (AdapterFileError, TimeoutError) as exc:
+                logger.error("LoRA adapter %r is gone after the restart: %s", adapter.name, exc)
+                self.adapters.lost(adapter.id)
 
     def _run_start_up_request(self, request: DiffusionRequest) -> None:
         try:
@@ -441,14 +452,22 @@ class DiffusionEngine:
         name registered already, ``AdapterFileError`` naming the file and why
         it is not an adapter this model can serve (the engine serves on)."""
         adapter = self.adapters.reserve(name, os.path.abspath(path))
+        timeout = self.config.model_config.lora_load_timeout_s
+        executor = self.executor
         try:
-            state = load_on_workers(self.executor, adapter.id, adapter.path,
-                                    self.config.model_config.lora_load_timeout_s)
+            state = load_on_workers(executor, adapter.id, adapter.path, timeout)
         except BaseException:
             self.adapters.abandon(adapter)
             raise
         adapter.rank, adapter.modules, adapter.nbytes = state.rank, state.modules, state.nbytes
         self.adapters.confirm(adapter)
+        if self.executor is not executor:  # fresh workers started meanwhile: they read it too
+            try:
+                load_on_workers(self.executor, adapter.id, adapter.path, timeout)
+            except Exception as exc:
+                self.adapters.lost(adapter.id)
+                raise AdapterFileError(f"{adapter.path}: the restarted workers could not read "
+                                       f"it: {exc}") from exc
         logger.info("LoRA adapter %r registered: %s (rank %d, %d layers, %d KiB)", name,
                     adapter.path, state.rank, state.modules, state.nbytes >> 10)
         return next(info for info in self.adapters.infos() if info.name == name)
@@ -458,9 +477,12 @@ class DiffusionEngine:
         the requests accepted with it are served, and its weights leave the
         workers when the last of them ends."""
         ids = self.adapters.remove(name)
-        if ids:
-            self.executor.collective_rpc(DropLora(ids))
         logger.info("LoRA adapter %r removed", name)
+        if ids:
+            try:
+                self.executor.collective_rpc(DropLora(ids))
+            except Exception as exc:  # removed all the same: workers gone hold nothing
+                logger.warning("dropping LoRA adapter %r in the workers failed: %s", name, exc)
 
     def list_loras(self) -> list[LoraInfo]:
         """The registered adapters, by name."""

@@ -158,15 +158,17 @@ class PipelineRunner:
     def handle(self, request: Any) -> Any:
         match request:
             case ExecuteBatch():
-                self._install_loras(request.lora_installs)
+                missing = self._install_loras(request.lora_installs)
                 self.memory.start_execute()
                 result = self._reporting_encoding(self.execute_batch, request)
+                result.reply.lora_missing = missing
                 self._report_memory(result.reply, trim=True)
                 return result
             case ExecuteStep():
-                self._install_loras(request.lora_installs)
+                missing = self._install_loras(request.lora_installs)
                 self.memory.start_execute()
                 result = self._reporting_encoding(self.execute_step, request)
+                result.reply.lora_missing = missing
                 # trimmed only when a request left: its memory is free now, not
                 # while it runs (trimming between its steps would fault it back
                 # in each tick)
@@ -200,11 +202,21 @@ class PipelineRunner:
             raise RuntimeError("this model takes no LoRA adapters")
         return self.adapters
 
-    def _install_loras(self, installs: dict[int, int]) -> None:
+    def _install_loras(self, installs: dict[int, int]) -> list[int]:
         """Copy the adapters the engine assigned to device slots since the last
-        execute into them, before this execute's rows use them."""
+        execute into them, before this execute's rows use them; the slots that
+        could not be filled — with the others a failure left empty — so the
+        engine forgets those assignments (the requests naming them fail alone)."""
+        if not installs:
+            return []
+        slots = self.pipeline.row_loras
         for slot, adapter_id in installs.items():
-            self.pipeline.row_loras.install(slot, adapter_id, self._loader().get(adapter_id))
+            try:
+                slots.install(slot, adapter_id, self._loader().get(adapter_id))
+            except Exception as exc:
+                logger.error("LoRA adapter %d could not go into slot %d: %s", adapter_id, slot,
+                             self._failed(exc))
+        return [slot for slot, entry in enumerate(slots.installed) if entry is None]
 
     def _slots(self, uses: LoraRows) -> tuple[tuple[int, float], ...]:
         """A request's (slot, scale) pairs, each slot checked to hold the adapter
@@ -375,8 +387,16 @@ class PipelineRunner:
         call); on a failure, one by one so the error lands on its own request."""
         if not requests:
             return
-        states = [StepRequestState(request=r, loras=self._slots(lora_rows.get(r.request_id, [])))
-                  for r in requests]
+        states = []
+        for r in requests:
+            try:
+                states.append(StepRequestState(
+                    request=r, loras=self._slots(lora_rows.get(r.request_id, []))))
+            except RuntimeError as exc:  # its adapter's slot is empty: it fails alone
+                reply.errors[r.request_id] = describe_error(exc)
+        requests = [s.request for s in states]
+        if not states:
+            return
         try:
             self.pipeline.prepare_encode_batch(states)
         except Exception as exc:

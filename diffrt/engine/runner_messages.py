@@ -97,6 +97,9 @@ class BatchDone(msgspec.Struct, tag="batch_done"):
     #: the memory free to the worker when it took its warm baseline (only in
     #: the reply of the execute that took it)
     free_memory_bytes: int | None = None
+    #: LoRA slots of this execute's ``lora_installs`` that stayed empty (the
+    #: adapter could not be copied there): the engine forgets the assignment
+    lora_missing: list[int] = []
 
 
 class StepDone(msgspec.Struct, tag="step_done"):
@@ -118,6 +121,9 @@ class StepDone(msgspec.Struct, tag="step_done"):
     #: the memory free to the worker when it took its warm baseline (only in
     #: the reply of the execute that took it)
     free_memory_bytes: int | None = None
+    #: LoRA slots of this execute's ``lora_installs`` that stayed empty (the
+    #: adapter could not be copied there): the engine forgets the assignment
+    lora_missing: list[int] = []
     #: denoise steps this call ran (``ExecuteStep.steps`` or fewer)
     steps_run: int = 1
 

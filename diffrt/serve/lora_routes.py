@@ -49,9 +49,13 @@ def confined_path(path: str, lora_dir: str | None) -> str:
         real = os.path.realpath(os.path.join(root, path))
     except ValueError as exc:  # e.g. an embedded NUL
         raise ApiError(400, f"path: {exc}", param="path", code="invalid_value") from None
-    if os.path.commonpath([root, real]) != root:
-        raise ApiError(403, f"path: {path!r} is outside the server's --lora-dir (its real "
-                            "path, symlinks resolved, must lie inside it)",
+    inside = [real]
+    if os.path.isdir(real):  # diffusers opens a file in it: each must stay inside too
+        inside += [os.path.realpath(os.path.join(real, f)) for f in os.listdir(real)]
+    if any(os.path.commonpath([root, p]) != root for p in inside):
+        raise ApiError(403, f"path: {path!r} is outside the server's --lora-dir, or a folder "
+                            "with a link leading out of it (real paths, symlinks resolved, "
+                            "must lie inside it)",
                        param="path", code="path_outside_lora_dir")
     return real
 

@@ -43,7 +43,9 @@ def make_adapter(folder: str, pipeline_class: str, out: str | os.PathLike, *,
 def make_kohya_flux(folder: str, out: str | os.PathLike, *, rank: int = 4, seed: int = 0,
                     magnitude: float = 0.5) -> str:
     """A kohya-style Flux file (``lora_unet_double_blocks_0_img_attn_qkv.lora_down``,
-    ``.lora_up``, ``.alpha``) for the tiny folder's transformer; returns its path."""
+    ``.lora_up``, ``.alpha``; attention, projections and the blocks'
+    modulation, as sd-scripts trains them) for the tiny folder's transformer;
+    returns its path."""
     import json
 
     from safetensors.torch import save_file
@@ -63,9 +65,12 @@ def make_kohya_flux(folder: str, out: str | os.PathLike, *, rank: int = 4, seed:
     for i in range(config["num_layers"]):
         state |= pair(f"lora_unet_double_blocks_{i}_img_attn_qkv", 3 * dim, dim)
         state |= pair(f"lora_unet_double_blocks_{i}_txt_attn_proj", dim, dim)
+        state |= pair(f"lora_unet_double_blocks_{i}_img_mod_lin", 6 * dim, dim)
+        state |= pair(f"lora_unet_double_blocks_{i}_txt_mod_lin", 6 * dim, dim)
     for i in range(config["num_single_layers"]):
         state |= pair(f"lora_unet_single_blocks_{i}_linear2", dim,
                       dim + int(dim * config.get("mlp_ratio", 4.0)))
+        state |= pair(f"lora_unet_single_blocks_{i}_modulation_lin", 3 * dim, dim)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path))

@@ -31,8 +31,14 @@ from diffrt.engine import (
 )
 from diffrt.engine.pipelines.embedded import embedded_folder
 from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
+from diffrt.engine.runner_messages import LoraState, LoraStatus
 
 PROMPT = "a red square on a blue field"
+
+
+def runner_of(engine: DiffusionEngine):
+    """The in-process worker's pipeline runner."""
+    return engine.executor.core.runner
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +209,7 @@ def test_adapters_added_and_removed_while_requests_run(step_engine, files, refer
     deadline = time.monotonic() + 30
     while step_engine.stats().requests_running < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
+    [adapter_id] = [a.id for a in step_engine.adapters.registered() if a.name == "c"]
     step_engine.remove_lora("c")
     with pytest.raises(InvalidRequestError) as refused:
         step_engine.generate(request("c-late", {"c": 1.0}))
@@ -211,6 +218,10 @@ def test_adapters_added_and_removed_while_requests_run(step_engine, files, refer
     for out in results["out"]:
         assert np.abs(pixels(out) - alone).max() <= 1
     assert "c" not in [i.name for i in step_engine.list_loras()]
+    # its last request ended: the worker holds it no longer (neither host nor slot)
+    [state] = step_engine.executor.collective_rpc(LoraStatus(adapter_id))
+    assert "never asked" in state.state
+    assert adapter_id not in [e and e[0] for e in runner_of(step_engine).pipeline.row_loras.installed]
     with pytest.raises(KeyError):
         step_engine.remove_lora("c")
     step_engine.add_lora("c", files["c"])  # a new adapter under the old name
@@ -264,7 +275,7 @@ def test_files_that_are_not_adapters_for_this_model_are_refused(step_engine, tmp
     qwen = tmp_path / "qwen_layers.safetensors"  # Qwen-Image's layer names
     save_file(pair("transformer_blocks.0.img_mlp.net.2", 32, 128), str(qwen))
     embedder = tmp_path / "embedder.safetensors"  # a layer the spec keeps adapters off
-    save_file(pair("x_embedder", 32, 16), str(embedder))
+    save_file(pair("time_text_embed.timestep_embedder.linear_2", 32, 32), str(embedder))
     cases = {tmp_path / "missing.safetensors": "no such file",
              text: "not a LoRA file", encoder: "text_encoder",
              wide: "do not fit", qwen: "not a linear layer", embedder: "may target"}
@@ -303,8 +314,6 @@ def test_a_slow_adapter_read_does_not_stop_the_steps(files, tmp_path):
 def test_fresh_workers_read_the_registered_adapters_again(step_engine):
     """The workers a restart starts (``restart_workers``) are given every
     registered adapter before they serve: their slots start empty."""
-    from diffrt.engine.runner_messages import LoraState, LoraStatus
-
     fresh = step_engine._fresh_executor()
     try:
         for info in step_engine.list_loras():
@@ -315,3 +324,30 @@ def test_fresh_workers_read_the_registered_adapters_again(step_engine):
                                       nbytes=info.nbytes)
     finally:
         fresh.shutdown()
+
+
+def test_a_slot_that_could_not_be_filled_fails_its_request_alone(files, monkeypatch):
+    """The worker cannot copy an adapter into its slot (say, out of memory):
+    the request naming it fails alone (its batch mate without an adapter is
+    served), the engine forgets the assignment, and the next request with
+    that adapter gets the slot filled and its pixels."""
+    config = EngineConfig(model="tiny-flux", executor_backend="inproc", step_execution=True,
+                          max_num_seqs=2, max_steps_per_tick=1, warmup=False,
+                          lora_modules={"a": files["a"]})
+    with DiffusionEngine.make_engine(config) as engine:
+        good = pixels(engine.generate(request("first", {"a": 1.0})))
+        slots = runner_of(engine).pipeline.row_loras
+        slots.clear(0)
+        engine.adapters.slots_empty([0])  # the next request installs it again ...
+        real_install = slots.install
+
+        def out_of_memory(*args):
+            raise torch.OutOfMemoryError("no room for the adapter")
+
+        monkeypatch.setattr(slots, "install", out_of_memory)  # ... and that fails
+        failed, plain = engine.generate([request("fails", {"a": 1.0}), request("plain", None)])
+        assert not failed.ok and "does not hold adapter" in failed.error
+        assert plain.ok
+        assert engine.stats().lora_slots_used == 0
+        monkeypatch.setattr(slots, "install", real_install)
+        assert np.abs(pixels(engine.generate(request("again", {"a": 1.0}))) - good).max() <= 1

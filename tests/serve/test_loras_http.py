@@ -28,7 +28,8 @@ GEN = "/v1/images/generations"
 @pytest.fixture(scope="module")
 def lora_dir(tmp_path_factory):
     """A --lora-dir holding one tiny adapter (``style/``), a text file named
-    like an adapter, and a symlink that leads outside it."""
+    like an adapter, a symlink that leads outside it and a folder whose
+    weights file is such a link."""
     from diffrt.engine.pipelines.embedded import embedded_folder
     from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
 
@@ -40,6 +41,10 @@ def lora_dir(tmp_path_factory):
                  targets=LORA_TARGET_MODULES, rank=4, seed=2)
     (root / "x.safetensors").write_text("not an adapter")
     os.symlink(outside / "secret", root / "leak")
+    # a real folder inside whose weights file is a link leading out
+    (root / "trojan").mkdir()
+    os.symlink(outside / "secret" / "pytorch_lora_weights.safetensors",
+               root / "trojan" / "pytorch_lora_weights.safetensors")
     return root, outside
 
 
@@ -125,7 +130,7 @@ def test_registration_refusals(app, lora_engine, lora_dir):
     closed = build_app(settings=ServeSettings(api_key=API_KEY), engine=lora_engine)
     _error(call(closed, "POST", LORAS, json={"name": "a", "path": str(root / "style")}),
            403, "path", "--lora-dir")
-    for path in (str(outside / "secret"), "../" + outside.name + "/secret", "leak"):
+    for path in (str(outside / "secret"), "../" + outside.name + "/secret", "leak", "trojan"):
         _error(call(app, "POST", LORAS, json={"name": "a", "path": path}),
                403, "path", "outside the server's --lora-dir")
     _error(call(app, "POST", LORAS, json={"name": "a", "path": "x.safetensors"}),

@@ -82,6 +82,9 @@ class AdapterRegistry:
         self._pending: set[str] = set()
         #: removed adapters no request holds any more: to drop in the workers
         self._to_drop: list[int] = []
+        #: requests accepted per adapter name since start (kept across a
+        #: removal and a new registration: a counter never goes back)
+        self._requests_by_name: dict[str, int] = {}
 
     # -- registration ----------------------------------------------------------------------
     def reserve(self, name: str, path: str) -> Adapter:
@@ -169,6 +172,8 @@ class AdapterRegistry:
             for adapter, _ in adapters:
                 adapter.pins += 1
                 adapter.requests += 1
+                self._requests_by_name[adapter.name] = self._requests_by_name.get(
+                    adapter.name, 0) + 1
             record.adapters = tuple((a.id, scale) for a, scale in adapters)
 
     # -- the scheduler's (BatchAdapters) -----------------------------------------------------
@@ -207,6 +212,24 @@ class AdapterRegistry:
         with self._lock:
             return self.slots.take_installs()
 
+    def slots_empty(self, slots: list[int]) -> None:
+        """The workers report ``slots`` empty (an install failed, or a whole
+        execute did): the table forgets what it assigned there."""
+        if slots:
+            with self._lock:
+                self.slots.empty(slots)
+
+    def lost(self, adapter_id: int) -> None:
+        """Fresh workers could not read ``adapter_id`` again (its file changed
+        or went): its name is refused from now on; requests holding it fail
+        when they run (their slot stays empty)."""
+        with self._lock:
+            adapter = self._by_id.get(adapter_id)
+            if adapter is not None and self._by_name.get(adapter.name) is adapter:
+                del self._by_name[adapter.name]
+                adapter.removed = True
+                self._to_drop += self._drop_if_unused(adapter)
+
     def take_drops(self) -> list[int]:
         with self._lock:
             drops, self._to_drop = self._to_drop, []
@@ -233,7 +256,7 @@ class AdapterRegistry:
 
     def requests_by_name(self) -> dict[str, int]:
         with self._lock:
-            return {a.name: a.requests for a in self._by_name.values()}
+            return dict(self._requests_by_name)
 
 
 __all__ = ["Adapter", "AdapterRegistry", "LoraExistsError", "LoraInfo"]

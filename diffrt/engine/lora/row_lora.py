@@ -63,7 +63,7 @@ class _Tables:
 class _ActiveRows:
     rows: int
     index: torch.Tensor  # (rows, K) long
-    scale: torch.Tensor  # (rows, K), the compute dtype
+    scale: torch.Tensor  # (rows, K), float32
     #: every row uses the same adapters: one index row serves all
     shared: bool
     slots: frozenset[int]
@@ -95,18 +95,23 @@ class RowLoras:
 
     # -- slots (the worker's thread, between calls) ----------------------------------------
     def install(self, slot: int, adapter_id: int, weights: AdapterWeights) -> None:
-        """Put ``weights`` in ``slot`` (replacing what was there)."""
+        """Put ``weights`` in ``slot`` (replacing what was there). A slot is
+        marked as holding an adapter only once its rows are written, so a
+        failure (out of memory) leaves it empty, never half written."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
-        self.installed[slot] = (adapter_id, weights)
-        if weights.rank > self.rank:  # the tables grow: lay every slot out anew
-            self.rank = weights.rank
+        self.clear(slot)
+        rank = max([weights.rank] + [e[1].rank for e in self.installed if e is not None])
+        if rank != self.rank:  # the slot rank changes: lay every slot out anew
+            kept = [(s, e) for s, e in enumerate(self.installed) if e is not None]
+            self.installed = [None] * self.num_slots
             self.tables.clear()
-            for s, entry in enumerate(self.installed):
-                if entry is not None:
-                    self._write(s, entry[1])
-            return
+            self.rank = rank
+            for s, entry in kept:
+                self._write(s, entry[1])
+                self.installed[s] = entry
         self._write(slot, weights)
+        self.installed[slot] = (adapter_id, weights)
 
     def clear(self, slot: int) -> None:
         """Empty ``slot`` (its rows are zeroed when the next adapter is installed there)."""
@@ -177,8 +182,9 @@ class RowLoras:
         width = max(len(i) for i in index_rows)
         index_t = torch.tensor([i + [pad] * (width - len(i)) for i in index_rows],
                                dtype=torch.long, device=self.device)
+        # float32 whatever the compute dtype: PEFT scales by a Python float
         scale_t = torch.tensor([s + [0.0] * (width - len(s)) for s in scale_rows],
-                               dtype=self.dtype, device=self.device)
+                               dtype=torch.float32, device=self.device)
         self._active = _ActiveRows(
             rows=len(uses), index=index_t, scale=scale_t, shared=len(set(uses)) == 1,
             slots=frozenset(slot for row in uses for slot, _ in row))
@@ -198,10 +204,11 @@ class RowLoras:
                 raise RuntimeError(f"LoRA on {name}: {x.shape[0]} rows in, {active.rows} described")
             if active.shared:  # one gather for all rows, plain matmuls over every token
                 index, scale = active.index[0], active.scale[0]
-                h = torch.matmul(x, tables.a[index].t()) * scale
+                h = (torch.matmul(x, tables.a[index].t()).float() * scale).to(x.dtype)
                 return output + torch.matmul(h, tables.bt[index])
             rows = x.reshape(active.rows, -1, x.shape[-1])
-            h = torch.bmm(rows, tables.a[active.index].transpose(1, 2)) * active.scale[:, None, :]
+            h = torch.bmm(rows, tables.a[active.index].transpose(1, 2))
+            h = (h.float() * active.scale[:, None, :]).to(x.dtype)
             return output + torch.bmm(h, tables.bt[active.index]).view_as(output)
 
         return add_low_rank

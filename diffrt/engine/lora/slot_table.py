@@ -85,6 +85,14 @@ class SlotTable:
             self.adapters[slot] = None
             self._installs.pop(slot, None)
 
+    def empty(self, slots: Iterable[int]) -> None:
+        """The workers hold nothing in ``slots`` (an install failed there):
+        assign them anew when next needed (their users, failing, release them)."""
+        for slot in slots:
+            if 0 <= slot < len(self.adapters):
+                self.adapters[slot] = None
+                self._installs.pop(slot, None)
+
     def take_installs(self) -> dict[int, int]:
         """Slot -> adapter id assigned since the last call (for the next execute)."""
         installs, self._installs = self._installs, {}

@@ -14,12 +14,18 @@ from diffrt.engine.pipelines.flow_match_spec import (
     vae_factor,
 )
 
-#: linear layers of FluxTransformer2DModel that LoRA adapters for it target
-#: (the double blocks' joint attention and feed-forwards, the single blocks'
-#: projections), as diffusers' Flux LoRA training script names them
+#: linear layers of FluxTransformer2DModel that LoRA adapters for it target:
+#: the double blocks' joint attention and feed-forwards and the single
+#: blocks' projections, as diffusers' Flux LoRA training script names them;
+#: the blocks' modulation (kohya's ``img_mod_lin``, ``txt_mod_lin``,
+#: ``modulation_lin``, which diffusers converts to ``norm1.linear``,
+#: ``norm1_context.linear``, ``norm.linear``), the output norm's, and the
+#: input embedders some community files train
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
                        "add_v_proj", "to_add_out", "ff.net.0.proj", "ff.net.2",
-                       "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out")
+                       "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
+                       "norm1.linear", "norm1_context.linear", "norm.linear",
+                       "norm_out.linear", "x_embedder", "context_embedder")
 
 
 def describe(folder: ModelFolder) -> ModelSpec:

@@ -17,7 +17,7 @@ from diffrt.engine.pipelines.flow_match_spec import (
 #: target (joint attention, the image and text feed-forwards)
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
                        "add_v_proj", "to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",
-                       "txt_mlp.net.0.proj", "txt_mlp.net.2")
+                       "txt_mlp.net.0.proj", "txt_mlp.net.2", "img_mod.1", "txt_mod.1")
 
 #: QwenImageTransformer2DModel options of the edit and layered variants, which
 #: ``mixed.forward_rows`` does not implement

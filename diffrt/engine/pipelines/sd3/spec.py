@@ -17,7 +17,8 @@ from diffrt.engine.pipelines.flow_match_spec import (
 #: (joint attention and feed-forwards), as diffusers' SD3 LoRA training names them
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
                        "add_v_proj", "to_add_out", "ff.net.0.proj", "ff.net.2",
-                       "ff_context.net.0.proj", "ff_context.net.2")
+                       "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear",
+                       "norm1_context.linear")
 
 
 #: the joint sequence's text part: the CLIPs' 77 tokens and T5's 256
