@@ -34,6 +34,8 @@ from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
 from diffrt.engine.runner_messages import LoraState, LoraStatus
 
 PROMPT = "a red square on a blue field"
+#: diffusers' pipeline holds several adapters at once by design here
+pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
 
 
 def runner_of(engine: DiffusionEngine):

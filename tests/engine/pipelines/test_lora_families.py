@@ -16,6 +16,8 @@ from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, Sampl
 from diffrt.engine.pipelines.embedded import embedded_folder
 
 MAX_DIFF = 2  # of 255, fp32
+#: diffusers' pipeline holds several adapters at once by design here
+pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
 SETS = [{"x": 1.0}, {"x": 0.5, "y": 1.0}, None]
 
 
