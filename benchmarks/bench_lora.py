@@ -270,6 +270,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             runs = arms[arm]
             wall = median([r["wall"] for r in runs])
             rows[arm] = {"rps": args.requests / wall, "wall_s": wall,
+                         "round_walls_s": [r["wall"] for r in runs],
                          "p50_s": median([percentile(r["latencies"], 50) for r in runs]),
                          "p99_s": median([percentile(r["latencies"], 99) for r in runs])}
             r = rows[arm]
