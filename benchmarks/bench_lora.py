@@ -142,10 +142,11 @@ def _engine(spec: dict[str, Any]) -> Any:
         def _step_batch_key(self) -> Any:
             return _step_keyed_by_adapters(super()._step_batch_key())
 
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"torch_threads": spec["threads"]} if spec.get("threads") else {}
     cls = DiffusionEngine
     if spec["arm"] == "equal-sets":
-        cls, extra = EqualSetsEngine, {"scheduling_policy": "skip_ahead"}
+        cls = EqualSetsEngine
+        extra["scheduling_policy"] = "skip_ahead"
     return cls.make_engine(EngineConfig(
         model=spec["folder"], step_execution=True, max_num_seqs=MAX_NUM_SEQS,
         lora_modules=spec["adapters"], max_loras=4, **extra))
@@ -186,6 +187,8 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float]:
     import torch
     from diffusers import FluxPipeline
 
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     pipe = FluxPipeline.from_pretrained(spec["folder"], torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     for name, path in spec["adapters"].items():
@@ -247,7 +250,7 @@ def run(args: argparse.Namespace, prepared: dict[str, dict[str, Any]]) -> dict[s
         for model, paths in prepared.items():
             for arm in order:
                 spec = {"model": model, "arm": arm, "requests": args.requests,
-                        "seed": args.seed, **paths}
+                        "seed": args.seed, "threads": args.torch_threads, **paths}
                 results[model][arm].append(_child(spec, args.child_timeout))
                 print(f"  round {rnd + 1}/{args.rounds} {model} {arm}: "
                       f"{results[model][arm][-1]['wall']:.1f} s", file=sys.stderr, flush=True)
@@ -260,7 +263,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     print(f"\n== LoRA per request: {args.requests} requests at concurrency {CONCURRENCY}, "
           f"{SIZE}x{SIZE}, {STEPS} steps, rank-{RANK} adapters drawn from "
           f"{{none, A, B, C}} ({shares}); median of {args.rounds} round(s), each arm in a "
-          f"fresh process ==\n")
+          f"fresh process"
+          + (f", {args.torch_threads} torch thread(s)" if args.torch_threads else "") + " ==\n")
     print("| model | arm | req/s | p50 s | p99 s |")
     print("|---|---|---:|---:|---:|")
     figures: dict[str, Any] = {}
@@ -298,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
+                    help="torch threads of every arm (the engine's torch_threads; default: "
+                         "the engine's choice, torch's default for diffusers); 1 keeps a "
+                         "shared machine's busy cores from stalling a worker's threads")
     ap.add_argument("--json", help="also write the table's figures here")
     ap.add_argument("--child-timeout", type=float, default=1800)
     args = ap.parse_args(argv)
