@@ -25,10 +25,21 @@ rotates), medians printed with ratios; nothing asserted:
 
 diffrt runs its default multiprocess executor (one CPU worker, the threads
 it chooses); diffusers runs in the measuring process with torch's default
-threads. Run from the repository root:
+threads.
+
+Adapter traffic (``--lora-share S``): a share S of the requests (seeded,
+drawn apart from the shapes, so the shapes stay those above) names one of
+three rank-8 LoRA adapters A, B, C (``bench_lora.py``'s, made offline on
+tiny-flux), uniformly. diffrt registers them (``lora_modules``) and serves
+any mix of them in one step; ``diffrt keyed`` keys by size only, as before.
+diffusers switches with ``set_adapters`` (``disable_lora`` for a request
+without one) before each call; its static batcher groups by
+(size, steps, adapter). Without the option nothing changes. Run from the
+repository root:
 
     .venv/bin/python benchmarks/bench_mixed_traffic.py            # 200 requests, 2 rounds
     .venv/bin/python benchmarks/bench_mixed_traffic.py --quick    # 48 requests, 1 round
+    .venv/bin/python benchmarks/bench_mixed_traffic.py --quick --lora-share 0.5
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from diffrt.cli.bench_stats import median, percentile
@@ -56,6 +68,7 @@ SYSTEMS = ("diffrt mixed", "diffrt keyed", "diffusers serial", "diffusers static
 CONCURRENCY = 16
 MAX_NUM_SEQS = 16
 STATIC_WAIT_S = 2.0
+LORA_NAMES = ("A", "B", "C")
 
 
 def traffic(n: int, seed: int) -> list[tuple[int, int, int]]:
@@ -64,13 +77,22 @@ def traffic(n: int, seed: int) -> list[tuple[int, int, int]]:
     return [(*rng.choice(SIZES), rng.choice(STEPS)) for _ in range(n)]
 
 
+def adapter_traffic(n: int, seed: int, share: float) -> list[str | None]:
+    """Each request's adapter (None: none): a share ``share`` of them, uniform
+    over A, B, C; drawn from their own generator (the shapes stay as they were)."""
+    rng = random.Random(f"lora {seed}")
+    return [rng.choice(LORA_NAMES) if rng.random() < share else None for _ in range(n)]
+
+
 # -- one system in a fresh process ---------------------------------------------------------------
-def _engine(system: str, timers: str) -> Any:
+def _engine(system: str, timers: str, adapters: dict[str, str]) -> Any:
     from diffrt.engine import DiffusionEngine, EngineConfig
 
     extra: dict[str, Any] = {}
     if system == "diffrt keyed":
         extra = {"mixed_size_batching": False, "scheduling_policy": "skip_ahead"}
+    if adapters:
+        extra |= {"lora_modules": adapters, "max_loras": len(adapters) + 1}
     path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
     return DiffusionEngine.make_engine(EngineConfig(
         model="tiny-flux", step_execution=True, max_num_seqs=MAX_NUM_SEQS,
@@ -78,23 +100,33 @@ def _engine(system: str, timers: str) -> Any:
         worker_env={"PYTHONPATH": path, "DIFFRT_STAGE_TIMERS": timers}, **extra))
 
 
-def _request(i: int, height: int, width: int, steps: int, tag: str) -> Any:
+def _request(i: int, height: int, width: int, steps: int, tag: str,
+             adapter: str | None = None) -> Any:
     from diffrt.engine import DiffusionRequest, SamplingParams
 
     return DiffusionRequest(prompt=f"a red fox {tag} {i}", sampling_params=SamplingParams(
-        height=height, width=width, num_inference_steps=steps, seed=i))
+        height=height, width=width, num_inference_steps=steps, seed=i,
+        loras={adapter: 1.0} if adapter else None))
+
+
+def _adapters(spec: dict[str, Any]) -> list[str | None]:
+    return adapter_traffic(spec["requests"], spec["seed"], spec.get("lora_share", 0.0))
 
 
 def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, dict]:
     from diffrt.cli.bench_load import EngineTarget, drive
 
     mix = traffic(spec["requests"], spec["seed"])
-    engine = _engine(spec["system"], timers)
+    adapters = _adapters(spec)
+    engine = _engine(spec["system"], timers, spec.get("adapters") or {})
     try:
-        warm = [_request(i, h, w, 2, "warm") for i, (h, w) in enumerate(SIZES)]
+        warm_adapters = (None, *LORA_NAMES) if spec.get("adapters") else (None,)
+        warm = [_request(i, h, w, 2, "warm", warm_adapters[i % len(warm_adapters)])
+                for i, (h, w) in enumerate(SIZES)]
         drive(EngineTarget(engine), warm, concurrency=len(warm), rate=None)
         before = stage_timers.read(timers)  # the worker's totals so far: not measured
-        requests = [_request(i, *shape, "r") for i, shape in enumerate(mix)]
+        requests = [_request(i, *shape, "r", adapter)
+                    for i, (shape, adapter) in enumerate(zip(mix, adapters, strict=True))]
         rate = spec.get("rate")
         samples, wall = drive(EngineTarget(engine), requests,
                               concurrency=CONCURRENCY if rate is None else len(requests),
@@ -108,8 +140,16 @@ def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, 
     return [s.latency for s in samples], wall, {k: after[k] - before[k] for k in after}
 
 
-def _peer_call(pipe: Any, seeds: list[int], height: int, width: int, steps: int) -> None:
+def _peer_call(pipe: Any, seeds: list[int], height: int, width: int, steps: int,
+               adapter: str | None = None) -> None:
     import torch
+
+    if getattr(pipe, "bench_loras", False):  # adapters loaded: switch before the call
+        if adapter is None:
+            pipe.disable_lora()
+        else:
+            pipe.enable_lora()
+            pipe.set_adapters([adapter], [1.0])
 
     images = pipe(prompt=[f"a red fox r {i}" for i in seeds], height=height, width=width,
                   num_inference_steps=steps, output_type="pil",
@@ -125,11 +165,16 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
 
     pipe = FluxPipeline.from_pretrained(embedded_folder("tiny-flux"), torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    for h, w in SIZES:
-        _peer_call(pipe, [0], h, w, 2)
+    for name, path in (spec.get("adapters") or {}).items():
+        pipe.load_lora_weights(path, adapter_name=name)
+        pipe.bench_loras = True
+    warm_adapters = (None, *LORA_NAMES) if spec.get("adapters") else (None,)
+    for i, (h, w) in enumerate(SIZES):
+        _peer_call(pipe, [0], h, w, 2, warm_adapters[i % len(warm_adapters)])
     for stage in stage_timers.TOTALS:
         stage_timers.TOTALS[stage] = 0.0
     mix = traffic(spec["requests"], spec["seed"])
+    adapters = _adapters(spec)
     peer = (SerialPeer(pipe, _peer_call) if spec["system"] == "diffusers serial"
             else StaticBatcherPeer(pipe, _peer_call, MAX_NUM_SEQS, STATIC_WAIT_S))
     rate = spec.get("rate")
@@ -142,7 +187,7 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
         async def one(i: int, height: int, width: int, steps: int) -> None:
             async with gate:
                 start = time.perf_counter()
-                await peer.run(i, height, width, steps)
+                await peer.run(i, height, width, steps, adapters[i])
                 latencies[i] = time.perf_counter() - start
 
         start, tasks = time.perf_counter(), []
@@ -180,7 +225,9 @@ def _child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     closed: dict[str, list[dict[str, Any]]] = defaultdict(list)
     opened: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    base = {"requests": args.requests, "seed": args.seed}
+    base: dict[str, Any] = {"requests": args.requests, "seed": args.seed}
+    if args.lora_share:
+        base |= {"lora_share": args.lora_share, "adapters": args.adapter_paths}
     for rnd in range(args.rounds):
         order = list(SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)])
         for system in order:
@@ -212,6 +259,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     print(f"\n== mixed traffic: tiny-flux, {args.requests} requests, sizes "
           f"{', '.join(f'{h}x{w}' for h, w in SIZES)}, steps {STEPS}; median of {args.rounds} "
           f"round(s), each system in a fresh process ==")
+    if args.lora_share:
+        adapters = adapter_traffic(args.requests, args.seed, args.lora_share)
+        print(f"adapters: --lora-share {args.lora_share:g}: "
+              + ", ".join(f"{a or 'none'} {adapters.count(a)}" for a in (None, *LORA_NAMES))
+              + " (rank 8)")
     print(f"closed loop at concurrency {CONCURRENCY}; open loop: Poisson at "
           f"{args.load:.0%} of diffrt keyed's closed-loop capacity")
     head = (f"{'system':<18}{'req/s':>8}{'xformer req/s':>15}{'xformer':>9}{'vae':>7}"
@@ -235,7 +287,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     print()
     for name, value, goal in goals:
         print(f"{name:<48}{value:>7.2f}   (goal {goal})")
-    return {"systems": rows, "ratios": {name: value for name, value, _ in goals}}
+    return {"systems": rows, "ratios": {name: value for name, value, _ in goals},
+            "lora_share": args.lora_share}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora-share", type=float, default=0.0, metavar="S",
+                    help="this share of the requests names a LoRA adapter (A, B or C)")
     ap.add_argument("--json", help="also write the table's figures here")
     ap.add_argument("--child-timeout", type=float, default=1200)
     args = ap.parse_args(argv)
@@ -255,8 +310,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.requests, args.rounds = 48, 1
+    if not 0.0 <= args.lora_share <= 1.0:
+        ap.error("--lora-share is a share: 0 to 1")
     start = time.perf_counter()
-    figures = report(run(args), args)
+    with tempfile.TemporaryDirectory(prefix="diffrt-bench-mixed-") as work:
+        args.adapter_paths = {}
+        if args.lora_share:
+            from bench_lora import make_adapters
+
+            from diffrt.engine.pipelines.embedded import embedded_folder
+
+            args.adapter_paths = make_adapters(str(embedded_folder("tiny-flux")),
+                                               Path(work) / "adapters")
+        figures = report(run(args), args)
     print(f"\n(whole run {time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
