@@ -2,7 +2,7 @@
 tiny folder's transformer with both factors drawn from a seeded generator
 (PEFT's default leaves B at zero, which changes nothing), saved by the
 family's diffusers pipeline class (``save_lora_weights``) as diffusers would
-save a trained one; and a kohya-format Flux file diffusers converts."""
+save a trained one; and kohya- and XLabs-format Flux files diffusers converts."""
 
 from __future__ import annotations
 
@@ -71,6 +71,37 @@ def make_kohya_flux(folder: str, out: str | os.PathLike, *, rank: int = 4, seed:
         state |= pair(f"lora_unet_single_blocks_{i}_linear2", dim,
                       dim + int(dim * config.get("mlp_ratio", 4.0)))
         state |= pair(f"lora_unet_single_blocks_{i}_modulation_lin", 3 * dim, dim)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    return str(path)
+
+
+def make_xlabs_flux(folder: str, out: str | os.PathLike, *, rank: int = 4, seed: int = 0,
+                    magnitude: float = 1.5) -> str:
+    """An XLabs-style Flux file (``double_blocks.0.processor.qkv_lora1.down.weight``,
+    ``.up.weight``; image and text attention, no alphas) for the tiny folder's
+    transformer; returns its path."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = json.loads(Path(folder, "transformer", "config.json").read_text())
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def pair(prefix: str, out_features: int, in_features: int) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.down.weight": torch.randn(rank, in_features, generator=generator)
+                * magnitude / in_features ** 0.5,
+                f"{prefix}.up.weight": torch.randn(out_features, rank, generator=generator)
+                * magnitude / rank ** 0.5}
+
+    state: dict[str, torch.Tensor] = {}
+    for i in range(config["num_layers"]):
+        state |= pair(f"double_blocks.{i}.processor.qkv_lora1", 3 * dim, dim)
+        state |= pair(f"double_blocks.{i}.processor.proj_lora1", dim, dim)
+        state |= pair(f"double_blocks.{i}.processor.qkv_lora2", 3 * dim, dim)
+        state |= pair(f"double_blocks.{i}.processor.proj_lora2", dim, dim)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import assert_shared_steps
-from lora_files import make_adapter, make_kohya_flux
+from lora_files import make_adapter, make_kohya_flux, make_xlabs_flux
 
 from diffrt.engine import (
     AdapterFileError,
@@ -46,7 +46,8 @@ def runner_of(engine: DiffusionEngine):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """name -> adapter path: a (every target, rank 4), b (three layers,
-    rank 8, alpha 16), k (kohya), c (rank 2, for run-time registration)."""
+    rank 8, alpha 16), k (kohya), x (XLabs), c (rank 2, for run-time
+    registration)."""
     folder = embedded_folder("tiny-flux")
     root = tmp_path_factory.mktemp("loras")
     return {
@@ -55,6 +56,7 @@ def files(tmp_path_factory):
         "b": make_adapter(folder, "FluxPipeline", root / "b", targets=("to_q", "to_v", "ff.net.2"),
                           rank=8, alpha=16, seed=2),
         "k": make_kohya_flux(folder, root / "k" / "style.safetensors", seed=3, magnitude=1.5),
+        "x": make_xlabs_flux(folder, root / "x" / "xlabs.safetensors", seed=5),
         "c": make_adapter(folder, "FluxPipeline", root / "c", targets=("to_v", "proj_mlp", "ff.net.2"),
                           rank=2, seed=4, magnitude=2.0),
     }
@@ -64,7 +66,7 @@ def files(tmp_path_factory):
 def step_engine(files):
     config = EngineConfig(model="tiny-flux", executor_backend="inproc", step_execution=True,
                           max_num_seqs=4, max_steps_per_tick=1,
-                          lora_modules={n: files[n] for n in ("a", "b", "k")})
+                          lora_modules={n: files[n] for n in ("a", "b", "k", "x")})
     with DiffusionEngine.make_engine(config) as engine:
         yield engine
 
@@ -73,7 +75,7 @@ def step_engine(files):
 def request_engine(files):
     config = EngineConfig(model="tiny-flux", executor_backend="inproc", max_num_seqs=4,
                           request_batch_max_wait_ms=200,
-                          lora_modules={n: files[n] for n in ("a", "b", "k")})
+                          lora_modules={n: files[n] for n in ("a", "b", "k", "x")})
     with DiffusionEngine.make_engine(config) as engine:
         yield engine
 
@@ -86,7 +88,7 @@ def reference(files):
 
     pipe = FluxPipeline.from_pretrained(embedded_folder("tiny-flux"))
     pipe.set_progress_bar_config(disable=True)
-    for name in ("a", "b", "k"):
+    for name in ("a", "b", "k", "x"):
         pipe.load_lora_weights(files[name], adapter_name=name)
 
     def image(loras: dict[str, float] | None, seed: int = 7, steps: int = 4) -> np.ndarray:
@@ -113,7 +115,7 @@ def pixels(output) -> np.ndarray:
     return np.asarray(output.images[0], dtype=np.int16)
 
 
-SETS = [None, {"a": 1.0}, {"a": 0.5}, {"a": 0.5, "b": 1.0}, {"k": 1.0}]
+SETS = [None, {"a": 1.0}, {"a": 0.5}, {"a": 0.5, "b": 1.0}, {"k": 1.0}, {"x": 1.0}]
 
 
 @pytest.mark.parametrize("mode", ["step", "request"])
