@@ -243,3 +243,37 @@ def test_restart_workers_replaces_a_dead_worker():
         assert engine.stats().worker_restarts == 1
     finally:
         engine.close()
+
+
+def test_a_restart_reads_the_registered_adapters_again(tmp_path):
+    """Workers replaced after a crash read every registered adapter before
+    they serve (their device slots start empty): a request with one gives the
+    same pixels before and after."""
+    from lora_files import make_adapter
+
+    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
+
+    adapter = make_adapter(embedded_folder("tiny-flux"), "FluxPipeline", tmp_path / "style",
+                           targets=LORA_TARGET_MODULES, rank=4, seed=9)
+    engine = DiffusionEngine.make_engine(EngineConfig(
+        model="tiny-flux", step_execution=True, restart_workers=True, warmup=False,
+        lora_modules={"style": adapter}))
+    try:
+        styled = req(5, 2)
+        styled.sampling_params.loras = {"style": 1.0}
+        before = engine.generate(styled, timeout=60)
+        assert before.ok, before.error
+        [pid] = engine.executor.worker_pids
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: engine.stats().worker_restarts == 1 and engine.is_healthy(),
+                          timeout=90)
+        again = req(5, 2)
+        again.sampling_params.loras = {"style": 1.0}
+        after = engine.generate(again, timeout=60)
+        assert after.ok, after.error
+        assert np.abs(np.asarray(after.images[0]).astype(int)
+                      - np.asarray(before.images[0]).astype(int)).max() <= 1
+        assert engine.stats().lora_loads_total == 2  # the slot was filled again
+    finally:
+        engine.close()
