@@ -40,41 +40,55 @@ def make_adapter(folder: str, pipeline_class: str, out: str | os.PathLike, *,
     return str(out)
 
 
+def _flux_dims(folder: str) -> dict:
+    import json
+
+    return json.loads(Path(folder, "transformer", "config.json").read_text())
+
+
+def _write_community_file(out: str | os.PathLike, layers: list[tuple[str, int, int]], *,
+                          down: str, up: str, alpha: float | None, rank: int, seed: int,
+                          magnitude: float) -> str:
+    """A file of seeded (down, up[, alpha]) factors for ``layers`` (prefix,
+    out, in), spelt with the ``down``/``up`` suffixes of a community format."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for prefix, out_features, in_features in layers:
+        state[f"{prefix}.{down}"] = (torch.randn(rank, in_features, generator=generator)
+                                     * magnitude / in_features ** 0.5)
+        state[f"{prefix}.{up}"] = (torch.randn(out_features, rank, generator=generator)
+                                   * magnitude / rank ** 0.5)
+        if alpha is not None:
+            state[f"{prefix}.alpha"] = torch.tensor(alpha)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    return str(path)
+
+
 def make_kohya_flux(folder: str, out: str | os.PathLike, *, rank: int = 4, seed: int = 0,
                     magnitude: float = 0.5) -> str:
     """A kohya-style Flux file (``lora_unet_double_blocks_0_img_attn_qkv.lora_down``,
     ``.lora_up``, ``.alpha``; attention, projections and the blocks'
     modulation, as sd-scripts trains them) for the tiny folder's transformer;
     returns its path."""
-    import json
-
-    from safetensors.torch import save_file
-
-    config = json.loads(Path(folder, "transformer", "config.json").read_text())
+    config = _flux_dims(folder)
     dim = config["num_attention_heads"] * config["attention_head_dim"]
-    generator = torch.Generator().manual_seed(seed)
-
-    def pair(prefix: str, out_features: int, in_features: int) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.lora_down.weight": torch.randn(rank, in_features, generator=generator)
-                * magnitude / in_features ** 0.5,
-                f"{prefix}.lora_up.weight": torch.randn(out_features, rank, generator=generator)
-                * magnitude / rank ** 0.5,
-                f"{prefix}.alpha": torch.tensor(float(rank) / 2)}
-
-    state: dict[str, torch.Tensor] = {}
+    layers = []
     for i in range(config["num_layers"]):
-        state |= pair(f"lora_unet_double_blocks_{i}_img_attn_qkv", 3 * dim, dim)
-        state |= pair(f"lora_unet_double_blocks_{i}_txt_attn_proj", dim, dim)
-        state |= pair(f"lora_unet_double_blocks_{i}_img_mod_lin", 6 * dim, dim)
-        state |= pair(f"lora_unet_double_blocks_{i}_txt_mod_lin", 6 * dim, dim)
+        layers += [(f"lora_unet_double_blocks_{i}_img_attn_qkv", 3 * dim, dim),
+                   (f"lora_unet_double_blocks_{i}_txt_attn_proj", dim, dim),
+                   (f"lora_unet_double_blocks_{i}_img_mod_lin", 6 * dim, dim),
+                   (f"lora_unet_double_blocks_{i}_txt_mod_lin", 6 * dim, dim)]
     for i in range(config["num_single_layers"]):
-        state |= pair(f"lora_unet_single_blocks_{i}_linear2", dim,
-                      dim + int(dim * config.get("mlp_ratio", 4.0)))
-        state |= pair(f"lora_unet_single_blocks_{i}_modulation_lin", 3 * dim, dim)
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-    return str(path)
+        layers += [(f"lora_unet_single_blocks_{i}_linear2", dim,
+                    dim + int(dim * config.get("mlp_ratio", 4.0))),
+                   (f"lora_unet_single_blocks_{i}_modulation_lin", 3 * dim, dim)]
+    return _write_community_file(out, layers, down="lora_down.weight", up="lora_up.weight",
+                                 alpha=float(rank) / 2, rank=rank, seed=seed,
+                                 magnitude=magnitude)
 
 
 def make_xlabs_flux(folder: str, out: str | os.PathLike, *, rank: int = 4, seed: int = 0,
@@ -82,27 +96,13 @@ def make_xlabs_flux(folder: str, out: str | os.PathLike, *, rank: int = 4, seed:
     """An XLabs-style Flux file (``double_blocks.0.processor.qkv_lora1.down.weight``,
     ``.up.weight``; image and text attention, no alphas) for the tiny folder's
     transformer; returns its path."""
-    import json
-
-    from safetensors.torch import save_file
-
-    config = json.loads(Path(folder, "transformer", "config.json").read_text())
+    config = _flux_dims(folder)
     dim = config["num_attention_heads"] * config["attention_head_dim"]
-    generator = torch.Generator().manual_seed(seed)
-
-    def pair(prefix: str, out_features: int, in_features: int) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.down.weight": torch.randn(rank, in_features, generator=generator)
-                * magnitude / in_features ** 0.5,
-                f"{prefix}.up.weight": torch.randn(out_features, rank, generator=generator)
-                * magnitude / rank ** 0.5}
-
-    state: dict[str, torch.Tensor] = {}
+    layers = []
     for i in range(config["num_layers"]):
-        state |= pair(f"double_blocks.{i}.processor.qkv_lora1", 3 * dim, dim)
-        state |= pair(f"double_blocks.{i}.processor.proj_lora1", dim, dim)
-        state |= pair(f"double_blocks.{i}.processor.qkv_lora2", 3 * dim, dim)
-        state |= pair(f"double_blocks.{i}.processor.proj_lora2", dim, dim)
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-    return str(path)
+        layers += [(f"double_blocks.{i}.processor.qkv_lora1", 3 * dim, dim),
+                   (f"double_blocks.{i}.processor.proj_lora1", dim, dim),
+                   (f"double_blocks.{i}.processor.qkv_lora2", 3 * dim, dim),
+                   (f"double_blocks.{i}.processor.proj_lora2", dim, dim)]
+    return _write_community_file(out, layers, down="down.weight", up="up.weight", alpha=None,
+                                 rank=rank, seed=seed, magnitude=magnitude)
