@@ -52,7 +52,7 @@ from diffrt.engine.runner_messages import (
     ExecuteStep,
     StepDone,
 )
-from diffrt.engine.sampling import InvalidRequestError, filled
+from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched import (
     AbortOutcome,
     ExecutionResult,
@@ -556,7 +556,7 @@ class EngineCore:
             return None
         if self.mode is EngineMode.STEP_BATCH:
             return elapsed / max(1, steps_run)  # a tick may carry several steps
-        return elapsed / max(1, filled(tick.new[0].sampling_params.num_inference_steps))
+        return elapsed / max(1, tick.new[0].sampling_params.denoise_steps())
 
     # -- the timer ----------------------------------------------------------------------
     def _watch(self) -> None:

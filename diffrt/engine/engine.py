@@ -44,6 +44,7 @@ from diffrt.engine.errors import (
     EngineRestartingError,
     EngineWarmupError,
 )
+from diffrt.engine.input_images import release
 from diffrt.engine.lora.adapter_file import AdapterFileError
 from diffrt.engine.lora.registration import load_on_workers
 from diffrt.engine.lora.registry import AdapterRegistry, LoraInfo
@@ -124,6 +125,9 @@ class DiffusionEngine:
     ):
         self.config = config
         self.mode = config.mode
+        #: requests' input images, by handle (``runtime.input_arena``); kept
+        #: across worker restarts (None: the executor carries no inputs)
+        self.inputs = executor.inputs.retain() if executor.inputs is not None else None
         #: what the served model accepts (submission checks, batch keys, post-processing)
         self.spec = config.model_spec()
         self._clock = clock
@@ -140,7 +144,8 @@ class DiffusionEngine:
         self.output_processor = OutputProcessor(
             output_postprocessor(self.spec),
             workers=config.executor.postprocess_workers,
-            unread_output_timeout_s=config.limits.unread_output_timeout_s, clock=clock)
+            unread_output_timeout_s=config.limits.unread_output_timeout_s, clock=clock,
+            on_end=self._free_inputs)
         self._core = EngineCore(
             self.mode, scheduler or self._make_scheduler(), executor,
             on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock,
@@ -252,13 +257,17 @@ class DiffusionEngine:
             sampling_params=SamplingParams(height=size, width=size, num_inference_steps=1,
                                            seed=0, guidance_scale=1.0))
 
+    def _free_inputs(self, record: RequestRecord) -> None:
+        """A request ended (or never ran): its input images' slots are free."""
+        release(record.request, self.inputs)
+
     def _fresh_executor(self) -> Executor:
         """New workers for a restart, warmed up by one request run on them
         directly (its output is dropped); the core swaps them in."""
         from diffrt.platforms import current_platform
 
         executor = make_executor(self.config.executor.executor_backend, self.config.executor_config(
-            platform=current_platform))
+            platform=current_platform), self.inputs)
         try:
             out = executor.execute(ExecuteBatch(requests=[self._warmup_request()]),
                                    timeout=self.config.model_config.warmup_timeout_s)
@@ -565,7 +574,7 @@ class DiffusionEngine:
         seen: set[str] = set()
         now = self._clock()
         for request in requests:
-            request = accept(request, self.spec, self.config, self.run_time)
+            request = accept(request, self.spec, self.config, self.run_time, self.inputs)
             self.adapters.check(request.sampling_params.loras)
             if request.request_id in seen:
                 raise InvalidRequestError("request_id", f"{request.request_id!r} given twice")
@@ -663,6 +672,8 @@ class DiffusionEngine:
         self.output_processor.fail_all("engine closed", dead=False)
         self._core.stop(grace_s)
         self.output_processor.close()
+        if self.inputs is not None:
+            self.inputs.close()
         logger.info("engine closed")
 
 

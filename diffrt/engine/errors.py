@@ -24,3 +24,9 @@ class EngineRestartingError(EngineDeadError):
 
 class EngineWarmupError(EngineError):
     """The start-up request failed or did not finish within warmup_timeout_s."""
+
+
+class InputsFullError(EngineError):
+    """The input images of the requests the engine holds leave no room for
+    this request's now (``max_pending_input_bytes``): retry once some have
+    finished. The HTTP server answers it 429 with ``Retry-After``."""

@@ -32,9 +32,13 @@ from diffrt.engine.sampling import (
     filled,
 )
 
-#: what a model can be asked to do (the image-input issue adds
-#: "image-to-image", "inpainting" and "editing")
-Task = Literal["text-to-image"]
+#: what a model can be asked to do: draw from text, redraw an input image
+#: from a later step (``strength``), repaint a masked part of it, or edit it
+#: (an editing model conditions on the image itself)
+Task = Literal["text-to-image", "image-to-image", "inpainting", "editing"]
+#: the tasks of a diffusers text-to-image folder (its img2img and inpaint
+#: pipelines share its components)
+TEXT_TO_IMAGE_TASKS: tuple[Task, ...] = ("text-to-image", "image-to-image", "inpainting")
 
 
 class CfgRule(enum.Enum):
@@ -53,7 +57,7 @@ class CfgRule(enum.Enum):
 #: what two requests must agree on to share one fused forward: a request-level
 #: forward runs one denoising loop, so the step count is in it
 REQUEST_BATCH_FIELDS = ("height", "width", "num_inference_steps", "guidance_scale",
-                        "true_cfg_scale", "num_outputs_per_prompt", "output_type")
+                        "true_cfg_scale", "num_outputs_per_prompt", "output_type", "strength")
 #: what two requests must agree on to share a denoise step: each keeps its own
 #: noise scheduler (step counts may differ) and guidance is applied per row
 STEP_BATCH_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type")
@@ -73,6 +77,8 @@ class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True):
     num_inference_steps: int
     guidance_scale: float
     true_cfg_scale: float = 1.0
+    #: image-to-image and inpainting (diffusers' default for both)
+    strength: float = 0.6
 
 
 class ParallelSupport(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +108,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: the diffusers folder holding its weights (None: the pipeline builds them)
     folder: str | None = None
     tasks: tuple[Task, ...] = ("text-to-image",)
+    #: input images one request may give (0: none; a text-to-image folder's
+    #: image-to-image and inpainting take one)
+    max_input_images: int = 0
     #: height and width must be positive multiples of this (VAE factor x patch)
     size_multiple: int = 16
     max_size: int = 2048
@@ -145,14 +154,37 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         ``defaults`` (the same object when none was left)."""
         params = request.sampling_params
         resolved = params.with_defaults(msgspec.structs.asdict(self.defaults))
+        if params.strength is None and self.task_of(request) in ("image-to-image", "inpainting"):
+            resolved = msgspec.structs.replace(resolved, strength=self.defaults.strength)
         if resolved is params:
             return request
         return msgspec.structs.replace(request, sampling_params=resolved)
 
+    def task_of(self, request: DiffusionRequest) -> Task:
+        """What ``request`` asks of this model: its inputs' task, or an edit
+        when this model edits the images it is given."""
+        task: Task = request.task  # type: ignore[assignment]
+        if task != "text-to-image" and "editing" in self.tasks:
+            return "editing"
+        return task
+
     def check(self, request: DiffusionRequest) -> None:
         """Raise InvalidRequestError naming the first field this model cannot
         run (on the request as it will run: defaults filled in)."""
-        params = self.with_defaults(request).sampling_params
+        request = self.with_defaults(request)
+        params = request.sampling_params
+        task = self.task_of(request)
+        if task not in self.tasks:
+            field = "mask_image" if task == "inpainting" else "images"
+            raise InvalidRequestError(field, f"{task} is not a task of {self.name} "
+                                             f"(it serves {', '.join(self.tasks)})")
+        if len(request.images) > self.max_input_images:
+            raise InvalidRequestError("images", (
+                f"{self.name} takes at most {self.max_input_images} input image(s), "
+                f"got {len(request.images)}"))
+        if params.strength is not None and task not in ("image-to-image", "inpainting"):
+            raise InvalidRequestError("strength", f"applies to image-to-image and inpainting, "
+                                                  f"not to {task}")
         params.validate()
         for field in ("height", "width"):
             value = filled(getattr(params, field))
@@ -210,7 +242,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     def request_batch_key(self, request: DiffusionRequest) -> tuple:
         """What must match for two requests to share one fused forward."""
         params = request.sampling_params
-        return (*(getattr(params, f) for f in self.request_batch_fields), self.uses_cfg(request))
+        return (*(getattr(params, f) for f in self.request_batch_fields), self.uses_cfg(request),
+                self.task_of(request))
 
     def step_batch_key(self, request: DiffusionRequest) -> tuple:
         """What must match for two requests to share a denoise step."""
@@ -266,5 +299,5 @@ def check_heads(heads: int | None, ulysses: int) -> None:
             "(ring_degree takes any count)"))
 
 
-__all__ = ["REQUEST_BATCH_FIELDS", "STEP_BATCH_FIELDS", "CfgRule", "ModelSpec",
-           "ParallelSupport", "SamplingDefaults", "Task", "check_heads"]
+__all__ = ["REQUEST_BATCH_FIELDS", "STEP_BATCH_FIELDS", "TEXT_TO_IMAGE_TASKS", "CfgRule",
+           "ModelSpec", "ParallelSupport", "SamplingDefaults", "Task", "check_heads"]

@@ -58,8 +58,12 @@ class OutputProcessor:
     def __init__(self, postprocess: PostProcess, *, workers: int,
                  unread_output_timeout_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 stats: StatsRecorder | None = None):
+                 stats: StatsRecorder | None = None,
+                 on_end: Callable[[RequestRecord], None] | None = None):
         self.stats = stats or StatsRecorder()
+        #: called once a record is terminal or discarded, whatever the ending
+        #: (the engine frees its input images there); twice is harmless
+        self._on_end = on_end
         self._post = postprocess
         self._clock = clock
         self._unread_timeout = unread_output_timeout_s
@@ -104,6 +108,8 @@ class OutputProcessor:
             for record in records:
                 if self._records.get(record.request_id) is record:
                     del self._records[record.request_id]
+                    if self._on_end is not None:
+                        self._on_end(record)
                     stream = self._streams.pop(record.request_id, None)
                     if stream is not None:
                         stream.close()
@@ -379,6 +385,8 @@ class OutputProcessor:
         record = self._records.pop(rid, None)
         if record is None:
             return
+        if self._on_end is not None:
+            self._on_end(record)
         self._pending.pop(rid, None)
         if record.admitted_at is not None:
             record.metrics.queue_wait = record.admitted_at - record.arrival

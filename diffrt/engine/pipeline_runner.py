@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffrt.engine.cpu_policy import cpu_worker_threads
+from diffrt.engine.input_images import InputPixels, read_pixels
 from diffrt.engine.lora import adapter_file
 from diffrt.engine.lora.loader import READY, AdapterLoader
 from diffrt.engine.memory_trim import MemoryTrimmer
@@ -52,6 +53,8 @@ from diffrt.engine.runner_messages import (
     StepDone,
     StepStateCount,
 )
+from diffrt.engine.sampling import filled
+from diffrt.runtime.shm_transport import Arena
 from diffrt.runtime.types import RankFailure, RunnerResult
 
 if TYPE_CHECKING:
@@ -107,6 +110,9 @@ class PipelineRunner:
     """Loads the pipeline once per worker and runs engine ticks on it."""
 
     protocol = PIPELINE_PROTOCOL
+    #: the input arena's mapping in this process (set by the worker core;
+    #: None where the executor carries no inputs)
+    inputs: Arena | None = None
 
     def __init__(self, settings: RunnerSettings, *, rank: int, world_size: int, platform: Platform):
         model, parallel = settings.model, settings.parallel
@@ -196,6 +202,11 @@ class PipelineRunner:
                 return LoraState("dropped")
             case _:
                 raise TypeError(f"PipelineRunner cannot handle {type(request).__name__}")
+
+    def _inputs_of(self, request: DiffusionRequest) -> InputPixels | None:
+        """The request's input images, copied out of the input arena."""
+        params = request.sampling_params
+        return read_pixels(request, self.inputs, filled(params.height), filled(params.width))
 
     def _loader(self) -> AdapterLoader:
         if self.adapters is None:
@@ -309,8 +320,10 @@ class PipelineRunner:
     def _forward(self, requests: list[DiffusionRequest], outputs: dict[str, Any],
                  lora_rows: dict[str, LoraRows]) -> None:
         loras = [self._slots(lora_rows.get(r.request_id, [])) for r in requests]
+        inputs = [self._inputs_of(r) for r in requests]
         results = self.pipeline.forward(DiffusionRequestBatch(
-            requests=list(requests), loras=loras if any(loras) else []))
+            requests=list(requests), loras=loras if any(loras) else [],
+            inputs=inputs if any(i is not None for i in inputs) else []))
         if len(results) != len(requests):
             raise RuntimeError(
                 f"pipeline returned {len(results)} outputs for {len(requests)} requests")
@@ -391,9 +404,10 @@ class PipelineRunner:
         for r in requests:
             try:
                 states.append(StepRequestState(
-                    request=r, loras=self._slots(lora_rows.get(r.request_id, []))))
-            except RuntimeError as exc:  # its adapter's slot is empty: it fails alone
-                reply.errors[r.request_id] = describe_error(exc)
+                    request=r, loras=self._slots(lora_rows.get(r.request_id, [])),
+                    inputs=self._inputs_of(r)))
+            except (RuntimeError, ValueError) as exc:  # an empty adapter slot, an unreadable
+                reply.errors[r.request_id] = describe_error(exc)  # input: it fails alone
         requests = [s.request for s in states]
         if not states:
             return

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from diffrt.engine.outputs import RequestMetrics
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import filled
 
 if TYPE_CHECKING:
     from diffrt.engine.output_ref import OutputRef
@@ -91,4 +90,4 @@ class RequestRecord:
 
     @property
     def total_steps(self) -> int:
-        return filled(self.request.sampling_params.num_inference_steps)
+        return self.request.sampling_params.denoise_steps()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import msgspec
 
+from diffrt.engine.input_images import check_kinds
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 
 MAX_REQUEST_ID_CHARS = 256
@@ -35,16 +37,26 @@ def _check_text(field: str, value: object, *, optional: bool) -> None:
 
 
 class DiffusionRequest(msgspec.Struct):
-    """One prompt and its sampling parameters.
+    """One prompt, its input images and its sampling parameters.
 
     `request_id` is generated when not given (or given as None); the engine
     refuses a duplicate id while the first request with that id is still active.
+
+    ``images`` (PIL images or numpy arrays) and ``mask_image`` mean what
+    diffusers makes of them for the model's folder: image-to-image with
+    ``SamplingParams.strength`` on a text-to-image model, inpainting with a
+    mask (white: repaint), an edit on an editing model (``ModelSpec.tasks``).
+    The engine converts them at submission (``engine.input_images``) and its
+    accepted copy holds ``InputHandle``s into shared memory instead: images
+    never travel inside a message.
     """
 
     prompt: str
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     request_id: str = msgspec.field(default_factory=new_request_id)
     negative_prompt: str | None = None
+    images: list[Any] = msgspec.field(default_factory=list)
+    mask_image: Any = None
 
     def __post_init__(self) -> None:
         if self.request_id is None:
@@ -69,3 +81,15 @@ class DiffusionRequest(msgspec.Struct):
             raise InvalidRequestError(
                 "sampling_params",
                 f"must be a SamplingParams, got {type(self.sampling_params).__name__}")
+        check_kinds(self.images, self.mask_image)
+        if self.sampling_params.strength is not None and not self.images:
+            raise InvalidRequestError("strength", "applies to an input image (images) only")
+
+    @property
+    def task(self) -> str:
+        """What the request asks by its inputs alone: "text-to-image",
+        "image-to-image" (images) or "inpainting" (images and a mask); an
+        editing model reads images as an edit (``ModelSpec.task_of``)."""
+        if not self.images:
+            return "text-to-image"
+        return "inpainting" if self.mask_image is not None else "image-to-image"

@@ -48,7 +48,6 @@ from collections.abc import Iterable
 
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import filled
 
 #: bins per octave of work: ticks within a bin are one size to the fit
 BINS_PER_OCTAVE = 4
@@ -121,7 +120,7 @@ class RunTimeModel:
         if fit is None:
             return None
         overhead, per_unit = fit
-        steps = filled(request.sampling_params.num_inference_steps)
+        steps = request.sampling_params.denoise_steps()
         return steps * (overhead + per_unit * self.units(request))
 
 

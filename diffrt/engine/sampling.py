@@ -131,11 +131,33 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     partial_images: Annotated[int, _about(
         "previews streamed before the final image (STEP_BATCH; over HTTP with stream=true; "
         "the CLI writes final images only)", cli=None, ge=0, le=MAX_PARTIAL_IMAGES)] = 0
+    #: image-to-image and inpainting: the share of the denoising schedule run
+    #: from the input image, as diffusers' ``strength`` (1.0: from pure
+    #: noise; the steps that run are ``denoise_steps``). Only with an input
+    #: image; None then takes the model's default (diffusers' 0.6).
+    strength: Annotated[Annotated[float, Meta(gt=0, le=1)] | None, _about(
+        "image-to-image and inpainting: how much of the input image is re-drawn, in "
+        "(0, 1]; the steps that run are int(steps * strength) as diffusers rounds them "
+        "(only with an input image; default: the model's)")] = None
+
+    def start_step(self) -> int:
+        """The schedule step an image-to-image request starts at, as
+        diffusers' ``get_timesteps`` computes it (0 without ``strength``)."""
+        steps = filled(self.num_inference_steps)
+        if self.strength is None:
+            return 0
+        init = min(steps * self.strength, steps)
+        return int(max(steps - init, 0))
+
+    def denoise_steps(self) -> int:
+        """The denoise steps this request runs: the schedule's steps from
+        ``start_step`` on (all of them for text-to-image)."""
+        return filled(self.num_inference_steps) - self.start_step()
 
     def preview_steps(self) -> list[int]:
         """The step counts after which a preview is decoded, in order: distinct
         and before the last step (the final image comes then)."""
-        n, total = self.partial_images, filled(self.num_inference_steps)
+        n, total = self.partial_images, self.denoise_steps()
         steps = sorted({-(-k * total // (n + 1)) for k in range(1, n + 1)})
         return [s for s in steps if 0 < s < total]
 
@@ -163,6 +185,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         for name, scale in (self.loras or {}).items():
             if not math.isfinite(scale):
                 raise InvalidRequestError("loras", f"{name}: scale must be finite, got {scale}")
+        if self.strength is not None and self.denoise_steps() < 1:
+            raise InvalidRequestError("strength", (
+                f"{self.strength:g} of {self.num_inference_steps} steps leaves no step to run "
+                "(diffusers runs int(steps * strength)); raise strength or num_inference_steps"))
 
     def request_batch_key(self) -> tuple:
         """Parameter fields that must match for two requests to share one fused
@@ -179,6 +205,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.true_cfg_scale,
             self.num_outputs_per_prompt,
             self.output_type,
+            self.strength,
         )
 
     def step_batch_key(self) -> tuple:

@@ -18,17 +18,23 @@ from typing import Any
 import msgspec
 
 from diffrt.engine.config import EngineConfig
+from diffrt.engine.errors import InputsFullError
+from diffrt.engine.input_images import release, store, to_arrays
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.sampling import InvalidRequestError, filled, random_seed
+from diffrt.runtime.input_arena import InputArena, InputArenaFullError
 
 
 def accept(request: Any, spec: ModelSpec, config: EngineConfig,
-           run_time: RunTimeModel | None = None) -> DiffusionRequest:
+           run_time: RunTimeModel | None = None,
+           inputs: InputArena | None = None) -> DiffusionRequest:
     """Check one request end to end (``InvalidRequestError`` refuses it);
     return it as it will run. ``run_time`` estimates its seconds for
-    ``max_request_seconds`` (None: not checked)."""
+    ``max_request_seconds`` (None: not checked). Its input images are
+    converted and written into ``inputs`` (``input_images``); the returned
+    request holds their handles and ``input_images.release`` frees them."""
     if not isinstance(request, DiffusionRequest):
         raise InvalidRequestError(
             "request", f"must be a DiffusionRequest, got {type(request).__name__}")
@@ -52,11 +58,34 @@ def accept(request: Any, spec: ModelSpec, config: EngineConfig,
     seed = random_seed() if params.seed is None else params.seed
     request = msgspec.structs.replace(
         request, sampling_params=msgspec.structs.replace(params, seed=seed))
+    if request.images:
+        request = _stored_inputs(request, inputs)
     try:
         msgspec.msgpack.encode(request)  # what the worker will receive
     except (TypeError, ValueError, OverflowError) as exc:
+        release(request, inputs)
         raise InvalidRequestError("request", f"cannot be sent to a worker: {exc}") from None
     return request
+
+
+def _stored_inputs(request: DiffusionRequest, inputs: InputArena | None) -> DiffusionRequest:
+    """``request`` with its images converted, resized to its size and moved
+    into the input arena (their handles in their place)."""
+    if inputs is None:
+        raise InvalidRequestError("images", "this engine's executor carries no input images "
+                                            "(the ray backend: serve edits with mp or inproc)")
+    params = request.sampling_params
+    arrays, mask = to_arrays(list(request.images), request.mask_image,
+                             filled(params.height), filled(params.width))
+    total = sum(a.nbytes for a in arrays) + (mask.nbytes if mask is not None else 0)
+    if total > inputs.size:
+        raise InvalidRequestError("images", (
+            f"{total} bytes of input pixels at {params.height}x{params.width}, more than "
+            f"max_pending_input_bytes ({inputs.size})"))
+    try:
+        return store(request, arrays, mask, inputs)
+    except InputArenaFullError as exc:
+        raise InputsFullError(str(exc)) from None
 
 
 def _size(request: DiffusionRequest) -> str:

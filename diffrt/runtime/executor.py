@@ -14,12 +14,17 @@ import concurrent.futures
 from abc import ABC, abstractmethod
 from typing import Any
 
+from diffrt.runtime.input_arena import InputArena
 from diffrt.runtime.shm_transport import OutputLease
 from diffrt.runtime.types import RunnerOutput
 
 
 class Executor(ABC):
     """Runs a runner in one or more workers; see the module docstring."""
+
+    #: where requests' input arrays wait for the workers (``input_arena``);
+    #: None: this executor carries no inputs
+    inputs: InputArena | None = None
 
     @abstractmethod
     def execute(self, request: Any, timeout: float | None = None) -> RunnerOutput:

@@ -14,6 +14,7 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
+from diffrt.runtime.input_arena import InputArena
 from diffrt.runtime.messages import FreeSlots, InitWorker, Shutdown, encode
 from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
 from diffrt.runtime.types import ExecutorConfig, ExecutorDeadError
@@ -26,11 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 class InprocExecutor(PumpedExecutor):
-    def __init__(self, config: ExecutorConfig, platform: Platform | None = None):
+    def __init__(self, config: ExecutorConfig, platform: Platform | None = None,
+                 inputs: InputArena | None = None):
         if config.world_size != 1:
             raise ValueError(f"the inproc executor runs one rank; world_size={config.world_size} "
                              "needs the 'mp' backend")
-        super().__init__(config)
+        super().__init__(config, inputs)
         if platform is None:
             from diffrt.platforms import current_platform
             platform = current_platform
@@ -60,7 +62,9 @@ class InprocExecutor(PumpedExecutor):
             return None
 
     def _build_core(self, init: InitWorker) -> WorkerCore:
-        self.core = WorkerCore(init, self.platform, self._send, self.arena, self._free_source)
+        inputs = self.inputs.arena if self.inputs is not None else None
+        self.core = WorkerCore(init, self.platform, self._send, self.arena, self._free_source,
+                               inputs=inputs)
         return self.core
 
     def _worker_main(self) -> None:

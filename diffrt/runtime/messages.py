@@ -55,6 +55,8 @@ class InitWorker(RequestMsg, tag="init"):
     async_output: bool
     arena_bytes: int
     output_queue_depth: int
+    #: the input arena's size (0: none; ``input_arena``)
+    input_arena_bytes: int = 0
     dist_init_method: str | None = None
     rpc_id: int = 0  # the rank acknowledges start-up with RpcResult(rpc_id)
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, cast
 
+from diffrt.runtime.input_arena import InputArena
 from diffrt.runtime.messages import FreeSlots, Shutdown, encode
 from diffrt.runtime.pumped_executor import PumpedExecutor, WorkerDied
 from diffrt.runtime.types import ExecutorConfig
@@ -79,8 +80,8 @@ class _Proc:
 
 
 class MultiprocExecutor(PumpedExecutor):
-    def __init__(self, config: ExecutorConfig):
-        super().__init__(config)
+    def __init__(self, config: ExecutorConfig, inputs: InputArena | None = None):
+        super().__init__(config, inputs)
         self._procs: list[_Proc] = []
         self._death: str | None = None
         self._platform: Platform | None = None
@@ -110,6 +111,11 @@ class MultiprocExecutor(PumpedExecutor):
         child_fds = [req_r, res_w]
         cmd = [sys.executable, "-m", "diffrt.runtime.worker", "--parent-pid", str(os.getpid()),
                "--request-fd", str(req_r), "--result-fd", str(res_w)]
+        shared = {self.arena.fd}
+        if self.inputs is not None:  # every rank prepares requests: every rank reads inputs
+            child_fds.append(self.inputs.fd)
+            cmd += ["--input-fd", str(self.inputs.fd)]
+            shared.add(self.inputs.fd)
         free_w = None
         if rank == 0:
             free_r, free_w = os.pipe()
@@ -127,7 +133,7 @@ class MultiprocExecutor(PumpedExecutor):
                                      start_new_session=True)
         finally:
             for fd in child_fds:
-                if fd != self.arena.fd:
+                if fd not in shared:
                     os.close(fd)
         self._procs.append(_Proc(rank, popen, Connection(req_w, readable=False),
                                  Connection(res_r, writable=False)))

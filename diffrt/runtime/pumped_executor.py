@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from diffrt.runtime.executor import Executor
+from diffrt.runtime.input_arena import InputArena
 from diffrt.runtime.messages import (
     FreeSlots,
     InitWorker,
@@ -43,7 +44,9 @@ class WorkerDied(ExecutorDeadError):
 
 
 class PumpedExecutor(Executor):
-    def __init__(self, config: ExecutorConfig):
+    #: its ranks map the input arena (a rank on another machine cannot)
+    maps_inputs = True
+    def __init__(self, config: ExecutorConfig, inputs: InputArena | None = None):
         self.config = config
         self.protocol = config.runner.protocol
         self._send_lock = threading.Lock()  # every rank sees RPCs in the same order
@@ -51,6 +54,10 @@ class PumpedExecutor(Executor):
         self._shutdown_lock = threading.Lock()
         self._shut_down = False
         self.arena = Arena.create(config.max_pending_output_bytes)
+        #: request inputs (images) every rank reads by handle (``input_arena``)
+        #: (``inputs``: an engine's arena kept across its executors, else one of its own)
+        self.inputs = None if not self.maps_inputs else (
+            inputs.retain() if inputs is not None else InputArena(config.max_pending_input_bytes))
         self.router: ResultRouter  # set by _make_router once the free channel exists
         self._pump_thread: threading.Thread | None = None
         # The watchdog's view: execute calls in flight and the last sign of
@@ -97,6 +104,7 @@ class PumpedExecutor(Executor):
             rank=rank, world_size=self.config.world_size, runner_cls=runner.cls,
             runner_settings=settings, async_output=self.config.async_output,
             arena_bytes=self.arena.size, output_queue_depth=self.config.output_queue_depth,
+            input_arena_bytes=self.inputs.size if self.inputs is not None else 0,
             dist_init_method=dist_init_method, rpc_id=rpc_id))
             for rank in range(self.config.world_size)]
         return rpc_id, fut, msgs
@@ -221,3 +229,5 @@ class PumpedExecutor(Executor):
             self._stop_workers()
         finally:
             self.arena.close()
+            if self.inputs is not None:
+                self.inputs.close()

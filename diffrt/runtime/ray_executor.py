@@ -198,6 +198,9 @@ class RankActor:
 
 
 class RayExecutor(PumpedExecutor):
+    #: actors on other nodes cannot map the engine's memfd: requests with
+    #: input images are refused at submission on this backend
+    maps_inputs = False
     def __init__(self, config: ExecutorConfig):
         super().__init__(config)
         ray = import_ray()

@@ -64,9 +64,10 @@ class Arena:
         self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     @classmethod
-    def create(cls, size: int) -> Arena:
-        """Anonymous shared memory; the descriptor is close-on-exec (passed explicitly)."""
-        fd = os.memfd_create("diffrt-output-arena", os.MFD_CLOEXEC)
+    def create(cls, size: int, name: str = "diffrt-output-arena") -> Arena:
+        """Anonymous shared memory; the descriptor is close-on-exec (passed
+        explicitly). ``name`` is what /proc/<pid>/fd shows."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
             return cls(fd, size)

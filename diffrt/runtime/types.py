@@ -289,6 +289,10 @@ class ExecutorOptions(msgspec.Struct, kw_only=True, frozen=True):
         "bound on the bytes of finished outputs no consumer has taken yet, wherever they "
         "sit (the shared-memory arena's size; virtual until touched); at the bound the "
         "worker waits: nothing is dropped"))] = 2 << 30
+    max_pending_input_bytes: Annotated[int, msgspec.Meta(ge=4096, description=(
+        "bound on the bytes of input images of the requests the engine holds (the input "
+        "arena's size, shared memory every worker maps; virtual until touched); a "
+        "request whose inputs do not fit is refused"))] = 512 << 20
     output_queue_depth: Annotated[int, msgspec.Meta(ge=1, description=(
         "outputs handed to a worker's output thread but not yet copied (bounds device "
         "memory held by outputs)"))] = 2

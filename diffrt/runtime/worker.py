@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result-fd", type=int, required=True)
     ap.add_argument("--free-fd", type=int, default=-1)
     ap.add_argument("--arena-fd", type=int, default=-1)
+    ap.add_argument("--input-fd", type=int, default=-1)
     args = ap.parse_args(argv)
     # Ctrl-C in a terminal reaches the whole process group. The engine owns the
     # shutdown (it asks, then terminates); a worker dying on its own SIGINT
@@ -113,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal world_size
         world_size = init.world_size
         arena = Arena.attach(args.arena_fd, init.arena_bytes) if args.arena_fd >= 0 else None
-        return build_core(init, send, arena, _free_source(frees))
+        inputs = (Arena.attach(args.input_fd, init.input_arena_bytes)
+                  if args.input_fd >= 0 and init.input_arena_bytes else None)
+        return build_core(init, send, arena, _free_source(frees), inputs)
 
     try:
         if not serve(recv, send, build):

@@ -58,6 +58,9 @@ class Runner(Protocol):
     protocol: ClassVar[RunnerProtocol]
     #: set by the worker before the first request; a long execute calls it
     heartbeat: Callable[[], None]
+    #: set by the worker before the first request: the input arena's mapping
+    #: (``input_arena``; None where the executor carries no inputs)
+    inputs: Arena | None
 
     def __init__(self, settings: Any, *, rank: int, world_size: int,
                  platform: Platform) -> None: ...
@@ -86,7 +89,8 @@ class WorkerCore:
     """Builds the runner and handles RPCs for one rank."""
 
     def __init__(self, init: InitWorker, platform: Platform, send: Callable[[Any], None],
-                 arena: Arena | None = None, free_source: FreeSource | None = None):
+                 arena: Arena | None = None, free_source: FreeSource | None = None, *,
+                 inputs: Arena | None = None):
         self.rank = init.rank
         self.platform = platform
         self._send = send
@@ -99,6 +103,9 @@ class WorkerCore:
         # A runner may call ``heartbeat()`` from inside a long execute (one per
         # denoise step): the executor's watchdog counts it as progress.
         self.runner.heartbeat = self._heartbeat
+        # requests' input arrays arrive as handles into this shared mapping
+        # (``input_arena``); a runner that takes inputs reads them there
+        self.runner.inputs = inputs
         self._last_heartbeat = 0.0
         self.writer: OutputWriter | None = None
         if self.rank == OUTPUT_RANK:
@@ -176,7 +183,7 @@ class WorkerCore:
 
 
 def build_core(init: InitWorker, send: Callable[[Any], None], arena: Arena | None,
-               free_source: FreeSource | None) -> WorkerCore:
+               free_source: FreeSource | None, inputs: Arena | None = None) -> WorkerCore:
     """A rank's start-up wherever it runs (a spawned process, a Ray actor):
     its trace track, the process group over the platform's dist backend when
     there are several ranks, then the runner."""
@@ -194,7 +201,7 @@ def build_core(init: InitWorker, send: Callable[[Any], None], arena: Arena | Non
         dist.init_process_group(backend=current_platform.distributed_backend(),
                                 init_method=init.dist_init_method,
                                 rank=init.rank, world_size=init.world_size)
-    return WorkerCore(init, current_platform, send, arena, free_source)
+    return WorkerCore(init, current_platform, send, arena, free_source, inputs=inputs)
 
 
 def leave_process_group() -> None:

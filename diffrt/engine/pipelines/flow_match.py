@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.input_images import InputPixels, read_pixels
 from diffrt.engine.model_spec import ModelSpec, check_heads
 from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.pipelines.flow_match_spec import vae_factor
@@ -53,6 +54,13 @@ def resolve_seed(seed: int | None) -> int:
     """The request's seed, or a fresh random one when it gave none (the engine
     draws it at submission; a pipeline called directly may still get None)."""
     return random_seed() if seed is None else int(seed)
+
+
+def to_model_pixels(image: torch.Tensor) -> torch.Tensor:
+    """A (H, W, 3) uint8 image -> (1, 3, H, W) float32 in [-1, 1], with the
+    float steps of diffusers' ``VaeImageProcessor`` (``/ 255``, then ``2x - 1``)."""
+    x = image.to(torch.float32) / 255.0
+    return (2.0 * x - 1.0).permute(2, 0, 1)[None].contiguous()
 
 
 def _check_compatible(requests: list[DiffusionRequest], key: Any) -> None:
@@ -334,6 +342,77 @@ class FlowMatchPipeline(DiffusionPipeline):
         noise = torch.randn(self.latent_shape(params), generator=generator, dtype=torch.float32)
         return self.pack_latents(noise.to(device=self.device, dtype=self.dtype))
 
+    # -- input images (image-to-image, inpainting) -----------------------------------
+    def encode_image_dist(self, pixels: torch.Tensor) -> Any:
+        """The VAE's latent distribution of ``pixels`` ((B, 3, H, W) in [-1, 1]);
+        its ``mean`` and ``std`` are what diffusers samples from."""
+        return self.vae.encode(pixels, return_dict=False)[0]
+
+    def normalize_image_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Sampled VAE latents -> the denoiser's latent space (as the family's
+        diffusers ``_encode_vae_image``): shift, then scale."""
+        return (latents - self.shift_factor) * self.scaling_factor
+
+    def encode_images(self, pixels: list[torch.Tensor],
+                      generators: list[torch.Generator]) -> list[torch.Tensor]:
+        """Each request's input image ((1, 3, H, W)) -> its (1, C, h, w)
+        latents, one VAE call per image size; each sample is drawn from its
+        request's own generator, as ``retrieve_latents`` draws it."""
+        out: list[torch.Tensor | None] = [None] * len(pixels)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(pixels):
+            groups.setdefault(tuple(p.shape), []).append(i)
+        for members in groups.values():
+            batch = torch.cat([pixels[i] for i in members]).to(self.device, self.dtype)
+            dist = self.encode_image_dist(batch)
+            for row, i in enumerate(members):
+                mean, std = dist.mean[row:row + 1], dist.std[row:row + 1]
+                sample = torch.randn(mean.shape, generator=generators[i], dtype=torch.float32)
+                out[i] = self.normalize_image_latents(
+                    mean + std * sample.to(mean.device, mean.dtype))
+        return out  # type: ignore[return-value]
+
+    def _input_pixels(self, state: StepRequestState) -> InputPixels | None:
+        """The state's input images (read by the runner, or converted here)."""
+        if state.inputs is None and state.request.images:
+            params = state.request.sampling_params
+            state.inputs = read_pixels(state.request, None, filled(params.height),
+                                       filled(params.width))
+        return state.inputs
+
+    def _start_from_image(self, state: StepRequestState, image_latents: torch.Tensor,
+                          generator: torch.Generator, mask: torch.Tensor | None) -> None:
+        """Image-to-image: the schedule from ``start_step`` on, and first latents
+        that are the image noised to that step (``scale_noise``), as the
+        family's diffusers img2img / inpaint pipeline prepares them; with a
+        mask, what each step's blend needs (``apply_step``)."""
+        params = state.request.sampling_params
+        start = params.start_step()
+        noise_scheduler = state.noise_scheduler
+        noise_scheduler.set_begin_index(start)  # diffusers' get_timesteps (order 1)
+        state.timesteps = state.timesteps[start:]  # type: ignore[index]
+        state.extra["start_step"] = start
+        n = params.num_outputs_per_prompt
+        noise = torch.randn(self.latent_shape(params), generator=generator,
+                            dtype=torch.float32).to(self.device, self.dtype)
+        image_latents = torch.cat([image_latents] * n) if n > 1 else image_latents
+        first = noise_scheduler.scale_noise(image_latents, state.timesteps[:1].repeat(n), noise)
+        state.latents = self.pack_latents(first)
+        if mask is not None:
+            state.extra["inpaint"] = (self.pack_latents(self.latent_mask(mask, params)),
+                                      self.pack_latents(image_latents), self.pack_latents(noise))
+
+    def latent_mask(self, mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """A (H, W) uint8 mask -> (N, C, h, w) of 0 and 1 at the latents' size,
+        as diffusers' mask processor and ``prepare_mask_latents`` make it
+        (binarised at one half, nearest-neighbour down to the latents)."""
+        m = (mask.to(torch.float32) / 255.0)[None, None]
+        m[m < 0.5] = 0
+        m[m >= 0.5] = 1
+        m = torch.nn.functional.interpolate(m, size=self.latent_size(params))
+        m = m.to(self.device, self.dtype)
+        return m.repeat(params.num_outputs_per_prompt, self.latent_channels, 1, 1)
+
     def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
         """A fresh noise-scheduler copy with its timesteps set, and those
         timesteps; never the shared template."""
@@ -458,9 +537,12 @@ class FlowMatchPipeline(DiffusionPipeline):
     def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
         # The engine accepts requests with their defaults filled in; a caller
         # using the pipeline directly may leave them at None.
-        batch = DiffusionRequestBatch([self.prepared(r) for r in batch.requests], batch.loras)
+        batch = DiffusionRequestBatch([self.prepared(r) for r in batch.requests], batch.loras,
+                                      batch.inputs)
         params = batch.sampling_params
         _check_compatible(batch.requests, self.spec.request_batch_key)
+        if params.strength is not None:  # equal tasks: all start from their images
+            return self._forward_in_steps(batch)
         n = params.num_outputs_per_prompt
         latents = torch.cat(
             [
@@ -485,6 +567,20 @@ class FlowMatchPipeline(DiffusionPipeline):
         # shared or pickled, ship) the whole batch's bytes.
         return [p.clone() for p in parts] if len(parts) > 1 else list(parts)
 
+    def _forward_in_steps(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
+        """A fused forward of requests that start from input images: the step
+        protocol over all of them at once (each keeps its own noise scheduler,
+        begun at its start step; equal batch keys: they finish together)."""
+        states = [StepRequestState(request=r, loras=batch.loras_of(i), inputs=batch.inputs_of(i))
+                  for i, r in enumerate(batch.requests)]
+        self.prepare_encode_batch(states)
+        while not states[0].finished:
+            parts = self.split_predictions(self.denoise_step(states), states)
+            for state, part in zip(states, parts, strict=True):
+                self.apply_step(state, part)
+            self.report_step()
+        return self.post_decode_batch(states)
+
     # -- STEP_BATCH ----------------------------------------------------------------
     @torch.no_grad()
     def prepare_encode(self, state: StepRequestState) -> None:
@@ -493,23 +589,37 @@ class FlowMatchPipeline(DiffusionPipeline):
     @torch.no_grad()
     def prepare_encode_batch(self, states: list[StepRequestState]) -> None:
         """``prepare_encode`` for the requests admitted in one tick, their
-        prompts encoded in one text-encoder call."""
+        prompts encoded in one text-encoder call and their input images in
+        one VAE call per size."""
         for state in states:
             state.request = self.prepared(state.request)
         conds = self.encode_prompts([s.request for s in states])
-        for state, cond in zip(states, conds, strict=True):
-            self._prepare_state(state, cond)
+        generators = [torch.Generator(device="cpu").manual_seed(
+            resolve_seed(s.request.sampling_params.seed)) for s in states]
+        with_images = [i for i, s in enumerate(states) if self._input_pixels(s) is not None]
+        latents = self.encode_images(
+            [to_model_pixels(states[i].inputs.images[0]) for i in with_images],  # type: ignore[union-attr]
+            [generators[i] for i in with_images]) if with_images else []
+        image_latents = dict(zip(with_images, latents, strict=True))
+        for i, (state, cond) in enumerate(zip(states, conds, strict=True)):
+            self._prepare_state(state, cond, generators[i], image_latents.get(i))
 
-    def _prepare_state(self, state: StepRequestState, cond: Conditioning) -> None:
+    def _prepare_state(self, state: StepRequestState, cond: Conditioning,
+                       generator: torch.Generator | None = None,
+                       image_latents: torch.Tensor | None = None) -> None:
         params = state.request.sampling_params
         seed = resolve_seed(params.seed)
         state.extra["seed"] = seed
         state.extra["cond"] = cond
         state.extra["guidance"] = self._guidance_rows(params)
         state.extra["cfg_scale"] = self._cfg_rows(params)
-        state.latents = self.prepare_latents(params, seed)
         state.noise_scheduler, state.timesteps = self.prepare_timesteps(params)
         state.step = 0
+        if image_latents is None:
+            state.latents = self.prepare_latents(params, seed)
+            return
+        assert generator is not None and state.inputs is not None  # drawn with the image's
+        self._start_from_image(state, image_latents, generator, state.inputs.mask)
 
     @torch.no_grad()
     def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
@@ -564,14 +674,35 @@ class FlowMatchPipeline(DiffusionPipeline):
         assert latents is not None and timesteps is not None  # set when it was admitted
         t = timesteps[state.step]
         noise_scheduler = state.noise_scheduler
+        inpaint = state.extra.get("inpaint")
         if state.step + 1 in state.extra.setdefault(
                 "preview_steps", state.request.sampling_params.preview_steps()):
             # flow matching: x_t = (1 - sigma) x0 + sigma noise and the model
-            # predicts noise - x0, so x0 = x_t - sigma * prediction
-            sigma = noise_scheduler.sigmas[state.step].to(latents.dtype)
-            state.extra["x0"] = latents - sigma * noise_pred
+            # predicts noise - x0, so x0 = x_t - sigma * prediction (the
+            # schedule's index: an image-to-image request began at start_step)
+            index = state.extra.get("start_step", 0) + state.step
+            sigma = noise_scheduler.sigmas[index].to(latents.dtype)
+            x0 = latents - sigma * noise_pred
+            if inpaint is not None:  # outside the mask the image is kept
+                x0 = (1 - inpaint[0]) * inpaint[1] + inpaint[0] * x0
+            state.extra["x0"] = x0
         state.latents = noise_scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if inpaint is not None:
+            self._blend_masked(state, *inpaint)
         state.step += 1
+
+    def _blend_masked(self, state: StepRequestState, mask: torch.Tensor,
+                      image_latents: torch.Tensor, noise: torch.Tensor) -> None:
+        """Inpainting, after each step: outside the mask the latents are the
+        input image noised to the next step (the image itself after the last),
+        as diffusers' inpaint pipelines blend them."""
+        timesteps = state.timesteps
+        assert timesteps is not None and state.latents is not None
+        proper = image_latents
+        if state.step + 1 < len(timesteps):
+            proper = state.noise_scheduler.scale_noise(
+                image_latents, timesteps[state.step + 1:state.step + 2], noise)
+        state.latents = (1 - mask) * proper + mask * state.latents
 
     @torch.no_grad()
     def decode_preview(self, state: StepRequestState) -> torch.Tensor | None:

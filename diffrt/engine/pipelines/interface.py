@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffrt.engine.input_images import InputPixels
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import SamplingParams, filled
+from diffrt.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from diffrt.engine.outputs import TextEncoderStats
@@ -47,9 +48,15 @@ class DiffusionRequestBatch:
     #: each request's LoRA adapters as (device slot, scale) pairs, in order
     #: (empty: no request has any)
     loras: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    #: each request's input images as the worker read them, in order (empty:
+    #: none has any; an entry None: that one has none)
+    inputs: list[InputPixels | None] = field(default_factory=list)
 
     def loras_of(self, index: int) -> tuple[tuple[int, float], ...]:
         return self.loras[index] if self.loras else ()
+
+    def inputs_of(self, index: int) -> InputPixels | None:
+        return self.inputs[index] if self.inputs else None
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -71,6 +78,9 @@ class StepRequestState:
     noise_scheduler: Any = None  # this request's own copy of the diffusers noise scheduler
     #: its LoRA adapters as (device slot, scale) pairs (``engine.lora``)
     loras: tuple[tuple[int, float], ...] = ()
+    #: its input images as the worker read them (None: none, or not read yet:
+    #: a pipeline called directly converts the request's own)
+    inputs: InputPixels | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -79,7 +89,7 @@ class StepRequestState:
 
     @property
     def total_steps(self) -> int:
-        return filled(self.request.sampling_params.num_inference_steps)
+        return self.request.sampling_params.denoise_steps()
 
     @property
     def finished(self) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
+from diffrt.engine.model_spec import TEXT_TO_IMAGE_TASKS, CfgRule, ModelSpec, SamplingDefaults
 from diffrt.engine.pipelines.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
     attention_width,
@@ -39,6 +39,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
     return ModelSpec(
         name=folder.name, family="flux", pipeline="diffrt.engine.pipelines.flux.pipeline:FluxPipeline",
         diffusers_pipeline="FluxPipeline", folder=folder.path,
+        tasks=TEXT_TO_IMAGE_TASKS, max_input_images=1,
         size_multiple=factor * 2, max_size=scaled_max_size(factor),
         defaults=SamplingDefaults(height=size, width=size, num_inference_steps=28,
                                   guidance_scale=3.5),

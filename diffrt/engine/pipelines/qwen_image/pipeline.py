@@ -123,6 +123,20 @@ class QwenImagePipeline(FluxPipeline):
         )[0]
         return out
 
+    def encode_image_dist(self, pixels: torch.Tensor) -> Any:
+        """AutoencoderKLQwenImage encodes video: the image is one frame."""
+        return self.vae.encode(pixels.unsqueeze(2), return_dict=False)[0]
+
+    def normalize_image_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Per-channel statistics, as QwenImageImg2ImgPipeline's
+        ``_encode_vae_image`` applies them; back to one (N, C, h, w) frame."""
+        config = self.vae.config
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(
+            latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(
+            latents.device, latents.dtype)
+        return ((latents - mean) * inv_std)[:, :, 0]
+
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Packed latents -> images in [-1, 1], with the VAE's per-channel
         statistics (computed as QwenImagePipeline does, for the same bits)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
+from diffrt.engine.model_spec import TEXT_TO_IMAGE_TASKS, CfgRule, ModelSpec, SamplingDefaults
 from diffrt.engine.pipelines.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
     attention_width,
@@ -36,6 +36,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         name=folder.name, family="qwen-image",
         pipeline="diffrt.engine.pipelines.qwen_image.pipeline:QwenImagePipeline",
         diffusers_pipeline="QwenImagePipeline", folder=folder.path,
+        tasks=TEXT_TO_IMAGE_TASKS, max_input_images=1,
         size_multiple=factor * 2, max_size=scaled_max_size(factor),
         defaults=SamplingDefaults(height=size, width=size, num_inference_steps=50,
                                   guidance_scale=1.0, true_cfg_scale=4.0),

@@ -84,11 +84,14 @@ SD3_COMPONENTS: dict[str, tuple[str, str]] = {
 
 
 def build_tiny_sd3_folder(path: str | os.PathLike, *, seed: int = 0, sd35: bool = False,
-                          dynamic_shifting: bool = False) -> Path:
+                          dynamic_shifting: bool = False, latent_channels: int | None = None
+                          ) -> Path:
     """A complete tiny SD3 folder at ``path`` (StableDiffusion3Pipeline loads
     it offline). ``sd35=True``: SD3.5-style transformer (RMS q/k norm, a dual
     attention block). ``dynamic_shifting=True``: the scheduler shifts by
     resolution as Flux's does (the pipeline then computes ``mu``).
+    ``latent_channels``: other than the tiny VAE's (diffusers'
+    StableDiffusion3InpaintPipeline runs only a 16-channel transformer).
     """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection
@@ -99,10 +102,14 @@ def build_tiny_sd3_folder(path: str | os.PathLike, *, seed: int = 0, sd35: bool 
     shared.build_clip_tokenizer(path / "tokenizer_2")
     t5_tok = shared.build_t5_tokenizer(path / "tokenizer_3")
     offsets = shared._SEED_OFFSETS
+    channels = ({} if latent_channels is None else
+                {"in_channels": latent_channels, "out_channels": latent_channels})
     shared.save_seeded(path / "transformer", SD3Transformer2DModel, seed + offsets["transformer"],
-                       boost=PROMPT_BOOST["sd35" if sd35 else "sd3"], **TINY_SD3_TRANSFORMER,
-                       **(TINY_SD35_EXTRA if sd35 else {}))
-    shared.save_seeded(path / "vae", AutoencoderKL, seed + offsets["vae"], **TINY_SD3_VAE)
+                       boost=PROMPT_BOOST["sd35" if sd35 else "sd3"],
+                       **{**TINY_SD3_TRANSFORMER, **channels}, **(TINY_SD35_EXTRA if sd35 else {}))
+    vae = TINY_SD3_VAE if latent_channels is None else {**TINY_SD3_VAE,
+                                                        "latent_channels": latent_channels}
+    shared.save_seeded(path / "vae", AutoencoderKL, seed + offsets["vae"], **vae)
     scheduler = {**SD3_SCHEDULER, **(shared.DYNAMIC_SHIFT if dynamic_shifting else {})}
     noise_scheduler = FlowMatchEulerDiscreteScheduler(**scheduler)
     noise_scheduler.save_pretrained(path / "scheduler")

@@ -1,0 +1,224 @@
+"""A request's input images: checked and converted at submission, carried by
+handle, read back in the worker.
+
+What a request may give (``DiffusionRequest.images`` and ``mask_image``):
+``PIL.Image.Image`` objects, or numpy arrays holding one (uint8 ``(H, W)``,
+``(H, W, 1|3|4)``; float or bool arrays in [0, 1] are scaled by 255 and
+rounded). Each becomes what diffusers' ``VaeImageProcessor`` makes of a PIL
+image, up to the point where pixels turn into floats:
+
+* an image: RGB (``convert("RGB")`` as ``diffusers.utils.load_image``
+  converts: an alpha channel is dropped, CMYK, YCbCr and palette images are
+  converted by PIL; 16-bit grayscale is scaled to 8 bits first; 32-bit
+  integer and float modes are refused), resized to the request's size with
+  Lanczos (the processor's ``resize``), as ``(H, W, 3)`` uint8;
+* a mask: grayscale (``convert("L")``, as the mask processor's
+  ``do_convert_grayscale``), resized the same way, as ``(H, W)`` uint8; the
+  worker binarises it at one half, as the mask processor does (white:
+  repaint). It must be as large as the image it masks.
+
+An animated image gives its current frame (the first, when it was just
+opened), as PIL's own conversion does. The arrays go into the executor's
+input arena (``runtime.input_arena``) and the request travels with their
+handles; the worker turns the uint8 values into the floats diffusers would
+have (``/ 255``, then ``2x - 1`` for an image) with the same float32 steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from diffrt.engine.sampling import InvalidRequestError
+from diffrt.runtime.input_arena import InputArena, InputHandle, read_input
+from diffrt.runtime.shm_transport import Arena
+
+#: the most images one request may give (a model may take fewer: its spec's
+#: ``max_input_images``)
+MAX_INPUT_IMAGES = 4
+#: the largest input image, in pixels (before it is resized): 64 MiB as RGBA
+MAX_INPUT_PIXELS = 4096 * 4096
+
+#: PIL modes taken as 16-bit grayscale (scaled to 8 bits, then converted)
+_SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
+#: PIL modes no 8-bit conversion keeps the meaning of
+_REFUSED_MODES = ("I", "F")
+
+
+@dataclass
+class InputPixels:
+    """One request's inputs as the worker reads them: uint8 CPU tensors,
+    images ``(H, W, 3)``, the mask ``(H, W)``."""
+
+    images: list[Any]
+    mask: Any = None
+
+
+def _is_image(value: object) -> bool:
+    try:
+        import PIL.Image
+    except ImportError:  # pragma: no cover - Pillow comes with diffusers
+        return False
+    return isinstance(value, PIL.Image.Image)
+
+
+def check_kinds(images: object, mask: object) -> None:
+    """Refuse, naming the field, inputs that are not images at all (the
+    request's own ``validate``; sizes and modes are ``to_arrays``')."""
+    if not isinstance(images, list):
+        raise InvalidRequestError("images", f"must be a list, got {type(images).__name__}")
+    if len(images) > MAX_INPUT_IMAGES:
+        raise InvalidRequestError("images", f"at most {MAX_INPUT_IMAGES} images, "
+                                            f"got {len(images)}")
+    for i, image in enumerate(images):
+        if not (_is_image(image) or isinstance(image, np.ndarray | InputHandle)):
+            raise InvalidRequestError(f"images[{i}]", "must be a PIL.Image or a numpy array, "
+                                                      f"got {type(image).__name__}")
+    if mask is not None and not (_is_image(mask) or isinstance(mask, np.ndarray | InputHandle)):
+        raise InvalidRequestError("mask_image", "must be a PIL.Image, a numpy array or None, "
+                                                f"got {type(mask).__name__}")
+    if mask is not None and not images:
+        raise InvalidRequestError("mask_image", "a mask needs an image to mask (images)")
+
+
+def _as_pil(value: Any, field: str) -> Any:
+    """A PIL image of ``value`` (a PIL image or a numpy array), checked for size."""
+    import PIL.Image
+
+    if isinstance(value, np.ndarray):
+        array = value
+        if array.dtype == np.bool_ or np.issubdtype(array.dtype, np.floating):
+            if array.size and not (np.isfinite(array).all() and array.min() >= 0
+                                   and array.max() <= 1):
+                raise InvalidRequestError(field, "a float array must hold values in [0, 1]")
+            array = np.round(array.astype(np.float64) * 255).astype(np.uint8)
+        elif array.dtype != np.uint8:
+            raise InvalidRequestError(field, f"arrays must be uint8, bool or float, "
+                                             f"got {array.dtype}")
+        if array.ndim == 3 and array.shape[2] == 1:
+            array = array[:, :, 0]
+        if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
+            raise InvalidRequestError(field, "an array must be (H, W) or (H, W, 1|3|4), "
+                                             f"got shape {tuple(array.shape)}")
+        value = PIL.Image.fromarray(np.ascontiguousarray(array))
+    width, height = value.size
+    if width < 1 or height < 1:
+        raise InvalidRequestError(field, f"an image with no pixels ({width}x{height})")
+    if width * height > MAX_INPUT_PIXELS:
+        raise InvalidRequestError(field, f"{width}x{height} is more than {MAX_INPUT_PIXELS} "
+                                         "pixels")
+    return value
+
+
+def _converted(image: Any, field: str, mode: str) -> Any:
+    """``image`` in ``mode`` ("RGB" or "L"), converted as described above."""
+    import PIL.Image
+
+    if image.mode in _REFUSED_MODES:
+        raise InvalidRequestError(field, (
+            f"PIL mode {image.mode!r} (32-bit) has no one 8-bit meaning; convert it to an "
+            "8-bit image first"))
+    if image.mode in _SIXTEEN_BIT:
+        values = np.asarray(image, dtype=np.uint16)
+        image = PIL.Image.fromarray((values >> 8).astype(np.uint8))
+    return image if image.mode == mode else image.convert(mode)
+
+
+_RESIZER: Any = None
+
+
+def _resize(image: Any, height: int, width: int) -> Any:
+    """diffusers' own resize of a PIL image (its processor's defaults: Lanczos)."""
+    global _RESIZER
+    if _RESIZER is None:
+        from diffusers.image_processor import VaeImageProcessor
+
+        _RESIZER = VaeImageProcessor()
+    return _RESIZER.resize(image, height, width)
+
+
+def to_arrays(images: list[Any], mask: Any, height: int,
+              width: int) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """The request's images as ``(height, width, 3)`` uint8 arrays and its mask
+    as ``(height, width)`` (see the module docstring); InvalidRequestError
+    names the input that cannot be taken."""
+    pils = [_as_pil(image, f"images[{i}]") for i, image in enumerate(images)]
+    arrays = [np.asarray(_resize(_converted(p, f"images[{i}]", "RGB"), height, width),
+                         dtype=np.uint8) for i, p in enumerate(pils)]
+    mask_array = None
+    if mask is not None:
+        pil = _as_pil(mask, "mask_image")
+        if pils and pil.size != pils[0].size:
+            raise InvalidRequestError("mask_image", (
+                f"is {pil.size[0]}x{pil.size[1]}, the image it masks "
+                f"{pils[0].size[0]}x{pils[0].size[1]}: they must be the same size"))
+        mask_array = np.asarray(_resize(_converted(pil, "mask_image", "L"), height, width),
+                                dtype=np.uint8)
+    return arrays, mask_array
+
+
+def store(request: Any, images: list[np.ndarray], mask: np.ndarray | None,
+          inputs: InputArena) -> Any:
+    """``request`` with its inputs replaced by handles into ``inputs`` (all or
+    none: a failure frees what was written)."""
+    handles: list[InputHandle] = []
+    try:
+        for array in images:
+            handles.append(inputs.put(array))
+        mask_handle = inputs.put(mask) if mask is not None else None
+    except BaseException:
+        for handle in handles:
+            inputs.free(handle)
+        raise
+    return msgspec.structs.replace(request, images=handles, mask_image=mask_handle)
+
+
+def release(request: Any, inputs: InputArena | None) -> None:
+    """Free the input slots of a request that has ended (or never ran)."""
+    if inputs is None:
+        return
+    for item in [*request.images, request.mask_image]:
+        if isinstance(item, InputHandle):
+            inputs.free(item)
+
+
+def input_bytes(request: Any) -> int:
+    """The bytes a request's stored inputs hold."""
+    return sum(item.nbytes for item in [*request.images, request.mask_image]
+               if isinstance(item, InputHandle))
+
+
+def _handle(item: Any) -> InputHandle | None:
+    """An input's handle: as sent, or as a worker decodes it (the request's
+    input fields are untyped: a user gives images there)."""
+    if isinstance(item, dict) and item.get("type") == "input_handle":
+        return msgspec.convert(item, InputHandle)
+    return item if isinstance(item, InputHandle) else None
+
+
+def read_pixels(request: Any, arena: Arena | None, height: int, width: int) -> InputPixels | None:
+    """The worker's copy of a request's inputs (None without any): read by
+    handle from ``arena``, or converted here when the request still holds
+    images (a pipeline called directly, without an engine)."""
+    import torch
+
+    if not request.images:
+        return None
+    handles = [_handle(item) for item in [*request.images, request.mask_image]]
+    if handles[0] is not None:
+        if arena is None:
+            raise RuntimeError("a request with input images reached a worker without "
+                               "the input arena")
+        images = [read_input(arena, h) for h in handles[:-1] if h is not None]
+        mask = read_input(arena, handles[-1]) if handles[-1] is not None else None
+        return InputPixels(images, mask)
+    arrays, mask_array = to_arrays(list(request.images), request.mask_image, height, width)
+    return InputPixels([torch.from_numpy(a.copy()) for a in arrays],
+                       None if mask_array is None else torch.from_numpy(mask_array.copy()))
+
+
+__all__ = ["MAX_INPUT_IMAGES", "MAX_INPUT_PIXELS", "InputPixels", "check_kinds", "input_bytes",
+           "read_pixels", "release", "store", "to_arrays"]
