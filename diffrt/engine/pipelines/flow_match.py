@@ -63,6 +63,13 @@ def to_model_pixels(image: torch.Tensor) -> torch.Tensor:
     return (2.0 * x - 1.0).permute(2, 0, 1)[None].contiguous()
 
 
+def binarized(mask: torch.Tensor) -> torch.Tensor:
+    """A (H, W) uint8 mask as float 0 / 1, binarised at one half as diffusers'
+    mask processor does (white: repaint)."""
+    m = mask.to(torch.float32) / 255.0
+    return (m >= 0.5).to(torch.float32)
+
+
 def _check_compatible(requests: list[DiffusionRequest], key: Any) -> None:
     """Refuse a batch the engine should not have formed (a bug, not user input)."""
     first = key(requests[0])
@@ -401,15 +408,16 @@ class FlowMatchPipeline(DiffusionPipeline):
         if mask is not None:
             state.extra["inpaint"] = (self.pack_latents(self.latent_mask(mask, params)),
                                       self.pack_latents(image_latents), self.pack_latents(noise))
+            state.extra["overlay"] = (binarized(mask)[None, None].to(self.device, self.dtype),
+                                      to_model_pixels(state.inputs.images[0]).to(  # type: ignore[union-attr]
+                                          self.device, self.dtype))
 
     def latent_mask(self, mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """A (H, W) uint8 mask -> (N, C, h, w) of 0 and 1 at the latents' size,
         as diffusers' mask processor and ``prepare_mask_latents`` make it
         (binarised at one half, nearest-neighbour down to the latents)."""
-        m = (mask.to(torch.float32) / 255.0)[None, None]
-        m[m < 0.5] = 0
-        m[m >= 0.5] = 1
-        m = torch.nn.functional.interpolate(m, size=self.latent_size(params))
+        m = torch.nn.functional.interpolate(binarized(mask)[None, None],
+                                            size=self.latent_size(params))
         m = m.to(self.device, self.dtype)
         return m.repeat(params.num_outputs_per_prompt, self.latent_channels, 1, 1)
 
@@ -709,11 +717,23 @@ class FlowMatchPipeline(DiffusionPipeline):
         x0 = state.extra.pop("x0", None)
         if x0 is None:
             return None
-        return self.finish(x0, state.request.sampling_params)
+        return self._restore_unmasked(state, self.finish(x0, state.request.sampling_params))
 
     @torch.no_grad()
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
-        return self.finish(state.latents, state.request.sampling_params)  # type: ignore[arg-type]
+        return self._restore_unmasked(
+            state, self.finish(state.latents, state.request.sampling_params))  # type: ignore[arg-type]
+
+    def _restore_unmasked(self, state: StepRequestState, images: torch.Tensor) -> torch.Tensor:
+        """Inpainting: outside the mask the input's own pixels, not their VAE
+        round trip (which drifts a few levels over the whole picture), as
+        diffusers' ``apply_overlay`` pastes them back for a cropped inpaint;
+        latents pass as they are."""
+        overlay = state.extra.get("overlay")
+        if overlay is None or state.request.sampling_params.output_type == "latent":
+            return images
+        mask, pixels = overlay
+        return mask * images + (1 - mask) * pixels
 
     @torch.no_grad()
     def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]:
@@ -734,5 +754,6 @@ class FlowMatchPipeline(DiffusionPipeline):
             parts = self.finish(latents, params).split(
                 [states[i].request.sampling_params.num_outputs_per_prompt for i in members])
             for i, part in zip(members, parts, strict=True):
-                out[i] = part.clone()  # each request's tensor owns its storage
+                # each request's tensor owns its storage
+                out[i] = self._restore_unmasked(states[i], part).clone()
         return out  # type: ignore[return-value]
