@@ -58,6 +58,9 @@ class EmbeddedModel:
     kwargs: dict[str, Any] = field(default_factory=dict)
     #: sampling defaults on top of the family's (a quick image, not 1024 px in 28 steps).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    #: spec fields on top of the family's description (a tiny editing model
+    #: keeps its input's size instead of the 1 Mpx its family was trained at)
+    spec_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -70,6 +73,12 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "tiny-sd3": EmbeddedModel("diffrt.engine.pipelines.sd3.tiny_folder:build_tiny_sd3_folder",
                               {"seed": 20261130},
                               {"num_inference_steps": 4}),
+    # FLUX.1 Kontext [dev]-style: edits an input image it sees as extra tokens;
+    # the input keeps its size (FluxKontextPipeline's ``_auto_resize=False``)
+    "tiny-flux-kontext": EmbeddedModel(
+        "diffrt.engine.pipelines.flux.tiny_folder:build_tiny_flux_kontext_folder",
+        {"seed": 20261201}, {"height": 128, "width": 128, "num_inference_steps": 4},
+        {"edit_resize": "keep"}),
 }
 
 _VERSIONED = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")

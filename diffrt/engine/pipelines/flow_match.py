@@ -284,13 +284,16 @@ class FlowMatchPipeline(DiffusionPipeline):
         return h * w
 
     def row_layout(self, params: SamplingParams, rows: int | None = None,
-                   loras: tuple[tuple[int, float], ...] = ()) -> RowLayout:
+                   loras: tuple[tuple[int, float], ...] = (),
+                   cond: tuple[int, int] | None = None) -> RowLayout:
         """The layout of ``rows`` rows (default: one per output) of one
-        request, each with the request's LoRA adapters ``loras``."""
+        request, each with the request's LoRA adapters ``loras`` and its
+        conditioning image's latent size ``cond`` (an edit)."""
         size = self.latent_size(params)
-        return RowLayout.uniform_rows(size, self.image_tokens(size),
+        tokens = self.image_tokens(size) + (self.image_tokens(cond) if cond else 0)
+        return RowLayout.uniform_rows(size, tokens,
                                       params.num_outputs_per_prompt if rows is None else rows,
-                                      loras)
+                                      loras, cond)
 
     # -- stages (shared by both execution modes) -----------------------------------
     def encode_prompt(self, request: DiffusionRequest) -> Conditioning:
@@ -361,10 +364,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         return (latents - self.shift_factor) * self.scaling_factor
 
     def encode_images(self, pixels: list[torch.Tensor],
-                      generators: list[torch.Generator]) -> list[torch.Tensor]:
+                      generators: list[torch.Generator] | None) -> list[torch.Tensor]:
         """Each request's input image ((1, 3, H, W)) -> its (1, C, h, w)
         latents, one VAE call per image size; each sample is drawn from its
-        request's own generator, as ``retrieve_latents`` draws it."""
+        request's own generator, as ``retrieve_latents`` draws it (no
+        ``generators``: the distribution's mode, ``sample_mode="argmax"``,
+        as an editing pipeline encodes its input)."""
         out: list[torch.Tensor | None] = [None] * len(pixels)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, p in enumerate(pixels):
@@ -374,6 +379,9 @@ class FlowMatchPipeline(DiffusionPipeline):
             dist = self.encode_image_dist(batch)
             for row, i in enumerate(members):
                 mean, std = dist.mean[row:row + 1], dist.std[row:row + 1]
+                if generators is None:
+                    out[i] = self.normalize_image_latents(mean)
+                    continue
                 sample = torch.randn(mean.shape, generator=generators[i], dtype=torch.float32)
                 out[i] = self.normalize_image_latents(
                     mean + std * sample.to(mean.device, mean.dtype))
@@ -382,9 +390,9 @@ class FlowMatchPipeline(DiffusionPipeline):
     def _input_pixels(self, state: StepRequestState) -> InputPixels | None:
         """The state's input images (read by the runner, or converted here)."""
         if state.inputs is None and state.request.images:
-            params = state.request.sampling_params
-            state.inputs = read_pixels(state.request, None, filled(params.height),
-                                       filled(params.width))
+            request = state.request
+            state.inputs = read_pixels(request, None,
+                                       lambda w, h: self.spec.input_size(request, w, h))
         return state.inputs
 
     def _start_from_image(self, state: StepRequestState, image_latents: torch.Tensor,
@@ -411,6 +419,18 @@ class FlowMatchPipeline(DiffusionPipeline):
             state.extra["overlay"] = (binarized(mask)[None, None].to(self.device, self.dtype),
                                       to_model_pixels(state.inputs.images[0]).to(  # type: ignore[union-attr]
                                           self.device, self.dtype))
+
+    def condition_on_image(self, state: StepRequestState, image_latents: torch.Tensor) -> None:
+        """An edit: give the request its input image's (1, C, h, w) latents as
+        conditioning (the family's way: extra tokens for FLUX.1 Kontext)."""
+        raise NotImplementedError(f"{self.name} does not edit images")
+
+    def row_input(self, state: StepRequestState) -> torch.Tensor:
+        """What the state's rows give the transformer: its latents, followed by
+        its conditioning tokens when it has any (an edit's input image)."""
+        latents, cond = state.latents, state.extra.get("cond_tokens")
+        assert latents is not None  # prepared
+        return latents if cond is None else torch.cat([latents, cond], dim=1)
 
     def latent_mask(self, mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """A (H, W) uint8 mask -> (N, C, h, w) of 0 and 1 at the latents' size,
@@ -549,7 +569,7 @@ class FlowMatchPipeline(DiffusionPipeline):
                                       batch.inputs)
         params = batch.sampling_params
         _check_compatible(batch.requests, self.spec.request_batch_key)
-        if params.strength is not None:  # equal tasks: all start from their images
+        if batch.requests[0].images:  # equal tasks: all from their input images
             return self._forward_in_steps(batch)
         n = params.num_outputs_per_prompt
         latents = torch.cat(
@@ -605,16 +625,21 @@ class FlowMatchPipeline(DiffusionPipeline):
         generators = [torch.Generator(device="cpu").manual_seed(
             resolve_seed(s.request.sampling_params.seed)) for s in states]
         with_images = [i for i, s in enumerate(states) if self._input_pixels(s) is not None]
-        latents = self.encode_images(
-            [to_model_pixels(states[i].inputs.images[0]) for i in with_images],  # type: ignore[union-attr]
-            [generators[i] for i in with_images]) if with_images else []
-        image_latents = dict(zip(with_images, latents, strict=True))
+        edits = [i for i in with_images if self.spec.task_of(states[i].request) == "editing"]
+        image_latents: dict[int, torch.Tensor] = {}
+        for members, sampled in (([i for i in with_images if i not in edits], True),
+                                 (edits, False)):
+            if members:
+                image_latents.update(zip(members, self.encode_images(
+                    [to_model_pixels(states[i].inputs.images[0]) for i in members],  # type: ignore[union-attr]
+                    [generators[i] for i in members] if sampled else None), strict=True))
         for i, (state, cond) in enumerate(zip(states, conds, strict=True)):
-            self._prepare_state(state, cond, generators[i], image_latents.get(i))
+            self._prepare_state(state, cond, generators[i], image_latents.get(i),
+                                edit=i in edits)
 
     def _prepare_state(self, state: StepRequestState, cond: Conditioning,
                        generator: torch.Generator | None = None,
-                       image_latents: torch.Tensor | None = None) -> None:
+                       image_latents: torch.Tensor | None = None, *, edit: bool = False) -> None:
         params = state.request.sampling_params
         seed = resolve_seed(params.seed)
         state.extra["seed"] = seed
@@ -623,8 +648,10 @@ class FlowMatchPipeline(DiffusionPipeline):
         state.extra["cfg_scale"] = self._cfg_rows(params)
         state.noise_scheduler, state.timesteps = self.prepare_timesteps(params)
         state.step = 0
-        if image_latents is None:
+        if image_latents is None or edit:  # an edit starts from noise, conditioned on its image
             state.latents = self.prepare_latents(params, seed)
+            if image_latents is not None:
+                self.condition_on_image(state, image_latents)
             return
         assert generator is not None and state.inputs is not None  # drawn with the image's
         self._start_from_image(state, image_latents, generator, state.inputs.mask)
@@ -636,14 +663,14 @@ class FlowMatchPipeline(DiffusionPipeline):
         (``segments``), their predictions cut back by ``split_predictions``."""
         _check_compatible([s.request for s in states], self.spec.mixed_step_batch_key
                           if self.spec.mixed_sizes else self.spec.step_batch_key)
-        layout = RowLayout.join([self.row_layout(s.request.sampling_params, None, s.loras)
-                                 for s in states])
+        layout = RowLayout.join([self.row_layout(s.request.sampling_params, None, s.loras,
+                                                 s.extra.get("cond_size")) for s in states])
         if layout.uniform:
-            latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
+            latents = torch.cat([self.row_input(s) for s in states])
         elif self.mixed_rows == "by_size":
             return self._denoise_by_size(states, layout.longest)
         else:
-            latents = pad_tokens([s.latents for s in states], layout.longest)  # type: ignore[misc]
+            latents = pad_tokens([self.row_input(s) for s in states], layout.longest)
         timesteps = torch.cat(
             [s.timesteps[s.step].expand(s.latents.shape[0]) for s in states]  # type: ignore[index,union-attr]
         )
@@ -658,7 +685,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         padded call's would be (``split_predictions`` cuts them back)."""
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(states):
-            groups.setdefault(self.latent_size(s.request.sampling_params), []).append(i)
+            groups.setdefault((self.latent_size(s.request.sampling_params),
+                               s.extra.get("cond_size")), []).append(i)
         preds: list[torch.Tensor | None] = [None] * len(states)
         for members in groups.values():
             group = [states[i] for i in members]

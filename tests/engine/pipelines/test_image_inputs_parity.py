@@ -158,3 +158,72 @@ def test_image_to_image_and_inpainting_match_diffusers_alone_fused_and_stepped(f
             assert diff <= MAX_DIFF, f"{rid}: {diff}/255 from diffusers"
     # the input image shows through at strength 0.5; without one the picture differs
     assert np.abs(want[i2i[0].request_id] - want[t2i.request_id][:, :SIZE]).mean() > 5
+
+
+@pytest.fixture(scope="module")
+def kontext():
+    import diffusers
+
+    theirs = diffusers.FluxKontextPipeline.from_pretrained(embedded_folder("tiny-flux-kontext"),
+                                                          local_files_only=True)
+    theirs.set_progress_bar_config(disable=True)
+    return load_pipeline("tiny-flux-kontext"), theirs
+
+
+def _edit(rid: str, image, size: tuple[int, int], seed: int) -> DiffusionRequest:
+    return DiffusionRequest(PROMPT, request_id=rid, images=[image] if image else [],
+                            sampling_params=SamplingParams(height=size[0], width=size[1],
+                                                           num_inference_steps=STEPS, seed=seed,
+                                                           guidance_scale=3.5))
+
+
+def test_kontext_edits_match_diffusers_alone_fused_and_stepped_with_text_to_image(kontext):
+    """FLUX.1 Kontext: the input image's tokens follow the noise's; inputs of
+    other sizes are rows of other lengths, so edits share steps with each
+    other and with text-to-image (the tiny model keeps its input's size, as
+    FluxKontextPipeline with ``_auto_resize=False``; diffusers is given
+    ``max_area`` = the requested area, which diffrt always honours)."""
+    ours, theirs = kontext
+    wide = PIL.Image.fromarray(np.random.default_rng(1).integers(0, 255, (48, 80, 3), np.uint8))
+    requests = [_edit("edit-a", _input_image(), (SIZE, SIZE), 1),
+                _edit("edit-b", wide, (SIZE, SIZE + 32), 2),
+                _edit("edit-c", _input_image(), (SIZE, SIZE), 5),
+                _edit("draw", None, (SIZE, SIZE), 3)]
+    assert ours.spec.row_tokens(requests[1]) - ours.spec.row_tokens(requests[3]) > 0
+    want = {}
+    for r in requests:
+        params = r.sampling_params
+        kwargs = {"image": r.images[0], "_auto_resize": False} if r.images else {}
+        image = theirs(prompt=r.prompt, height=params.height, width=params.width,
+                       max_area=params.height * params.width, num_inference_steps=STEPS,
+                       guidance_scale=3.5, generator=torch.Generator("cpu").manual_seed(params.seed),
+                       output_type="np", **kwargs).images[0]
+        want[r.request_id] = (image * 255).round().astype(np.int16)
+    alone = {r.request_id: ours.forward(DiffusionRequestBatch([r]))[0] for r in requests[:2]}
+    fused = dict(zip(("edit-a", "edit-c"), ours.forward(DiffusionRequestBatch(
+        [requests[0], requests[2]])), strict=True))
+    stepped = dict(zip((r.request_id for r in requests), _stepped(ours, requests), strict=True))
+    for results in (alone, fused, stepped):
+        for rid, image in results.items():
+            diff = np.abs(_pixels(image) - want[rid]).max()
+            assert diff <= MAX_DIFF, f"{rid}: {diff}/255 from diffusers"
+    assert np.abs(want["edit-a"] - want["draw"]).mean() > 3  # the input image shows
+
+
+def test_kontext_sizes_its_input_as_diffusers_does():
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    from diffrt.engine.pipelines.flux.spec import KONTEXT_RESOLUTIONS
+
+    assert list(KONTEXT_RESOLUTIONS) == PREFERRED_KONTEXT_RESOLUTIONS
+    from diffrt.engine.pipelines.registry import resolve_model_spec
+
+    spec = resolve_model_spec("tiny-flux-kontext")
+    request = _edit("r", _input_image(), (SIZE, SIZE), 0)
+    m = spec.size_multiple
+    assert spec.input_size(request, 72, 80) == (80 // m * m, 72 // m * m)  # kept, rounded down
+    import msgspec
+
+    preferred = msgspec.structs.replace(spec, edit_resize="preferred")
+    assert preferred.input_size(request, 1000, 500) == (720, 1456)  # the nearest to 2:1
+
