@@ -166,12 +166,14 @@ def to_arrays(images: list[Any], mask: Any,
     return arrays, mask_array
 
 
-def pixel_size(item: Any) -> tuple[int, int]:
-    """(width, height) of an input as given or as stored (a handle holds the
-    size it was resized to, which the same rule keeps)."""
+def stored_shape(item: Any) -> tuple[int, int] | None:
+    """(height, width) of a stored input (already resized), None for one as given."""
     handle = _handle(item)
-    if handle is not None:
-        return handle.shape[1], handle.shape[0]
+    return (handle.shape[0], handle.shape[1]) if handle is not None else None
+
+
+def pixel_size(item: Any) -> tuple[int, int]:
+    """(width, height) of an input as given (a PIL image or an array)."""
     if isinstance(item, np.ndarray):
         return (int(item.shape[1]), int(item.shape[0])) if item.ndim >= 2 else (0, 0)
     size = getattr(item, "size", None)
@@ -240,4 +242,5 @@ def read_pixels(request: Any, arena: Arena | None, size_of: SizeRule) -> InputPi
 
 
 __all__ = ["MAX_INPUT_IMAGES", "MAX_INPUT_PIXELS", "InputPixels", "SizeRule", "check_kinds",
-           "input_bytes", "pixel_size", "read_pixels", "release", "store", "to_arrays"]
+           "input_bytes", "pixel_size", "read_pixels", "release", "store", "stored_shape",
+           "to_arrays"]

@@ -114,10 +114,13 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: how an editing model sizes its input image (``input_size``):
     #: "preferred" — the trained resolution nearest its aspect ratio
     #: (``edit_resolutions``; FLUX.1 Kontext's ``_auto_resize``), "keep" — its
-    #: own size rounded down to ``size_multiple``
-    edit_resize: Literal["preferred", "keep"] = "preferred"
+    #: own size rounded down to ``size_multiple``, "area" — ``edit_area``
+    #: pixels at its aspect ratio in multiples of 32 (Qwen-Image-Edit's
+    #: ``calculate_dimensions``; the output's default size too)
+    edit_resize: Literal["preferred", "keep", "area"] = "preferred"
     #: (width, height) resolutions an editing model was trained on
     edit_resolutions: tuple[tuple[int, int], ...] = ()
+    edit_area: int = 1024 * 1024
     #: height and width must be positive multiples of this (VAE factor x patch)
     size_multiple: int = 16
     max_size: int = 2048
@@ -160,7 +163,11 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         """``request`` with the sampling fields it left at None taken from
         ``defaults`` (the same object when none was left)."""
         params = request.sampling_params
-        resolved = params.with_defaults(msgspec.structs.asdict(self.defaults))
+        defaults = msgspec.structs.asdict(self.defaults)
+        if self.edit_resize == "area" and request.images and self.task_of(request) == "editing":
+            # Qwen-Image-Edit draws at its input's size unless told otherwise
+            defaults["height"], defaults["width"] = self.input_shape(request, request.images[0])
+        resolved = params.with_defaults(defaults)
         if params.strength is None and self.task_of(request) in ("image-to-image", "inpainting"):
             resolved = msgspec.structs.replace(resolved, strength=self.defaults.strength)
         if resolved is params:
@@ -215,6 +222,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             params = request.sampling_params
             return filled(params.height), filled(params.width)
         m = self.size_multiple
+        if self.edit_resize == "area" and height and width:  # calculate_dimensions
+            ratio = width / height
+            exact = (self.edit_area * ratio) ** 0.5
+            width, height = round(exact / 32) * 32, round(exact / ratio / 32) * 32
         height, width = height - height % m, width - width % m  # get_default_height_width
         if self.edit_resize == "preferred" and self.edit_resolutions and height and width:
             aspect = width / height
@@ -230,14 +241,19 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         other tasks): its latent patches, as the output's are counted."""
         if self.task_of(request) != "editing":
             return 0
-        from diffrt.engine.input_images import pixel_size
-
         total = 0
         for image in request.images:
-            width, height = pixel_size(image)
-            h, w = self.input_size(request, width, height)
+            h, w = self.input_shape(request, image)
             total += (h // self.size_multiple) * (w // self.size_multiple)
         return total
+
+    def input_shape(self, request: DiffusionRequest, image: object) -> tuple[int, int]:
+        """(height, width) of one of the request's inputs as it runs: a stored
+        one's own (resized at submission), a given one's by ``input_size``."""
+        from diffrt.engine.input_images import pixel_size, stored_shape
+
+        stored = stored_shape(image)
+        return stored if stored is not None else self.input_size(request, *pixel_size(image))
 
     # -- classifier-free guidance ------------------------------------------------------------
     def negative_prompt(self, request: DiffusionRequest) -> str | None:

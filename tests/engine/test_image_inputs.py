@@ -256,3 +256,35 @@ def test_toy_engines_refuse_images_naming_the_task(req_engine1):
     request.images = [PICTURE]
     with pytest.raises(InvalidRequestError, match="image-to-image is not a task"):
         req_engine1.generate(request, timeout=10)
+
+
+def test_editing_models_through_the_engine(monkeypatch):
+    """An edit-only model (Qwen-Image-Edit) warms up on an edit and refuses
+    text alone naming the task; FLUX.1 Kontext edits share steps with its
+    text-to-image requests, their extra tokens counted in the cost."""
+    wide = PIL.Image.fromarray(RNG.integers(0, 255, (48, 80, 3), dtype=np.uint8))
+    with DiffusionEngine.make_engine(EngineConfig(model="tiny-qwen-image-edit",
+                                                  executor_backend="inproc",
+                                                  step_execution=True)) as engine:
+        out = engine.generate(DiffusionRequest("make it blue", images=[wide],
+                                               sampling_params=SamplingParams(seed=1)), timeout=120)
+        assert out.ok and out.images[0].size == (96, 64)  # the input's aspect, its area
+        with pytest.raises(InvalidRequestError, match="text-to-image is not a task"):
+            engine.generate(DiffusionRequest("a cat"), timeout=10)
+        assert engine.inputs is not None and engine.inputs.used_bytes == 0
+    with DiffusionEngine.make_engine(EngineConfig(model="tiny-flux-kontext",
+                                                  executor_backend="inproc", step_execution=True,
+                                                  max_num_seqs=4)) as engine:
+        calls = _denoise_batches(engine, monkeypatch)
+        spec = engine.spec
+        edit = DiffusionRequest("make it blue", request_id="kontext-edit", images=[wide],
+                                sampling_params=SamplingParams(height=SIZE, width=SIZE, seed=1))
+        draw = DiffusionRequest("a cat", request_id="kontext-draw",
+                                sampling_params=SamplingParams(height=SIZE, width=SIZE, seed=1))
+        assert spec.row_tokens(spec.with_defaults(edit)) > spec.row_tokens(spec.with_defaults(draw))
+        outs = engine.generate([edit, draw], timeout=120)
+        assert [o.error for o in outs] == [None, None]
+        assert any({"kontext-edit", "kontext-draw"} <= set(c) for c in calls), calls
+        with pytest.raises(InvalidRequestError, match="strength") as info:
+            engine.generate(image_request("kontext-strength"), timeout=10)
+        assert info.value.field == "strength"

@@ -170,7 +170,8 @@ class FlowMatchPipeline(DiffusionPipeline):
             raise ModelLoadError(f"{spec.name}: a {cls.__name__} loads a diffusers folder; "
                                  "its spec names none")
         device = torch.device(device)
-        full = load_diffusers_pipeline(spec.folder, spec.diffusers_pipeline, dtype=dtype)
+        full = load_diffusers_pipeline(spec.folder, spec.diffusers_pipeline, dtype=dtype,
+                                       preloaded=cls.preloaded_components(spec.folder))
         for name, module in full.components.items():
             if name.startswith("text_encoder") and module is not None:
                 _place(module, device)
@@ -234,6 +235,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         if isinstance(self.text_encoder, CachedTextEncoder):
             return self.text_encoder.stats()
         return None
+
+    @staticmethod
+    def preloaded_components(folder: str) -> dict[str, Any]:
+        """Components of ``folder`` the family loads itself, before diffusers
+        loads the rest (none by default)."""
+        return {}
 
     @staticmethod
     def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,9 +307,35 @@ class FlowMatchPipeline(DiffusionPipeline):
         """Embeddings for one request, repeated per output; negatives when CFG runs."""
         return self.encode_prompts([request])[0]
 
-    def encode_prompts(self, requests: list[DiffusionRequest]) -> list[Conditioning]:
+    #: the family's text encoder reads an edit's input image with its prompt
+    #: (Qwen-Image-Edit's Qwen2.5-VL): those prompts are encoded with their
+    #: image, one request at a time, past the prompt cache (it keys by text)
+    text_sees_images = False
+
+    def encode_prompts(self, requests: list[DiffusionRequest],
+                       inputs: list[InputPixels | None] | None = None) -> list[Conditioning]:
         """``encode_prompt`` for several requests with one text-encoder call (each
-        prompt's embedding does not depend on the others: fixed lengths)."""
+        prompt's embedding does not depend on the others: fixed lengths);
+        edits whose text encoder sees their image (``text_sees_images``) apart."""
+        seen = [i for i, r in enumerate(requests) if self.text_sees_images and inputs
+                and inputs[i] is not None and self.spec.task_of(r) == "editing"]
+        if not seen:
+            return self._encode_texts(requests)
+        out: list[Conditioning | None] = [None] * len(requests)
+        rest = [i for i in range(len(requests)) if i not in seen]
+        if rest:
+            for i, cond in zip(rest, self._encode_texts([requests[i] for i in rest]), strict=True):
+                out[i] = cond
+        for i in seen:
+            out[i] = self.encode_with_image(requests[i], inputs[i].images[0])  # type: ignore[index,union-attr]
+        return out  # type: ignore[return-value]
+
+    def encode_with_image(self, request: DiffusionRequest, image: torch.Tensor) -> Conditioning:
+        """An edit's prompt (and negative) conditioned on its input image
+        ((H, W, 3) uint8, as resized): the family's, where its text encoder sees images."""
+        raise NotImplementedError(f"{self.name}'s text encoder reads no images")
+
+    def _encode_texts(self, requests: list[DiffusionRequest]) -> list[Conditioning]:
         texts: list[str] = []
         for request in requests:
             texts.append(request.prompt)
@@ -621,10 +654,10 @@ class FlowMatchPipeline(DiffusionPipeline):
         one VAE call per size."""
         for state in states:
             state.request = self.prepared(state.request)
-        conds = self.encode_prompts([s.request for s in states])
         generators = [torch.Generator(device="cpu").manual_seed(
             resolve_seed(s.request.sampling_params.seed)) for s in states]
         with_images = [i for i, s in enumerate(states) if self._input_pixels(s) is not None]
+        conds = self.encode_prompts([s.request for s in states], [s.inputs for s in states])
         edits = [i for i in with_images if self.spec.task_of(states[i].request) == "editing"]
         image_latents: dict[int, torch.Tensor] = {}
         for members, sampled in (([i for i in with_images if i not in edits], True),
