@@ -192,6 +192,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             field = "mask_image" if task == "inpainting" else "images"
             raise InvalidRequestError(field, f"{task} is not a task of {self.name} "
                                              f"(it serves {', '.join(self.tasks)})")
+        if task == "editing" and request.mask_image is not None:
+            raise InvalidRequestError("mask_image", f"{self.name} edits without a mask (an "
+                                                    "edit with a mask is not served yet)")
         if len(request.images) > self.max_input_images:
             raise InvalidRequestError("images", (
                 f"{self.name} takes at most {self.max_input_images} input image(s), "

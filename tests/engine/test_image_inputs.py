@@ -288,3 +288,6 @@ def test_editing_models_through_the_engine(monkeypatch):
         with pytest.raises(InvalidRequestError, match="strength") as info:
             engine.generate(image_request("kontext-strength"), timeout=10)
         assert info.value.field == "strength"
+        with pytest.raises(InvalidRequestError, match="without a mask") as info:
+            engine.generate(image_request("kontext-mask", strength=None, mask=MASK), timeout=10)
+        assert info.value.field == "mask_image"
