@@ -258,10 +258,10 @@ def test_toy_engines_refuse_images_naming_the_task(req_engine1):
         req_engine1.generate(request, timeout=10)
 
 
-def test_editing_models_through_the_engine(monkeypatch):
-    """An edit-only model (Qwen-Image-Edit) warms up on an edit and refuses
-    text alone naming the task; FLUX.1 Kontext edits share steps with its
-    text-to-image requests, their extra tokens counted in the cost."""
+def test_an_edit_only_model_warms_up_on_an_edit_and_refuses_text_alone():
+    """Qwen-Image-Edit draws nothing from text alone: the engine's start-up
+    requests carry a plain picture; an edit's default size is its input's
+    aspect at the model's edit area."""
     wide = PIL.Image.fromarray(RNG.integers(0, 255, (48, 80, 3), dtype=np.uint8))
     with DiffusionEngine.make_engine(EngineConfig(model="tiny-qwen-image-edit",
                                                   executor_backend="inproc",
@@ -272,22 +272,21 @@ def test_editing_models_through_the_engine(monkeypatch):
         with pytest.raises(InvalidRequestError, match="text-to-image is not a task"):
             engine.generate(DiffusionRequest("a cat"), timeout=10)
         assert engine.inputs is not None and engine.inputs.used_bytes == 0
-    with DiffusionEngine.make_engine(EngineConfig(model="tiny-flux-kontext",
-                                                  executor_backend="inproc", step_execution=True,
-                                                  max_num_seqs=4)) as engine:
-        calls = _denoise_batches(engine, monkeypatch)
-        spec = engine.spec
-        edit = DiffusionRequest("make it blue", request_id="kontext-edit", images=[wide],
-                                sampling_params=SamplingParams(height=SIZE, width=SIZE, seed=1))
-        draw = DiffusionRequest("a cat", request_id="kontext-draw",
-                                sampling_params=SamplingParams(height=SIZE, width=SIZE, seed=1))
-        assert spec.row_tokens(spec.with_defaults(edit)) > spec.row_tokens(spec.with_defaults(draw))
-        outs = engine.generate([edit, draw], timeout=120)
-        assert [o.error for o in outs] == [None, None]
-        assert any({"kontext-edit", "kontext-draw"} <= set(c) for c in calls), calls
-        with pytest.raises(InvalidRequestError, match="strength") as info:
-            engine.generate(image_request("kontext-strength"), timeout=10)
-        assert info.value.field == "strength"
-        with pytest.raises(InvalidRequestError, match="without a mask") as info:
-            engine.generate(image_request("kontext-mask", strength=None, mask=MASK), timeout=10)
-        assert info.value.field == "mask_image"
+
+
+def test_kontext_edits_cost_their_tokens_and_refuse_strength_and_masks():
+    spec = resolve_model_spec("tiny-flux-kontext")
+    wide = PIL.Image.fromarray(RNG.integers(0, 255, (48, 80, 3), dtype=np.uint8))
+    edit = DiffusionRequest("make it blue", images=[wide],
+                            sampling_params=SamplingParams(height=SIZE, width=SIZE, seed=1))
+    draw = DiffusionRequest("a cat", sampling_params=SamplingParams(height=SIZE, width=SIZE))
+    extra = spec.row_tokens(spec.with_defaults(edit)) - spec.row_tokens(spec.with_defaults(draw))
+    m = spec.size_multiple
+    assert extra == (48 // m) * (80 // m)  # the input's patches, as it is kept
+    stored = _accept(edit, spec)  # a stored input counts the same
+    assert spec.row_tokens(stored) - spec.row_tokens(spec.with_defaults(draw)) == extra
+    for request, field in [(image_request("s"), "strength"),
+                           (image_request("m", strength=None, mask=MASK), "mask_image")]:
+        with pytest.raises(InvalidRequestError) as info:
+            _accept(request, spec)
+        assert info.value.field == field
