@@ -18,6 +18,7 @@ on to share one forward or one denoise step.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -121,6 +122,12 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: (width, height) resolutions an editing model was trained on
     edit_resolutions: tuple[tuple[int, int], ...] = ()
     edit_area: int = 1024 * 1024
+    #: an editing model whose text encoder reads each input at another area
+    #: than the VAE (Qwen-Image-Edit Plus: 384 x 384 px; None: the same copy)
+    edit_prompt_area: int | None = None
+    #: which input an edit's default output size follows ("area" models):
+    #: the first (Qwen-Image-Edit) or the last (its Plus variant)
+    edit_size_from: Literal["first", "last"] = "first"
     #: height and width must be positive multiples of this (VAE factor x patch)
     size_multiple: int = 16
     max_size: int = 2048
@@ -166,7 +173,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         defaults = msgspec.structs.asdict(self.defaults)
         if self.edit_resize == "area" and request.images and self.task_of(request) == "editing":
             # Qwen-Image-Edit draws at its input's size unless told otherwise
-            defaults["height"], defaults["width"] = self.input_shape(request, request.images[0])
+            sizer = request.images[0 if self.edit_size_from == "first" else -1]
+            defaults["height"], defaults["width"] = self.input_shape(request, sizer)
         resolved = params.with_defaults(defaults)
         if params.strength is None and self.task_of(request) in ("image-to-image", "inpainting"):
             resolved = msgspec.structs.replace(resolved, strength=self.defaults.strength)
@@ -225,10 +233,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             params = request.sampling_params
             return filled(params.height), filled(params.width)
         m = self.size_multiple
-        if self.edit_resize == "area" and height and width:  # calculate_dimensions
-            ratio = width / height
-            exact = (self.edit_area * ratio) ** 0.5
-            width, height = round(exact / 32) * 32, round(exact / ratio / 32) * 32
+        if self.edit_resize == "area" and height and width:
+            height, width = _area_size(self.edit_area, width, height)
         height, width = height - height % m, width - width % m  # get_default_height_width
         if self.edit_resize == "preferred" and self.edit_resolutions and height and width:
             aspect = width / height
@@ -238,6 +244,15 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequestError("images", f"{width}x{height} is smaller than "
                                                 f"{m}x{m} pixels, the least {self.name} edits")
         return height, width
+
+    def prompt_image_size(self, request: DiffusionRequest
+                          ) -> Callable[[int, int], tuple[int, int]] | None:
+        """The size rule of the copies of an edit's inputs its text encoder
+        reads, where the model reads them at another size (``edit_prompt_area``)."""
+        area = self.edit_prompt_area
+        if area is None or self.task_of(request) != "editing":
+            return None
+        return lambda width, height: _area_size(area, width, height)
 
     def edit_tokens(self, request: DiffusionRequest) -> int:
         """The extra tokens an edit's input image adds to each row (0 for
@@ -349,6 +364,15 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         multiple = self.size_multiple
         largest = self.max_size // multiple * multiple
         return max(multiple, min(multiple * -(-64 // multiple), largest))
+
+
+def _area_size(area: int, width: int, height: int) -> tuple[int, int]:
+    """(height, width) of ``area`` pixels at the aspect ratio of ``width`` x
+    ``height``, in multiples of 32, as diffusers' Qwen-Image-Edit
+    ``calculate_dimensions`` rounds them."""
+    ratio = width / height
+    exact = (area * ratio) ** 0.5
+    return round(exact / ratio / 32) * 32, round(exact / 32) * 32
 
 
 def check_heads(heads: int | None, ulysses: int) -> None:

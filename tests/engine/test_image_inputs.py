@@ -117,11 +117,11 @@ def test_inputs_convert_as_diffusers_loads_images():
         "float array in [0, 1]": (rgb / 255.0, PICTURE),
     }
     for name, (given, expected) in cases.items():
-        arrays, _ = to_arrays([given], None, lambda w, h: (48, 32))
+        arrays = to_arrays([given], None, lambda w, h: (48, 32)).images
         want = np.asarray(expected.convert("RGB").resize((32, 48), PIL.Image.LANCZOS))
         assert arrays[0].shape == (48, 32, 3), name
         assert np.array_equal(arrays[0], want), name
-    _, mask = to_arrays([PICTURE], MASK.convert("RGB"), lambda w, h: (48, 32))
+    mask = to_arrays([PICTURE], MASK.convert("RGB"), lambda w, h: (48, 32)).mask
     assert mask is not None and mask.shape == (48, 32)
     assert np.array_equal(mask, np.asarray(MASK.resize((32, 48), PIL.Image.LANCZOS)))
 

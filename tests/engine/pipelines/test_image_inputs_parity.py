@@ -280,3 +280,42 @@ def test_qwen_image_edit_matches_diffusers_alone_and_stepped(qwen_edit):
             assert diff <= MAX_DIFF, f"{rid}: {diff}/255 from diffusers"
     # same prompt and seed, another image: another picture (the text encoder saw it)
     assert np.abs(want["square"] - want["square-2"]).mean() > 1
+
+
+def test_qwen_image_edit_plus_reads_several_images_as_diffusers_does(monkeypatch):
+    """Plus: each input's latents are one more frame, and Qwen2.5-VL reads
+    each at its own (smaller) area with "Picture N:" before the prompt; the
+    default size follows the last image. diffusers' fixed input areas are
+    shrunk to the tiny model's, and its output (1 Mpx by default whatever
+    the areas) is given the size diffrt defaults to."""
+    import diffusers
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    from diffrt.engine.pipelines.qwen_image.vl_processor import load_vl_processor
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", SIZE * SIZE)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", SIZE * SIZE)
+    folder = embedded_folder("tiny-qwen-image-edit-plus")
+    theirs = diffusers.QwenImageEditPlusPipeline.from_pretrained(
+        folder, local_files_only=True, processor=load_vl_processor(f"{folder}/processor"))
+    theirs.set_progress_bar_config(disable=True)
+    ours = load_pipeline("tiny-qwen-image-edit-plus")
+    wide = PIL.Image.fromarray(np.random.default_rng(1).integers(0, 255, (48, 80, 3), np.uint8))
+    requests = [DiffusionRequest("put them side by side", request_id=rid, images=images,
+                                 negative_prompt="blurry", sampling_params=SamplingParams(
+                                     num_inference_steps=STEPS, seed=seed, true_cfg_scale=4.0))
+                for rid, images, seed in [("two", [wide, _input_image()], 1),
+                                          ("one", [wide], 2)]]
+    want = {}
+    for r in requests:
+        params = ours.prepared(r).sampling_params
+        image = theirs(image=r.images, prompt=r.prompt, negative_prompt=r.negative_prompt,
+                       height=params.height, width=params.width, true_cfg_scale=4.0,
+                       num_inference_steps=STEPS, output_type="np",
+                       generator=torch.Generator("cpu").manual_seed(params.seed)).images[0]
+        want[r.request_id] = (image * 255).round().astype(np.int16)
+    assert want["two"].shape[:2] == (64, 64) and want["one"].shape[:2] == (64, 96)  # the last's
+    stepped = dict(zip((r.request_id for r in requests), _stepped(ours, requests), strict=True))
+    for rid, image in stepped.items():
+        diff = np.abs(_pixels(image) - want[rid]).max()
+        assert diff <= MAX_DIFF, f"{rid}: {diff}/255 from diffusers"

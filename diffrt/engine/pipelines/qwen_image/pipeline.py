@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.input_images import InputPixels
 from diffrt.engine.pipelines.flow_match import Conditioning
 from diffrt.engine.pipelines.flow_match_spec import qwen_vae_factor
 from diffrt.engine.pipelines.flux.pipeline import FluxPipeline
@@ -85,12 +86,8 @@ class QwenImagePipeline(FluxPipeline):
         """The transformer's rotary embedding input: one frame of packed tokens
         a row, and an edit's input image as the next frame (as
         QwenImageEditPipeline's ``img_shapes``)."""
-        shapes = []
-        for row, (h, w) in enumerate(layout.sizes):
-            cond = layout.cond_of(row)
-            shapes.append([(1, h // 2, w // 2)] + ([(1, cond[0] // 2, cond[1] // 2)]
-                                                   if cond else []))
-        return shapes
+        return [[(1, h // 2, w // 2)] + [(1, ch // 2, cw // 2) for ch, cw in layout.cond_of(row)]
+                for row, (h, w) in enumerate(layout.sizes)]
 
     text_sees_images = True
 
@@ -109,15 +106,18 @@ class QwenImagePipeline(FluxPipeline):
 
         return {"processor": load_vl_processor(os.path.join(folder, "processor"))}
 
-    def encode_with_image(self, request: DiffusionRequest, image: torch.Tensor) -> Conditioning:
-        """QwenImageEditPipeline's ``encode_prompt`` with the resized input
-        image, for the prompt and (when CFG runs) the negative prompt apart,
-        as diffusers calls it."""
+    def encode_with_images(self, request: DiffusionRequest, inputs: InputPixels) -> Conditioning:
+        """The edit pipeline's own ``encode_prompt`` with the resized input
+        image (Qwen-Image-Edit) or images at their text encoder's size (its
+        Plus variant: "Picture 1: ..."), for the prompt and (when CFG runs)
+        the negative prompt apart, as diffusers calls it."""
         from PIL import Image
 
         text = self.text_encoder
         pipeline = getattr(text, "encoder", text).pipeline  # past the prompt cache
-        picture = Image.fromarray(image.numpy())
+        pictures = [Image.fromarray(image.numpy())
+                    for image in (inputs.prompt_images or inputs.images)]
+        picture = pictures if inputs.prompt_images is not None else pictures[0]
 
         def encode(prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
             embeds, mask = pipeline.encode_prompt(prompt=[prompt], image=picture,

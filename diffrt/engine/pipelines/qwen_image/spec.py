@@ -30,9 +30,11 @@ LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_
 EDIT_OPTIONS = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
 
 
-#: diffusers' Qwen-Image-Edit pipeline classes served (one input image; its
-#: Plus variant, several images, is not served yet)
-EDIT_PIPELINES = ("QwenImageEditPipeline",)
+#: diffusers' Qwen-Image-Edit pipeline classes served: one input image, or
+#: several (Plus: each also read by Qwen2.5-VL at 384 x 384 px)
+EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+#: the images a Plus request may give (the model card's one to three)
+PLUS_MAX_IMAGES = 3
 
 
 def describe(folder: ModelFolder) -> ModelSpec:
@@ -48,12 +50,16 @@ def describe(folder: ModelFolder) -> ModelSpec:
     # knows no conditioning tokens)
     pipeline_class = folder.index.get("_class_name")
     edit = pipeline_class in EDIT_PIPELINES
+    plus = pipeline_class == "QwenImageEditPlusPipeline"
     return ModelSpec(
         name=folder.name, family="qwen-image",
         pipeline="diffrt.engine.pipelines.qwen_image.pipeline:QwenImagePipeline",
         diffusers_pipeline=pipeline_class if edit else "QwenImagePipeline", folder=folder.path,
-        tasks=("editing",) if edit else TEXT_TO_IMAGE_TASKS, max_input_images=1,
-        edit_resize="area",
+        tasks=("editing",) if edit else TEXT_TO_IMAGE_TASKS,
+        max_input_images=PLUS_MAX_IMAGES if plus else 1, edit_resize="area",
+        # Plus: the VAE at 1024 x 1024 px (VAE_IMAGE_SIZE), Qwen2.5-VL at 384 x
+        # 384 (CONDITION_IMAGE_SIZE), the default size from the last image
+        edit_prompt_area=384 * 384 if plus else None, edit_size_from="last" if plus else "first",
         size_multiple=factor * 2, max_size=scaled_max_size(factor),
         defaults=SamplingDefaults(height=size, width=size, num_inference_steps=50,
                                   guidance_scale=1.0, true_cfg_scale=4.0),
