@@ -71,17 +71,19 @@ def _is_image(value: object) -> bool:
 
 def check_kinds(images: object, mask: object) -> None:
     """Refuse, naming the field, inputs that are not images at all (the
-    request's own ``validate``; sizes and modes are ``to_arrays``')."""
+    request's own ``validate``; sizes and modes are ``to_arrays``'). A
+    ``StoredImage`` is the engine's, never a submission's: one given would
+    name another request's slot."""
     if not isinstance(images, list):
         raise InvalidRequestError("images", f"must be a list, got {type(images).__name__}")
     if len(images) > MAX_INPUT_IMAGES:
         raise InvalidRequestError("images", f"at most {MAX_INPUT_IMAGES} images, "
                                             f"got {len(images)}")
     for i, image in enumerate(images):
-        if not (_is_image(image) or isinstance(image, np.ndarray | StoredImage)):
+        if not (_is_image(image) or isinstance(image, np.ndarray)):
             raise InvalidRequestError(f"images[{i}]", "must be a PIL.Image or a numpy array, "
                                                       f"got {type(image).__name__}")
-    if mask is not None and not (_is_image(mask) or isinstance(mask, np.ndarray | StoredImage)):
+    if mask is not None and not (_is_image(mask) or isinstance(mask, np.ndarray)):
         raise InvalidRequestError("mask_image", "must be a PIL.Image, a numpy array or None, "
                                                 f"got {type(mask).__name__}")
     if mask is not None and not images:

@@ -16,11 +16,11 @@ from engine_helpers import assert_clean, toy_request, wait_until
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 from diffrt.engine.errors import InputsFullError
-from diffrt.engine.input_images import to_arrays
+from diffrt.engine.input_images import StoredImage, to_arrays
 from diffrt.engine.pipelines.registry import resolve_model_spec
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.submission import accept
-from diffrt.runtime.input_arena import InputArena
+from diffrt.runtime.input_arena import InputArena, InputHandle
 
 SIZE = 64
 RNG = np.random.default_rng(0)
@@ -56,6 +56,8 @@ def _accept(request, spec, inputs=None):
     (lambda: image_request("r", images=[PICTURE, PICTURE]), "images"),
     (lambda: image_request("r", strength=1e-17, steps=10), "strength"),  # no step left
     (lambda: image_request("r", images=["picture.png"]), "images[0]"),
+    (lambda: image_request("r", images=[StoredImage(InputHandle(0, (64, 64, 3), 1))]),
+     "images[0]"),
     (lambda: image_request("r", images=[np.zeros((8, 8, 2), np.uint8)]), "images[0]"),
     (lambda: image_request("r", images=[np.full((8, 8), 2.0)]), "images[0]"),
     (lambda: image_request("r", images=[PIL.Image.new("I", (8, 8))]), "images[0]"),
