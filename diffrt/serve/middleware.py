@@ -5,9 +5,10 @@ line and the count of answers by status.
 In order: a request target longer than ``max_request_line_bytes`` is 414,
 a ``Host`` the server does not answer is 400, a missing or wrong API key is
 401 (``guards.py``: all from the headers, nothing of the body read yet); then
-the body is read within ``max_body_bytes`` (413) and ``body_timeout_s``
-(408), and handed to the app whole (bodies are small: a prompt and a few
-fields). A client that leaves before its body is complete is not served:
+the body is read within ``max_body_bytes`` (413; an edit's, which carries
+images, within ``max_edit_body_bytes``: ``guards.body_limit``) and
+``body_timeout_s`` (408), and handed to the app whole (a prompt and a few
+fields, or an edit's images: parsed from memory, ``edit_body.py``). A client that leaves before its body is complete is not served:
 nothing of a cut-short body reaches the engine.
 
 Every refusal is an ``ApiError`` answered in OpenAI's shape, as the app's
@@ -26,7 +27,7 @@ import uuid
 from typing import Any
 
 from diffrt.serve.errors import ApiError, error_body
-from diffrt.serve.guards import HostGuard, check_api_key
+from diffrt.serve.guards import HostGuard, body_limit, check_api_key
 from diffrt.serve.logsafe import escape
 from diffrt.serve.settings import ServeSettings
 
@@ -43,7 +44,6 @@ class RequestContext:
     def __init__(self, app: Any, *, settings: ServeSettings, on_response: Any = None):
         self.app = app
         self.settings = settings
-        self.max_body_bytes = settings.max_body_bytes
         self.hosts = HostGuard(settings.allowed_hosts)
         self.on_response = on_response
 
@@ -98,20 +98,21 @@ class RequestContext:
                            code="uri_too_long")
 
     async def _read_body(self, scope: dict, receive: Any) -> bytes:
-        """The whole request body, within ``max_body_bytes`` (a declared length
-        is refused before reading, a chunked upload as it grows) and
-        ``body_timeout_s``. Raises ApiError (413, 408) or ClientGone."""
+        """The whole request body, within its bound (``guards.body_limit``: a
+        declared length is refused before reading, a chunked upload as it
+        grows) and ``body_timeout_s``. Raises ApiError (413, 408) or ClientGone."""
+        limit = body_limit(scope, self.settings)
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            raise self._too_large()
+        if declared is not None and declared > limit:
+            raise _too_large(limit)
         timeout = self.settings.body_timeout_s
         try:
-            return await asyncio.wait_for(self._chunks(receive), timeout)
+            return await asyncio.wait_for(self._chunks(receive, limit), timeout)
         except asyncio.TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
                            code="request_timeout") from None
 
-    async def _chunks(self, receive: Any) -> bytes:
+    async def _chunks(self, receive: Any, limit: int) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -119,15 +120,15 @@ class RequestContext:
                 raise ClientGone
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large()
+            if size > limit:
+                raise _too_large(limit)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _too_large(self) -> ApiError:
-        return ApiError(413, f"request body larger than {self.max_body_bytes} bytes",
-                        code="request_too_large")
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
 
 
 async def _send_json(send: Any, status: int, doc: dict,
