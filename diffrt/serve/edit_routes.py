@@ -3,8 +3,8 @@ image-to-image and inpainting.
 
 One edit, followed: the body is read in either form (``edit_body.py``:
 multipart or JSON), its fields checked as a generation's are
-(``routes.check_body``); its images are decoded (``uploads.py``), the
-mask's convention settled, the request checked against the model's spec
+(``routes.check_body``); its images are decoded (``uploads.py``, with
+``engine.image_files``), the mask's convention settled, the request checked against the model's spec
 (its tasks, how many images it takes, the size) and its images converted
 to the engine's arrays at the request's size (``input_images.to_arrays``,
 what the engine would do at submission), all in the decode pool, off the
@@ -28,6 +28,7 @@ import msgspec
 from fastapi import APIRouter, Request
 
 from diffrt.engine import DiffusionRequest, InvalidRequestError
+from diffrt.engine.image_files import mask_for_engine
 from diffrt.engine.input_images import to_arrays
 from diffrt.engine.sampling import filled
 from diffrt.serve.edit_body import EditInputs, read_edit_body
@@ -40,7 +41,7 @@ from diffrt.serve.routes import (
     serve_images,
     to_engine_request,
 )
-from diffrt.serve.uploads import engine_mask, read_input
+from diffrt.serve.uploads import read_input
 
 #: edits decoding at once (each a thread of this module's pool)
 DECODE_THREADS = 2
@@ -91,10 +92,13 @@ def _prepared(body: Any, inputs: EditInputs, request_id: str, client: EngineClie
               route: ImageRoute) -> DiffusionRequest:
     """The engine request of an edit, its images decoded and (when the
     model's spec is known here) checked and converted (in the decode pool)."""
-    images = [read_input(value, param) for param, value in inputs.images]
-    mask = None
-    if inputs.mask is not None:
-        mask = engine_mask(read_input(inputs.mask[1], "mask"))
+    try:
+        images = [read_input(value, param) for param, value in inputs.images]
+        mask = None
+        if inputs.mask is not None:
+            mask = mask_for_engine(read_input(inputs.mask[1], "mask"))
+    except InvalidRequestError as exc:  # named as the client named the input
+        raise invalid(exc) from None
     request = to_engine_request(body, request_id, step_execution=client.step_mode,
                                 images=images, mask=mask)
     spec = client.model_spec()
