@@ -9,6 +9,8 @@ its fields as an ``ImageEditForm`` and its images still as sent.
   the same name would be (``"2"`` for ``n``; ``true``/``false``), and
   ``name[key]`` parts make a mapping (``loras[style]=0.8``: how the
   ``openai`` client sends ``extra_body={"loras": {...}}``).
+- ``application/x-www-form-urlencoded`` (an HTML form's default): the same
+  text fields, the images as ``data:`` URLs in ``image``/``image[]``.
 - ``application/json``: the same fields, strictly typed as in
   ``/v1/images/generations``, with ``images`` (a list of ``data:`` URLs, or
   OpenAI's ``{"image_url": ...}`` objects) and ``mask``.
@@ -73,10 +75,13 @@ async def read_edit_body(request: Request) -> tuple[Any, EditInputs]:
     if media == "multipart/form-data":
         parts = await asyncio.to_thread(_parts, content_type, body)
         return _from_parts(parts)
+    if media == "application/x-www-form-urlencoded":
+        return _from_parts(await asyncio.to_thread(_url_parts, body))
     if media in ("application/json", ""):
         return _from_json(body)
-    raise ApiError(415, f"the body must be multipart/form-data or application/json, got "
-                        f"{media[:80]!r}", code="unsupported_media_type")
+    raise ApiError(415, "the body must be multipart/form-data, application/json or "
+                        f"application/x-www-form-urlencoded, got {media[:80]!r}",
+                   code="unsupported_media_type")
 
 
 # -- JSON ----------------------------------------------------------------------------------
@@ -172,6 +177,18 @@ def _parts(content_type: str, body: bytes) -> list[_Part]:
     except FormParserError as exc:
         raise _bad(f"the multipart body cannot be read: {exc}") from None
     return parts
+
+
+def _url_parts(body: bytes) -> list[_Part]:
+    """The fields of a urlencoded body, as text parts."""
+    from urllib.parse import parse_qsl
+
+    try:
+        pairs = parse_qsl(body.decode("ascii"), keep_blank_values=True, strict_parsing=False,
+                          max_num_fields=MAX_PARTS, errors="strict")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _bad(f"the urlencoded body cannot be read: {exc}") from None
+    return [_Part(name, None, bytearray(value.encode("utf-8"))) for name, value in pairs]
 
 
 def _from_parts(parts: list[_Part]) -> tuple[Any, EditInputs]:
