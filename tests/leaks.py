@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 
 ARENA_NAME = "diffrt-output-arena"
+#: the requests' input images (diffrt/runtime/input_arena.py): mapped by every rank
+INPUT_ARENA_NAME = "diffrt-input-arena"
 
 
-def arena_mappings(pid: int) -> int:
-    """How many mappings of output arenas process ``pid`` has.
+def arena_mappings(pid: int, name: str = ARENA_NAME) -> int:
+    """How many mappings of output arenas (or the arenas ``name`` names) process ``pid`` has.
 
     Returns:
         The count of ``memfd:diffrt-output-arena`` lines in its maps; 0 for a
@@ -25,12 +27,12 @@ def arena_mappings(pid: int) -> int:
     """
     try:
         with open(f"/proc/{pid}/maps") as f:
-            return sum(f"memfd:{ARENA_NAME}" in line for line in f)
+            return sum(f"memfd:{name}" in line for line in f)
     except (FileNotFoundError, ProcessLookupError):
         return 0
 
 
-def arena_fds(pid: int) -> int:
+def arena_fds(pid: int, name: str = ARENA_NAME) -> int:
     """How many descriptors of output arenas process ``pid`` holds open (an
     arena's own fd and, while mapped, mmap's duplicate of it); 0 once it is gone."""
     fd_dir = f"/proc/{pid}/fd"
@@ -41,16 +43,17 @@ def arena_fds(pid: int) -> int:
     count = 0
     for fd in fds:
         try:
-            count += f"memfd:{ARENA_NAME}" in os.readlink(f"{fd_dir}/{fd}")
+            count += f"memfd:{name}" in os.readlink(f"{fd_dir}/{fd}")
         except OSError:  # closed since the listing (e.g. listdir's own descriptor)
             pass
     return count
 
 
-def arena_refs(pid: int) -> int:
-    """Everything by which process ``pid`` keeps output arenas alive: mappings
-    plus descriptors. A leak check compares this before and after."""
-    return arena_mappings(pid) + arena_fds(pid)
+def arena_refs(pid: int, name: str = ARENA_NAME) -> int:
+    """Everything by which process ``pid`` keeps output arenas (or those
+    ``name`` names) alive: mappings plus descriptors. A leak check compares
+    this before and after."""
+    return arena_mappings(pid, name) + arena_fds(pid, name)
 
 
 def alive(pid: int) -> bool:

@@ -26,6 +26,7 @@ have (``/ 255``, then ``2x - 1`` for an image) with the same float32 steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,13 +141,18 @@ def _resize(image: Any, height: int, width: int) -> Any:
     return _RESIZER.resize(image, height, width)
 
 
-def to_arrays(images: list[Any], mask: Any, height: int,
-              width: int) -> tuple[list[np.ndarray], np.ndarray | None]:
-    """The request's images as ``(height, width, 3)`` uint8 arrays and its mask
-    as ``(height, width)`` (see the module docstring); InvalidRequestError
+#: (width, height) of an input -> the (height, width) it is resized to
+SizeRule = Callable[[int, int], tuple[int, int]]
+
+
+def to_arrays(images: list[Any], mask: Any,
+              size_of: SizeRule) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """The request's images as ``(H, W, 3)`` uint8 arrays and its mask as
+    ``(H, W)``, each of the size ``size_of`` gives for its own (the model's
+    ``ModelSpec.input_size``; see the module docstring); InvalidRequestError
     names the input that cannot be taken."""
     pils = [_as_pil(image, f"images[{i}]") for i, image in enumerate(images)]
-    arrays = [np.asarray(_resize(_converted(p, f"images[{i}]", "RGB"), height, width),
+    arrays = [np.asarray(_resize(_converted(p, f"images[{i}]", "RGB"), *size_of(*p.size)),
                          dtype=np.uint8) for i, p in enumerate(pils)]
     mask_array = None
     if mask is not None:
@@ -155,9 +161,21 @@ def to_arrays(images: list[Any], mask: Any, height: int,
             raise InvalidRequestError("mask_image", (
                 f"is {pil.size[0]}x{pil.size[1]}, the image it masks "
                 f"{pils[0].size[0]}x{pils[0].size[1]}: they must be the same size"))
-        mask_array = np.asarray(_resize(_converted(pil, "mask_image", "L"), height, width),
+        mask_array = np.asarray(_resize(_converted(pil, "mask_image", "L"), *size_of(*pil.size)),
                                 dtype=np.uint8)
     return arrays, mask_array
+
+
+def pixel_size(item: Any) -> tuple[int, int]:
+    """(width, height) of an input as given or as stored (a handle holds the
+    size it was resized to, which the same rule keeps)."""
+    handle = _handle(item)
+    if handle is not None:
+        return handle.shape[1], handle.shape[0]
+    if isinstance(item, np.ndarray):
+        return (int(item.shape[1]), int(item.shape[0])) if item.ndim >= 2 else (0, 0)
+    size = getattr(item, "size", None)
+    return (int(size[0]), int(size[1])) if isinstance(size, tuple) else (0, 0)
 
 
 def store(request: Any, images: list[np.ndarray], mask: np.ndarray | None,
@@ -199,10 +217,11 @@ def _handle(item: Any) -> InputHandle | None:
     return item if isinstance(item, InputHandle) else None
 
 
-def read_pixels(request: Any, arena: Arena | None, height: int, width: int) -> InputPixels | None:
+def read_pixels(request: Any, arena: Arena | None, size_of: SizeRule) -> InputPixels | None:
     """The worker's copy of a request's inputs (None without any): read by
-    handle from ``arena``, or converted here when the request still holds
-    images (a pipeline called directly, without an engine)."""
+    handle from ``arena``, or converted here (to the sizes ``size_of`` says)
+    when the request still holds images (a pipeline called directly, without
+    an engine)."""
     import torch
 
     if not request.images:
@@ -215,10 +234,10 @@ def read_pixels(request: Any, arena: Arena | None, height: int, width: int) -> I
         images = [read_input(arena, h) for h in handles[:-1] if h is not None]
         mask = read_input(arena, handles[-1]) if handles[-1] is not None else None
         return InputPixels(images, mask)
-    arrays, mask_array = to_arrays(list(request.images), request.mask_image, height, width)
+    arrays, mask_array = to_arrays(list(request.images), request.mask_image, size_of)
     return InputPixels([torch.from_numpy(a.copy()) for a in arrays],
                        None if mask_array is None else torch.from_numpy(mask_array.copy()))
 
 
-__all__ = ["MAX_INPUT_IMAGES", "MAX_INPUT_PIXELS", "InputPixels", "check_kinds", "input_bytes",
-           "read_pixels", "release", "store", "to_arrays"]
+__all__ = ["MAX_INPUT_IMAGES", "MAX_INPUT_PIXELS", "InputPixels", "SizeRule", "check_kinds",
+           "input_bytes", "pixel_size", "read_pixels", "release", "store", "to_arrays"]

@@ -111,6 +111,13 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: input images one request may give (0: none; a text-to-image folder's
     #: image-to-image and inpainting take one)
     max_input_images: int = 0
+    #: how an editing model sizes its input image (``input_size``):
+    #: "preferred" — the trained resolution nearest its aspect ratio
+    #: (``edit_resolutions``; FLUX.1 Kontext's ``_auto_resize``), "keep" — its
+    #: own size rounded down to ``size_multiple``
+    edit_resize: Literal["preferred", "keep"] = "preferred"
+    #: (width, height) resolutions an editing model was trained on
+    edit_resolutions: tuple[tuple[int, int], ...] = ()
     #: height and width must be positive multiples of this (VAE factor x patch)
     size_multiple: int = 16
     max_size: int = 2048
@@ -199,6 +206,39 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         if params.loras and not self.lora_target_modules:
             raise InvalidRequestError("loras", f"{self.name} takes no LoRA adapters")
 
+    def input_size(self, request: DiffusionRequest, width: int, height: int) -> tuple[int, int]:
+        """(height, width) an input image of ``width`` x ``height`` pixels is
+        resized to: the request's size for image-to-image and inpainting (as
+        diffusers' pipelines resize it); for an edit the model's own rule
+        (``edit_resize``), as FluxKontextPipeline sizes it."""
+        if self.task_of(request) != "editing":
+            params = request.sampling_params
+            return filled(params.height), filled(params.width)
+        m = self.size_multiple
+        height, width = height - height % m, width - width % m  # get_default_height_width
+        if self.edit_resize == "preferred" and self.edit_resolutions and height and width:
+            aspect = width / height
+            _, width, height = min((abs(aspect - w / h), w, h) for w, h in self.edit_resolutions)
+        height, width = height // m * m, width // m * m
+        if height < m or width < m:
+            raise InvalidRequestError("images", f"{width}x{height} is smaller than "
+                                                f"{m}x{m} pixels, the least {self.name} edits")
+        return height, width
+
+    def edit_tokens(self, request: DiffusionRequest) -> int:
+        """The extra tokens an edit's input image adds to each row (0 for
+        other tasks): its latent patches, as the output's are counted."""
+        if self.task_of(request) != "editing":
+            return 0
+        from diffrt.engine.input_images import pixel_size
+
+        total = 0
+        for image in request.images:
+            width, height = pixel_size(image)
+            h, w = self.input_size(request, width, height)
+            total += (h // self.size_multiple) * (w // self.size_multiple)
+        return total
+
     # -- classifier-free guidance ------------------------------------------------------------
     def negative_prompt(self, request: DiffusionRequest) -> str | None:
         """The request's negative prompt, else the model's default."""
@@ -226,11 +266,12 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             2 if self.uses_cfg(request) else 1)
 
     def row_tokens(self, request: DiffusionRequest) -> int:
-        """One row's tokens: the image's latent patches plus the model's text tokens."""
+        """One row's tokens: the image's latent patches plus the model's text
+        tokens (and an edit's input image's patches: ``edit_tokens``)."""
         params = request.sampling_params
         multiple = self.size_multiple
         return ((filled(params.height) // multiple) * (filled(params.width) // multiple)
-                + self.text_tokens)
+                + self.text_tokens + self.edit_tokens(request))
 
     def cfg_scale(self, params: SamplingParams) -> float:
         """The scale of classifier-free guidance when it runs."""

@@ -53,7 +53,6 @@ from diffrt.engine.runner_messages import (
     StepDone,
     StepStateCount,
 )
-from diffrt.engine.sampling import filled
 from diffrt.runtime.shm_transport import Arena
 from diffrt.runtime.types import RankFailure, RunnerResult
 
@@ -205,8 +204,8 @@ class PipelineRunner:
 
     def _inputs_of(self, request: DiffusionRequest) -> InputPixels | None:
         """The request's input images, copied out of the input arena."""
-        params = request.sampling_params
-        return read_pixels(request, self.inputs, filled(params.height), filled(params.width))
+        spec = self.pipeline.spec
+        return read_pixels(request, self.inputs, lambda w, h: spec.input_size(request, w, h))
 
     def _loader(self) -> AdapterLoader:
         if self.adapters is None:

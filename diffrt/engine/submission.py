@@ -59,7 +59,7 @@ def accept(request: Any, spec: ModelSpec, config: EngineConfig,
     request = msgspec.structs.replace(
         request, sampling_params=msgspec.structs.replace(params, seed=seed))
     if request.images:
-        request = _stored_inputs(request, inputs)
+        request = _stored_inputs(request, spec, inputs)
     try:
         msgspec.msgpack.encode(request)  # what the worker will receive
     except (TypeError, ValueError, OverflowError) as exc:
@@ -68,15 +68,17 @@ def accept(request: Any, spec: ModelSpec, config: EngineConfig,
     return request
 
 
-def _stored_inputs(request: DiffusionRequest, inputs: InputArena | None) -> DiffusionRequest:
-    """``request`` with its images converted, resized to its size and moved
-    into the input arena (their handles in their place)."""
+def _stored_inputs(request: DiffusionRequest, spec: ModelSpec,
+                   inputs: InputArena | None) -> DiffusionRequest:
+    """``request`` with its images converted, resized as the model resizes
+    them (``ModelSpec.input_size``) and moved into the input arena (their
+    handles in their place)."""
     if inputs is None:
         raise InvalidRequestError("images", "this engine's executor carries no input images "
                                             "(the ray backend: serve edits with mp or inproc)")
     params = request.sampling_params
     arrays, mask = to_arrays(list(request.images), request.mask_image,
-                             filled(params.height), filled(params.width))
+                             lambda w, h: spec.input_size(request, w, h))
     total = sum(a.nbytes for a in arrays) + (mask.nbytes if mask is not None else 0)
     if total > inputs.size:
         raise InvalidRequestError("images", (

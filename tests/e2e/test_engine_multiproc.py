@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from leaks import alive, arena_mappings, arena_refs
+from leaks import INPUT_ARENA_NAME, alive, arena_mappings, arena_refs
+from PIL import Image
 from waiting import wait_until
 
 from diffrt.engine import (
@@ -67,6 +68,7 @@ def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_e
                            targets=LORA_TARGET_MODULES, rank=4, seed=9)
     gc.collect()  # arenas of earlier tests still viewed by garbage go first
     held_before = arena_refs(os.getpid())
+    inputs_before = arena_refs(os.getpid(), INPUT_ARENA_NAME)
     engine = make_step_engine()
     flux_step_engine.add_lora("mp-style", adapter)
     try:
@@ -74,6 +76,7 @@ def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_e
         pids = list(engine.executor.worker_pids)
         # where the arena lives while the engine runs: here and in the output rank
         assert arena_refs(os.getpid()) > held_before and arena_mappings(pids[0]) == 1
+        assert arena_mappings(pids[0], INPUT_ARENA_NAME) == 1  # input images, by handle
 
         async def collect(request):
             return [o async for o in engine.step_streaming(request)]
@@ -82,14 +85,21 @@ def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_e
             r = req(i, 2 + i, SIZES[i])
             if i == 0:
                 r.sampling_params.loras = {name: 1.0}
+            if i == 2:  # an image-to-image request: its pixels reach the worker by handle
+                r.images = [picture]
+                r.sampling_params.strength = 0.75  # 3 of 4 steps
             return r
+
+        picture = Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 128, 3),
+                                                                    dtype=np.uint8))
 
         async def main():
             return await asyncio.gather(*(collect(styled(i, "style")) for i in range(3)))
 
         results = asyncio.run(main())
+        assert engine.inputs is not None and engine.inputs.used_bytes == 0
         for i, outs in enumerate(results):
-            assert [o.step for o in outs] == list(range(1, 3 + i))
+            assert [o.step for o in outs] == list(range(1, 3 + min(i, 1)))
             assert outs[-1].ok and outs[-1].images[0].size == SIZES[i][::-1]
             m = outs[-1].metrics
             assert m.output_wait is not None and m.postprocess_time is not None
@@ -111,7 +121,9 @@ def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_e
         flux_step_engine.remove_lora("mp-style")
     assert wait_until(lambda: not any(alive(p) for p in pids))
     assert not any(arena_mappings(p) for p in pids)
+    assert not any(arena_mappings(p, INPUT_ARENA_NAME) for p in pids)
     gc.collect()  # a view of the arena still alive would keep its mapping
+    assert wait_until(lambda: arena_refs(os.getpid(), INPUT_ARENA_NAME) <= inputs_before)
     assert wait_until(lambda: arena_refs(os.getpid()) <= held_before,
                       message=lambda: f"this process still holds {arena_refs(os.getpid())} arena refs")
 

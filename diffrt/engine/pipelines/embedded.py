@@ -7,10 +7,11 @@ A folder is built from fixed seeds by its family's builder (a
 "module:function" path, e.g. ``flux/tiny_folder.py``'s
 ``build_tiny_flux_folder``) out of the shared pieces of ``tiny_folders``, so
 the same library versions give the same files on every machine. Its name
-carries a key of the source of both modules, the builder's arguments and the
-versions of the libraries that wrote it, so an upgrade or an edit of either
-module writes a fresh folder instead of reading one written by other
-initialisation code.
+carries a key of the source of the builder's module, of the diffrt modules it
+imports and of ``tiny_folders``, the builder's arguments and the versions of
+the libraries that wrote it, so an upgrade or an edit of any of those modules
+writes a fresh folder instead of reading one written by other initialisation
+code.
 
 Several processes may ask for the same folder at once (workers starting
 together, two servers on one host): each builds into its own temporary folder
@@ -20,9 +21,11 @@ others discard theirs, so a reader never sees a half-written folder.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import json
@@ -40,7 +43,8 @@ from diffrt.engine.pipelines.folder_check import ModelLoadError, cache_dir
 logger = logging.getLogger(__name__)
 
 #: The shared builder pieces: their source is part of every folder's key, next
-#: to the source of the builder's own module, so editing either builds anew.
+#: to the source of the builder's own module (and the modules it imports), so
+#: editing any of them builds anew.
 SHARED_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_folders.py")
 #: A temporary build folder older than this was left by a killed process.
 STALE_BUILD_S = 3600.0
@@ -54,6 +58,9 @@ class EmbeddedModel:
     kwargs: dict[str, Any] = field(default_factory=dict)
     #: sampling defaults on top of the family's (a quick image, not 1024 px in 28 steps).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    #: spec fields on top of the family's description (a tiny editing model
+    #: keeps its input's size instead of the 1 Mpx its family was trained at)
+    spec_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -66,6 +73,12 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "tiny-sd3": EmbeddedModel("diffrt.engine.pipelines.sd3.tiny_folder:build_tiny_sd3_folder",
                               {"seed": 20261130},
                               {"num_inference_steps": 4}),
+    # FLUX.1 Kontext [dev]-style: edits an input image it sees as extra tokens;
+    # the input keeps its size (FluxKontextPipeline's ``_auto_resize=False``)
+    "tiny-flux-kontext": EmbeddedModel(
+        "diffrt.engine.pipelines.flux.tiny_folder:build_tiny_flux_kontext_folder",
+        {"seed": 20261201}, {"height": 128, "width": 128, "num_inference_steps": 4},
+        {"edit_resize": "keep"}),
 }
 
 _VERSIONED = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")
@@ -80,13 +93,70 @@ def _version(dist: str) -> str:
 
 def builder_sources(name: str) -> tuple[str, ...]:
     """The files whose source builds embedded model ``name``: its builder's
-    module, then the shared ``tiny_folders.py``. Finds the module without
-    running it (no import of torch or diffusers)."""
+    module and the diffrt modules it imports (``module_sources``), then the
+    shared ``tiny_folders.py``. Finds them without running them (no import of
+    torch or diffusers)."""
     module = EMBEDDED_MODELS[name].builder.partition(":")[0]
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.origin:
+    if _find_spec(module) is None:
         raise ModelLoadError(f"{name}: its builder's module {module} cannot be found")
-    return tuple(dict.fromkeys((spec.origin, SHARED_SOURCE)))
+    return tuple(dict.fromkeys((*module_sources(module), SHARED_SOURCE)))
+
+
+def module_sources(module: str) -> tuple[str, ...]:
+    """``module``'s file, then those of the diffrt modules it imports, and
+    those they import, depth first, each once: a builder that takes its
+    pieces from another family's builder (the Qwen-Image-Edit folder from the
+    Qwen-Image one) keys on both. Imports are read from the source (``ast``),
+    wherever they stand (in a function too); a package's ``__init__`` counts
+    only where a name is imported from the package itself."""
+    found: dict[str, None] = {}
+
+    def visit(name: str) -> None:
+        spec = _find_spec(name)
+        if spec is None or not spec.origin or spec.origin in found:
+            return
+        found[spec.origin] = None
+        with open(spec.origin, "rb") as f:
+            tree = ast.parse(f.read(), filename=spec.origin)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = (importlib.util.resolve_name("." * node.level + (node.module or ""),
+                                                    spec.parent)
+                        if node.level else node.module or "")
+                targets = [_imported_module(base, alias.name) for alias in node.names
+                           if _in_diffrt(base)]
+            else:
+                continue
+            for target in targets:
+                if _in_diffrt(target):
+                    visit(target)
+
+    visit(module)
+    return tuple(found)
+
+
+def _in_diffrt(name: str) -> bool:
+    return name == "diffrt" or name.startswith("diffrt.")
+
+
+def _imported_module(base: str, name: str) -> str:
+    """The module ``from base import name`` reads: ``base.name`` where that
+    is a submodule of package ``base``, else ``base`` (found without running
+    ``base`` unless it is a package, whose ``__init__`` then runs)."""
+    spec = _find_spec(base)
+    if spec is not None and spec.submodule_search_locations is not None:
+        if _find_spec(f"{base}.{name}") is not None:
+            return f"{base}.{name}"
+    return base
+
+
+def _find_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    try:
+        return importlib.util.find_spec(name)
+    except ImportError:  # a parent package that is missing or fails to import
+        return None
 
 
 @contextlib.contextmanager

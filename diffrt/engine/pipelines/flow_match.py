@@ -63,6 +63,13 @@ def to_model_pixels(image: torch.Tensor) -> torch.Tensor:
     return (2.0 * x - 1.0).permute(2, 0, 1)[None].contiguous()
 
 
+def binarized(mask: torch.Tensor) -> torch.Tensor:
+    """A (H, W) uint8 mask as float 0 / 1, binarised at one half as diffusers'
+    mask processor does (white: repaint)."""
+    m = mask.to(torch.float32) / 255.0
+    return (m >= 0.5).to(torch.float32)
+
+
 def _check_compatible(requests: list[DiffusionRequest], key: Any) -> None:
     """Refuse a batch the engine should not have formed (a bug, not user input)."""
     first = key(requests[0])
@@ -277,13 +284,16 @@ class FlowMatchPipeline(DiffusionPipeline):
         return h * w
 
     def row_layout(self, params: SamplingParams, rows: int | None = None,
-                   loras: tuple[tuple[int, float], ...] = ()) -> RowLayout:
+                   loras: tuple[tuple[int, float], ...] = (),
+                   cond: tuple[int, int] | None = None) -> RowLayout:
         """The layout of ``rows`` rows (default: one per output) of one
-        request, each with the request's LoRA adapters ``loras``."""
+        request, each with the request's LoRA adapters ``loras`` and its
+        conditioning image's latent size ``cond`` (an edit)."""
         size = self.latent_size(params)
-        return RowLayout.uniform_rows(size, self.image_tokens(size),
+        tokens = self.image_tokens(size) + (self.image_tokens(cond) if cond else 0)
+        return RowLayout.uniform_rows(size, tokens,
                                       params.num_outputs_per_prompt if rows is None else rows,
-                                      loras)
+                                      loras, cond)
 
     # -- stages (shared by both execution modes) -----------------------------------
     def encode_prompt(self, request: DiffusionRequest) -> Conditioning:
@@ -354,10 +364,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         return (latents - self.shift_factor) * self.scaling_factor
 
     def encode_images(self, pixels: list[torch.Tensor],
-                      generators: list[torch.Generator]) -> list[torch.Tensor]:
+                      generators: list[torch.Generator] | None) -> list[torch.Tensor]:
         """Each request's input image ((1, 3, H, W)) -> its (1, C, h, w)
         latents, one VAE call per image size; each sample is drawn from its
-        request's own generator, as ``retrieve_latents`` draws it."""
+        request's own generator, as ``retrieve_latents`` draws it (no
+        ``generators``: the distribution's mode, ``sample_mode="argmax"``,
+        as an editing pipeline encodes its input)."""
         out: list[torch.Tensor | None] = [None] * len(pixels)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, p in enumerate(pixels):
@@ -367,6 +379,9 @@ class FlowMatchPipeline(DiffusionPipeline):
             dist = self.encode_image_dist(batch)
             for row, i in enumerate(members):
                 mean, std = dist.mean[row:row + 1], dist.std[row:row + 1]
+                if generators is None:
+                    out[i] = self.normalize_image_latents(mean)
+                    continue
                 sample = torch.randn(mean.shape, generator=generators[i], dtype=torch.float32)
                 out[i] = self.normalize_image_latents(
                     mean + std * sample.to(mean.device, mean.dtype))
@@ -375,9 +390,9 @@ class FlowMatchPipeline(DiffusionPipeline):
     def _input_pixels(self, state: StepRequestState) -> InputPixels | None:
         """The state's input images (read by the runner, or converted here)."""
         if state.inputs is None and state.request.images:
-            params = state.request.sampling_params
-            state.inputs = read_pixels(state.request, None, filled(params.height),
-                                       filled(params.width))
+            request = state.request
+            state.inputs = read_pixels(request, None,
+                                       lambda w, h: self.spec.input_size(request, w, h))
         return state.inputs
 
     def _start_from_image(self, state: StepRequestState, image_latents: torch.Tensor,
@@ -401,15 +416,28 @@ class FlowMatchPipeline(DiffusionPipeline):
         if mask is not None:
             state.extra["inpaint"] = (self.pack_latents(self.latent_mask(mask, params)),
                                       self.pack_latents(image_latents), self.pack_latents(noise))
+            state.extra["overlay"] = (binarized(mask)[None, None].to(self.device, self.dtype),
+                                      to_model_pixels(state.inputs.images[0]).to(  # type: ignore[union-attr]
+                                          self.device, self.dtype))
+
+    def condition_on_image(self, state: StepRequestState, image_latents: torch.Tensor) -> None:
+        """An edit: give the request its input image's (1, C, h, w) latents as
+        conditioning (the family's way: extra tokens for FLUX.1 Kontext)."""
+        raise NotImplementedError(f"{self.name} does not edit images")
+
+    def row_input(self, state: StepRequestState) -> torch.Tensor:
+        """What the state's rows give the transformer: its latents, followed by
+        its conditioning tokens when it has any (an edit's input image)."""
+        latents, cond = state.latents, state.extra.get("cond_tokens")
+        assert latents is not None  # prepared
+        return latents if cond is None else torch.cat([latents, cond], dim=1)
 
     def latent_mask(self, mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """A (H, W) uint8 mask -> (N, C, h, w) of 0 and 1 at the latents' size,
         as diffusers' mask processor and ``prepare_mask_latents`` make it
         (binarised at one half, nearest-neighbour down to the latents)."""
-        m = (mask.to(torch.float32) / 255.0)[None, None]
-        m[m < 0.5] = 0
-        m[m >= 0.5] = 1
-        m = torch.nn.functional.interpolate(m, size=self.latent_size(params))
+        m = torch.nn.functional.interpolate(binarized(mask)[None, None],
+                                            size=self.latent_size(params))
         m = m.to(self.device, self.dtype)
         return m.repeat(params.num_outputs_per_prompt, self.latent_channels, 1, 1)
 
@@ -541,7 +569,7 @@ class FlowMatchPipeline(DiffusionPipeline):
                                       batch.inputs)
         params = batch.sampling_params
         _check_compatible(batch.requests, self.spec.request_batch_key)
-        if params.strength is not None:  # equal tasks: all start from their images
+        if batch.requests[0].images:  # equal tasks: all from their input images
             return self._forward_in_steps(batch)
         n = params.num_outputs_per_prompt
         latents = torch.cat(
@@ -597,16 +625,21 @@ class FlowMatchPipeline(DiffusionPipeline):
         generators = [torch.Generator(device="cpu").manual_seed(
             resolve_seed(s.request.sampling_params.seed)) for s in states]
         with_images = [i for i, s in enumerate(states) if self._input_pixels(s) is not None]
-        latents = self.encode_images(
-            [to_model_pixels(states[i].inputs.images[0]) for i in with_images],  # type: ignore[union-attr]
-            [generators[i] for i in with_images]) if with_images else []
-        image_latents = dict(zip(with_images, latents, strict=True))
+        edits = [i for i in with_images if self.spec.task_of(states[i].request) == "editing"]
+        image_latents: dict[int, torch.Tensor] = {}
+        for members, sampled in (([i for i in with_images if i not in edits], True),
+                                 (edits, False)):
+            if members:
+                image_latents.update(zip(members, self.encode_images(
+                    [to_model_pixels(states[i].inputs.images[0]) for i in members],  # type: ignore[union-attr]
+                    [generators[i] for i in members] if sampled else None), strict=True))
         for i, (state, cond) in enumerate(zip(states, conds, strict=True)):
-            self._prepare_state(state, cond, generators[i], image_latents.get(i))
+            self._prepare_state(state, cond, generators[i], image_latents.get(i),
+                                edit=i in edits)
 
     def _prepare_state(self, state: StepRequestState, cond: Conditioning,
                        generator: torch.Generator | None = None,
-                       image_latents: torch.Tensor | None = None) -> None:
+                       image_latents: torch.Tensor | None = None, *, edit: bool = False) -> None:
         params = state.request.sampling_params
         seed = resolve_seed(params.seed)
         state.extra["seed"] = seed
@@ -615,8 +648,10 @@ class FlowMatchPipeline(DiffusionPipeline):
         state.extra["cfg_scale"] = self._cfg_rows(params)
         state.noise_scheduler, state.timesteps = self.prepare_timesteps(params)
         state.step = 0
-        if image_latents is None:
+        if image_latents is None or edit:  # an edit starts from noise, conditioned on its image
             state.latents = self.prepare_latents(params, seed)
+            if image_latents is not None:
+                self.condition_on_image(state, image_latents)
             return
         assert generator is not None and state.inputs is not None  # drawn with the image's
         self._start_from_image(state, image_latents, generator, state.inputs.mask)
@@ -628,14 +663,14 @@ class FlowMatchPipeline(DiffusionPipeline):
         (``segments``), their predictions cut back by ``split_predictions``."""
         _check_compatible([s.request for s in states], self.spec.mixed_step_batch_key
                           if self.spec.mixed_sizes else self.spec.step_batch_key)
-        layout = RowLayout.join([self.row_layout(s.request.sampling_params, None, s.loras)
-                                 for s in states])
+        layout = RowLayout.join([self.row_layout(s.request.sampling_params, None, s.loras,
+                                                 s.extra.get("cond_size")) for s in states])
         if layout.uniform:
-            latents = torch.cat([s.latents for s in states])  # type: ignore[misc]
+            latents = torch.cat([self.row_input(s) for s in states])
         elif self.mixed_rows == "by_size":
             return self._denoise_by_size(states, layout.longest)
         else:
-            latents = pad_tokens([s.latents for s in states], layout.longest)  # type: ignore[misc]
+            latents = pad_tokens([self.row_input(s) for s in states], layout.longest)
         timesteps = torch.cat(
             [s.timesteps[s.step].expand(s.latents.shape[0]) for s in states]  # type: ignore[index,union-attr]
         )
@@ -650,7 +685,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         padded call's would be (``split_predictions`` cuts them back)."""
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(states):
-            groups.setdefault(self.latent_size(s.request.sampling_params), []).append(i)
+            groups.setdefault((self.latent_size(s.request.sampling_params),
+                               s.extra.get("cond_size")), []).append(i)
         preds: list[torch.Tensor | None] = [None] * len(states)
         for members in groups.values():
             group = [states[i] for i in members]
@@ -709,11 +745,23 @@ class FlowMatchPipeline(DiffusionPipeline):
         x0 = state.extra.pop("x0", None)
         if x0 is None:
             return None
-        return self.finish(x0, state.request.sampling_params)
+        return self._restore_unmasked(state, self.finish(x0, state.request.sampling_params))
 
     @torch.no_grad()
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
-        return self.finish(state.latents, state.request.sampling_params)  # type: ignore[arg-type]
+        return self._restore_unmasked(
+            state, self.finish(state.latents, state.request.sampling_params))  # type: ignore[arg-type]
+
+    def _restore_unmasked(self, state: StepRequestState, images: torch.Tensor) -> torch.Tensor:
+        """Inpainting: outside the mask the input's own pixels, not their VAE
+        round trip (which drifts a few levels over the whole picture), as
+        diffusers' ``apply_overlay`` pastes them back for a cropped inpaint;
+        latents pass as they are."""
+        overlay = state.extra.get("overlay")
+        if overlay is None or state.request.sampling_params.output_type == "latent":
+            return images
+        mask, pixels = overlay
+        return mask * images + (1 - mask) * pixels
 
     @torch.no_grad()
     def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]:
@@ -734,5 +782,6 @@ class FlowMatchPipeline(DiffusionPipeline):
             parts = self.finish(latents, params).split(
                 [states[i].request.sampling_params.num_outputs_per_prompt for i in members])
             for i, part in zip(members, parts, strict=True):
-                out[i] = part.clone()  # each request's tensor owns its storage
+                # each request's tensor owns its storage
+                out[i] = self._restore_unmasked(states[i], part).clone()
         return out  # type: ignore[return-value]

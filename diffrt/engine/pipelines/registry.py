@@ -148,7 +148,8 @@ def _folder_spec(folder: str, name: str | None = None) -> ModelSpec:
         defaults = msgspec.structs.replace(spec.defaults, **named.sampling_defaults)
         spec = msgspec.structs.replace(
             spec, defaults=defaults,
-            default_negative_prompt=getattr(named, "default_negative_prompt", None))
+            default_negative_prompt=getattr(named, "default_negative_prompt", None),
+            **getattr(named, "spec_overrides", {}))
     return spec
 
 

@@ -60,24 +60,35 @@ class RowLayout:
     sizes: tuple[tuple[int, int], ...]
     tokens: tuple[int, ...]
     loras: tuple[tuple[tuple[int, float], ...], ...] = ()
+    #: each row's conditioning image's latent (height, width), None for a row
+    #: without one (``conds``: () when no row has any): an edit's input image
+    #: (FLUX.1 Kontext) whose tokens follow the row's own, counted in ``tokens``
+    conds: tuple[tuple[int, int] | None, ...] = ()
 
     @staticmethod
     def uniform_rows(size: tuple[int, int], tokens: int, rows: int,
-                     loras: tuple[tuple[int, float], ...] = ()) -> RowLayout:
-        return RowLayout((size,) * rows, (tokens,) * rows, (loras,) * rows if loras else ())
+                     loras: tuple[tuple[int, float], ...] = (),
+                     cond: tuple[int, int] | None = None) -> RowLayout:
+        return RowLayout((size,) * rows, (tokens,) * rows, (loras,) * rows if loras else (),
+                         (cond,) * rows if cond is not None else ())
 
     @staticmethod
     def join(parts: list[RowLayout]) -> RowLayout:
         """The rows of ``parts`` one after another."""
         loras = () if not any(p.loras for p in parts) else tuple(
             uses for p in parts for uses in (p.loras or ((),) * len(p)))
+        conds = () if not any(p.conds for p in parts) else tuple(
+            c for p in parts for c in (p.conds or (None,) * len(p)))
         return RowLayout(tuple(size for p in parts for size in p.sizes),
-                         tuple(n for p in parts for n in p.tokens), loras)
+                         tuple(n for p in parts for n in p.tokens), loras, conds)
+
+    def cond_of(self, row: int) -> tuple[int, int] | None:
+        return self.conds[row] if self.conds else None
 
     @property
     def uniform(self) -> bool:
-        """Every row has the same size (no padding, no mask)."""
-        return len(set(self.sizes)) <= 1
+        """Every row has the same size and conditioning (no padding, no mask)."""
+        return len(set(self.sizes)) <= 1 and len(set(self.conds)) <= 1
 
     @property
     def longest(self) -> int:
@@ -92,7 +103,9 @@ class RowLayout:
     def rows(self, index: slice) -> RowLayout:
         """The layout of the rows ``index`` selects (a CFG-parallel rank's share)."""
         loras = self.loras[index] if self.loras else ()
-        return RowLayout(self.sizes[index], self.tokens[index], loras if any(loras) else ())
+        conds = self.conds[index] if self.conds else ()
+        return RowLayout(self.sizes[index], self.tokens[index], loras if any(loras) else (),
+                         conds if any(c is not None for c in conds) else ())
 
     def key_mask(self, text_tokens: int, device: torch.device) -> torch.Tensor | None:
         """(rows, text_tokens + longest) booleans, True where a key is a real

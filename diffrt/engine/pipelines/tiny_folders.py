@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -359,7 +359,10 @@ def save_seeded(folder: Path, cls: Any, seed: int, *, boost: dict[str, float] | 
     _save(module, folder)
 
 
-def _write_index(path: Path, class_name: str, components: dict[str, tuple[str, str]]) -> None:
+def _write_index(path: Path, class_name: str,
+                 components: Mapping[str, tuple[str | None, str | None]]) -> None:
+    """``model_index.json``: (library, class) per component, (None, None)
+    for an optional component the folder leaves out."""
     import diffusers
 
     index: dict[str, Any] = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}

@@ -18,7 +18,6 @@ from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, Sampl
 from diffrt.engine.pipelines.qwen_image.tiny_folder import (
     QWEN_TEMPLATE,
     TEMPLATE_DROP,
-    build_tiny_qwen_image_folder,
 )
 
 SIZE, STEPS = 64, 3
@@ -31,8 +30,8 @@ CASES = [("a red fox in the snow", None, 1.0, 0),
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(build_tiny_qwen_image_folder(tmp_path_factory.mktemp("qwen") / "qwen", seed=0))
+def folder(qwen_folder):
+    return qwen_folder
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import torch
 from engine_helpers import assert_clean, assert_shared_steps, shared_engine
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.pipelines.qwen_image.tiny_folder import build_tiny_qwen_image_folder
 
 #: (height, width, outputs, steps): sizes 16 px apart (the tiny folder's
 #: multiple), one of them with two outputs
@@ -25,8 +24,8 @@ NEGATIVES = ["blurry", "low quality, dark", "blurry", "a dull grey picture"]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(build_tiny_qwen_image_folder(tmp_path_factory.mktemp("qwen") / "qwen", seed=0))
+def folder(qwen_folder):
+    return qwen_folder
 
 
 @pytest.fixture(scope="module")

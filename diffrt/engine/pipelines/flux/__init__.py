@@ -4,6 +4,6 @@ its sequence-parallel attention (``parallel.py``) and its tiny test folder
 
 from diffrt.engine.pipelines.family import Family
 
-FAMILY = Family("flux", diffusers_pipelines=("FluxPipeline",),
+FAMILY = Family("flux", diffusers_pipelines=("FluxPipeline", "FluxKontextPipeline"),
                 transformer_classes=("FluxTransformer2DModel",),
                 describe="diffrt.engine.pipelines.flux.spec:describe")

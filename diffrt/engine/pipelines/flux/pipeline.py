@@ -15,6 +15,7 @@ import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.folder_text import PromptWindow
+from diffrt.engine.pipelines.interface import StepRequestState
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.sampling import SamplingParams
 
@@ -78,6 +79,24 @@ class FluxPipeline(FlowMatchPipeline):
         # float32 whatever the model dtype: bf16 cannot count past 256 exactly
         return ids.reshape(h * w, 3).to(device=self.device)
 
+    def row_ids(self, size: tuple[int, int], cond: tuple[int, int] | None) -> torch.Tensor:
+        """A row's token positions: its image's, then (an edit) its input
+        image's, whose first coordinate is 1 (FluxKontextPipeline's ids)."""
+        ids = self.image_ids(size)
+        if cond is None:
+            return ids
+        cond_ids = self.image_ids(cond)
+        cond_ids[:, 0] = 1
+        return torch.cat([ids, cond_ids])
+
+    def condition_on_image(self, state: StepRequestState, image_latents: torch.Tensor) -> None:
+        """FLUX.1 Kontext: the input image's packed latents follow the noise's
+        tokens in every step (``row_input``); only the noise's are predicted."""
+        n = state.request.sampling_params.num_outputs_per_prompt
+        latents = torch.cat([image_latents] * n) if n > 1 else image_latents
+        state.extra["cond_tokens"] = self.pack_latents(latents.to(self.device, self.dtype))
+        state.extra["cond_size"] = (int(image_latents.shape[2]), int(image_latents.shape[3]))
+
     def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
         kwargs: dict[str, Any] = {"sigmas": sigmas}
@@ -113,10 +132,12 @@ class FluxPipeline(FlowMatchPipeline):
         if not layout.uniform:  # rows of several sizes: a rotary table per row
             from diffrt.engine.pipelines.flux.mixed import forward_rows, row_rotary
 
-            ids = {size: self.image_ids(size) for size in set(layout.sizes)}
-            rotary = row_rotary(self.transformer, txt_ids, [ids[size] for size in layout.sizes],
+            rows = [(size, layout.cond_of(i)) for i, size in enumerate(layout.sizes)]
+            ids = {row: self.row_ids(*row) for row in set(rows)}
+            rotary = row_rotary(self.transformer, txt_ids, [ids[row] for row in rows],
                                 layout.longest)
-            if self.mixed_rows == "packed" and not layout.loras:  # adapters index rows
+            # adapters index rows, and an edit's tokens are not its own image's
+            if self.mixed_rows == "packed" and not layout.loras and not layout.conds:
                 from diffrt.engine.pipelines.flux.packed import forward_packed
 
                 return forward_packed(
@@ -127,7 +148,7 @@ class FluxPipeline(FlowMatchPipeline):
                 self.transformer, hidden_states=latents, encoder_hidden_states=embeds,
                 pooled_projections=pooled, timestep=timestep, guidance=embedded, rotary=rotary,
                 attention_mask=layout.key_mask(embeds.shape[1], latents.device))  # type: ignore[arg-type]
-        img_ids = self.image_ids(layout.sizes[0])
+        img_ids = self.row_ids(layout.sizes[0], layout.cond_of(0))
         sequence = self._sequence_split
         if sequence is not None and sequence.begin(latents.shape[1]):  # this rank's image tokens
             latents, img_ids = sequence.shard(latents, 1), sequence.shard(img_ids, 0)

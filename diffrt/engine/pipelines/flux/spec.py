@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from diffrt.engine.model_spec import TEXT_TO_IMAGE_TASKS, CfgRule, ModelSpec, SamplingDefaults
+from diffrt.engine.model_spec import (
+    TEXT_TO_IMAGE_TASKS,
+    CfgRule,
+    ModelSpec,
+    ParallelSupport,
+    SamplingDefaults,
+    Task,
+)
 from diffrt.engine.pipelines.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
     attention_width,
@@ -28,6 +35,14 @@ LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_
                        "norm_out.linear", "x_embedder", "context_embedder")
 
 
+#: the (width, height) resolutions FLUX.1 Kontext was trained on, as
+#: diffusers' ``PREFERRED_KONTEXT_RESOLUTIONS`` lists them (a test compares)
+KONTEXT_RESOLUTIONS = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328),
+                       (832, 1248), (880, 1184), (944, 1104), (1024, 1024), (1104, 944),
+                       (1184, 880), (1248, 832), (1328, 800), (1392, 752), (1456, 720),
+                       (1504, 688), (1568, 672))
+
+
 def describe(folder: ModelFolder) -> ModelSpec:
     """FluxPipeline's semantics: 2x2-packed latents (size multiple twice the
     VAE factor), its default size of 128 latents per side, 28 steps, embedded
@@ -36,16 +51,23 @@ def describe(folder: ModelFolder) -> ModelSpec:
     check_text_encoder(folder)
     factor = vae_factor(folder.vae_config)
     size = 128 * factor
+    # FLUX.1 Kontext: the same transformer, given the input image's latents as
+    # extra tokens (an edit); without an image it draws from text. One rank:
+    # the sequence split knows no conditioning tokens
+    kontext = folder.index.get("_class_name") == "FluxKontextPipeline"
+    tasks: tuple[Task, ...] = ("text-to-image", "editing") if kontext else TEXT_TO_IMAGE_TASKS
     return ModelSpec(
         name=folder.name, family="flux", pipeline="diffrt.engine.pipelines.flux.pipeline:FluxPipeline",
-        diffusers_pipeline="FluxPipeline", folder=folder.path,
-        tasks=TEXT_TO_IMAGE_TASKS, max_input_images=1,
+        diffusers_pipeline="FluxKontextPipeline" if kontext else "FluxPipeline",
+        folder=folder.path, max_input_images=1, tasks=tasks,
+        edit_resolutions=KONTEXT_RESOLUTIONS if kontext else (),
+        parallel=ParallelSupport() if kontext else sequence_parallel_support(folder,
+                                                                             "AutoencoderKL"),
         size_multiple=factor * 2, max_size=scaled_max_size(factor),
         defaults=SamplingDefaults(height=size, width=size, num_inference_steps=28,
                                   guidance_scale=3.5),
         cfg_rule=CfgRule.TRUE_CFG_AND_NEGATIVE,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
-        parallel=sequence_parallel_support(folder, "AutoencoderKL"),
         lora_target_modules=LORA_TARGET_MODULES,
         transformer_width=attention_width(folder),
         text_tokens=tokenizer_max_length(folder, "tokenizer_2", 512),  # as its encoding

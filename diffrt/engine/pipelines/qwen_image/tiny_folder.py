@@ -42,14 +42,16 @@ QWEN_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color,
                  "texture, quantity, text, spatial relationships of the objects and background:"
                  "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
 TEMPLATE_DROP = 34
+_USER_TURN = "<|im_start|>user\n"
 #: Qwen2.5's added tokens, in its order
 QWEN_SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 ]
-_TEMPLATE_WORDS = ("system user assistant Describe the image by detailing color shape size "
-                   "texture quantity text spatial relationships of objects and background").split()
+_TEMPLATE_WORDS = tuple("system user assistant Describe the image by detailing color shape size "
+                        "texture quantity text spatial relationships of objects and background"
+                        .split())
 
 TINY_QWEN_TEXT: dict[str, Any] = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -104,9 +106,10 @@ def learn_byte_bpe_merges(weights: dict[str, int], num_merges: int) -> list[tupl
     return learn_bpe_merges(words, num_merges)
 
 
-def qwen_vocab_and_merges(num_merges: int = 700) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """256 byte symbols, one entry per merge (template words first)."""
-    weights = {word: 100_000 for word in _TEMPLATE_WORDS}
+def qwen_vocab_and_merges(num_merges: int = 700, template_words: tuple[str, ...] = _TEMPLATE_WORDS
+                          ) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """256 byte symbols, one entry per merge (``template_words`` first)."""
+    weights = dict.fromkeys(template_words, 100_000)
     for rank, word in enumerate(_WORDS):
         weights.setdefault(word, len(_WORDS) - rank)
     merges = learn_byte_bpe_merges(weights, num_merges)
@@ -116,22 +119,33 @@ def qwen_vocab_and_merges(num_merges: int = 700) -> tuple[dict[str, int], list[t
     return vocab, merges
 
 
-def build_qwen_tokenizer(folder: str | os.PathLike) -> Any:
-    """Write a ``Qwen2Tokenizer`` to ``folder`` and return it; raises if the
-    template's system prefix is not the 34 tokens the pipeline drops."""
+def template_prefix(template: str) -> str:
+    """The system part of a chat ``template``, through ``<|im_start|>user\\n``:
+    the tokens a Qwen-Image pipeline drops from the encoder's output."""
+    return template[:template.index(_USER_TURN) + len(_USER_TURN)]
+
+
+def build_qwen_tokenizer(folder: str | os.PathLike, *,
+                         templates: tuple[tuple[str, int], ...] = ((QWEN_TEMPLATE, TEMPLATE_DROP),),
+                         template_words: tuple[str, ...] = _TEMPLATE_WORDS) -> Any:
+    """Write a ``Qwen2Tokenizer`` to ``folder`` and return it; raises unless
+    each template's system prefix splits into the number of tokens its
+    pipeline drops (``templates``: (template, drop) pairs; the merges are
+    learned from ``template_words`` first, so each becomes one token)."""
     from transformers import Qwen2Tokenizer
 
-    vocab, merges = qwen_vocab_and_merges()
+    vocab, merges = qwen_vocab_and_merges(template_words=template_words)
     # transformers annotates merges as strings; the BPE model takes these pairs
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges,
                                model_max_length=32768)
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
     tokenizer.add_tokens(["<|endoftext|>"], special_tokens=True)
-    prefix = QWEN_TEMPLATE.split("{}")[0]
-    count = len(tokenizer(prefix, add_special_tokens=False).input_ids)
-    if count != TEMPLATE_DROP:
-        raise RuntimeError(f"the tiny Qwen tokenizer splits the template prefix into {count} "
-                           f"tokens; QwenImagePipeline drops {TEMPLATE_DROP}")
+    for template, drop in templates:
+        count = len(tokenizer(template_prefix(template), add_special_tokens=False).input_ids)
+        if count != drop:
+            raise RuntimeError(f"the tiny Qwen tokenizer splits the template prefix "
+                               f"{template_prefix(template)!r} into {count} tokens; the pipeline "
+                               f"drops {drop}")
     tokenizer.save_pretrained(folder)
     return tokenizer
 
@@ -151,37 +165,49 @@ def _text_encoder(seed: int, tokenizer: Any) -> Any:
         return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def build_tiny_qwen_image_folder(path: str | os.PathLike, *, seed: int = 0) -> Path:
-    """A complete tiny Qwen-Image folder at ``path`` (``QwenImagePipeline``
-    loads it offline)."""
+#: a QwenImagePipeline folder's components (model_index.json)
+QWEN_IMAGE_COMPONENTS: dict[str, tuple[str, str]] = {
+    "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+    "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
+    "tokenizer": ("transformers", "Qwen2Tokenizer"),
+    "transformer": ("diffusers", "QwenImageTransformer2DModel"),
+    "vae": ("diffusers", "AutoencoderKLQwenImage"),
+}
+
+
+def save_qwen_models(path: Path, tokenizer: Any, *, seed: int, **transformer: Any) -> None:
+    """The transformer (``TINY_QWEN_TRANSFORMER`` updated by ``transformer``,
+    boosted), the VAE, the scheduler and the text encoder (sized for
+    ``tokenizer``) of a tiny Qwen-Image folder, each from its own seed."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
         QwenImageTransformer2DModel,
     )
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_qwen_tokenizer(path / "tokenizer")
     with seeded_init(seed + _SEED_OFFSETS["transformer"]):
-        transformer = QwenImageTransformer2DModel(**TINY_QWEN_TRANSFORMER)
-    _boost(transformer, QWEN_BOOST)
-    _save(transformer, path / "transformer")
+        model = QwenImageTransformer2DModel(**{**TINY_QWEN_TRANSFORMER, **transformer})
+    _boost(model, QWEN_BOOST)
+    _save(model, path / "transformer")
     with seeded_init(seed + _SEED_OFFSETS["vae"]):
         vae = AutoencoderKLQwenImage(**TINY_QWEN_VAE)
     _save(vae, path / "vae")
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER)
     scheduler.save_pretrained(path / "scheduler")
     _save(_text_encoder(seed + _SEED_OFFSETS["text_encoder"], tokenizer), path / "text_encoder")
-    _write_index(path, "QwenImagePipeline", {
-        "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-        "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
-        "tokenizer": ("transformers", "Qwen2Tokenizer"),
-        "transformer": ("diffusers", "QwenImageTransformer2DModel"),
-        "vae": ("diffusers", "AutoencoderKLQwenImage"),
-    })
+
+
+def build_tiny_qwen_image_folder(path: str | os.PathLike, *, seed: int = 0) -> Path:
+    """A complete tiny Qwen-Image folder at ``path`` (``QwenImagePipeline``
+    loads it offline)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_qwen_tokenizer(path / "tokenizer")
+    save_qwen_models(path, tokenizer, seed=seed)
+    _write_index(path, "QwenImagePipeline", QWEN_IMAGE_COMPONENTS)
     return path
 
 
-__all__ = ["QWEN_TEMPLATE", "TEMPLATE_DROP", "build_qwen_tokenizer",
-           "build_tiny_qwen_image_folder", "learn_byte_bpe_merges", "qwen_vocab_and_merges"]
+__all__ = ["QWEN_IMAGE_COMPONENTS", "QWEN_TEMPLATE", "TEMPLATE_DROP", "build_qwen_tokenizer",
+           "build_tiny_qwen_image_folder", "learn_byte_bpe_merges", "qwen_vocab_and_merges",
+           "save_qwen_models", "template_prefix"]
