@@ -97,14 +97,15 @@ def _check(model: str, requests: list[Any], plugins: list[str]) -> None:
     convert them (a mask of another size than its image is refused here,
     before the engine starts); refusals name the image flags."""
     from diffrt.engine.input_images import to_arrays
-    from diffrt.engine.sampling import InvalidRequestError, filled
+    from diffrt.engine.sampling import InvalidRequestError
 
     try:
         check_requests(model, requests, plugins)
         if requests[0].images:
-            params = model_spec(model, plugins).with_defaults(requests[0]).sampling_params
-            to_arrays(requests[0].images, requests[0].mask_image, filled(params.height),
-                      filled(params.width))
+            spec = model_spec(model, plugins)
+            resolved = spec.with_defaults(requests[0])
+            to_arrays(resolved.images, resolved.mask_image,
+                      lambda w, h: spec.input_size(resolved, w, h))
     except InvalidRequestError as exc:
         field = exc.field.split("[", 1)[0]
         if field not in _FLAGS:

@@ -1,21 +1,23 @@
 """``POST /v1/images/edits``: OpenAI's image edits over the engine's
-image-to-image and inpainting.
+image-to-image, inpainting and editing models.
 
 One edit, followed: the body is read in either form (``edit_body.py``:
 multipart or JSON), its fields checked as a generation's are
-(``routes.check_body``); its images are decoded (``uploads.py``, with
-``engine.image_files``), the mask's convention settled, the request checked against the model's spec
-(its tasks, how many images it takes, the size) and its images converted
-to the engine's arrays at the request's size (``input_images.to_arrays``,
-what the engine would do at submission), all in the decode pool, off the
-event loop. Then it takes the generations' path (``routes.serve_images``):
-the same shedding, timeouts, url images and stream, with OpenAI's edit
-events (``image_edit.partial_image``, ``image_edit.completed``).
+(``routes.check_body``); then, in the decode pool, off the event loop, its
+images are decoded (``uploads.py`` with ``engine.image_files``), the mask's
+convention settled, the request checked against the model's spec (its
+tasks, how many images it takes, the size) and its images converted to the
+engine's arrays at the size the model takes them (``to_arrays`` with
+``ModelSpec.input_size``, what submission would do; the rule keeps a size
+it made, so the engine's own conversion is then a copy). Then it takes the
+generations' path (``routes.serve_images``): the same shedding, timeouts,
+url images and stream, with OpenAI's edit events
+(``image_edit.partial_image``, ``image_edit.completed``).
 
 The decode pool has ``DECODE_THREADS`` threads: decoding is CPU work, and
 what a decode holds at its peak (up to ``MAX_INPUT_IMAGES`` + 1 images of
 ``MAX_INPUT_PIXELS``) is bounded by how many run at once, however many
-edits arrive; once converted, only the arrays at the request's size remain.
+edits arrive; once converted, only the arrays at the model's size remain.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from fastapi import APIRouter, Request
 from diffrt.engine import DiffusionRequest, InvalidRequestError
 from diffrt.engine.image_files import mask_for_engine
 from diffrt.engine.input_images import to_arrays
-from diffrt.engine.sampling import filled
 from diffrt.serve.edit_body import EditInputs, read_edit_body
 from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.protocol import ErrorResponse, ImageEditForm, ImageEditRequest, ImagesResponse
@@ -108,9 +109,8 @@ def _prepared(body: Any, inputs: EditInputs, request_id: str, client: EngineClie
         request.validate()
         resolved = spec.with_defaults(request)
         spec.check(resolved)
-        params = resolved.sampling_params
-        arrays, mask_array = to_arrays(images, mask, filled(params.height),
-                                       filled(params.width))
+        arrays, mask_array = to_arrays(images, mask,
+                                       lambda w, h: spec.input_size(resolved, w, h))
     except InvalidRequestError as exc:
         raise invalid(exc, route) from None
     return msgspec.structs.replace(request, images=arrays, mask_image=mask_array)

@@ -199,6 +199,7 @@ class ModelInfo(BaseModel):
 
     family: str
     tasks: list[str]
+    max_input_images: int = Field(description="images one edit may give (0: no edits)")
     size_multiple: int
     max_size: int
     max_steps: int

@@ -435,7 +435,8 @@ async def models(request: Request) -> ModelList:
     client = _client(request)
     spec = client.model_spec()
     info = None if spec is None else ModelInfo(
-        family=spec.family, tasks=list(spec.tasks), size_multiple=spec.size_multiple,
+        family=spec.family, tasks=list(spec.tasks), max_input_images=spec.max_input_images,
+        size_multiple=spec.size_multiple,
         max_size=spec.max_size, max_steps=spec.max_steps,
         defaults=msgspec.structs.asdict(spec.defaults),
         default_negative_prompt=spec.default_negative_prompt, cfg_rule=spec.cfg_rule.value,
