@@ -97,4 +97,6 @@ def test_memory_stays_bounded_over_fifty_megabyte_edits(real_server):
     for pid in (server, *workers):
         grown = seen[50][pid] - seen[10][pid]
         what = "server" if pid == server else f"worker {pid}"
+        print(f"{what}: RSS after edit 10 {seen[10][pid] >> 20} MiB, after 50 "
+              f"{seen[50][pid] >> 20} MiB ({grown / 2**20:+.1f} MiB)")
         assert grown <= 32 << 20, f"{what}: RSS {seen[10][pid]} -> {seen[50][pid]} bytes"
