@@ -71,7 +71,9 @@ async def read_edit_body(request: Request) -> tuple[Any, EditInputs]:
     that is neither form is 415, a malformed one 400."""
     content_type = request.headers.get("content-type", "")
     media = content_type.split(";", 1)[0].strip().lower()
-    body = await request.body()
+    # read here, not with request.body(), which would keep it on the request
+    # for as long as the request waits for the engine
+    body = b"".join([chunk async for chunk in request.stream()])
     if media == "multipart/form-data":
         parts = await asyncio.to_thread(_parts, content_type, body)
         return _from_parts(parts)

@@ -86,6 +86,10 @@ async def edit(request: Request) -> Any:
     loop = asyncio.get_running_loop()
     engine_request = await loop.run_in_executor(
         _DECODER, _prepared, body, inputs, request.state.request_id, client, route)
+    del inputs  # what was sent, now the engine's arrays: its room in the budget is free
+    release = getattr(request.state, "release_body", None)
+    if release is not None:
+        release()
     return await serve_images(client, body, engine_request, request, route)
 
 

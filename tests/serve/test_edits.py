@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from serve_helpers import API_KEY, AUTH, call
+from waiting import wait_for
 
 from diffrt.engine import DiffusionEngine, EngineConfig
 from diffrt.engine.image_files import mask_for_engine
@@ -313,6 +314,39 @@ class _StubClient:
 
     def model_spec(self):
         return None
+
+
+def test_edit_bodies_in_flight_share_a_budget(flux_app, flux_step_engine):
+    """``max_edit_bytes_in_flight``: a body that does not fit is 429 with
+    Retry-After; a body's room is given back once the route has read it into
+    the engine's arrays, so an edit that waits for the engine holds none
+    (a second edit arriving while the first runs is served)."""
+    image = _file(_picture(9))
+    files = [("image", ("in.png", image, "image/png"))]
+    size = len(httpx.Request("POST", "http://x", files=files,
+                             data={"prompt": "a red fox", **FAST}).read())
+    tight = build_app(settings=ServeSettings(api_key=API_KEY,
+                                             max_edit_bytes_in_flight=size * 3 // 2),
+                      engine=flux_step_engine)
+    response = call(tight, "POST", EDITS, files=files + [("mask", ("m.png", image, "image/png"))],
+                    data={"prompt": "a red fox", **FAST})
+    error = _error(response, 429, None)
+    assert error["code"] == "uploads_full" and response.headers["retry-after"] == "1"
+
+    async def two_at_once():
+        transport = httpx.ASGITransport(app=tight)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver",
+                                     headers=AUTH, timeout=120) as client:
+            slow = asyncio.create_task(client.post(EDITS, files=files, data={
+                "prompt": "a red fox", **FAST, "num_inference_steps": "200"}))
+            await wait_for(lambda: flux_step_engine.stats().requests_running == 1, timeout=60)
+            second = await client.post(EDITS, files=files, data={"prompt": "a red fox", **FAST})
+            return await slow, second
+
+    slow, second = asyncio.run(two_at_once())
+    assert slow.status_code == 200 and second.status_code == 200, (slow.text, second.text)
+    again = call(tight, "POST", EDITS, files=files, data={"prompt": "a red fox", **FAST})
+    assert again.status_code == 200  # nothing left held
 
 
 # -- the engine's input arena full: 429 ----------------------------------------------------
