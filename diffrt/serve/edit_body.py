@@ -97,6 +97,8 @@ def _from_json(body: bytes) -> tuple[Any, EditInputs]:
         inputs.images.append((f"images[{i}]", _json_image(item, f"images[{i}]")))
     if doc.mask is not None:
         inputs.mask = ("mask", _json_image(doc.mask, "mask"))
+    # the inputs are ``inputs``' now: the body the request keeps holds none
+    doc.images, doc.mask = [], None
     return doc, inputs
 
 

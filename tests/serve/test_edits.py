@@ -337,10 +337,14 @@ def test_edit_bodies_in_flight_share_a_budget(flux_app, flux_step_engine):
         transport = httpx.ASGITransport(app=tight)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver",
                                      headers=AUTH, timeout=120) as client:
+            running = flux_step_engine.stats().requests_running
             slow = asyncio.create_task(client.post(EDITS, files=files, data={
-                "prompt": "a red fox", **FAST, "num_inference_steps": "200"}))
-            await wait_for(lambda: flux_step_engine.stats().requests_running == 1, timeout=60)
+                "prompt": "a red fox", **FAST, "size": "32x32", "num_inference_steps": "200"}))
+            await wait_for(lambda: slow.done()
+                           or flux_step_engine.stats().requests_running > running, timeout=60)
+            assert not slow.done(), slow.result().text[:300]  # it runs, its body read
             second = await client.post(EDITS, files=files, data={"prompt": "a red fox", **FAST})
+            assert not slow.done()  # it still ran while the second was read and served
             return await slow, second
 
     slow, second = asyncio.run(two_at_once())
