@@ -254,8 +254,18 @@ class DiffusionEngine:
         size = self.spec.warmup_size()
         return DiffusionRequest(
             prompt="warm-up", request_id=f"warmup-{uuid.uuid4().hex[:8]}",
+            images=self._start_up_images(size),
             sampling_params=SamplingParams(height=size, width=size, num_inference_steps=1,
                                            seed=0, guidance_scale=1.0))
+
+    def _start_up_images(self, side: int) -> list:
+        """A start-up request's input: none, or a plain picture for a model
+        that only edits (Qwen-Image-Edit draws nothing from text alone)."""
+        if "text-to-image" in self.spec.tasks:
+            return []
+        from PIL import Image
+
+        return [Image.new("RGB", (side, side), (128, 128, 128))]
 
     def _free_inputs(self, record: RequestRecord) -> None:
         """A request ended (or never ran): its input images' slots are free."""
@@ -269,8 +279,12 @@ class DiffusionEngine:
         executor = make_executor(self.config.executor.executor_backend, self.config.executor_config(
             platform=current_platform), self.inputs)
         try:
-            out = executor.execute(ExecuteBatch(requests=[self._warmup_request()]),
-                                   timeout=self.config.model_config.warmup_timeout_s)
+            warmup = accept(self._warmup_request(), self.spec, self.config, None, self.inputs)
+            try:
+                out = executor.execute(ExecuteBatch(requests=[warmup]),
+                                       timeout=self.config.model_config.warmup_timeout_s)
+            finally:
+                release(warmup, self.inputs)
             for oid in out.output_ids.values():
                 executor.release_output(oid)
             self._reload_adapters(executor)
@@ -317,6 +331,7 @@ class DiffusionEngine:
         def request(i: int, side: int) -> DiffusionRequest:
             return DiffusionRequest(
                 prompt=f"calibration {i}", request_id=f"calibrate-{uuid.uuid4().hex[:8]}",
+                images=self._start_up_images(side),
                 sampling_params=SamplingParams(
                     height=side, width=side, seed=0, guidance_scale=1.0,
                     num_inference_steps=2 * self.config.scheduling.max_steps_per_tick))

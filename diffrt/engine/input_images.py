@@ -56,6 +56,9 @@ class InputPixels:
 
     images: list[Any]
     mask: Any = None
+    #: the images as the text encoder reads them, where the model reads them
+    #: at another size (Qwen-Image-Edit Plus)
+    prompt_images: list[Any] | None = None
 
 
 def _is_image(value: object) -> bool:
@@ -68,17 +71,19 @@ def _is_image(value: object) -> bool:
 
 def check_kinds(images: object, mask: object) -> None:
     """Refuse, naming the field, inputs that are not images at all (the
-    request's own ``validate``; sizes and modes are ``to_arrays``')."""
+    request's own ``validate``; sizes and modes are ``to_arrays``'). A
+    ``StoredImage`` is the engine's, never a submission's: one given would
+    name another request's slot."""
     if not isinstance(images, list):
         raise InvalidRequestError("images", f"must be a list, got {type(images).__name__}")
     if len(images) > MAX_INPUT_IMAGES:
         raise InvalidRequestError("images", f"at most {MAX_INPUT_IMAGES} images, "
                                             f"got {len(images)}")
     for i, image in enumerate(images):
-        if not (_is_image(image) or isinstance(image, np.ndarray | InputHandle)):
+        if not (_is_image(image) or isinstance(image, np.ndarray)):
             raise InvalidRequestError(f"images[{i}]", "must be a PIL.Image or a numpy array, "
                                                       f"got {type(image).__name__}")
-    if mask is not None and not (_is_image(mask) or isinstance(mask, np.ndarray | InputHandle)):
+    if mask is not None and not (_is_image(mask) or isinstance(mask, np.ndarray)):
         raise InvalidRequestError("mask_image", "must be a PIL.Image, a numpy array or None, "
                                                 f"got {type(mask).__name__}")
     if mask is not None and not images:
@@ -145,15 +150,34 @@ def _resize(image: Any, height: int, width: int) -> Any:
 SizeRule = Callable[[int, int], tuple[int, int]]
 
 
-def to_arrays(images: list[Any], mask: Any,
-              size_of: SizeRule) -> tuple[list[np.ndarray], np.ndarray | None]:
-    """The request's images as ``(H, W, 3)`` uint8 arrays and its mask as
-    ``(H, W)``, each of the size ``size_of`` gives for its own (the model's
-    ``ModelSpec.input_size``; see the module docstring); InvalidRequestError
-    names the input that cannot be taken."""
+class Converted(msgspec.Struct):
+    """One request's inputs, converted (``to_arrays``): uint8 arrays, images
+    ``(H, W, 3)`` at the size the model takes them, the mask ``(H, W)``, and
+    for a model whose text encoder reads its images at another size (the
+    spec's ``prompt_image_size``) those copies too."""
+
+    images: list[Any]
+    mask: Any = None
+    prompt_images: list[Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [*self.images, *(self.prompt_images or []), self.mask]
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
+def to_arrays(images: list[Any], mask: Any, size_of: SizeRule,
+              prompt_size_of: SizeRule | None = None) -> Converted:
+    """The request's inputs converted (see the module docstring), each
+    resized to the size ``size_of`` gives for its own (the model's
+    ``ModelSpec.input_size``), and to ``prompt_size_of``'s for the text
+    encoder when given; InvalidRequestError names the input that cannot be
+    taken."""
     pils = [_as_pil(image, f"images[{i}]") for i, image in enumerate(images)]
-    arrays = [np.asarray(_resize(_converted(p, f"images[{i}]", "RGB"), *size_of(*p.size)),
-                         dtype=np.uint8) for i, p in enumerate(pils)]
+    rgb = [_converted(p, f"images[{i}]", "RGB") for i, p in enumerate(pils)]
+    arrays = [np.asarray(_resize(image, *size_of(*image.size)), dtype=np.uint8) for image in rgb]
+    prompt_arrays = None if prompt_size_of is None else [
+        np.asarray(_resize(image, *prompt_size_of(*image.size)), dtype=np.uint8) for image in rgb]
     mask_array = None
     if mask is not None:
         pil = _as_pil(mask, "mask_image")
@@ -163,81 +187,113 @@ def to_arrays(images: list[Any], mask: Any,
                 f"{pils[0].size[0]}x{pils[0].size[1]}: they must be the same size"))
         mask_array = np.asarray(_resize(_converted(pil, "mask_image", "L"), *size_of(*pil.size)),
                                 dtype=np.uint8)
-    return arrays, mask_array
+    return Converted(arrays, mask_array, prompt_arrays)
+
+
+class StoredImage(msgspec.Struct, frozen=True, tag="stored_image"):
+    """A request input in the input arena: the image as the model takes it,
+    and (a model whose text encoder reads it at another size) that copy."""
+
+    image: InputHandle
+    prompt_image: InputHandle | None = None
+
+    def handles(self) -> list[InputHandle]:
+        return [self.image] + ([self.prompt_image] if self.prompt_image is not None else [])
+
+
+def stored_shape(item: Any) -> tuple[int, int] | None:
+    """(height, width) of a stored input (already resized), None for one as given."""
+    stored = _stored(item)
+    return (stored.image.shape[0], stored.image.shape[1]) if stored is not None else None
 
 
 def pixel_size(item: Any) -> tuple[int, int]:
-    """(width, height) of an input as given or as stored (a handle holds the
-    size it was resized to, which the same rule keeps)."""
-    handle = _handle(item)
-    if handle is not None:
-        return handle.shape[1], handle.shape[0]
+    """(width, height) of an input as given (a PIL image or an array)."""
     if isinstance(item, np.ndarray):
         return (int(item.shape[1]), int(item.shape[0])) if item.ndim >= 2 else (0, 0)
     size = getattr(item, "size", None)
     return (int(size[0]), int(size[1])) if isinstance(size, tuple) else (0, 0)
 
 
-def store(request: Any, images: list[np.ndarray], mask: np.ndarray | None,
-          inputs: InputArena) -> Any:
-    """``request`` with its inputs replaced by handles into ``inputs`` (all or
-    none: a failure frees what was written)."""
-    handles: list[InputHandle] = []
+def store(request: Any, converted: Converted, inputs: InputArena) -> Any:
+    """``request`` with its inputs replaced by ``StoredImage``s in ``inputs``
+    (all or none: a failure frees what was written)."""
+    written: list[InputHandle] = []
+
+    def put(array: np.ndarray) -> InputHandle:
+        written.append(inputs.put(array))
+        return written[-1]
+
     try:
-        for array in images:
-            handles.append(inputs.put(array))
-        mask_handle = inputs.put(mask) if mask is not None else None
+        prompts = converted.prompt_images or [None] * len(converted.images)
+        images = [StoredImage(put(a), put(p) if p is not None else None)
+                  for a, p in zip(converted.images, prompts, strict=True)]
+        mask = StoredImage(put(converted.mask)) if converted.mask is not None else None
     except BaseException:
-        for handle in handles:
+        for handle in written:
             inputs.free(handle)
         raise
-    return msgspec.structs.replace(request, images=handles, mask_image=mask_handle)
+    return msgspec.structs.replace(request, images=images, mask_image=mask)
+
+
+def _all_stored(request: Any) -> list[StoredImage]:
+    items = [_stored(item) for item in [*request.images, request.mask_image]]
+    return [item for item in items if item is not None]
 
 
 def release(request: Any, inputs: InputArena | None) -> None:
     """Free the input slots of a request that has ended (or never ran)."""
     if inputs is None:
         return
-    for item in [*request.images, request.mask_image]:
-        if isinstance(item, InputHandle):
-            inputs.free(item)
+    for stored in _all_stored(request):
+        for handle in stored.handles():
+            inputs.free(handle)
 
 
 def input_bytes(request: Any) -> int:
     """The bytes a request's stored inputs hold."""
-    return sum(item.nbytes for item in [*request.images, request.mask_image]
-               if isinstance(item, InputHandle))
+    return sum(h.nbytes for stored in _all_stored(request) for h in stored.handles())
 
 
-def _handle(item: Any) -> InputHandle | None:
-    """An input's handle: as sent, or as a worker decodes it (the request's
-    input fields are untyped: a user gives images there)."""
-    if isinstance(item, dict) and item.get("type") == "input_handle":
-        return msgspec.convert(item, InputHandle)
-    return item if isinstance(item, InputHandle) else None
+def _stored(item: Any) -> StoredImage | None:
+    """A stored input: as sent, or as a worker decodes it (the request's input
+    fields are untyped: a user gives images there)."""
+    if isinstance(item, dict) and item.get("type") == "stored_image":
+        return msgspec.convert(item, StoredImage)
+    return item if isinstance(item, StoredImage) else None
 
 
-def read_pixels(request: Any, arena: Arena | None, size_of: SizeRule) -> InputPixels | None:
-    """The worker's copy of a request's inputs (None without any): read by
-    handle from ``arena``, or converted here (to the sizes ``size_of`` says)
-    when the request still holds images (a pipeline called directly, without
-    an engine)."""
+def read_pixels(request: Any, arena: Arena | None, size_of: SizeRule,
+                prompt_size_of: SizeRule | None = None) -> InputPixels | None:
+    """The worker's copy of a request's inputs (None without any): read from
+    ``arena``, or converted here (to the sizes the rules say) when the request
+    still holds images (a pipeline called directly, without an engine)."""
     import torch
 
     if not request.images:
         return None
-    handles = [_handle(item) for item in [*request.images, request.mask_image]]
-    if handles[0] is not None:
+    stored = [_stored(item) for item in request.images]
+    if stored[0] is not None:
         if arena is None:
             raise RuntimeError("a request with input images reached a worker without "
                                "the input arena")
-        images = [read_input(arena, h) for h in handles[:-1] if h is not None]
-        mask = read_input(arena, handles[-1]) if handles[-1] is not None else None
-        return InputPixels(images, mask)
-    arrays, mask_array = to_arrays(list(request.images), request.mask_image, size_of)
-    return InputPixels([torch.from_numpy(a.copy()) for a in arrays],
-                       None if mask_array is None else torch.from_numpy(mask_array.copy()))
+        mask = _stored(request.mask_image)
+        prompts = [read_input(arena, s.prompt_image) for s in stored
+                   if s is not None and s.prompt_image is not None]
+        return InputPixels([read_input(arena, s.image) for s in stored if s is not None],
+                           read_input(arena, mask.image) if mask is not None else None,
+                           prompts or None)
+    converted = to_arrays(list(request.images), request.mask_image, size_of, prompt_size_of)
+
+    def tensor(array: np.ndarray) -> Any:
+        return torch.from_numpy(array.copy())
+
+    return InputPixels([tensor(a) for a in converted.images],
+                       None if converted.mask is None else tensor(converted.mask),
+                       None if converted.prompt_images is None else
+                       [tensor(a) for a in converted.prompt_images])
 
 
-__all__ = ["MAX_INPUT_IMAGES", "MAX_INPUT_PIXELS", "InputPixels", "SizeRule", "check_kinds",
-           "input_bytes", "pixel_size", "read_pixels", "release", "store", "to_arrays"]
+__all__ = ["MAX_INPUT_IMAGES", "MAX_INPUT_PIXELS", "Converted", "InputPixels", "SizeRule",
+           "StoredImage", "check_kinds", "input_bytes", "pixel_size", "read_pixels", "release",
+           "store", "stored_shape", "to_arrays"]

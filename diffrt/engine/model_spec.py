@@ -18,6 +18,7 @@ on to share one forward or one denoise step.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -114,10 +115,19 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: how an editing model sizes its input image (``input_size``):
     #: "preferred" — the trained resolution nearest its aspect ratio
     #: (``edit_resolutions``; FLUX.1 Kontext's ``_auto_resize``), "keep" — its
-    #: own size rounded down to ``size_multiple``
-    edit_resize: Literal["preferred", "keep"] = "preferred"
+    #: own size rounded down to ``size_multiple``, "area" — ``edit_area``
+    #: pixels at its aspect ratio in multiples of 32 (Qwen-Image-Edit's
+    #: ``calculate_dimensions``; the output's default size too)
+    edit_resize: Literal["preferred", "keep", "area"] = "preferred"
     #: (width, height) resolutions an editing model was trained on
     edit_resolutions: tuple[tuple[int, int], ...] = ()
+    edit_area: int = 1024 * 1024
+    #: an editing model whose text encoder reads each input at another area
+    #: than the VAE (Qwen-Image-Edit Plus: 384 x 384 px; None: the same copy)
+    edit_prompt_area: int | None = None
+    #: which input an edit's default output size follows ("area" models):
+    #: the first (Qwen-Image-Edit) or the last (its Plus variant)
+    edit_size_from: Literal["first", "last"] = "first"
     #: height and width must be positive multiples of this (VAE factor x patch)
     size_multiple: int = 16
     max_size: int = 2048
@@ -160,7 +170,12 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         """``request`` with the sampling fields it left at None taken from
         ``defaults`` (the same object when none was left)."""
         params = request.sampling_params
-        resolved = params.with_defaults(msgspec.structs.asdict(self.defaults))
+        defaults = msgspec.structs.asdict(self.defaults)
+        if self.edit_resize == "area" and request.images and self.task_of(request) == "editing":
+            # Qwen-Image-Edit draws at its input's size unless told otherwise
+            sizer = request.images[0 if self.edit_size_from == "first" else -1]
+            defaults["height"], defaults["width"] = self.input_shape(request, sizer)
+        resolved = params.with_defaults(defaults)
         if params.strength is None and self.task_of(request) in ("image-to-image", "inpainting"):
             resolved = msgspec.structs.replace(resolved, strength=self.defaults.strength)
         if resolved is params:
@@ -185,6 +200,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             field = "mask_image" if task == "inpainting" else "images"
             raise InvalidRequestError(field, f"{task} is not a task of {self.name} "
                                              f"(it serves {', '.join(self.tasks)})")
+        if task == "editing" and request.mask_image is not None:
+            raise InvalidRequestError("mask_image", f"{self.name} edits without a mask (an "
+                                                    "edit with a mask is not served yet)")
         if len(request.images) > self.max_input_images:
             raise InvalidRequestError("images", (
                 f"{self.name} takes at most {self.max_input_images} input image(s), "
@@ -215,6 +233,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             params = request.sampling_params
             return filled(params.height), filled(params.width)
         m = self.size_multiple
+        if self.edit_resize == "area" and height and width:
+            height, width = _area_size(self.edit_area, width, height)
         height, width = height - height % m, width - width % m  # get_default_height_width
         if self.edit_resize == "preferred" and self.edit_resolutions and height and width:
             aspect = width / height
@@ -225,19 +245,33 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                                                 f"{m}x{m} pixels, the least {self.name} edits")
         return height, width
 
+    def prompt_image_size(self, request: DiffusionRequest
+                          ) -> Callable[[int, int], tuple[int, int]] | None:
+        """The size rule of the copies of an edit's inputs its text encoder
+        reads, where the model reads them at another size (``edit_prompt_area``)."""
+        area = self.edit_prompt_area
+        if area is None or self.task_of(request) != "editing":
+            return None
+        return lambda width, height: _area_size(area, width, height)
+
     def edit_tokens(self, request: DiffusionRequest) -> int:
         """The extra tokens an edit's input image adds to each row (0 for
         other tasks): its latent patches, as the output's are counted."""
         if self.task_of(request) != "editing":
             return 0
-        from diffrt.engine.input_images import pixel_size
-
         total = 0
         for image in request.images:
-            width, height = pixel_size(image)
-            h, w = self.input_size(request, width, height)
+            h, w = self.input_shape(request, image)
             total += (h // self.size_multiple) * (w // self.size_multiple)
         return total
+
+    def input_shape(self, request: DiffusionRequest, image: object) -> tuple[int, int]:
+        """(height, width) of one of the request's inputs as it runs: a stored
+        one's own (resized at submission), a given one's by ``input_size``."""
+        from diffrt.engine.input_images import pixel_size, stored_shape
+
+        stored = stored_shape(image)
+        return stored if stored is not None else self.input_size(request, *pixel_size(image))
 
     # -- classifier-free guidance ------------------------------------------------------------
     def negative_prompt(self, request: DiffusionRequest) -> str | None:
@@ -330,6 +364,15 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         multiple = self.size_multiple
         largest = self.max_size // multiple * multiple
         return max(multiple, min(multiple * -(-64 // multiple), largest))
+
+
+def _area_size(area: int, width: int, height: int) -> tuple[int, int]:
+    """(height, width) of ``area`` pixels at the aspect ratio of ``width`` x
+    ``height``, in multiples of 32, as diffusers' Qwen-Image-Edit
+    ``calculate_dimensions`` rounds them."""
+    ratio = width / height
+    exact = (area * ratio) ** 0.5
+    return round(exact / ratio / 32) * 32, round(exact / 32) * 32
 
 
 def check_heads(heads: int | None, ulysses: int) -> None:

@@ -205,7 +205,8 @@ class PipelineRunner:
     def _inputs_of(self, request: DiffusionRequest) -> InputPixels | None:
         """The request's input images, copied out of the input arena."""
         spec = self.pipeline.spec
-        return read_pixels(request, self.inputs, lambda w, h: spec.input_size(request, w, h))
+        return read_pixels(request, self.inputs, lambda w, h: spec.input_size(request, w, h),
+                           spec.prompt_image_size(request))
 
     def _loader(self) -> AdapterLoader:
         if self.adapters is None:

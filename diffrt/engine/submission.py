@@ -77,15 +77,16 @@ def _stored_inputs(request: DiffusionRequest, spec: ModelSpec,
         raise InvalidRequestError("images", "this engine's executor carries no input images "
                                             "(the ray backend: serve edits with mp or inproc)")
     params = request.sampling_params
-    arrays, mask = to_arrays(list(request.images), request.mask_image,
-                             lambda w, h: spec.input_size(request, w, h))
-    total = sum(a.nbytes for a in arrays) + (mask.nbytes if mask is not None else 0)
+    prompt_size = spec.prompt_image_size(request)
+    converted = to_arrays(list(request.images), request.mask_image,
+                          lambda w, h: spec.input_size(request, w, h), prompt_size)
+    total = converted.nbytes
     if total > inputs.size:
         raise InvalidRequestError("images", (
             f"{total} bytes of input pixels at {params.height}x{params.width}, more than "
             f"max_pending_input_bytes ({inputs.size})"))
     try:
-        return store(request, arrays, mask, inputs)
+        return store(request, converted, inputs)
     except InputArenaFullError as exc:
         raise InputsFullError(str(exc)) from None
 

@@ -16,11 +16,11 @@ from engine_helpers import assert_clean, toy_request, wait_until
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 from diffrt.engine.errors import InputsFullError
-from diffrt.engine.input_images import to_arrays
+from diffrt.engine.input_images import StoredImage, to_arrays
 from diffrt.engine.pipelines.registry import resolve_model_spec
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.submission import accept
-from diffrt.runtime.input_arena import InputArena
+from diffrt.runtime.input_arena import InputArena, InputHandle
 
 SIZE = 64
 RNG = np.random.default_rng(0)
@@ -56,6 +56,8 @@ def _accept(request, spec, inputs=None):
     (lambda: image_request("r", images=[PICTURE, PICTURE]), "images"),
     (lambda: image_request("r", strength=1e-17, steps=10), "strength"),  # no step left
     (lambda: image_request("r", images=["picture.png"]), "images[0]"),
+    (lambda: image_request("r", images=[StoredImage(InputHandle(0, (64, 64, 3), 1))]),
+     "images[0]"),
     (lambda: image_request("r", images=[np.zeros((8, 8, 2), np.uint8)]), "images[0]"),
     (lambda: image_request("r", images=[np.full((8, 8), 2.0)]), "images[0]"),
     (lambda: image_request("r", images=[PIL.Image.new("I", (8, 8))]), "images[0]"),
@@ -117,11 +119,11 @@ def test_inputs_convert_as_diffusers_loads_images():
         "float array in [0, 1]": (rgb / 255.0, PICTURE),
     }
     for name, (given, expected) in cases.items():
-        arrays, _ = to_arrays([given], None, lambda w, h: (48, 32))
+        arrays = to_arrays([given], None, lambda w, h: (48, 32)).images
         want = np.asarray(expected.convert("RGB").resize((32, 48), PIL.Image.LANCZOS))
         assert arrays[0].shape == (48, 32, 3), name
         assert np.array_equal(arrays[0], want), name
-    _, mask = to_arrays([PICTURE], MASK.convert("RGB"), lambda w, h: (48, 32))
+    mask = to_arrays([PICTURE], MASK.convert("RGB"), lambda w, h: (48, 32)).mask
     assert mask is not None and mask.shape == (48, 32)
     assert np.array_equal(mask, np.asarray(MASK.resize((32, 48), PIL.Image.LANCZOS)))
 
@@ -256,3 +258,37 @@ def test_toy_engines_refuse_images_naming_the_task(req_engine1):
     request.images = [PICTURE]
     with pytest.raises(InvalidRequestError, match="image-to-image is not a task"):
         req_engine1.generate(request, timeout=10)
+
+
+def test_an_edit_only_model_warms_up_on_an_edit_and_refuses_text_alone():
+    """Qwen-Image-Edit draws nothing from text alone: the engine's start-up
+    requests carry a plain picture; an edit's default size is its input's
+    aspect at the model's edit area."""
+    wide = PIL.Image.fromarray(RNG.integers(0, 255, (48, 80, 3), dtype=np.uint8))
+    with DiffusionEngine.make_engine(EngineConfig(model="tiny-qwen-image-edit",
+                                                  executor_backend="inproc",
+                                                  step_execution=True)) as engine:
+        out = engine.generate(DiffusionRequest("make it blue", images=[wide],
+                                               sampling_params=SamplingParams(seed=1)), timeout=120)
+        assert out.ok and out.images[0].size == (96, 64)  # the input's aspect, its area
+        with pytest.raises(InvalidRequestError, match="text-to-image is not a task"):
+            engine.generate(DiffusionRequest("a cat"), timeout=10)
+        assert engine.inputs is not None and engine.inputs.used_bytes == 0
+
+
+def test_kontext_edits_cost_their_tokens_and_refuse_strength_and_masks():
+    spec = resolve_model_spec("tiny-flux-kontext")
+    wide = PIL.Image.fromarray(RNG.integers(0, 255, (48, 80, 3), dtype=np.uint8))
+    edit = DiffusionRequest("make it blue", images=[wide],
+                            sampling_params=SamplingParams(height=SIZE, width=SIZE, seed=1))
+    draw = DiffusionRequest("a cat", sampling_params=SamplingParams(height=SIZE, width=SIZE))
+    extra = spec.row_tokens(spec.with_defaults(edit)) - spec.row_tokens(spec.with_defaults(draw))
+    m = spec.size_multiple
+    assert extra == (48 // m) * (80 // m)  # the input's patches, as it is kept
+    stored = _accept(edit, spec)  # a stored input counts the same
+    assert spec.row_tokens(stored) - spec.row_tokens(spec.with_defaults(draw)) == extra
+    for request, field in [(image_request("s"), "strength"),
+                           (image_request("m", strength=None, mask=MASK), "mask_image")]:
+        with pytest.raises(InvalidRequestError) as info:
+            _accept(request, spec)
+        assert info.value.field == field

@@ -79,6 +79,17 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         "diffrt.engine.pipelines.flux.tiny_folder:build_tiny_flux_kontext_folder",
         {"seed": 20261201}, {"height": 128, "width": 128, "num_inference_steps": 4},
         {"edit_resize": "keep"}),
+    # Qwen-Image-Edit-style: Qwen2.5-VL reads the input image with the prompt;
+    # its input area is 64 x 64 px, not the 1 Mpx of the released model
+    "tiny-qwen-image-edit": EmbeddedModel(
+        "diffrt.engine.pipelines.qwen_image.tiny_edit_folder:build_tiny_qwen_image_edit_folder",
+        {"seed": 20261202}, {"num_inference_steps": 4}, {"edit_area": 64 * 64}),
+    # its Plus layout (several input images), the same components: both
+    # input areas 64 x 64 px
+    "tiny-qwen-image-edit-plus": EmbeddedModel(
+        "diffrt.engine.pipelines.qwen_image.tiny_edit_folder:build_tiny_qwen_image_edit_folder",
+        {"seed": 20261202, "plus": True}, {"num_inference_steps": 4},
+        {"edit_area": 64 * 64, "edit_prompt_area": 64 * 64}),
 }
 
 _VERSIONED = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")

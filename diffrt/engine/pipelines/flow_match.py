@@ -170,7 +170,8 @@ class FlowMatchPipeline(DiffusionPipeline):
             raise ModelLoadError(f"{spec.name}: a {cls.__name__} loads a diffusers folder; "
                                  "its spec names none")
         device = torch.device(device)
-        full = load_diffusers_pipeline(spec.folder, spec.diffusers_pipeline, dtype=dtype)
+        full = load_diffusers_pipeline(spec.folder, spec.diffusers_pipeline, dtype=dtype,
+                                       preloaded=cls.preloaded_components(spec.folder))
         for name, module in full.components.items():
             if name.startswith("text_encoder") and module is not None:
                 _place(module, device)
@@ -236,6 +237,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         return None
 
     @staticmethod
+    def preloaded_components(folder: str) -> dict[str, Any]:
+        """Components of ``folder`` the family loads itself, before diffusers
+        loads the rest (none by default)."""
+        return {}
+
+    @staticmethod
     def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """The family's diffusers ``encode_prompt``: (embeds, extra) per prompt."""
         raise NotImplementedError
@@ -285,12 +292,12 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     def row_layout(self, params: SamplingParams, rows: int | None = None,
                    loras: tuple[tuple[int, float], ...] = (),
-                   cond: tuple[int, int] | None = None) -> RowLayout:
+                   cond: tuple[tuple[int, int], ...] = ()) -> RowLayout:
         """The layout of ``rows`` rows (default: one per output) of one
         request, each with the request's LoRA adapters ``loras`` and its
-        conditioning image's latent size ``cond`` (an edit)."""
+        conditioning images' latent sizes ``cond`` (an edit)."""
         size = self.latent_size(params)
-        tokens = self.image_tokens(size) + (self.image_tokens(cond) if cond else 0)
+        tokens = self.image_tokens(size) + sum(self.image_tokens(c) for c in cond)
         return RowLayout.uniform_rows(size, tokens,
                                       params.num_outputs_per_prompt if rows is None else rows,
                                       loras, cond)
@@ -300,9 +307,35 @@ class FlowMatchPipeline(DiffusionPipeline):
         """Embeddings for one request, repeated per output; negatives when CFG runs."""
         return self.encode_prompts([request])[0]
 
-    def encode_prompts(self, requests: list[DiffusionRequest]) -> list[Conditioning]:
+    #: the family's text encoder reads an edit's input image with its prompt
+    #: (Qwen-Image-Edit's Qwen2.5-VL): those prompts are encoded with their
+    #: image, one request at a time, past the prompt cache (it keys by text)
+    text_sees_images = False
+
+    def encode_prompts(self, requests: list[DiffusionRequest],
+                       inputs: list[InputPixels | None] | None = None) -> list[Conditioning]:
         """``encode_prompt`` for several requests with one text-encoder call (each
-        prompt's embedding does not depend on the others: fixed lengths)."""
+        prompt's embedding does not depend on the others: fixed lengths);
+        edits whose text encoder sees their image (``text_sees_images``) apart."""
+        seen = [i for i, r in enumerate(requests) if self.text_sees_images and inputs
+                and inputs[i] is not None and self.spec.task_of(r) == "editing"]
+        if not seen:
+            return self._encode_texts(requests)
+        out: list[Conditioning | None] = [None] * len(requests)
+        rest = [i for i in range(len(requests)) if i not in seen]
+        if rest:
+            for i, cond in zip(rest, self._encode_texts([requests[i] for i in rest]), strict=True):
+                out[i] = cond
+        for i in seen:
+            out[i] = self.encode_with_images(requests[i], inputs[i])  # type: ignore[index,arg-type]
+        return out  # type: ignore[return-value]
+
+    def encode_with_images(self, request: DiffusionRequest, inputs: InputPixels) -> Conditioning:
+        """An edit's prompt (and negative) conditioned on its input images
+        (uint8 (H, W, 3), as resized): the family's, where its text encoder sees images."""
+        raise NotImplementedError(f"{self.name}'s text encoder reads no images")
+
+    def _encode_texts(self, requests: list[DiffusionRequest]) -> list[Conditioning]:
         texts: list[str] = []
         for request in requests:
             texts.append(request.prompt)
@@ -392,7 +425,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         if state.inputs is None and state.request.images:
             request = state.request
             state.inputs = read_pixels(request, None,
-                                       lambda w, h: self.spec.input_size(request, w, h))
+                                       lambda w, h: self.spec.input_size(request, w, h),
+                                       self.spec.prompt_image_size(request))
         return state.inputs
 
     def _start_from_image(self, state: StepRequestState, image_latents: torch.Tensor,
@@ -420,9 +454,11 @@ class FlowMatchPipeline(DiffusionPipeline):
                                       to_model_pixels(state.inputs.images[0]).to(  # type: ignore[union-attr]
                                           self.device, self.dtype))
 
-    def condition_on_image(self, state: StepRequestState, image_latents: torch.Tensor) -> None:
-        """An edit: give the request its input image's (1, C, h, w) latents as
-        conditioning (the family's way: extra tokens for FLUX.1 Kontext)."""
+    def condition_on_images(self, state: StepRequestState,
+                            image_latents: list[torch.Tensor]) -> None:
+        """An edit: give the request its input images' (1, C, h, w) latents as
+        conditioning (the family's way: extra tokens for FLUX.1 Kontext and
+        Qwen-Image-Edit)."""
         raise NotImplementedError(f"{self.name} does not edit images")
 
     def row_input(self, state: StepRequestState) -> torch.Tensor:
@@ -621,25 +657,32 @@ class FlowMatchPipeline(DiffusionPipeline):
         one VAE call per size."""
         for state in states:
             state.request = self.prepared(state.request)
-        conds = self.encode_prompts([s.request for s in states])
         generators = [torch.Generator(device="cpu").manual_seed(
             resolve_seed(s.request.sampling_params.seed)) for s in states]
         with_images = [i for i, s in enumerate(states) if self._input_pixels(s) is not None]
+        conds = self.encode_prompts([s.request for s in states], [s.inputs for s in states])
         edits = [i for i in with_images if self.spec.task_of(states[i].request) == "editing"]
-        image_latents: dict[int, torch.Tensor] = {}
-        for members, sampled in (([i for i in with_images if i not in edits], True),
-                                 (edits, False)):
-            if members:
-                image_latents.update(zip(members, self.encode_images(
-                    [to_model_pixels(states[i].inputs.images[0]) for i in members],  # type: ignore[union-attr]
-                    [generators[i] for i in members] if sampled else None), strict=True))
+        sampled = [i for i in with_images if i not in edits]
+        image_latents: dict[int, list[torch.Tensor]] = {}
+        if sampled:  # image-to-image, inpainting: one image, sampled with the request's generator
+            for i, latents in zip(sampled, self.encode_images(
+                    [to_model_pixels(states[i].inputs.images[0]) for i in sampled],  # type: ignore[union-attr]
+                    [generators[i] for i in sampled]), strict=True):
+                image_latents[i] = [latents]
+        if edits:  # edits: every input image, the distribution's mode
+            owners = [(i, image) for i in edits
+                      for image in states[i].inputs.images]  # type: ignore[union-attr]
+            for (i, _), latents in zip(owners, self.encode_images(
+                    [to_model_pixels(image) for _, image in owners], None), strict=True):
+                image_latents.setdefault(i, []).append(latents)
         for i, (state, cond) in enumerate(zip(states, conds, strict=True)):
             self._prepare_state(state, cond, generators[i], image_latents.get(i),
                                 edit=i in edits)
 
     def _prepare_state(self, state: StepRequestState, cond: Conditioning,
                        generator: torch.Generator | None = None,
-                       image_latents: torch.Tensor | None = None, *, edit: bool = False) -> None:
+                       image_latents: list[torch.Tensor] | None = None, *,
+                       edit: bool = False) -> None:
         params = state.request.sampling_params
         seed = resolve_seed(params.seed)
         state.extra["seed"] = seed
@@ -651,10 +694,10 @@ class FlowMatchPipeline(DiffusionPipeline):
         if image_latents is None or edit:  # an edit starts from noise, conditioned on its image
             state.latents = self.prepare_latents(params, seed)
             if image_latents is not None:
-                self.condition_on_image(state, image_latents)
+                self.condition_on_images(state, image_latents)
             return
         assert generator is not None and state.inputs is not None  # drawn with the image's
-        self._start_from_image(state, image_latents, generator, state.inputs.mask)
+        self._start_from_image(state, image_latents[0], generator, state.inputs.mask)
 
     @torch.no_grad()
     def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
@@ -664,7 +707,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         _check_compatible([s.request for s in states], self.spec.mixed_step_batch_key
                           if self.spec.mixed_sizes else self.spec.step_batch_key)
         layout = RowLayout.join([self.row_layout(s.request.sampling_params, None, s.loras,
-                                                 s.extra.get("cond_size")) for s in states])
+                                                 s.extra.get("cond_sizes", ())) for s in states])
         if layout.uniform:
             latents = torch.cat([self.row_input(s) for s in states])
         elif self.mixed_rows == "by_size":
@@ -686,7 +729,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(states):
             groups.setdefault((self.latent_size(s.request.sampling_params),
-                               s.extra.get("cond_size")), []).append(i)
+                               s.extra.get("cond_sizes", ())), []).append(i)
         preds: list[torch.Tensor | None] = [None] * len(states)
         for members in groups.values():
             group = [states[i] for i in members]

@@ -117,16 +117,18 @@ def _diffusers_pipeline_class(name: str) -> type[DiffusersPipeline]:
         transformers_logging.set_verbosity(verbosity)
 
 
-def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dtype) -> Any:
+def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dtype,
+                            preloaded: dict[str, Any] | None = None) -> Any:
     """``diffusers.<pipeline_class>.from_pretrained(folder)`` offline in
-    ``dtype``, reporting each weight component as it loads."""
+    ``dtype``, reporting each weight component as it loads; ``preloaded``:
+    components the family loaded its own way (given to ``from_pretrained``)."""
     components = weight_components(folder)
     total = sum(size for *_, size in components)
     level = logging.INFO if total >= PROGRESS_BYTES else logging.DEBUG
     logger.log(level, "loading %s: %d components with weights, %s", folder, len(components),
                format_bytes(total))
     start = time.monotonic()
-    loaded: dict[str, Any] = {}
+    loaded: dict[str, Any] = dict(preloaded or {})
     pipeline_cls = _diffusers_pipeline_class(pipeline_class)
     with library_bars_off():
         for i, (name, library, class_name, size) in enumerate(components, 1):

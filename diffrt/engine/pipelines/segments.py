@@ -60,17 +60,18 @@ class RowLayout:
     sizes: tuple[tuple[int, int], ...]
     tokens: tuple[int, ...]
     loras: tuple[tuple[tuple[int, float], ...], ...] = ()
-    #: each row's conditioning image's latent (height, width), None for a row
-    #: without one (``conds``: () when no row has any): an edit's input image
-    #: (FLUX.1 Kontext) whose tokens follow the row's own, counted in ``tokens``
-    conds: tuple[tuple[int, int] | None, ...] = ()
+    #: each row's conditioning images' latent (height, width)s, () for a row
+    #: without any (``conds``: () when no row has any): an edit's input images
+    #: (FLUX.1 Kontext, Qwen-Image-Edit) whose tokens follow the row's own, in
+    #: order, counted in ``tokens``
+    conds: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @staticmethod
     def uniform_rows(size: tuple[int, int], tokens: int, rows: int,
                      loras: tuple[tuple[int, float], ...] = (),
-                     cond: tuple[int, int] | None = None) -> RowLayout:
+                     cond: tuple[tuple[int, int], ...] = ()) -> RowLayout:
         return RowLayout((size,) * rows, (tokens,) * rows, (loras,) * rows if loras else (),
-                         (cond,) * rows if cond is not None else ())
+                         (cond,) * rows if cond else ())
 
     @staticmethod
     def join(parts: list[RowLayout]) -> RowLayout:
@@ -78,12 +79,12 @@ class RowLayout:
         loras = () if not any(p.loras for p in parts) else tuple(
             uses for p in parts for uses in (p.loras or ((),) * len(p)))
         conds = () if not any(p.conds for p in parts) else tuple(
-            c for p in parts for c in (p.conds or (None,) * len(p)))
+            c for p in parts for c in (p.conds or ((),) * len(p)))
         return RowLayout(tuple(size for p in parts for size in p.sizes),
                          tuple(n for p in parts for n in p.tokens), loras, conds)
 
-    def cond_of(self, row: int) -> tuple[int, int] | None:
-        return self.conds[row] if self.conds else None
+    def cond_of(self, row: int) -> tuple[tuple[int, int], ...]:
+        return self.conds[row] if self.conds else ()
 
     @property
     def uniform(self) -> bool:
@@ -105,7 +106,7 @@ class RowLayout:
         loras = self.loras[index] if self.loras else ()
         conds = self.conds[index] if self.conds else ()
         return RowLayout(self.sizes[index], self.tokens[index], loras if any(loras) else (),
-                         conds if any(c is not None for c in conds) else ())
+                         conds if any(conds) else ())
 
     def key_mask(self, text_tokens: int, device: torch.device) -> torch.Tensor | None:
         """(rows, text_tokens + longest) booleans, True where a key is a real

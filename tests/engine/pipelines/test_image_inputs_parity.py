@@ -227,3 +227,95 @@ def test_kontext_sizes_its_input_as_diffusers_does():
     preferred = msgspec.structs.replace(spec, edit_resize="preferred")
     assert preferred.input_size(request, 1000, 500) == (720, 1456)  # the nearest to 2:1
 
+
+
+@pytest.fixture(scope="module")
+def qwen_edit():
+    """Ours and diffusers' QwenImageEditPipeline on the tiny edit folder,
+    diffusers' fixed 1024 x 1024 input area shrunk to the tiny model's 64 x 64
+    (its ``calculate_dimensions``; diffrt's is the spec's ``edit_area``)."""
+    import diffusers
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+
+    from diffrt.engine.pipelines.qwen_image.vl_processor import load_vl_processor
+
+    folder = embedded_folder("tiny-qwen-image-edit")
+    theirs = diffusers.QwenImageEditPipeline.from_pretrained(
+        folder, local_files_only=True, processor=load_vl_processor(f"{folder}/processor"))
+    theirs.set_progress_bar_config(disable=True)
+    original = pipeline_qwenimage_edit.calculate_dimensions
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline_qwenimage_edit, "calculate_dimensions",
+                      lambda area, ratio: original(SIZE * SIZE, ratio))
+        yield load_pipeline("tiny-qwen-image-edit"), theirs
+
+
+def test_qwen_image_edit_matches_diffusers_alone_and_stepped(qwen_edit):
+    """Qwen2.5-VL reads each edit's image with its prompt (so the prompt
+    cache is passed by), the image's latents join the sequence as a second
+    frame; edits of other input shapes share steps (rows of other lengths)."""
+    ours, theirs = qwen_edit
+    wide = PIL.Image.fromarray(np.random.default_rng(1).integers(0, 255, (48, 80, 3), np.uint8))
+
+    def edit(rid: str, image, seed: int) -> DiffusionRequest:
+        return DiffusionRequest("make it blue", request_id=rid, images=[image],
+                                negative_prompt="blurry", sampling_params=SamplingParams(
+                                    num_inference_steps=STEPS, seed=seed, true_cfg_scale=4.0))
+
+    requests = [edit("square", _input_image(), 1), edit("wide", wide, 2),
+                edit("square-2", _input_image().transpose(PIL.Image.FLIP_LEFT_RIGHT), 1)]
+    want = {}
+    for r in requests:
+        image = theirs(image=r.images[0], prompt=r.prompt, negative_prompt=r.negative_prompt,
+                       true_cfg_scale=4.0, num_inference_steps=STEPS, output_type="np",
+                       generator=torch.Generator("cpu").manual_seed(r.sampling_params.seed)
+                       ).images[0]
+        want[r.request_id] = (image * 255).round().astype(np.int16)
+    assert want["wide"].shape[:2] == (64, 96)  # the input's aspect at the edit area
+    alone = {r.request_id: ours.forward(DiffusionRequestBatch([r]))[0] for r in requests[:1]}
+    stepped = dict(zip((r.request_id for r in requests), _stepped(ours, requests), strict=True))
+    for results in (alone, stepped):
+        for rid, image in results.items():
+            diff = np.abs(_pixels(image) - want[rid]).max()
+            assert diff <= MAX_DIFF, f"{rid}: {diff}/255 from diffusers"
+    # same prompt and seed, another image: another picture (the text encoder saw it)
+    assert np.abs(want["square"] - want["square-2"]).mean() > 1
+
+
+def test_qwen_image_edit_plus_reads_several_images_as_diffusers_does(monkeypatch):
+    """Plus: each input's latents are one more frame, and Qwen2.5-VL reads
+    each at its own (smaller) area with "Picture N:" before the prompt; the
+    default size follows the last image. diffusers' fixed input areas are
+    shrunk to the tiny model's, and its output (1 Mpx by default whatever
+    the areas) is given the size diffrt defaults to."""
+    import diffusers
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    from diffrt.engine.pipelines.qwen_image.vl_processor import load_vl_processor
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", SIZE * SIZE)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", SIZE * SIZE)
+    folder = embedded_folder("tiny-qwen-image-edit-plus")
+    theirs = diffusers.QwenImageEditPlusPipeline.from_pretrained(
+        folder, local_files_only=True, processor=load_vl_processor(f"{folder}/processor"))
+    theirs.set_progress_bar_config(disable=True)
+    ours = load_pipeline("tiny-qwen-image-edit-plus")
+    wide = PIL.Image.fromarray(np.random.default_rng(1).integers(0, 255, (48, 80, 3), np.uint8))
+    requests = [DiffusionRequest("put them side by side", request_id=rid, images=images,
+                                 negative_prompt="blurry", sampling_params=SamplingParams(
+                                     num_inference_steps=STEPS, seed=seed, true_cfg_scale=4.0))
+                for rid, images, seed in [("two", [wide, _input_image()], 1),
+                                          ("one", [wide], 2)]]
+    want = {}
+    for r in requests:
+        params = ours.prepared(r).sampling_params
+        image = theirs(image=r.images, prompt=r.prompt, negative_prompt=r.negative_prompt,
+                       height=params.height, width=params.width, true_cfg_scale=4.0,
+                       num_inference_steps=STEPS, output_type="np",
+                       generator=torch.Generator("cpu").manual_seed(params.seed)).images[0]
+        want[r.request_id] = (image * 255).round().astype(np.int16)
+    assert want["two"].shape[:2] == (64, 64) and want["one"].shape[:2] == (64, 96)  # the last's
+    stepped = dict(zip((r.request_id for r in requests), _stepped(ours, requests), strict=True))
+    for rid, image in stepped.items():
+        diff = np.abs(_pixels(image) - want[rid]).max()
+        assert diff <= MAX_DIFF, f"{rid}: {diff}/255 from diffusers"

@@ -66,8 +66,9 @@ def test_unknown_model_lists_known_names(tmp_path):
 
 
 def test_the_family_is_the_pipeline_class_the_folder_names(tmp_path):
-    """model_index.json's ``_class_name`` decides the family; an editing
-    pipeline that shares Flux's transformer class is refused, not run as
+    """model_index.json's ``_class_name`` decides the family and what it
+    serves: a Kontext index edits; a pipeline class no family serves that
+    shares Flux's transformer class (Fill) is refused, not run as
     text-to-image Flux; an index without ``_class_name`` falls back to its
     transformer class."""
     folder = tmp_path / "kontext"
@@ -75,11 +76,19 @@ def test_the_family_is_the_pipeline_class_the_folder_names(tmp_path):
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index,
                                                          "_class_name": "FluxKontextPipeline"}))
-    with pytest.raises(UnknownModelError, match="unsupported pipeline class FluxKontextPipeline"):
-        resolve_model_spec(str(folder))
-    del index["_class_name"]
-    (folder / "model_index.json").write_text(json.dumps(index))
     spec = resolve_model_spec(str(folder))
+    assert (spec.diffusers_pipeline, spec.tasks) == ("FluxKontextPipeline",
+                                                     ("text-to-image", "editing"))
+    fill = tmp_path / "fill"  # another folder: a folder's spec is resolved once
+    shutil.copytree(folder, fill)
+    (fill / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxFillPipeline"}))
+    with pytest.raises(UnknownModelError, match="unsupported pipeline class FluxFillPipeline"):
+        resolve_model_spec(str(fill))
+    del index["_class_name"]
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    (bare / "model_index.json").write_text(json.dumps(index))
+    spec = resolve_model_spec(str(bare))
     assert (spec.family, spec.diffusers_pipeline) == ("flux", "FluxPipeline")
 
 

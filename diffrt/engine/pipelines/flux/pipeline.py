@@ -79,23 +79,28 @@ class FluxPipeline(FlowMatchPipeline):
         # float32 whatever the model dtype: bf16 cannot count past 256 exactly
         return ids.reshape(h * w, 3).to(device=self.device)
 
-    def row_ids(self, size: tuple[int, int], cond: tuple[int, int] | None) -> torch.Tensor:
+    def row_ids(self, size: tuple[int, int], conds: tuple[tuple[int, int], ...]) -> torch.Tensor:
         """A row's token positions: its image's, then (an edit) its input
         image's, whose first coordinate is 1 (FluxKontextPipeline's ids)."""
-        ids = self.image_ids(size)
-        if cond is None:
-            return ids
-        cond_ids = self.image_ids(cond)
-        cond_ids[:, 0] = 1
-        return torch.cat([ids, cond_ids])
+        parts = [self.image_ids(size)]
+        for cond in conds:
+            parts.append(self.image_ids(cond))
+            parts[-1][:, 0] = 1
+        return torch.cat(parts) if conds else parts[0]
 
-    def condition_on_image(self, state: StepRequestState, image_latents: torch.Tensor) -> None:
-        """FLUX.1 Kontext: the input image's packed latents follow the noise's
-        tokens in every step (``row_input``); only the noise's are predicted."""
+    def condition_on_images(self, state: StepRequestState,
+                            image_latents: list[torch.Tensor]) -> None:
+        """An edit: the input images' packed latents follow the noise's tokens
+        in every step, in order (``row_input``); only the noise's are
+        predicted (FLUX.1 Kontext, and Qwen-Image-Edit, which packs alike)."""
         n = state.request.sampling_params.num_outputs_per_prompt
-        latents = torch.cat([image_latents] * n) if n > 1 else image_latents
-        state.extra["cond_tokens"] = self.pack_latents(latents.to(self.device, self.dtype))
-        state.extra["cond_size"] = (int(image_latents.shape[2]), int(image_latents.shape[3]))
+        packed = []
+        for latents in image_latents:
+            latents = torch.cat([latents] * n) if n > 1 else latents
+            packed.append(self.pack_latents(latents.to(self.device, self.dtype)))
+        state.extra["cond_tokens"] = torch.cat(packed, dim=1)
+        state.extra["cond_sizes"] = tuple((int(x.shape[2]), int(x.shape[3]))
+                                          for x in image_latents)
 
     def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)

@@ -4,6 +4,7 @@ tiny test folder (``tiny_folder.py``)."""
 
 from diffrt.engine.pipelines.family import Family
 
-FAMILY = Family("qwen-image", diffusers_pipelines=("QwenImagePipeline",),
+FAMILY = Family("qwen-image", diffusers_pipelines=("QwenImagePipeline", "QwenImageEditPipeline",
+                                                  "QwenImageEditPlusPipeline"),
                 transformer_classes=("QwenImageTransformer2DModel",),
                 describe="diffrt.engine.pipelines.qwen_image.spec:describe")

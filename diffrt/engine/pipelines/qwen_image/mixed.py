@@ -73,7 +73,9 @@ def row_rotary(model: Any, shapes: list[list[tuple[int, int, int]]], text_tokens
     for shape in shapes:
         table = tables.get(tuple(shape))
         if table is None:
-            image, text = model.pos_embed(shape, max_txt_seq_len=text_tokens, device=device)
+            # a batch of one row: pos_embed reads a batch's first row, whose
+            # frames (an edit's inputs after the output) it places one after another
+            image, text = model.pos_embed([shape], max_txt_seq_len=text_tokens, device=device)
             pad = image.new_ones(longest - image.shape[0], image.shape[1])
             table = tables[tuple(shape)] = (torch.cat([image, pad]), text)
         image_rows.append(table[0])

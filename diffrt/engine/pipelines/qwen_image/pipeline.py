@@ -25,10 +25,13 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.input_images import InputPixels
+from diffrt.engine.pipelines.flow_match import Conditioning
 from diffrt.engine.pipelines.flow_match_spec import qwen_vae_factor
 from diffrt.engine.pipelines.flux.pipeline import FluxPipeline
 from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.pipelines.segments import RowLayout
+from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 
 
@@ -80,8 +83,57 @@ class QwenImagePipeline(FluxPipeline):
         return combined * (cond_norm / torch.norm(combined, dim=-1, keepdim=True))
 
     def image_shapes(self, layout: RowLayout) -> list[list[tuple[int, int, int]]]:
-        """The transformer's rotary embedding input: one frame of packed tokens a row."""
-        return [[(1, h // 2, w // 2)] for h, w in layout.sizes]
+        """The transformer's rotary embedding input: one frame of packed tokens
+        a row, and an edit's input image as the next frame (as
+        QwenImageEditPipeline's ``img_shapes``)."""
+        return [[(1, h // 2, w // 2)] + [(1, ch // 2, cw // 2) for ch, cw in layout.cond_of(row)]
+                for row, (h, w) in enumerate(layout.sizes)]
+
+    text_sees_images = True
+
+    @staticmethod
+    def preloaded_components(folder: str) -> dict[str, Any]:
+        """An edit folder's Qwen2-VL processor (``vl_processor``: transformers
+        builds it only with torchvision, which this CPU stack lacks)."""
+        import os
+
+        from diffrt.engine.pipelines.folder_check import read_json_object
+
+        index = read_json_object(os.path.join(folder, "model_index.json"))
+        if "processor" not in index:
+            return {}
+        from diffrt.engine.pipelines.qwen_image.vl_processor import load_vl_processor
+
+        return {"processor": load_vl_processor(os.path.join(folder, "processor"))}
+
+    def encode_with_images(self, request: DiffusionRequest, inputs: InputPixels) -> Conditioning:
+        """The edit pipeline's own ``encode_prompt`` with the resized input
+        image (Qwen-Image-Edit) or images at their text encoder's size (its
+        Plus variant: "Picture 1: ..."), for the prompt and (when CFG runs)
+        the negative prompt apart, as diffusers calls it."""
+        from PIL import Image
+
+        text = self.text_encoder
+        pipeline = getattr(text, "encoder", text).pipeline  # past the prompt cache
+        pictures = [Image.fromarray(image.numpy())
+                    for image in (inputs.prompt_images or inputs.images)]
+        picture = pictures if inputs.prompt_images is not None else pictures[0]
+
+        def encode(prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+            embeds, mask = pipeline.encode_prompt(prompt=[prompt], image=picture,
+                                                  device=pipeline.text_encoder.device,
+                                                  num_images_per_prompt=1,
+                                                  max_sequence_length=1024)
+            if mask is None:
+                mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+            n = request.sampling_params.num_outputs_per_prompt
+            return (embeds.to(self.device, self.dtype).repeat_interleave(n, 0),
+                    mask.to(self.device, self.dtype).repeat_interleave(n, 0))
+
+        embeds, mask = encode(request.prompt)
+        if not self.spec.uses_cfg(request):
+            return Conditioning(embeds, mask)
+        return Conditioning(embeds, mask, *encode(self.spec.negative_prompt(request) or ""))
 
     def transformer_forward(
         self,
