@@ -9,7 +9,11 @@ convention settled, the request checked against the model's spec (its
 tasks, how many images it takes, the size) and its images converted to the
 engine's arrays at the size the model takes them (``to_arrays`` with
 ``ModelSpec.input_size``, what submission would do; the rule keeps a size
-it made, so the engine's own conversion is then a copy). Then it takes the
+it made, so the engine's own conversion is then a copy: the same pixels,
+and none of the work on the event loop). A model whose text encoder reads
+its inputs at another size (``ModelSpec.prompt_image_size``: Qwen-Image-Edit
+Plus) gets the decoded images as they are: those copies are made from the
+originals, at submission. Then it takes the
 generations' path (``routes.serve_images``): the same shedding, timeouts,
 url images and stream, with OpenAI's edit events
 (``image_edit.partial_image``, ``image_edit.completed``).
@@ -113,8 +117,12 @@ def _prepared(body: Any, inputs: EditInputs, request_id: str, client: EngineClie
         request.validate()
         resolved = spec.with_defaults(request)
         spec.check(resolved)
-        arrays, mask_array = to_arrays(images, mask,
-                                       lambda w, h: spec.input_size(resolved, w, h))
+        if spec.prompt_image_size(resolved) is not None:
+            # its text encoder reads the inputs at a size of their own, made
+            # from the originals: the engine converts them (on submission)
+            return request
+        converted = to_arrays(images, mask, lambda w, h: spec.input_size(resolved, w, h))
     except InvalidRequestError as exc:
         raise invalid(exc, route) from None
-    return msgspec.structs.replace(request, images=arrays, mask_image=mask_array)
+    return msgspec.structs.replace(request, images=converted.images,
+                                   mask_image=converted.mask)

@@ -90,6 +90,25 @@ def test_multipart_and_json_bodies_make_the_same_edit(flux_app):
     assert np.abs(_pixels(doc) - _pixels(other)).max() > 8
 
 
+def test_an_edit_over_http_is_the_engines_own(flux_app, flux_step_engine):
+    """The server decodes and converts the inputs before submission (off the
+    event loop); the pixels are those of the same images given to the engine
+    directly, at the request's size and at the model's default."""
+    from diffrt.engine import DiffusionRequest, SamplingParams
+
+    picture, mask = _picture(6, (96, 80)), _square_mask((96, 80))
+    for size, height, width in (("64x64", 64, 64), ("auto", None, None)):
+        over_http = _edit(flux_app, _file(picture), _file(mask), strength="0.8", size=size)
+        assert over_http.status_code == 200, over_http.text[:300]
+        direct = flux_step_engine.generate(DiffusionRequest(
+            "a red fox", images=[picture], mask_image=mask,
+            sampling_params=SamplingParams(height=height, width=width, seed=3,
+                                           num_inference_steps=4, strength=0.8)))
+        assert direct.ok, direct.error
+        engine = np.asarray(direct.images[0].convert("RGB"), dtype=np.int16)
+        assert np.abs(_pixels(over_http.json()) - engine).max() <= 1, size
+
+
 def test_an_alpha_mask_edits_where_it_is_transparent(flux_app):
     """OpenAI's mask (alpha 0: edit here) gives the same edit as diffusers'
     mask (white: repaint) of the same region."""
@@ -427,3 +446,34 @@ def test_the_openapi_schema_describes_both_forms(flux_app):
     generations = doc["paths"]["/v1/images/generations"]["post"]["requestBody"]
     ref = generations["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
     assert "strength" not in doc["components"]["schemas"][ref]["properties"]
+
+
+@pytest.mark.parametrize("model", ["tiny-flux-kontext", "tiny-qwen-image-edit-plus"])
+def test_an_editing_model_edits_over_http_as_the_engine_does(model):
+    """An editing model sizes its inputs its own way (Kontext keeps the
+    input's size; Qwen-Image-Edit Plus also reads a copy of its own size
+    with the prompt): over HTTP the pixels are those of the same picture
+    given to the engine directly, and a mask (not served with an edit yet)
+    is refused by the engine's own check, named as the body names it."""
+    from diffrt.engine import DiffusionRequest, SamplingParams
+
+    picture = _picture(8, (96, 80))
+    with DiffusionEngine.make_engine(EngineConfig(
+            model=model, executor_backend="inproc", step_execution=True, max_num_seqs=1,
+            warmup=False)) as engine:
+        app = build_app(settings=ServeSettings(api_key=API_KEY), engine=engine)
+        response = call(app, "POST", EDITS, files=[("image", ("a.png", _file(picture),
+                                                              "image/png"))],
+                        data={"prompt": "make it blue", "num_inference_steps": "2",
+                              "seed": "5"})
+        assert response.status_code == 200, response.text[:300]
+        direct = engine.generate(DiffusionRequest(
+            "make it blue", images=[picture],
+            sampling_params=SamplingParams(seed=5, num_inference_steps=2)))
+        assert direct.ok, direct.error
+        engine_pixels = np.asarray(direct.images[0].convert("RGB"), dtype=np.int16)
+        assert np.abs(_pixels(response.json()) - engine_pixels).max() <= 1
+        masked = _edit(app, _file(picture), _file(_square_mask((96, 80))), size="auto",
+                       num_inference_steps="2")
+        error = _error(masked, 400, "mask")
+        assert error["message"].startswith(f"mask: {model} edits without a mask"), error
