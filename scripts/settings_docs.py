@@ -55,6 +55,8 @@ def sampling_table() -> str:
     for d in declared_fields(SamplingParams):
         http = d.extra.get("http")
         http_text = "—" if http is None else f"`{http or d.name}`"
+        if http is not None and d.extra.get("needs_image"):
+            http_text += " (edits)"
         cli = d.extra.get("cli")
         cli_text = "—" if cli is None else ", ".join(
             [f"`--{d.name.replace('_', '-')}`", *(f"`{a}`" for a in cli)])

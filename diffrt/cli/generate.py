@@ -3,6 +3,11 @@
 Every prompt becomes one request; all of them go to the engine at once and are
 consumed concurrently (asyncio.gather over `step_streaming`), so the engine can
 batch them. Progress bars are driven by the engine's step progress outputs.
+
+``--image`` (and ``--mask``) turn every prompt's request into image-to-image
+(inpainting): the files are read as the server reads an upload
+(``engine.image_files``: EXIF orientation, the pixel bound, a mask's alpha
+convention), and ``--strength`` says how much is re-drawn.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from diffrt.cli.engine_opts import (
     check_requests,
     engine_settings,
     make_engine,
-    model_defaults,
     model_name,
+    model_spec,
     plugin_modules,
     sampling_params,
 )
@@ -46,11 +51,66 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="image file; with several prompts out.png becomes out-<i>.png (i: the "
                         "prompt's index), with -n > 1 out[-<i>]-<k>.png (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.add_argument("--image", action="append", default=[], type=Path, metavar="FILE",
+                   help="an input image (PNG, JPEG, WebP, GIF, BMP): image-to-image with "
+                        "--strength, inpainting with --mask; repeat for a model that takes "
+                        "several")
+    p.add_argument("--mask", type=Path, default=None, metavar="FILE",
+                   help="where to repaint the (first) --image, as large as it: white "
+                        "(without alpha, as diffusers), or fully transparent pixels (with "
+                        "alpha, as OpenAI's edits)")
     # --seed is the first prompt's: prompt i uses seed+i
     add_sampling_args(p, defaults={"seed": 0})
     add_engine_args(p)
     add_trace_args(p)
     p.set_defaults(func=run)
+
+
+#: request fields -> the flags that set them (in refusals)
+_FLAGS = {"images": "--image", "mask_image": "--mask"}
+
+
+def read_inputs(args: argparse.Namespace) -> tuple[list[Any], Any]:
+    """The ``--image`` files and the ``--mask`` file as the engine takes them."""
+    from diffrt.engine.image_files import decode_image, mask_for_engine
+
+    if args.mask is not None and not args.image:
+        raise CliError("--mask needs an --image to mask")
+    images = [decode_image(_read_file(path, "--image"), f"--image {str(path)!r}")
+              for path in args.image]
+    mask = None
+    if args.mask is not None:
+        name = f"--mask {str(args.mask)!r}"
+        mask = mask_for_engine(decode_image(_read_file(args.mask, "--mask"), name), name)
+    return images, mask
+
+
+def _read_file(path: Path, flag: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise CliError(f"cannot read {flag} {str(path)!r}: {exc.strerror or exc}") from None
+
+
+def _check(model: str, requests: list[Any], plugins: list[str]) -> None:
+    """``check_requests``, and the input images converted as submission will
+    convert them (a mask of another size than its image is refused here,
+    before the engine starts); refusals name the image flags."""
+    from diffrt.engine.input_images import to_arrays
+    from diffrt.engine.sampling import InvalidRequestError
+
+    try:
+        check_requests(model, requests, plugins)
+        if requests[0].images:
+            spec = model_spec(model, plugins)
+            resolved = spec.with_defaults(requests[0])
+            to_arrays(resolved.images, resolved.mask_image,
+                      lambda w, h: spec.input_size(resolved, w, h))
+    except InvalidRequestError as exc:
+        field = exc.field.split("[", 1)[0]
+        if field not in _FLAGS:
+            raise
+        raise CliError(f"{_FLAGS[field]}: {str(exc)[len(exc.field) + 2:]}") from None
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -126,11 +186,13 @@ def run(args: argparse.Namespace) -> int:
     from diffrt.engine.request import DiffusionRequest
 
     model, plugins = model_name(args), plugin_modules(args)
+    images, mask = read_inputs(args)
     requests = [DiffusionRequest(prompt=p, negative_prompt=args.negative_prompt,
                                  sampling_params=sampling_params(
-                                     args, seed=None if args.seed is None else args.seed + i))
+                                     args, seed=None if args.seed is None else args.seed + i),
+                                 images=list(images), mask_image=mask)
                 for i, p in enumerate(prompts)]
-    check_requests(model, requests, plugins)
+    _check(model, requests, plugins)
     settings = engine_settings(args)
     settings.setdefault("max_num_seqs", len(requests))
     if len(requests) > 1:  # let the whole burst join one batch
@@ -141,8 +203,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with trace_session(args, title=f"diffrt generate ({model}, {len(prompts)} prompts)") as tw:
         engine = make_engine(settings)
-        steps = requests[0].sampling_params.num_inference_steps or model_defaults(
-            model, plugins)["num_inference_steps"]
+        steps = _denoise_steps(requests[0], model, plugins)
         progress = _Progress(prompts, steps, enabled=not args.no_progress)
         try:
             with tw.window():  # the trace leaves out start-up and warm-up
@@ -155,6 +216,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(prompts) - failed} of {len(prompts)} prompts done in {elapsed:.2f} s "
               f"(engine start-up included)")
     return EXIT_FAILURE if failed else 0
+
+
+def _denoise_steps(request: Any, model: str, plugins: list[str]) -> int:
+    """The steps a request's progress bar counts: with an input image, those
+    ``--strength`` leaves (the engine's outputs correct the bar otherwise)."""
+    return model_spec(model, plugins).with_defaults(request).sampling_params.denoise_steps()
 
 
 def _save(prompts: list[str], finals: list[Any], paths: list[list[Path]]) -> int:

@@ -61,6 +61,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "%(default)s)")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20,
                    help="largest request body (default: %(default)s)")
+    p.add_argument("--max-edit-body-bytes", type=positive_int, default=32 << 20,
+                   help="largest body of POST /v1/images/edits, its images and mask together "
+                        "(default: %(default)s)")
+    p.add_argument("--max-edit-bytes-in-flight", type=positive_int, default=256 << 20,
+                   help="bytes of edit bodies held at once (being received or decoded); an "
+                        "edit past it: 429 (default: %(default)s)")
     p.add_argument("--url-ttl", type=non_negative_float, default=600.0,
                    help='seconds a response_format="url" image is kept (default: %(default)s)')
     p.add_argument("--lora-dir", default=None, metavar="DIR",
@@ -188,7 +194,9 @@ def build_serve_settings(args: argparse.Namespace) -> Any:
     return ServeSettings(
         model_name=args.served_model_name, api_key=args.api_key or None,
         max_pending=args.max_pending, shutdown_timeout_s=args.shutdown_timeout,
-        max_body_bytes=args.max_body_bytes, url_ttl_s=args.url_ttl,
+        max_body_bytes=args.max_body_bytes, max_edit_body_bytes=args.max_edit_body_bytes,
+        max_edit_bytes_in_flight=args.max_edit_bytes_in_flight,
+        url_ttl_s=args.url_ttl,
         allowed_hosts=allowed_hosts(args), public_url=public_url(args),
         body_timeout_s=args.body_timeout, max_request_line_bytes=args.max_request_line_bytes,
         lora_dir=lora_dir(args))

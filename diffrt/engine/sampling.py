@@ -65,7 +65,7 @@ INT64_MAX = 2**63 - 1
 
 
 def _about(description: str, *, http: str | None = "", cli: tuple[str, ...] | None = (),
-           unchecked_le: int | None = None, **limits: Any) -> Meta:
+           unchecked_le: int | None = None, needs_image: bool = False, **limits: Any) -> Meta:
     """A sampling field's declaration beside its type (``Annotated[type, _about(...)]``):
     its help, ``limits`` (msgspec ``Meta``: the check and the error naming the
     field; on an optional field they sit on the inner type instead), and how the
@@ -73,9 +73,12 @@ def _about(description: str, *, http: str | None = "", cli: tuple[str, ...] | No
     name, None: no meaning over HTTP, the declaration says why), ``cli`` the
     command line's extra aliases (None: no flag). ``unchecked_le`` is an upper
     bound beyond msgspec's int64 ones, kept here and checked by ``validate``.
-    The HTTP body (``serve/protocol.py``) and the CLI flags
+    ``needs_image``: the field means something only for a request with input
+    images (the HTTP body of /v1/images/edits carries it, that of
+    /v1/images/generations does not). The HTTP body (``serve/protocol.py``) and the CLI flags
     (``cli/engine_opts.py``) are built from these."""
-    extra: dict[str, Any] = {"http": http, "cli": None if cli is None else list(cli)}
+    extra: dict[str, Any] = {"http": http, "cli": None if cli is None else list(cli),
+                             "needs_image": needs_image}
     if unchecked_le is not None:
         extra["le"] = unchecked_le
     return Meta(description=description, extra=extra, **limits)
@@ -138,7 +141,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     strength: Annotated[Annotated[float, Meta(gt=0, le=1)] | None, _about(
         "image-to-image and inpainting: how much of the input image is re-drawn, in "
         "(0, 1]; the steps that run are int(steps * strength) as diffusers rounds them "
-        "(only with an input image; default: the model's)")] = None
+        "(only with an input image; default: the model's)", needs_image=True)] = None
 
     def start_step(self) -> int:
         """The schedule step an image-to-image request starts at, as

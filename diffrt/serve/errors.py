@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from diffrt.serve.protocol import EDIT_ONLY_FIELDS
+
 logger = logging.getLogger(__name__)
 
 #: status -> OpenAI's error type for it
@@ -29,6 +31,7 @@ ERROR_TYPES = {
     409: "invalid_request_error",
     413: "invalid_request_error",
     414: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     501: "server_error",
@@ -74,7 +77,9 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     kind = first.get("type", "")
     if param is None and kind == "missing":  # no body at all
         return ApiError(400, "a JSON object body is required", code="invalid_value")
-    if kind == "extra_forbidden":
+    if kind == "extra_forbidden" and param in EDIT_ONLY_FIELDS:
+        message = f"{param}: applies to an input image; send it to POST /v1/images/edits"
+    elif kind == "extra_forbidden":
         message = f"unknown field {param!r}"
     elif kind == "missing":
         message = f"{param}: required"

@@ -1,5 +1,5 @@
-"""The checks a request passes before its body is read: its ``Host`` and its
-API key.
+"""The checks a request passes before its body is read: its ``Host``, its
+API key, and the bound its body is read within.
 
 Both run in the request middleware ahead of the body (FastAPI reads a body
 before it resolves a route's dependencies), so a client without the key, or
@@ -18,9 +18,12 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import Message, Receive, Scope, Send
 
 from diffrt.serve.errors import ApiError
+from diffrt.serve.settings import ServeSettings
 
 #: the one route under /v1 that needs no key: its random id is the credential
 _OPEN_V1 = re.compile(r"/v1/images/[^/]+/content")
+#: the route whose body carries images (``max_edit_body_bytes``)
+EDITS_PATH = "/v1/images/edits"
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -105,3 +108,10 @@ def check_api_key(scope: dict, key: str | None) -> None:
                                                               key.encode("utf-8")):
         raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
+
+
+def body_limit(scope: dict, settings: ServeSettings) -> int:
+    """The most bytes a request's body may have: an edit's (images) or any other's."""
+    if route_path(scope) == EDITS_PATH:
+        return settings.max_edit_body_bytes
+    return settings.max_body_bytes

@@ -5,9 +5,13 @@ line and the count of answers by status.
 In order: a request target longer than ``max_request_line_bytes`` is 414,
 a ``Host`` the server does not answer is 400, a missing or wrong API key is
 401 (``guards.py``: all from the headers, nothing of the body read yet); then
-the body is read within ``max_body_bytes`` (413) and ``body_timeout_s``
-(408), and handed to the app whole (bodies are small: a prompt and a few
-fields). A client that leaves before its body is complete is not served:
+the body is read within ``max_body_bytes`` (413; an edit's, which carries
+images, within ``max_edit_body_bytes``: ``guards.body_limit``) and
+``body_timeout_s`` (408), and handed to the app whole (a prompt and a few
+fields, or an edit's images: parsed from memory, ``edit_body.py``). The
+edit bodies held at once share ``max_edit_bytes_in_flight``
+(``body_budget.py``: 429 past it), and a body is referenced only until the
+app has read it, not while its request waits for the engine. A client that leaves before its body is complete is not served:
 nothing of a cut-short body reaches the engine.
 
 Every refusal is an ``ApiError`` answered in OpenAI's shape, as the app's
@@ -25,8 +29,9 @@ import time
 import uuid
 from typing import Any
 
+from diffrt.serve.body_budget import BodyBudget, BodyHold
 from diffrt.serve.errors import ApiError, error_body
-from diffrt.serve.guards import HostGuard, check_api_key
+from diffrt.serve.guards import EDITS_PATH, HostGuard, body_limit, check_api_key, route_path
 from diffrt.serve.logsafe import escape
 from diffrt.serve.settings import ServeSettings
 
@@ -43,9 +48,10 @@ class RequestContext:
     def __init__(self, app: Any, *, settings: ServeSettings, on_response: Any = None):
         self.app = app
         self.settings = settings
-        self.max_body_bytes = settings.max_body_bytes
         self.hosts = HostGuard(settings.allowed_hosts)
         self.on_response = on_response
+        self.edit_bodies = BodyBudget(settings.max_edit_bytes_in_flight,
+                                      settings.retry_after_s)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -53,7 +59,11 @@ class RequestContext:
             return
         # uuid4: time-based ids collide under concurrency (vllm-omni #1080)
         request_id = uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        hold = self.edit_bodies.hold() if route_path(scope) == EDITS_PATH else None
+        if hold is not None:  # the edit route gives the room back once it has read the body
+            state["release_body"] = hold.release
         start = time.monotonic()
         status = [0]
 
@@ -68,8 +78,9 @@ class RequestContext:
             self._check_request_line(scope)
             await self.hosts.check(scope)
             check_api_key(scope, self.settings.api_key)
-            body = await self._read_body(scope, receive)
-            await self.app(scope, _replay(body, receive), send_with_id)
+            # no reference to the body here: it goes once the app has read it
+            await self.app(scope, _replay(await self._read_body(scope, receive, hold), receive),
+                           send_with_id)
         except ClientGone:
             access_log.info("%s: the client left before its body was complete", request_id)
         except ApiError as exc:
@@ -85,6 +96,8 @@ class RequestContext:
                 await _send_json(send_with_id, 500, error_body(
                     500, f"internal error: {type(exc).__name__}"))
         finally:
+            if hold is not None:
+                hold.release()
             if self.on_response is not None and status[0]:
                 self.on_response(status[0])
             access_log.info("%s %s %s %d %.3fs", request_id, escape(scope.get("method", "")),
@@ -97,21 +110,25 @@ class RequestContext:
                                 f"{self.settings.max_request_line_bytes} bytes",
                            code="uri_too_long")
 
-    async def _read_body(self, scope: dict, receive: Any) -> bytes:
-        """The whole request body, within ``max_body_bytes`` (a declared length
-        is refused before reading, a chunked upload as it grows) and
-        ``body_timeout_s``. Raises ApiError (413, 408) or ClientGone."""
+    async def _read_body(self, scope: dict, receive: Any, hold: BodyHold | None) -> bytes:
+        """The whole request body, within its bound (``guards.body_limit``: a
+        declared length is refused before reading, a chunked upload as it
+        grows), ``body_timeout_s`` and, for an edit, room in the budget of
+        edit bodies (``hold``). Raises ApiError (413, 408, 429) or ClientGone."""
+        limit = body_limit(scope, self.settings)
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            raise self._too_large()
+        if declared is not None and declared > limit:
+            raise _too_large(limit)
+        if hold is not None and declared is not None:
+            hold.grow(declared)
         timeout = self.settings.body_timeout_s
         try:
-            return await asyncio.wait_for(self._chunks(receive), timeout)
+            return await asyncio.wait_for(self._chunks(receive, limit, hold), timeout)
         except asyncio.TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
                            code="request_timeout") from None
 
-    async def _chunks(self, receive: Any) -> bytes:
+    async def _chunks(self, receive: Any, limit: int, hold: BodyHold | None) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -119,15 +136,17 @@ class RequestContext:
                 raise ClientGone
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large()
+            if size > limit:
+                raise _too_large(limit)
+            if hold is not None:
+                hold.grow(size)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _too_large(self) -> ApiError:
-        return ApiError(413, f"request body larger than {self.max_body_bytes} bytes",
-                        code="request_too_large")
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
 
 
 async def _send_json(send: Any, status: int, doc: dict,
@@ -142,14 +161,14 @@ async def _send_json(send: Any, status: int, doc: dict,
 
 
 def _replay(body: bytes, receive: Any) -> Any:
-    """``receive`` for the app: the body read already, then the client's own
-    messages (so a disconnect still reaches the handler)."""
-    sent = [False]
+    """``receive`` for the app: the body read already (then dropped: the app
+    holds it as long as it needs it), then the client's own messages (so a
+    disconnect still reaches the handler)."""
+    held: list[bytes] = [body]
 
     async def replay() -> dict:
-        if not sent[0]:
-            sent[0] = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        if held:
+            return {"type": "http.request", "body": held.pop(), "more_body": False}
         return await receive()
 
     return replay

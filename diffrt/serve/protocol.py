@@ -9,6 +9,13 @@ diffrt's extensions at the top level (what the ``openai`` client's
 fields are made from ``SamplingParams``' declarations, with OpenAI's names
 where OpenAI has one (``n``; ``size`` for height and width; ``*_ms`` for a
 ``*_s`` field), so the body, the engine and the CLI accept the same values.
+
+``ImageEditForm`` is the same body for ``/v1/images/edits``, with the
+sampling fields that need an input image (``strength``: declared
+``needs_image``) and OpenAI's edit-only ``input_fidelity`` (ignored); it is
+what a multipart body's text fields are read as. ``ImageEditRequest`` adds
+the JSON body's images (``images``, ``mask``: ``data:`` URLs), which a
+multipart body sends as file parts instead (``edit_body.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from diffrt.engine.declarations import Declared, declared_fields
+from diffrt.engine.input_images import MAX_INPUT_IMAGES
 from diffrt.engine.sampling import SamplingParams
 
 #: upper bound of a prompt in characters (the engine's own limit may be lower)
@@ -92,11 +100,32 @@ def _body_field(declared: Declared, name: str) -> tuple[Any, Any]:
     return annotation, Field(default, description=declared.description, **bounds)
 
 
-#: the sampling fields the body carries, and their body names
+#: the sampling fields a body may carry (the edit body all of them), and their body names
 _DECLARED = {d.name: d for d in declared_fields(SamplingParams)}
 SAMPLING_FIELDS: tuple[BodyField, ...] = tuple(
     BodyField(d.name, name, _scale(d, name))
     for d in _DECLARED.values() if (name := _http_name(d)) is not None)
+#: those that mean something without an input image: the generation body's
+GENERATION_FIELDS: tuple[BodyField, ...] = tuple(
+    f for f in SAMPLING_FIELDS if not _DECLARED[f.field].extra.get("needs_image"))
+#: body names of the fields only an edit carries (a generation naming one is
+#: told where it belongs)
+EDIT_ONLY_FIELDS: frozenset[str] = frozenset(
+    f.http for f in SAMPLING_FIELDS if f not in GENERATION_FIELDS)
+
+
+class _ImageEditBody(_ImageGenerationBody):
+    """POST /v1/images/edits: the generation body, and OpenAI's edit field that
+    means nothing here."""
+
+    input_fidelity: str | None = Field(None, max_length=32, description="accepted, ignored")
+
+
+#: a JSON body's input image: a ``data:`` URL (base64), or OpenAI's
+#: ``{"image_url": <data URL>}``; the server never fetches a remote URL
+ImageInput = str | dict[str, str]
+_IMAGE_HELP = ('a data: URL with the image base64-encoded ("data:image/png;base64,..."), '
+               'or {"image_url": <that URL>}; remote URLs are refused')
 
 if TYPE_CHECKING:
     class ImageGenerationRequest(_ImageGenerationBody):
@@ -105,11 +134,32 @@ if TYPE_CHECKING:
         route checks against ``stream`` itself."""
 
         n: int
+
+    class ImageEditForm(_ImageEditBody):
+        n: int
+
+    class ImageEditRequest(ImageEditForm):
+        images: list[ImageInput]
+        mask: ImageInput | None
 else:
     ImageGenerationRequest = create_model(
         "ImageGenerationRequest", __base__=_ImageGenerationBody,
         __doc__="POST /v1/images/generations (OpenAI's fields, then the sampling fields).",
+        **{f.http: _body_field(_DECLARED[f.field], f.http) for f in GENERATION_FIELDS})
+    ImageEditForm = create_model(
+        "ImageEditForm", __base__=_ImageEditBody,
+        __doc__="POST /v1/images/edits as multipart/form-data: the text fields (the images "
+                "are file parts: image, image[], mask).",
         **{f.http: _body_field(_DECLARED[f.field], f.http) for f in SAMPLING_FIELDS})
+    ImageEditRequest = create_model(
+        "ImageEditRequest", __base__=ImageEditForm,
+        __doc__="POST /v1/images/edits as JSON: the images as data: URLs.",
+        images=(list[ImageInput], Field(min_length=1, max_length=MAX_INPUT_IMAGES,
+                                        description="the images to edit: " + _IMAGE_HELP)),
+        mask=(ImageInput | None, Field(None, description=(
+            "where to edit the first image, as large as it: with an alpha channel, fully "
+            "transparent pixels (OpenAI's convention); without one, white (diffusers'); "
+            + _IMAGE_HELP))))
 
 
 class ImageData(BaseModel):
@@ -149,6 +199,7 @@ class ModelInfo(BaseModel):
 
     family: str
     tasks: list[str]
+    max_input_images: int = Field(description="images one edit may give (0: no edits)")
     size_multiple: int
     max_size: int
     max_steps: int

@@ -9,6 +9,9 @@ brings any refusal (capacity: 503/429; the engine's own checks at submission:
 a 400 naming the field); then it waits for the final output while watching for
 the client to leave (``_until_done_or_gone``), or, for a stream, for the first
 output and then sends server-sent events as the outputs come (``_events``).
+``/v1/images/edits`` (``edit_routes.py``) reads its body and images its own
+way, then takes the same path (``check_body``, ``serve_images``) with its
+own event names and field names (an ``ImageRoute``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -28,12 +32,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from diffrt.engine import DiffusionOutput, DiffusionRequest, InvalidRequestError, SamplingParams
-from diffrt.engine.errors import EngineError, EngineRestartingError
+from diffrt.engine.errors import EngineError, EngineRestartingError, InputsFullError
 from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.errors import ApiError
 from diffrt.serve.images import MEDIA_TYPES, ImageStore, Reservation, StoreFull, b64, encode_image
 from diffrt.serve.protocol import (
     SAMPLING_FIELDS,
+    BodyField,
     DiffrtInfo,
     ErrorResponse,
     ImageData,
@@ -52,12 +57,29 @@ DISCONNECT_POLL_S = 0.1
 #: the Retry-After of a request refused while fresh workers start (as for a
 #: server still loading: workers take seconds to start)
 RESTART_RETRY_AFTER_S = 5
+#: the Retry-After of a request whose input images find no room among those
+#: of the requests held (they free as those finish: seconds at most)
+INPUTS_RETRY_AFTER_S = 1
 #: engine field -> the API field a client set it with
 _PARAMS = {"height": "size", "width": "size", "num_outputs_per_prompt": "n",
            "sampling_params": "size", "num_inference_steps": "num_inference_steps"}
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)}
+
+
+@dataclass(frozen=True)
+class ImageRoute:
+    """What differs between the routes that answer with images: the stream's
+    event names (``<events>.partial_image``, ``<events>.completed``) and the
+    body's names of engine fields beyond ``_PARAMS`` (an edit's images: its
+    refusals are reworded with them, "mask_image: ..." as "mask: ...")."""
+
+    events: str
+    params: Mapping[str, str] = field(default_factory=dict)
+
+
+GENERATION = ImageRoute("image_generation")
 
 router = APIRouter()
 
@@ -75,6 +97,15 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:
     server-sent events: ``image_generation.partial_image`` previews, then
     ``image_generation.completed``."""
     client = _client(request)
+    check_body(body, client)
+    engine_request = to_engine_request(body, request.state.request_id,
+                                       step_execution=client.step_mode)
+    return await serve_images(client, body, engine_request, request, GENERATION)
+
+
+def check_body(body: Any, client: EngineClient) -> None:
+    """What an image body may not ask of this server: another model, a
+    stream of several images, progress events without step boundaries."""
     if body.model is not None and body.model != client.model_name:
         raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
                             f"{client.model_name!r}", param="model", code="model_not_found")
@@ -83,20 +114,24 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:
     if body.stream_progress and not client.step_mode:  # previews: the engine's own check
         raise ApiError(400, "stream_progress: needs a server with step_execution (diffrt serve "
                             "--step-execution, the default)", param="stream_progress")
-    engine_request = to_engine_request(body, request.state.request_id,
-                                       step_execution=client.step_mode)
+
+
+async def serve_images(client: EngineClient, body: Any, engine_request: DiffusionRequest,
+                       request: Request, route: ImageRoute) -> Any:
+    """Run ``engine_request`` and answer with its images: a JSON response, or
+    (``body.stream``) server-sent events named for ``route``."""
     created = int(time.time())
     room = _reserve_urls(body, engine_request, request) if body.response_format == "url" else None
     try:
-        return await _generate(client, body, engine_request, request, created, room)
+        return await _generate(client, body, engine_request, request, created, room, route)
     finally:
         if room is not None:
             room.release()
 
 
-async def _generate(client: EngineClient, body: ImageGenerationRequest,
-                    engine_request: DiffusionRequest, request: Request, created: int,
-                    room: Reservation | None) -> Any:
+async def _generate(client: EngineClient, body: Any, engine_request: DiffusionRequest,
+                    request: Request, created: int, room: Reservation | None,
+                    route: ImageRoute) -> Any:
     # capacity (429/503) and the engine's checks (400) answer on the first
     # output, which both paths below await before any response goes out
     outputs = client.run(engine_request)
@@ -104,16 +139,16 @@ async def _generate(client: EngineClient, body: ImageGenerationRequest,
         # The first output is awaited here, before the 200 goes out, so a
         # refusal at submission (429, 503, 400) is an HTTP status, not an
         # error event inside a 200.
-        first = await _until_done_or_gone(_anext(outputs), request)
+        first = await _until_done_or_gone(_anext(outputs), request, route)
         if first is None:
             return Response(status_code=499)
         if first.finished:
             raise_for_final(first, client)
-        return StreamingResponse(_events(client, outputs, first, body),
+        return StreamingResponse(_events(client, outputs, first, body, route),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache",
                                           **client.response_headers(first.request_id)})
-    final = await _until_done_or_gone(_last(outputs), request)
+    final = await _until_done_or_gone(_last(outputs), request, route)
     if final is None:  # the client left: nobody reads an answer
         return Response(status_code=499)
     raise_for_final(final, client)
@@ -122,8 +157,7 @@ async def _generate(client: EngineClient, body: ImageGenerationRequest,
     return response
 
 
-def _reserve_urls(body: ImageGenerationRequest, engine_request: DiffusionRequest,
-                  request: Request) -> Reservation:
+def _reserve_urls(body: Any, engine_request: DiffusionRequest, request: Request) -> Reservation:
     """Room in the url store for the request's images, taken at submission: a
     request that does not fit is refused (429) and no image is ever evicted.
     Each image is estimated at its raw RGBA size (a PNG of it is smaller);
@@ -152,8 +186,15 @@ def image_url(request: Request, image_id: str) -> str:
     return f"{public.rstrip('/')}{path}" if public else path
 
 
-def _invalid(exc: InvalidRequestError) -> ApiError:
-    return ApiError(400, str(exc), param=_PARAMS.get(exc.field, exc.field), code="invalid_value")
+def invalid(exc: InvalidRequestError, route: ImageRoute = GENERATION) -> ApiError:
+    """The 400 of an engine refusal, naming the field as the body names it."""
+    message = str(exc)
+    param = route.params.get(exc.field)
+    if param is None:
+        param = _PARAMS.get(exc.field, exc.field)
+    elif message.startswith(f"{exc.field}: "):
+        message = f"{param}: {message[len(exc.field) + 2:]}"
+    return ApiError(400, message, param=param, code="invalid_value")
 
 
 async def _anext(outputs: AsyncIterator[DiffusionOutput]) -> DiffusionOutput | None:
@@ -167,22 +208,31 @@ async def _last(outputs: AsyncIterator[DiffusionOutput]) -> DiffusionOutput | No
     return final
 
 
-def to_engine_request(body: Any, request_id: str, *, step_execution: bool = True
-                      ) -> DiffusionRequest:
+def to_engine_request(body: Any, request_id: str, *, step_execution: bool = True,
+                      images: list[Any] | None = None, mask: Any = None) -> DiffusionRequest:
     """The engine request of a body: its sampling fields by their declared
-    names (``protocol.SAMPLING_FIELDS``), ``size`` as height and width.
-    Previews go only to a stream; a body without one asks for none from a
-    STEP_BATCH server, while a REQUEST_BATCH server passes them on for the
-    engine to refuse (it has no step boundaries to show them at)."""
+    names (``protocol.SAMPLING_FIELDS``, those the body's model has), ``size``
+    as height and width, and an edit's input images. Previews go only to a
+    stream; a body without one asks for none from a STEP_BATCH server, while
+    a REQUEST_BATCH server passes them on for the engine to refuse (it has
+    no step boundaries to show them at)."""
     height, width = parse_size(body.size)
     fields: dict[str, Any] = {"height": height, "width": width}
-    for f in SAMPLING_FIELDS:
+    for f in _fields_of(body):
         value = getattr(body, f.http)
         fields[f.field] = value / f.scale if value is not None and f.scale != 1.0 else value
     if not body.stream and step_execution:
         fields["partial_images"] = 0
     return DiffusionRequest(prompt=body.prompt, negative_prompt=body.negative_prompt,
-                            request_id=request_id, sampling_params=SamplingParams(**fields))
+                            request_id=request_id, sampling_params=SamplingParams(**fields),
+                            images=list(images or []), mask_image=mask)
+
+
+def _fields_of(body: Any) -> tuple[BodyField, ...]:
+    """The sampling fields ``body``'s model carries (a generation body has no
+    ``strength``)."""
+    present = type(body).model_fields
+    return tuple(f for f in SAMPLING_FIELDS if f.http in present)
 
 
 def parse_size(size: str) -> tuple[int | None, int | None]:
@@ -196,7 +246,8 @@ def parse_size(size: str) -> tuple[int | None, int | None]:
     return int(match.group(2)), int(match.group(1))
 
 
-async def _until_done_or_gone(work: Any, request: Request) -> DiffusionOutput | None:
+async def _until_done_or_gone(work: Any, request: Request,
+                              route: ImageRoute = GENERATION) -> DiffusionOutput | None:
     """``work``'s output, or None once the client disconnected: ``work`` is then
     cancelled, which aborts the request in the engine (``EngineClient.run``)."""
     task = asyncio.ensure_future(work)
@@ -204,7 +255,7 @@ async def _until_done_or_gone(work: Any, request: Request) -> DiffusionOutput | 
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
-                return _submitted(task)
+                return _submitted(task, route)
             if await request.is_disconnected():
                 return None
     finally:
@@ -214,12 +265,12 @@ async def _until_done_or_gone(work: Any, request: Request) -> DiffusionOutput | 
                 await task
 
 
-def _submitted(task: asyncio.Future) -> DiffusionOutput:
+def _submitted(task: asyncio.Future, route: ImageRoute) -> DiffusionOutput:
     """The task's output; a refusal at submission as its HTTP answer."""
     try:
         out = task.result()
     except InvalidRequestError as exc:
-        raise _invalid(exc) from None
+        raise invalid(exc, route) from None
     except EngineError as exc:
         raise engine_error(exc) from None
     if out is None:
@@ -228,8 +279,13 @@ def _submitted(task: asyncio.Future) -> DiffusionOutput:
 
 
 def engine_error(exc: EngineError) -> ApiError:
-    """The 503 of an engine that refused a request: restarting (retry after
+    """The answer of an engine that refused a request: 429 when the input
+    images it holds leave no room for this one's (retry after
+    ``INPUTS_RETRY_AFTER_S``), 503 restarting (retry after
     ``RESTART_RETRY_AFTER_S``) or down."""
+    if isinstance(exc, InputsFullError):
+        return ApiError(429, f"{exc}; retry shortly", code="input_images_full",
+                        headers={"Retry-After": str(INPUTS_RETRY_AFTER_S)})
     if isinstance(exc, EngineRestartingError):
         return ApiError(503, str(exc), code="engine_restarting",
                         headers={"Retry-After": str(RESTART_RETRY_AFTER_S)})
@@ -263,7 +319,7 @@ def _info(out: DiffusionOutput) -> DiffrtInfo:
                       num_inference_steps=out.total_steps, timings=_timings(out))
 
 
-async def _response(out: DiffusionOutput, body: ImageGenerationRequest, request: Request,
+async def _response(out: DiffusionOutput, body: Any, request: Request,
                     created: int, room: Reservation | None) -> Response:
     """The ``ImagesResponse``, encoded off the event loop: PNG/JPEG/WebP, base64
     and JSON are the CPU work of an answer (megabytes for n=10 at 1024 px). It
@@ -299,10 +355,12 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 async def _events(client: EngineClient, outputs: AsyncGenerator[DiffusionOutput, None],
-                  first: DiffusionOutput, body: ImageGenerationRequest) -> AsyncIterator[bytes]:
-    """Server-sent events as OpenAI streams them, from ``first`` on. A client
-    that disconnects cancels this generator, and ``client.run`` aborts the
-    request."""
+                  first: DiffusionOutput, body: Any, route: ImageRoute) -> AsyncIterator[bytes]:
+    """Server-sent events as OpenAI streams them, from ``first`` on
+    (``image_generation.*`` or ``image_edit.*``, as ``route`` names them). A
+    client that disconnects cancels this generator, and ``client.run``
+    aborts the request."""
+    partial, completed = f"{route.events}.partial_image", f"{route.events}.completed"
     created = int(time.time())
     common = {"created_at": created, "output_format": body.output_format, "quality": "auto",
               "background": "auto"}
@@ -318,8 +376,8 @@ async def _events(client: EngineClient, outputs: AsyncGenerator[DiffusionOutput,
             if out.preview is not None:
                 image = out.preview[0]
                 text = await asyncio.to_thread(_b64_image, image, fmt, compression)
-                yield _sse("image_generation.partial_image", {
-                    "type": "image_generation.partial_image", "b64_json": text,
+                yield _sse(partial, {
+                    "type": partial, "b64_json": text,
                     "partial_image_index": out.preview_index,
                     "size": f"{image.size[0]}x{image.size[1]}", **common})
             elif not out.finished:
@@ -330,8 +388,8 @@ async def _events(client: EngineClient, outputs: AsyncGenerator[DiffusionOutput,
                 raise_for_final(out, client)
                 image = out.images[0]  # type: ignore[index]
                 text = await asyncio.to_thread(_b64_image, image, fmt, compression)
-                yield _sse("image_generation.completed", {
-                    "type": "image_generation.completed", "b64_json": text,
+                yield _sse(completed, {
+                    "type": completed, "b64_json": text,
                     "size": f"{image.size[0]}x{image.size[1]}",
                     "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
                               "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
@@ -339,7 +397,7 @@ async def _events(client: EngineClient, outputs: AsyncGenerator[DiffusionOutput,
     except ApiError as exc:
         yield _error_event(exc)
     except InvalidRequestError as exc:
-        yield _error_event(_invalid(exc))
+        yield _error_event(invalid(exc, route))
     except EngineError as exc:
         yield _error_event(engine_error(exc))
     except Exception as exc:  # never end a stream without saying why
@@ -377,7 +435,8 @@ async def models(request: Request) -> ModelList:
     client = _client(request)
     spec = client.model_spec()
     info = None if spec is None else ModelInfo(
-        family=spec.family, tasks=list(spec.tasks), size_multiple=spec.size_multiple,
+        family=spec.family, tasks=list(spec.tasks), max_input_images=spec.max_input_images,
+        size_multiple=spec.size_multiple,
         max_size=spec.max_size, max_steps=spec.max_steps,
         defaults=msgspec.structs.asdict(spec.defaults),
         default_negative_prompt=spec.default_negative_prompt, cfg_rule=spec.cfg_rule.value,

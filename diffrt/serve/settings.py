@@ -20,6 +20,11 @@ class ServeSettings:
         shutdown_timeout_s: on SIGTERM/SIGINT, how long requests in flight may
             take to finish before they are aborted.
         max_body_bytes: larger request bodies get 413.
+        max_edit_body_bytes: the same bound for ``POST /v1/images/edits``,
+            whose body carries images (every image and the mask together).
+        max_edit_bytes_in_flight: the bytes of edit bodies held at once
+            (being received, or read into the engine's arrays); an edit
+            whose body finds no room gets 429 with Retry-After.
         url_ttl_s / url_max_images / url_max_bytes: ``response_format="url"``
             images are kept this long, at most this many and this many bytes;
             an unexpired image is never evicted: a url request that does not
@@ -48,6 +53,8 @@ class ServeSettings:
     retry_after_s: int = 1
     shutdown_timeout_s: float = 30.0
     max_body_bytes: int = 1 << 20
+    max_edit_body_bytes: int = 32 << 20
+    max_edit_bytes_in_flight: int = 256 << 20
     url_ttl_s: float = 600.0
     url_max_images: int = 256
     url_max_bytes: int = 256 << 20

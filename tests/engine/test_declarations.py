@@ -20,7 +20,12 @@ from diffrt.engine.declarations import declared_fields
 from diffrt.engine.runner_messages import RunnerSettings
 from diffrt.engine.settings import FIELD_GROUP, GROUPS, ModelConfig, ParallelConfig
 from diffrt.runtime.types import ExecutorConfig, ExecutorOptions
-from diffrt.serve.protocol import SAMPLING_FIELDS, ImageGenerationRequest
+from diffrt.serve.protocol import (
+    GENERATION_FIELDS,
+    SAMPLING_FIELDS,
+    ImageEditForm,
+    ImageGenerationRequest,
+)
 
 
 def _flags(parser: argparse.ArgumentParser, title: str) -> dict[str, list[str]]:
@@ -101,9 +106,20 @@ NOT_SAMPLING = {"prompt", "model", "size", "response_format", "output_format",
                 "style", "complexity", "safety_identifier", "negative_prompt", "stream_progress"}
 
 
+def _body_of(field: str) -> type:
+    """The HTTP body that carries a sampling field: an edit's when it needs an
+    input image, else a generation's (an edit's carries it too)."""
+    return ImageEditForm if SAMPLING[field].extra["needs_image"] else ImageGenerationRequest
+
+
 def test_the_three_surfaces_accept_the_same_fields():
     body = set(ImageGenerationRequest.model_fields) - NOT_SAMPLING
-    assert body == {f.http for f in SAMPLING_FIELDS}
+    assert body == {f.http for f in GENERATION_FIELDS}
+    edit = set(ImageEditForm.model_fields) - NOT_SAMPLING - {"input_fidelity"}
+    assert edit == {f.http for f in SAMPLING_FIELDS}
+    # what a generation lacks is what needs an input image
+    assert {f.field for f in SAMPLING_FIELDS if f not in GENERATION_FIELDS} == {
+        n for n, d in SAMPLING.items() if d.extra["needs_image"]} == {"strength"}
     over_http = {f.field for f in SAMPLING_FIELDS} | {"height", "width"}  # size: both
     assert over_http == {n for n, d in SAMPLING.items() if d.extra["http"] is not None}
     p = argparse.ArgumentParser()
@@ -151,11 +167,12 @@ def test_the_same_limits_refuse_the_same_values_on_every_surface(field):
                 assert info.value.field == field
             sent = value * http.scale if http.scale != 1.0 else value
             body = {"prompt": "x", http.http: sent}
+            model = _body_of(field)
             if ok:
-                ImageGenerationRequest(**body)
+                model(**body)
             elif not math.isinf(sent):
                 with pytest.raises(ValidationError):
-                    ImageGenerationRequest(**body)
+                    model(**body)
             if d.extra["cli"] is None:
                 continue
             from diffrt.cli.engine_opts import sampling_params

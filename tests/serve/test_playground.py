@@ -1,10 +1,13 @@
 """The playground page in a real headless browser (Debian's chromium, driven by
 playwright-python with ``executable_path``: no browser download), against the
 session's real server: a prompt typed and generated shows progress, previews
-and an image of the requested size; a bad size shows the API's message."""
+and an image of the requested size; a bad size shows the API's message; an
+image dropped on the page (and a mask) is edited through v1/images/edits."""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import shutil
 
@@ -93,3 +96,46 @@ def test_reuse_reproduces_a_random_seed_and_errors_show_their_message(page):
                            timeout=30_000)
     assert "width: must be a positive multiple of 4" in page.text_content("#error")
     assert page.is_hidden("#result")  # the last image is not left beside the error
+
+
+def test_an_edit_sends_the_dropped_image_and_its_mask_and_shows_the_result(page, tmp_path):
+    """An image dropped on the page and a mask picked with the file input: the
+    page posts a multipart edit to v1/images/edits, shows its previews and
+    the edited image; "Clear images" turns the button back to Generate."""
+    from PIL import Image
+
+    mask = Image.new("L", (64, 64), 0)
+    mask.paste(255, (16, 16, 48, 48))  # white: repaint the middle
+    mask.save(tmp_path / "mask.png")
+    picture = io.BytesIO()
+    Image.new("RGB", (64, 64), (250, 220, 0)).save(picture, format="PNG")
+    page.fill("#prompt", "a red circle on a yellow background in the center")
+    page.fill("#size", "64x64")
+    page.fill("#steps", "12")
+    page.fill("#seed", "4")
+    page.fill("#strength", "0.9")
+    page.evaluate("""(b64) => {
+        const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+        const files = new DataTransfer();
+        files.items.add(new File([bytes], "in.png", {type: "image/png"}));
+        const drop = new DragEvent("drop", {dataTransfer: files, bubbles: true, cancelable: true});
+        document.getElementById("dropzone").dispatchEvent(drop);
+    }""", base64.b64encode(picture.getvalue()).decode())
+    page.set_input_files("#mask", str(tmp_path / "mask.png"))
+    assert page.text_content("#generate") == "Edit"
+    assert page.locator("#inputs img").count() == 2  # the image and the mask, shown
+    with page.expect_request("**/v1/images/edits") as sent:
+        page.click("#generate")
+    assert "multipart/form-data" in sent.value.headers["content-type"]
+    page.wait_for_function("document.getElementById('status').textContent === 'Done.'",
+                           timeout=60_000)
+    assert page.text_content("#error") == ""
+    size = page.eval_on_selector(
+        "#result", "async e => { await e.decode(); return [e.naturalWidth, e.naturalHeight]; }")
+    assert size == [64, 64]
+    assert page.locator("#previews img").count() >= 1
+    assert "seed 4" in page.text_content("#caption")
+    page.screenshot(path=str(tmp_path / "playground-edit.png"))
+    page.click("#clear")
+    assert page.text_content("#generate") == "Generate"
+    assert page.locator("#inputs img").count() == 0

@@ -190,7 +190,8 @@ def test_models_lists_the_served_model(flux_app):
         ("tiny-flux", "model", "diffrt")]
     info = doc["data"][0]["diffrt"]  # the model's spec: what a request may ask
     assert (info["family"], info["tasks"], info["max_size"], info["size_multiple"]) == (
-        "flux", ["text-to-image"], 2048, 16)
+        "flux", ["text-to-image", "image-to-image", "inpainting"], 2048, 16)
+    assert info["max_input_images"] == 1  # what /v1/images/edits may send it
     assert info["defaults"]["num_inference_steps"] == 4 and info["cfg_rule"] == (
         "true_cfg_and_negative")
 
