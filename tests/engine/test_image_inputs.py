@@ -194,12 +194,12 @@ def test_inputs_are_freed_on_abort_error_and_timeout(flux_step_engine, monkeypat
     inputs = engine.inputs
     assert inputs is not None
     # timeout: its own limit ends it while it runs
-    out = engine.generate(image_request("img-timeout", steps=400, strength=1.0, timeout_s=0.3),
+    out = engine.generate(image_request("img-timeout", steps=50, strength=1.0, timeout_s=0.3),
                           timeout=60)
     assert out.timed_out
     # abort: the user ends it right after submitting
     async def submit_and_abort():
-        request = image_request("img-abort", steps=400, strength=1.0)
+        request = image_request("img-abort", steps=50, strength=1.0)
         stream = flux_step_engine.step_streaming(request)
         task = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.2)
