@@ -585,20 +585,26 @@ class DiffusionEngine:
         """Check, register and queue ``requests`` (all or none); their streams,
         and the hold its caller is to wait out when fresh workers are starting
         (``_hold`` or ``RestartGate.wait_async``, then ``_end_hold``)."""
-        records = []
+        records: list[RequestRecord] = []
         seen: set[str] = set()
         now = self._clock()
-        for request in requests:
-            request = accept(request, self.spec, self.config, self.run_time, self.inputs)
-            self.adapters.check(request.sampling_params.loras)
-            if request.request_id in seen:
-                raise InvalidRequestError("request_id", f"{request.request_id!r} given twice")
-            seen.add(request.request_id)
-            record = RequestRecord(request, arrival=now, metrics=RequestMetrics(arrival_time=now))
-            record.timeout_at, record.timeout_reason = timeout_of(request, now, self.config)
-            record.seat = seat  # step_streaming: one request
-            records.append(record)
-        streams = self.output_processor.add(records, loop, inbox)  # refuses once closed or dead
+        try:
+            for request in requests:
+                request = accept(request, self.spec, self.config, self.run_time, self.inputs)
+                record = RequestRecord(request, arrival=now,
+                                       metrics=RequestMetrics(arrival_time=now))
+                records.append(record)  # its inputs are stored: freed below if refused
+                self.adapters.check(request.sampling_params.loras)
+                if request.request_id in seen:
+                    raise InvalidRequestError("request_id", f"{request.request_id!r} given twice")
+                seen.add(request.request_id)
+                record.timeout_at, record.timeout_reason = timeout_of(request, now, self.config)
+                record.seat = seat  # step_streaming: one request
+            streams = self.output_processor.add(records, loop, inbox)  # refuses once closed or dead
+        except BaseException:  # none was registered: the accepted ones' inputs go now
+            for record in records:
+                release(record.request, self.inputs)
+            raise
         restarting = self._core.is_restarting()  # queued for the fresh workers
         if not restarting and not self.executor.is_healthy():
             self.output_processor.discard(records)

@@ -35,7 +35,7 @@ import numpy as np
 
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.runtime.input_arena import InputArena, InputHandle, read_input
-from diffrt.runtime.shm_transport import Arena
+from diffrt.runtime.shm_transport import ALIGN, Arena
 
 #: the most images one request may give (a model may take fewer: its spec's
 #: ``max_input_images``)
@@ -120,17 +120,37 @@ def _as_pil(value: Any, field: str) -> Any:
 
 
 def _converted(image: Any, field: str, mode: str) -> Any:
-    """``image`` in ``mode`` ("RGB" or "L"), converted as described above."""
+    """``image`` in ``mode`` ("RGB" or "L"), converted as described above (a
+    file that cannot be decoded is refused naming ``field``)."""
     import PIL.Image
 
     if image.mode in _REFUSED_MODES:
         raise InvalidRequestError(field, (
             f"PIL mode {image.mode!r} (32-bit) has no one 8-bit meaning; convert it to an "
             "8-bit image first"))
-    if image.mode in _SIXTEEN_BIT:
-        values = np.asarray(image, dtype=np.uint16)
-        image = PIL.Image.fromarray((values >> 8).astype(np.uint8))
-    return image if image.mode == mode else image.convert(mode)
+    try:
+        if image.mode in _SIXTEEN_BIT:
+            values = np.asarray(image, dtype=np.uint16)
+            image = PIL.Image.fromarray((values >> 8).astype(np.uint8))
+        return image if image.mode == mode else image.convert(mode)
+    except OSError as exc:  # a truncated or corrupt file behind a lazy PIL image
+        raise InvalidRequestError(field, f"cannot be decoded ({exc})") from None
+
+
+#: the least side (px) and the largest aspect ratio of an input's resized
+#: copies: Qwen2-VL's image processor refuses beyond them (``smart_resize``)
+MIN_INPUT_SIDE = 28
+MAX_INPUT_ASPECT = 200
+
+
+def _checked_size(size: tuple[int, int], field: str) -> tuple[int, int]:
+    height, width = size
+    if min(height, width) < MIN_INPUT_SIDE or max(height, width) >= MAX_INPUT_ASPECT * min(
+            height, width):
+        raise InvalidRequestError(field, (
+            f"would be resized to {width}x{height}: each side at least {MIN_INPUT_SIDE} px "
+            f"and the aspect ratio below {MAX_INPUT_ASPECT}"))
+    return size
 
 
 _RESIZER: Any = None
@@ -162,8 +182,9 @@ class Converted(msgspec.Struct):
 
     @property
     def nbytes(self) -> int:
+        """The arena bytes they take (each slot rounded up to its alignment)."""
         arrays = [*self.images, *(self.prompt_images or []), self.mask]
-        return sum(a.nbytes for a in arrays if a is not None)
+        return sum(-(-max(a.nbytes, 1) // ALIGN) * ALIGN for a in arrays if a is not None)
 
 
 def to_arrays(images: list[Any], mask: Any, size_of: SizeRule,
@@ -175,9 +196,11 @@ def to_arrays(images: list[Any], mask: Any, size_of: SizeRule,
     taken."""
     pils = [_as_pil(image, f"images[{i}]") for i, image in enumerate(images)]
     rgb = [_converted(p, f"images[{i}]", "RGB") for i, p in enumerate(pils)]
-    arrays = [np.asarray(_resize(image, *size_of(*image.size)), dtype=np.uint8) for image in rgb]
+    arrays = [np.asarray(_resize(image, *_checked_size(size_of(*image.size), f"images[{i}]")),
+                         dtype=np.uint8) for i, image in enumerate(rgb)]
     prompt_arrays = None if prompt_size_of is None else [
-        np.asarray(_resize(image, *prompt_size_of(*image.size)), dtype=np.uint8) for image in rgb]
+        np.asarray(_resize(image, *_checked_size(prompt_size_of(*image.size), f"images[{i}]")),
+                   dtype=np.uint8) for i, image in enumerate(rgb)]
     mask_array = None
     if mask is not None:
         pil = _as_pil(mask, "mask_image")
@@ -250,11 +273,6 @@ def release(request: Any, inputs: InputArena | None) -> None:
             inputs.free(handle)
 
 
-def input_bytes(request: Any) -> int:
-    """The bytes a request's stored inputs hold."""
-    return sum(h.nbytes for stored in _all_stored(request) for h in stored.handles())
-
-
 def _stored(item: Any) -> StoredImage | None:
     """A stored input: as sent, or as a worker decodes it (the request's input
     fields are untyped: a user gives images there)."""
@@ -295,5 +313,5 @@ def read_pixels(request: Any, arena: Arena | None, size_of: SizeRule,
 
 
 __all__ = ["MAX_INPUT_IMAGES", "MAX_INPUT_PIXELS", "Converted", "InputPixels", "SizeRule",
-           "StoredImage", "check_kinds", "input_bytes", "pixel_size", "read_pixels", "release",
+           "StoredImage", "check_kinds", "pixel_size", "read_pixels", "release",
            "store", "stored_shape", "to_arrays"]

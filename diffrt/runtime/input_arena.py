@@ -37,7 +37,9 @@ class InputHandle(msgspec.Struct, frozen=True, tag="input_handle"):
 
     offset: int
     shape: tuple[int, ...]
-    #: the slot's generation (a stale handle is refused, not read)
+    #: the slot's generation: a stale handle's free is ignored (a read is
+    #: not checked: the engine frees a slot only once its request ended, so
+    #: a rank reading it then computes an output nobody reads)
     generation: int
 
     @property

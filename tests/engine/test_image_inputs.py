@@ -178,7 +178,7 @@ def test_step_mode_image_to_image_shares_steps_with_text_to_image(flux_step_engi
     assert np.abs(image[:, SIZE // 2:] - kept[:, SIZE // 2:]).mean() > 10
 
 
-def test_a_preview_of_an_edit_comes_from_its_own_schedule(flux_step_engine):
+def test_a_preview_of_image_to_image_comes_from_its_own_schedule(flux_step_engine):
     async def main():
         request = image_request("img-preview", strength=0.5, steps=8, partial_images=1)
         return [o async for o in flux_step_engine.step_streaming(request)]
@@ -292,3 +292,23 @@ def test_kontext_edits_cost_their_tokens_and_refuse_strength_and_masks():
         with pytest.raises(InvalidRequestError) as info:
             _accept(request, spec)
         assert info.value.field == field
+
+
+def test_a_submission_refused_after_its_inputs_were_stored_frees_them(flux_step_engine):
+    engine = flux_step_engine
+    assert engine.inputs is not None
+    cases = [[image_request("dup"), image_request("dup")],  # an id given twice
+             [image_request("ok"), image_request("bad", strength=2.0)],  # a later one refused
+             [image_request("lora", loras={"nowhere": 1.0})]]  # an adapter not registered
+    for requests in cases:
+        with pytest.raises(InvalidRequestError):
+            engine.generate(requests, timeout=10)
+        assert engine.inputs.used_bytes == 0
+
+
+def test_inputs_too_thin_for_the_model_are_refused_at_submission(flux_spec):
+    thin = PIL.Image.new("RGB", (4096, 16))  # kept: 16 px high, 256:1
+    with pytest.raises(InvalidRequestError, match="aspect ratio") as info:
+        _accept(image_request("thin", images=[thin], strength=None),
+                resolve_model_spec("tiny-flux-kontext"))
+    assert info.value.field == "images[0]"

@@ -18,6 +18,7 @@ from diffrt.engine.pipelines.flow_match_spec import (
     scaled_max_size,
     sequence_parallel_support,
 )
+from diffrt.engine.pipelines.folder_check import ModelLoadError
 
 #: linear layers of QwenImageTransformer2DModel that LoRA adapters for it
 #: target (joint attention, the image and text feed-forwards)
@@ -51,6 +52,11 @@ def describe(folder: ModelFolder) -> ModelSpec:
     pipeline_class = folder.index.get("_class_name")
     edit = pipeline_class in EDIT_PIPELINES
     plus = pipeline_class == "QwenImageEditPlusPipeline"
+    options = [o for o in EDIT_OPTIONS if folder.transformer_config.get(o)]
+    if edit and options:  # 2511-style: conditioning tokens modulated apart, per call
+        raise ModelLoadError(f"{folder.path}: a Qwen-Image-Edit transformer with "
+                             f"{', '.join(options)} is not served yet (its conditioning tokens "
+                             "are modulated apart, which rows of other lengths would mix)")
     return ModelSpec(
         name=folder.name, family="qwen-image",
         pipeline="diffrt.engine.pipelines.qwen_image.pipeline:QwenImagePipeline",
