@@ -66,7 +66,7 @@ def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
 
-async def read_edit_body(request: Request) -> tuple[Any, EditInputs]:
+async def read_edit_body(request: Request) -> tuple[ImageEditForm, EditInputs]:
     """The edit body's fields (an ``ImageEditForm``) and its inputs; a body
     that is neither form is 415, a malformed one 400."""
     content_type = request.headers.get("content-type", "")
@@ -87,7 +87,7 @@ async def read_edit_body(request: Request) -> tuple[Any, EditInputs]:
 
 
 # -- JSON ----------------------------------------------------------------------------------
-def _from_json(body: bytes) -> tuple[Any, EditInputs]:
+def _from_json(body: bytes) -> tuple[ImageEditForm, EditInputs]:
     try:
         doc = ImageEditRequest.model_validate_json(body)
     except ValidationError as exc:
@@ -195,7 +195,7 @@ def _url_parts(body: bytes) -> list[_Part]:
     return [_Part(name, None, bytearray(value.encode("utf-8"))) for name, value in pairs]
 
 
-def _from_parts(parts: list[_Part]) -> tuple[Any, EditInputs]:
+def _from_parts(parts: list[_Part]) -> tuple[ImageEditForm, EditInputs]:
     images: list[bytes | str] = []
     mask: bytes | str | None = None
     fields: dict[str, Any] = {}
@@ -255,7 +255,7 @@ def _add_field(fields: dict[str, Any], part: _Part) -> None:
     fields[part.name] = value
 
 
-def _validated(fields: dict[str, Any]) -> Any:
+def _validated(fields: dict[str, Any]) -> ImageEditForm:
     """The text fields as an ``ImageEditForm``: read as the JSON body's types
     (pydantic's lax mode: form fields are all text)."""
     try:

@@ -97,7 +97,7 @@ async def edit(request: Request) -> Any:
     return await serve_images(client, body, engine_request, request, route)
 
 
-def _prepared(body: Any, inputs: EditInputs, request_id: str, client: EngineClient,
+def _prepared(body: ImageEditForm, inputs: EditInputs, request_id: str, client: EngineClient,
               route: ImageRoute) -> DiffusionRequest:
     """The engine request of an edit, its images decoded and (when the
     model's spec is known here) checked and converted (in the decode pool)."""

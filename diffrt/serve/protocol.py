@@ -162,6 +162,10 @@ else:
             + _IMAGE_HELP))))
 
 
+#: the bodies that ask for images (their shared fields: what the routes read)
+ImageBody = ImageGenerationRequest | ImageEditForm
+
+
 class ImageData(BaseModel):
     b64_json: str | None = None
     url: str | None = None

@@ -41,6 +41,7 @@ from diffrt.serve.protocol import (
     BodyField,
     DiffrtInfo,
     ErrorResponse,
+    ImageBody,
     ImageData,
     ImageGenerationRequest,
     ImagesResponse,
@@ -103,7 +104,7 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:
     return await serve_images(client, body, engine_request, request, GENERATION)
 
 
-def check_body(body: Any, client: EngineClient) -> None:
+def check_body(body: ImageBody, client: EngineClient) -> None:
     """What an image body may not ask of this server: another model, a
     stream of several images, progress events without step boundaries."""
     if body.model is not None and body.model != client.model_name:
@@ -116,7 +117,7 @@ def check_body(body: Any, client: EngineClient) -> None:
                             "--step-execution, the default)", param="stream_progress")
 
 
-async def serve_images(client: EngineClient, body: Any, engine_request: DiffusionRequest,
+async def serve_images(client: EngineClient, body: ImageBody, engine_request: DiffusionRequest,
                        request: Request, route: ImageRoute) -> Any:
     """Run ``engine_request`` and answer with its images: a JSON response, or
     (``body.stream``) server-sent events named for ``route``."""
@@ -129,7 +130,7 @@ async def serve_images(client: EngineClient, body: Any, engine_request: Diffusio
             room.release()
 
 
-async def _generate(client: EngineClient, body: Any, engine_request: DiffusionRequest,
+async def _generate(client: EngineClient, body: ImageBody, engine_request: DiffusionRequest,
                     request: Request, created: int, room: Reservation | None,
                     route: ImageRoute) -> Any:
     # capacity (429/503) and the engine's checks (400) answer on the first
@@ -157,7 +158,8 @@ async def _generate(client: EngineClient, body: Any, engine_request: DiffusionRe
     return response
 
 
-def _reserve_urls(body: Any, engine_request: DiffusionRequest, request: Request) -> Reservation:
+def _reserve_urls(body: ImageBody, engine_request: DiffusionRequest,
+                  request: Request) -> Reservation:
     """Room in the url store for the request's images, taken at submission: a
     request that does not fit is refused (429) and no image is ever evicted.
     Each image is estimated at its raw RGBA size (a PNG of it is smaller);
@@ -319,7 +321,7 @@ def _info(out: DiffusionOutput) -> DiffrtInfo:
                       num_inference_steps=out.total_steps, timings=_timings(out))
 
 
-async def _response(out: DiffusionOutput, body: Any, request: Request,
+async def _response(out: DiffusionOutput, body: ImageBody, request: Request,
                     created: int, room: Reservation | None) -> Response:
     """The ``ImagesResponse``, encoded off the event loop: PNG/JPEG/WebP, base64
     and JSON are the CPU work of an answer (megabytes for n=10 at 1024 px). It
@@ -355,7 +357,8 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 async def _events(client: EngineClient, outputs: AsyncGenerator[DiffusionOutput, None],
-                  first: DiffusionOutput, body: Any, route: ImageRoute) -> AsyncIterator[bytes]:
+                  first: DiffusionOutput, body: ImageBody, route: ImageRoute
+                  ) -> AsyncIterator[bytes]:
     """Server-sent events as OpenAI streams them, from ``first`` on
     (``image_generation.*`` or ``image_edit.*``, as ``route`` names them). A
     client that disconnects cancels this generator, and ``client.run``
