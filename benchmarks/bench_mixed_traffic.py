@@ -34,12 +34,28 @@ tiny-flux), uniformly. diffrt registers them (``lora_modules``) and serves
 any mix of them in one step; ``diffrt keyed`` keys by size only, as before.
 diffusers switches with ``set_adapters`` (``disable_lora`` for a request
 without one) before each call; its static batcher groups by
-(size, steps, adapter). Without the option nothing changes. Run from the
+(size, steps, adapter). Without the option nothing changes.
+
+Image traffic (``--image-share S``): a share S of the requests (seeded, drawn
+apart from the shapes and adapters) gives an input picture (one seeded
+96x80 picture for all, resized to each request's size) at strength 0.6
+(``IMAGE_STRENGTH``); half of those (drawn) also give a mask (its bottom-right
+quarter white): image-to-image and inpainting (docs/images.md). diffrt
+serves them in the same steps as text-to-image requests; diffusers runs
+``FluxImg2ImgPipeline`` / ``FluxInpaintPipeline`` made ``from_pipe`` of its
+``FluxPipeline`` (the same modules), and its static batcher also groups by
+task. The table then adds each task's p50 and p99 (open loop), and the VAE
+column counts encodes too. Without the option nothing changes.
+
+``--torch-threads N`` gives every system N torch threads (the engine's
+``torch_threads``, ``torch.set_num_threads`` for diffusers); 1 keeps a
+shared machine's busy cores from stalling a worker's threads. Run from the
 repository root:
 
     .venv/bin/python benchmarks/bench_mixed_traffic.py            # 200 requests, 2 rounds
     .venv/bin/python benchmarks/bench_mixed_traffic.py --quick    # 48 requests, 1 round
     .venv/bin/python benchmarks/bench_mixed_traffic.py --quick --lora-share 0.5
+    .venv/bin/python benchmarks/bench_mixed_traffic.py --image-share 0.3
 """
 
 from __future__ import annotations
@@ -69,6 +85,10 @@ CONCURRENCY = 16
 MAX_NUM_SEQS = 16
 STATIC_WAIT_S = 2.0
 LORA_NAMES = ("A", "B", "C")
+TASKS = ("text-to-image", "image-to-image", "inpainting")
+#: diffusers' pipeline of each task, made from_pipe of the FluxPipeline
+PEER_CLASSES = {"image-to-image": "FluxImg2ImgPipeline", "inpainting": "FluxInpaintPipeline"}
+IMAGE_STRENGTH = 0.6
 
 
 def traffic(n: int, seed: int) -> list[tuple[int, int, int]]:
@@ -84,8 +104,36 @@ def adapter_traffic(n: int, seed: int, share: float) -> list[str | None]:
     return [rng.choice(LORA_NAMES) if rng.random() < share else None for _ in range(n)]
 
 
+def image_traffic(n: int, seed: int, share: float) -> list[str]:
+    """Each request's task: a share ``share`` of them give an input picture,
+    half of those (drawn) a mask too; from their own generator (the shapes
+    and adapters stay as they were)."""
+    rng = random.Random(f"image {seed}")
+    return [(TASKS[1] if rng.random() < 0.5 else TASKS[2]) if rng.random() < share else TASKS[0]
+            for _ in range(n)]
+
+
+def input_picture() -> Any:
+    """Every image request's input: seeded, not any request's size (it is resized)."""
+    import numpy as np
+    import PIL.Image
+
+    return PIL.Image.fromarray(np.random.default_rng(7).integers(0, 255, (80, 96, 3),
+                                                                 dtype=np.uint8))
+
+
+def input_mask() -> Any:
+    """Every inpainting request's mask: the picture's bottom-right quarter repainted."""
+    import numpy as np
+    import PIL.Image
+
+    mask = np.zeros((80, 96), np.uint8)
+    mask[40:, 48:] = 255
+    return PIL.Image.fromarray(mask)
+
+
 # -- one system in a fresh process ---------------------------------------------------------------
-def _engine(system: str, timers: str, adapters: dict[str, str]) -> Any:
+def _engine(system: str, timers: str, adapters: dict[str, str], threads: int = 0) -> Any:
     from diffrt.engine import DiffusionEngine, EngineConfig
 
     extra: dict[str, Any] = {}
@@ -93,6 +141,8 @@ def _engine(system: str, timers: str, adapters: dict[str, str]) -> Any:
         extra = {"mixed_size_batching": False, "scheduling_policy": "skip_ahead"}
     if adapters:
         extra |= {"lora_modules": adapters, "max_loras": len(adapters) + 1}
+    if threads:
+        extra["torch_threads"] = threads
     path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
     return DiffusionEngine.make_engine(EngineConfig(
         model="tiny-flux", step_execution=True, max_num_seqs=MAX_NUM_SEQS,
@@ -101,32 +151,51 @@ def _engine(system: str, timers: str, adapters: dict[str, str]) -> Any:
 
 
 def _request(i: int, height: int, width: int, steps: int, tag: str,
-             adapter: str | None = None) -> Any:
+             adapter: str | None = None, task: str = TASKS[0]) -> Any:
     from diffrt.engine import DiffusionRequest, SamplingParams
 
-    return DiffusionRequest(prompt=f"a red fox {tag} {i}", sampling_params=SamplingParams(
-        height=height, width=width, num_inference_steps=steps, seed=i,
-        loras={adapter: 1.0} if adapter else None))
+    images = [input_picture()] if task != TASKS[0] else []
+    return DiffusionRequest(
+        prompt=f"a red fox {tag} {i}", images=images,
+        mask_image=input_mask() if task == "inpainting" else None,
+        sampling_params=SamplingParams(
+            height=height, width=width, num_inference_steps=steps, seed=i,
+            loras={adapter: 1.0} if adapter else None,
+            strength=IMAGE_STRENGTH if images else None))
 
 
 def _adapters(spec: dict[str, Any]) -> list[str | None]:
     return adapter_traffic(spec["requests"], spec["seed"], spec.get("lora_share", 0.0))
 
 
+def _tasks(spec: dict[str, Any]) -> list[str]:
+    return image_traffic(spec["requests"], spec["seed"], spec.get("image_share", 0.0))
+
+
+def _warm_up(spec: dict[str, Any]) -> list[tuple[int, int, str | None, str]]:
+    """(height, width, adapter, task) of each warm-up request: every size, and
+    every adapter and task of the run at least once."""
+    adapters = (None, *LORA_NAMES) if spec.get("adapters") else (None,)
+    tasks = TASKS if spec.get("image_share") else TASKS[:1]
+    n = max(len(SIZES), len(adapters), len(tasks))
+    return [(*SIZES[i % len(SIZES)], adapters[i % len(adapters)], tasks[i % len(tasks)])
+            for i in range(n)]
+
+
 def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, dict]:
     from diffrt.cli.bench_load import EngineTarget, drive
 
     mix = traffic(spec["requests"], spec["seed"])
-    adapters = _adapters(spec)
-    engine = _engine(spec["system"], timers, spec.get("adapters") or {})
+    adapters, tasks = _adapters(spec), _tasks(spec)
+    engine = _engine(spec["system"], timers, spec.get("adapters") or {}, spec.get("threads", 0))
     try:
-        warm_adapters = (None, *LORA_NAMES) if spec.get("adapters") else (None,)
-        warm = [_request(i, h, w, 2, "warm", warm_adapters[i % len(warm_adapters)])
-                for i, (h, w) in enumerate(SIZES)]
+        warm = [_request(i, h, w, 2, "warm", adapter, task)
+                for i, (h, w, adapter, task) in enumerate(_warm_up(spec))]
         drive(EngineTarget(engine), warm, concurrency=len(warm), rate=None)
         before = stage_timers.read(timers)  # the worker's totals so far: not measured
-        requests = [_request(i, *shape, "r", adapter)
-                    for i, (shape, adapter) in enumerate(zip(mix, adapters, strict=True))]
+        requests = [_request(i, *shape, "r", adapter, task)
+                    for i, (shape, adapter, task) in enumerate(zip(mix, adapters, tasks,
+                                                                   strict=True))]
         rate = spec.get("rate")
         samples, wall = drive(EngineTarget(engine), requests,
                               concurrency=CONCURRENCY if rate is None else len(requests),
@@ -137,11 +206,12 @@ def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, 
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
     after = stage_timers.read(timers)
-    return [s.latency for s in samples], wall, {k: after[k] - before[k] for k in after}
+    return ([s.latency if s.ok else None for s in samples], wall,
+            {k: after[k] - before[k] for k in after})
 
 
 def _peer_call(pipe: Any, seeds: list[int], height: int, width: int, steps: int,
-               adapter: str | None = None) -> None:
+               adapter: str | None = None, task: str = TASKS[0]) -> None:
     import torch
 
     if getattr(pipe, "bench_loras", False):  # adapters loaded: switch before the call
@@ -151,30 +221,45 @@ def _peer_call(pipe: Any, seeds: list[int], height: int, width: int, steps: int,
             pipe.enable_lora()
             pipe.set_adapters([adapter], [1.0])
 
-    images = pipe(prompt=[f"a red fox r {i}" for i in seeds], height=height, width=width,
+    kwargs: dict[str, Any] = {}
+    if task != TASKS[0]:  # one input per request, as the requests give them
+        kwargs = {"image": [input_picture()] * len(seeds), "strength": IMAGE_STRENGTH,
+                  # diffrt's Flux guidance (FluxPipeline's default; these two default to 7)
+                  "guidance_scale": 3.5}
+        if task == "inpainting":
+            kwargs["mask_image"] = [input_mask()] * len(seeds)
+    call = pipe.bench_tasks[task] if task != TASKS[0] else pipe
+    images = call(prompt=[f"a red fox r {i}" for i in seeds], height=height, width=width,
                   num_inference_steps=steps, output_type="pil",
-                  generator=[torch.Generator().manual_seed(i) for i in seeds]).images
+                  generator=[torch.Generator().manual_seed(i) for i in seeds], **kwargs).images
     assert len(images) == len(seeds)
 
 
 def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
+    import diffusers
     import torch
-    from diffusers import FluxPipeline
 
     from diffrt.engine.pipelines.embedded import embedded_folder
 
-    pipe = FluxPipeline.from_pretrained(embedded_folder("tiny-flux"), torch_dtype=torch.float32)
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    pipe = diffusers.FluxPipeline.from_pretrained(embedded_folder("tiny-flux"),
+                                                  torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     for name, path in (spec.get("adapters") or {}).items():
         pipe.load_lora_weights(path, adapter_name=name)
         pipe.bench_loras = True
-    warm_adapters = (None, *LORA_NAMES) if spec.get("adapters") else (None,)
-    for i, (h, w) in enumerate(SIZES):
-        _peer_call(pipe, [0], h, w, 2, warm_adapters[i % len(warm_adapters)])
+    # the image tasks' pipelines share the base's modules (its LoRA layers too)
+    pipe.bench_tasks = {task: getattr(diffusers, cls).from_pipe(pipe)
+                        for task, cls in PEER_CLASSES.items()}
+    for other in pipe.bench_tasks.values():
+        other.set_progress_bar_config(disable=True)
+    for h, w, adapter, task in _warm_up(spec):
+        _peer_call(pipe, [0], h, w, 2, adapter, task)
     for stage in stage_timers.TOTALS:
         stage_timers.TOTALS[stage] = 0.0
     mix = traffic(spec["requests"], spec["seed"])
-    adapters = _adapters(spec)
+    adapters, kinds = _adapters(spec), _tasks(spec)
     peer = (SerialPeer(pipe, _peer_call) if spec["system"] == "diffusers serial"
             else StaticBatcherPeer(pipe, _peer_call, MAX_NUM_SEQS, STATIC_WAIT_S))
     rate = spec.get("rate")
@@ -182,12 +267,12 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
     async def main() -> tuple[list[float], float, dict]:
         rng = random.Random(spec["seed"])  # the arrivals bench_load's open loop draws
         gate = asyncio.Semaphore(CONCURRENCY if rate is None else len(mix))
-        latencies = [0.0] * len(mix)
+        latencies: list[float | None] = [None] * len(mix)  # None: not finished
 
         async def one(i: int, height: int, width: int, steps: int) -> None:
             async with gate:
                 start = time.perf_counter()
-                await peer.run(i, height, width, steps, adapters[i])
+                await peer.run(i, height, width, steps, adapters[i], kinds[i])
                 latencies[i] = time.perf_counter() - start
 
         start, tasks = time.perf_counter(), []
@@ -202,7 +287,9 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One measure of one system: latencies, wall time, stage seconds."""
+    """One measure of one system: latencies, wall time, stage seconds, and
+    how many requests finished (diffrt: with an image; diffusers: their call
+    returned theirs)."""
     with tempfile.TemporaryDirectory() as tmp:
         timers = os.path.join(tmp, "stages.json")
         os.environ["DIFFRT_STAGE_TIMERS"] = timers
@@ -210,7 +297,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             latencies, wall, stages = _diffrt_run(spec, timers)
         else:
             latencies, wall, stages = _peer_run(spec)
-        return {"latencies": latencies, "wall": wall, "stages": stages}
+        finished = sum(x is not None for x in latencies)
+        return {"latencies": [x if x is not None else float("nan") for x in latencies],
+                "wall": wall, "stages": stages, "finished": finished}
 
 
 def _child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -225,9 +314,12 @@ def _child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     closed: dict[str, list[dict[str, Any]]] = defaultdict(list)
     opened: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    base: dict[str, Any] = {"requests": args.requests, "seed": args.seed}
+    base: dict[str, Any] = {"requests": args.requests, "seed": args.seed,
+                            "threads": args.torch_threads}
     if args.lora_share:
         base |= {"lora_share": args.lora_share, "adapters": args.adapter_paths}
+    if args.image_share:
+        base["image_share"] = args.image_share
     for rnd in range(args.rounds):
         order = list(SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)])
         for system in order:
@@ -264,6 +356,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         print(f"adapters: --lora-share {args.lora_share:g}: "
               + ", ".join(f"{a or 'none'} {adapters.count(a)}" for a in (None, *LORA_NAMES))
               + " (rank 8)")
+    if args.image_share:
+        tasks = image_traffic(args.requests, args.seed, args.image_share)
+        print(f"input images: --image-share {args.image_share:g}: "
+              + ", ".join(f"{t} {tasks.count(t)}" for t in TASKS)
+              + f" (strength {IMAGE_STRENGTH:g})")
+    if args.torch_threads:
+        print(f"torch threads of every system: {args.torch_threads}")
     print(f"closed loop at concurrency {CONCURRENCY}; open loop: Poisson at "
           f"{args.load:.0%} of diffrt keyed's closed-loop capacity")
     head = (f"{'system':<18}{'req/s':>8}{'xformer req/s':>15}{'xformer':>9}{'vae':>7}"
@@ -287,8 +386,39 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     print()
     for name, value, goal in goals:
         print(f"{name:<48}{value:>7.2f}   (goal {goal})")
+    per_task = report_tasks(results, args) if args.image_share else {}
+    runs = [(system, r) for measure in ("closed", "open") for system in SYSTEMS
+            for r in results[measure][system]]
+    short = [f"{system} {r['finished']}/{args.requests}" for system, r in runs
+             if r["finished"] != args.requests]
+    print(f"\nrequests finished: {'all ' + str(args.requests) if not short else ', '.join(short)}"
+          f" in each of the {len(runs)} runs ({args.rounds} round(s) x closed and open loop x "
+          f"{len(SYSTEMS)} systems)")
     return {"systems": rows, "ratios": {name: value for name, value, _ in goals},
-            "lora_share": args.lora_share}
+            "lora_share": args.lora_share, "image_share": args.image_share,
+            "tasks": per_task, "all_finished": not short}
+
+
+def report_tasks(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Each task's open-loop p50 and p99 per system (medians over the rounds)."""
+    tasks = image_traffic(args.requests, args.seed, args.image_share)
+    present = [t for t in TASKS if t in tasks]
+    figures: dict[str, Any] = {}
+    print("\nopen loop by task (median over rounds of each task's percentile): "
+          + ", ".join(f"{t} {tasks.count(t)}" for t in present))
+    print(f"{'system':<18}" + "".join(f"{t + ' p50/p99 s':>32}" for t in present))
+    for system in SYSTEMS:
+        runs = results["open"][system]
+        figures[system] = {}
+        for task in present:
+            of_task = [[lat for lat, t in zip(r["latencies"], tasks, strict=True) if t == task]
+                       for r in runs]
+            figures[system][task] = {"p50_s": median([percentile(x, 50) for x in of_task]),
+                                     "p99_s": median([percentile(x, 99) for x in of_task])}
+        print(f"{system:<18}" + "".join(
+            f"{figures[system][t]['p50_s']:>22.2f} /{figures[system][t]['p99_s']:>8.2f}"
+            for t in present))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lora-share", type=float, default=0.0, metavar="S",
                     help="this share of the requests names a LoRA adapter (A, B or C)")
+    ap.add_argument("--image-share", type=float, default=0.0, metavar="S",
+                    help="this share of the requests gives an input image (half of them a "
+                         "mask too): image-to-image and inpainting")
+    ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
+                    help="torch threads of every system (default: the engine's choice, "
+                         "torch's default for diffusers)")
     ap.add_argument("--json", help="also write the table's figures here")
     ap.add_argument("--child-timeout", type=float, default=1200)
     args = ap.parse_args(argv)
@@ -312,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.rounds = 48, 1
     if not 0.0 <= args.lora_share <= 1.0:
         ap.error("--lora-share is a share: 0 to 1")
+    if not 0.0 <= args.image_share <= 1.0:
+        ap.error("--image-share is a share: 0 to 1")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diffrt-bench-mixed-") as work:
         args.adapter_paths = {}

@@ -1,11 +1,32 @@
-"""diffrt against what a user runs without it: diffusers' own FluxPipeline.
+"""diffrt against what a user runs without it: diffusers' own pipeline for the task.
 
-Both load the same complete model folder (the embedded ``tiny-flux``: the
-peer encodes its prompts with the folder's CLIP and T5 too) and return PIL
-images. Printed, never asserted. Run from the repository root:
+Both load the same complete model folder (``--model``: the embedded
+``tiny-flux`` by default, or the shipped ``diffrt-shapes``; the peer encodes
+its prompts with the folder's CLIP and T5 too) and return PIL images.
+Printed, never asserted. Run from the repository root:
 
     .venv/bin/python benchmarks/bench_vs_diffusers.py            # full run (~30 min here)
     .venv/bin/python benchmarks/bench_vs_diffusers.py --quick    # a few minutes
+    .venv/bin/python benchmarks/bench_vs_diffusers.py --task image-to-image
+
+**Tasks** (``--task``; one code path, only the request and the peer's call
+differ):
+
+- ``text-to-image`` (the default): diffusers' ``FluxPipeline``;
+- ``image-to-image``: diffusers' ``FluxImg2ImgPipeline.from_pipe(base)``
+  against diffrt requests with ``images=[picture]`` and ``strength``
+  (``--strength``, default 0.6: 8 steps run 5); every request of both
+  systems gives the same input picture (seeded, 96x80, so both resize it), a
+  batch of 8 gives it 8 times (8 encodes, as 8 users' requests would);
+  sizes default to 64 and 256, the issue's, and the throughput ratios are
+  printed against its goals (>= 1.0x serial, >= 1.2x static batch 8);
+- ``editing`` (FLUX.1 Kontext): refused for now, see ``TASKS``.
+
+The peer is given what diffrt runs by default on the model (``MODELS``), so
+both make the same pictures (checked by hand, one request at 64 px: equal
+bytes on both models and both tasks): Flux guidance 3.5
+(FluxImg2ImgPipeline's own default is 7.0); on ``diffrt-shapes`` true CFG at
+3 against the empty prompt and 16 T5 tokens.
 
 **Throughput** (closed loop, N requests of one size, ``--steps`` steps): every
 (system, size) runs in a fresh process, rounds interleaved, the median of the
@@ -42,6 +63,36 @@ from diffrt.cli.bench_stats import median
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+#: task -> (the diffusers class its peer runs, made ``from_pipe`` of the
+#: base ``FluxPipeline``; the sizes it runs at by default). ``editing`` is
+#: the hook for FLUX.1 Kontext: when diffrt serves Kontext folders, give it
+#: ``FluxKontextPipeline`` (loaded from a Kontext folder, not ``from_pipe``),
+#: a model, and the request's ``images`` in ``_task_request_fields`` /
+#: ``_task_peer_kwargs``.
+TASKS: dict[str, tuple[str, tuple[int, ...]] | None] = {
+    "text-to-image": ("FluxPipeline", (64, 256, 512)),
+    "image-to-image": ("FluxImg2ImgPipeline", (64, 256)),
+    "editing": None,
+}
+NOT_YET = {"editing": "--task editing (FLUX.1 Kontext) is not served by diffrt yet: "
+                      "nothing to measure"}
+#: model -> what diffusers is given on top of the request, to run what diffrt
+#: runs by default on it, so both make the same pictures: diffrt's Flux
+#: guidance (3.5: FluxPipeline's default, but FluxImg2ImgPipeline's is 7.0);
+#: diffrt-shapes: true CFG at 3 against "" (``SHIPPED_MODELS``) and its 16
+#: T5 tokens (its model card; diffrt reads the tokenizer's model_max_length)
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny-flux": {"guidance_scale": 3.5},
+    "diffrt-shapes": {"guidance_scale": 1.0, "true_cfg_scale": 3.0, "negative_prompt": "",
+                      "max_sequence_length": 16},
+}
+#: throughput goals of a task: (ours, peer) -> least ratio, at GOAL_SIZES
+GOALS: dict[str, dict[tuple[str, str], float]] = {
+    "image-to-image": {("diffrt serial", "diffusers serial"): 1.0,
+                       ("diffrt step x8", "diffusers batch 8"): 1.2},
+}
+GOAL_SIZES = (64, 256)
+
 THROUGHPUT_SYSTEMS = ["diffusers serial", "diffusers batch 8", "diffrt serial",
                       "diffrt step x8", "diffrt request x8"]
 LATENCY_SYSTEMS = ["diffrt step x8", "diffusers serial", "diffusers static batcher"]
@@ -50,46 +101,98 @@ MIX_STEPS = (4, 8, 28)
 
 
 # -- the systems, each in its own process ---------------------------------------------------
-def _peer_pipeline() -> Any:
-    import torch
-    from diffusers import FluxPipeline
-
+def _folder(model: str) -> str:
     from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.pipelines.shipped import SHIPPED_MODELS, shipped_folder
 
-    pipe = FluxPipeline.from_pretrained(embedded_folder("tiny-flux"), torch_dtype=torch.float32)
+    return shipped_folder(model) if model in SHIPPED_MODELS else str(embedded_folder(model))
+
+
+def input_picture() -> Any:
+    """The input image of every image-to-image request: seeded, not the
+    output size (both systems resize it)."""
+    import numpy as np
+    import PIL.Image
+
+    return PIL.Image.fromarray(np.random.default_rng(7).integers(0, 255, (80, 96, 3),
+                                                                 dtype=np.uint8))
+
+
+def _peer_pipeline(spec: dict[str, Any]) -> Any:
+    """diffusers' pipeline of the spec's task, on the spec's model."""
+    import diffusers
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    pipe = diffusers.FluxPipeline.from_pretrained(_folder(spec["model"]),
+                                                  torch_dtype=torch.float32)
+    cls = TASKS[spec["task"]][0]
+    if cls != "FluxPipeline":
+        pipe = getattr(diffusers, cls).from_pipe(pipe)
     pipe.set_progress_bar_config(disable=True)
+    pipe.bench_kwargs = {**MODELS[spec["model"]], **_task_peer_kwargs(spec)}
+    pipe.bench_picture = input_picture() if spec["task"] != "text-to-image" else None
     return pipe
+
+
+def _task_peer_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """What the task adds to every diffusers call (the picture is per call)."""
+    if spec["task"] == "image-to-image":
+        return {"strength": spec["strength"]}
+    return {}
 
 
 def _peer_call(pipe: Any, prompts: list[str], size: int, steps: int, seed: int) -> list[Any]:
     import torch
 
+    kwargs = dict(pipe.bench_kwargs)
+    if pipe.bench_picture is not None:  # one input per prompt, as separate requests give
+        kwargs["image"] = [pipe.bench_picture] * len(prompts)
     return pipe(prompt=prompts, height=size, width=size, num_inference_steps=steps,
-                generator=torch.Generator().manual_seed(seed), output_type="pil").images
+                generator=torch.Generator().manual_seed(seed), output_type="pil",
+                **kwargs).images
 
 
-def _engine(system: str, extra: dict[str, Any]) -> Any:
+def _engine(system: str, spec: dict[str, Any]) -> Any:
     from diffrt.engine import DiffusionEngine, EngineConfig
 
     step = "step" in system
     seqs = 1 if "serial" in system else 8
+    extra = dict(spec.get("engine", {}))
+    if spec.get("threads"):
+        extra.setdefault("torch_threads", spec["threads"])
     return DiffusionEngine.make_engine(EngineConfig(
-        model="tiny-flux", step_execution=step, max_num_seqs=seqs, **extra))
+        model=spec["model"], step_execution=step, max_num_seqs=seqs, **extra))
 
 
-def _request(i: int, size: int, steps: int, tag: str) -> Any:
+def _task_request_fields(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The request fields of the spec's task: (DiffusionRequest's, SamplingParams')."""
+    if spec["task"] == "image-to-image":
+        return {"images": [input_picture()]}, {"strength": spec["strength"]}
+    return {}, {}
+
+
+def _requester(spec: dict[str, Any]) -> Any:
+    """``request(i, size, steps, tag)`` of the spec's task."""
     from diffrt.engine import DiffusionRequest, SamplingParams
 
-    return DiffusionRequest(prompt=f"a red fox {i}", request_id=f"{tag}-{i}",
-                            sampling_params=SamplingParams(height=size, width=size,
-                                                           num_inference_steps=steps, seed=i))
+    fields, params = _task_request_fields(spec)
+
+    def request(i: int, size: int, steps: int, tag: str) -> Any:
+        return DiffusionRequest(prompt=f"a red fox {i}", request_id=f"{tag}-{i}", **fields,
+                                sampling_params=SamplingParams(
+                                    height=size, width=size, num_inference_steps=steps,
+                                    seed=i, **params))
+
+    return request
 
 
 def throughput_child(spec: dict[str, Any]) -> dict[str, Any]:
     """Images per second of one system at one size (warm-up excluded)."""
     system, size, steps, n = spec["system"], spec["size"], spec["steps"], spec["requests"]
     if system.startswith("diffusers"):
-        pipe = _peer_pipeline()
+        pipe = _peer_pipeline(spec)
         batch = 8 if "batch" in system else 1
         _peer_call(pipe, ["warm"] * batch, size, steps, 0)
         start = time.perf_counter()
@@ -101,13 +204,14 @@ def throughput_child(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         from diffrt.cli.bench_load import EngineTarget, drive
 
-        engine = _engine(system, spec.get("engine", {}))
+        engine = _engine(system, spec)
+        request = _requester(spec)
         try:
             concurrency = 1 if "serial" in system else 8
-            warm = [_request(i, size, steps, "warm") for i in range(concurrency)]
+            warm = [request(i, size, steps, "warm") for i in range(concurrency)]
             drive(EngineTarget(engine), warm, concurrency=concurrency, rate=None)
             samples, wall = drive(EngineTarget(engine),
-                                  [_request(i, size, steps, "r") for i in range(n)],
+                                  [request(i, size, steps, "r") for i in range(n)],
                                   concurrency=concurrency, rate=None)
             failed = [s.error for s in samples if not s.ok]
             if failed:
@@ -135,9 +239,10 @@ def latency_child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("capacity"):
         from diffrt.cli.bench_load import EngineTarget, drive
 
-        engine = _engine("diffrt step x8", spec.get("engine", {}))
+        engine = _engine("diffrt step x8", spec)
+        request = _requester(spec)
         try:
-            reqs = [_request(i, s, st, "cap") for i, (s, st) in enumerate(mix)]
+            reqs = [request(i, s, st, "cap") for i, (s, st) in enumerate(mix)]
             drive(EngineTarget(engine), reqs[:8], concurrency=8, rate=None)
             samples, wall = drive(EngineTarget(engine), reqs, concurrency=8, rate=None)
         finally:
@@ -147,12 +252,13 @@ def latency_child(spec: dict[str, Any]) -> dict[str, Any]:
     if system.startswith("diffrt"):
         from diffrt.cli.bench_load import EngineTarget, drive
 
-        engine = _engine(system, spec.get("engine", {}))
+        engine = _engine(system, spec)
+        request = _requester(spec)
         try:
-            drive(EngineTarget(engine), [_request(i, 64, 4, "warm") for i in range(2)],
+            drive(EngineTarget(engine), [request(i, 64, 4, "warm") for i in range(2)],
                   concurrency=2, rate=None)
             samples, _ = drive(EngineTarget(engine),
-                               [_request(i, s, st, "lat") for i, (s, st) in enumerate(mix)],
+                               [request(i, s, st, "lat") for i, (s, st) in enumerate(mix)],
                                concurrency=len(mix), rate=rate, seed=spec["seed"])
         finally:
             engine.close()
@@ -161,7 +267,7 @@ def latency_child(spec: dict[str, Any]) -> dict[str, Any]:
         return {"latencies": [s.latency for s in samples]}
     from diffusers_peers import SerialPeer, StaticBatcherPeer
 
-    pipe = _peer_pipeline()
+    pipe = _peer_pipeline(spec)
     peer = (SerialPeer(pipe, _peer_batch) if system == "diffusers serial"
             else StaticBatcherPeer(pipe, _peer_batch, batch=8, wait_s=2.0))
     _peer_call(pipe, ["warm"], 64, 4, 0)
@@ -203,9 +309,28 @@ def _child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _task_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """What every child of this run is given: the task, model and settings."""
+    return {"task": args.task, "model": args.model, "strength": args.strength,
+            "threads": args.torch_threads, "engine": args.engine}
+
+
+def _what(args: argparse.Namespace) -> str:
+    task = args.task + (f" (strength {args.strength:g}: {args.steps} steps run "
+                        f"{_steps_run(args.steps, args.strength)})"
+                        if args.task != "text-to-image" else "")
+    return f"{task}, {args.model}"
+
+
+def _steps_run(steps: int, strength: float) -> int:
+    from diffrt.engine import SamplingParams
+
+    return SamplingParams(num_inference_steps=steps, strength=strength).denoise_steps()
+
+
 def bench_throughput(args: argparse.Namespace) -> None:
-    print(f"\n== throughput: images/s, tiny-flux, {args.steps} steps, {args.requests} requests, "
-          f"median of {args.rounds} interleaved rounds, each in a fresh process ==")
+    print(f"\n== throughput: images/s, {_what(args)}, {args.steps} steps, {args.requests} "
+          f"requests, median of {args.rounds} interleaved rounds, each in a fresh process ==")
     results: dict[tuple[str, int], list[float]] = defaultdict(list)
     for rnd in range(args.rounds):
         for size in args.sizes:
@@ -213,8 +338,8 @@ def bench_throughput(args: argparse.Namespace) -> None:
             k = rnd % len(systems)
             order = systems[k:] + systems[:k]
             for system in order:
-                spec = {"system": system, "size": size, "steps": args.steps,
-                        "requests": args.requests, "engine": args.engine}
+                spec = {**_task_spec(args), "system": system, "size": size,
+                        "steps": args.steps, "requests": args.requests}
                 results[(system, size)].append(
                     _child("throughput", spec, args.child_timeout)["images_per_s"])
         print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
@@ -232,12 +357,20 @@ def bench_throughput(args: argparse.Namespace) -> None:
             continue
         print(f"{ours + ' / ' + peer:<40}"[:40] + "".join(
             f"{med[(ours, s)] / med[(peer, s)]:>10.2f}" for s in args.sizes))
+    for (ours, peer), least in GOALS.get(args.task, {}).items():
+        sizes = [s for s in GOAL_SIZES if s in args.sizes]
+        if ours not in args.systems or peer not in args.systems or not sizes:
+            continue
+        ratios = [med[(ours, s)] / med[(peer, s)] for s in sizes]
+        verdict = ", ".join(f"{s} px {r:.3f} {'met' if r >= least else 'NOT met'}"
+                            for s, r in zip(sizes, ratios, strict=True))
+        print(f"goal {ours} / {peer} >= {least:.1f}: {verdict}")
 
 
 def bench_latency(args: argparse.Namespace) -> None:
-    print(f"\n== latency: {args.latency_requests} requests, (size, steps) uniform over "
-          f"{MIX_SIZES} x {MIX_STEPS}, Poisson arrivals ==")
-    base = {"requests": args.latency_requests, "seed": args.seed, "engine": args.engine}
+    print(f"\n== latency: {_what(args)}, {args.latency_requests} requests, (size, steps) "
+          f"uniform over {MIX_SIZES} x {MIX_STEPS}, Poisson arrivals ==")
+    base = {**_task_spec(args), "requests": args.latency_requests, "seed": args.seed}
     capacity = _child("latency", {**base, "system": "diffrt step x8", "capacity": True},
                       args.child_timeout)["requests_per_s"]
     rate = args.load * capacity
@@ -266,7 +399,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true",
                     help="sizes 64 and 256, 16 requests, 3 rounds, 60-request latency mix")
-    ap.add_argument("--sizes", type=int, nargs="*", default=[64, 256, 512])
+    ap.add_argument("--task", choices=list(TASKS), default="text-to-image",
+                    help="what every request asks for (default: text-to-image); "
+                         "editing is refused until diffrt serves FLUX.1 Kontext")
+    ap.add_argument("--model", choices=list(MODELS), default="tiny-flux",
+                    help="the folder both systems load (default: the embedded tiny-flux)")
+    ap.add_argument("--strength", type=float, default=0.6,
+                    help="image-to-image: the requests' strength (default: 0.6)")
+    ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
+                    help="torch threads of every system (the engine's torch_threads; default: "
+                         "the engine's choice, torch's default for diffusers); 1 keeps a "
+                         "shared machine's busy cores from stalling a worker's threads")
+    ap.add_argument("--sizes", type=int, nargs="*", default=None,
+                    help="throughput sizes (default: the task's: 64 256 512 for "
+                         "text-to-image, 64 256 for image-to-image)")
     ap.add_argument("--systems", nargs="*", default=THROUGHPUT_SYSTEMS, choices=THROUGHPUT_SYSTEMS,
                     metavar="SYSTEM", help="throughput: which systems (default: all five)")
     ap.add_argument("--steps", type=int, default=8)
@@ -284,6 +430,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--child-timeout", type=float, default=900)
     args = ap.parse_args(argv)
+    if args.task in NOT_YET:
+        print(NOT_YET[args.task], file=sys.stderr)
+        return 2
+    if not 0.0 < args.strength <= 1.0:
+        ap.error("--strength is in (0, 1]")
+    if args.sizes is None:
+        args.sizes = list(TASKS[args.task][1])
     if args.child:
         kind, spec = args.child[0], json.loads(args.child[1])
         fn = throughput_child if kind == "throughput" else latency_child
@@ -297,9 +450,10 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes, args.requests, args.rounds, args.latency_requests = [64, 256], 16, 3, 60
     import torch
 
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; diffrt engine extras: "
-          f"{args.engine or 'none'}; diffusers with diffrt's allocator setting: "
-          f"{'yes' if PEER_ENV else 'no'}")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; task {_what(args)}, peer "
+          f"{TASKS[args.task][0]}; torch threads {args.torch_threads or 'default'}; diffrt "
+          f"engine extras: {args.engine or 'none'}; diffusers with diffrt's allocator "
+          f"setting: {'yes' if PEER_ENV else 'no'}")
     if not args.skip_throughput:
         bench_throughput(args)
     if not args.skip_latency:

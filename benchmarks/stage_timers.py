@@ -8,7 +8,8 @@ import it wraps, at class level, the calls each stage is made of:
   ``FluxPipeline.transformer_forward`` (whose mixed-size path runs the
   transformer's modules without its ``forward``); only the outermost of the
   two is counted;
-- vae: ``AutoencoderKL.decode``;
+- vae: ``AutoencoderKL.decode`` and ``.encode`` (image-to-image and
+  inpainting inputs);
 - text: ``CLIPTextModel.forward`` and ``T5EncoderModel.forward``.
 
 On CPU a call's wall time is its compute (nothing is asynchronous). The
@@ -73,6 +74,7 @@ def install() -> None:
     _wrap(FluxTransformer2DModel, "forward", "transformer")
     _wrap(FluxPipeline, "transformer_forward", "transformer")
     _wrap(AutoencoderKL, "decode", "vae")
+    _wrap(AutoencoderKL, "encode", "vae")
     _wrap(CLIPTextModel, "forward", "text")
     _wrap(T5EncoderModel, "forward", "text")
 
