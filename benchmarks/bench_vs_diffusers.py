@@ -20,7 +20,11 @@ differ):
   batch of 8 gives it 8 times (8 encodes, as 8 users' requests would);
   sizes default to 64 and 256, the issue's, and the throughput ratios are
   printed against its goals (>= 1.0x serial, >= 1.2x static batch 8);
-- ``editing`` (FLUX.1 Kontext): refused for now, see ``TASKS``.
+- ``editing`` (FLUX.1 Kontext, ``--model tiny-flux-kontext``, its default
+  for this task): diffusers' ``FluxKontextPipeline`` loaded from the Kontext
+  folder, given ``max_area`` = the requested area and ``_auto_resize=False``
+  (diffrt honours the size asked; the tiny model keeps its input's size), so
+  both make the same pictures; every request edits the same seeded picture.
 
 The peer is given what diffrt runs by default on the model (``MODELS``), so
 both make the same pictures (checked by hand, one request at 64 px: equal
@@ -64,18 +68,15 @@ from diffrt.cli.bench_stats import median
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: task -> (the diffusers class its peer runs, made ``from_pipe`` of the
-#: base ``FluxPipeline``; the sizes it runs at by default). ``editing`` is
-#: the hook for FLUX.1 Kontext: when diffrt serves Kontext folders, give it
-#: ``FluxKontextPipeline`` (loaded from a Kontext folder, not ``from_pipe``),
-#: a model, and the request's ``images`` in ``_task_request_fields`` /
-#: ``_task_peer_kwargs``.
-TASKS: dict[str, tuple[str, tuple[int, ...]] | None] = {
+#: base ``FluxPipeline`` — the Kontext one loaded from its own folder; the
+#: sizes it runs at by default)
+TASKS: dict[str, tuple[str, tuple[int, ...]]] = {
     "text-to-image": ("FluxPipeline", (64, 256, 512)),
     "image-to-image": ("FluxImg2ImgPipeline", (64, 256)),
-    "editing": None,
+    "editing": ("FluxKontextPipeline", (64, 256)),
 }
-NOT_YET = {"editing": "--task editing (FLUX.1 Kontext) is not served by diffrt yet: "
-                      "nothing to measure"}
+#: the model a task runs on unless --model names another
+TASK_MODELS = {"editing": "tiny-flux-kontext"}
 #: model -> what diffusers is given on top of the request, to run what diffrt
 #: runs by default on it, so both make the same pictures: diffrt's Flux
 #: guidance (3.5: FluxPipeline's default, but FluxImg2ImgPipeline's is 7.0);
@@ -83,14 +84,15 @@ NOT_YET = {"editing": "--task editing (FLUX.1 Kontext) is not served by diffrt y
 #: T5 tokens (its model card; diffrt reads the tokenizer's model_max_length)
 MODELS: dict[str, dict[str, Any]] = {
     "tiny-flux": {"guidance_scale": 3.5},
+    "tiny-flux-kontext": {"guidance_scale": 3.5},
     "diffrt-shapes": {"guidance_scale": 1.0, "true_cfg_scale": 3.0, "negative_prompt": "",
                       "max_sequence_length": 16},
 }
 #: throughput goals of a task: (ours, peer) -> least ratio, at GOAL_SIZES
 GOALS: dict[str, dict[tuple[str, str], float]] = {
-    "image-to-image": {("diffrt serial", "diffusers serial"): 1.0,
-                       ("diffrt step x8", "diffusers batch 8"): 1.2},
-}
+    task: {("diffrt serial", "diffusers serial"): 1.0,
+           ("diffrt step x8", "diffusers batch 8"): 1.2}
+    for task in ("image-to-image", "editing")}
 GOAL_SIZES = (64, 256)
 
 THROUGHPUT_SYSTEMS = ["diffusers serial", "diffusers batch 8", "diffrt serial",
@@ -125,10 +127,10 @@ def _peer_pipeline(spec: dict[str, Any]) -> Any:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    pipe = diffusers.FluxPipeline.from_pretrained(_folder(spec["model"]),
-                                                  torch_dtype=torch.float32)
     cls = TASKS[spec["task"]][0]
-    if cls != "FluxPipeline":
+    base = diffusers.FluxKontextPipeline if cls == "FluxKontextPipeline" else diffusers.FluxPipeline
+    pipe = base.from_pretrained(_folder(spec["model"]), torch_dtype=torch.float32)
+    if cls not in ("FluxPipeline", "FluxKontextPipeline"):
         pipe = getattr(diffusers, cls).from_pipe(pipe)
     pipe.set_progress_bar_config(disable=True)
     pipe.bench_kwargs = {**MODELS[spec["model"]], **_task_peer_kwargs(spec)}
@@ -140,6 +142,8 @@ def _task_peer_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     """What the task adds to every diffusers call (the picture is per call)."""
     if spec["task"] == "image-to-image":
         return {"strength": spec["strength"]}
+    if spec["task"] == "editing":
+        return {"_auto_resize": False}
     return {}
 
 
@@ -149,6 +153,8 @@ def _peer_call(pipe: Any, prompts: list[str], size: int, steps: int, seed: int) 
     kwargs = dict(pipe.bench_kwargs)
     if pipe.bench_picture is not None:  # one input per prompt, as separate requests give
         kwargs["image"] = [pipe.bench_picture] * len(prompts)
+    if "_auto_resize" in kwargs:  # Kontext: the size asked, not 1 Mpx at its aspect
+        kwargs["max_area"] = size * size
     return pipe(prompt=prompts, height=size, width=size, num_inference_steps=steps,
                 generator=torch.Generator().manual_seed(seed), output_type="pil",
                 **kwargs).images
@@ -170,6 +176,8 @@ def _task_request_fields(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     """The request fields of the spec's task: (DiffusionRequest's, SamplingParams')."""
     if spec["task"] == "image-to-image":
         return {"images": [input_picture()]}, {"strength": spec["strength"]}
+    if spec["task"] == "editing":
+        return {"images": [input_picture()]}, {}
     return {}, {}
 
 
@@ -318,7 +326,7 @@ def _task_spec(args: argparse.Namespace) -> dict[str, Any]:
 def _what(args: argparse.Namespace) -> str:
     task = args.task + (f" (strength {args.strength:g}: {args.steps} steps run "
                         f"{_steps_run(args.steps, args.strength)})"
-                        if args.task != "text-to-image" else "")
+                        if args.task == "image-to-image" else "")
     return f"{task}, {args.model}"
 
 
@@ -400,10 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="sizes 64 and 256, 16 requests, 3 rounds, 60-request latency mix")
     ap.add_argument("--task", choices=list(TASKS), default="text-to-image",
-                    help="what every request asks for (default: text-to-image); "
-                         "editing is refused until diffrt serves FLUX.1 Kontext")
-    ap.add_argument("--model", choices=list(MODELS), default="tiny-flux",
-                    help="the folder both systems load (default: the embedded tiny-flux)")
+                    help="what every request asks for (default: text-to-image); editing: "
+                         "FLUX.1 Kontext edits")
+    ap.add_argument("--model", choices=list(MODELS), default=None,
+                    help="the folder both systems load (default: the embedded tiny-flux; "
+                         "tiny-flux-kontext for editing)")
     ap.add_argument("--strength", type=float, default=0.6,
                     help="image-to-image: the requests' strength (default: 0.6)")
     ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
@@ -430,9 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--child-timeout", type=float, default=900)
     args = ap.parse_args(argv)
-    if args.task in NOT_YET:
-        print(NOT_YET[args.task], file=sys.stderr)
-        return 2
+    if args.model is None:
+        args.model = TASK_MODELS.get(args.task, "tiny-flux")
+    if (args.task == "editing") != (args.model == "tiny-flux-kontext"):
+        ap.error("--task editing runs on tiny-flux-kontext, the other tasks on text-to-image "
+                 "folders")
     if not 0.0 < args.strength <= 1.0:
         ap.error("--strength is in (0, 1]")
     if args.sizes is None:
