@@ -47,6 +47,18 @@ serves them in the same steps as text-to-image requests; diffusers runs
 task. The table then adds each task's p50 and p99 (open loop), and the VAE
 column counts encodes too. Without the option nothing changes.
 
+Edit traffic (``--edit-share S``): the whole run moves to ``tiny-flux-kontext``
+(the tiny Flux components under ``FluxKontextPipeline``'s index, which serves
+text-to-image without an image and FLUX.1 Kontext edits with one); a share S
+of the requests (drawn as the image share is) edits the same seeded picture,
+whose latent tokens lengthen that request's rows. diffrt serves edits and
+text-to-image requests in the same steps; diffusers runs its
+``FluxKontextPipeline`` for both (given ``max_area`` = the requested area and
+``_auto_resize=False``, so it draws the size asked, as diffrt does), its
+static batcher grouping by task too. Not combined with ``--image-share`` (a
+Kontext folder serves no image-to-image) or ``--lora-share`` (the adapters are
+made on tiny-flux).
+
 ``--torch-threads N`` gives every system N torch threads (the engine's
 ``torch_threads``, ``torch.set_num_threads`` for diffusers); 1 keeps a
 shared machine's busy cores from stalling a worker's threads. Run from the
@@ -56,6 +68,7 @@ repository root:
     .venv/bin/python benchmarks/bench_mixed_traffic.py --quick    # 48 requests, 1 round
     .venv/bin/python benchmarks/bench_mixed_traffic.py --quick --lora-share 0.5
     .venv/bin/python benchmarks/bench_mixed_traffic.py --image-share 0.3
+    .venv/bin/python benchmarks/bench_mixed_traffic.py --edit-share 0.3
 """
 
 from __future__ import annotations
@@ -85,7 +98,7 @@ CONCURRENCY = 16
 MAX_NUM_SEQS = 16
 STATIC_WAIT_S = 2.0
 LORA_NAMES = ("A", "B", "C")
-TASKS = ("text-to-image", "image-to-image", "inpainting")
+TASKS = ("text-to-image", "image-to-image", "inpainting", "editing")
 #: diffusers' pipeline of each task, made from_pipe of the FluxPipeline
 PEER_CLASSES = {"image-to-image": "FluxImg2ImgPipeline", "inpainting": "FluxInpaintPipeline"}
 IMAGE_STRENGTH = 0.6
@@ -113,6 +126,17 @@ def image_traffic(n: int, seed: int, share: float) -> list[str]:
             for _ in range(n)]
 
 
+def edit_traffic(n: int, seed: int, share: float) -> list[str]:
+    """Each request's task on the Kontext folder: a share ``share`` of them edit."""
+    rng = random.Random(f"image {seed}")
+    return ["editing" if rng.random() < share else TASKS[0] for _ in range(n)]
+
+
+def model_of(spec: dict[str, Any]) -> str:
+    """The folder every system of the run loads."""
+    return "tiny-flux-kontext" if spec.get("edit_share") else "tiny-flux"
+
+
 def input_picture() -> Any:
     """Every image request's input: seeded, not any request's size (it is resized)."""
     import numpy as np
@@ -133,7 +157,8 @@ def input_mask() -> Any:
 
 
 # -- one system in a fresh process ---------------------------------------------------------------
-def _engine(system: str, timers: str, adapters: dict[str, str], threads: int = 0) -> Any:
+def _engine(system: str, timers: str, adapters: dict[str, str], threads: int = 0,
+            model: str = "tiny-flux") -> Any:
     from diffrt.engine import DiffusionEngine, EngineConfig
 
     extra: dict[str, Any] = {}
@@ -145,7 +170,7 @@ def _engine(system: str, timers: str, adapters: dict[str, str], threads: int = 0
         extra["torch_threads"] = threads
     path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
     return DiffusionEngine.make_engine(EngineConfig(
-        model="tiny-flux", step_execution=True, max_num_seqs=MAX_NUM_SEQS,
+        model=model, step_execution=True, max_num_seqs=MAX_NUM_SEQS,
         plugin_modules=("stage_timers",),
         worker_env={"PYTHONPATH": path, "DIFFRT_STAGE_TIMERS": timers}, **extra))
 
@@ -161,7 +186,7 @@ def _request(i: int, height: int, width: int, steps: int, tag: str,
         sampling_params=SamplingParams(
             height=height, width=width, num_inference_steps=steps, seed=i,
             loras={adapter: 1.0} if adapter else None,
-            strength=IMAGE_STRENGTH if images else None))
+            strength=IMAGE_STRENGTH if task in PEER_CLASSES else None))
 
 
 def _adapters(spec: dict[str, Any]) -> list[str | None]:
@@ -169,6 +194,8 @@ def _adapters(spec: dict[str, Any]) -> list[str | None]:
 
 
 def _tasks(spec: dict[str, Any]) -> list[str]:
+    if spec.get("edit_share"):
+        return edit_traffic(spec["requests"], spec["seed"], spec["edit_share"])
     return image_traffic(spec["requests"], spec["seed"], spec.get("image_share", 0.0))
 
 
@@ -176,7 +203,8 @@ def _warm_up(spec: dict[str, Any]) -> list[tuple[int, int, str | None, str]]:
     """(height, width, adapter, task) of each warm-up request: every size, and
     every adapter and task of the run at least once."""
     adapters = (None, *LORA_NAMES) if spec.get("adapters") else (None,)
-    tasks = TASKS if spec.get("image_share") else TASKS[:1]
+    tasks = (TASKS[:3] if spec.get("image_share")
+             else (TASKS[0], "editing") if spec.get("edit_share") else TASKS[:1])
     n = max(len(SIZES), len(adapters), len(tasks))
     return [(*SIZES[i % len(SIZES)], adapters[i % len(adapters)], tasks[i % len(tasks)])
             for i in range(n)]
@@ -187,7 +215,8 @@ def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, 
 
     mix = traffic(spec["requests"], spec["seed"])
     adapters, tasks = _adapters(spec), _tasks(spec)
-    engine = _engine(spec["system"], timers, spec.get("adapters") or {}, spec.get("threads", 0))
+    engine = _engine(spec["system"], timers, spec.get("adapters") or {}, spec.get("threads", 0),
+                     model_of(spec))
     try:
         warm = [_request(i, h, w, 2, "warm", adapter, task)
                 for i, (h, w, adapter, task) in enumerate(_warm_up(spec))]
@@ -222,17 +251,23 @@ def _peer_call(pipe: Any, seeds: list[int], height: int, width: int, steps: int,
             pipe.set_adapters([adapter], [1.0])
 
     kwargs: dict[str, Any] = {}
-    if task != TASKS[0]:  # one input per request, as the requests give them
+    if task in PEER_CLASSES:  # one input per request, as the requests give them
         kwargs = {"image": [input_picture()] * len(seeds), "strength": IMAGE_STRENGTH,
                   # diffrt's Flux guidance (FluxPipeline's default; these two default to 7)
                   "guidance_scale": 3.5}
         if task == "inpainting":
             kwargs["mask_image"] = [input_mask()] * len(seeds)
+    if getattr(pipe, "bench_kontext", False):
+        # the size asked: FluxKontextPipeline draws max_area (1 Mpx) at the
+        # requested aspect, with or without an input image
+        kwargs["max_area"] = height * width
+        if task == "editing":
+            kwargs |= {"image": [input_picture()] * len(seeds), "_auto_resize": False}
     call = pipe.bench_tasks[task] if task != TASKS[0] else pipe
     images = call(prompt=[f"a red fox r {i}" for i in seeds], height=height, width=width,
                   num_inference_steps=steps, output_type="pil",
                   generator=[torch.Generator().manual_seed(i) for i in seeds], **kwargs).images
-    assert len(images) == len(seeds)
+    assert len(images) == len(seeds) and images[0].size == (width, height), images[0].size
 
 
 def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
@@ -243,15 +278,18 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    pipe = diffusers.FluxPipeline.from_pretrained(embedded_folder("tiny-flux"),
-                                                  torch_dtype=torch.float32)
+    # the Kontext pipeline draws text-to-image too when given no image
+    base = diffusers.FluxKontextPipeline if spec.get("edit_share") else diffusers.FluxPipeline
+    pipe = base.from_pretrained(embedded_folder(model_of(spec)), torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    pipe.bench_kontext = bool(spec.get("edit_share"))
     for name, path in (spec.get("adapters") or {}).items():
         pipe.load_lora_weights(path, adapter_name=name)
         pipe.bench_loras = True
     # the image tasks' pipelines share the base's modules (its LoRA layers too)
-    pipe.bench_tasks = {task: getattr(diffusers, cls).from_pipe(pipe)
-                        for task, cls in PEER_CLASSES.items()}
+    pipe.bench_tasks = ({"editing": pipe} if spec.get("edit_share") else
+                        {task: getattr(diffusers, cls).from_pipe(pipe)
+                         for task, cls in PEER_CLASSES.items()})
     for other in pipe.bench_tasks.values():
         other.set_progress_bar_config(disable=True)
     for h, w, adapter, task in _warm_up(spec):
@@ -320,6 +358,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base |= {"lora_share": args.lora_share, "adapters": args.adapter_paths}
     if args.image_share:
         base["image_share"] = args.image_share
+    if args.edit_share:
+        base["edit_share"] = args.edit_share
     for rnd in range(args.rounds):
         order = list(SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)])
         for system in order:
@@ -348,7 +388,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             "p50_s": median([percentile(r["latencies"], 50) for r in lats]),
             "p99_s": median([percentile(r["latencies"], 99) for r in lats]),
         }
-    print(f"\n== mixed traffic: tiny-flux, {args.requests} requests, sizes "
+    print(f"\n== mixed traffic: {model_of(vars(args))}, {args.requests} requests, sizes "
           f"{', '.join(f'{h}x{w}' for h, w in SIZES)}, steps {STEPS}; median of {args.rounds} "
           f"round(s), each system in a fresh process ==")
     if args.lora_share:
@@ -361,6 +401,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         print(f"input images: --image-share {args.image_share:g}: "
               + ", ".join(f"{t} {tasks.count(t)}" for t in TASKS)
               + f" (strength {IMAGE_STRENGTH:g})")
+    if args.edit_share:
+        tasks = edit_traffic(args.requests, args.seed, args.edit_share)
+        print(f"edits (FLUX.1 Kontext): --edit-share {args.edit_share:g}: "
+              + ", ".join(f"{t} {tasks.count(t)}" for t in (TASKS[0], "editing")))
     if args.torch_threads:
         print(f"torch threads of every system: {args.torch_threads}")
     print(f"closed loop at concurrency {CONCURRENCY}; open loop: Poisson at "
@@ -386,7 +430,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     print()
     for name, value, goal in goals:
         print(f"{name:<48}{value:>7.2f}   (goal {goal})")
-    per_task = report_tasks(results, args) if args.image_share else {}
+    per_task = report_tasks(results, args) if args.image_share or args.edit_share else {}
     runs = [(system, r) for measure in ("closed", "open") for system in SYSTEMS
             for r in results[measure][system]]
     short = [f"{system} {r['finished']}/{args.requests}" for system, r in runs
@@ -396,12 +440,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
           f"{len(SYSTEMS)} systems)")
     return {"systems": rows, "ratios": {name: value for name, value, _ in goals},
             "lora_share": args.lora_share, "image_share": args.image_share,
+            "edit_share": args.edit_share,
             "tasks": per_task, "all_finished": not short}
 
 
 def report_tasks(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Each task's open-loop p50 and p99 per system (medians over the rounds)."""
-    tasks = image_traffic(args.requests, args.seed, args.image_share)
+    tasks = _tasks(vars(args))
     present = [t for t in TASKS if t in tasks]
     figures: dict[str, Any] = {}
     print("\nopen loop by task (median over rounds of each task's percentile): "
@@ -435,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image-share", type=float, default=0.0, metavar="S",
                     help="this share of the requests gives an input image (half of them a "
                          "mask too): image-to-image and inpainting")
+    ap.add_argument("--edit-share", type=float, default=0.0, metavar="S",
+                    help="run on tiny-flux-kontext; this share of the requests edits an "
+                         "input image (FLUX.1 Kontext)")
     ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
                     help="torch threads of every system (default: the engine's choice, "
                          "torch's default for diffusers)")
@@ -450,6 +498,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--lora-share is a share: 0 to 1")
     if not 0.0 <= args.image_share <= 1.0:
         ap.error("--image-share is a share: 0 to 1")
+    if not 0.0 <= args.edit_share <= 1.0:
+        ap.error("--edit-share is a share: 0 to 1")
+    if args.edit_share and (args.image_share or args.lora_share):
+        ap.error("--edit-share runs on tiny-flux-kontext, which serves no image-to-image, "
+                 "and the adapters are made on tiny-flux: not with --image-share or "
+                 "--lora-share")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diffrt-bench-mixed-") as work:
         args.adapter_paths = {}

@@ -152,6 +152,13 @@ class DiffusionEngine:
             restart=self._fresh_executor if config.executor.restart_workers else None,
             on_timer=self.output_processor.expire_unread, run_time=self.run_time,
             memory=self.memory, adapters=self.adapters)
+        #: the warm-up a restart's fresh workers run, accepted once now: an
+        #: edit-only model's start-up picture then stays stored for the engine's
+        #: life, so a restart finds it even when queued requests fill the arena
+        self._restart_warmup = (accept(self._warmup_request(), self.spec, config, None,
+                                       self.inputs)
+                                if config.executor.restart_workers and self.inputs is not None
+                                else None)
         #: how long a submission during a restart waits for it, and why that long
         self._restart_wait_s, self._restart_wait_bound = _restart_wait(config)
         self._closed = False
@@ -279,12 +286,10 @@ class DiffusionEngine:
         executor = make_executor(self.config.executor.executor_backend, self.config.executor_config(
             platform=current_platform), self.inputs)
         try:
-            warmup = accept(self._warmup_request(), self.spec, self.config, None, self.inputs)
-            try:
-                out = executor.execute(ExecuteBatch(requests=[warmup]),
-                                       timeout=self.config.model_config.warmup_timeout_s)
-            finally:
-                release(warmup, self.inputs)
+            warmup = self._restart_warmup or accept(self._warmup_request(), self.spec,
+                                                    self.config, None, self.inputs)
+            out = executor.execute(ExecuteBatch(requests=[warmup]),
+                                   timeout=self.config.model_config.warmup_timeout_s)
             for oid in out.output_ids.values():
                 executor.release_output(oid)
             self._reload_adapters(executor)
@@ -694,6 +699,8 @@ class DiffusionEngine:
         self._core.stop(grace_s)
         self.output_processor.close()
         if self.inputs is not None:
+            if self._restart_warmup is not None:
+                release(self._restart_warmup, self.inputs)
             self.inputs.close()
         logger.info("engine closed")
 

@@ -77,11 +77,16 @@ class InputArena:
             return self._slots.used_bytes
 
     def put(self, array: np.ndarray) -> InputHandle:
-        """Copy one uint8 array into a fresh slot."""
+        """Copy one uint8 array into a fresh slot. The copy runs under the
+        lock, so the last ``close`` (engine shutdown on another thread) cannot
+        unmap the arena under it; one image's memcpy is short next to the
+        submission that decoded it."""
         if array.dtype != np.uint8:
             raise TypeError(f"inputs travel as uint8 arrays, got {array.dtype}")
         nbytes = int(array.nbytes)
         with self._lock:
+            if self._holders <= 0:
+                raise RuntimeError("the input arena is closed")
             if max(nbytes, ALIGN) > self.size:
                 raise InputArenaFullError(
                     f"an input of {nbytes} bytes is larger than max_pending_input_bytes "
@@ -92,9 +97,9 @@ class InputArena:
                     f"the inputs of the requests held now leave no room for {nbytes} more "
                     f"bytes (max_pending_input_bytes={self.size}, "
                     f"{self._slots.used_bytes} in use)")
-        offset, generation = slot
-        view = self.arena.bytes_view(offset, nbytes).numpy()
-        view[:] = np.ascontiguousarray(array).reshape(-1)
+            offset, generation = slot
+            view = self.arena.bytes_view(offset, nbytes).numpy()
+            view[:] = np.ascontiguousarray(array).reshape(-1)
         return InputHandle(offset, tuple(int(s) for s in array.shape), generation)
 
     def free(self, handle: InputHandle) -> None:
@@ -110,11 +115,12 @@ class InputArena:
         return self
 
     def close(self) -> None:
+        """One holder is done; the last unmaps the arena (under the lock, so
+        no ``put`` is copying into it)."""
         with self._lock:
             self._holders -= 1
-            last = self._holders == 0
-        if last:
-            self.arena.close()
+            if self._holders == 0:
+                self.arena.close()
 
 
 def read_input(arena: Arena, handle: InputHandle) -> torch.Tensor:

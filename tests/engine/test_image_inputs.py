@@ -20,7 +20,7 @@ from diffrt.engine.input_images import StoredImage, to_arrays
 from diffrt.engine.pipelines.registry import resolve_model_spec
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.submission import accept
-from diffrt.runtime.input_arena import InputArena, InputHandle
+from diffrt.runtime.input_arena import InputArena, InputArenaFullError, InputHandle
 
 SIZE = 64
 RNG = np.random.default_rng(0)
@@ -263,17 +263,32 @@ def test_toy_engines_refuse_images_naming_the_task(req_engine1):
 def test_an_edit_only_model_warms_up_on_an_edit_and_refuses_text_alone():
     """Qwen-Image-Edit draws nothing from text alone: the engine's start-up
     requests carry a plain picture; an edit's default size is its input's
-    aspect at the model's edit area."""
+    aspect at the model's edit area. A restart's warm-up picture stays stored
+    from the start, so fresh workers warm up even when queued requests' inputs
+    fill the arena."""
     wide = PIL.Image.fromarray(RNG.integers(0, 255, (48, 80, 3), dtype=np.uint8))
-    with DiffusionEngine.make_engine(EngineConfig(model="tiny-qwen-image-edit",
-                                                  executor_backend="inproc",
-                                                  step_execution=True)) as engine:
+    with DiffusionEngine.make_engine(EngineConfig(
+            model="tiny-qwen-image-edit", executor_backend="inproc", step_execution=True,
+            restart_workers=True, max_pending_input_bytes=1 << 20)) as engine:
+        inputs = engine.inputs
+        assert inputs is not None
+        kept = inputs.used_bytes  # the restart warm-up's picture
+        assert 0 < kept < 1 << 16
         out = engine.generate(DiffusionRequest("make it blue", images=[wide],
                                                sampling_params=SamplingParams(seed=1)), timeout=120)
         assert out.ok and out.images[0].size == (96, 64)  # the input's aspect, its area
         with pytest.raises(InvalidRequestError, match="text-to-image is not a task"):
             engine.generate(DiffusionRequest("a cat"), timeout=10)
-        assert engine.inputs is not None and engine.inputs.used_bytes == 0
+        assert inputs.used_bytes == kept
+        filler = []
+        with pytest.raises(InputArenaFullError):
+            for _ in range(64):  # what queued requests would hold
+                filler.append(inputs.put(np.zeros(1 << 16, np.uint8)))
+        engine._fresh_executor().shutdown()  # what a restart runs: it warms up
+        for handle in filler:
+            inputs.free(handle)
+        assert inputs.used_bytes == kept
+    assert inputs.used_bytes == 0
 
 
 def test_kontext_edits_cost_their_tokens_and_refuse_strength_and_masks():

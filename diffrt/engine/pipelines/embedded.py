@@ -84,12 +84,13 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "tiny-qwen-image-edit": EmbeddedModel(
         "diffrt.engine.pipelines.qwen_image.tiny_edit_folder:build_tiny_qwen_image_edit_folder",
         {"seed": 20261202}, {"num_inference_steps": 4}, {"edit_area": 64 * 64}),
-    # its Plus layout (several input images), the same components: both
-    # input areas 64 x 64 px
+    # its Plus layout (several input images), the same components: the VAE's
+    # input area 64 x 64 px, Qwen2.5-VL's smaller (40 x 40), as the released
+    # model's 384^2 is smaller than its 1 Mpx, so the two copies differ
     "tiny-qwen-image-edit-plus": EmbeddedModel(
         "diffrt.engine.pipelines.qwen_image.tiny_edit_folder:build_tiny_qwen_image_edit_folder",
         {"seed": 20261202, "plus": True}, {"num_inference_steps": 4},
-        {"edit_area": 64 * 64, "edit_prompt_area": 64 * 64}),
+        {"edit_area": 64 * 64, "edit_prompt_area": 40 * 40}),
 }
 
 _VERSIONED = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")

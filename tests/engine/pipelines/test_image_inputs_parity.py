@@ -294,7 +294,8 @@ def test_qwen_image_edit_plus_reads_several_images_as_diffusers_does(monkeypatch
     from diffrt.engine.pipelines.qwen_image.vl_processor import load_vl_processor
 
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", SIZE * SIZE)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", SIZE * SIZE)
+    # the spec's prompt area: smaller than the VAE's, so a swapped copy shows
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 40 * 40)
     folder = embedded_folder("tiny-qwen-image-edit-plus")
     theirs = diffusers.QwenImageEditPlusPipeline.from_pretrained(
         folder, local_files_only=True, processor=load_vl_processor(f"{folder}/processor"))
