@@ -12,12 +12,17 @@ So after each execute the worker compares what it holds
 (``Platform.held_memory_bytes``: the resident set on CPU, the allocator's
 reservation on a device) with its *warm baseline* — what it held after its
 first execute (the engine's warm-up request when warm-up is on), trimmed —
-and trims (``Platform.trim_memory``: ``malloc_trim(0)`` on CPU, the vendor's
+and with what its recent work needed — the most it held during the executes
+before each of its last ``TRIM_WINDOW`` checks — and trims
+(``Platform.trim_memory``: ``malloc_trim(0)`` on CPU, the vendor's
 ``empty_cache`` on a device) when it holds more than the bound
-``baseline + max(TRIM_SLACK_BYTES, TRIM_SLACK_FRACTION x baseline)``. Below the
-bound nothing is trimmed, so requests of the usual sizes keep reusing their
-memory (a trim costs the next request its page faults or device
-allocations); above it the trimmed worker is back near its baseline.
+``usual + max(TRIM_SLACK_BYTES, TRIM_SLACK_FRACTION x usual)``, ``usual`` the
+larger of the two. Below the bound nothing is trimmed, so requests of the
+usual sizes keep reusing their memory (a trim costs the next request its page
+faults or device allocations: trimming after every batch of eight 256x256
+requests cost a CPU worker 10-15 % of its throughput); a request far larger
+than those before it is trimmed after at once, and the trimmed worker is back
+near its baseline.
 
 The same bookkeeping measures what each execute took: the most the worker
 held during it above the baseline (``Platform.peak_memory_bytes``: the
@@ -30,6 +35,7 @@ baseline is taken, of which the default batch budget is a share.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,11 +49,14 @@ TRIM_SLACK_BYTES = 256 << 20
 #: ... or this fraction of the baseline, whichever is larger (a large model's
 #: usual activations are a fraction of its weights)
 TRIM_SLACK_FRACTION = 0.5
+#: the checks (executes that ended a request) whose peaks are the worker's
+#: usual work: what they needed is kept for the requests after them
+TRIM_WINDOW = 16
 
 
 def trim_bound(baseline: int) -> int:
-    """The most a worker whose warm baseline is ``baseline`` bytes holds
-    after an execute without trimming."""
+    """The most a worker whose warm baseline (or usual peak) is ``baseline``
+    bytes holds after an execute without trimming."""
     return baseline + max(TRIM_SLACK_BYTES, int(TRIM_SLACK_FRACTION * baseline))
 
 
@@ -62,6 +71,10 @@ class MemoryTrimmer:
         self.trims = 0
         #: what the platform said was free when the baseline was taken
         self.free_at_baseline: int | None = None
+        #: the most held during the executes before each of the latest checks
+        self._usual: deque[int] = deque(maxlen=TRIM_WINDOW)
+        #: the most held during the executes since the last check
+        self._peak_since_check = 0
 
     def start_execute(self) -> None:
         """An execute begins: its peak is measured from here."""
@@ -81,13 +94,18 @@ class MemoryTrimmer:
         except Exception:
             logger.exception("reading the memory peak failed")
             return None
-        return None if peak is None else max(0, peak - self.baseline)
+        if peak is None:
+            return None
+        self._peak_since_check = max(self._peak_since_check, peak)
+        return max(0, peak - self.baseline)
 
     def after_execute(self) -> None:
-        """Trim when the process holds more than ``trim_bound(baseline)``; the
-        first call trims unconditionally and takes the baseline. A platform
-        that cannot tell what it holds is never trimmed. A failing trim is
-        logged, never raised: the request it follows has its output."""
+        """Trim when the process holds more than ``trim_bound`` of the larger
+        of its baseline and the peaks of its last ``TRIM_WINDOW`` checks (this
+        one's own peak joins them after the decision); the first call trims
+        unconditionally and takes the baseline. A platform that cannot tell
+        what it holds is never trimmed. A failing trim is logged, never
+        raised: the request it follows has its output."""
         try:
             held = self.platform.held_memory_bytes()
             if held is None:
@@ -99,7 +117,10 @@ class MemoryTrimmer:
                 logger.info("warm memory baseline %d MiB (trimmed above %d MiB)",
                             self.baseline >> 20, trim_bound(self.baseline) >> 20)
                 return
-            if held <= trim_bound(self.baseline):
+            usual = max(self._usual, default=self.baseline)
+            self._usual.append(max(held, self._peak_since_check))
+            self._peak_since_check = 0
+            if held <= trim_bound(max(self.baseline, usual)):
                 return
             self.platform.trim_memory()
             self.trims += 1

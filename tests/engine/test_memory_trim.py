@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.memory_trim import TRIM_SLACK_BYTES, MemoryTrimmer, trim_bound
+from diffrt.engine.memory_trim import TRIM_SLACK_BYTES, TRIM_WINDOW, MemoryTrimmer, trim_bound
 from diffrt.platforms.cpu import CpuPlatform, available_host_bytes
 from diffrt.platforms.interface import Platform
 
@@ -51,6 +51,30 @@ def test_within_the_bound_nothing_is_trimmed_above_it_the_worker_trims():
     platform.held = 3410 * MiB  # issue 27's 512x512 n=10 request
     trimmer.after_execute()
     assert (platform.trimmed, trimmer.trims, platform.held) == (2, 1, 400 * MiB)
+
+
+def test_what_the_recent_requests_needed_is_kept_for_the_next_ones():
+    """A worker serving batches far above its warm baseline trims once, then
+    keeps that memory while such batches go on (a trim per batch faults it
+    all back every time); once TRIM_WINDOW checks have needed less, a batch
+    that size is far above the usual again and trimmed."""
+    platform = FakeMemory(held=400 * MiB, floor=400 * MiB)
+    trimmer = MemoryTrimmer(platform)  # type: ignore[arg-type]
+    trimmer.after_execute()
+    busy = 1200 * MiB  # a batch of eight 256x256 requests
+    platform.held = busy
+    trimmer.after_execute()
+    assert trimmer.trims == 1  # nothing before it needed as much
+    for _ in range(3 * TRIM_WINDOW):
+        platform.held = busy  # the next batch takes it back
+        trimmer.after_execute()
+    assert trimmer.trims == 1
+    for _ in range(TRIM_WINDOW):
+        platform.held = 400 * MiB
+        trimmer.after_execute()
+    platform.held = busy
+    trimmer.after_execute()
+    assert trimmer.trims == 2
 
 
 def test_the_bound_is_the_larger_of_the_slack_and_half_the_baseline():

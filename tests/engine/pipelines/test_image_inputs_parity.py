@@ -15,6 +15,7 @@ only a 16-channel transformer, so this folder has 16 latent channels.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -229,6 +230,22 @@ def test_kontext_sizes_its_input_as_diffusers_does():
 
 
 
+@contextlib.contextmanager
+def _first_transformer_input(transformer):
+    """The keyword arguments of ``transformer``'s first call inside the block."""
+    seen: dict = {}
+
+    def hook(module, args, kwargs):
+        if not seen:
+            seen.update(kwargs)
+
+    handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
 @pytest.fixture(scope="module")
 def qwen_edit():
     """Ours and diffusers' QwenImageEditPipeline on the tiny edit folder,
@@ -265,14 +282,22 @@ def test_qwen_image_edit_matches_diffusers_alone_and_stepped(qwen_edit):
     requests = [edit("square", _input_image(), 1), edit("wide", wide, 2),
                 edit("square-2", _input_image().transpose(PIL.Image.FLIP_LEFT_RIGHT), 1)]
     want = {}
-    for r in requests:
-        image = theirs(image=r.images[0], prompt=r.prompt, negative_prompt=r.negative_prompt,
-                       true_cfg_scale=4.0, num_inference_steps=STEPS, output_type="np",
-                       generator=torch.Generator("cpu").manual_seed(r.sampling_params.seed)
-                       ).images[0]
-        want[r.request_id] = (image * 255).round().astype(np.int16)
+    with _first_transformer_input(theirs.transformer) as theirs_input:
+        for r in requests:
+            image = theirs(image=r.images[0], prompt=r.prompt, negative_prompt=r.negative_prompt,
+                           true_cfg_scale=4.0, num_inference_steps=STEPS, output_type="np",
+                           generator=torch.Generator("cpu").manual_seed(r.sampling_params.seed)
+                           ).images[0]
+            want[r.request_id] = (image * 255).round().astype(np.int16)
     assert want["wide"].shape[:2] == (64, 96)  # the input's aspect at the edit area
-    alone = {r.request_id: ours.forward(DiffusionRequestBatch([r]))[0] for r in requests[:1]}
+    with _first_transformer_input(ours.transformer) as ours_input:
+        alone = {r.request_id: ours.forward(DiffusionRequestBatch([r]))[0] for r in requests[:1]}
+    # the tiny VAE's latents barely move the picture, so the image tokens the
+    # transformer is given are compared directly: the noise, then the input's
+    # latents, and their frames
+    assert ours_input["img_shapes"][0] == theirs_input["img_shapes"][0]
+    torch.testing.assert_close(ours_input["hidden_states"][0], theirs_input["hidden_states"][0],
+                               rtol=0, atol=1e-5)
     stepped = dict(zip((r.request_id for r in requests), _stepped(ours, requests), strict=True))
     for results in (alone, stepped):
         for rid, image in results.items():
