@@ -130,6 +130,17 @@ class DiffusionEngine:
         self.inputs = executor.inputs.retain() if executor.inputs is not None else None
         #: what the served model accepts (submission checks, batch keys, post-processing)
         self.spec = config.model_spec()
+        #: the warm-up a restart's fresh workers run, accepted once now: an
+        #: edit-only model's start-up picture then stays stored for the engine's
+        #: life, so a restart finds it even when queued requests fill the arena
+        self._restart_warmup: DiffusionRequest | None = None
+        if config.executor.restart_workers and self.inputs is not None:
+            try:
+                self._restart_warmup = accept(self._warmup_request(), self.spec, config, None,
+                                              self.inputs)
+            except BaseException:
+                self.inputs.close()
+                raise
         self._clock = clock
         #: the estimate of a request's seconds that max_request_seconds refuses by
         self.run_time = RunTimeModel(self.spec)
@@ -152,13 +163,6 @@ class DiffusionEngine:
             restart=self._fresh_executor if config.executor.restart_workers else None,
             on_timer=self.output_processor.expire_unread, run_time=self.run_time,
             memory=self.memory, adapters=self.adapters)
-        #: the warm-up a restart's fresh workers run, accepted once now: an
-        #: edit-only model's start-up picture then stays stored for the engine's
-        #: life, so a restart finds it even when queued requests fill the arena
-        self._restart_warmup = (accept(self._warmup_request(), self.spec, config, None,
-                                       self.inputs)
-                                if config.executor.restart_workers and self.inputs is not None
-                                else None)
         #: how long a submission during a restart waits for it, and why that long
         self._restart_wait_s, self._restart_wait_bound = _restart_wait(config)
         self._closed = False
@@ -288,8 +292,12 @@ class DiffusionEngine:
         try:
             warmup = self._restart_warmup or accept(self._warmup_request(), self.spec,
                                                     self.config, None, self.inputs)
-            out = executor.execute(ExecuteBatch(requests=[warmup]),
-                                   timeout=self.config.model_config.warmup_timeout_s)
+            try:
+                out = executor.execute(ExecuteBatch(requests=[warmup]),
+                                       timeout=self.config.model_config.warmup_timeout_s)
+            finally:
+                if warmup is not self._restart_warmup:
+                    release(warmup, self.inputs)
             for oid in out.output_ids.values():
                 executor.release_output(oid)
             self._reload_adapters(executor)

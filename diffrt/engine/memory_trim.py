@@ -22,7 +22,12 @@ usual sizes keep reusing their memory (a trim costs the next request its page
 faults or device allocations: trimming after every batch of eight 256x256
 requests cost a CPU worker 10-15 % of its throughput); a request far larger
 than those before it is trimmed after at once, and the trimmed worker is back
-near its baseline.
+near its baseline. What a process holds never falls without a trim (freed
+memory stays with the allocator), so the recent peaks alone would keep a
+high level for good once two large requests came close together: a worker
+above ``trim_bound(baseline)`` that has not trimmed for ``TRIM_WINDOW``
+checks trims anyway, and what it takes back after that is what its work
+needs — one trim in ``TRIM_WINDOW`` checks of a busy worker.
 
 The same bookkeeping measures what each execute took: the most the worker
 held during it above the baseline (``Platform.peak_memory_bytes``: the
@@ -75,6 +80,8 @@ class MemoryTrimmer:
         self._usual: deque[int] = deque(maxlen=TRIM_WINDOW)
         #: the most held during the executes since the last check
         self._peak_since_check = 0
+        #: checks since the last trim
+        self._untrimmed = 0
 
     def start_execute(self) -> None:
         """An execute begins: its peak is measured from here."""
@@ -102,7 +109,8 @@ class MemoryTrimmer:
     def after_execute(self) -> None:
         """Trim when the process holds more than ``trim_bound`` of the larger
         of its baseline and the peaks of its last ``TRIM_WINDOW`` checks (this
-        one's own peak joins them after the decision); the first call trims
+        one's own peak joins them after the decision), or more than
+        ``trim_bound(baseline)`` with no trim for ``TRIM_WINDOW`` checks; the first call trims
         unconditionally and takes the baseline. A platform that cannot tell
         what it holds is never trimmed. A failing trim is logged, never
         raised: the request it follows has its output."""
@@ -120,9 +128,13 @@ class MemoryTrimmer:
             usual = max(self._usual, default=self.baseline)
             self._usual.append(max(held, self._peak_since_check))
             self._peak_since_check = 0
-            if held <= trim_bound(max(self.baseline, usual)):
+            self._untrimmed += 1
+            if held <= trim_bound(self.baseline) or (
+                    held <= trim_bound(max(self.baseline, usual))
+                    and self._untrimmed < TRIM_WINDOW):
                 return
             self.platform.trim_memory()
+            self._untrimmed = 0
             self.trims += 1
             after = self.platform.held_memory_bytes()
             logger.info("memory trimmed: %d MiB -> %s MiB (baseline %d MiB)", held >> 20,

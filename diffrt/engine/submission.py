@@ -18,13 +18,13 @@ from typing import Any
 import msgspec
 
 from diffrt.engine.config import EngineConfig
-from diffrt.engine.errors import InputsFullError
+from diffrt.engine.errors import EngineClosedError, InputsFullError
 from diffrt.engine.input_images import release, store, to_arrays
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.sampling import InvalidRequestError, filled, random_seed
-from diffrt.runtime.input_arena import InputArena, InputArenaFullError
+from diffrt.runtime.input_arena import InputArena, InputArenaClosedError, InputArenaFullError
 
 
 def accept(request: Any, spec: ModelSpec, config: EngineConfig,
@@ -89,6 +89,8 @@ def _stored_inputs(request: DiffusionRequest, spec: ModelSpec,
         return store(request, converted, inputs)
     except InputArenaFullError as exc:
         raise InputsFullError(str(exc)) from None
+    except InputArenaClosedError:
+        raise EngineClosedError("engine closed") from None
 
 
 def _size(request: DiffusionRequest) -> str:

@@ -52,6 +52,10 @@ class InputArenaFullError(RuntimeError):
     (``max_pending_input_bytes``)."""
 
 
+class InputArenaClosedError(RuntimeError):
+    """A ``put`` after the last holder closed the arena (the engine shut down)."""
+
+
 class InputArena:
     """The engine's side: writes inputs, frees them; thread-safe (submitting
     threads write, the core frees)."""
@@ -84,9 +88,10 @@ class InputArena:
         if array.dtype != np.uint8:
             raise TypeError(f"inputs travel as uint8 arrays, got {array.dtype}")
         nbytes = int(array.nbytes)
+        flat = np.ascontiguousarray(array).reshape(-1)
         with self._lock:
             if self._holders <= 0:
-                raise RuntimeError("the input arena is closed")
+                raise InputArenaClosedError("the input arena is closed")
             if max(nbytes, ALIGN) > self.size:
                 raise InputArenaFullError(
                     f"an input of {nbytes} bytes is larger than max_pending_input_bytes "
@@ -99,7 +104,7 @@ class InputArena:
                     f"{self._slots.used_bytes} in use)")
             offset, generation = slot
             view = self.arena.bytes_view(offset, nbytes).numpy()
-            view[:] = np.ascontiguousarray(array).reshape(-1)
+            view[:] = flat
         return InputHandle(offset, tuple(int(s) for s in array.shape), generation)
 
     def free(self, handle: InputHandle) -> None:
@@ -130,4 +135,5 @@ def read_input(arena: Arena, handle: InputHandle) -> torch.Tensor:
     return view.clone().view(handle.shape)
 
 
-__all__ = ["InputArena", "InputArenaFullError", "InputHandle", "read_input"]
+__all__ = ["InputArena", "InputArenaClosedError", "InputArenaFullError", "InputHandle",
+           "read_input"]

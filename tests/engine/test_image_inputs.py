@@ -280,10 +280,13 @@ def test_an_edit_only_model_warms_up_on_an_edit_and_refuses_text_alone():
         with pytest.raises(InvalidRequestError, match="text-to-image is not a task"):
             engine.generate(DiffusionRequest("a cat"), timeout=10)
         assert inputs.used_bytes == kept
-        filler = []
+        filler = []  # what queued requests would hold: every byte
+        for piece in (1 << 16, 1):
+            with pytest.raises(InputArenaFullError):
+                for _ in range((1 << 20) // piece):
+                    filler.append(inputs.put(np.zeros(piece, np.uint8)))
         with pytest.raises(InputArenaFullError):
-            for _ in range(64):  # what queued requests would hold
-                filler.append(inputs.put(np.zeros(1 << 16, np.uint8)))
+            inputs.put(np.zeros(kept, np.uint8))  # no room for another warm-up picture
         engine._fresh_executor().shutdown()  # what a restart runs: it warms up
         for handle in filler:
             inputs.free(handle)

@@ -237,7 +237,8 @@ def _first_transformer_input(transformer):
 
     def hook(module, args, kwargs):
         if not seen:
-            seen.update(kwargs)
+            seen.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                         for k, v in kwargs.items()})
 
     handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
@@ -332,15 +333,23 @@ def test_qwen_image_edit_plus_reads_several_images_as_diffusers_does(monkeypatch
                                      num_inference_steps=STEPS, seed=seed, true_cfg_scale=4.0))
                 for rid, images, seed in [("two", [wide, _input_image()], 1),
                                           ("one", [wide], 2)]]
-    want = {}
+    want, theirs_input = {}, {}
     for r in requests:
         params = ours.prepared(r).sampling_params
-        image = theirs(image=r.images, prompt=r.prompt, negative_prompt=r.negative_prompt,
-                       height=params.height, width=params.width, true_cfg_scale=4.0,
-                       num_inference_steps=STEPS, output_type="np",
-                       generator=torch.Generator("cpu").manual_seed(params.seed)).images[0]
+        with _first_transformer_input(theirs.transformer) as theirs_input[r.request_id]:
+            image = theirs(image=r.images, prompt=r.prompt, negative_prompt=r.negative_prompt,
+                           height=params.height, width=params.width, true_cfg_scale=4.0,
+                           num_inference_steps=STEPS, output_type="np",
+                           generator=torch.Generator("cpu").manual_seed(params.seed)).images[0]
         want[r.request_id] = (image * 255).round().astype(np.int16)
     assert want["two"].shape[:2] == (64, 64) and want["one"].shape[:2] == (64, 96)  # the last's
+    # each input's latents at the VAE's area (the VL's smaller copy elsewhere),
+    # in its own frame: the transformer's first input, compared directly
+    with _first_transformer_input(ours.transformer) as ours_input:
+        ours.forward(DiffusionRequestBatch([requests[0]]))
+    assert ours_input["img_shapes"][0] == theirs_input["two"]["img_shapes"][0]
+    torch.testing.assert_close(ours_input["hidden_states"][0],
+                               theirs_input["two"]["hidden_states"][0], rtol=0, atol=1e-5)
     stepped = dict(zip((r.request_id for r in requests), _stepped(ours, requests), strict=True))
     for rid, image in stepped.items():
         diff = np.abs(_pixels(image) - want[rid]).max()
