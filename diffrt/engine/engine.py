@@ -125,11 +125,11 @@ class DiffusionEngine:
     ):
         self.config = config
         self.mode = config.mode
+        #: what the served model accepts (submission checks, batch keys, post-processing)
+        self.spec = config.model_spec()
         #: requests' input images, by handle (``runtime.input_arena``); kept
         #: across worker restarts (None: the executor carries no inputs)
         self.inputs = executor.inputs.retain() if executor.inputs is not None else None
-        #: what the served model accepts (submission checks, batch keys, post-processing)
-        self.spec = config.model_spec()
         #: the warm-up a restart's fresh workers run, accepted once now: an
         #: edit-only model's start-up picture then stays stored for the engine's
         #: life, so a restart finds it even when queued requests fill the arena
@@ -139,7 +139,7 @@ class DiffusionEngine:
                 self._restart_warmup = accept(self._warmup_request(), self.spec, config, None,
                                               self.inputs)
             except BaseException:
-                self.inputs.close()
+                self.inputs.close()  # the executor's own hold closes with it
                 raise
         self._clock = clock
         #: the estimate of a request's seconds that max_request_seconds refuses by

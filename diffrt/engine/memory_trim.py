@@ -110,10 +110,10 @@ class MemoryTrimmer:
         """Trim when the process holds more than ``trim_bound`` of the larger
         of its baseline and the peaks of its last ``TRIM_WINDOW`` checks (this
         one's own peak joins them after the decision), or more than
-        ``trim_bound(baseline)`` with no trim for ``TRIM_WINDOW`` checks; the first call trims
-        unconditionally and takes the baseline. A platform that cannot tell
-        what it holds is never trimmed. A failing trim is logged, never
-        raised: the request it follows has its output."""
+        ``trim_bound(baseline)`` with no trim for ``TRIM_WINDOW`` checks; the
+        first call trims unconditionally and takes the baseline. A platform
+        that cannot tell what it holds is never trimmed. A failing trim is
+        logged, never raised: the request it follows has its output."""
         try:
             held = self.platform.held_memory_bytes()
             if held is None:
