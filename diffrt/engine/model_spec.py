@@ -23,6 +23,7 @@ from typing import Literal
 
 import msgspec
 
+from diffrt.engine.cache.policies import DEFAULT_THRESHOLDS, TEACACHE, CachePlan
 from diffrt.engine.parallel.degrees import ParallelConfigError, ParallelDegrees
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import (
@@ -80,6 +81,21 @@ class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True):
     true_cfg_scale: float = 1.0
     #: image-to-image and inpainting (diffusers' default for both)
     strength: float = 0.6
+
+
+class CacheSupport(msgspec.Struct, frozen=True, kw_only=True):
+    """The step caches a model serves (``engine.cache``) and its calibration."""
+
+    #: the policies its pipeline can run ("first-block", "teacache"); empty: none
+    policies: tuple[str, ...] = ()
+    #: the policy a request that leaves ``cache`` at None gets (None: off)
+    default: str | None = None
+    #: policy -> the threshold calibrated for this checkpoint (a policy not
+    #: named takes ``policies.DEFAULT_THRESHOLDS``')
+    thresholds: dict[str, float] = {}
+    #: TeaCache's rescaling polynomial fitted for this checkpoint, highest
+    #: power first (empty: the distance as it is, uncalibrated)
+    teacache_rescale: tuple[float, ...] = ()
 
 
 class ParallelSupport(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,6 +177,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: image tokens)
     transformer_width: int = 0
     text_tokens: int = 0
+    #: the step caches it serves and their calibration
+    cache: CacheSupport = CacheSupport()
     #: how a finished output becomes what the request asked for
     #: (``engine.postprocess``): uint8 images -> PIL / tensor, latents as is
     postprocess: Literal["images"] = "images"
@@ -223,6 +241,27 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                 f"got {params.num_inference_steps}"))
         if params.loras and not self.lora_target_modules:
             raise InvalidRequestError("loras", f"{self.name} takes no LoRA adapters")
+        if params.cache not in (None, "off") and params.cache not in self.cache.policies:
+            served = ", ".join(self.cache.policies) or "none"
+            raise InvalidRequestError("cache", f"{self.name} serves no {params.cache!r} step "
+                                               f"cache (it serves: {served})")
+        if params.cache is None and params.cache_threshold is not None \
+                and self.cache.default is None:
+            raise InvalidRequestError("cache_threshold", (
+                f"{self.name} has no default step cache: name a policy in cache"))
+
+    def cache_plan(self, params: SamplingParams) -> CachePlan | None:
+        """The step cache a request runs with (None: none): its policy, or
+        the model's default; its threshold, or the model's calibrated one,
+        or the policy's."""
+        policy = self.cache.default if params.cache is None else params.cache
+        if policy is None or policy == "off":
+            return None
+        threshold = params.cache_threshold
+        if threshold is None:
+            threshold = self.cache.thresholds.get(policy, DEFAULT_THRESHOLDS[policy])
+        return CachePlan(policy, float(threshold),
+                         self.cache.teacache_rescale if policy == TEACACHE else ())
 
     def input_size(self, request: DiffusionRequest, width: int, height: int) -> tuple[int, int]:
         """(height, width) an input image of ``width`` x ``height`` pixels is

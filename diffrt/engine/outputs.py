@@ -24,6 +24,8 @@ class RequestMetrics:
     #: a prompt longer than an encoder's window is cut there, as in diffusers
     #: (CLIP's window is 77 tokens, Flux's T5 512, SD3's T5 256)
     prompt_tokens_dropped: dict[str, int] = field(default_factory=dict)
+    #: what its step cache did (None: the request ran without one)
+    cache: CacheMetrics | None = None
 
 
 @dataclass
@@ -59,6 +61,22 @@ class DiffusionOutput:
     @property
     def ok(self) -> bool:
         return self.finished and self.error is None and not self.aborted
+
+
+class CacheMetrics(msgspec.Struct, frozen=True):
+    """What one request's step cache did (``engine.cache``)."""
+
+    #: "first-block" or "teacache"
+    policy: str
+    threshold: float
+    #: denoise steps that ran the cached blocks, and steps that reused them
+    steps_computed: int = 0
+    steps_reused: int = 0
+    #: the 0-based denoise steps that reused (its decisions, in order)
+    reused_steps: list[int] = []
+    #: why it ran uncached although it asked for a cache (None: it did not):
+    #: "cache_state_bytes" — its state would not fit the worker's bound
+    uncached_reason: str | None = None
 
 
 class TextEncoderStats(msgspec.Struct, frozen=True):

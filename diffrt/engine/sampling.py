@@ -17,6 +17,12 @@ from msgspec import Meta
 from diffrt.runtime.types import DeclaredValueError, check_declared
 
 OutputType = Literal["pil", "pt", "latent"]
+#: what a request may ask of the step cache (``engine.cache``): "off", or a
+#: policy that reuses the transformer's work between denoise steps
+CachePolicyName = Literal["off", "first-block", "teacache"]
+#: the largest cache threshold a request may give (the metrics compared
+#: with it are relative differences: beyond a few every step is reused)
+MAX_CACHE_THRESHOLD = 100.0
 
 MAX_STEPS = 1000
 MAX_OUTPUTS_PER_PROMPT = 16
@@ -143,6 +149,20 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         "(0, 1]; the steps that run are int(steps * strength) as diffusers rounds them "
         "(only with an input image; default: the model's)", needs_image=True)] = None
 
+    #: reuse of the transformer's work between steps (``engine.cache``):
+    #: "first-block" (First-Block Cache) or "teacache" (TeaCache), decided
+    #: per request and step; "off" never; None: the model's default (off
+    #: unless its spec carries a calibrated one).
+    cache: Annotated[CachePolicyName | None, _about(
+        "step cache: first-block, teacache or off; reuses the transformer's remaining "
+        "blocks on steps whose input changed less than cache_threshold (default: the "
+        "model's, off unless it has a calibrated one)")] = None
+    #: the policy's threshold (None: the policy's default, or the model's
+    #: calibrated one); 0 reuses nothing.
+    cache_threshold: Annotated[Annotated[float, Meta(ge=0, le=MAX_CACHE_THRESHOLD)] | None, _about(
+        "the step cache's threshold: higher reuses more steps (default: the policy's "
+        "for this model; 0 reuses none)")] = None
+
     def start_step(self) -> int:
         """The schedule step an image-to-image request starts at, as
         diffusers' ``get_timesteps`` computes it (0 without ``strength``)."""
@@ -188,6 +208,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         for name, scale in (self.loras or {}).items():
             if not math.isfinite(scale):
                 raise InvalidRequestError("loras", f"{name}: scale must be finite, got {scale}")
+        if self.cache_threshold is not None and self.cache == "off":
+            raise InvalidRequestError("cache_threshold", 'applies to a step cache, not to cache="off"')
         if self.strength is not None and self.denoise_steps() < 1:
             raise InvalidRequestError("strength", (
                 f"{self.strength:g} of {self.num_inference_steps} steps leaves no step to run "

@@ -161,8 +161,13 @@ class RowLoras:
     def rows(self, uses: tuple[RowUses, ...]) -> Iterator[None]:
         """While a transformer call over rows whose adapters are ``uses`` (one
         entry per row, in row order; () or all empty: none) runs."""
+        previous = self._active  # a sub-batch's rows inside a call's (``engine.cache``)
         if not any(uses):
-            yield
+            self._active = None
+            try:
+                yield
+            finally:
+                self._active = previous
             return
         pad = self.num_slots * self.rank
         index_rows: list[list[int]] = []
@@ -191,7 +196,7 @@ class RowLoras:
         try:
             yield
         finally:
-            self._active = None
+            self._active = previous
 
     def _hook(self, name: str) -> Any:
         def add_low_rank(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> Any:

@@ -20,18 +20,22 @@ applied per row, so a request's image does not depend on its batch mates
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from diffrt.engine.cache.forward import TransformerBlocks, cached_call
+from diffrt.engine.cache.state import DEFAULT_CACHE_STATE_BYTES, CacheBudget, RequestCache
 from diffrt.engine.input_images import InputPixels, read_pixels
 from diffrt.engine.model_spec import ModelSpec, check_heads
-from diffrt.engine.outputs import TextEncoderStats
+from diffrt.engine.outputs import CacheMetrics, TextEncoderStats
 from diffrt.engine.pipelines.flow_match_spec import vae_factor
 from diffrt.engine.pipelines.folder_check import ModelLoadError
 from diffrt.engine.pipelines.folder_text import PromptWindow
@@ -136,6 +140,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         self.text_encoder = text_encoder
         #: request id -> text encoder -> tokens it cut, since ``take_prompt_cuts``
         self._prompt_cuts: dict[str, dict[str, int]] = {}
+        #: request id -> its step cache's metrics, since ``take_cache_metrics``
+        self._cache_metrics: dict[str, CacheMetrics] = {}
         self.vae_scale_factor = self.vae_factor(dict(vae.config))
         self.latent_channels = self.vae_latent_channels(dict(vae.config))
         scaling = getattr(vae.config, "scaling_factor", None)
@@ -292,15 +298,60 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     def row_layout(self, params: SamplingParams, rows: int | None = None,
                    loras: tuple[tuple[int, float], ...] = (),
-                   cond: tuple[tuple[int, int], ...] = ()) -> RowLayout:
+                   cond: tuple[tuple[int, int], ...] = (), cache: Any = None) -> RowLayout:
         """The layout of ``rows`` rows (default: one per output) of one
-        request, each with the request's LoRA adapters ``loras`` and its
-        conditioning images' latent sizes ``cond`` (an edit)."""
+        request, each with the request's LoRA adapters ``loras``, its
+        conditioning images' latent sizes ``cond`` (an edit) and its step
+        cache ``cache``."""
         size = self.latent_size(params)
         tokens = self.image_tokens(size) + sum(self.image_tokens(c) for c in cond)
         return RowLayout.uniform_rows(size, tokens,
                                       params.num_outputs_per_prompt if rows is None else rows,
-                                      loras, cond)
+                                      loras, cond, cache)
+
+    # -- step caches (``engine.cache``) -----------------------------------------------
+    @property
+    def eager_transformer(self) -> Any:
+        """The transformer's own modules (under a ``torch.compile`` wrapper)."""
+        return getattr(self.transformer, "_orig_mod", self.transformer)
+
+    @property
+    def caches_here(self) -> bool:
+        """Step caches run on this worker: one rank holds each request's rows
+        whole (a CFG-parallel or sequence-parallel split would need every
+        rank to agree on each decision; the engine refuses such requests)."""
+        return self.cfg_parallel_group is None and getattr(self, "_sequence_split", None) is None
+
+    def new_cache(self, state: StepRequestState) -> RequestCache | None:
+        """The step cache a prepared request runs with (None: none)."""
+        plan = self.spec.cache_plan(state.request.sampling_params)
+        if plan is None or not self.caches_here:
+            return None
+        if self.cache_budget is None:
+            self.cache_budget = CacheBudget(DEFAULT_CACHE_STATE_BYTES)
+        return RequestCache(plan, state.total_steps, self.cache_budget, state.request_id)
+
+    @staticmethod
+    def _running_cache(state: StepRequestState) -> RequestCache | None:
+        cache = state.cache
+        return cache if cache is not None and cache.active else None
+
+    def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                           embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                           layout: RowLayout) -> AbstractContextManager[TransformerBlocks]:
+        """``transformer_forward``'s call cut at its blocks, while held
+        (``engine.cache.forward``): the family's."""
+        raise NotImplementedError(f"{self.name} cuts no transformer call at its blocks")
+
+    def take_cache_metrics(self) -> dict[str, CacheMetrics]:
+        metrics, self._cache_metrics = self._cache_metrics, {}
+        return metrics
+
+    def _end_cache(self, state: StepRequestState) -> None:
+        """A finished request's cache: its metrics kept for the reply, its state freed."""
+        if state.cache is not None:
+            self._cache_metrics[state.request_id] = state.cache.metrics()
+            state.cache.free()
 
     # -- stages (shared by both execution modes) -----------------------------------
     def encode_prompt(self, request: DiffusionRequest) -> Conditioning:
@@ -544,16 +595,36 @@ class FlowMatchPipeline(DiffusionPipeline):
         """``transformer_forward`` with the rows' LoRA adapters applied
         (``layout.loras``; the eager transformer then, not a compiled one:
         its hooks read per-call state)."""
-        if not layout.loras:
+        if not layout.loras and not layout.caches:
             return self.transformer_forward(latents, timesteps, embeds, extra, guidance, layout)
         compiled = self.transformer
-        self.transformer = getattr(compiled, "_orig_mod", compiled)
+        self.transformer = self.eager_transformer
         try:
-            with self.row_loras.rows(layout.loras):
+            with self.row_loras.rows(layout.loras) if layout.loras else contextlib.nullcontext():
+                if layout.caches:
+                    return self._cached_transformer(latents, timesteps, embeds, extra, guidance,
+                                                    layout)
                 return self.transformer_forward(latents, timesteps, embeds, extra, guidance,
                                                 layout)
         finally:
             self.transformer = compiled
+
+    def _cached_transformer(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                            layout: RowLayout) -> torch.Tensor:
+        """A call in which some rows have a step cache: each request decides
+        for its rows, the rows that compute run the blocks as one sub-batch
+        (``engine.cache.forward``)."""
+        rows_context = None
+        if layout.loras:
+            loras = layout.loras
+
+            def rows_context(rows: list[int]) -> AbstractContextManager:
+                return self.row_loras.rows(tuple(loras[r] for r in rows))
+
+        with self.transformer_blocks(latents, timesteps, embeds, extra, guidance,
+                                     layout) as blocks:
+            return cached_call(blocks, layout.caches, layout.tokens, rows_context)
 
     def enable_loras(self, slots: int) -> dict[str, tuple[int, int]]:
         from diffrt.engine.lora.row_lora import RowLoras
@@ -605,7 +676,10 @@ class FlowMatchPipeline(DiffusionPipeline):
                                       batch.inputs)
         params = batch.sampling_params
         _check_compatible(batch.requests, self.spec.request_batch_key)
-        if batch.requests[0].images:  # equal tasks: all from their input images
+        if batch.requests[0].images or (self.caches_here and any(
+                self.spec.cache_plan(r.sampling_params) for r in batch.requests)):
+            # equal tasks all from their input images, or requests with a step
+            # cache: each keeps its own state between steps
             return self._forward_in_steps(batch)
         n = params.num_outputs_per_prompt
         latents = torch.cat(
@@ -691,6 +765,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         state.extra["cfg_scale"] = self._cfg_rows(params)
         state.noise_scheduler, state.timesteps = self.prepare_timesteps(params)
         state.step = 0
+        state.cache = self.new_cache(state)
         if image_latents is None or edit:  # an edit starts from noise, conditioned on its image
             state.latents = self.prepare_latents(params, seed)
             if image_latents is not None:
@@ -707,7 +782,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         _check_compatible([s.request for s in states], self.spec.mixed_step_batch_key
                           if self.spec.mixed_sizes else self.spec.step_batch_key)
         layout = RowLayout.join([self.row_layout(s.request.sampling_params, None, s.loras,
-                                                 s.extra.get("cond_sizes", ())) for s in states])
+                                                 s.extra.get("cond_sizes", ()),
+                                                 self._running_cache(s)) for s in states])
         if layout.uniform:
             latents = torch.cat([self.row_input(s) for s in states])
         elif self.mixed_rows == "by_size":
@@ -768,6 +844,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         state.latents = noise_scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         if inpaint is not None:
             self._blend_masked(state, *inpaint)
+        if state.cache is not None:  # its decision of this step becomes its own
+            state.cache.commit()
         state.step += 1
 
     def _blend_masked(self, state: StepRequestState, mask: torch.Tensor,
@@ -809,6 +887,8 @@ class FlowMatchPipeline(DiffusionPipeline):
     @torch.no_grad()
     def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]:
         """One VAE decode for requests finishing in the same tick (as forward does)."""
+        for state in states:
+            self._end_cache(state)
         if len(states) == 1:
             return [self.post_decode(states[0])]
         groups: dict[tuple, list[int]] = {}  # decoded together: same size and output

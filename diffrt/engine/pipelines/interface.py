@@ -81,6 +81,8 @@ class StepRequestState:
     #: its input images as the worker read them (None: none, or not read yet:
     #: a pipeline called directly converts the request's own)
     inputs: InputPixels | None = None
+    #: its step cache (``engine.cache.RequestCache``; None: it runs uncached)
+    cache: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -120,6 +122,9 @@ class DiffusionPipeline(ABC):
     #: set by ``enable_loras``: the device slots of LoRA adapters and the
     #: hooked layers that apply them per row (``engine.lora.row_lora``)
     row_loras: Any = None
+    #: set by the runner: the bound on its requests' step-cache state
+    #: (``engine.cache.state.CacheBudget``; None until then)
+    cache_budget: Any = None
 
     @property
     def name(self) -> str:
@@ -245,6 +250,12 @@ class DiffusionPipeline(ABC):
         prompts, for the requests encoded since the last call that lost any
         (a prompt longer than an encoder takes is cut, as diffusers cuts it);
         {} from a pipeline that does not count."""
+        return {}
+
+    def take_cache_metrics(self) -> dict[str, Any]:
+        """Request id -> what its step cache did (``outputs.CacheMetrics``), for
+        the requests that finished with one since the last call; {} from a
+        pipeline without step caches."""
         return {}
 
     # -- output hooks --------------------------------------------------------

@@ -41,8 +41,10 @@ timestep and guidance embeddings are per row already).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -65,13 +67,17 @@ class RowLayout:
     #: (FLUX.1 Kontext, Qwen-Image-Edit) whose tokens follow the row's own, in
     #: order, counted in ``tokens``
     conds: tuple[tuple[tuple[int, int], ...], ...] = ()
+    #: each row's request step cache (``engine.cache.RequestCache``; None: a
+    #: row without one; (): no row has one): the rows of one request, over
+    #: its outputs and CFG branches, share the same object
+    caches: tuple[Any, ...] = ()
 
     @staticmethod
     def uniform_rows(size: tuple[int, int], tokens: int, rows: int,
                      loras: tuple[tuple[int, float], ...] = (),
-                     cond: tuple[tuple[int, int], ...] = ()) -> RowLayout:
+                     cond: tuple[tuple[int, int], ...] = (), cache: Any = None) -> RowLayout:
         return RowLayout((size,) * rows, (tokens,) * rows, (loras,) * rows if loras else (),
-                         (cond,) * rows if cond else ())
+                         (cond,) * rows if cond else (), (cache,) * rows if cache else ())
 
     @staticmethod
     def join(parts: list[RowLayout]) -> RowLayout:
@@ -80,8 +86,10 @@ class RowLayout:
             uses for p in parts for uses in (p.loras or ((),) * len(p)))
         conds = () if not any(p.conds for p in parts) else tuple(
             c for p in parts for c in (p.conds or ((),) * len(p)))
+        caches = () if not any(p.caches for p in parts) else tuple(
+            c for p in parts for c in (p.caches or (None,) * len(p)))
         return RowLayout(tuple(size for p in parts for size in p.sizes),
-                         tuple(n for p in parts for n in p.tokens), loras, conds)
+                         tuple(n for p in parts for n in p.tokens), loras, conds, caches)
 
     def cond_of(self, row: int) -> tuple[tuple[int, int], ...]:
         return self.conds[row] if self.conds else ()
@@ -105,8 +113,10 @@ class RowLayout:
         """The layout of the rows ``index`` selects (a CFG-parallel rank's share)."""
         loras = self.loras[index] if self.loras else ()
         conds = self.conds[index] if self.conds else ()
+        caches = self.caches[index] if self.caches else ()
         return RowLayout(self.sizes[index], self.tokens[index], loras if any(loras) else (),
-                         conds if any(conds) else ())
+                         conds if any(conds) else (),
+                         caches if any(c is not None for c in caches) else ())
 
     def key_mask(self, text_tokens: int, device: torch.device) -> torch.Tensor | None:
         """(rows, text_tokens + longest) booleans, True where a key is a real
@@ -117,6 +127,18 @@ class RowLayout:
             self.tokens, device=device)[:, None]
         text = torch.ones(len(self), text_tokens, dtype=torch.bool, device=device)
         return torch.cat([text, image], dim=1)
+
+
+@contextlib.contextmanager
+def attention_processor(model: Any, processor: Any) -> Iterator[None]:
+    """``model``'s attention processors are ``processor`` while the block runs
+    (diffrt's per-row variants of diffusers' own), its own again after."""
+    kept = model.attn_processors
+    model.set_attn_processor(processor)
+    try:
+        yield
+    finally:
+        model.set_attn_processor(kept)
 
 
 def pad_tokens(parts: list[torch.Tensor], longest: int) -> torch.Tensor:

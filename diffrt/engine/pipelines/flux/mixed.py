@@ -16,11 +16,13 @@ Uniform batches keep diffusers' own forward (``FluxPipeline.transformer_forward`
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from diffrt.engine.pipelines.segments import masked_attention
+from diffrt.engine.pipelines.flux.blocks import FluxBlocks
+from diffrt.engine.pipelines.segments import attention_processor, masked_attention
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -95,24 +97,17 @@ def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_stat
                  guidance: torch.Tensor | None, rotary: tuple[torch.Tensor, torch.Tensor],
                  attention_mask: torch.Tensor) -> torch.Tensor:
     """``FluxTransformer2DModel.forward`` with a rotary table per row (see the
-    module); the model's attention processors are ``RowsAttnProcessor`` while
-    it runs."""
-    kept = model.attn_processors
-    model.set_attn_processor(_ROWS_PROCESSOR)
-    try:
-        hidden = model.x_embedder(hidden_states)
-        timestep = timestep.to(hidden.dtype) * 1000
-        if guidance is None:
-            temb = model.time_text_embed(timestep, pooled_projections)
-        else:
-            temb = model.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000,
-                                         pooled_projections)
-        encoder = model.context_embedder(encoder_hidden_states)
-        kwargs = {"attention_mask": attention_mask}
-        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
-                                    temb=temb, image_rotary_emb=rotary,
-                                    joint_attention_kwargs=kwargs)
-        return model.proj_out(model.norm_out(hidden, temb))
-    finally:
-        model.set_attn_processor(kept)
+    module); the model's attention processors are ``RowsAttnProcessor``
+    while it runs."""
+    with rows_processor(model):
+        blocks = FluxBlocks(model, hidden_states=hidden_states,
+                            encoder_hidden_states=encoder_hidden_states,
+                            pooled_projections=pooled_projections, timestep=timestep,
+                            guidance=guidance, rotary=rotary, attention_mask=attention_mask)
+        hidden, _ = blocks.run(0, blocks.count, blocks.hidden, blocks.encoder, None)
+        return blocks.out(hidden)
+
+
+def rows_processor(model: Any) -> AbstractContextManager:
+    """``RowsAttnProcessor`` in every attention of ``model`` while it is held."""
+    return attention_processor(model, _ROWS_PROCESSOR)

@@ -8,12 +8,15 @@ dependent sigma shift (the tiny seeded folder behind `tiny-flux` is
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
+from diffrt.engine.pipelines.flux.blocks import FluxBlocks
 from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.pipelines.interface import StepRequestState
 from diffrt.engine.pipelines.segments import RowLayout
@@ -118,6 +121,47 @@ class FluxPipeline(FlowMatchPipeline):
             )
         return kwargs
 
+    def _call_inputs(self, latents: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor,
+                     guidance: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor,
+                                                      torch.Tensor]:
+        """(embedded guidance, text ids, timestep) as FluxPipeline passes them."""
+        # Guidance-distilled checkpoints (guidance_embeds=True) take the scale as
+        # an input; others ignore it (true CFG is true_cfg_scale's business).
+        embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
+        # as FluxPipeline: cast to the model dtype first, then scale (in bf16
+        # the other order rounds differently)
+        return embedded, txt_ids, timesteps.to(latents.dtype) / 1000
+
+    def _row_rotary(self, txt_ids: torch.Tensor, layout: RowLayout
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A rotary table per row, for rows of several sizes."""
+        from diffrt.engine.pipelines.flux.mixed import row_rotary
+
+        rows = [(size, layout.cond_of(i)) for i, size in enumerate(layout.sizes)]
+        ids = {row: self.row_ids(*row) for row in set(rows)}
+        return row_rotary(self.eager_transformer, txt_ids, [ids[row] for row in rows],
+                          layout.longest)
+
+    @contextlib.contextmanager
+    def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                           embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                           layout: RowLayout) -> Iterator[FluxBlocks]:
+        embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
+        model = self.eager_transformer
+        kwargs: dict[str, Any] = {"hidden_states": latents, "encoder_hidden_states": embeds,
+                  "pooled_projections": pooled, "timestep": timestep, "guidance": embedded}
+        if layout.uniform:
+            ids = torch.cat((txt_ids, self.row_ids(layout.sizes[0], layout.cond_of(0))))
+            yield FluxBlocks(model, rotary=model.pos_embed(ids), **kwargs)
+            return
+        from diffrt.engine.pipelines.flux.mixed import rows_processor
+
+        with rows_processor(model):
+            yield FluxBlocks(model, rotary=self._row_rotary(txt_ids, layout),
+                             attention_mask=layout.key_mask(embeds.shape[1], latents.device),
+                             **kwargs)
+
     def transformer_forward(
         self,
         latents: torch.Tensor,
@@ -127,20 +171,11 @@ class FluxPipeline(FlowMatchPipeline):
         guidance: torch.Tensor,
         layout: RowLayout,
     ) -> torch.Tensor:
-        # Guidance-distilled checkpoints (guidance_embeds=True) take the scale as
-        # an input; others ignore it (true CFG is true_cfg_scale's business).
-        embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
-        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
-        # as FluxPipeline: cast to the model dtype first, then scale (in bf16
-        # the other order rounds differently)
-        timestep = timesteps.to(latents.dtype) / 1000
+        embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
         if not layout.uniform:  # rows of several sizes: a rotary table per row
-            from diffrt.engine.pipelines.flux.mixed import forward_rows, row_rotary
+            from diffrt.engine.pipelines.flux.mixed import forward_rows
 
-            rows = [(size, layout.cond_of(i)) for i, size in enumerate(layout.sizes)]
-            ids = {row: self.row_ids(*row) for row in set(rows)}
-            rotary = row_rotary(self.transformer, txt_ids, [ids[row] for row in rows],
-                                layout.longest)
+            rotary = self._row_rotary(txt_ids, layout)
             # adapters index rows, and an edit's tokens are not its own image's
             if self.mixed_rows == "packed" and not layout.loras and not layout.conds:
                 from diffrt.engine.pipelines.flux.packed import forward_packed

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from diffrt.engine.cache.policies import POLICIES
 from diffrt.engine.model_spec import (
     TEXT_TO_IMAGE_TASKS,
+    CacheSupport,
     CfgRule,
     ModelSpec,
     ParallelSupport,
@@ -43,6 +45,26 @@ KONTEXT_RESOLUTIONS = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800,
                        (1504, 688), (1568, 672))
 
 
+#: TeaCache's rescaling polynomial for FLUX.1 [dev] (highest power first), as
+#: the TeaCache authors fitted it (``TeaCache4FLUX``'s ``coefficients``)
+FLUX_DEV_TEACACHE = (4.98651651e+02, -2.83781631e+02, 5.58554382e+01, -3.82021401e+00,
+                     2.64230861e-01)
+#: FLUX.1 [dev]'s transformer, by the config fields that tell it from other Flux checkpoints
+FLUX_DEV_TRANSFORMER = {"num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+                        "num_attention_heads": 24, "guidance_embeds": True}
+
+
+def teacache_rescale(folder: ModelFolder) -> tuple[float, ...]:
+    """The TeaCache polynomial fitted for this checkpoint: FLUX.1 [dev]'s for its
+    transformer (Kontext is not it), none for others (the distance uncalibrated;
+    an embedded or shipped model's own comes from its registry entry)."""
+    config = folder.transformer_config
+    if folder.index.get("_class_name") == "FluxPipeline" and all(
+            config.get(k) == v for k, v in FLUX_DEV_TRANSFORMER.items()):
+        return FLUX_DEV_TEACACHE
+    return ()
+
+
 def describe(folder: ModelFolder) -> ModelSpec:
     """FluxPipeline's semantics: 2x2-packed latents (size multiple twice the
     VAE factor), its default size of 128 latents per side, 28 steps, embedded
@@ -69,6 +91,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         cfg_rule=CfgRule.TRUE_CFG_AND_NEGATIVE,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
         lora_target_modules=LORA_TARGET_MODULES,
+        cache=CacheSupport(policies=POLICIES, teacache_rescale=teacache_rescale(folder)),
         transformer_width=attention_width(folder),
         text_tokens=tokenizer_max_length(folder, "tokenizer_2", 512),  # as its encoding
         output_bytes_per_pixel=output_bytes_per_pixel(int(folder.vae_config.get("latent_channels", 16)), factor))

@@ -22,12 +22,13 @@ Uniform batches keep diffusers' own forward (``QwenImagePipeline.transformer_for
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from diffrt.engine.pipelines.qwen_image.joint_attention import joint_outputs, joint_qkv
-from diffrt.engine.pipelines.segments import masked_attention
+from diffrt.engine.pipelines.segments import attention_processor, masked_attention
 
 
 def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -91,17 +92,16 @@ def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_stat
     the module); the model's attention processors are ``RowsAttnProcessor``
     while it runs. No guidance input: diffusers' Qwen timestep embedding
     (``QwenTimestepProjEmbeddings``) has none."""
-    kept = model.attn_processors
-    model.set_attn_processor(_ROWS_PROCESSOR)
-    try:
-        hidden = model.img_in(hidden_states)
-        temb = model.time_text_embed(timestep.to(hidden.dtype), hidden)
-        encoder = model.txt_in(model.txt_norm(encoder_hidden_states))
-        kwargs = {"attention_mask": key_mask}
-        for block in model.transformer_blocks:
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
-                                    encoder_hidden_states_mask=None, temb=temb,
-                                    image_rotary_emb=rotary, joint_attention_kwargs=kwargs)
-        return model.proj_out(model.norm_out(hidden, temb))
-    finally:
-        model.set_attn_processor(kept)
+    from diffrt.engine.pipelines.qwen_image.blocks import QwenImageBlocks
+
+    with rows_processor(model):
+        blocks = QwenImageBlocks(model, hidden_states=hidden_states,
+                                 encoder_hidden_states=encoder_hidden_states, timestep=timestep,
+                                 guidance=None, rotary=rotary, key_mask=key_mask)
+        hidden, _ = blocks.run(0, blocks.count, blocks.hidden, blocks.encoder, None)
+        return blocks.out(hidden)
+
+
+def rows_processor(model: Any) -> AbstractContextManager:
+    """``RowsAttnProcessor`` in every attention of ``model`` while it is held."""
+    return attention_processor(model, _ROWS_PROCESSOR)

@@ -21,6 +21,8 @@ default scale 4.0), so it derives from ``FluxPipeline``. What is its own:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -134,6 +136,30 @@ class QwenImagePipeline(FluxPipeline):
         if not self.spec.uses_cfg(request):
             return Conditioning(embeds, mask)
         return Conditioning(embeds, mask, *encode(self.spec.negative_prompt(request) or ""))
+
+    @contextlib.contextmanager
+    def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                           embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                           layout: RowLayout) -> Iterator[Any]:
+        from diffrt.engine.pipelines.qwen_image.blocks import QwenImageBlocks
+        from diffrt.engine.pipelines.qwen_image.mixed import row_rotary, rows_processor
+
+        mask = extra.to(torch.bool)
+        timestep = timesteps.to(latents.dtype) / 1000
+        model = self.eager_transformer
+        if layout.uniform:
+            embedded = guidance.to(latents.dtype) if model.config.guidance_embeds else None
+            yield QwenImageBlocks(model, hidden_states=latents, encoder_hidden_states=embeds,
+                                  timestep=timestep, guidance=embedded,
+                                  img_shapes=self.image_shapes(layout),
+                                  text_mask=None if mask.all() else mask)
+            return
+        rotary = row_rotary(model, self.image_shapes(layout), embeds.shape[1], layout.longest,
+                            latents.device)
+        keys = torch.cat([mask, layout.key_mask(0, latents.device)], dim=1)  # type: ignore[list-item]
+        with rows_processor(model):
+            yield QwenImageBlocks(model, hidden_states=latents, encoder_hidden_states=embeds,
+                                  timestep=timestep, guidance=None, rotary=rotary, key_mask=keys)
 
     def transformer_forward(
         self,

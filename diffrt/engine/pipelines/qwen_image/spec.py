@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from diffrt.engine.cache.policies import POLICIES
 from diffrt.engine.model_spec import (
     TEXT_TO_IMAGE_TASKS,
+    CacheSupport,
     CfgRule,
     ModelSpec,
     ParallelSupport,
@@ -77,6 +79,8 @@ def describe(folder: ModelFolder) -> ModelSpec:
         parallel=ParallelSupport() if edit else sequence_parallel_support(
             folder, "AutoencoderKLQwenImage"),
         lora_target_modules=LORA_TARGET_MODULES,
+        # the step caches cut diffusers' forward, which the edit variants' options change
+        cache=CacheSupport(policies=() if options else POLICIES),
         # its text follows each prompt (padded to the batch's longest): the
         # run-time estimate counts image tokens only
         transformer_width=attention_width(folder), text_tokens=0,

@@ -28,6 +28,7 @@ Uniform batches keep diffusers' own forward (``SD3Pipeline.transformer_forward``
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from diffrt.engine.pipelines.sd3.joint_attention import joint_outputs, joint_qkv
 from diffrt.engine.pipelines.sd3.patches import unpatchify
-from diffrt.engine.pipelines.segments import RowLayout, masked_attention
+from diffrt.engine.pipelines.segments import RowLayout, attention_processor, masked_attention
 
 
 class RowsJointAttnProcessor:
@@ -87,17 +88,17 @@ def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_stat
     each row zero-padded after its own tokens; the prediction in the same
     layout. The model's attention processors are ``RowsJointAttnProcessor``
     while it runs."""
-    kept = model.attn_processors
-    model.set_attn_processor(_ROWS_PROCESSOR)
-    try:
-        hidden = embed_patches(model, hidden_states, layout)
-        temb = model.time_text_embed(timestep, pooled_projections)
-        encoder = model.context_embedder(encoder_hidden_states)
-        # image keys only: the processor appends the text's
-        kwargs = {"attention_mask": layout.key_mask(0, hidden.device)}
-        for block in model.transformer_blocks:
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
-                                    temb=temb, joint_attention_kwargs=kwargs)
-        return model.proj_out(model.norm_out(hidden, temb))
-    finally:
-        model.set_attn_processor(kept)
+    from diffrt.engine.pipelines.sd3.blocks import SD3Blocks
+
+    with rows_processor(model):
+        blocks = SD3Blocks(model, hidden_states=hidden_states,
+                           encoder_hidden_states=encoder_hidden_states,
+                           pooled_projections=pooled_projections, timestep=timestep,
+                           layout=layout)
+        hidden, _ = blocks.run(0, blocks.count, blocks.hidden, blocks.encoder, None)
+        return blocks.out(hidden)
+
+
+def rows_processor(model: Any) -> AbstractContextManager:
+    """``RowsJointAttnProcessor`` in every attention of ``model`` while it is held."""
+    return attention_processor(model, _ROWS_PROCESSOR)

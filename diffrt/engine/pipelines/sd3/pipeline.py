@@ -11,6 +11,8 @@ its images are the same either way.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -72,6 +74,18 @@ class SD3Pipeline(FlowMatchPipeline):
         return {"mu": calculate_shift(seq_len, cfg.get("base_image_seq_len", 256),
                                       cfg.get("max_image_seq_len", 4096),
                                       cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))}
+
+    @contextlib.contextmanager
+    def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                           embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                           layout: RowLayout) -> Iterator[Any]:
+        from diffrt.engine.pipelines.sd3.blocks import SD3Blocks
+        from diffrt.engine.pipelines.sd3.mixed import rows_processor
+
+        model = self.eager_transformer
+        with contextlib.nullcontext() if layout.uniform else rows_processor(model):
+            yield SD3Blocks(model, hidden_states=latents, encoder_hidden_states=embeds,
+                            pooled_projections=pooled, timestep=timesteps, layout=layout)
 
     def transformer_forward(
         self,

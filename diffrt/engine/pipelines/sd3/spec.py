@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from diffrt.engine.model_spec import TEXT_TO_IMAGE_TASKS, CfgRule, ModelSpec, SamplingDefaults
+from diffrt.engine.cache.policies import POLICIES
+from diffrt.engine.model_spec import (
+    TEXT_TO_IMAGE_TASKS,
+    CacheSupport,
+    CfgRule,
+    ModelSpec,
+    SamplingDefaults,
+)
 from diffrt.engine.pipelines.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
     attention_width,
@@ -50,5 +57,6 @@ def describe(folder: ModelFolder) -> ModelSpec:
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
         parallel=sequence_parallel_support(folder, "AutoencoderKL"),
         lora_target_modules=LORA_TARGET_MODULES,
+        cache=CacheSupport(policies=POLICIES),
         transformer_width=attention_width(folder), text_tokens=TEXT_TOKENS,
         output_bytes_per_pixel=output_bytes_per_pixel(int(folder.vae_config.get("latent_channels", 16)), factor))

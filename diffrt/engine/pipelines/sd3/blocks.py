@@ -1,0 +1,61 @@
+"""SD3's transformer call cut at its blocks (``engine.cache.forward``).
+
+The operations of diffusers' ``SD3Transformer2DModel.forward`` in its order
+— the patch embedding, the joint blocks, the output norm and projection —
+over diffusers' own modules, so running every block over every row gives
+diffusers' bits. The prediction stays in patch tokens (``patches.py``'s
+layout: diffusers' unpatchify and diffrt's patchify only move values). In a
+mixed-size call each size is embedded apart and padded (``mixed.py``'s
+``embed_patches`` and processor, with the padding mask).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from diffrt.engine.cache.forward import TransformerBlocks
+from diffrt.engine.pipelines.sd3.patches import unpatchify
+from diffrt.engine.pipelines.segments import RowLayout
+
+
+class SD3Blocks(TransformerBlocks):
+    """See the module; ``hidden_states`` are patch tokens (rows, longest, p·p·C)."""
+
+    def __init__(self, model: Any, *, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor, pooled_projections: torch.Tensor,
+                 timestep: torch.Tensor, layout: RowLayout):
+        self.model = model
+        if layout.uniform:  # diffusers' own: spatial latents through pos_embed
+            spatial = unpatchify(hidden_states, layout.sizes[0], model.config.patch_size)
+            self.hidden = model.pos_embed(spatial).contiguous()
+            self.mask = None
+        else:
+            from diffrt.engine.pipelines.sd3.mixed import embed_patches
+
+            self.hidden = embed_patches(model, hidden_states, layout)
+            self.mask = layout.key_mask(0, self.hidden.device)  # image keys: the text's appended
+        self.temb = model.time_text_embed(timestep, pooled_projections)
+        self.encoder = model.context_embedder(encoder_hidden_states)
+        self.blocks = list(model.transformer_blocks)
+        self.count = len(self.blocks)
+
+    def run(self, start: int, stop: int, hidden: torch.Tensor, encoder: torch.Tensor | None,
+            rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        temb, mask = self.temb, self.mask
+        if rows is not None:
+            temb = temb.index_select(0, rows)
+            mask = None if mask is None else mask.index_select(0, rows)
+        kwargs = None if mask is None else {"attention_mask": mask}
+        for block in self.blocks[start:stop]:
+            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
+                                    temb=temb, joint_attention_kwargs=kwargs)
+        return hidden, encoder
+
+    def modulated_input(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        temb = self.temb if rows is None else self.temb.index_select(0, rows)
+        return self.blocks[0].norm1(hidden, emb=temb)[0]
+
+    def out(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.proj_out(self.model.norm_out(hidden, self.temb))
