@@ -40,7 +40,7 @@ from diffrt.engine.config import EngineMode
 from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.memory_estimate import MemoryModel
 from diffrt.engine.output_ref import OutputRef
-from diffrt.engine.outputs import TextEncoderStats
+from diffrt.engine.outputs import CacheMetrics, TextEncoderStats
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.restart_gate import RestartGate
@@ -127,6 +127,8 @@ class TickResult:
     step_tokens: int = 0
     #: request id -> text encoder -> prompt tokens it cut (``BatchDone``)
     prompt_tokens_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: request id -> what its step cache did, for requests that finished with one
+    cache: dict[str, CacheMetrics] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -476,6 +478,7 @@ class EngineCore:
         output_ids: dict[str, str] = {}
         text_encoding = None
         prompt_cuts: dict[str, dict[str, int]] = {}
+        cache: dict[str, CacheMetrics] = {}
         peak_bytes = free_bytes = None
         preview_index: dict[str, int] = {}
         steps_run = 1
@@ -487,6 +490,7 @@ class EngineCore:
             result = _execution_result(tick, ro.reply, output_ids)
             text_encoding = getattr(ro.reply, "text_encoding", None)
             prompt_cuts = dict(getattr(ro.reply, "prompt_tokens_dropped", {}))
+            cache = dict(getattr(ro.reply, "cache", {}))
             peak_bytes = getattr(ro.reply, "peak_memory_bytes", None)
             free_bytes = getattr(ro.reply, "free_memory_bytes", None)
             preview_index = dict(getattr(ro.reply, "previews", {}))
@@ -538,6 +542,7 @@ class EngineCore:
                           outputs=kept, previews=previews, step_seconds=step_seconds,
                           steps=steps_run if self.mode is EngineMode.STEP_BATCH else 1,
                           text_encoding=text_encoding, prompt_tokens_dropped=prompt_cuts,
+                          cache=cache,
                           step_rows=rows, step_tokens=tokens)
 
     def _ran(self, tick: SchedulerOutput) -> list[DiffusionRequest]:

@@ -147,6 +147,10 @@ class OutputProcessor:
                 record = self._records.get(rid)
                 if record is not None:
                     record.metrics.prompt_tokens_dropped = dict(cuts)
+            for rid, cache in result.cache.items():
+                record = self._records.get(rid)
+                if record is not None:
+                    record.metrics.cache = cache
             for p in result.progress:
                 if p.request_id in self._records:
                     self._emit_locked(p.request_id, DiffusionOutput(

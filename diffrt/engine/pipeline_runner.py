@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffrt.engine.cache.state import CacheBudget
 from diffrt.engine.cpu_policy import cpu_worker_threads
 from diffrt.engine.input_images import InputPixels, read_pixels
 from diffrt.engine.lora import adapter_file
@@ -154,6 +155,7 @@ class PipelineRunner:
         #: text-encoding counters already reported to the engine.
         self._reported = self.pipeline.text_encoder_stats()
         self.states: dict[str, StepRequestState] = {}
+        self.pipeline.cache_budget = CacheBudget(model.cache_state_bytes)
         #: gives memory back after an execute that ended requests far above the baseline
         self.memory = MemoryTrimmer(platform)
         # progress from inside a forward reaches the executor's watchdog
@@ -181,7 +183,7 @@ class PipelineRunner:
                     result.reply.finished or result.reply.errors or request.drop))
                 return result
             case CountStepStates():
-                return StepStateCount(len(self.states))
+                return StepStateCount(len(self.states), self.pipeline.cache_budget.used())
             case LoadLora(adapter_id=adapter_id, path=path):
                 self._loader().start(adapter_id, path)
                 return LoraState("loading")
@@ -292,6 +294,7 @@ class PipelineRunner:
             logger.debug("request %s: prompt tokens cut by %s", rid, ", ".join(
                 f"{encoder} {n}" for encoder, n in sorted(per_encoder.items())))
         result.reply.prompt_tokens_dropped = cuts
+        result.reply.cache = self.pipeline.take_cache_metrics()
         return result
 
     # -- REQUEST_BATCH ------------------------------------------------------------
@@ -335,7 +338,7 @@ class PipelineRunner:
         reply = StepDone()
         outputs: dict[str, Any] = {}
         for rid in step.drop:
-            self.states.pop(rid, None)
+            self._forget(rid)
         self._prepare(step.new, reply, step.lora_rows)
         if self.parallel and step.new:
             self._agree_on_prepared(step.new, reply)
@@ -356,9 +359,9 @@ class PipelineRunner:
         for state in states:
             rid = state.request_id
             if rid in reply.errors:
-                self.states.pop(rid, None)
+                self._forget(rid)
             elif state.finished:
-                self.states.pop(rid, None)
+                self._forget(rid)
                 finished_states.append(state)
             else:
                 reply.steps[rid] = state.step
@@ -368,6 +371,12 @@ class PipelineRunner:
             if state.request_id in reply.errors and state.step:
                 reply.steps.setdefault(state.request_id, state.step)
         return RunnerResult(reply=reply, outputs=outputs)
+
+    def _forget(self, rid: str) -> None:
+        """Drop a request's step state; its step cache's tensors go at once."""
+        state = self.states.pop(rid, None)
+        if state is not None and state.cache is not None and not state.finished:
+            state.cache.free()  # a finished one's metrics are taken when it is decoded
 
     @staticmethod
     def _boundary(state: StepRequestState, reply: StepDone) -> bool:
@@ -437,7 +446,7 @@ class PipelineRunner:
         for request, everywhere in zip(requests, here.tolist(), strict=True):
             rid = request.request_id
             if not everywhere and rid in self.states:
-                del self.states[rid]
+                self._forget(rid)
                 reply.errors.setdefault(rid, "RuntimeError: preparing it failed on another rank")
 
     def _end_if_shared(self, exc: BaseException) -> None:
@@ -509,6 +518,7 @@ class PipelineRunner:
 
     # -- shutdown ---------------------------------------------------------------------
     def close(self) -> None:
-        self.states.clear()
+        for rid in list(self.states):
+            self._forget(rid)
         if self.adapters is not None:
             self.adapters.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from diffrt.engine.model_spec import ModelSpec
-from diffrt.engine.outputs import TextEncoderStats
+from diffrt.engine.outputs import CacheMetrics, TextEncoderStats
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.settings import ModelConfig, ParallelConfig
 from diffrt.runtime.types import RunnerProtocol
@@ -100,6 +100,8 @@ class BatchDone(msgspec.Struct, tag="batch_done"):
     #: LoRA slots of this execute's ``lora_installs`` that stayed empty (the
     #: adapter could not be copied there): the engine forgets the assignment
     lora_missing: list[int] = []
+    #: request id -> what its step cache did, for requests that finished with one
+    cache: dict[str, CacheMetrics] = {}
 
 
 class StepDone(msgspec.Struct, tag="step_done"):
@@ -126,10 +128,14 @@ class StepDone(msgspec.Struct, tag="step_done"):
     lora_missing: list[int] = []
     #: denoise steps this call ran (``ExecuteStep.steps`` or fewer)
     steps_run: int = 1
+    #: as ``BatchDone.cache``
+    cache: dict[str, CacheMetrics] = {}
 
 
 class StepStateCount(msgspec.Struct, tag="step_state_count"):
     count: int
+    #: bytes the worker's step caches hold (``engine.cache``)
+    cache_bytes: int = 0
 
 
 class LoraState(msgspec.Struct, tag="lora_state"):

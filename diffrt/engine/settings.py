@@ -60,6 +60,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     prompt_cache_bytes: Annotated[int, Meta(ge=0, description=(
         "prompt embeddings each worker keeps (LRU by bytes, keyed by prompt text per text "
         "encoder); 0 disables the cache"))] = 64 << 20
+    cache_state_bytes: Annotated[int, Meta(ge=0, description=(
+        "step-cache state (cached residuals) each worker keeps for its running requests; "
+        "a request whose state would not fit runs uncached and says so in its metrics"))] = (
+        1 << 30)
     vae_tiling: Annotated[bool, Meta(description=(
         "decode in overlapping tiles (large images on one device)"))] = False
     vae_slicing: Annotated[bool, Meta(description=(

@@ -92,6 +92,11 @@ class EngineStats:
     lora_loads_total: int = 0
     lora_evictions_total: int = 0
     lora_requests_total: dict[str, int] = field(default_factory=dict)
+    #: step caches (``engine.cache``): denoise steps of finished requests per
+    #: policy and outcome ("computed", "reused"), and the requests that asked
+    #: for a cache but ran uncached, per reason (``CacheMetrics.uncached_reason``)
+    cache_steps_total: dict[tuple[str, str], int] = field(default_factory=dict)
+    cache_uncached_total: dict[str, int] = field(default_factory=dict)
 
 
 def classify(output: DiffusionOutput) -> str:
@@ -133,6 +138,8 @@ class StatsRecorder:
         self._latency = _Buckets(REQUEST_BUCKETS_S)
         self._queue = _Buckets(REQUEST_BUCKETS_S)
         self._step = _Buckets(STEP_BUCKETS_S)
+        self._cache_steps: dict[tuple[str, str], int] = {}
+        self._cache_uncached: dict[str, int] = {}
         self._output_wait = _Buckets(REQUEST_BUCKETS_S)
         self._text = TextEncoderStats()
         self._rows = _Buckets(STEP_ROWS_BUCKETS)
@@ -163,6 +170,14 @@ class StatsRecorder:
                 self._queue.observe(m.queue_wait)
             if m.output_wait is not None:
                 self._output_wait.observe(m.output_wait)
+            if m.cache is not None:
+                for outcome, n in (("computed", m.cache.steps_computed),
+                                   ("reused", m.cache.steps_reused)):
+                    key = (m.cache.policy, outcome)
+                    self._cache_steps[key] = self._cache_steps.get(key, 0) + n
+                if m.cache.uncached_reason is not None:
+                    reason = m.cache.uncached_reason
+                    self._cache_uncached[reason] = self._cache_uncached.get(reason, 0) + 1
 
     def snapshot(self, *, waiting: int, running: int, pending_output_bytes: int,
                  healthy: bool, worker_restarts: int = 0,
@@ -186,4 +201,6 @@ class StatsRecorder:
                 loras_registered=lora.get("registered", 0), lora_slots_used=lora.get("slots_used", 0),
                 lora_slots=lora.get("slots", 0), lora_loads_total=lora.get("loads", 0),
                 lora_evictions_total=lora.get("evictions", 0),
-                lora_requests_total=dict(lora_requests or {}))
+                lora_requests_total=dict(lora_requests or {}),
+                cache_steps_total=dict(self._cache_steps),
+                cache_uncached_total=dict(self._cache_uncached))

@@ -42,6 +42,11 @@ def accept(request: Any, spec: ModelSpec, config: EngineConfig,
     request = spec.with_defaults(request)  # the model's, for fields left at None
     spec.check(request)
     params = request.sampling_params
+    if params.cache not in (None, "off") and _splits_rows(config):
+        raise InvalidRequestError("cache", (
+            "step caches run where one rank holds a request's rows whole: not with "
+            "cfg_parallel_size, ulysses_degree or ring_degree above 1 (each rank would decide "
+            "on its own share of the rows)"))
     if params.partial_images and not config.scheduling.step_execution:
         raise InvalidRequestError(
             "partial_images", "previews need step boundaries: run the engine with "
@@ -91,6 +96,12 @@ def _stored_inputs(request: DiffusionRequest, spec: ModelSpec,
         raise InputsFullError(str(exc)) from None
     except InputArenaClosedError:
         raise EngineClosedError("engine closed") from None
+
+
+def _splits_rows(config: EngineConfig) -> bool:
+    """Several ranks share each request's rows (CFG or sequence parallelism)."""
+    parallel = config.parallel
+    return max(parallel.cfg_parallel_size, parallel.ulysses_degree, parallel.ring_degree) > 1
 
 
 def _size(request: DiffusionRequest) -> str:

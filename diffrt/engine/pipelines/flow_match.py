@@ -706,18 +706,24 @@ class FlowMatchPipeline(DiffusionPipeline):
         return [p.clone() for p in parts] if len(parts) > 1 else list(parts)
 
     def _forward_in_steps(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
-        """A fused forward of requests that start from input images: the step
-        protocol over all of them at once (each keeps its own noise scheduler,
-        begun at its start step; equal batch keys: they finish together)."""
+        """A fused forward of requests that start from input images or have a
+        step cache: the step protocol over all of them at once (each keeps its
+        own noise scheduler, begun at its start step, and its own cache; equal
+        batch keys: they finish together)."""
         states = [StepRequestState(request=r, loras=batch.loras_of(i), inputs=batch.inputs_of(i))
                   for i, r in enumerate(batch.requests)]
-        self.prepare_encode_batch(states)
-        while not states[0].finished:
-            parts = self.split_predictions(self.denoise_step(states), states)
-            for state, part in zip(states, parts, strict=True):
-                self.apply_step(state, part)
-            self.report_step()
-        return self.post_decode_batch(states)
+        try:
+            self.prepare_encode_batch(states)
+            while not states[0].finished:
+                parts = self.split_predictions(self.denoise_step(states), states)
+                for state, part in zip(states, parts, strict=True):
+                    self.apply_step(state, part)
+                self.report_step()
+            return self.post_decode_batch(states)
+        finally:  # a failed forward's caches go with it
+            for state in states:
+                if state.cache is not None:
+                    state.cache.free()
 
     # -- STEP_BATCH ----------------------------------------------------------------
     @torch.no_grad()
