@@ -236,7 +236,19 @@ def _save(prompts: list[str], finals: list[Any], paths: list[list[Path]]) -> int
         m = final.metrics
         took = (f", {m.finished_time - m.arrival_time:.2f} s"
                 if m.finished_time is not None and m.arrival_time else "")
+        took += _cache_note(m.cache)
         for image, path in zip(final.images or [], targets, strict=False):
             image.save(path)
             print(f"wrote {path} ({image.width}x{image.height}{took}) for {prompt!r}")
     return failed
+
+
+def _cache_note(cache: Any) -> str:
+    """What a request's step cache did (``CacheMetrics``), for the line that
+    says where its images went: the reuse is what ``--cache-threshold`` tunes."""
+    if cache is None:
+        return ""
+    if cache.uncached_reason is not None:
+        return f", ran without its {cache.policy} cache ({cache.uncached_reason})"
+    steps = cache.steps_computed + cache.steps_reused
+    return f", {cache.policy} cache reused {cache.steps_reused} of {steps} steps"

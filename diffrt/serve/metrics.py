@@ -106,10 +106,30 @@ class EngineCollector(Collector):
         yield counter("diffrt_worker_restarts", "Times fresh workers replaced dead or hung "
                       "ones", lambda s: s.worker_restarts)
         yield from self._loras(snapshots, names, values, gauge, counter)
+        yield from self._caches(snapshots, names, values)
         yield gauge("diffrt_seconds_without_progress", "Seconds the worker call in flight "
                     "has gone without progress (0: none in flight)",
                     lambda s: s.seconds_without_progress)
 
+    @staticmethod
+    def _caches(snapshots: list[tuple[dict[str, str], Any]], names: list[str],
+                values: Callable[[dict[str, str]], list[str]]) -> Iterator[Metric]:
+        """The step caches: the denoise steps of finished requests that ran a
+        cache, per policy and outcome (their ratio is the reuse rate), and the
+        requests that asked for one but ran uncached, per reason."""
+        steps = CounterMetricFamily("diffrt_cache_steps", "Denoise steps of finished requests "
+                                    "that ran a step cache, computed or reused",
+                                    labels=[*names, "policy", "outcome"])
+        uncached = CounterMetricFamily("diffrt_cache_uncached_requests", "Requests that asked "
+                                       "for a step cache but ran uncached, by reason",
+                                       labels=[*names, "reason"])
+        for labels, stats in snapshots:
+            for (policy, outcome), count in sorted(stats.cache_steps_total.items()):
+                steps.add_metric([*values(labels), policy, outcome], count)
+            for reason, count in sorted(stats.cache_uncached_total.items()):
+                uncached.add_metric([*values(labels), reason], count)
+        yield steps
+        yield uncached
 
     @staticmethod
     def _loras(snapshots: list[tuple[dict[str, str], Any]], names: list[str],

@@ -87,12 +87,20 @@ def _scale(declared: Declared, name: str) -> float:
     return 1000.0 if name.endswith("_ms") and declared.name.endswith("_s") else 1.0
 
 
+def _python_type(declared: Declared) -> Any:
+    """The body's type of a declaration's kind; a choice is the Literal of its
+    values, so pydantic refuses another value naming the field."""
+    if declared.kind == "choice":
+        return Literal[declared.choices]  # Literal[("a", "b")] is Literal["a", "b"]
+    # the one mapping among the sampling fields is ``loras``: adapter name -> scale
+    return {"int": int, "float": float, "str": str, "bool": bool,
+            "mapping": dict[str, float]}[declared.kind]
+
+
 def _body_field(declared: Declared, name: str) -> tuple[Any, Any]:
     """A pydantic field with the declaration's type, limits and default."""
     scale = _scale(declared, name)
-    # the one mapping among the sampling fields is ``loras``: adapter name -> scale
-    python = {"int": int, "float": float, "str": str, "bool": bool,
-              "mapping": dict[str, float]}[declared.kind]
+    python = _python_type(declared)
     bounds = {k: v * scale if scale != 1.0 and k in ("ge", "gt", "le", "lt") else v
               for k, v in declared.bounds.items()}
     annotation: Any = python | None if declared.optional else python
@@ -180,6 +188,19 @@ class Timings(BaseModel):
     total: float | None = None
 
 
+class CacheInfo(BaseModel):
+    """What the request's step cache did (the engine's ``CacheMetrics``)."""
+
+    policy: str = Field(description='"first-block" or "teacache"')
+    threshold: float
+    steps_computed: int = Field(description="denoise steps that ran the cached blocks")
+    steps_reused: int = Field(description="denoise steps that reused their output")
+    reused_steps: list[int] = Field(description="the 0-based denoise steps that reused")
+    uncached_reason: str | None = Field(None, description=(
+        'why it ran uncached although it asked for a cache ("cache_state_bytes": its state '
+        "would not fit the server's cache_state_bytes); null: it did not"))
+
+
 class DiffrtInfo(BaseModel):
     """diffrt's extension of the response."""
 
@@ -187,6 +208,8 @@ class DiffrtInfo(BaseModel):
     seed: int | None
     num_inference_steps: int
     timings: Timings
+    #: absent (null in a stream's event) when the request ran without a step cache
+    cache: CacheInfo | None = None
 
 
 class ImagesResponse(BaseModel):

@@ -39,6 +39,7 @@ from diffrt.serve.images import MEDIA_TYPES, ImageStore, Reservation, StoreFull,
 from diffrt.serve.protocol import (
     SAMPLING_FIELDS,
     BodyField,
+    CacheInfo,
     DiffrtInfo,
     ErrorResponse,
     ImageBody,
@@ -316,9 +317,15 @@ def _timings(out: DiffusionOutput) -> Timings:
     return Timings(queue=m.queue_wait, inference=m.forward_time, output=output, total=total)
 
 
+def _cache(out: DiffusionOutput) -> CacheInfo | None:
+    cache = out.metrics.cache
+    return None if cache is None else CacheInfo(**msgspec.structs.asdict(cache))
+
+
 def _info(out: DiffusionOutput) -> DiffrtInfo:
     return DiffrtInfo(request_id=out.request_id, seed=out.seed,
-                      num_inference_steps=out.total_steps, timings=_timings(out))
+                      num_inference_steps=out.total_steps, timings=_timings(out),
+                      cache=_cache(out))
 
 
 async def _response(out: DiffusionOutput, body: ImageBody, request: Request,

@@ -377,3 +377,49 @@ def test_serve_lora_dir_must_be_a_folder_and_one_engine(tmp_path, capsys):
         assert main(["serve", "--port", "0", *argv]) == 2
         err = capsys.readouterr().err
         assert "--lora-dir" in err and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_cache_flags_reach_the_request_and_the_engine_and_are_refused_in_one_line(capsys):
+    """``--cache``/``--cache-threshold`` (declared by ``SamplingParams``) and
+    ``--cache-state-bytes`` (by ``ModelConfig``); a bad value is refused
+    before anything starts, naming the field."""
+    from diffrt.cli import build_parser
+    from diffrt.cli.engine_opts import engine_settings, sampling_params
+    from diffrt.engine import EngineConfig
+
+    args = build_parser().parse_args(["generate", "-p", "x", "--cache", "first-block",
+                                      "--cache-threshold", "0.3", "--cache-state-bytes", "0"])
+    params = sampling_params(args)
+    assert (params.cache, params.cache_threshold) == ("first-block", 0.3)
+    assert engine_settings(args) == {"cache_state_bytes": 0}
+    assert EngineConfig(**engine_settings(args)).model_config.cache_state_bytes == 0
+    unset = sampling_params(build_parser().parse_args(["generate", "-p", "x"]))
+    assert (unset.cache, unset.cache_threshold) == (None, None)  # the model's default
+    serve = build_parser().parse_args(["serve", "--cache-state-bytes", "4096"])
+    assert engine_settings(serve)["cache_state_bytes"] == 4096
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "-p", "x", "--cache", "fast"])
+    assert exc.value.code == 2 and "--cache" in capsys.readouterr().err
+    for argv, message in (
+            (["--cache", "off", "--cache-threshold", "0.3"], "cache_threshold: applies to a "
+                                                             'step cache, not to cache="off"'),
+            (["--cache", "teacache", "--cache-threshold", "-1"],
+             "cache_threshold: must be a number >= 0"),
+            (["--cache-state-bytes", "-1"], "cache_state_bytes: must be an int >= 0")):
+        assert main(["generate", "-p", "x", "--executor-backend", "inproc", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_says_what_each_requests_cache_did():
+    from diffrt.cli.generate import _cache_note
+    from diffrt.engine.outputs import CacheMetrics
+
+    assert _cache_note(None) == ""
+    assert _cache_note(CacheMetrics("first-block", 0.3, steps_computed=3, steps_reused=5,
+                                    reused_steps=[1, 2, 4, 5, 6])) == (
+        ", first-block cache reused 5 of 8 steps")
+    assert _cache_note(CacheMetrics("teacache", 0.1, steps_computed=8,
+                                    uncached_reason="cache_state_bytes")) == (
+        ", ran without its teacache cache (cache_state_bytes)")
