@@ -355,3 +355,28 @@ def test_a_slot_that_could_not_be_filled_fails_its_request_alone(files, monkeypa
         assert engine.stats().lora_slots_used == 0
         monkeypatch.setattr(slots, "install", real_install)
         assert np.abs(pixels(engine.generate(request("again", {"a": 1.0}))) - good).max() <= 1
+
+
+def test_cached_requests_with_adapters_decide_as_they_do_alone(step_engine):
+    """Adapters and step caches in one step batch: a request's rows that skip
+    blocks take their adapters with them (the sub-batch of the rows that
+    compute carries only theirs), each decides and draws as alone."""
+    specs = [({"a": 1.0}, "first-block", 0.5), ({"b": 1.0}, None, None),
+             (None, "teacache", 1.0), ({"a": 0.5, "k": 1.0}, "first-block", 0.5)]
+
+    def cached(rid: str, loras, policy, threshold, seed: int) -> DiffusionRequest:
+        return DiffusionRequest(prompt=PROMPT, request_id=rid, sampling_params=SamplingParams(
+            seed=seed, loras=loras, num_inference_steps=6, cache=policy,
+            cache_threshold=threshold))
+
+    alone = [step_engine.generate(cached(f"cache-alone-{i}", *s, seed=40 + i))
+             for i, s in enumerate(specs)]
+    together = step_engine.generate([cached(f"cache-mixed-{i}", *s, seed=40 + i)
+                                     for i, s in enumerate(specs)])
+    for (loras, policy, _), got, want in zip(specs, together, alone, strict=True):
+        assert np.abs(pixels(got) - pixels(want)).max() <= 1, loras
+        if policy is None:
+            assert got.metrics.cache is None
+            continue
+        assert got.metrics.cache.steps_reused > 0
+        assert got.metrics.cache.reused_steps == want.metrics.cache.reused_steps
