@@ -5,8 +5,8 @@ The operations of diffusers' ``SD3Transformer2DModel.forward`` in its order
 over diffusers' own modules, so running every block over every row gives
 diffusers' bits. The prediction stays in patch tokens (``patches.py``'s
 layout: diffusers' unpatchify and diffrt's patchify only move values). In a
-mixed-size call each size is embedded apart and padded (``mixed.py``'s
-``embed_patches`` and processor, with the padding mask).
+mixed-size call each size is embedded apart and padded (``embed_patches``;
+``mixed.py``'s processor, with the padding mask).
 """
 
 from __future__ import annotations
@@ -18,6 +18,24 @@ import torch
 from diffrt.engine.cache.forward import TransformerBlocks
 from diffrt.engine.pipelines.sd3.patches import unpatchify
 from diffrt.engine.pipelines.segments import RowLayout
+
+
+def embed_patches(model: Any, latents: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """(rows, longest, inner dim): each size's rows through the model's
+    ``pos_embed`` (convolution + that size's cropped positions), at the
+    start of their rows; the padding zero."""
+    patch = model.config.patch_size
+    out: torch.Tensor | None = None
+    for size in dict.fromkeys(layout.sizes):  # each size once, in row order
+        index = [i for i, s in enumerate(layout.sizes) if s == size]
+        tokens = layout.tokens[index[0]]
+        rows = torch.tensor(index, device=latents.device)
+        embedded = model.pos_embed(unpatchify(latents[rows, :tokens], size, patch))
+        if out is None:
+            out = embedded.new_zeros(len(layout), layout.longest, embedded.shape[-1])
+        out[rows, :tokens] = embedded
+    assert out is not None  # a call has rows
+    return out
 
 
 class SD3Blocks(TransformerBlocks):
@@ -32,8 +50,6 @@ class SD3Blocks(TransformerBlocks):
             self.hidden = model.pos_embed(spatial).contiguous()
             self.mask = None
         else:
-            from diffrt.engine.pipelines.sd3.mixed import embed_patches
-
             self.hidden = embed_patches(model, hidden_states, layout)
             self.mask = layout.key_mask(0, self.hidden.device)  # image keys: the text's appended
         self.temb = model.time_text_embed(timestep, pooled_projections)

@@ -12,7 +12,7 @@ diffusers' own modules and weights:
 - the patch embedding runs once per size, on that size's rows, through the
   model's own ``pos_embed`` (the same convolution and cropped positions
   diffusers would apply to a batch of that size), and its tokens are
-  zero-padded to the call's longest row;
+  zero-padded to the call's longest row (``blocks.embed_patches``);
 - the attention processor (``RowsJointAttnProcessor``) is diffusers'
   ``JointAttnProcessor2_0`` with the padding masked out as keys.
 
@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from diffrt.engine.pipelines.sd3.joint_attention import joint_outputs, joint_qkv
-from diffrt.engine.pipelines.sd3.patches import unpatchify
 from diffrt.engine.pipelines.segments import RowLayout, attention_processor, masked_attention
 
 
@@ -60,24 +59,6 @@ class RowsJointAttnProcessor:
 
 
 _ROWS_PROCESSOR = RowsJointAttnProcessor()
-
-
-def embed_patches(model: Any, latents: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-    """(rows, longest, inner dim): each size's rows through the model's
-    ``pos_embed`` (convolution + that size's cropped positions), at the
-    start of their rows; the padding zero."""
-    patch = model.config.patch_size
-    out: torch.Tensor | None = None
-    for size in dict.fromkeys(layout.sizes):  # each size once, in row order
-        index = [i for i, s in enumerate(layout.sizes) if s == size]
-        tokens = layout.tokens[index[0]]
-        rows = torch.tensor(index, device=latents.device)
-        embedded = model.pos_embed(unpatchify(latents[rows, :tokens], size, patch))
-        if out is None:
-            out = embedded.new_zeros(len(layout), layout.longest, embedded.shape[-1])
-        out[rows, :tokens] = embedded
-    assert out is not None  # a call has rows
-    return out
 
 
 def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
