@@ -59,6 +59,22 @@ static batcher grouping by task too. Not combined with ``--image-share`` (a
 Kontext folder serves no image-to-image) or ``--lora-share`` (the adapters are
 made on tiny-flux).
 
+Step-cache traffic (``--cache-share S``): a share S of the requests (seeded,
+drawn apart from the shapes, adapters and tasks) asks for
+``cache="first-block"`` at the model's default threshold (its registry
+entry's, else the policy's: ``DEFAULT_THRESHOLDS``). diffrt decides per
+request inside the step batches (``engine.cache``); ``diffrt keyed`` runs
+them the same way. diffusers runs their calls with its own First-Block Cache
+enabled (``transformer.enable_cache(FirstBlockCacheConfig(threshold))``, the
+same threshold; disabled for the other requests' calls) and its static
+batcher groups by the cache flag too; diffusers decides once per call (the
+batch's rows together, each CFG branch apart), and its image-to-image,
+inpainting and Kontext pipelines set no ``cache_context``, so the benchmark
+wraps their call in one. The table then adds the share of the cached
+requests' steps that reused (diffrt: ``EngineStats.cache_steps_total``;
+diffusers: its head block's decisions, counted). Without the option nothing
+changes.
+
 ``--torch-threads N`` gives every system N torch threads (the engine's
 ``torch_threads``, ``torch.set_num_threads`` for diffusers); 1 keeps a
 shared machine's busy cores from stalling a worker's threads. Run from the
@@ -69,6 +85,7 @@ repository root:
     .venv/bin/python benchmarks/bench_mixed_traffic.py --quick --lora-share 0.5
     .venv/bin/python benchmarks/bench_mixed_traffic.py --image-share 0.3
     .venv/bin/python benchmarks/bench_mixed_traffic.py --edit-share 0.3
+    .venv/bin/python benchmarks/bench_mixed_traffic.py --cache-share 0.5
 """
 
 from __future__ import annotations
@@ -132,6 +149,23 @@ def edit_traffic(n: int, seed: int, share: float) -> list[str]:
     return ["editing" if rng.random() < share else TASKS[0] for _ in range(n)]
 
 
+def cache_traffic(n: int, seed: int, share: float) -> list[bool]:
+    """Whether each request asks for the first-block step cache: a share
+    ``share`` of them, from their own generator (the rest stays as it was)."""
+    rng = random.Random(f"cache {seed}")
+    return [rng.random() < share for _ in range(n)]
+
+
+def cache_threshold(model: str) -> float:
+    """First-Block Cache's threshold of a request that names none on ``model``
+    (what diffusers is given too)."""
+    from diffrt.engine.cache.policies import DEFAULT_THRESHOLDS, FIRST_BLOCK
+    from diffrt.engine.pipelines.registry import resolve_model_spec
+
+    return resolve_model_spec(model).cache.thresholds.get(FIRST_BLOCK,
+                                                         DEFAULT_THRESHOLDS[FIRST_BLOCK])
+
+
 def model_of(spec: dict[str, Any]) -> str:
     """The folder every system of the run loads."""
     return "tiny-flux-kontext" if spec.get("edit_share") else "tiny-flux"
@@ -176,7 +210,7 @@ def _engine(system: str, timers: str, adapters: dict[str, str], threads: int = 0
 
 
 def _request(i: int, height: int, width: int, steps: int, tag: str,
-             adapter: str | None = None, task: str = TASKS[0]) -> Any:
+             adapter: str | None = None, task: str = TASKS[0], cached: bool = False) -> Any:
     from diffrt.engine import DiffusionRequest, SamplingParams
 
     images = [input_picture()] if task != TASKS[0] else []
@@ -186,11 +220,16 @@ def _request(i: int, height: int, width: int, steps: int, tag: str,
         sampling_params=SamplingParams(
             height=height, width=width, num_inference_steps=steps, seed=i,
             loras={adapter: 1.0} if adapter else None,
-            strength=IMAGE_STRENGTH if task in PEER_CLASSES else None))
+            strength=IMAGE_STRENGTH if task in PEER_CLASSES else None,
+            cache="first-block" if cached else None))
 
 
 def _adapters(spec: dict[str, Any]) -> list[str | None]:
     return adapter_traffic(spec["requests"], spec["seed"], spec.get("lora_share", 0.0))
+
+
+def _caches(spec: dict[str, Any]) -> list[bool]:
+    return cache_traffic(spec["requests"], spec["seed"], spec.get("cache_share", 0.0))
 
 
 def _tasks(spec: dict[str, Any]) -> list[str]:
@@ -199,48 +238,84 @@ def _tasks(spec: dict[str, Any]) -> list[str]:
     return image_traffic(spec["requests"], spec["seed"], spec.get("image_share", 0.0))
 
 
-def _warm_up(spec: dict[str, Any]) -> list[tuple[int, int, str | None, str]]:
-    """(height, width, adapter, task) of each warm-up request: every size, and
-    every adapter and task of the run at least once."""
+def _warm_up(spec: dict[str, Any]) -> list[tuple[int, int, str | None, str, bool]]:
+    """(height, width, adapter, task, cached) of each warm-up request: every
+    size, and every adapter, task and cache choice of the run at least once."""
     adapters = (None, *LORA_NAMES) if spec.get("adapters") else (None,)
     tasks = (TASKS[:3] if spec.get("image_share")
              else (TASKS[0], "editing") if spec.get("edit_share") else TASKS[:1])
-    n = max(len(SIZES), len(adapters), len(tasks))
-    return [(*SIZES[i % len(SIZES)], adapters[i % len(adapters)], tasks[i % len(tasks)])
-            for i in range(n)]
+    caches = (False, True) if spec.get("cache_share") else (False,)
+    n = max(len(SIZES), len(adapters), len(tasks), len(caches))
+    return [(*SIZES[i % len(SIZES)], adapters[i % len(adapters)], tasks[i % len(tasks)],
+             caches[i % len(caches)]) for i in range(n)]
 
 
-def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, dict]:
+def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, dict, list[int]]:
     from diffrt.cli.bench_load import EngineTarget, drive
 
     mix = traffic(spec["requests"], spec["seed"])
-    adapters, tasks = _adapters(spec), _tasks(spec)
+    adapters, tasks, caches = _adapters(spec), _tasks(spec), _caches(spec)
     engine = _engine(spec["system"], timers, spec.get("adapters") or {}, spec.get("threads", 0),
                      model_of(spec))
     try:
-        warm = [_request(i, h, w, 2, "warm", adapter, task)
-                for i, (h, w, adapter, task) in enumerate(_warm_up(spec))]
+        warm = [_request(i, h, w, 2, "warm", adapter, task, cached)
+                for i, (h, w, adapter, task, cached) in enumerate(_warm_up(spec))]
         drive(EngineTarget(engine), warm, concurrency=len(warm), rate=None)
         before = stage_timers.read(timers)  # the worker's totals so far: not measured
-        requests = [_request(i, *shape, "r", adapter, task)
-                    for i, (shape, adapter, task) in enumerate(zip(mix, adapters, tasks,
-                                                                   strict=True))]
+        steps_before = dict(engine.stats().cache_steps_total)
+        requests = [_request(i, *shape, "r", adapter, task, cached)
+                    for i, (shape, adapter, task, cached) in enumerate(zip(
+                        mix, adapters, tasks, caches, strict=True))]
         rate = spec.get("rate")
         samples, wall = drive(EngineTarget(engine), requests,
                               concurrency=CONCURRENCY if rate is None else len(requests),
                               rate=rate, seed=spec["seed"])
+        steps = {k: n - steps_before.get(k, 0) for k, n in engine.stats().cache_steps_total.items()}
     finally:
         engine.close()
     failed = [s.error for s in samples if not s.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
     after = stage_timers.read(timers)
+    reused = sum(n for (_, outcome), n in steps.items() if outcome == "reused")
     return ([s.latency if s.ok else None for s in samples], wall,
-            {k: after[k] - before[k] for k in after})
+            {k: after[k] - before[k] for k in after}, [reused, sum(steps.values())])
+
+
+#: diffusers' First-Block Cache head-block decisions (True: compute), counted
+PEER_DECISIONS: list[bool] = []
+
+
+def _count_peer_decisions() -> None:
+    from diffusers.hooks import first_block_cache as fbc
+
+    original = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
+
+    def counted(self: Any, residual: Any) -> bool:
+        compute = original(self, residual)
+        PEER_DECISIONS.append(bool(compute))
+        return compute
+
+    fbc.FBCHeadBlockHook._should_compute_remaining_blocks = counted
+
+
+def _peer_cache(pipe: Any, cached: bool) -> None:
+    """diffusers' First-Block Cache on (the cached requests' calls) or off."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    transformer = pipe.transformer
+    on = getattr(transformer, "bench_cache_on", False)
+    if cached and not on:
+        transformer.enable_cache(FirstBlockCacheConfig(threshold=pipe.bench_cache_threshold))
+    elif on and not cached:
+        transformer.disable_cache()
+    transformer.bench_cache_on = cached
 
 
 def _peer_call(pipe: Any, seeds: list[int], height: int, width: int, steps: int,
-               adapter: str | None = None, task: str = TASKS[0]) -> None:
+               adapter: str | None = None, task: str = TASKS[0], cached: bool = False) -> None:
+    import contextlib
+
     import torch
 
     if getattr(pipe, "bench_loras", False):  # adapters loaded: switch before the call
@@ -264,9 +339,17 @@ def _peer_call(pipe: Any, seeds: list[int], height: int, width: int, steps: int,
         if task == "editing":
             kwargs |= {"image": [input_picture()] * len(seeds), "_auto_resize": False}
     call = pipe.bench_tasks[task] if task != TASKS[0] else pipe
-    images = call(prompt=[f"a red fox r {i}" for i in seeds], height=height, width=width,
-                  num_inference_steps=steps, output_type="pil",
-                  generator=[torch.Generator().manual_seed(i) for i in seeds], **kwargs).images
+    context: Any = contextlib.nullcontext()
+    if getattr(pipe, "bench_cache_threshold", None) is not None:
+        _peer_cache(pipe, cached)
+        if cached and type(call).__name__ != "FluxPipeline":
+            # its pipeline sets no cache_context (FluxPipeline's does, per CFG branch)
+            context = pipe.transformer.cache_context("cond")
+    with context:
+        images = call(prompt=[f"a red fox r {i}" for i in seeds], height=height, width=width,
+                      num_inference_steps=steps, output_type="pil",
+                      generator=[torch.Generator().manual_seed(i) for i in seeds],
+                      **kwargs).images
     assert len(images) == len(seeds) and images[0].size == (width, height), images[0].size
 
 
@@ -292,12 +375,16 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
                          for task, cls in PEER_CLASSES.items()})
     for other in pipe.bench_tasks.values():
         other.set_progress_bar_config(disable=True)
-    for h, w, adapter, task in _warm_up(spec):
-        _peer_call(pipe, [0], h, w, 2, adapter, task)
+    if spec.get("cache_share"):
+        pipe.bench_cache_threshold = cache_threshold(model_of(spec))
+        _count_peer_decisions()
+    for h, w, adapter, task, cached in _warm_up(spec):
+        _peer_call(pipe, [0], h, w, 2, adapter, task, cached)
     for stage in stage_timers.TOTALS:
         stage_timers.TOTALS[stage] = 0.0
+    del PEER_DECISIONS[:]
     mix = traffic(spec["requests"], spec["seed"])
-    adapters, kinds = _adapters(spec), _tasks(spec)
+    adapters, kinds, caches = _adapters(spec), _tasks(spec), _caches(spec)
     peer = (SerialPeer(pipe, _peer_call) if spec["system"] == "diffusers serial"
             else StaticBatcherPeer(pipe, _peer_call, MAX_NUM_SEQS, STATIC_WAIT_S))
     rate = spec.get("rate")
@@ -310,7 +397,7 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
         async def one(i: int, height: int, width: int, steps: int) -> None:
             async with gate:
                 start = time.perf_counter()
-                await peer.run(i, height, width, steps, adapters[i], kinds[i])
+                await peer.run(i, height, width, steps, adapters[i], kinds[i], caches[i])
                 latencies[i] = time.perf_counter() - start
 
         start, tasks = time.perf_counter(), []
@@ -321,7 +408,8 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
         await asyncio.gather(*tasks)
         return latencies, time.perf_counter() - start, dict(stage_timers.TOTALS)
 
-    return asyncio.run(main())
+    latencies, wall, stages = asyncio.run(main())
+    return latencies, wall, stages, [PEER_DECISIONS.count(False), len(PEER_DECISIONS)]
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -332,12 +420,13 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         timers = os.path.join(tmp, "stages.json")
         os.environ["DIFFRT_STAGE_TIMERS"] = timers
         if spec["system"].startswith("diffrt"):
-            latencies, wall, stages = _diffrt_run(spec, timers)
+            latencies, wall, stages, cache_steps = _diffrt_run(spec, timers)
         else:
-            latencies, wall, stages = _peer_run(spec)
+            latencies, wall, stages, cache_steps = _peer_run(spec)
         finished = sum(x is not None for x in latencies)
         return {"latencies": [x if x is not None else float("nan") for x in latencies],
-                "wall": wall, "stages": stages, "finished": finished}
+                "wall": wall, "stages": stages, "finished": finished,
+                "cache_steps": cache_steps}
 
 
 def _child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -360,6 +449,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base["image_share"] = args.image_share
     if args.edit_share:
         base["edit_share"] = args.edit_share
+    if args.cache_share:
+        base["cache_share"] = args.cache_share
     for rnd in range(args.rounds):
         order = list(SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)])
         for system in order:
@@ -405,6 +496,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         tasks = edit_traffic(args.requests, args.seed, args.edit_share)
         print(f"edits (FLUX.1 Kontext): --edit-share {args.edit_share:g}: "
               + ", ".join(f"{t} {tasks.count(t)}" for t in (TASKS[0], "editing")))
+    if args.cache_share:
+        cached = cache_traffic(args.requests, args.seed, args.cache_share)
+        print(f"step cache: --cache-share {args.cache_share:g}: first-block {sum(cached)}, none "
+              f"{len(cached) - sum(cached)} (threshold {cache_threshold(model_of(vars(args))):g}, "
+              "the model's default); diffusers: its FirstBlockCacheConfig at the same threshold "
+              "on those requests' calls, decided per call (a batch's rows together, each CFG "
+              "branch apart)")
     if args.torch_threads:
         print(f"torch threads of every system: {args.torch_threads}")
     print(f"closed loop at concurrency {CONCURRENCY}; open loop: Poisson at "
@@ -431,6 +529,15 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     for name, value, goal in goals:
         print(f"{name:<48}{value:>7.2f}   (goal {goal})")
     per_task = report_tasks(results, args) if args.image_share or args.edit_share else {}
+    if args.cache_share:
+        print("\nsteps the cached requests reused (closed and open loop runs together; "
+              "diffusers: head-block decisions, one per call and CFG branch):")
+        for system in SYSTEMS:
+            runs = results["closed"][system] + results["open"][system]
+            reused = sum(r["cache_steps"][0] for r in runs)
+            total = sum(r["cache_steps"][1] for r in runs)
+            rows[system]["cache_reused_share"] = reused / total if total else 0.0
+            print(f"  {system:<18}{reused:>7} of {total:<7} ({reused / total if total else 0:.0%})")
     runs = [(system, r) for measure in ("closed", "open") for system in SYSTEMS
             for r in results[measure][system]]
     short = [f"{system} {r['finished']}/{args.requests}" for system, r in runs
@@ -440,7 +547,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
           f"{len(SYSTEMS)} systems)")
     return {"systems": rows, "ratios": {name: value for name, value, _ in goals},
             "lora_share": args.lora_share, "image_share": args.image_share,
-            "edit_share": args.edit_share,
+            "edit_share": args.edit_share, "cache_share": args.cache_share,
             "tasks": per_task, "all_finished": not short}
 
 
@@ -483,6 +590,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--edit-share", type=float, default=0.0, metavar="S",
                     help="run on tiny-flux-kontext; this share of the requests edits an "
                          "input image (FLUX.1 Kontext)")
+    ap.add_argument("--cache-share", type=float, default=0.0, metavar="S",
+                    help="this share of the requests asks for the first-block step cache "
+                         "(the model's default threshold); diffusers runs them with its "
+                         "FirstBlockCache")
     ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
                     help="torch threads of every system (default: the engine's choice, "
                          "torch's default for diffusers)")
@@ -500,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--image-share is a share: 0 to 1")
     if not 0.0 <= args.edit_share <= 1.0:
         ap.error("--edit-share is a share: 0 to 1")
+    if not 0.0 <= args.cache_share <= 1.0:
+        ap.error("--cache-share is a share: 0 to 1")
     if args.edit_share and (args.image_share or args.lora_share):
         ap.error("--edit-share runs on tiny-flux-kontext, which serves no image-to-image, "
                  "and the adapters are made on tiny-flux: not with --image-share or "

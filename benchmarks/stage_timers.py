@@ -4,13 +4,17 @@ Imported by ``bench_mixed_traffic.py`` in its own process (the diffusers
 systems) and, as a ``plugin_modules`` entry, in diffrt's worker processes. On
 import it wraps, at class level, the calls each stage is made of:
 
-- transformer: diffusers' ``FluxTransformer2DModel.forward`` and diffrt's
-  ``FluxPipeline.transformer_forward`` (whose mixed-size path runs the
-  transformer's modules without its ``forward``); only the outermost of the
-  two is counted;
+- transformer: diffusers' ``FluxTransformer2DModel.forward`` and
+  ``SD3Transformer2DModel.forward``, diffrt's ``transformer_forward`` of both
+  families (whose mixed-size path runs the transformer's modules without its
+  ``forward``) and ``FlowMatchPipeline._transformer``, which every diffrt
+  transformer call goes through (a call with step-cached rows runs the
+  blocks without ``transformer_forward``, ``engine.cache.forward``); only the
+  outermost of them is counted;
 - vae: ``AutoencoderKL.decode`` and ``.encode`` (image-to-image and
   inpainting inputs);
-- text: ``CLIPTextModel.forward`` and ``T5EncoderModel.forward``.
+- text: ``CLIPTextModel.forward``, ``CLIPTextModelWithProjection.forward``
+  (SD3) and ``T5EncoderModel.forward``.
 
 On CPU a call's wall time is its compute (nothing is asynchronous). The
 totals are written as JSON to ``$DIFFRT_STAGE_TIMERS`` after every call (a
@@ -66,16 +70,22 @@ def _wrap(cls: Any, name: str, stage: str) -> None:
 
 
 def install() -> None:
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
-    from transformers import CLIPTextModel, T5EncoderModel
+    from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
+    from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
     from diffrt.engine.pipelines.flux.pipeline import FluxPipeline
+    from diffrt.engine.pipelines.sd3.pipeline import SD3Pipeline
 
     _wrap(FluxTransformer2DModel, "forward", "transformer")
+    _wrap(SD3Transformer2DModel, "forward", "transformer")
     _wrap(FluxPipeline, "transformer_forward", "transformer")
+    _wrap(SD3Pipeline, "transformer_forward", "transformer")
+    _wrap(FlowMatchPipeline, "_transformer", "transformer")
     _wrap(AutoencoderKL, "decode", "vae")
     _wrap(AutoencoderKL, "encode", "vae")
     _wrap(CLIPTextModel, "forward", "text")
+    _wrap(CLIPTextModelWithProjection, "forward", "text")
     _wrap(T5EncoderModel, "forward", "text")
 
 
