@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def events(text: str) -> list[tuple[str, dict]]:
+    """Server-sent events -> [(event, data)]."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
 
 
 def call(app, method: str, path: str, **kw) -> httpx.Response:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from PIL import Image
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import call
+from serve_helpers import events as _events
 
 from diffrt.serve.metrics import ServerMetrics
 
@@ -27,14 +27,6 @@ CACHED = {"prompt": "a red fox", "size": "64x64", "seed": 5, "num_inference_step
           "cache": "first-block", "cache_threshold": 0.3}
 CACHE_KEYS = {"policy", "threshold", "steps_computed", "steps_reused", "reused_steps",
               "uncached_reason"}
-
-
-def _events(text: str) -> list[tuple[str, dict]]:
-    out = []
-    for block in text.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.splitlines())
-        out.append((lines["event"], json.loads(lines["data"])))
-    return out
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset], float]:

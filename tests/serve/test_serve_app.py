@@ -15,6 +15,7 @@ import pytest
 from faults import hold_restarts, kill_executor
 from PIL import Image
 from serve_helpers import API_KEY, AUTH, call
+from serve_helpers import events as _events
 from waiting import wait_for, wait_until
 
 from diffrt.serve import ServeSettings
@@ -38,15 +39,6 @@ def _error(response: httpx.Response, status: int, param: str | None = "") -> dic
     if param != "":
         assert body["error"]["param"] == param, body
     return body["error"]
-
-
-def _events(text: str) -> list[tuple[str, dict]]:
-    """Server-sent events -> [(event, data)]."""
-    out = []
-    for block in text.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.splitlines())
-        out.append((lines["event"], json.loads(lines["data"])))
-    return out
 
 
 # -- images ------------------------------------------------------------------------------

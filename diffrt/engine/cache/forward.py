@@ -24,6 +24,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -36,9 +37,14 @@ class TransformerBlocks(ABC):
     streams are (rows, tokens, dim), ``rows`` an index of the call's rows
     (None: all of them)."""
 
-    #: the image stream and the text stream after the embeddings
+    #: the diffusers transformer, and its blocks in call order
+    model: Any
+    blocks: list[Any]
+    #: the image stream and the text stream after the embeddings, and the
+    #: timestep (and pooled text) embedding that modulates every block, per row
     hidden: torch.Tensor
     encoder: torch.Tensor | None
+    temb: torch.Tensor
     #: the number of blocks
     count: int
 
@@ -47,13 +53,17 @@ class TransformerBlocks(ABC):
             rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Blocks ``start:stop`` over ``rows``' streams."""
 
-    @abstractmethod
     def modulated_input(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The first block's timestep-modulated image input (TeaCache's signal)."""
+        """The first block's timestep-modulated image input (TeaCache's
+        signal): its ``norm1`` (diffusers' ``AdaLayerNormZero`` and kin
+        return the modulated input first)."""
+        temb = self.temb if rows is None else self.temb.index_select(0, rows)
+        return self.blocks[0].norm1(hidden, emb=temb)[0]
 
-    @abstractmethod
     def out(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head over every row's final image stream."""
+        """The output head over every row's final image stream (diffusers'
+        ``norm_out`` then ``proj_out``)."""
+        return self.model.proj_out(self.model.norm_out(hidden, self.temb))
 
 
 def _take(x: torch.Tensor | None, rows: list[int], total: int, device: torch.device

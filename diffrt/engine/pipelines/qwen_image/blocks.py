@@ -81,6 +81,3 @@ class QwenImageBlocks(TransformerBlocks):
         temb = self.temb if rows is None else self.temb.index_select(0, rows)
         modulation = block.img_mod(temb).chunk(2, dim=-1)[0]
         return block._modulate(block.img_norm1(hidden), modulation)[0]
-
-    def out(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.proj_out(self.model.norm_out(hidden, self.temb))

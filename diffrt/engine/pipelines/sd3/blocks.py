@@ -68,10 +68,3 @@ class SD3Blocks(TransformerBlocks):
             encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
                                     temb=temb, joint_attention_kwargs=kwargs)
         return hidden, encoder
-
-    def modulated_input(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        temb = self.temb if rows is None else self.temb.index_select(0, rows)
-        return self.blocks[0].norm1(hidden, emb=temb)[0]
-
-    def out(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.proj_out(self.model.norm_out(hidden, self.temb))
