@@ -17,4 +17,4 @@ if [ -z "${DIFFRT_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
 fi
 .venv/bin/ruff check diffrt tests benchmarks
 .venv/bin/mypy diffrt
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=30 "$@"

@@ -208,8 +208,8 @@ def test_a_cpu_worker_comes_back_near_its_warm_baseline(trimmed):
     assert run.estimate != run.formula
     measured = run.peak - warm
     assert measured <= run.estimate
-    if trimmed:  # and not far above it (measured here: 1.13-1.55x)
-        assert run.estimate <= 2 * measured
+    if trimmed:  # and not far above it (measured: 1.13-1.55x here, 2.03x on a busy CI host)
+        assert run.estimate <= 2.5 * measured
     # the budget is half of what the warm worker found free on the host
     available = available_host_bytes()
     assert run.budget_at_start is not None and available is not None

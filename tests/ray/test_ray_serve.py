@@ -16,6 +16,7 @@ import io
 import os
 import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -191,6 +192,7 @@ def test_a_killed_replica_fails_its_own_requests_and_is_replaced(serve_url, ray_
     assert victim not in new_pids
 
 
+@pytest.mark.timeout(420)  # a replica start under load, then Serve's downscale
 def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(serve_url, ray_cluster):
     from ray import serve
 
@@ -209,14 +211,29 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(serve_ur
         app = serve.status().applications["diffrt-auto"]
         return app.deployments["ModelReplica"].replica_states.get("RUNNING", 0)
 
+    url = f"{serve_url}/auto"
+    loaded = threading.Event()
+
+    def keep_busy(i: int) -> list[int]:
+        """Requests back to back until the second replica runs: a new
+        replica imports torch and loads the model (30 s and more on a busy
+        machine), and Serve stops a starting one if the load ends first."""
+        codes = []
+        while not loaded.is_set() and len(codes) < 200:
+            codes.append(generate(url, 500 + 10 * len(codes) + i, 40, 300).status_code)
+        return codes
+
     try:
         assert running() == 1
-        url = f"{serve_url}/auto"
         with cf.ThreadPoolExecutor(6) as pool:
-            load = [pool.submit(generate, url, 500 + i, 300, 300) for i in range(6)]
-            assert wait_until(lambda: running() == 2, timeout=60, interval=0.5)
-            assert all(f.result().status_code == 200 for f in load)
-        assert wait_until(lambda: running() == 1, timeout=60, interval=0.5)
+            load = [pool.submit(keep_busy, i) for i in range(6)]
+            try:
+                assert wait_until(lambda: running() == 2, timeout=200, interval=0.5)
+            finally:
+                loaded.set()
+            codes = [code for f in load for code in f.result()]
+            assert codes and set(codes) == {200}, codes
+        assert wait_until(lambda: running() == 1, timeout=90, interval=0.5)
     finally:
         serve.delete("diffrt-auto")
 
