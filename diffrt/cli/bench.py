@@ -338,12 +338,18 @@ def render_results(results: list[dict[str, Any]]) -> str:
     headers = ["config", "req/s", "x first", "p50 ms", "p90 ms", "p99 ms", "p50 x first",
                "queue ms", "forward ms", "encode ms", "cache hit", "out wait ms", "post ms",
                "rows/step", "tokens/step", "failed"]
+    deadlines = any(r.get("goodput_rps") is not None for r in results)
+    if deadlines:
+        headers[2:2] = ["goodput/s", "in time"]
     rows = [[r["label"], r["throughput_rps"], _times(r["throughput_vs_first"]), r["latency_p50_ms"],
              r["latency_p90_ms"], r["latency_p99_ms"], _times(r["p50_vs_first"]), r["queue_wait_ms"],
              r["forward_ms"], r["text_encode_ms"], _percent(r["prompt_cache_hit_rate"]),
              r["output_wait_ms"], r["postprocess_ms"], r.get("step_rows_mean"),
              r.get("step_tokens_mean"), _failed(r)]
             for r in results]
+    if deadlines:
+        for row, r in zip(rows, results, strict=True):
+            row[2:2] = [r.get("goodput_rps"), _percent(r.get("deadlines_met"))]
     loads = {_load_text(r["load"]) for r in results}
     title = "load: " + (loads.pop() if len(loads) == 1 else "per configuration")
     return format_table(headers, rows, title=title)

@@ -34,12 +34,19 @@ class EngineTarget:
         pass
 
 
+async def _measured(target: Any, request: Any) -> Sample:
+    """``request`` run on ``target``, its sample carrying the request's deadline."""
+    sample = await target.run_request(request)
+    sample.deadline = request.sampling_params.deadline_s
+    return sample
+
+
 async def _closed_loop(target: Any, requests: list[Any], concurrency: int) -> list[Sample]:
     gate = asyncio.Semaphore(concurrency)
 
     async def guarded(request: Any) -> Sample:
         async with gate:
-            return await target.run_request(request)
+            return await _measured(target, request)
 
     return list(await asyncio.gather(*(guarded(r) for r in requests)))
 
@@ -50,7 +57,7 @@ async def _open_loop(target: Any, requests: list[Any], rate: float, seed: int) -
     for i, request in enumerate(requests):
         if i:
             await asyncio.sleep(rng.expovariate(rate))
-        tasks.append(asyncio.create_task(target.run_request(request)))
+        tasks.append(asyncio.create_task(_measured(target, request)))
     return list(await asyncio.gather(*tasks))
 
 

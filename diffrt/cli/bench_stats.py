@@ -27,6 +27,13 @@ class Sample:
     error: str | None = None
     #: the HTTP status (HTTP targets; 0 when no answer came; None in-process)
     status: int | None = None
+    #: the request's latency target (``SamplingParams.deadline_s``; None: none)
+    deadline: float | None = None
+
+    @property
+    def in_time(self) -> bool:
+        """It succeeded within its deadline."""
+        return self.ok and self.deadline is not None and self.latency <= self.deadline
 
     @classmethod
     def from_output(cls, latency: float, output: Any) -> Sample:
@@ -68,8 +75,9 @@ def _mean_ms(values: list[float | None]) -> float | None:
 
 
 def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
-    """Throughput over the whole run; latency percentiles and mean phase times
-    over the requests that succeeded."""
+    """Throughput and goodput over the whole run; latency percentiles and mean
+    phase times over the requests that succeeded; the share of the requests
+    with a deadline that met it (a failed one missed it)."""
     ok = [s for s in samples if s.ok]
     lat = [s.latency * 1000.0 for s in ok]
     by_status: dict[str, int] = {}
@@ -78,6 +86,8 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
             key = ("error" if s.status is None  # in-process: the engine's error
                    else "no answer" if s.status == 0 else str(s.status))
             by_status[key] = by_status.get(key, 0) + 1
+    with_deadline = [s for s in samples if s.deadline is not None]
+    in_time = sum(s.in_time for s in with_deadline)
     return {
         "requests": len(samples),
         "failed": len(samples) - len(ok),
@@ -93,6 +103,10 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
         "forward_ms": _mean_ms([s.forward_time for s in ok]),
         "output_wait_ms": _mean_ms([s.output_wait for s in ok]),
         "postprocess_ms": _mean_ms([s.postprocess_time for s in ok]),
+        # goodput: requests that finished within their deadline, per second
+        # (None when no request had one)
+        "goodput_rps": in_time / wall_s if with_deadline and wall_s > 0 else None,
+        "deadlines_met": in_time / len(with_deadline) if with_deadline else None,
     }
 
 

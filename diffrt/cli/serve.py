@@ -69,6 +69,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "edit past it: 429 (default: %(default)s)")
     p.add_argument("--url-ttl", type=non_negative_float, default=600.0,
                    help='seconds a response_format="url" image is kept (default: %(default)s)')
+    p.add_argument("--client-priority-floor", type=int, default=None, metavar="N",
+                   help="refuse (400) HTTP requests whose priority is below N, so clients "
+                        "cannot claim the most urgent classes (default: any priority)")
     p.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="allow POST /v1/loras to register LoRA adapters whose real path "
                         "(symlinks resolved) lies inside DIR (default: off, 403; adapters "
@@ -199,7 +202,7 @@ def build_serve_settings(args: argparse.Namespace) -> Any:
         url_ttl_s=args.url_ttl,
         allowed_hosts=allowed_hosts(args), public_url=public_url(args),
         body_timeout_s=args.body_timeout, max_request_line_bytes=args.max_request_line_bytes,
-        lora_dir=lora_dir(args))
+        lora_dir=lora_dir(args), client_priority_floor=args.client_priority_floor)
 
 
 def http_limits(args: argparse.Namespace) -> Any:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from diffrt.engine.config import EngineConfig, EngineConfigError, EngineMode
     from diffrt.engine.engine import DiffusionEngine
     from diffrt.engine.errors import (
+        DeadlineUnmeetableError,
         EngineClosedError,
         EngineDeadError,
         EngineError,
@@ -38,6 +39,7 @@ _LAZY = {
     "EngineMode": "diffrt.engine.config",
     "DiffusionEngine": "diffrt.engine.engine",
     "EngineError": "diffrt.engine.errors",
+    "DeadlineUnmeetableError": "diffrt.engine.errors",
     "EngineClosedError": "diffrt.engine.errors",
     "EngineDeadError": "diffrt.engine.errors",
     "EngineRestartingError": "diffrt.engine.errors",
@@ -51,6 +53,7 @@ _LAZY = {
 
 __all__ = [
     "AdapterFileError",
+    "DeadlineUnmeetableError",
     "DiffusionEngine",
     "DiffusionOutput",
     "DiffusionRequest",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 import weakref
@@ -37,6 +38,7 @@ from typing import Any
 
 from diffrt import tracing
 from diffrt.engine.config import EngineMode
+from diffrt.engine.errors import DeadlineUnmeetableError
 from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.memory_estimate import MemoryModel
 from diffrt.engine.output_ref import OutputRef
@@ -142,8 +144,11 @@ class EngineCore:
                  restart_attempts: int = RESTART_ATTEMPTS,
                  run_time: RunTimeModel | None = None,
                  memory: MemoryModel | None = None,
-                 adapters: AdapterRegistry | None = None):
+                 adapters: AdapterRegistry | None = None,
+                 reject_unmeetable: bool = False):
         self.mode = mode
+        #: refuse a request the scheduler says would miss its deadline (``lateness``)
+        self.reject_unmeetable = reject_unmeetable
         #: LoRA adapters: pinned by the requests queued here, their device
         #: slots sent with each tick (None: the model takes none)
         self.adapters = adapters
@@ -200,6 +205,8 @@ class EngineCore:
                     raise InvalidRequestError(
                         "request_id", f"{record.request_id!r} is still finishing; "
                         "use another id or retry in a moment")
+                if self.reject_unmeetable:
+                    self._refuse_if_late(record)
             self._pin_adapters([r for r in records if not r.aborted])
             for record in records:
                 if not record.aborted:
@@ -210,6 +217,19 @@ class EngineCore:
                                                     weakref.ref(record)))
             self._cond.notify_all()
         return True
+
+    def _refuse_if_late(self, record: RequestRecord) -> None:
+        """Under the lock: DeadlineUnmeetableError when the queue ahead and
+        its own work would take ``record`` past its deadline."""
+        late = self.scheduler.lateness(record, self._clock())
+        if late is None or late <= 0:
+            return
+        deadline = record.request.sampling_params.deadline_s
+        retry = max(1.0, math.ceil(late))
+        raise DeadlineUnmeetableError(
+            f"deadline_s: with the work queued ahead it would finish about {late:.2g} s after "
+            f"its deadline of {deadline:g} s (reject_unmeetable); retry in {retry:.0f} s",
+            retry_after_s=retry)
 
     def _pin_adapters(self, records: list[RequestRecord]) -> None:
         """Under the lock: resolve and hold the records' adapters (all or none:
@@ -302,6 +322,12 @@ class EngineCore:
         neither stopped nor gave up. New records are queued for them."""
         return (self._restart is not None and self.dead_reason is None and not self._stopped
                 and self._thread.is_alive() and not self.executor.is_healthy())
+
+    def paused(self) -> tuple[int, int, int]:
+        """(requests paused now, the step state bytes they keep, preemptions since start)."""
+        with self._cond:
+            s = self.scheduler
+            return s.num_paused, s.paused_state_bytes(), s.preemptions
 
     def any_waiting(self, records: list[RequestRecord]) -> bool:
         """Some of ``records`` is still queued, not yet admitted to a batch."""
@@ -631,7 +657,7 @@ def _execution_result(tick: SchedulerOutput, reply: Any,
     match reply:
         case StepDone():
             return ExecutionResult(steps=reply.steps, finished=reply.finished,
-                                   errors=reply.errors)
+                                   errors=reply.errors, state_bytes=reply.state_bytes)
         case BatchDone():
             finished = [rid for rid in tick.scheduled_ids
                         if rid in output_ids and rid not in reply.errors]

@@ -162,7 +162,8 @@ class DiffusionEngine:
             on_tick=self.output_processor.on_tick, on_dead=self._on_dead, clock=clock,
             restart=self._fresh_executor if config.executor.restart_workers else None,
             on_timer=self.output_processor.expire_unread, run_time=self.run_time,
-            memory=self.memory, adapters=self.adapters)
+            memory=self.memory, adapters=self.adapters,
+            reject_unmeetable=config.scheduling.reject_unmeetable)
         #: how long a submission during a restart waits for it, and why that long
         self._restart_wait_s, self._restart_wait_bound = _restart_wait(config)
         self._closed = False
@@ -208,7 +209,8 @@ class DiffusionEngine:
         from diffrt.platforms import current_platform
 
         c = self.config.scheduling
-        policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass)
+        policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass,
+                             aging_ticks=c.slo_aging_ticks, cost=self.run_time)
         if self.mode is EngineMode.STEP_BATCH:
             return StepScheduler(c.max_num_seqs, policy,
                                  max_wait_s=_seconds(c.step_batch_max_wait_ms),
@@ -218,7 +220,8 @@ class DiffusionEngine:
                                  token_budget=c.max_num_batched_tokens or None,
                                  padded=resolve_mixed_rows(self.config.model_config.mixed_rows,
                                                            current_platform) == "padded",
-                                 adapters=self.adapters)
+                                 adapters=self.adapters,
+                                 max_paused_bytes=c.max_paused_state_bytes)
         wait_ms = c.request_batch_max_wait_ms if self.spec.supports_request_batch else 0.0
         return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
                                 key=self.spec.request_batch_key, memory=self.memory,
@@ -589,7 +592,8 @@ class DiffusionEngine:
             pending_output_bytes=self.output_processor.unread_bytes(),
             healthy=self.is_healthy(), worker_restarts=self._core.restarts,
             seconds_without_progress=idle, stall=self.stall(idle),
-            loras=self.adapters.snapshot(), lora_requests=self.adapters.requests_by_name())
+            loras=self.adapters.snapshot(), lora_requests=self.adapters.requests_by_name(),
+            paused=self._core.paused())
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,

@@ -30,3 +30,15 @@ class InputsFullError(EngineError):
     """The input images of the requests the engine holds leave no room for
     this request's now (``max_pending_input_bytes``): retry once some have
     finished. The HTTP server answers it 429 with ``Retry-After``."""
+
+
+class DeadlineUnmeetableError(EngineError):
+    """``reject_unmeetable``: with the work queued ahead of it, this request
+    would finish after its ``deadline_s``; refused at once instead of served
+    late. ``retry_after_s``: about when the queue ahead will have drained
+    enough. The HTTP server answers it 429 (``code="deadline_unmeetable"``)
+    with ``Retry-After``."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -401,6 +401,7 @@ class OutputProcessor:
         if record.abort_reason is not None and output.aborted:  # a limit ended it
             output.aborted, output.error, timed_out = False, record.abort_reason, True
         output.timed_out = timed_out
+        _judge_deadline(record, output)
         self.stats.on_final(output)
         stream = self._streams.pop(rid, None)
         if deliver and stream is not None:
@@ -447,6 +448,17 @@ class OutputProcessor:
         self._pool.shutdown(wait=True)  # takes in flight finish: a consumer gets its output
         self._deliveries.put(None)
         self._delivery.join(DELIVERY_JOIN_S)
+
+
+def _judge_deadline(record: RequestRecord, output: DiffusionOutput) -> None:
+    """Its priority, deadline and preemptions into its metrics, and whether it
+    met the deadline (an aborted request is not judged)."""
+    params, m = record.request.sampling_params, output.metrics
+    m.priority, m.deadline_s, m.preemptions = params.priority, params.deadline_s, record.preemptions
+    if params.deadline_s is None or output.aborted:
+        return
+    m.deadline_met = (output.ok and m.finished_time is not None
+                      and m.finished_time - m.arrival_time <= params.deadline_s)
 
 
 def terminal_output(event: Finished) -> DiffusionOutput:

@@ -26,6 +26,14 @@ class RequestMetrics:
     prompt_tokens_dropped: dict[str, int] = field(default_factory=dict)
     #: what its step cache did (None: the request ran without one)
     cache: CacheMetrics | None = None
+    #: its scheduling priority and latency target (``SamplingParams``), and
+    #: whether it finished within that target: None without one or when it
+    #: was aborted, False when it failed or timed out
+    priority: int = 0
+    deadline_s: float | None = None
+    deadline_met: bool | None = None
+    #: how often it was paused for a more urgent request (``slo``)
+    preemptions: int = 0
 
 
 @dataclass

@@ -183,7 +183,8 @@ class PipelineRunner:
                     result.reply.finished or result.reply.errors or request.drop))
                 return result
             case CountStepStates():
-                return StepStateCount(len(self.states), self.pipeline.cache_budget.used())
+                return StepStateCount(len(self.states), self.pipeline.cache_budget.used(),
+                                      sum(state.nbytes() for state in self.states.values()))
             case LoadLora(adapter_id=adapter_id, path=path):
                 self._loader().start(adapter_id, path)
                 return LoraState("loading")
@@ -365,6 +366,7 @@ class PipelineRunner:
                 finished_states.append(state)
             else:
                 reply.steps[rid] = state.step
+                reply.state_bytes[rid] = state.nbytes()
                 self._preview(state, reply, outputs)
         self._decode(finished_states, reply, outputs)
         for state in states:  # a failure still reports the steps it had done

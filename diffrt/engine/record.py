@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    #: STEP_BATCH: taken out of the running batch for a more urgent request;
+    #: its worker keeps its step state until it runs again (``slo``)
+    PAUSED = "paused"
     FINISHED = "finished"
     ABORTED = "aborted"
     FAILED = "failed"
@@ -46,6 +49,12 @@ class RequestRecord:
     admitted_at: float | None = None
     #: how many younger requests were admitted past this one (aging).
     bypassed: int = 0
+    #: scheduler ticks it spent waiting, queued or paused (``slo``'s aging)
+    waited_ticks: int = 0
+    #: the bytes of its step state in the worker, as its latest tick reported
+    state_bytes: int = 0
+    #: how often it was paused for a more urgent request
+    preemptions: int = 0
     #: denoise steps done; the output processor reads it for terminal outputs.
     step: int = 0
     #: abort arrived while the request was inside an execute call.

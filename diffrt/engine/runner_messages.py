@@ -130,12 +130,17 @@ class StepDone(msgspec.Struct, tag="step_done"):
     steps_run: int = 1
     #: as ``BatchDone.cache``
     cache: dict[str, CacheMetrics] = {}
+    #: request id -> the bytes its step state holds (``StepRequestState.nbytes``),
+    #: for requests still running: what pausing it would keep in the worker
+    state_bytes: dict[str, int] = {}
 
 
 class StepStateCount(msgspec.Struct, tag="step_state_count"):
     count: int
     #: bytes the worker's step caches hold (``engine.cache``)
     cache_bytes: int = 0
+    #: bytes all its step states hold (``StepRequestState.nbytes``, caches included)
+    state_bytes: int = 0
 
 
 class LoraState(msgspec.Struct, tag="lora_state"):

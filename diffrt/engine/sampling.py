@@ -36,6 +36,8 @@ MAX_LORAS_PER_REQUEST = 16
 MAX_LORA_SCALE = 100.0
 #: previews a step-mode request may ask for (as OpenAI's ``partial_images``).
 MAX_PARTIAL_IMAGES = 3
+#: the priorities a request may give (lower runs first, vLLM's convention)
+MIN_PRIORITY, MAX_PRIORITY = -10, 10
 
 
 def random_seed() -> int:
@@ -163,6 +165,19 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         "the step cache's threshold: higher reuses more steps (default: the policy's "
         "for this model; 0 reuses none)")] = None
 
+    #: the scheduling class (``scheduling_policy="slo"`` orders by it first;
+    #: the other policies ignore it); lower runs first
+    priority: Annotated[int, _about(
+        f"scheduling priority, {MIN_PRIORITY}..{MAX_PRIORITY}, lower runs first (with "
+        "scheduling_policy slo; a server may refuse values below its "
+        "--client-priority-floor)", ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
+    #: a latency target in seconds from arrival: what ``slo`` schedules by
+    #: (least slack first) and what the deadline counters judge; it never
+    #: ends a request (``timeout_s`` does). None: no target.
+    deadline_s: Annotated[Annotated[float, Meta(gt=0, le=1e9)] | None, _about(
+        "latency target in seconds from arrival, a scheduling target only (slo orders by "
+        "slack; it never ends the request: timeout_s does)", http="deadline_ms")] = None
+
     def start_step(self) -> int:
         """The schedule step an image-to-image request starts at, as
         diffusers' ``get_timesteps`` computes it (0 without ``strength``)."""
@@ -208,6 +223,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         for name, scale in (self.loras or {}).items():
             if not math.isfinite(scale):
                 raise InvalidRequestError("loras", f"{name}: scale must be finite, got {scale}")
+        if (self.deadline_s is not None and self.timeout_s is not None
+                and self.deadline_s > self.timeout_s):
+            raise InvalidRequestError("deadline_s", (
+                f"{self.deadline_s:g} s is past the request's timeout_s ({self.timeout_s:g} s), "
+                "which would end it first"))
         if self.cache_threshold is not None and self.cache == "off":
             raise InvalidRequestError("cache_threshold", 'applies to a step cache, not to cache="off"')
         if self.strength is not None and self.denoise_steps() < 1:

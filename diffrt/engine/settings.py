@@ -24,7 +24,7 @@ from diffrt.runtime.types import ExecutorBackend, ExecutorOptions
 #: the shipped demo model (tiny, trained: its pictures follow the prompt)
 DEFAULT_MODEL = "diffrt-shapes"
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
-Policy = Literal["fifo", "skip_ahead"]
+Policy = Literal["fifo", "skip_ahead", "slo"]
 MixedRows = Literal["auto", "padded", "by_size", "packed"]
 
 #: the two coalescing windows, in ms: None (automatic) or a finite number >= 0
@@ -123,11 +123,25 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
         "denoise step (a model whose spec has mixed_sizes; not with ulysses/ring); False: "
         "only requests of one size do"))] = True
     scheduling_policy: Annotated[Policy, Meta(description=(
-        "fifo (strict arrival order, head-of-line blocking) or skip_ahead (compatible "
+        "fifo (strict arrival order, head-of-line blocking), skip_ahead (compatible "
         "younger requests may pass an incompatible one, at most scheduling_max_bypass "
-        "times each)"))] = "fifo"
+        "times each) or slo (by SamplingParams.priority, then least slack to deadline_s; "
+        "STEP_BATCH pauses running requests at step boundaries for more urgent ones)"
+        ))] = "fifo"
     scheduling_max_bypass: Annotated[int, Meta(ge=0, description=(
         "skip_ahead: how often one waiting request may be passed"))] = 4
+    slo_aging_ticks: Annotated[int, Meta(ge=1, description=(
+        "slo: every this many scheduler ticks a request waits (queued or paused), it "
+        "counts one priority class more urgent, so a sustained stream of urgent requests "
+        "cannot starve it"))] = 16
+    max_paused_state_bytes: Annotated[int, Meta(ge=0, description=(
+        "slo, STEP_BATCH: the step state (latents, noise-scheduler state, step cache) that "
+        "paused requests may keep in the workers, in bytes; at the bound no more running "
+        "request is paused; 0: no preemption"))] = 1 << 30
+    reject_unmeetable: Annotated[bool, Meta(description=(
+        "slo: refuse at submission (DeadlineUnmeetableError, HTTP 429 with Retry-After) a "
+        "request whose deadline_s the queue ahead of it and its own estimated work "
+        "would miss, instead of finishing it late"))] = False
     max_batch_memory_bytes: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(description=(
         "the estimated peak activation memory (engine.memory_estimate) the requests of one "
         "batch may take together, in bytes; a request that would push a batch over it waits "

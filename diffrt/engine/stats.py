@@ -97,6 +97,16 @@ class EngineStats:
     #: for a cache but ran uncached, per reason (``CacheMetrics.uncached_reason``)
     cache_steps_total: dict[tuple[str, str], int] = field(default_factory=dict)
     cache_uncached_total: dict[str, int] = field(default_factory=dict)
+    #: deadlines (``SamplingParams.deadline_s``): finished requests with one per
+    #: (priority class, outcome "met" | "missed"); a failed or timed-out one
+    #: missed it, an aborted one is not counted. The class is the priority as
+    #: a string (at most 21 values)
+    requests_deadline_total: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: ``slo`` preemption: running requests paused since start, paused now,
+    #: and the step state they keep in the workers
+    preemptions_total: int = 0
+    requests_paused: int = 0
+    paused_state_bytes: int = 0
 
 
 def classify(output: DiffusionOutput) -> str:
@@ -140,6 +150,7 @@ class StatsRecorder:
         self._step = _Buckets(STEP_BUCKETS_S)
         self._cache_steps: dict[tuple[str, str], int] = {}
         self._cache_uncached: dict[str, int] = {}
+        self._deadlines: dict[tuple[str, str], int] = {}
         self._output_wait = _Buckets(REQUEST_BUCKETS_S)
         self._text = TextEncoderStats()
         self._rows = _Buckets(STEP_ROWS_BUCKETS)
@@ -178,12 +189,17 @@ class StatsRecorder:
                 if m.cache.uncached_reason is not None:
                     reason = m.cache.uncached_reason
                     self._cache_uncached[reason] = self._cache_uncached.get(reason, 0) + 1
+            if m.deadline_met is not None:
+                key = (str(m.priority), "met" if m.deadline_met else "missed")
+                self._deadlines[key] = self._deadlines.get(key, 0) + 1
 
     def snapshot(self, *, waiting: int, running: int, pending_output_bytes: int,
                  healthy: bool, worker_restarts: int = 0,
                  seconds_without_progress: float = 0.0,
                  stall: str | None = None, loras: dict[str, int] | None = None,
-                 lora_requests: dict[str, int] | None = None) -> EngineStats:
+                 lora_requests: dict[str, int] | None = None,
+                 paused: tuple[int, int, int] = (0, 0, 0)) -> EngineStats:
+        """``paused``: (requests paused now, their state bytes, preemptions since start)."""
         lora = loras or {}
         with self._lock:
             return EngineStats(
@@ -203,4 +219,7 @@ class StatsRecorder:
                 lora_evictions_total=lora.get("evictions", 0),
                 lora_requests_total=dict(lora_requests or {}),
                 cache_steps_total=dict(self._cache_steps),
-                cache_uncached_total=dict(self._cache_uncached))
+                cache_uncached_total=dict(self._cache_uncached),
+                requests_deadline_total=dict(self._deadlines),
+                requests_paused=paused[0], paused_state_bytes=paused[1],
+                preemptions_total=paused[2])

@@ -107,6 +107,7 @@ class EngineCollector(Collector):
                       "ones", lambda s: s.worker_restarts)
         yield from self._loras(snapshots, names, values, gauge, counter)
         yield from self._caches(snapshots, names, values)
+        yield from self._deadlines(snapshots, names, values, gauge, counter)
         yield gauge("diffrt_seconds_without_progress", "Seconds the worker call in flight "
                     "has gone without progress (0: none in flight)",
                     lambda s: s.seconds_without_progress)
@@ -130,6 +131,28 @@ class EngineCollector(Collector):
                 uncached.add_metric([*values(labels), reason], count)
         yield steps
         yield uncached
+
+    @staticmethod
+    def _deadlines(snapshots: list[tuple[dict[str, str], Any]], names: list[str],
+                   values: Callable[[dict[str, str]], list[str]],
+                   gauge: Callable[..., Metric], counter: Callable[..., Metric]) -> Iterator[Metric]:
+        """Deadlines and the ``slo`` policy's preemption: finished requests that
+        had a deadline, per priority class and outcome ("met", "missed"), the
+        running requests paused since start, those paused now and the step
+        state they keep in the workers."""
+        deadlines = CounterMetricFamily("diffrt_requests_deadline", "Finished requests with "
+                                        "a deadline, by priority class and whether they met it",
+                                        labels=[*names, "priority_class", "outcome"])
+        for labels, stats in snapshots:
+            for (priority, outcome), count in sorted(stats.requests_deadline_total.items()):
+                deadlines.add_metric([*values(labels), priority, outcome], count)
+        yield deadlines
+        yield counter("diffrt_preemptions", "Running requests paused at a step boundary for "
+                      "more urgent ones", lambda s: s.preemptions_total)
+        yield gauge("diffrt_requests_paused", "Requests paused now, their step state kept in "
+                    "the workers", lambda s: s.requests_paused)
+        yield gauge("diffrt_paused_state_bytes", "Bytes of step state the paused requests "
+                    "keep in the workers", lambda s: s.paused_state_bytes)
 
     @staticmethod
     def _loras(snapshots: list[tuple[dict[str, str], Any]], names: list[str],

@@ -65,6 +65,7 @@ class RequestContext:
         if hold is not None:  # the edit route gives the room back once it has read the body
             state["release_body"] = hold.release
         start = time.monotonic()
+        state["arrived_at"] = start  # a deadline counts from here (routes.counted_from_arrival)
         status = [0]
 
         async def send_with_id(message: dict) -> None:

@@ -32,7 +32,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from diffrt.engine import DiffusionOutput, DiffusionRequest, InvalidRequestError, SamplingParams
-from diffrt.engine.errors import EngineError, EngineRestartingError, InputsFullError
+from diffrt.engine.errors import (
+    DeadlineUnmeetableError,
+    EngineError,
+    EngineRestartingError,
+    InputsFullError,
+)
 from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.errors import ApiError
 from diffrt.serve.images import MEDIA_TYPES, ImageStore, Reservation, StoreFull, b64, encode_image
@@ -123,6 +128,7 @@ async def serve_images(client: EngineClient, body: ImageBody, engine_request: Di
     """Run ``engine_request`` and answer with its images: a JSON response, or
     (``body.stream``) server-sent events named for ``route``."""
     created = int(time.time())
+    engine_request = counted_from_arrival(checked_priority(engine_request, request), request)
     room = _reserve_urls(body, engine_request, request) if body.response_format == "url" else None
     try:
         return await _generate(client, body, engine_request, request, created, room, route)
@@ -157,6 +163,29 @@ async def _generate(client: EngineClient, body: ImageBody, engine_request: Diffu
     response = await _response(final, body, request, created, room)
     response.headers.update(client.response_headers(final.request_id))
     return response
+
+
+def checked_priority(engine_request: DiffusionRequest, request: Request) -> DiffusionRequest:
+    """400 for a priority below the server's ``client_priority_floor``."""
+    floor = request.app.state.settings.client_priority_floor
+    priority = engine_request.sampling_params.priority
+    if floor is not None and priority < floor:
+        raise ApiError(400, f"priority: must be >= {floor} on this server, got {priority}",
+                       param="priority", code="invalid_value")
+    return engine_request
+
+
+def counted_from_arrival(engine_request: DiffusionRequest, request: Request) -> DiffusionRequest:
+    """The request with its ``deadline_s`` counted from its arrival at this
+    server (the engine counts from its submission): less the time its body
+    and images took to read, never below a millisecond (then it is missed)."""
+    params = engine_request.sampling_params
+    arrived = request.scope.get("state", {}).get("arrived_at")
+    if params.deadline_s is None or arrived is None:
+        return engine_request
+    left = max(1e-3, params.deadline_s - (time.monotonic() - arrived))
+    return msgspec.structs.replace(
+        engine_request, sampling_params=msgspec.structs.replace(params, deadline_s=left))
 
 
 def _reserve_urls(body: ImageBody, engine_request: DiffusionRequest,
@@ -282,10 +311,15 @@ def _submitted(task: asyncio.Future, route: ImageRoute) -> DiffusionOutput:
 
 
 def engine_error(exc: EngineError) -> ApiError:
-    """The answer of an engine that refused a request: 429 when the input
-    images it holds leave no room for this one's (retry after
+    """The answer of an engine that refused a request: 429 when its deadline
+    cannot be met behind the queue (``reject_unmeetable``; retry when the
+    engine expects the queue to have drained enough) or when the input images
+    it holds leave no room for this one's (retry after
     ``INPUTS_RETRY_AFTER_S``), 503 restarting (retry after
     ``RESTART_RETRY_AFTER_S``) or down."""
+    if isinstance(exc, DeadlineUnmeetableError):
+        return ApiError(429, str(exc), param="deadline_ms", code="deadline_unmeetable",
+                        headers={"Retry-After": str(int(exc.retry_after_s))})
     if isinstance(exc, InputsFullError):
         return ApiError(429, f"{exc}; retry shortly", code="input_images_full",
                         headers={"Retry-After": str(INPUTS_RETRY_AFTER_S)})

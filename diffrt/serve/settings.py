@@ -42,6 +42,9 @@ class ServeSettings:
             inside this folder's); None: run-time registration is refused
             (403), so no client can make the server read a file of its
             choosing. Adapters given at start (``lora_modules``) need none.
+        client_priority_floor: an HTTP request whose ``priority`` is below
+            this is refused (400), so clients cannot claim the classes the
+            operator keeps for others; None: any priority the engine takes.
 
     The bounds of the connection itself (header size and time, idle time, the
     count of connections) are uvicorn's: ``diffrt.serve.server.HttpLimits``.
@@ -63,3 +66,4 @@ class ServeSettings:
     body_timeout_s: float = 30.0
     max_request_line_bytes: int = 8 << 10
     lora_dir: str | None = None
+    client_priority_floor: int | None = None

@@ -37,6 +37,24 @@ def test_summary_counts_failures_and_ignores_them_in_latency():
     assert stats["output_wait_ms"] is None
 
 
+def test_goodput_counts_the_requests_that_finished_within_their_deadline():
+    samples = [Sample(latency=0.1, ok=True, deadline=0.2),   # in time
+               Sample(latency=0.3, ok=True, deadline=0.2),   # late
+               Sample(latency=0.1, ok=False, deadline=1.0),  # failed: missed
+               Sample(latency=0.1, ok=True)]                 # no deadline: not counted
+    stats = summarize(samples, wall_s=0.5)
+    assert stats["goodput_rps"] == pytest.approx(2.0)
+    assert stats["deadlines_met"] == pytest.approx(1 / 3)
+    assert summarize(samples[3:], wall_s=0.5)["goodput_rps"] is None
+    load = {"num_requests": 4, "concurrency": 2, "request_rate": None, "height": 64,
+            "width": 64, "num_inference_steps": 2}
+    row = {"label": "slo", "load": load, "throughput_vs_first": 1.0, "p50_vs_first": 1.0,
+           **stats, **text_encoding_summary(TextEncoderStats(), 4)}
+    text = render_results([row])
+    assert "goodput/s" in text and "33%" in text
+    assert "goodput/s" not in render_results([{**row, "goodput_rps": None}])
+
+
 def test_table_aligns_columns():
     text = format_table(["config", "req/s"], [["a", 1.5], ["longer name", 12.25]])
     lines = text.splitlines()

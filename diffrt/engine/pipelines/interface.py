@@ -97,6 +97,33 @@ class StepRequestState:
     def finished(self) -> bool:
         return self.step >= self.total_steps
 
+    def nbytes(self) -> int:
+        """The bytes this state holds: its latents, schedule, prompt
+        embeddings and other ``extra`` tensors, its input pixels, its noise
+        scheduler's tensors and its step cache (each storage once)."""
+        seen: set[int] = set()
+        values = [self.latents, self.timesteps, self.extra, self.inputs and vars(self.inputs),
+                  vars(self.noise_scheduler) if hasattr(self.noise_scheduler, "__dict__") else None]
+        total = _tensor_bytes(values, seen)
+        return total + (self.cache.nbytes if self.cache is not None else 0)
+
+
+def _tensor_bytes(value: Any, seen: set[int]) -> int:
+    """The bytes of the tensors in ``value`` and in the lists, tuples and
+    dicts it nests, each storage once (other objects count nothing)."""
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v, seen) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in value)
+    return 0
+
 
 class DiffusionPipeline(ABC):
     """Base class of diffrt pipelines: weights and compute, no request state

@@ -16,6 +16,7 @@ from diffrt.engine.sched.interface import (
     Scheduler,
 )
 from diffrt.engine.sched.policy import AdmissionPolicy, FifoPolicy
+from diffrt.engine.sched.slo import SloPolicy
 
 #: the automatic window: this share of the recent requests' run time ...
 AUTO_WINDOW_FRACTION = 0.1
@@ -77,6 +78,9 @@ class BaseScheduler(Scheduler):
         self._requests: dict[str, RequestRecord] = {}
         self._waiting: list[RequestRecord] = []  # arrival order
         self._running: list[RequestRecord] = []  # batch order
+        #: STEP_BATCH with a preempting policy: taken out of the batch, their
+        #: step state kept in the worker (arrival order); empty otherwise
+        self._paused: list[RequestRecord] = []
         self._in_flight: set[str] = set()
         self._last_add: float | None = None
 
@@ -108,14 +112,20 @@ class BaseScheduler(Scheduler):
             return AbortOutcome.DEFERRED, None
         if record.status is RequestStatus.WAITING:
             self._waiting.remove(record)
+        elif record.status is RequestStatus.PAUSED:
+            self._paused.remove(record)
+            self._on_running_aborted(record)
         else:
             self._running.remove(record)
             self._on_running_aborted(record)
         return AbortOutcome.DONE, self._finish(record, RequestStatus.ABORTED)
 
     def fail_running(self, error: str) -> list[Finished]:
-        events = [self._finish(record, RequestStatus.FAILED, error=error) for record in self._running]
+        """The paused requests too: their state was in the same workers."""
+        events = [self._finish(record, RequestStatus.FAILED, error=error)
+                  for record in (*self._running, *self._paused)]
         self._running.clear()
+        self._paused.clear()
         self._in_flight.clear()
         return events
 
@@ -124,11 +134,26 @@ class BaseScheduler(Scheduler):
                   for record in list(self._requests.values())]
         self._waiting.clear()
         self._running.clear()
+        self._paused.clear()
         self._in_flight.clear()
         return events
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._paused)
+
+    def lateness(self, record: RequestRecord, now: float) -> float | None:
+        """Seconds past its deadline ``record`` (not yet queued) would finish
+        if queued at ``now`` (<= 0: in time), behind the running requests and
+        the queued or paused ones ``slo`` ranks before it; None without a
+        deadline, an ``slo`` policy or a measured step time."""
+        policy, deadline = self.policy, record.request.sampling_params.deadline_s
+        if deadline is None or not isinstance(policy, SloPolicy):
+            return None
+        mine = policy.rank(record, now)[:2]  # the queued ones of its rank came first
+        ahead = [*self._running, *(r for r in (*self._waiting, *self._paused)
+                                   if policy.rank(r, now)[:2] <= mine)]
+        finish = policy.finish_estimate(record, ahead, now)
+        return None if finish is None else finish - (record.arrival + deadline)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -173,17 +198,34 @@ class BaseScheduler(Scheduler):
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_paused(self) -> int:
+        return len(self._paused)
+
+    def paused_state_bytes(self) -> int:
+        """What the paused requests' step state holds in the workers, as
+        their latest ticks reported it."""
+        return sum(record.state_bytes for record in self._paused)
+
     # -- helpers ------------------------------------------------------------------
     def _admit(self, key: tuple | None, capacity: int, now: float) -> list[RequestRecord]:
+        """Admit what the policy picks of the waiting and paused requests
+        (within the budgets and LoRA slots) into the running set; the rest
+        waited one more tick. A resumed paused request keeps its first
+        ``admitted_at``."""
+        candidates = [*self._waiting, *self._paused] if self._paused else self._waiting
         chosen = self._with_slots(self._within_budget(
-            self.policy.select(self._waiting, key, capacity)))
+            self.policy.select(candidates, key, capacity, now)))
         if chosen:
             ids = {id(record) for record in chosen}
             self._waiting = [record for record in self._waiting if id(record) not in ids]
+            self._paused = [record for record in self._paused if id(record) not in ids]
             for record in chosen:
                 record.status = RequestStatus.RUNNING
-                record.admitted_at = now
+                if record.admitted_at is None:
+                    record.admitted_at = now
             self._running.extend(chosen)
+        self.policy.waited([*self._waiting, *self._paused])
         return chosen
 
     def batch_memory(self) -> int:

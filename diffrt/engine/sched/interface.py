@@ -44,6 +44,8 @@ class ExecutionResult:
     errors: dict[str, str] = field(default_factory=dict)
     #: the whole call failed (runner raised): every scheduled request fails.
     failed_all: str | None = None
+    #: request id -> bytes of its step state in the worker (STEP_BATCH, running ones)
+    state_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -151,6 +153,11 @@ class Scheduler(ABC):
     def has_request(self, request_id: str) -> bool:
         """True while ``request_id`` is queued or running here."""
 
+    def lateness(self, record: RequestRecord, now: float) -> float | None:
+        """Seconds past its deadline ``record`` would finish if queued at
+        ``now`` (<= 0: in time); None where the scheduler cannot tell."""
+        return None
+
     def step_tokens(self, requests: list[DiffusionRequest]) -> tuple[int, int]:
         """(rows, tokens computed) of one step of ``requests`` (what the stats
         count); (0, 0) where the scheduler does not count them."""
@@ -180,3 +187,14 @@ class Scheduler(ABC):
     @property
     @abstractmethod
     def num_running(self) -> int: ...
+
+    @property
+    def num_paused(self) -> int:
+        """Requests taken out of the running batch whose worker keeps their state."""
+        return 0
+
+    def paused_state_bytes(self) -> int:
+        return 0
+
+    #: running requests paused for more urgent ones, since start
+    preemptions: int = 0

@@ -7,6 +7,9 @@ They differ in what an incompatible request in the queue does:
 * ``fifo`` (strict arrival order): admission stops at the first incompatible
   request, so it blocks every younger request behind it (head-of-line
   blocking), even ones that could have joined.
+* ``slo`` (``slo.py``): by priority, then least slack to the deadline, with
+  aging; in STEP_BATCH the scheduler also pauses running requests for more
+  urgent ones (``preempts``).
 * ``skip_ahead``: younger compatible requests may be admitted past an
   incompatible one. Each time that happens the skipped request's ``bypassed``
   count grows; once it reaches ``max_bypass`` the request blocks admission like
@@ -28,20 +31,38 @@ POLICIES: tuple[str, ...] = typing.get_args(Policy)  # declared once, with the s
 
 class AdmissionPolicy(ABC):
     name: str
+    #: the step scheduler may pause running requests for waiting ones that
+    #: this policy ranks more urgent (``urgency``)
+    preempts: bool = False
 
     @abstractmethod
     def select(
-        self, waiting: Sequence[RequestRecord], key: tuple | None, capacity: int
+        self, waiting: Sequence[RequestRecord], key: tuple | None, capacity: int,
+        now: float = 0.0,
     ) -> list[RequestRecord]:
         """Pick up to ``capacity`` requests of ``waiting`` (arrival order) that may
-        join a batch of ``key`` (None: a new batch, keyed by the oldest request)."""
+        join a batch of ``key`` (None: a new batch, keyed by the first request
+        the policy takes), in the order they are to be admitted."""
+
+    def waited(self, records: Sequence[RequestRecord]) -> None:
+        """A scheduler tick passed and ``records`` still wait (aging)."""
+        return None
+
+    def urgency(self, record: RequestRecord) -> int:
+        """Preemption's measure (smaller: more urgent; a running request is
+        paused only for a strictly more urgent one): all alike here."""
+        return 0
+
+    def ordered(self, records: Sequence[RequestRecord], now: float) -> list[RequestRecord]:
+        """``records``, in the order this policy would admit them."""
+        return list(records)
 
 
 class FifoPolicy(AdmissionPolicy):
     name = "fifo"
 
     def select(self, waiting: Sequence[RequestRecord], key: tuple | None,
-               capacity: int) -> list[RequestRecord]:
+               capacity: int, now: float = 0.0) -> list[RequestRecord]:
         if capacity <= 0 or not waiting:
             return []
         if key is None:
@@ -63,7 +84,7 @@ class SkipAheadPolicy(AdmissionPolicy):
         self.max_bypass = max_bypass
 
     def select(self, waiting: Sequence[RequestRecord], key: tuple | None,
-               capacity: int) -> list[RequestRecord]:
+               capacity: int, now: float = 0.0) -> list[RequestRecord]:
         if capacity <= 0 or not waiting:
             return []
         if key is None:
@@ -83,11 +104,3 @@ class SkipAheadPolicy(AdmissionPolicy):
                 break  # aged: it blocks like a FIFO head until the batch drains
             skipped.append(record)
         return chosen
-
-
-def make_policy(name: str, *, max_bypass: int = 4) -> AdmissionPolicy:
-    if name == "fifo":
-        return FifoPolicy()
-    if name == "skip_ahead":
-        return SkipAheadPolicy(max_bypass)
-    raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {name!r}")

@@ -25,6 +25,20 @@ longest row's tokens, since the padding is computed too. Of the requests the
 policy admits, in its order, those that would push the step over it wait,
 in their place, for a later boundary (as with the memory budget); a request
 alone always runs, whatever its tokens. 0 or None: no bound.
+
+Preemption (a policy that ``preempts``: ``slo``): before admission, each
+waiting or paused request, most urgent first, that cannot join the batch for
+want of room (``max_num_seqs``, the token and memory budgets) may take the
+place of running requests of strictly smaller urgency: taken least urgent
+first until it fits, then those of them it fits without given back. Those are *paused*: they leave the batch, the
+worker keeps their latents, noise-scheduler state and step cache (nothing
+is recomputed; their LoRA slots stay theirs), and they rank among the
+waiting requests until admitted again, when they go on from the step they
+had reached. What paused requests hold is bounded: a preemption that would
+take their state (``RequestRecord.state_bytes``, as the worker reports it
+each tick) over ``max_paused_bytes`` does not happen, and no later one in
+that tick either (0: no preemption). A paused request that is aborted, times
+out or loses its worker is dropped there like a running one.
 """
 
 from __future__ import annotations
@@ -53,7 +67,7 @@ class StepScheduler(BaseScheduler):
                  memory: BatchMemory | None = None,
                  tokens: Callable[[DiffusionRequest], tuple[int, int]] | None = None,
                  token_budget: int | None = None, padded: bool = False,
-                 adapters: BatchAdapters | None = None):
+                 adapters: BatchAdapters | None = None, max_paused_bytes: int = 0):
         super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key,
                          memory=memory, adapters=adapters)
         #: a request's (rows, tokens a row) in a step; with ``token_budget``
@@ -63,6 +77,9 @@ class StepScheduler(BaseScheduler):
         if max_steps_per_tick < 1:
             raise ValueError(f"max_steps_per_tick must be >= 1, got {max_steps_per_tick}")
         self.max_steps_per_tick = max_steps_per_tick
+        self.max_paused_bytes = max_paused_bytes
+        #: running requests paused for more urgent ones, since start
+        self.preemptions = 0
         self._pending_drops: list[str] = []
 
     def default_key(self, request: DiffusionRequest) -> tuple:
@@ -78,10 +95,15 @@ class StepScheduler(BaseScheduler):
     def schedule(self, now: float) -> SchedulerOutput | None:
         if self._in_flight:
             return None  # the previous tick has not been updated yet
-        new = self._admit(self.running_key, self.max_num_seqs - len(self._running), now)
+        if self.policy.preempts and self.max_paused_bytes > 0:
+            self._preempt(now)
+        paused = {id(record) for record in self._paused}
+        admitted = self._admit(self.running_key, self.max_num_seqs - len(self._running), now)
+        # a resumed request's state is in the worker: it is advanced, not sent again
+        new = [record.request for record in admitted if id(record) not in paused]
         drops, self._pending_drops = self._pending_drops, []
         ids = [record.request_id for record in self._running]
-        out = SchedulerOutput(new=[record.request for record in new], scheduled_ids=ids, drop_ids=drops,
+        out = SchedulerOutput(new=new, scheduled_ids=ids, drop_ids=drops,
                               steps=self._steps_for_tick(drops))
         if out.is_empty:
             return None
@@ -102,6 +124,67 @@ class StepScheduler(BaseScheduler):
         if self.padded:
             return rows, rows * max((t for _, t in shapes), default=0)
         return rows, sum(n * t for n, t in shapes)
+
+    # -- preemption -----------------------------------------------------------------------
+    def _preempt(self, now: float) -> None:
+        """Pause running requests for more urgent waiting ones (see the module)."""
+        if not self._running or not (self._waiting or self._paused):
+            return
+        policy = self.policy
+        urgency = policy.urgency
+        batch = list(self._running)  # the next step's rows as planned
+        victims: list[RequestRecord] = []
+        paused_bytes = self.paused_state_bytes()
+        key = self.running_key
+        for candidate in policy.ordered([*self._waiting, *self._paused], now):
+            if candidate.key != key:
+                continue  # its batch forms once this one drains
+            if self._fits(candidate, batch):
+                batch.append(candidate)  # admission takes it: room enough
+                continue
+            # the running requests it outranks, least urgent first
+            less = [r for r in reversed(policy.ordered(batch, now))
+                    if r in self._running and urgency(r) > urgency(candidate)]
+            taken: list[RequestRecord] = []
+            for record in less:
+                taken.append(record)
+                if self._fits(candidate, [r for r in batch if r not in taken]):
+                    break
+            else:
+                continue  # even pausing them all makes no room: it waits
+            for record in reversed(taken[:-1]):  # keep those it can do without, most urgent first
+                if self._fits(candidate, [r for r in batch if r not in taken or r is record]):
+                    taken.remove(record)
+            cost = sum(record.state_bytes for record in taken)
+            if paused_bytes + cost > self.max_paused_bytes:
+                break  # at the bound: no more preemption this tick
+            paused_bytes += cost
+            victims += taken
+            batch = [r for r in batch if r not in taken] + [candidate]
+        for record in victims:
+            self._running.remove(record)
+            record.status = RequestStatus.PAUSED
+            record.preemptions += 1
+            self._paused.append(record)
+        self.preemptions += len(victims)
+
+    def _fits(self, record: RequestRecord, batch: list[RequestRecord]) -> bool:
+        """``record`` joins ``batch`` within ``max_num_seqs`` and the token and
+        memory budgets (a request alone always fits)."""
+        if not batch:
+            return True
+        if len(batch) >= self.max_num_seqs:
+            return False
+        if self.token_budget and self._tokens is not None:
+            shapes = [self._tokens(r.request) for r in (*batch, record)]
+            if self._count(shapes)[1] > self.token_budget:
+                return False
+        memory = self.memory
+        if memory is not None and memory.budget is not None:
+            need = sum(memory.estimate(r.request) for r in (*batch, record))
+            if need > memory.budget:
+                return False
+        return True
 
     def _within_budget(self, chosen: list[RequestRecord]) -> list[RequestRecord]:
         """The memory budget's prefix, then the prefix that keeps the step within
@@ -146,6 +229,8 @@ class StepScheduler(BaseScheduler):
                 record.step = record.total_steps
             elif rid in result.steps:
                 record.step = result.steps[rid]
+            if rid in result.state_bytes:
+                record.state_bytes = result.state_bytes[rid]
             if record.abort_requested or failed is not None:
                 self._running.remove(record)
                 if not record.abort_requested:  # a failure: the steps it finished in this call

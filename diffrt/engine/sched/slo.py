@@ -1,0 +1,122 @@
+"""The ``slo`` policy: priority first, then least slack to the deadline, with aging.
+
+Every request ranks by ``(urgency, slack, seq)``, smallest first:
+
+* ``urgency`` is its ``SamplingParams.priority`` (lower runs first, vLLM's
+  convention) less one for every ``aging_ticks`` scheduler ticks it has
+  waited, queued or paused (``RequestRecord.waited_ticks``). Aging is what
+  keeps a sustained stream of urgent requests from starving the rest: a
+  request of priority ``p`` counts as urgent as a fresh request of the most
+  urgent priority (``MIN_PRIORITY``) after ``(p - MIN_PRIORITY) *
+  aging_ticks`` ticks of waiting and as more urgent than any fresh one
+  ``aging_ticks`` ticks later, which is the bound on how long a class can be
+  passed over. Ticks, not seconds, so the order is deterministic.
+* ``slack`` is ``deadline - now - remaining work``: the seconds it could
+  still wait and meet its ``deadline_s`` (counted from its arrival). The
+  remaining work is its remaining denoise steps times its step time alone
+  from the engine's measured step-time model (``StepCost``: the
+  ``RunTimeModel``'s overhead plus per-unit cost of its rows and tokens, CFG
+  doubling its rows). A request without a deadline has infinite slack: within
+  its class it runs after those with one, and it ages like any other.
+* ``seq`` (arrival order) breaks ties.
+
+``urgency`` also decides preemption (``StepScheduler``): a running request is
+paused only for a waiting one of strictly smaller urgency, never within a
+class, so two requests of one class never take turns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from diffrt.engine.record import RequestRecord
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.sched.policy import AdmissionPolicy
+
+
+class StepCost(Protocol):
+    """What ``slo`` needs of the step-time model (``engine.run_time.RunTimeModel``):
+    its fit ``(seconds of overhead per step, seconds per unit)``, None before a
+    measured tick, and the units one denoise step of a request does."""
+
+    @property
+    def coefficients(self) -> tuple[float, float] | None: ...
+
+    def units(self, request: DiffusionRequest) -> float: ...
+
+
+def remaining_steps(record: RequestRecord) -> int:
+    return max(0, record.total_steps - record.step)
+
+
+class SloPolicy(AdmissionPolicy):
+    name = "slo"
+    preempts = True
+
+    def __init__(self, aging_ticks: int = 16, cost: StepCost | None = None):
+        if aging_ticks < 1:
+            raise ValueError(f"aging_ticks must be >= 1, got {aging_ticks}")
+        self.aging_ticks = aging_ticks
+        self.cost = cost
+
+    # -- ranking ----------------------------------------------------------------------
+    def urgency(self, record: RequestRecord) -> int:
+        return record.request.sampling_params.priority - record.waited_ticks // self.aging_ticks
+
+    def remaining_s(self, record: RequestRecord, *, overhead: bool = True) -> float:
+        """Its remaining steps at its step time alone (0 before the model has
+        measured a tick); ``overhead=False``: its own work only, without the
+        per-step overhead a batch pays once."""
+        fit = self.cost.coefficients if self.cost is not None else None
+        if fit is None:
+            return 0.0
+        o, k = fit
+        per_step = (o if overhead else 0.0) + k * self.cost.units(record.request)  # type: ignore[union-attr]
+        return remaining_steps(record) * per_step
+
+    def slack(self, record: RequestRecord, now: float) -> float:
+        deadline = record.request.sampling_params.deadline_s
+        if deadline is None:
+            return math.inf
+        return record.arrival + deadline - now - self.remaining_s(record)
+
+    def rank(self, record: RequestRecord, now: float) -> tuple[int, float, int]:
+        return self.urgency(record), self.slack(record, now), record.seq
+
+    def ordered(self, records: Sequence[RequestRecord], now: float) -> list[RequestRecord]:
+        """``records``, most urgent first."""
+        return sorted(records, key=lambda r: self.rank(r, now))
+
+    # -- the policy ---------------------------------------------------------------------
+    def select(self, waiting: Sequence[RequestRecord], key: tuple | None, capacity: int,
+               now: float = 0.0) -> list[RequestRecord]:
+        if capacity <= 0 or not waiting:
+            return []
+        ordered = self.ordered(waiting, now)
+        if key is None:
+            key = ordered[0].key
+        return [record for record in ordered if record.key == key][:capacity]
+
+    def waited(self, records: Sequence[RequestRecord]) -> None:
+        for record in records:
+            record.waited_ticks += 1
+
+    # -- refusal by deadline ------------------------------------------------------------
+    def finish_estimate(self, record: RequestRecord, ahead: Iterable[RequestRecord],
+                        now: float) -> float | None:
+        """When ``record`` would finish if the requests ``ahead`` of it (the
+        running ones and those ranked before it) share the engine with it:
+        their own remaining work and its, plus one per-step overhead for each
+        of the steps the longest of them has left (a batch pays it once a
+        step). None before the model has measured a tick."""
+        if self.cost is None or self.cost.coefficients is None:
+            return None
+        o, _ = self.cost.coefficients
+        everyone = [*ahead, record]
+        work = sum(self.remaining_s(r, overhead=False) for r in everyone)
+        return now + work + o * max(remaining_steps(r) for r in everyone)
+
+
+__all__ = ["SloPolicy", "StepCost", "remaining_steps"]
