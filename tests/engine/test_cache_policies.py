@@ -79,6 +79,8 @@ def test_rescaling_is_the_polynomial_highest_power_first():
     for d in (0.01, 0.1, 0.3):
         assert rescaled(d, coefficients) == pytest.approx(np.polyval(coefficients, d))
     assert rescaled(0.3, ()) == 0.3
+    # a fit that dips below zero outside its range adds nothing there
+    assert np.polyval((-50.0, 1.0), 0.1) < 0 and rescaled(0.1, (-50.0, 1.0)) == 0.0
 
 
 def test_relative_l1_against_zeros_computes():

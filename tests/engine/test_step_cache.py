@@ -25,7 +25,7 @@ from diffrt.engine.submission import accept
 MIX = [(64, 64, 5, None, None, False),
        (64, 64, 6, "first-block", 0.3, True),
        (96, 64, 6, "teacache", 0.5, False),
-       (64, 96, 5, "teacache", 0.4, True)]
+       (64, 96, 5, "teacache", 0.6, True)]
 
 
 def request_for(i: int, height: int, width: int, steps: int, cache: str | None,

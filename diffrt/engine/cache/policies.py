@@ -53,13 +53,15 @@ class CachePlan:
 
 
 def rescaled(distance: float, coefficients: tuple[float, ...]) -> float:
-    """TeaCache's polynomial rescaling of a relative distance (Horner)."""
+    """TeaCache's polynomial rescaling of a relative distance (Horner), never
+    below 0: a fit can dip below zero outside the range it was fitted on,
+    and a change never takes from what the steps before accumulated."""
     if not coefficients:
         return distance
     value = 0.0
     for c in coefficients:
         value = value * distance + c
-    return value
+    return max(0.0, value)
 
 
 def relative_l1(now: torch.Tensor, before: torch.Tensor) -> float:

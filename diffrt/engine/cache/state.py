@@ -59,6 +59,10 @@ class _Pending:
     metric: float | None
     reference: torch.Tensor | None
     residual: torch.Tensor | None = None
+    #: what was compared with the threshold (TeaCache: the accumulated
+    #: rescaled change; None: the metric itself), and what the request
+    #: carries on to its next step
+    compared: float | None = None
     accumulated: float = 0.0
 
 
@@ -109,16 +113,14 @@ class RequestCache:
         modulated input stays below the threshold; the first and last steps
         compute."""
         last = self.step >= self.total_steps - 1
-        metric = None
-        accumulated = 0.0
+        metric = compared = None
         reused = False
         if self.reference is not None and self.residual is not None and not last:
             metric = relative_l1(modulated, self.reference)
-            accumulated = self.accumulated + rescaled(metric, self.plan.rescale)
-            reused = math.isfinite(accumulated) and accumulated < self.plan.threshold
-            if not reused:
-                accumulated = 0.0
-        self.pending = _Pending(reused, metric, modulated, accumulated=accumulated)
+            compared = self.accumulated + rescaled(metric, self.plan.rescale)
+            reused = math.isfinite(compared) and compared < self.plan.threshold
+        self.pending = _Pending(reused, metric, modulated, compared=compared,
+                                accumulated=compared if reused and compared is not None else 0.0)
         return reused
 
     def computed_residual(self, residual: torch.Tensor) -> None:
@@ -134,9 +136,12 @@ class RequestCache:
         self.step += 1
         if pending is None or not self.active:  # it ran uncached
             return
-        margin = "" if pending.metric is None else \
-            f" metric {pending.metric:.6g} (threshold {self.plan.threshold:g}, " \
-            f"margin {pending.metric - self.plan.threshold:+.3g})"
+        margin = ""
+        if pending.metric is not None:
+            compared = pending.metric if pending.compared is None else pending.compared
+            summed = "" if pending.compared is None else f", accumulated rescaled {compared:.6g}"
+            margin = (f" metric {pending.metric:.6g}{summed} (threshold {self.plan.threshold:g}, "
+                      f"margin {compared - self.plan.threshold:+.3g})")
         logger.debug("request %s step %d: %s %s%s", self.request_id, step, self.plan.policy,
                      "reused" if pending.reused else "computed", margin)
         if pending.reused:

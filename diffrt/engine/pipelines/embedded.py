@@ -61,18 +61,33 @@ class EmbeddedModel:
     #: spec fields on top of the family's description (a tiny editing model
     #: keeps its input's size instead of the 1 Mpx its family was trained at)
     spec_overrides: dict[str, Any] = field(default_factory=dict)
+    #: the step caches' calibration of this checkpoint, ``CacheSupport`` fields
+    #: (``thresholds``, ``teacache_rescale``) on top of the family's; the
+    #: values are what ``benchmarks/bench_cache.py`` fitted and chose for it
+    cache: dict[str, Any] = field(default_factory=dict)
 
+
+#: TeaCache's rescaling of the tiny models, fitted by ``benchmarks/bench_cache.py``
+#: (section 2, 2026-12-02: a line over 432 steps of 16 uncached 28-step
+#: requests each, R^2 0.24 and 0.37; docs/caching.md). Their first-block
+#: threshold: tiny-flux the policy's 0.1 (0.55x transformer time at 52 dB);
+#: tiny-sd3 0.2 (0.1 reuses nothing there, 0.3 falls below 30 dB)
+TINY_FLUX_TEACACHE = (1.55095281e+00, -1.36186726e-02)
+TINY_SD3_TEACACHE = (2.18057681e+00, 4.73439378e-02)
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     # FLUX.1-dev-style: guidance-distilled, so guidance_scale is an input.
     "tiny-flux": EmbeddedModel("diffrt.engine.pipelines.flux.tiny_folder:build_tiny_flux_folder",
                                {"seed": 20261129, "guidance_embeds": True},
-                               {"height": 128, "width": 128, "num_inference_steps": 4}),
+                               {"height": 128, "width": 128, "num_inference_steps": 4},
+                               cache={"teacache_rescale": TINY_FLUX_TEACACHE}),
     # SD3 Medium-style: two CLIPs + T5, CFG with an (empty) negative prompt;
     # its transformer's sample_size makes the default 128 px.
     "tiny-sd3": EmbeddedModel("diffrt.engine.pipelines.sd3.tiny_folder:build_tiny_sd3_folder",
                               {"seed": 20261130},
-                              {"num_inference_steps": 4}),
+                              {"num_inference_steps": 4},
+                              cache={"thresholds": {"first-block": 0.2},
+                                     "teacache_rescale": TINY_SD3_TEACACHE}),
     # FLUX.1 Kontext [dev]-style: edits an input image it sees as extra tokens;
     # the input keeps its size (FluxKontextPipeline's ``_auto_resize=False``)
     "tiny-flux-kontext": EmbeddedModel(

@@ -146,8 +146,9 @@ def _folder_spec(folder: str, name: str | None = None) -> ModelSpec:
     named = SHIPPED_MODELS.get(name) or EMBEDDED_MODELS.get(name)  # type: ignore[arg-type]
     if named is not None:  # what the named model was built or trained for
         defaults = msgspec.structs.replace(spec.defaults, **named.sampling_defaults)
+        cache = msgspec.structs.replace(spec.cache, **named.cache)
         spec = msgspec.structs.replace(
-            spec, defaults=defaults,
+            spec, defaults=defaults, cache=cache,
             default_negative_prompt=getattr(named, "default_negative_prompt", None),
             **getattr(named, "spec_overrides", {}))
     return spec

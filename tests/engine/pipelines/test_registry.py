@@ -275,6 +275,35 @@ def test_sampling_defaults_come_from_the_family_the_config_and_the_name(tmp_path
     assert cls.with_defaults(full) is full
 
 
+def test_a_named_models_cache_calibration_lands_on_its_family_description(tmp_path):
+    """The registry entry's thresholds and TeaCache polynomial (what the
+    benchmark fitted for that checkpoint) replace the family's calibration of
+    those fields only; the same folder under another path has the family's."""
+    from diffrt.engine.cache.policies import DEFAULT_THRESHOLDS
+    from diffrt.engine.pipelines.embedded import EMBEDDED_MODELS
+    from diffrt.engine.pipelines.shipped import SHIPPED_MODELS
+
+    calibrated = {**EMBEDDED_MODELS, **SHIPPED_MODELS}
+    assert all(calibrated[name].cache for name in ("tiny-flux", "tiny-sd3", "diffrt-shapes"))
+    flux_copy = tmp_path / "flux"
+    shutil.copytree(embedded_folder("tiny-flux"), flux_copy)
+    family = resolve_model_spec(str(flux_copy)).cache
+    assert family.teacache_rescale == () and family.thresholds == {}
+    for name in ("tiny-flux", "tiny-sd3", "diffrt-shapes"):
+        entry, spec = calibrated[name].cache, resolve_model_spec(name)
+        assert spec.cache.policies == ("first-block", "teacache")
+        assert spec.cache.default is None  # cache=None stays off
+        assert spec.cache.teacache_rescale == tuple(entry.get("teacache_rescale", ()))
+        for policy in spec.cache.policies:
+            plan = spec.cache_plan(SamplingParams(cache=policy))
+            assert plan is not None
+            assert plan.threshold == entry.get("thresholds", {}).get(policy, DEFAULT_THRESHOLDS[policy])
+            assert plan.rescale == (spec.cache.teacache_rescale if policy == "teacache" else ())
+            own = spec.cache_plan(SamplingParams(cache=policy, cache_threshold=0.05))
+            assert own is not None and own.threshold == 0.05
+        assert spec.cache_plan(SamplingParams()) is None
+
+
 def test_a_broken_or_unwritable_cache_is_one_clear_error(monkeypatch, tmp_path):
     from diffrt.engine.pipelines.embedded import folder_key
     from diffrt.engine.pipelines.folder_check import ModelLoadError
