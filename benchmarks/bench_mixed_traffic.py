@@ -75,6 +75,11 @@ requests' steps that reused (diffrt: ``EngineStats.cache_steps_total``;
 diffusers: its head block's decisions, counted). Without the option nothing
 changes.
 
+Priorities and deadlines (``--slo``): a run of its own (``bench_slo.py``):
+interactive and batch requests with deadlines from their solo times, Poisson
+arrivals at 80 % and 110 % of fifo's capacity, policies fifo, skip_ahead and
+slo; deadline attainment per class, goodput, p99.
+
 ``--torch-threads N`` gives every system N torch threads (the engine's
 ``torch_threads``, ``torch.set_num_threads`` for diffusers); 1 keeps a
 shared machine's busy cores from stalling a worker's threads. Run from the
@@ -86,6 +91,7 @@ repository root:
     .venv/bin/python benchmarks/bench_mixed_traffic.py --image-share 0.3
     .venv/bin/python benchmarks/bench_mixed_traffic.py --edit-share 0.3
     .venv/bin/python benchmarks/bench_mixed_traffic.py --cache-share 0.5
+    .venv/bin/python benchmarks/bench_mixed_traffic.py --slo
 """
 
 from __future__ import annotations
@@ -597,11 +603,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
                     help="torch threads of every system (default: the engine's choice, "
                          "torch's default for diffusers)")
+    ap.add_argument("--slo", action="store_true",
+                    help="priorities and deadlines: interactive and batch requests at 80 %% "
+                         "and 110 %% of fifo's capacity under fifo, skip_ahead and slo "
+                         "(bench_slo.py)")
+    ap.add_argument("--slo-requests", type=int, default=300, metavar="N",
+                    help="--slo: requests a load point")
+    ap.add_argument("--slo-rounds", type=int, default=1, metavar="R",
+                    help="--slo: rounds (the policies' order rotates; medians over rounds)")
+    ap.add_argument("--slo-child", metavar="SPEC", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the table's figures here")
     ap.add_argument("--child-timeout", type=float, default=1200)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
+        return 0
+    if args.slo_child:
+        print(json.dumps(bench_slo.child(json.loads(args.slo_child))))
+        return 0
+    if args.slo:
+        start = time.perf_counter()
+        figures = bench_slo.run_slo(args)
+        print(f"\n(whole run {time.perf_counter() - start:.0f} s)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=2)
         return 0
     if args.quick:
         args.requests, args.rounds = 48, 1
@@ -635,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-import stage_timers  # noqa: E402  (after HERE is on sys.path)
+import bench_slo  # noqa: E402  (after HERE is on sys.path)
+import stage_timers  # noqa: E402
 from diffusers_peers import SerialPeer, StaticBatcherPeer  # noqa: E402
 
 if __name__ == "__main__":

@@ -23,11 +23,18 @@ class EngineTarget:
         self.engine = engine
 
     async def run_request(self, request: Any) -> Sample:
+        from diffrt.engine.errors import EngineError
+        from diffrt.engine.sampling import InvalidRequestError
+
         start = time.perf_counter()
         final = None
-        async for output in self.engine.step_streaming(request):
-            if output.finished:
-                final = output
+        try:
+            async for output in self.engine.step_streaming(request):
+                if output.finished:
+                    final = output
+        except (EngineError, InvalidRequestError) as exc:  # refused: a failed sample, not a crash
+            return Sample(latency=time.perf_counter() - start, ok=False,
+                          error=f"refused: {type(exc).__name__}: {exc}")
         return Sample.from_output(time.perf_counter() - start, final)
 
     async def aclose(self) -> None:

@@ -69,9 +69,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "edit past it: 429 (default: %(default)s)")
     p.add_argument("--url-ttl", type=non_negative_float, default=600.0,
                    help='seconds a response_format="url" image is kept (default: %(default)s)')
-    p.add_argument("--client-priority-floor", type=int, default=None, metavar="N",
-                   help="refuse (400) HTTP requests whose priority is below N, so clients "
-                        "cannot claim the most urgent classes (default: any priority)")
+    p.add_argument("--client-priority-floor", type=priority, default=None, metavar="N",
+                   help="refuse (400) HTTP requests whose priority is below N (-10..10), so "
+                        "clients cannot claim the most urgent classes; a request naming none "
+                        "gets max(0, N) (default: any priority)")
     p.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="allow POST /v1/loras to register LoRA adapters whose real path "
                         "(symlinks resolved) lies inside DIR (default: off, 403; adapters "
@@ -188,6 +189,19 @@ def lora_dir(args: argparse.Namespace) -> str | None:
     if not os.path.isdir(real):
         raise CliError(f"--lora-dir {args.lora_dir!r}: not an existing folder")
     return real
+
+
+def priority(text: str) -> int:
+    """A scheduling priority (``SamplingParams.priority``'s range)."""
+    from diffrt.engine.sampling import MAX_PRIORITY, MIN_PRIORITY
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise argparse.ArgumentTypeError(f"must be {MIN_PRIORITY}..{MAX_PRIORITY}, got {value}")
+    return value
 
 
 def build_serve_settings(args: argparse.Namespace) -> Any:

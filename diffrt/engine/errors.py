@@ -39,6 +39,9 @@ class DeadlineUnmeetableError(EngineError):
     enough. The HTTP server answers it 429 (``code="deadline_unmeetable"``)
     with ``Retry-After``."""
 
-    def __init__(self, message: str, retry_after_s: float):
+    def __init__(self, message: str, retry_after_s: float = 1.0):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple:  # both arguments survive a pickle (Ray's errors)
+        return type(self), (str(self), self.retry_after_s)

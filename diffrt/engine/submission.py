@@ -47,6 +47,11 @@ def accept(request: Any, spec: ModelSpec, config: EngineConfig,
             "step caches run where one rank holds a request's rows whole: not with "
             "cfg_parallel_size, ulysses_degree or ring_degree above 1 (each rank would decide "
             "on its own share of the rows)"))
+    engine_limit = config.limits.request_timeout_s
+    if params.deadline_s is not None and engine_limit is not None and params.deadline_s > engine_limit:
+        raise InvalidRequestError("deadline_s", (
+            f"{params.deadline_s:g} s is past this engine's request_timeout_s "
+            f"({engine_limit:g} s), which would end it first"))
     if params.partial_images and not config.scheduling.step_execution:
         raise InvalidRequestError(
             "partial_images", "previews need step boundaries: run the engine with "

@@ -69,7 +69,8 @@ RESTART_RETRY_AFTER_S = 5
 INPUTS_RETRY_AFTER_S = 1
 #: engine field -> the API field a client set it with
 _PARAMS = {"height": "size", "width": "size", "num_outputs_per_prompt": "n",
-           "sampling_params": "size", "num_inference_steps": "num_inference_steps"}
+           "sampling_params": "size", "num_inference_steps": "num_inference_steps",
+           "deadline_s": "deadline_ms", "timeout_s": "timeout_ms"}
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)}
@@ -128,7 +129,8 @@ async def serve_images(client: EngineClient, body: ImageBody, engine_request: Di
     """Run ``engine_request`` and answer with its images: a JSON response, or
     (``body.stream``) server-sent events named for ``route``."""
     created = int(time.time())
-    engine_request = counted_from_arrival(checked_priority(engine_request, request), request)
+    engine_request = counted_from_arrival(checked_priority(body, engine_request, request),
+                                          request)
     room = _reserve_urls(body, engine_request, request) if body.response_format == "url" else None
     try:
         return await _generate(client, body, engine_request, request, created, room, route)
@@ -165,13 +167,20 @@ async def _generate(client: EngineClient, body: ImageBody, engine_request: Diffu
     return response
 
 
-def checked_priority(engine_request: DiffusionRequest, request: Request) -> DiffusionRequest:
-    """400 for a priority below the server's ``client_priority_floor``."""
+def checked_priority(body: ImageBody, engine_request: DiffusionRequest,
+                     request: Request) -> DiffusionRequest:
+    """400 for a priority below the server's ``client_priority_floor``; a
+    body that names none gets the floor when the floor is above the default."""
     floor = request.app.state.settings.client_priority_floor
-    priority = engine_request.sampling_params.priority
-    if floor is not None and priority < floor:
-        raise ApiError(400, f"priority: must be >= {floor} on this server, got {priority}",
-                       param="priority", code="invalid_value")
+    params = engine_request.sampling_params
+    if floor is None:
+        return engine_request
+    if "priority" not in body.model_fields_set and params.priority < floor:
+        return msgspec.structs.replace(
+            engine_request, sampling_params=msgspec.structs.replace(params, priority=floor))
+    if params.priority < floor:
+        raise ApiError(400, f"priority: must be >= {floor} on this server, got "
+                            f"{params.priority}", param="priority", code="invalid_value")
     return engine_request
 
 

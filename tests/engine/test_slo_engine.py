@@ -44,7 +44,16 @@ class Ticks:
     def __init__(self, engine: DiffusionEngine):
         self.scheduler = scheduler = engine.scheduler
         self.log: list[tuple[list[str], dict[str, int], int, int]] = []
-        original = scheduler.schedule
+        #: request id -> the steps of the running requests when it was queued
+        self.arrivals: dict[str, dict[str, int]] = {}
+        original, add = scheduler.schedule, scheduler.add
+
+        def queued(record) -> None:
+            self.arrivals[record.request_id] = {r.request_id: r.step
+                                                for r in scheduler._running}  # type: ignore[attr-defined]
+            add(record)
+
+        scheduler.add = queued  # type: ignore[method-assign]
 
         def schedule(now: float):
             out = original(now)
@@ -61,6 +70,7 @@ class Ticks:
 
     def close(self) -> None:
         del self.scheduler.schedule  # type: ignore[method-assign]
+        del self.scheduler.add  # type: ignore[method-assign]
 
 
 def request(rid: str, steps: int, seed: int, **kw) -> DiffusionRequest:
@@ -80,21 +90,23 @@ def step_of(engine: DiffusionEngine, rid: str) -> int:
 
 def test_an_urgent_request_pauses_a_running_one_and_finishes_first(engine):
     alone = {rid: pixels(engine.generate(request(f"{rid}-solo", steps, seed)))
-             for rid, steps, seed in (("low-a", 24, 1), ("low-b", 24, 2), ("high", 4, 3))}
+             for rid, steps, seed in (("low-a", 60, 1), ("low-b", 60, 2), ("high", 4, 3))}
     ticks = Ticks(engine)
     try:
         with cf.ThreadPoolExecutor(3) as pool:
-            lows = {rid: pool.submit(engine.generate, request(rid, 24, seed, priority=1))
+            lows = {rid: pool.submit(engine.generate, request(rid, 60, seed, priority=1))
                     for rid, seed in (("low-a", 1), ("low-b", 2))}
             assert wait_until(lambda: min(step_of(engine, r) for r in lows) >= 2)
-            before = {rid: step_of(engine, rid) for rid in lows}
             high = pool.submit(engine.generate, request("high", 4, 3))
             outs = {rid: f.result(timeout=120) for rid, f in (*lows.items(), ("high", high))}
     finally:
         ticks.close()
     ids, steps, paused, paused_bytes = ticks.first_with("high")
     # admitted at the first boundary after it arrived: the tick in flight, at
-    # most STEPS_PER_TICK steps, is all the low ones ran meanwhile
+    # most STEPS_PER_TICK steps, is all the low ones ran meanwhile (their
+    # steps as the scheduler queued it, under the core's lock)
+    before = ticks.arrivals["high"]
+    assert set(before) == set(lows), "the low requests had finished before it came"
     assert all(steps[rid] <= before[rid] + STEPS_PER_TICK for rid in ids if rid in before)
     assert paused == 1 and paused_bytes > 0 and len(ids) == 2  # one low paused for it
     done = {rid: out.metrics.finished_time for rid, out in outs.items()}
@@ -168,16 +180,23 @@ def test_aborting_a_paused_request_frees_its_state(engine, monkeypatch):
 
 
 def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(engine):
-    engine.generate(request("measure", 2, 13))  # a measured tick: the step-time model
+    """Refused for the queue, not for itself: the same request is accepted
+    alone, and a more urgent one with the same deadline is accepted behind
+    the same queue (it would pause the long request)."""
+    engine.generate(request("measure", 20, 13))  # measured ticks: the step-time model
+    solo = engine.generate(request("solo", 20, 13)).metrics
+    deadline = 3 * (solo.finished_time - solo.arrival_time) + 0.2
     with cf.ThreadPoolExecutor(1) as pool:
-        long = pool.submit(engine.generate, request("long", 300, 14))
+        long = pool.submit(engine.generate, request("long", 1000, 14))
         assert wait_until(lambda: step_of(engine, "long") >= 1)
         with pytest.raises(DeadlineUnmeetableError, match="deadline_s") as info:
-            engine.generate(request("hopeless", 20, 15, deadline_s=0.001))
+            engine.generate(request("behind", 20, 15, deadline_s=deadline))
         assert info.value.retry_after_s >= 1
-        fine = engine.generate(request("roomy", 2, 16, deadline_s=600.0, priority=-1))
-        assert fine.ok and fine.metrics.deadline_met is True
+        urgent = engine.generate(request("urgent", 20, 15, deadline_s=deadline, priority=-1))
+        assert urgent.ok and urgent.metrics.preemptions == 0
         engine.abort("long")
         assert long.result(timeout=60).aborted
+    alone = engine.generate(request("alone", 20, 15, deadline_s=max(deadline, 600.0)))
+    assert alone.ok and alone.metrics.deadline_met is True
     stats = engine.stats()
-    assert stats.requests_deadline_total.get(("-1", "met"), 0) >= 1
+    assert stats.requests_deadline_total.get(("0", "met"), 0) >= 1

@@ -270,3 +270,95 @@ def test_priority_and_deadline_are_checked_naming_the_field():
     assert info.value.field == "deadline_s"
     SamplingParams(**base, deadline_s=2.0, timeout_s=2.0, priority=-10).validate()
     assert EngineConfig(scheduling_policy="slo").scheduling.scheduling_policy == "slo"
+
+
+# -- what preemption must not do ------------------------------------------------------------
+class Slots:
+    """Adapter slots for the scheduler: requests whose prompt starts with
+    "lora" never find one; the others need none."""
+
+    def admit(self, record, *, blocked: bool) -> bool:
+        return self.could_admit(record)
+
+    def could_admit(self, record) -> bool:
+        return not record.request.prompt.startswith("lora")
+
+    def release(self, record) -> None:
+        pass
+
+
+def test_no_request_is_paused_for_one_whose_adapters_find_no_slot():
+    s = step_scheduler(seats=1)
+    s.adapters = Slots()
+    s.add_request(req("low", steps=20, priority=1), now=0.0)
+    tick(s)
+    s.add_request(req("lora-urgent", steps=5), now=0.1)
+    for t in range(3):
+        out, _ = tick(s, 0.1 + t)
+        assert out.scheduled_ids == ["low"]
+    assert s.preemptions == 0 and s.num_paused == 0
+
+
+def test_paused_requests_go_on_when_nothing_else_can_start():
+    """A paused request holds its slots: when the request it was paused for
+    cannot start after all, it resumes instead of leaving the engine idle."""
+    s = step_scheduler(seats=1)
+    s.add_request(req("low", steps=20, priority=2), now=0.0)
+    tick(s)
+    s.add_request(req("mid", steps=20, priority=1), now=0.1)
+    tick(s, 0.1)  # low paused for mid
+    assert s.record("low").status is RequestStatus.PAUSED
+    s.abort("mid")
+    s.adapters = Slots()
+    s.add_request(req("lora-urgent", steps=5), now=0.2)  # cannot start
+    out, _ = tick(s, 0.2)
+    assert out.scheduled_ids == ["low"] and out.new == [] and s.num_paused == 0
+
+
+def test_a_more_urgent_request_of_another_key_pauses_the_batch_or_drains_it():
+    keyed = lambda r: (r.sampling_params.height,)  # noqa: E731  (sizes do not mix here)
+    s = StepScheduler(3, make_policy("slo", aging_ticks=100, cost=Cost()), key=keyed,
+                      tokens=shape, max_paused_bytes=1 << 30)
+    s.add_request(req("a", size=64, steps=20, priority=1), now=0.0)
+    s.add_request(req("b", size=64, steps=20, priority=2), now=0.0)
+    tick(s)
+    s.add_request(req("other", size=32, steps=3), now=0.1)  # more urgent than the whole batch
+    out, _ = tick(s, 0.1)
+    assert [r.request_id for r in out.new] == ["other"] and out.scheduled_ids == ["other"]
+    assert s.num_paused == 2 and s.preemptions == 2
+    # not more urgent than everything running: no pause, but the less urgent
+    # of the running key stop joining, so the batch drains for it
+    d = StepScheduler(3, make_policy("slo", aging_ticks=100, cost=Cost()), key=keyed,
+                      tokens=shape, max_paused_bytes=1 << 30)
+    d.add_request(req("urgent", size=64, steps=20), now=0.0)
+    tick(d)
+    d.add_request(req("other", size=32, steps=3), now=0.1)
+    d.add_request(req("late-low", size=64, steps=3, priority=1), now=0.1)
+    d.add_request(req("late-equal", size=64, steps=3), now=0.1)
+    out, _ = tick(d, 0.1)
+    assert out.scheduled_ids == ["urgent", "late-equal"] and d.preemptions == 0
+    assert d.record("late-low").status is RequestStatus.WAITING
+
+
+def test_lateness_leaves_out_the_running_requests_it_would_pause():
+    s = step_scheduler(seats=1, cost=Cost(per_unit=0.01))  # 64 px: 0.64 s a step
+    s.add_request(req("long", steps=100), now=0.0)  # priority 0
+    tick(s)
+    from diffrt.engine.record import RequestRecord
+    same = RequestRecord(req("same-class", steps=2, deadline_s=5.0), arrival=0.0)
+    urgent = RequestRecord(req("urgent", steps=2, deadline_s=5.0, priority=-1), arrival=0.0)
+    assert s.lateness(same, 0.0) > 0  # behind 99 steps of "long"
+    assert s.lateness(urgent, 0.0) < 0  # it would pause "long"
+    s.max_paused_bytes = 0  # no preemption: "long" is ahead of it too
+    assert s.lateness(urgent, 0.0) > 0
+
+
+def test_only_ticks_that_ran_age_the_waiting():
+    s = step_scheduler(seats=1)
+    s.add_request(req("a", steps=3), now=0.0)
+    s.add_request(req("b", steps=3), now=0.0)
+    out = s.schedule(0.0)
+    assert s.record("b").waited_ticks == 1
+    assert s.schedule(0.0) is None  # in flight: no tick
+    assert s.record("b").waited_ticks == 1
+    s.update_from_output(out, ExecutionResult(steps={"a": 1}))

@@ -39,7 +39,7 @@ def test_priority_floor_deadlines_and_their_series(toy_app):
     r = call(app, "POST", GEN, json=body(deadline_ms=60_000, priority=0))
     assert r.status_code == 200, r.text
     r = call(app, "POST", GEN, json=body(deadline_ms=5_000, timeout_ms=1_000))
-    assert r.status_code == 400 and "timeout" in r.text, r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "deadline_ms", r.text
     families = {f.name: f for f in text_string_to_metric_families(
         call(app, "GET", "/metrics", headers={}).text)}
     met = [s for s in families["diffrt_requests_deadline"].samples
@@ -57,3 +57,16 @@ def test_a_deadline_counts_from_the_arrival_at_the_handler():
     late = SimpleNamespace(scope={"state": {"arrived_at": time.monotonic() - 9.0}})
     assert counted_from_arrival(engine_request, late).sampling_params.deadline_s == 1e-3  # type: ignore[arg-type]
     assert counted_from_arrival(DiffusionRequest("x"), arrived).sampling_params.deadline_s is None  # type: ignore[arg-type]
+
+
+def test_a_floor_above_the_default_is_what_a_body_without_priority_gets(toy_app):
+    app = toy_app(ServeSettings(api_key=API_KEY, client_priority_floor=2),
+                  scheduling_policy="slo")
+    assert call(app, "POST", GEN, json=body(deadline_ms=60_000)).status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(
+        call(app, "GET", "/metrics", headers={}).text)}
+    classes = {s.labels["priority_class"] for s in families["diffrt_requests_deadline"].samples}
+    assert classes == {"2"}  # it ran at the floor, not at the default 0
+    r = call(app, "POST", GEN, json=body(priority=1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert call(app, "POST", GEN, json=body(priority=5)).status_code == 200

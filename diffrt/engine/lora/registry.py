@@ -193,6 +193,13 @@ class AdapterRegistry:
                                   in zip(slots, record.adapters, strict=True))
         return True
 
+    def could_admit(self, record: RequestRecord) -> bool:
+        """``admit`` would give ``record`` its slots now (nothing changes)."""
+        if not record.adapters or record.lora_slots:
+            return True
+        with self._lock:
+            return self.slots.fits(adapter_id for adapter_id, _ in record.adapters)
+
     def release(self, record: RequestRecord) -> None:
         """``record`` ended (any way): its slots and its hold on the adapters go."""
         if not record.adapters:

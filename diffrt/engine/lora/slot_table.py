@@ -47,6 +47,14 @@ class SlotTable:
     def used(self) -> int:
         return sum(a is not None for a in self.adapters)
 
+    def fits(self, adapter_ids: Iterable[int]) -> bool:
+        """``acquire`` would find slots for ``adapter_ids`` now (nothing changes)."""
+        ids = list(adapter_ids)
+        missing = [a for a in ids if self.slot_of(a) is None]
+        keep = {self.slot_of(a) for a in ids} - {None}
+        free = [s for s in range(len(self.adapters)) if self.users[s] == 0 and s not in keep]
+        return len(missing) <= len(free)
+
     def acquire(self, adapter_ids: Iterable[int]) -> list[int] | None:
         """Slots for ``adapter_ids`` (one each, in order), each then counting
         one more user; None, and nothing changed, when they do not all fit."""

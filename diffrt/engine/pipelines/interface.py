@@ -100,24 +100,23 @@ class StepRequestState:
     def nbytes(self) -> int:
         """The bytes this state holds: its latents, schedule, prompt
         embeddings and other ``extra`` tensors, its input pixels, its noise
-        scheduler's tensors and its step cache (each storage once)."""
-        seen: set[int] = set()
+        scheduler's tensors and its step cache (each view once)."""
+        seen: set[tuple[int, int, int]] = set()
         values = [self.latents, self.timesteps, self.extra, self.inputs and vars(self.inputs),
                   vars(self.noise_scheduler) if hasattr(self.noise_scheduler, "__dict__") else None]
         total = _tensor_bytes(values, seen)
         return total + (self.cache.nbytes if self.cache is not None else 0)
 
 
-def _tensor_bytes(value: Any, seen: set[int]) -> int:
+def _tensor_bytes(value: Any, seen: set[tuple[int, int, int]]) -> int:
     """The bytes of the tensors in ``value`` and in the lists, tuples and
-    dicts it nests, each storage once (other objects count nothing)."""
+    dicts it nests, each view once (other objects count nothing)."""
     if isinstance(value, torch.Tensor):
-        storage = value.untyped_storage()
-        key = storage.data_ptr()
-        if key in seen:
+        key = (value.data_ptr(), value.numel(), value.element_size())
+        if key in seen:  # the same view twice (a slice of a batch counts its own part)
             return 0
         seen.add(key)
-        return storage.nbytes()
+        return value.numel() * value.element_size()
     if isinstance(value, dict):
         return sum(_tensor_bytes(v, seen) for v in value.values())
     if isinstance(value, (list, tuple)):

@@ -141,6 +141,11 @@ class BaseScheduler(Scheduler):
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._paused)
 
+    @property
+    def preempting(self) -> bool:
+        """Running requests may be paused for more urgent ones (STEP_BATCH)."""
+        return False
+
     def lateness(self, record: RequestRecord, now: float) -> float | None:
         """Seconds past its deadline ``record`` (not yet queued) would finish
         if queued at ``now`` (<= 0: in time), behind the running requests and
@@ -150,8 +155,11 @@ class BaseScheduler(Scheduler):
         if deadline is None or not isinstance(policy, SloPolicy):
             return None
         mine = policy.rank(record, now)[:2]  # the queued ones of its rank came first
-        ahead = [*self._running, *(r for r in (*self._waiting, *self._paused)
-                                   if policy.rank(r, now)[:2] <= mine)]
+        # the running requests it would not pause (all of them, without preemption)
+        running = [r for r in self._running
+                   if not self.preempting or policy.urgency(r) <= policy.urgency(record)]
+        ahead = [*running, *(r for r in (*self._waiting, *self._paused)
+                             if policy.rank(r, now)[:2] <= mine)]
         finish = policy.finish_estimate(record, ahead, now)
         return None if finish is None else finish - (record.arrival + deadline)
 
@@ -182,7 +190,7 @@ class BaseScheduler(Scheduler):
             self._set_window(0.0)
 
     def admission_wait_s(self, now: float) -> float:
-        if self.max_wait_s <= 0 or self._running or not self._waiting:
+        if self.max_wait_s <= 0 or self._running or self._paused or not self._waiting:
             return 0.0
         if len(self._waiting) >= self.max_num_seqs:
             return 0.0
@@ -210,9 +218,8 @@ class BaseScheduler(Scheduler):
     # -- helpers ------------------------------------------------------------------
     def _admit(self, key: tuple | None, capacity: int, now: float) -> list[RequestRecord]:
         """Admit what the policy picks of the waiting and paused requests
-        (within the budgets and LoRA slots) into the running set; the rest
-        waited one more tick. A resumed paused request keeps its first
-        ``admitted_at``."""
+        (within the budgets and LoRA slots) into the running set. A resumed
+        paused request keeps its first ``admitted_at``."""
         candidates = [*self._waiting, *self._paused] if self._paused else self._waiting
         chosen = self._with_slots(self._within_budget(
             self.policy.select(candidates, key, capacity, now)))
@@ -225,7 +232,6 @@ class BaseScheduler(Scheduler):
                 if record.admitted_at is None:
                     record.admitted_at = now
             self._running.extend(chosen)
-        self.policy.waited([*self._waiting, *self._paused])
         return chosen
 
     def batch_memory(self) -> int:

@@ -24,10 +24,14 @@ class BatchMemory(Protocol):
 
 class BatchAdapters(Protocol):
     """What a scheduler needs of LoRA adapters: device slots for a request's
-    adapters before it joins a batch (False: none free now; it waits), and
-    their release when it ends. The engine's is ``engine.lora.registry.AdapterRegistry``."""
+    adapters before it joins a batch (False: none free now; it waits), the
+    same question asked without taking them (``could_admit``: whether pausing
+    others for it helps), and their release when it ends. The engine's is
+    ``engine.lora.registry.AdapterRegistry``."""
 
     def admit(self, record: RequestRecord, *, blocked: bool) -> bool: ...
+
+    def could_admit(self, record: RequestRecord) -> bool: ...
 
     def release(self, record: RequestRecord) -> None: ...
 

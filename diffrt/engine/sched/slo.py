@@ -4,13 +4,13 @@ Every request ranks by ``(urgency, slack, seq)``, smallest first:
 
 * ``urgency`` is its ``SamplingParams.priority`` (lower runs first, vLLM's
   convention) less one for every ``aging_ticks`` scheduler ticks it has
-  waited, queued or paused (``RequestRecord.waited_ticks``). Aging is what
-  keeps a sustained stream of urgent requests from starving the rest: a
-  request of priority ``p`` counts as urgent as a fresh request of the most
-  urgent priority (``MIN_PRIORITY``) after ``(p - MIN_PRIORITY) *
-  aging_ticks`` ticks of waiting and as more urgent than any fresh one
-  ``aging_ticks`` ticks later, which is the bound on how long a class can be
-  passed over. Ticks, not seconds, so the order is deterministic.
+  waited, queued or paused (``RequestRecord.waited_ticks``; a tick is a
+  schedule that ran). Every waiting request ages alike, so among them
+  urgency orders by arrival tick + priority x ``aging_ticks``: a request of
+  priority ``p`` is passed only by requests of priority ``q`` that arrived
+  less than ``(p - q) * aging_ticks`` ticks after it, a FIFO on that virtual
+  arrival, so a sustained stream of urgent requests cannot starve it.
+  Ticks, not seconds, so the order is deterministic.
 * ``slack`` is ``deadline - now - remaining work``: the seconds it could
   still wait and meet its ``deadline_s`` (counted from its arrival). The
   remaining work is its remaining denoise steps times its step time alone
@@ -22,7 +22,9 @@ Every request ranks by ``(urgency, slack, seq)``, smallest first:
 
 ``urgency`` also decides preemption (``StepScheduler``): a running request is
 paused only for a waiting one of strictly smaller urgency, never within a
-class, so two requests of one class never take turns.
+class, so two requests of one class never take turns. A request of another
+batch key that is passed over keeps the less urgent ones from joining
+(``select``), so the running batch drains for it.
 """
 
 from __future__ import annotations
@@ -97,7 +99,18 @@ class SloPolicy(AdmissionPolicy):
         ordered = self.ordered(waiting, now)
         if key is None:
             key = ordered[0].key
-        return [record for record in ordered if record.key == key][:capacity]
+        chosen: list[RequestRecord] = []
+        blocking: int | None = None  # the urgency of a passed-over request of another key
+        for record in ordered:
+            if blocking is not None and self.urgency(record) > blocking:
+                break  # less urgent than it: they wait with it for the batch to drain
+            if record.key != key:
+                blocking = self.urgency(record) if blocking is None else blocking
+                continue
+            chosen.append(record)
+            if len(chosen) == capacity:
+                break
+        return chosen
 
     def waited(self, records: Sequence[RequestRecord]) -> None:
         for record in records:

@@ -92,13 +92,24 @@ class StepScheduler(BaseScheduler):
     def has_work(self) -> bool:
         return super().has_work() or bool(self._pending_drops)
 
+    @property
+    def preempting(self) -> bool:
+        return self.policy.preempts and self.max_paused_bytes > 0
+
     def schedule(self, now: float) -> SchedulerOutput | None:
         if self._in_flight:
             return None  # the previous tick has not been updated yet
-        if self.policy.preempts and self.max_paused_bytes > 0:
-            self._preempt(now)
+        victims = self._preempt(now) if self.preempting else []
         paused = {id(record) for record in self._paused}
         admitted = self._admit(self.running_key, self.max_num_seqs - len(self._running), now)
+        if not self._running and self._paused:
+            # nothing else could start (its adapters found no slot, say): the
+            # paused requests hold theirs and go on
+            admitted += self._resume(now)
+        for record in victims:  # paused and not taken back in the same tick
+            if record.status is RequestStatus.PAUSED:
+                record.preemptions += 1
+                self.preemptions += 1
         # a resumed request's state is in the worker: it is advanced, not sent again
         new = [record.request for record in admitted if id(record) not in paused]
         drops, self._pending_drops = self._pending_drops, []
@@ -107,6 +118,7 @@ class StepScheduler(BaseScheduler):
                               steps=self._steps_for_tick(drops))
         if out.is_empty:
             return None
+        self.policy.waited([*self._waiting, *self._paused])  # a tick passed them by
         self._in_flight.update(ids)
         return out
 
@@ -126,47 +138,84 @@ class StepScheduler(BaseScheduler):
         return rows, sum(n * t for n, t in shapes)
 
     # -- preemption -----------------------------------------------------------------------
-    def _preempt(self, now: float) -> None:
-        """Pause running requests for more urgent waiting ones (see the module)."""
+    def _preempt(self, now: float) -> list[RequestRecord]:
+        """Pause running requests for more urgent waiting ones (see the
+        module); the requests paused. Mirrors admission: a candidate that
+        cannot be made room for blocks those after it, as it blocks them in
+        ``_within_budget``; one whose adapters find no slot is not made room
+        for; one of another batch key pauses the batch only when it is more
+        urgent than every request planned for it, and otherwise keeps the
+        less urgent ones from joining (``SloPolicy.select``)."""
         if not self._running or not (self._waiting or self._paused):
-            return
-        policy = self.policy
-        urgency = policy.urgency
+            return []
+        policy, urgency = self.policy, self.policy.urgency
         batch = list(self._running)  # the next step's rows as planned
         victims: list[RequestRecord] = []
         paused_bytes = self.paused_state_bytes()
         key = self.running_key
         for candidate in policy.ordered([*self._waiting, *self._paused], now):
+            taken: list[RequestRecord]
+            if self.adapters is not None and not self.adapters.could_admit(candidate):
+                continue
             if candidate.key != key:
-                continue  # its batch forms once this one drains
-            if self._fits(candidate, batch):
+                if all(urgency(candidate) < urgency(r) for r in batch):
+                    taken = [r for r in batch if r in self._running]
+                else:
+                    break  # the less urgent wait for the batch to drain
+            elif self._fits(candidate, batch):
                 batch.append(candidate)  # admission takes it: room enough
                 continue
-            # the running requests it outranks, least urgent first
-            less = [r for r in reversed(policy.ordered(batch, now))
-                    if r in self._running and urgency(r) > urgency(candidate)]
-            taken: list[RequestRecord] = []
-            for record in less:
-                taken.append(record)
-                if self._fits(candidate, [r for r in batch if r not in taken]):
-                    break
             else:
-                continue  # even pausing them all makes no room: it waits
-            for record in reversed(taken[:-1]):  # keep those it can do without, most urgent first
-                if self._fits(candidate, [r for r in batch if r not in taken or r is record]):
-                    taken.remove(record)
-            cost = sum(record.state_bytes for record in taken)
+                needed = self._victims(candidate, batch, now)
+                if needed is None:
+                    break  # no room can be made: it blocks those after it
+                taken = needed
+            own = candidate.state_bytes if candidate.status is RequestStatus.PAUSED else 0
+            cost = sum(record.state_bytes for record in taken) - own
             if paused_bytes + cost > self.max_paused_bytes:
                 break  # at the bound: no more preemption this tick
             paused_bytes += cost
             victims += taken
             batch = [r for r in batch if r not in taken] + [candidate]
+            if candidate.key != key:
+                break  # the next batch is this one's
         for record in victims:
             self._running.remove(record)
             record.status = RequestStatus.PAUSED
-            record.preemptions += 1
             self._paused.append(record)
-        self.preemptions += len(victims)
+        return victims
+
+    def _victims(self, candidate: RequestRecord, batch: list[RequestRecord],
+                 now: float) -> list[RequestRecord] | None:
+        """The running requests of ``batch`` to pause so ``candidate`` fits:
+        of those strictly less urgent, least urgent first until it fits, then
+        those it fits without given back; None when no such set exists."""
+        urgency = self.policy.urgency
+        less = [r for r in reversed(self.policy.ordered(batch, now))
+                if r in self._running and urgency(r) > urgency(candidate)]
+        taken: list[RequestRecord] = []
+        for record in less:
+            taken.append(record)
+            if self._fits(candidate, [r for r in batch if r not in taken]):
+                break
+        else:
+            return None
+        for record in reversed(taken[:-1]):  # keep those it can do without, most urgent first
+            if self._fits(candidate, [r for r in batch if r not in taken or r is record]):
+                taken.remove(record)
+        return taken
+
+    def _resume(self, now: float) -> list[RequestRecord]:
+        """Paused requests back into an empty batch: the most urgent one's
+        key, within the budgets (their adapters hold their slots)."""
+        ordered = self.policy.ordered(self._paused, now)
+        key = ordered[0].key
+        chosen = self._within_budget([r for r in ordered if r.key == key][:self.max_num_seqs])
+        for record in chosen:
+            self._paused.remove(record)
+            record.status = RequestStatus.RUNNING
+        self._running.extend(chosen)
+        return chosen
 
     def _fits(self, record: RequestRecord, batch: list[RequestRecord]) -> bool:
         """``record`` joins ``batch`` within ``max_num_seqs`` and the token and
