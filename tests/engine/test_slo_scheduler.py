@@ -362,3 +362,25 @@ def test_only_ticks_that_ran_age_the_waiting():
     assert s.schedule(0.0) is None  # in flight: no tick
     assert s.record("b").waited_ticks == 1
     s.update_from_output(out, ExecutionResult(steps={"a": 1}))
+
+
+def test_steps_are_kept_short_enough_for_a_deadline_that_can_still_be_met():
+    """A step costs 0.001 s a unit (height): 64 + 256 units make 0.32 s
+    steps, too slow for the urgent request's 3 steps in 0.5 s; without the
+    large less urgent one, 0.064 s steps are in time. The large one is
+    paused, and nothing less urgent joins in that tick. A deadline no batch
+    can meet protects nobody."""
+    s = step_scheduler(seats=4, cost=Cost(per_unit=0.001))
+    s.add_request(req("large", size=256, steps=20, priority=1), now=0.0)
+    tick(s)
+    s.add_request(req("urgent", size=64, steps=3, deadline_s=0.5), now=0.0)
+    s.add_request(req("small-late", size=32, steps=3, priority=1), now=0.0)
+    out, _ = tick(s, 0.0)
+    assert out.scheduled_ids == ["urgent"] and s.record("large").status is RequestStatus.PAUSED
+    assert s.record("small-late").status is RequestStatus.WAITING
+    hopeless = step_scheduler(seats=4, cost=Cost(per_unit=0.001))
+    hopeless.add_request(req("large", size=256, steps=20, priority=1), now=0.0)
+    tick(hopeless)
+    hopeless.add_request(req("lost", size=64, steps=3, deadline_s=0.1), now=0.0)  # 0.19 s alone
+    out, _ = tick(hopeless, 0.0)
+    assert out.scheduled_ids == ["large", "lost"] and hopeless.preemptions == 0

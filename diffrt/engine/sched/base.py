@@ -81,6 +81,8 @@ class BaseScheduler(Scheduler):
         #: STEP_BATCH with a preempting policy: taken out of the batch, their
         #: step state kept in the worker (arrival order); empty otherwise
         self._paused: list[RequestRecord] = []
+        #: this tick admits nobody less urgent than this (``SloPolicy.on_time``)
+        self._urgency_limit: int | None = None
         self._in_flight: set[str] = set()
         self._last_add: float | None = None
 
@@ -221,6 +223,8 @@ class BaseScheduler(Scheduler):
         (within the budgets and LoRA slots) into the running set. A resumed
         paused request keeps its first ``admitted_at``."""
         candidates = [*self._waiting, *self._paused] if self._paused else self._waiting
+        if self._urgency_limit is not None:  # this tick's steps are kept short for a deadline
+            candidates = [r for r in candidates if self.policy.urgency(r) <= self._urgency_limit]
         chosen = self._with_slots(self._within_budget(
             self.policy.select(candidates, key, capacity, now)))
         if chosen:

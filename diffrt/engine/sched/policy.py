@@ -57,6 +57,12 @@ class AdmissionPolicy(ABC):
         """``records``, in the order this policy would admit them."""
         return list(records)
 
+    def on_time(self, batch: Sequence[RequestRecord], now: float) -> tuple[
+            list[RequestRecord], int | None]:
+        """The rows of ``batch`` to keep for its deadlines, and the urgency
+        they were kept for (None: all kept)."""
+        return list(batch), None
+
 
 class FifoPolicy(AdmissionPolicy):
     name = "fifo"

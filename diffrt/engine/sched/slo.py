@@ -116,6 +116,43 @@ class SloPolicy(AdmissionPolicy):
         for record in records:
             record.waited_ticks += 1
 
+    # -- the step's size for the deadlines in it ----------------------------------------
+    def on_time(self, batch: Sequence[RequestRecord], now: float) -> tuple[
+            list[RequestRecord], int | None]:
+        """``batch`` less the least urgent rows that make its steps too slow
+        for a more urgent request's deadline, and the urgency of the requests
+        so protected (None: nothing dropped). A step of the batch takes
+        ``o + k * units``; a request with a deadline that can still meet it
+        alone (a lost one is not protected: the others would lose for
+        nothing) allows ``(time left / steps left - o) / k`` units a step.
+        Class by class, most urgent first, rows of less urgent classes go,
+        least urgent first, until the step fits what the class allows."""
+        fit = self.cost.coefficients if self.cost is not None else None
+        if fit is None or not batch:
+            return list(batch), None
+        o, k = fit
+        if k <= 0:
+            return list(batch), None
+        units = {id(r): self.cost.units(r.request) for r in batch}  # type: ignore[union-attr]
+        kept = self.ordered(batch, now)
+        protected = None
+        for level in sorted({self.urgency(r) for r in kept})[:-1]:
+            allowed = []
+            for r in kept:
+                deadline, steps = r.request.sampling_params.deadline_s, remaining_steps(r)
+                if self.urgency(r) > level or deadline is None or steps == 0:
+                    continue
+                per_step = (r.arrival + deadline - now) / steps
+                if per_step >= o + k * units[id(r)]:  # it can still make it
+                    allowed.append((per_step - o) / k)
+            if not allowed:
+                continue
+            cap = min(allowed)
+            while sum(units[id(r)] for r in kept) > cap and self.urgency(kept[-1]) > level:
+                kept.pop()
+                protected = level
+        return kept, protected
+
     # -- refusal by deadline ------------------------------------------------------------
     def finish_estimate(self, record: RequestRecord, ahead: Iterable[RequestRecord],
                         now: float) -> float | None:

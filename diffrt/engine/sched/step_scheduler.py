@@ -39,6 +39,12 @@ take their state (``RequestRecord.state_bytes``, as the worker reports it
 each tick) over ``max_paused_bytes`` does not happen, and no later one in
 that tick either (0: no preemption). A paused request that is aborted, times
 out or loses its worker is dropped there like a running one.
+
+Deadlines also size the step (``SloPolicy.on_time``): while a request with
+a deadline it can still meet would miss it at the planned batch's step time
+(the step-time model's ``o + k * units``), the least urgent rows of less
+urgent classes are paused (within the same byte bound), and no request less
+urgent than it is admitted in that tick.
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ class StepScheduler(BaseScheduler):
     def schedule(self, now: float) -> SchedulerOutput | None:
         if self._in_flight:
             return None  # the previous tick has not been updated yet
+        self._urgency_limit = None
         victims = self._preempt(now) if self.preempting else []
         paused = {id(record) for record in self._paused}
         admitted = self._admit(self.running_key, self.max_num_seqs - len(self._running), now)
@@ -179,6 +186,15 @@ class StepScheduler(BaseScheduler):
             batch = [r for r in batch if r not in taken] + [candidate]
             if candidate.key != key:
                 break  # the next batch is this one's
+        kept, protected = policy.on_time(batch, now)
+        if protected is not None:  # steps too slow for a deadline: the less urgent make way
+            self._urgency_limit = protected
+            for record in batch:
+                if record in kept or record not in self._running or record in victims:
+                    continue
+                if paused_bytes + record.state_bytes <= self.max_paused_bytes:
+                    paused_bytes += record.state_bytes
+                    victims.append(record)
         for record in victims:
             self._running.remove(record)
             record.status = RequestStatus.PAUSED
