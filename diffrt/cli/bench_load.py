@@ -42,9 +42,10 @@ class EngineTarget:
 
 
 async def _measured(target: Any, request: Any) -> Sample:
-    """``request`` run on ``target``, its sample carrying the request's deadline."""
+    """``request`` run on ``target``, its sample carrying the request's
+    deadline (a request without sampling parameters has none)."""
     sample = await target.run_request(request)
-    sample.deadline = request.sampling_params.deadline_s
+    sample.deadline = getattr(getattr(request, "sampling_params", None), "deadline_s", None)
     return sample
 
 
