@@ -542,7 +542,6 @@ class EngineCore:
             ran = self._ran(tick)
             if self._run_time is not None and step_seconds is not None:
                 self._run_time.observe(ran, step_seconds)
-                self._tick_extra(ran, elapsed, steps_run)
             rows, tokens = self.scheduler.step_tokens(ran) if step_seconds is not None else (0, 0)
             if self._memory is not None and (peak_bytes is not None or free_bytes is not None):
                 self._memory.observe(ran, peak_bytes, free_bytes)
@@ -579,17 +578,6 @@ class EngineCore:
             return tick.new
         records = (self.scheduler.record(rid) for rid in tick.scheduled_ids)
         return [record.request for record in records if record is not None]
-
-    def _tick_extra(self, ran: list[DiffusionRequest], elapsed: float, steps_run: int) -> None:
-        """Under the lock: tell a step-mode scheduler what this tick took
-        beyond its denoise steps' estimate (the prompts it encoded, the
-        images it decoded)."""
-        model = self._run_time
-        fit = model.coefficients if model is not None else None
-        if self.mode is not EngineMode.STEP_BATCH or model is None or fit is None:
-            return
-        units = sum(model.units(r) for r in ran)
-        self.scheduler.observe_tick_extra(elapsed - steps_run * (fit[0] + fit[1] * units))
 
     def _step_seconds(self, tick: SchedulerOutput, elapsed: float,
                       steps_run: int) -> float | None:

@@ -186,9 +186,6 @@ class BaseScheduler(Scheduler):
         self._run_s_ema = ema
         self._set_window(min(AUTO_WINDOW_MAX_S, AUTO_WINDOW_FRACTION * ema))
 
-    def observe_tick_extra(self, seconds: float) -> None:
-        self.policy.observe_tick_extra(seconds)
-
     def forget_run_times(self) -> None:
         if self.auto_window:
             self._run_s_ema = None

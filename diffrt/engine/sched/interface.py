@@ -180,11 +180,6 @@ class Scheduler(ABC):
         sizes its batching window from run times listens; others ignore it)."""
         return None
 
-    def observe_tick_extra(self, seconds: float) -> None:
-        """A step-mode tick took ``seconds`` beyond its denoise steps' estimate
-        (the prompts it encoded, the images it decoded): ``slo`` budgets it."""
-        return None
-
     def forget_run_times(self) -> None:
         """Drop what ``observe_run_time`` learnt (e.g. from the warm-up request)."""
         return None

@@ -57,10 +57,6 @@ class AdmissionPolicy(ABC):
         """``records``, in the order this policy would admit them."""
         return list(records)
 
-    def observe_tick_extra(self, seconds: float) -> None:
-        """A tick's seconds beyond its denoise steps (``slo`` budgets them)."""
-        return None
-
     def on_time(self, batch: Sequence[RequestRecord], now: float) -> tuple[
             list[RequestRecord], int | None]:
         """The rows of ``batch`` to keep for its deadlines, and the urgency

@@ -49,10 +49,6 @@ class StepCost(Protocol):
     def units(self, request: DiffusionRequest) -> float: ...
 
 
-#: weight of the newest tick in ``tick_extra_s``'s moving average
-TICK_EXTRA_EMA = 0.1
-
-
 def remaining_steps(record: RequestRecord) -> int:
     return max(0, record.total_steps - record.step)
 
@@ -66,12 +62,6 @@ class SloPolicy(AdmissionPolicy):
             raise ValueError(f"aging_ticks must be >= 1, got {aging_ticks}")
         self.aging_ticks = aging_ticks
         self.cost = cost
-        #: the moving average of what a tick takes beyond its denoise steps
-        #: (the prompts encoded and images decoded in it), seconds
-        self.tick_extra_s = 0.0
-
-    def observe_tick_extra(self, seconds: float) -> None:
-        self.tick_extra_s += TICK_EXTRA_EMA * (max(0.0, seconds) - self.tick_extra_s)
 
     # -- ranking ----------------------------------------------------------------------
     def urgency(self, record: RequestRecord) -> int:
@@ -85,8 +75,7 @@ class SloPolicy(AdmissionPolicy):
         if fit is None:
             return 0.0
         o, k = fit
-        per_step = (o + self.tick_extra_s if overhead else 0.0) + \
-            k * self.cost.units(record.request)  # type: ignore[union-attr]
+        per_step = (o if overhead else 0.0) + k * self.cost.units(record.request)  # type: ignore[union-attr]
         return remaining_steps(record) * per_step
 
     def slack(self, record: RequestRecord, now: float) -> float:
@@ -135,9 +124,7 @@ class SloPolicy(AdmissionPolicy):
         so protected (None: nothing dropped). A step of the batch takes
         ``o + k * units``; a request with a deadline that can still meet it
         alone (a lost one is not protected: the others would lose for
-        nothing) allows ``(time left / steps left - extra - o) / k`` units a
-        step, ``extra`` what a tick has taken beyond its denoise steps
-        (``tick_extra_s``: prompts encoded, images decoded, on average).
+        nothing) allows ``(time left / steps left - o) / k`` units a step.
         Class by class, most urgent first, rows of less urgent classes go,
         least urgent first, until the step fits what the class allows."""
         fit = self.cost.coefficients if self.cost is not None else None
@@ -155,7 +142,7 @@ class SloPolicy(AdmissionPolicy):
                 deadline, steps = r.request.sampling_params.deadline_s, remaining_steps(r)
                 if self.urgency(r) > level or deadline is None or steps == 0:
                     continue
-                per_step = (r.arrival + deadline - now) / steps - self.tick_extra_s
+                per_step = (r.arrival + deadline - now) / steps
                 if per_step >= o + k * units[id(r)]:  # it can still make it
                     allowed.append((per_step - o) / k)
             if not allowed:
@@ -171,15 +158,15 @@ class SloPolicy(AdmissionPolicy):
                         now: float) -> float | None:
         """When ``record`` would finish if the requests ``ahead`` of it (the
         running ones and those ranked before it) share the engine with it:
-        their own remaining work and its, plus one per-step overhead and the
-        average tick's extra (``tick_extra_s``) for each of the steps the
-        longest of them has left (a batch pays them once a step). None before the model has measured a tick."""
+        their own remaining work and its, plus one per-step overhead for each
+        of the steps the longest of them has left (a batch pays it once a
+        step). None before the model has measured a tick."""
         if self.cost is None or self.cost.coefficients is None:
             return None
         o, _ = self.cost.coefficients
         everyone = [*ahead, record]
         work = sum(self.remaining_s(r, overhead=False) for r in everyone)
-        return now + work + (o + self.tick_extra_s) * max(remaining_steps(r) for r in everyone)
+        return now + work + o * max(remaining_steps(r) for r in everyone)
 
 
 __all__ = ["SloPolicy", "StepCost", "remaining_steps"]
