@@ -12,7 +12,8 @@ requests (priority 1, sizes and steps of the mixed-traffic harness: {64x64,
    engine; its median is the shape's *solo* time. Deadlines follow from it:
    interactive ``max(2 x solo, solo + 150 ms)``, batch ``10 x solo``.
 2. **capacity**: fifo's closed-loop throughput on the same mix (concurrency
-   16), requests/s.
+   16), requests/s. Both are measured again in every round (a machine whose
+   speed drifts between processes would otherwise load the points wrongly).
 3. **load points**: Poisson arrivals at 80 % and 110 % of that capacity,
    ``--requests`` (300) a point, the same arrivals and requests for every
    policy (fifo, skip_ahead, slo), each policy in a fresh process and the
@@ -163,23 +164,28 @@ def run_slo(args: Any) -> dict[str, Any]:
     requests = 60 if args.quick else args.slo_requests
     rounds = 1 if args.quick else args.slo_rounds
     base = {"requests": requests, "seed": args.seed, "threads": args.torch_threads}
-    cal = _child({**base, "kind": "calibrate"}, args.child_timeout)
     mix = slo_traffic(requests, args.seed)
-    deadlines = [deadline_of(kind, cal["solo"][shape_key(h, w, s)]) for kind, h, w, s in mix]
-    rates = {str(load): load * cal["capacity"] for load in LOADS}
-    print(f"  solo (s): {json.dumps({k: round(v, 3) for k, v in cal['solo'].items()})}",
-          file=sys.stderr)
-    print(f"  fifo capacity {cal['capacity']:.2f} req/s; rates "
-          f"{ {k: round(v, 2) for k, v in rates.items()} }", file=sys.stderr, flush=True)
     points: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    calibrations = []
+    rates: dict[str, float] = {}
     for rnd in range(rounds):
+        # each round measures solo times and capacity afresh: a machine whose
+        # speed drifts would otherwise load a later round's points wrongly
+        cal = _child({**base, "kind": "calibrate"}, args.child_timeout)
+        calibrations.append(cal)
+        deadlines = [deadline_of(kind, cal["solo"][shape_key(h, w, s)]) for kind, h, w, s in mix]
+        rates = {str(load): load * cal["capacity"] for load in LOADS}
+        print(f"  round {rnd + 1}/{rounds}: solo (s) "
+              f"{json.dumps({k: round(v, 3) for k, v in cal['solo'].items()})}", file=sys.stderr)
+        print(f"  round {rnd + 1}/{rounds}: fifo capacity {cal['capacity']:.2f} req/s; rates "
+              f"{ {k: round(v, 2) for k, v in rates.items()} }", file=sys.stderr, flush=True)
         order = list(POLICIES[rnd % len(POLICIES):] + POLICIES[:rnd % len(POLICIES)])
         for policy in order:
             points[policy].append(_child({**base, "kind": "point", "policy": policy,
                                           "rates": rates, "deadlines": deadlines},
                                          args.child_timeout))
             print(f"  round {rnd + 1}/{rounds}: {policy} done", file=sys.stderr, flush=True)
-    return report_slo(cal, points, rates, requests)
+    return report_slo(calibrations, points, rates, requests)
 
 
 def _figures(run: dict[str, Any]) -> dict[str, Any]:
@@ -208,8 +214,9 @@ def _median_of(rounds: list[dict[str, Any]], path: tuple[str, ...]) -> float | N
     return median(values)
 
 
-def report_slo(cal: dict[str, Any], points: dict[str, list[dict[str, Any]]],
+def report_slo(calibrations: list[dict[str, Any]], points: dict[str, list[dict[str, Any]]],
                rates: dict[str, float], requests: int) -> dict[str, Any]:
+    capacities = [cal["capacity"] for cal in calibrations]
     table: dict[str, dict[str, dict[str, float | None]]] = {}
     for load in rates:
         table[load] = {}
@@ -229,7 +236,8 @@ def report_slo(cal: dict[str, Any], points: dict[str, list[dict[str, Any]]],
     print(f"\nSLO mix on tiny-flux: {requests} requests a point, 20 % interactive "
           f"(priority 0, 64x64, 4 steps, deadline max(2x solo, solo + 150 ms)), 80 % batch "
           f"(priority 1, mixed sizes and steps, deadline 10x solo); fifo's closed-loop "
-          f"capacity {cal['capacity']:.2f} req/s; medians over rounds\n")
+          f"capacity per round {', '.join(f'{c:.2f}' for c in capacities)} req/s; medians "
+          f"over {len(calibrations)} round(s)\n")
     head = (f"{'load':>5} {'policy':<11} {'inter. in time':>14} {'batch in time':>13} "
             f"{'goodput/s':>9} {'x fifo':>7} {'inter. p99 ms':>13} {'batch p99 ms':>12} "
             f"{'x fifo':>7} {'preempt':>7}")
@@ -260,8 +268,8 @@ def report_slo(cal: dict[str, Any], points: dict[str, list[dict[str, Any]]],
     print("\ngoals (slo):")
     for goal, met in goals.items():
         print(f"  {'met    ' if met else 'NOT MET'} {goal}")
-    return {"solo_s": cal["solo"], "capacity_rps": cal["capacity"], "table": table,
-            "goals": goals}
+    return {"solo_s": [cal["solo"] for cal in calibrations], "capacity_rps": capacities,
+            "table": table, "goals": goals}
 
 
 def _at_least(value: float | None, bound: float | None) -> bool:
