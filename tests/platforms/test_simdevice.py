@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -15,22 +16,32 @@ from diffrt.platforms.pinned_pool import PinnedBufferPool  # noqa: E402
 DELAY = 0.02
 
 
+#: every gate the module's tests opened: set at teardown, so a test that
+#: failed before releasing its stream does not hang the fixture's synchronize
+GATES: list[threading.Event] = []
+
+
 @pytest.fixture(scope="module")
 def sim():
     platform = SimDevicePlatform(copy_delay_s=DELAY)
     yield platform
+    for flag in GATES:
+        flag.set()
     platform.synchronize()
 
 
 def locked(sim, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, page-locked: copies into it are asynchronous."""
-    sim.register_host_memory(tensor)
+    """``tensor``, page-locked: copies into it are asynchronous. Unlocked
+    when the tensor goes: a later pageable tensor at the same address must
+    not pass for page-locked (the simulated device locks address ranges)."""
+    weakref.finalize(tensor, sim.unregister_host_memory, sim.register_host_memory(tensor))
     return tensor
 
 
 def gate(sim, stream=None) -> threading.Event:
     """Stall ``stream`` until the returned flag is set (no timing assumptions)."""
     flag = threading.Event()
+    GATES.append(flag)
     sim.launch(flag.wait, stream)
     return flag
 
