@@ -208,7 +208,7 @@ class EngineConfig:
     # -- checks across fields ---------------------------------------------------------------------
     def _check_combinations(self) -> None:
         """What no single declaration can say: the parallel degrees' product,
-        the decode options, the executor that runs the ranks."""
+        the decode options, the slo settings, the executor that runs the ranks."""
         p, ranks = self.parallel, self.parallel.ranks
         if p.world_size is not None and p.world_size != ranks:
             raise EngineConfigError("world_size", (
@@ -224,6 +224,12 @@ class EngineConfig:
             raise EngineConfigError("vae_parallel", "decodes in bands over the ranks; "
                                     "vae_tiling is the one-rank way to save decode memory: "
                                     "use one of them")
+        sched, defaults = self.scheduling, SchedulingConfig()
+        if sched.scheduling_policy != "slo":
+            for name in ("reject_unmeetable", "slo_aging_ticks", "max_paused_state_bytes"):
+                if getattr(sched, name) != getattr(defaults, name):
+                    raise EngineConfigError(name, "applies to scheduling_policy='slo' only, "
+                                            f"not {sched.scheduling_policy!r}")
         if self.executor.executor_backend == "inproc" and ranks != 1:
             raise EngineConfigError("executor_backend", f"inproc runs exactly one rank; "
                                     f"{ranks} ranks need 'mp' or 'ray'")

@@ -493,7 +493,8 @@ class EngineCore:
         if self.mode is EngineMode.STEP_BATCH:
             return ExecuteStep(new=tick.new, advance=tick.scheduled_ids, drop=tick.drop_ids,
                                steps=tick.steps, lora_installs=tick.lora_installs,
-                               lora_rows=tick.lora_rows)
+                               lora_rows=tick.lora_rows,
+                               report_state_bytes=self.scheduler.preempting)
         return ExecuteBatch(requests=tick.new, lora_installs=tick.lora_installs,
                             lora_rows=tick.lora_rows)
 

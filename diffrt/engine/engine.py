@@ -38,6 +38,7 @@ from typing import overload
 from diffrt.engine.config import EngineConfig, EngineMode
 from diffrt.engine.core import EngineCore, restart_worst_case_s
 from diffrt.engine.errors import (
+    DeadlineUnmeetableError,
     EngineClosedError,
     EngineDeadError,
     EngineError,
@@ -630,8 +631,11 @@ class DiffusionEngine:
             record.held = restarting
         try:
             queued = self._core.add(records)
-        except BaseException:
+        except BaseException as exc:
             self.output_processor.discard(records)
+            if isinstance(exc, DeadlineUnmeetableError):
+                for record in records:
+                    self.output_processor.stats.on_refused(record.request.sampling_params.priority)
             raise
         if not queued:
             self.output_processor.discard(records)

@@ -366,7 +366,8 @@ class PipelineRunner:
                 finished_states.append(state)
             else:
                 reply.steps[rid] = state.step
-                reply.state_bytes[rid] = state.nbytes()
+                if step.report_state_bytes:
+                    reply.state_bytes[rid] = state.nbytes()
                 self._preview(state, reply, outputs)
         self._decode(finished_states, reply, outputs)
         for state in states:  # a failure still reports the steps it had done

@@ -55,6 +55,9 @@ class ExecuteStep(msgspec.Struct, tag="execute_step"):
     #: as ``ExecuteBatch``'s; ``lora_rows`` for ``new`` (kept with their state)
     lora_installs: dict[int, int] = {}
     lora_rows: dict[str, LoraRows] = {}
+    #: the scheduler may pause running requests: report each one's state bytes
+    #: (``StepDone.state_bytes``); without preemption nobody reads them
+    report_state_bytes: bool = False
 
 
 class CountStepStates(msgspec.Struct, tag="count_step_states"):

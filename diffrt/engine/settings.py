@@ -131,9 +131,9 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
     scheduling_max_bypass: Annotated[int, Meta(ge=0, description=(
         "skip_ahead: how often one waiting request may be passed"))] = 4
     slo_aging_ticks: Annotated[int, Meta(ge=1, description=(
-        "slo: every this many scheduler ticks a request waits (queued or paused), it "
-        "counts one priority class more urgent, so a sustained stream of urgent requests "
-        "cannot starve it"))] = 16
+        "slo: every this many scheduler ticks a request waits (queued or paused) without "
+        "a deadline or past it, it counts one priority class more urgent, so a sustained "
+        "stream of urgent requests cannot starve it"))] = 16
     max_paused_state_bytes: Annotated[int, Meta(ge=0, description=(
         "slo, STEP_BATCH: the step state (latents, noise-scheduler state, step cache) that "
         "paused requests may keep in the workers, in bytes; at the bound no more running "

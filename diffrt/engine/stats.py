@@ -98,8 +98,9 @@ class EngineStats:
     cache_steps_total: dict[tuple[str, str], int] = field(default_factory=dict)
     cache_uncached_total: dict[str, int] = field(default_factory=dict)
     #: deadlines (``SamplingParams.deadline_s``): finished requests with one per
-    #: (priority class, outcome "met" | "missed"); a failed or timed-out one
-    #: missed it, an aborted one is not counted. The class is the priority as
+    #: (priority class, outcome "met" | "missed" | "refused"); a failed or
+    #: timed-out one missed it, an aborted one is not counted, "refused": by
+    #: ``reject_unmeetable`` at submission. The class is the priority as
     #: a string (at most 21 values)
     requests_deadline_total: dict[tuple[str, str], int] = field(default_factory=dict)
     #: ``slo`` preemption: running requests paused since start, paused now,
@@ -192,6 +193,13 @@ class StatsRecorder:
             if m.deadline_met is not None:
                 key = (str(m.priority), "met" if m.deadline_met else "missed")
                 self._deadlines[key] = self._deadlines.get(key, 0) + 1
+
+    def on_refused(self, priority: int) -> None:
+        """A request of ``priority`` was refused as unable to meet its
+        deadline (``reject_unmeetable``): outcome "refused"."""
+        key = (str(priority), "refused")
+        with self._lock:
+            self._deadlines[key] = self._deadlines.get(key, 0) + 1
 
     def snapshot(self, *, waiting: int, running: int, pending_output_bytes: int,
                  healthy: bool, worker_restarts: int = 0,

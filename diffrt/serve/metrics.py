@@ -136,12 +136,13 @@ class EngineCollector(Collector):
     def _deadlines(snapshots: list[tuple[dict[str, str], Any]], names: list[str],
                    values: Callable[[dict[str, str]], list[str]],
                    gauge: Callable[..., Metric], counter: Callable[..., Metric]) -> Iterator[Metric]:
-        """Deadlines and the ``slo`` policy's preemption: finished requests that
-        had a deadline, per priority class and outcome ("met", "missed"), the
+        """Deadlines and the ``slo`` policy's preemption: requests that had a
+        deadline, per priority class and outcome ("met", "missed", "refused"), the
         running requests paused since start, those paused now and the step
         state they keep in the workers."""
-        deadlines = CounterMetricFamily("diffrt_requests_deadline", "Finished requests with "
-                                        "a deadline, by priority class and whether they met it",
+        deadlines = CounterMetricFamily("diffrt_requests_deadline", "Requests with a "
+                                        "deadline, by priority class and outcome (met, missed, "
+                                        "refused at submission)",
                                         labels=[*names, "priority_class", "outcome"])
         for labels, stats in snapshots:
             for (priority, outcome), count in sorted(stats.requests_deadline_total.items()):

@@ -69,6 +69,18 @@ def test_world_size_is_the_product_of_the_parallel_degrees():
     assert config.replace(cfg_parallel_size=1).ranks == 4
 
 
+@pytest.mark.parametrize("field, value", [("reject_unmeetable", True), ("slo_aging_ticks", 4),
+                                          ("max_paused_state_bytes", 0)])
+def test_slo_settings_under_another_policy_are_refused(field, value):
+    """They would change nothing under fifo or skip_ahead: said, not ignored."""
+    for policy in ("fifo", "skip_ahead"):
+        with pytest.raises(EngineConfigError, match="scheduling_policy='slo' only") as info:
+            EngineConfig(model="tiny-flux", scheduling_policy=policy, **{field: value})
+        assert info.value.field == field
+    assert getattr(EngineConfig(model="tiny-flux", scheduling_policy="slo", **{field: value})
+                   .scheduling, field) == value
+
+
 def test_more_ranks_than_devices_are_refused():
     class TwoGpus:
         device_type = "cuda"

@@ -186,6 +186,7 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(engine):
     engine.generate(request("measure", 20, 13))  # measured ticks: the step-time model
     solo = engine.generate(request("solo", 20, 13)).metrics
     deadline = 3 * (solo.finished_time - solo.arrival_time) + 0.2
+    refused = engine.stats().requests_deadline_total.get(("0", "refused"), 0)
     with cf.ThreadPoolExecutor(1) as pool:
         long = pool.submit(engine.generate, request("long", 1000, 14))
         assert wait_until(lambda: step_of(engine, "long") >= 1)
@@ -200,3 +201,4 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(engine):
     assert alone.ok and alone.metrics.deadline_met is True
     stats = engine.stats()
     assert stats.requests_deadline_total.get(("0", "met"), 0) >= 1
+    assert stats.requests_deadline_total.get(("0", "refused"), 0) == refused + 1

@@ -111,6 +111,39 @@ def test_waiting_requests_age_a_class_every_aging_ticks():
     assert s.record(f"high{t}") is not None  # the fresh one waits its turn
 
 
+def test_a_request_with_a_deadline_ages_once_it_has_passed_only():
+    """Before its deadline its slack speaks for it: aging it then would rank
+    batch work that can still wait above another class's promise."""
+    policy = SloPolicy(aging_ticks=2)
+    waiting = [RequestScheduler(1, policy, key=lambda r: ()).add_request(
+        req(rid, steps=4, priority=1, **kw), now=0.0)
+        for rid, kw in (("in-time", dict(deadline_s=10.0)), ("none", {}))]
+    for t in range(4):
+        policy.waited(waiting, now=float(t))
+    assert [r.waited_ticks for r in waiting] == [0, 4]
+    assert [policy.urgency(r) for r in waiting] == [1, -1]
+    for t in range(11, 13):  # past its deadline: it ages like the rest
+        policy.waited(waiting, now=float(t))
+    assert [r.waited_ticks for r in waiting] == [2, 6]
+
+
+def test_lost_requests_follow_those_that_can_still_make_it():
+    """Within a class the least slack goes first only while it is not
+    negative: a request that can no longer make its deadline waits, in
+    arrival order with those that have none, so it does not make the ones
+    behind it late too. Another class still comes after all of them."""
+    policy = SloPolicy(aging_ticks=100, cost=Cost(per_unit=0.01))  # 64 px: 0.64 s a step
+    s = RequestScheduler(1, policy, key=lambda r: ())
+    for rid, kw in [("lost-old", dict(deadline_s=1.0)), ("none", {}),
+                    ("lost-new", dict(deadline_s=2.0)), ("tight", dict(deadline_s=4.0)),
+                    ("loose", dict(deadline_s=9.0)), ("other-class", dict(priority=1,
+                                                                         deadline_s=4.0))]:
+        s.add_request(req(rid, size=64, steps=4, **kw), now=0.0)  # 2.56 s of work each
+    order = [r.request_id for r in policy.ordered(list(s._waiting), now=0.0)]
+    assert order == ["tight", "loose", "lost-old", "none", "lost-new", "other-class"]
+    assert policy.slack(s.record("lost-new"), 0.0) < 0 < policy.slack(s.record("tight"), 0.0)
+
+
 def test_the_token_budget_holds_in_urgency_order():
     s = step_scheduler(seats=4, budget=200)
     s.add_request(req("big", size=128, steps=3, priority=1), now=0.0)

@@ -45,6 +45,9 @@ def test_priority_floor_deadlines_and_their_series(toy_app):
     met = [s for s in families["diffrt_requests_deadline"].samples
            if s.labels.get("priority_class") == "0" and s.labels.get("outcome") == "met"]
     assert met and met[0].value == 1
+    refused = [s for s in families["diffrt_requests_deadline"].samples
+               if s.labels.get("outcome") == "refused"]
+    assert [s.value for s in refused] == [1]
     for name in ("diffrt_preemptions", "diffrt_requests_paused", "diffrt_paused_state_bytes"):
         assert families[name].samples[0].value == 0, name
 

@@ -16,7 +16,6 @@ from diffrt.engine.sched.interface import (
     Scheduler,
 )
 from diffrt.engine.sched.policy import AdmissionPolicy, FifoPolicy
-from diffrt.engine.sched.slo import SloPolicy
 
 #: the automatic window: this share of the recent requests' run time ...
 AUTO_WINDOW_FRACTION = 0.1
@@ -143,27 +142,11 @@ class BaseScheduler(Scheduler):
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._paused)
 
-    @property
-    def preempting(self) -> bool:
-        """Running requests may be paused for more urgent ones (STEP_BATCH)."""
-        return False
-
     def lateness(self, record: RequestRecord, now: float) -> float | None:
-        """Seconds past its deadline ``record`` (not yet queued) would finish
-        if queued at ``now`` (<= 0: in time), behind the running requests and
-        the queued or paused ones ``slo`` ranks before it; None without a
-        deadline, an ``slo`` policy or a measured step time."""
-        policy, deadline = self.policy, record.request.sampling_params.deadline_s
-        if deadline is None or not isinstance(policy, SloPolicy):
-            return None
-        mine = policy.rank(record, now)[:2]  # the queued ones of its rank came first
-        # the running requests it would not pause (all of them, without preemption)
-        running = [r for r in self._running
-                   if not self.preempting or policy.urgency(r) <= policy.urgency(record)]
-        ahead = [*running, *(r for r in (*self._waiting, *self._paused)
-                             if policy.rank(r, now)[:2] <= mine)]
-        finish = policy.finish_estimate(record, ahead, now)
-        return None if finish is None else finish - (record.arrival + deadline)
+        """As the policy judges it (``AdmissionPolicy.lateness``), beside the
+        running requests and the queued or paused ones."""
+        return self.policy.lateness(record, self._running, [*self._waiting, *self._paused],
+                                    self.preempting, now)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests

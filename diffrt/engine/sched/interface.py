@@ -157,6 +157,12 @@ class Scheduler(ABC):
     def has_request(self, request_id: str) -> bool:
         """True while ``request_id`` is queued or running here."""
 
+    @property
+    def preempting(self) -> bool:
+        """Running requests may be paused for more urgent ones (STEP_BATCH
+        with a preempting policy)."""
+        return False
+
     def lateness(self, record: RequestRecord, now: float) -> float | None:
         """Seconds past its deadline ``record`` would finish if queued at
         ``now`` (<= 0: in time); None where the scheduler cannot tell."""

@@ -44,8 +44,8 @@ class AdmissionPolicy(ABC):
         join a batch of ``key`` (None: a new batch, keyed by the first request
         the policy takes), in the order they are to be admitted."""
 
-    def waited(self, records: Sequence[RequestRecord]) -> None:
-        """A scheduler tick passed and ``records`` still wait (aging)."""
+    def waited(self, records: Sequence[RequestRecord], now: float) -> None:
+        """A scheduler tick passed at ``now`` and ``records`` still wait (aging)."""
         return None
 
     def urgency(self, record: RequestRecord) -> int:
@@ -62,6 +62,14 @@ class AdmissionPolicy(ABC):
         """The rows of ``batch`` to keep for its deadlines, and the urgency
         they were kept for (None: all kept)."""
         return list(batch), None
+
+    def lateness(self, record: RequestRecord, running: Sequence[RequestRecord],
+                 queued: Sequence[RequestRecord], preempting: bool,
+                 now: float) -> float | None:
+        """Seconds past its deadline ``record`` would finish if queued at
+        ``now`` beside ``running`` and ``queued`` (waiting or paused) requests
+        (<= 0: in time); None where this policy cannot tell."""
+        return None
 
 
 class FifoPolicy(AdmissionPolicy):

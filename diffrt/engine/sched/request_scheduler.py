@@ -30,7 +30,7 @@ class RequestScheduler(BaseScheduler):
         wave = self._admit(None, self.max_num_seqs, now)
         if not wave:
             return None
-        self.policy.waited(self._waiting)  # a wave passed them by
+        self.policy.waited(self._waiting, now)  # a wave passed them by
         ids = [record.request_id for record in wave]
         self._in_flight.update(ids)
         return SchedulerOutput(new=[record.request for record in wave], scheduled_ids=ids)

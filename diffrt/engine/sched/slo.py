@@ -1,23 +1,30 @@
 """The ``slo`` policy: priority first, then least slack to the deadline, with aging.
 
-Every request ranks by ``(urgency, slack, seq)``, smallest first:
+Every request ranks by ``(urgency, lost, slack, seq)``, smallest first:
 
 * ``urgency`` is its ``SamplingParams.priority`` (lower runs first, vLLM's
   convention) less one for every ``aging_ticks`` scheduler ticks it has
-  waited, queued or paused (``RequestRecord.waited_ticks``; a tick is a
-  schedule that ran). Every waiting request ages alike, so among them
-  urgency orders by arrival tick + priority x ``aging_ticks``: a request of
-  priority ``p`` is passed only by requests of priority ``q`` that arrived
-  less than ``(p - q) * aging_ticks`` ticks after it, a FIFO on that virtual
-  arrival, so a sustained stream of urgent requests cannot starve it.
-  Ticks, not seconds, so the order is deterministic.
+  aged (``RequestRecord.waited_ticks``; a tick is a schedule that ran). A
+  request ages while it waits, queued or paused, without a deadline or past
+  it; before its deadline its slack speaks for it (aging it then would put
+  work that can still wait above another class's promise). Among aging
+  requests urgency orders by the tick aging began + priority x
+  ``aging_ticks``, a FIFO on that virtual arrival: a request of priority
+  ``p`` is passed by aging requests of priority ``q`` only if they began
+  aging less than ``(p - q) * aging_ticks`` ticks after it, and by requests
+  within their deadline (urgency >= -10) for at most ``(p + 11) *
+  aging_ticks`` ticks of its aging. So a sustained stream of urgent requests
+  cannot starve it. Ticks, not seconds, so the order is deterministic.
+* ``lost``: within a class the requests that can still meet their deadline
+  go first; those without one and those that cannot (negative slack) follow
+  in arrival order (``seq``), so under overload the latest request does not
+  go first and make every one behind it late too (EDF's domino effect).
 * ``slack`` is ``deadline - now - remaining work``: the seconds it could
   still wait and meet its ``deadline_s`` (counted from its arrival). The
   remaining work is its remaining denoise steps times its step time alone
   from the engine's measured step-time model (``StepCost``: the
   ``RunTimeModel``'s overhead plus per-unit cost of its rows and tokens, CFG
-  doubling its rows). A request without a deadline has infinite slack: within
-  its class it runs after those with one, and it ages like any other.
+  doubling its rows); before a measured tick it is the time to the deadline.
 * ``seq`` (arrival order) breaks ties.
 
 ``urgency`` also decides preemption (``StepScheduler``): a running request is
@@ -84,8 +91,15 @@ class SloPolicy(AdmissionPolicy):
             return math.inf
         return record.arrival + deadline - now - self.remaining_s(record)
 
-    def rank(self, record: RequestRecord, now: float) -> tuple[int, float, int]:
-        return self.urgency(record), self.slack(record, now), record.seq
+    def rank(self, record: RequestRecord, now: float) -> tuple[int, bool, float, int]:
+        """Within a class, requests that can still meet their deadline first,
+        least slack first; then the rest in arrival order: those without one
+        and those that are lost (negative slack), so the latest request does
+        not go first and make the ones behind it late too (EDF's domino
+        effect under overload)."""
+        slack = self.slack(record, now)
+        feasible = 0 <= slack < math.inf
+        return self.urgency(record), not feasible, slack if feasible else 0.0, record.seq
 
     def ordered(self, records: Sequence[RequestRecord], now: float) -> list[RequestRecord]:
         """``records``, most urgent first."""
@@ -112,9 +126,14 @@ class SloPolicy(AdmissionPolicy):
                 break
         return chosen
 
-    def waited(self, records: Sequence[RequestRecord]) -> None:
+    def waited(self, records: Sequence[RequestRecord], now: float) -> None:
+        """A request ages while it has no deadline or its deadline has passed:
+        before that its slack speaks for it, and aging it then would rank
+        work that can still wait above another class's promise."""
         for record in records:
-            record.waited_ticks += 1
+            deadline = record.request.sampling_params.deadline_s
+            if deadline is None or now > record.arrival + deadline:
+                record.waited_ticks += 1
 
     # -- the step's size for the deadlines in it ----------------------------------------
     def on_time(self, batch: Sequence[RequestRecord], now: float) -> tuple[
@@ -154,6 +173,21 @@ class SloPolicy(AdmissionPolicy):
         return kept, protected
 
     # -- refusal by deadline ------------------------------------------------------------
+    def lateness(self, record: RequestRecord, running: Sequence[RequestRecord],
+                 queued: Sequence[RequestRecord], preempting: bool,
+                 now: float) -> float | None:
+        """Behind the running requests it would not pause (all of them
+        without preemption) and the queued ones ranked before it (those of its
+        own rank came first); None without a deadline or a measured step."""
+        deadline = record.request.sampling_params.deadline_s
+        if deadline is None:
+            return None
+        mine = self.rank(record, now)[:3]
+        ahead = [*(r for r in running if not preempting or self.urgency(r) <= self.urgency(record)),
+                 *(r for r in queued if self.rank(r, now)[:3] <= mine)]
+        finish = self.finish_estimate(record, ahead, now)
+        return None if finish is None else finish - (record.arrival + deadline)
+
     def finish_estimate(self, record: RequestRecord, ahead: Iterable[RequestRecord],
                         now: float) -> float | None:
         """When ``record`` would finish if the requests ``ahead`` of it (the

@@ -125,7 +125,7 @@ class StepScheduler(BaseScheduler):
                               steps=self._steps_for_tick(drops))
         if out.is_empty:
             return None
-        self.policy.waited([*self._waiting, *self._paused])  # a tick passed them by
+        self.policy.waited([*self._waiting, *self._paused], now)  # a tick passed them by
         self._in_flight.update(ids)
         return out
 
