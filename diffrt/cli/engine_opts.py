@@ -86,6 +86,23 @@ def positive_float(text: str) -> float:
     return value
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """``24GiB``, ``512MiB``, ``1.5GB`` or a plain number of bytes."""
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (KeyError, ValueError):
+        raise ValueError(f"expected bytes (e.g. 24GiB, 512MiB, 1000000), got {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite size, got {text!r}")
+    return int(value)
+
+
 def _bool(text: str) -> bool:
     value = {"on": True, "true": True, "yes": True, "1": True,
              "off": False, "false": False, "no": False, "0": False}.get(text.lower())
@@ -99,8 +116,9 @@ def _bounded(convert: Callable[[str], Any], bounds: dict[str, Any]) -> Callable[
     def parse(text: str) -> Any:
         try:
             value = convert(text)
-        except ValueError:
+        except ValueError as exc:
             raise argparse.ArgumentTypeError(
+                str(exc) if convert is byte_size else
                 f"expected {'a whole number' if convert is int else 'a number'}, got {text!r}"
             ) from None
         if bounds and isinstance(value, float) and not math.isfinite(value):
@@ -186,8 +204,10 @@ def _add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: D
     elif field.kind in ("int", "float"):
         # the flag converts; the limits are the engine's check, whose error
         # names the field in one line (bench --compare checks them at once)
-        convert = _bounded(int if field.kind == "int" else float, {})
-        parse = _bounded(int if field.kind == "int" else float, field.bounds)
+        number: Callable[[str], Any] = (byte_size if field.extra.get("unit") == "bytes" else
+                                        int if field.kind == "int" else float)
+        convert = _bounded(number, {})
+        parse = _bounded(number, field.bounds)
         if field.optional:
             convert, parse = _optional(convert), _optional(parse)
         kw.update(type=convert, metavar="N")

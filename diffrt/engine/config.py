@@ -166,6 +166,7 @@ class EngineConfig:
         self._check_devices(platform)
         ex = self.executor
         spec = self.model_spec()
+        self._check_weights(platform, spec)
         options = {name: getattr(ex, name) for name in ExecutorOptions.__struct_fields__}
         options["worker_env"] = {**cpu_worker_env(platform), **ex.worker_env}
         options["max_pending_output_bytes"] = min(ex.max_pending_output_bytes,
@@ -204,6 +205,35 @@ class EngineConfig:
             raise EngineConfigError(field, (
                 f"cfg_parallel_size x ulysses_degree x ring_degree = {self.ranks} ranks, one "
                 f"device each, but {devices} {platform.device_type} device(s) are visible"))
+
+    def _check_weights(self, platform: Platform, spec: ModelSpec) -> None:
+        """``fp8`` only where the device multiplies float8; the weights'
+        estimate (from the folder's headers) within ``device_memory_budget``."""
+        m = self.model_config
+        if m.quantization == "fp8" and not platform.fp8_matmul_supported():
+            raise EngineConfigError("quantization", (
+                f"fp8 needs float8 matmuls, which {platform.device_type} does not have "
+                "(CUDA compute capability 8.9+, ROCm MI300+); int8 or fp8-storage run "
+                "everywhere"))
+        if m.device_memory_budget is None or spec.folder is None:
+            return
+        from diffrt.engine.memory_estimate import value_bytes
+        from diffrt.engine.weights.budget import (
+            component_shapes,
+            device_bytes,
+            refusal,
+            weight_settings,
+        )
+
+        size = value_bytes(m.dtype, platform)
+        on_cpu = platform.device_type == "cpu"
+        need = device_bytes(component_shapes(spec.folder), size, quantization=m.quantization,
+                            text_encoder_quantization=m.text_encoder_quantization,
+                            offload_text_encoders=m.offload_text_encoders and not on_cpu)
+        if need > m.device_memory_budget:
+            raise EngineConfigError("device_memory_budget", refusal(
+                need, m.device_memory_budget, spec.folder, size, current=weight_settings(m),
+                methods=usable_methods(spec, platform), on_cpu=on_cpu))
 
     # -- checks across fields ---------------------------------------------------------------------
     def _check_combinations(self) -> None:
@@ -257,6 +287,18 @@ class EngineConfig:
             spec.check_parallel(self.parallel_degrees(), self.parallel.vae_parallel)
         except ParallelConfigError as e:
             raise EngineConfigError(e.field, str(e)) from e
+        for name in ("quantization", "text_encoder_quantization"):
+            method = getattr(self.model_config, name)
+            if method != "none" and method not in spec.quantization:
+                raise EngineConfigError(name, (
+                    f"model {self.model!r} ({spec.family}) takes "
+                    f"{', '.join(spec.quantization) or 'no lower-precision weights'}, "
+                    f"not {method!r}"))
+            if method in ("int8", "fp8"):
+                from diffrt.engine.weights.quantize import TORCHAO_MISSING, torchao_available
+
+                if not torchao_available():
+                    raise EngineConfigError(name, TORCHAO_MISSING)
         step_execution = self.scheduling.step_execution
         if step_execution and not spec.supports_step_execution:
             raise EngineConfigError(
@@ -270,6 +312,11 @@ class EngineConfig:
                 f"model {self.model!r} ({spec.family}) does not support request batching; "
                 "use max_num_seqs=1 or step_execution=True",
             )
+
+
+def usable_methods(spec: ModelSpec, platform: Platform) -> list[str]:
+    """The weight methods of ``spec`` that ``platform`` runs."""
+    return [q for q in spec.quantization if q != "fp8" or platform.fp8_matmul_supported()]
 
 
 def _rebuild(settings: dict[str, Any]) -> EngineConfig:

@@ -35,7 +35,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import overload
 
-from diffrt.engine.config import EngineConfig, EngineMode
+from diffrt.engine.config import EngineConfig, EngineConfigError, EngineMode, usable_methods
 from diffrt.engine.core import EngineCore, restart_worst_case_s
 from diffrt.engine.errors import (
     DeadlineUnmeetableError,
@@ -64,7 +64,7 @@ from diffrt.engine.postprocess import output_postprocessor
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.run_time import RunTimeModel
-from diffrt.engine.runner_messages import DropLora, ExecuteBatch
+from diffrt.engine.runner_messages import CountWeights, DropLora, ExecuteBatch, WeightBytes
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 from diffrt.engine.sched import (
     RequestScheduler,
@@ -76,6 +76,7 @@ from diffrt.engine.seats import Seat
 from diffrt.engine.stats import EngineStats
 from diffrt.engine.submission import accept, timeout_of
 from diffrt.engine.token_budget import derived_token_budget
+from diffrt.engine.weights.budget import refusal, weight_settings
 from diffrt.runtime.executor import Executor
 from diffrt.runtime.factory import make_executor
 
@@ -188,6 +189,7 @@ class DiffusionEngine:
             executor.shutdown()
             raise
         try:
+            engine._count_weights()
             for name, path in config.model_config.lora_modules.items():
                 engine.add_lora(name, path)
         except BaseException:
@@ -205,6 +207,33 @@ class DiffusionEngine:
                     config.model_config.model, engine.mode.value,
                     config.scheduling.max_num_seqs, config.executor.executor_backend)
         return engine
+
+    #: what the loaded weights hold, per component and device (``CountWeights``
+    #: at start; None until then, or with an executor that loads nothing)
+    weight_bytes: WeightBytes | None = None
+
+    def _count_weights(self) -> None:
+        """What the loaded weights hold (``weight_bytes``), logged; past
+        ``device_memory_budget`` the start fails naming what would fit."""
+        replies = self.executor.collective_rpc(CountWeights())
+        report = next((r for r in replies if isinstance(r, WeightBytes)), None)
+        if report is None:
+            return  # an executor of a test's own that loads nothing
+        self.weight_bytes = report
+        logger.info("resident weights: %s", ", ".join(
+            f"{name} ({report.methods.get(name, 'none')}) "
+            + " + ".join(f"{n / 2**20:.1f} MiB {kind}" for kind, n in sorted(held.items()))
+            for name, held in report.components.items()))
+        from diffrt.platforms import current_platform
+
+        model = self.config.model_config
+        budget, kind = model.device_memory_budget, current_platform.device_type
+        on_device = sum(held.get(kind, 0) for held in report.components.values())
+        if budget is not None and on_device > budget:
+            raise EngineConfigError("device_memory_budget", refusal(
+                on_device, budget, self.spec.folder, value_bytes(model.dtype, current_platform),
+                current=weight_settings(model), methods=usable_methods(self.spec, current_platform),
+                on_cpu=kind == "cpu", measured=True))
 
     def _make_scheduler(self) -> Scheduler:
         from diffrt.platforms import current_platform

@@ -18,6 +18,7 @@ on to share one forward or one denoise step.
 from __future__ import annotations
 
 import enum
+import typing
 from collections.abc import Callable
 from typing import Literal
 
@@ -33,6 +34,7 @@ from diffrt.engine.sampling import (
     SamplingParams,
     filled,
 )
+from diffrt.engine.settings import QuantizationMethod
 
 #: what a model can be asked to do: draw from text, redraw an input image
 #: from a later step (``strength``), repaint a masked part of it, or edit it
@@ -111,6 +113,11 @@ class ParallelSupport(msgspec.Struct, frozen=True, kw_only=True):
     vae_class: str = "AutoencoderKL"
 
 
+#: every lower-precision weight method (what a family that applies them all declares)
+WEIGHT_METHODS: tuple[str, ...] = tuple(m for m in typing.get_args(QuantizationMethod)
+                                        if m != "none")
+
+
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     """What one model is and accepts; see the module docstring."""
 
@@ -167,6 +174,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: module names (diffusers' ``target_modules``) a LoRA adapter may change;
     #: empty: the model takes no adapters
     lora_target_modules: tuple[str, ...] = ()
+    #: lower-precision weight methods the family's pipeline applies
+    #: (``EngineConfig.quantization``; ``engine.weights.quantize``); empty: none
+    quantization: tuple[str, ...] = ()
     #: the most bytes one output pixel takes on its way to the host: 3 for
     #: uint8 RGB images, more for float32 latents of a VAE that downsamples
     #: little (what sizes the output arena, ``output_arena_bytes``)

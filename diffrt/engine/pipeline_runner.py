@@ -43,6 +43,7 @@ from diffrt.engine.runner_messages import (
     PIPELINE_PROTOCOL,
     BatchDone,
     CountStepStates,
+    CountWeights,
     DropLora,
     ExecuteBatch,
     ExecuteStep,
@@ -53,7 +54,9 @@ from diffrt.engine.runner_messages import (
     RunnerSettings,
     StepDone,
     StepStateCount,
+    WeightBytes,
 )
+from diffrt.engine.weights.resident import resident_bytes
 from diffrt.runtime.shm_transport import Arena
 from diffrt.runtime.types import RankFailure, RunnerResult
 
@@ -129,6 +132,13 @@ class PipelineRunner:
                                                          dtype=resolve_dtype(model.dtype,
                                                                              platform))
         self.pipeline.mixed_rows = resolve_mixed_rows(model.mixed_rows, platform)
+        if model.quantization != "none" or model.text_encoder_quantization != "none":
+            # before the parallel, LoRA and compile hooks: they see the quantised linears
+            self.pipeline.quantize_weights(model.quantization, model.text_encoder_quantization)
+        self._methods: dict[str, str] = {name: (model.quantization if name == "transformer" else
+                                model.text_encoder_quantization
+                                if name.startswith("text_encoder") else "none")
+                         for name in self.pipeline.weight_modules()}
         self.pipeline.configure_memory(vae_tiling=model.vae_tiling,
                                        vae_slicing=model.vae_slicing,
                                        offload_text_encoders=model.offload_text_encoders)
@@ -185,6 +195,9 @@ class PipelineRunner:
             case CountStepStates():
                 return StepStateCount(len(self.states), self.pipeline.cache_budget.used(),
                                       sum(state.nbytes() for state in self.states.values()))
+            case CountWeights():
+                return WeightBytes({name: resident_bytes(module) for name, module
+                                    in self.pipeline.weight_modules().items()}, self._methods)
             case LoadLora(adapter_id=adapter_id, path=path):
                 self._loader().start(adapter_id, path)
                 return LoraState("loading")

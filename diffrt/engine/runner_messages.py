@@ -82,7 +82,12 @@ class DropLora(msgspec.Struct, tag="drop_lora"):
     adapter_ids: list[int]
 
 
-RunnerRequest = ExecuteBatch | ExecuteStep | CountStepStates | LoadLora | LoraStatus | DropLora
+class CountWeights(msgspec.Struct, tag="count_weights"):
+    """The bytes the worker's loaded weights hold (``WeightBytes``)."""
+
+
+RunnerRequest = (ExecuteBatch | ExecuteStep | CountStepStates | LoadLora | LoraStatus | DropLora
+                 | CountWeights)
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -154,7 +159,16 @@ class LoraState(msgspec.Struct, tag="lora_state"):
     nbytes: int = 0
 
 
-RunnerReply = BatchDone | StepDone | StepStateCount | LoraState
+class WeightBytes(msgspec.Struct, tag="weight_bytes"):
+    #: component ("transformer", "vae", "text_encoder", ...) -> device type
+    #: ("cpu", "cuda", ...) -> bytes its weights' storages hold there
+    #: (``engine.weights.resident``)
+    components: dict[str, dict[str, int]]
+    #: the weight method each component runs with ("none": as loaded)
+    methods: dict[str, str] = {}
+
+
+RunnerReply = BatchDone | StepDone | StepStateCount | LoraState | WeightBytes
 
 PIPELINE_PROTOCOL = RunnerProtocol(settings=RunnerSettings, requests=RunnerRequest,
                                    replies=RunnerReply)

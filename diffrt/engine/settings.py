@@ -26,6 +26,10 @@ DEFAULT_MODEL = "diffrt-shapes"
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Policy = Literal["fifo", "skip_ahead", "slo"]
 MixedRows = Literal["auto", "padded", "by_size", "packed"]
+#: lower-precision weights (``engine.weights.quantize``); text encoders run once
+#: per prompt, so float8 matmuls would buy nothing there
+QuantizationMethod = Literal["none", "fp8-storage", "int8", "fp8"]
+TextQuantizationMethod = Literal["none", "fp8-storage", "int8"]
 
 #: the two coalescing windows, in ms: None (automatic) or a finite number >= 0
 _AUTOMATIC = ("None (the default) sizes it from measured request run times (a tenth of "
@@ -70,6 +74,18 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         "decode one image at a time (large batches on one device)"))] = False
     offload_text_encoders: Annotated[bool, Meta(description=(
         "keep text encoders on the CPU between encodings (small devices)"))] = False
+    quantization: Annotated[QuantizationMethod, Meta(description=(
+        "the transformer's weights: none (as loaded), fp8-storage (stored as float8 e4m3, "
+        "cast per layer to the compute dtype; every device), int8 (weight-only, one scale "
+        "per output channel, torchao; on CPU it saves memory, not time) or fp8 (float8 "
+        "matmuls, torchao; only a device that has them)"))] = "none"
+    text_encoder_quantization: Annotated[TextQuantizationMethod, Meta(description=(
+        "the text encoders' weights: none, fp8-storage or int8, as quantization"))] = "none"
+    device_memory_budget: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(
+        extra={"unit": "bytes"}, description=(
+            "the bytes each worker's weights may take on its device (the CLI takes 24GiB, "
+            "512MiB): a configuration whose resident weights pass it is refused at start, "
+            "naming the options that would make it fit; None: no bound"))] = None
     plugin_modules: Annotated[tuple[Annotated[str, Meta(min_length=1)], ...], Meta(description=(
         "modules imported before the model is resolved, here and in each worker, e.g. one "
         "that registers a model family"))] = ()

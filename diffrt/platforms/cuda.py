@@ -34,6 +34,11 @@ class CudaPlatform(TorchAcceleratorPlatform):
     # torch's public cudart() binding (ROCm's torch maps it to hipHostRegister)
     host_register_api = ("cudart", "cudaHostRegister", "cudaHostUnregister")
 
+    def fp8_matmul_supported(self) -> bool:
+        """Compute capability 8.9 (Ada) or later: torch's ``_scaled_mm`` rule
+        (``PLATFORM_SUPPORTS_FP8`` in torch/testing/_internal/common_cuda.py)."""
+        return self.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
     def varlen_attention(self, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
         """flash-attention's ``flash_attn_varlen_func(q, k, v, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False)`` with the same

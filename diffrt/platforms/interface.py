@@ -112,6 +112,12 @@ class Platform:
         platform that cannot tell answers False: the safe half type is float16."""
         return False
 
+    def fp8_matmul_supported(self) -> bool:
+        """Whether the device multiplies float8 matrices natively (what
+        ``quantization="fp8"`` needs). A platform that cannot tell answers
+        False, and the method is refused there."""
+        return False
+
     def distributed_backend(self) -> str:
         """The ``torch.distributed`` backend name for several ranks, after
         loading whatever registers it; raises where this stack has none."""

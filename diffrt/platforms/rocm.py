@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import torch
+
 from diffrt.platforms.cuda import CudaPlatform
 
 HIP_VARS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
@@ -18,6 +20,14 @@ class RocmPlatform(CudaPlatform):
     # ROCR_VISIBLE_DEVICES filters in the ROCm runtime; HIP_VISIBLE_DEVICES (or
     # its alias CUDA_VISIBLE_DEVICES) then indexes what is left.
     device_control_env_vars = HIP_VARS + ("ROCR_VISIBLE_DEVICES",)
+
+    def fp8_matmul_supported(self) -> bool:
+        """MI300 (gfx94x) or later (gfx95x): torch's ``PLATFORM_SUPPORTS_FP8``
+        rule for ROCm (torch/testing/_internal/common_cuda.py)."""
+        if not self.is_available():
+            return False
+        arch = getattr(torch.cuda.get_device_properties(0), "gcnArchName", "")
+        return arch.startswith(("gfx94", "gfx95"))
 
     @classmethod
     def rank_pinning_env(cls, rank: int, environ: Mapping[str, str],

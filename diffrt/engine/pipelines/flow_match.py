@@ -211,6 +211,27 @@ class FlowMatchPipeline(DiffusionPipeline):
         if offload_text_encoders and callable(offload):
             offload()
 
+    # -- weights (``engine.weights``) ------------------------------------------------------
+    def weight_modules(self) -> dict[str, torch.nn.Module]:
+        """Component name -> its module: the transformer, the VAE and each
+        text encoder (``text_encoder``, ``text_encoder_2``, ...)."""
+        encoder = getattr(self.text_encoder, "encoder", self.text_encoder)  # under the cache
+        components = getattr(getattr(encoder, "pipeline", None), "components", {})
+        texts = {name: module for name, module in components.items()
+                 if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)}
+        return {"transformer": self.eager_transformer, "vae": self.vae, **texts}
+
+    def quantize_weights(self, method: str, text_method: str = "none") -> None:
+        """The transformer's weights to ``method``, the text encoders' to
+        ``text_method`` (``engine.weights.quantize``); before LoRA, parallel
+        and compile hooks, which then see the quantised modules."""
+        from diffrt.engine.weights.quantize import quantize_module
+
+        for name, module in self.weight_modules().items():
+            chosen = method if name == "transformer" else (
+                text_method if name.startswith("text_encoder") else "none")
+            quantize_module(module, chosen, self.dtype)
+
     def enable_parallel(self, groups: Any, *, vae_parallel: bool = False) -> None:
         """CFG branches over ``groups.cfg``, image tokens over
         ``groups.sequence`` (the family's ``enable_sequence_parallel``), the

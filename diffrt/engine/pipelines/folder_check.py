@@ -201,7 +201,7 @@ def check_weights_match(sub: str, name: str, library: str, cls: type) -> None:
     ``sub`` are not those of the model its config.json builds: a repeated
     block counted differently, or a tensor of another shape. Nothing is said
     of what cannot be told apart from a checkpoint's renamed keys."""
-    weights = _weight_shapes(sub)
+    weights = weight_shapes(sub)
     if not weights:  # pickled weights only: not read here
         return
     try:
@@ -214,7 +214,7 @@ def check_weights_match(sub: str, name: str, library: str, cls: type) -> None:
                              f"config.json: {problem}")
 
 
-def _weight_shapes(sub: str) -> dict[str, tuple[int, ...]]:
+def weight_shapes(sub: str) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from the headers of the component's safetensors files
     (the default load's: no fp16/bf16 variants)."""
     shapes: dict[str, tuple[int, ...]] = {}

@@ -238,6 +238,16 @@ class DiffusionPipeline(ABC):
         one image at a time (large batches), text encoders kept on the CPU
         between encodings (small devices). Pipelines without them ignore it."""
 
+    def weight_modules(self) -> dict[str, torch.nn.Module]:
+        """Component name -> module, for counting resident weight bytes
+        (``engine.weights.resident``); empty where a pipeline has none."""
+        return {}
+
+    def quantize_weights(self, method: str, text_method: str = "none") -> None:
+        """Convert the weights (``EngineConfig.quantization``); a pipeline whose
+        spec declares no methods is never asked."""
+        raise NotImplementedError(f"{self.name} has no lower-precision weights")
+
     def enable_loras(self, slots: int) -> dict[str, tuple[int, int]]:
         """Give the denoiser ``slots`` device slots for LoRA adapters applied
         per row (``row_loras``); return its linear layers, name -> (out, in),

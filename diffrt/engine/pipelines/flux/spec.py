@@ -5,6 +5,7 @@ from __future__ import annotations
 from diffrt.engine.cache.policies import POLICIES
 from diffrt.engine.model_spec import (
     TEXT_TO_IMAGE_TASKS,
+    WEIGHT_METHODS,
     CacheSupport,
     CfgRule,
     ModelSpec,
@@ -90,7 +91,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
                                   guidance_scale=3.5),
         cfg_rule=CfgRule.TRUE_CFG_AND_NEGATIVE,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
-        lora_target_modules=LORA_TARGET_MODULES,
+        lora_target_modules=LORA_TARGET_MODULES, quantization=WEIGHT_METHODS,
         cache=CacheSupport(policies=POLICIES, teacache_rescale=teacache_rescale(folder)),
         transformer_width=attention_width(folder),
         text_tokens=tokenizer_max_length(folder, "tokenizer_2", 512),  # as its encoding

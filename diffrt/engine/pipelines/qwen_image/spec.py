@@ -5,6 +5,7 @@ from __future__ import annotations
 from diffrt.engine.cache.policies import POLICIES
 from diffrt.engine.model_spec import (
     TEXT_TO_IMAGE_TASKS,
+    WEIGHT_METHODS,
     CacheSupport,
     CfgRule,
     ModelSpec,
@@ -78,7 +79,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         mixed_sizes=not any(folder.transformer_config.get(option) for option in EDIT_OPTIONS),
         parallel=ParallelSupport() if edit else sequence_parallel_support(
             folder, "AutoencoderKLQwenImage"),
-        lora_target_modules=LORA_TARGET_MODULES,
+        lora_target_modules=LORA_TARGET_MODULES, quantization=WEIGHT_METHODS,
         # the step caches cut diffusers' forward, which the edit variants' options change
         cache=CacheSupport(policies=() if options else POLICIES),
         # its text follows each prompt (padded to the batch's longest): the

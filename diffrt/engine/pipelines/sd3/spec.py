@@ -5,6 +5,7 @@ from __future__ import annotations
 from diffrt.engine.cache.policies import POLICIES
 from diffrt.engine.model_spec import (
     TEXT_TO_IMAGE_TASKS,
+    WEIGHT_METHODS,
     CacheSupport,
     CfgRule,
     ModelSpec,
@@ -56,7 +57,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
         parallel=sequence_parallel_support(folder, "AutoencoderKL"),
-        lora_target_modules=LORA_TARGET_MODULES,
+        lora_target_modules=LORA_TARGET_MODULES, quantization=WEIGHT_METHODS,
         cache=CacheSupport(policies=POLICIES),
         transformer_width=attention_width(folder), text_tokens=TEXT_TOKENS,
         output_bytes_per_pixel=output_bytes_per_pixel(int(folder.vae_config.get("latent_channels", 16)), factor))

@@ -1,0 +1,140 @@
+"""Whether a model's weights fit ``device_memory_budget``, and what would.
+
+Before anything loads, each component's weight bytes are estimated from its
+safetensors headers (names, shapes) under the configured methods; after the
+workers load, the bytes their storages hold (``resident``) are checked
+again. A configuration over the budget is refused naming the settings
+(``quantization``, ``text_encoder_quantization``, ``offload_text_encoders``)
+whose estimate fits, fewest changes first.
+
+The estimate per tensor: as loaded, its elements at the compute dtype's
+size. A linear layer (a 2-D ``<name>.weight`` other than a text encoder's token or position
+table, ``TOKEN_EMBEDDING``) under ``int8`` takes one byte
+an element plus a scale and a zero point per output channel; under ``fp8``
+one byte plus a float32 scale per row; under ``fp8-storage`` one byte an
+element for it and its bias — except the layers diffusers' layerwise
+casting skips (norms, embeddings, the patch projections), while the token
+tables are cast too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+from collections.abc import Iterable
+
+#: diffusers' ``DEFAULT_SKIP_MODULES_PATTERN`` (hooks/layerwise_casting.py),
+#: the layers ``fp8-storage`` leaves as loaded
+FP8_STORAGE_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
+#: the text encoders' ``nn.Embedding`` tables (CLIP, T5, Qwen2.5-VL names):
+#: 2-D like a linear's weight, but neither torchao method quantises them
+TOKEN_EMBEDDING = re.compile(r"(token_embedding|position_embedding|embed_tokens|^shared)$")
+
+
+def _stored_in_fp8(layer: str) -> bool:
+    """diffusers matches its patterns against each module's full name."""
+    return not any(re.search(pattern, layer) for pattern in FP8_STORAGE_SKIP)
+
+
+def tensor_bytes(shapes: dict[str, tuple[int, ...]], method: str, value_bytes: int) -> int:
+    """Estimated bytes of one component's tensors (``shapes``: name -> shape)
+    under ``method`` at ``value_bytes`` per value."""
+    linears = {name[:-len(".weight")] for name, shape in shapes.items()
+               if name.endswith(".weight") and len(shape) == 2
+               and not TOKEN_EMBEDDING.search(name[:-len(".weight")])}
+    total = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        layer, _, leaf = name.rpartition(".")
+        if method == "fp8-storage":  # every layer but the skipped ones, tables included
+            total += numel * (1 if _stored_in_fp8(layer) else value_bytes)
+        elif method == "none" or layer not in linears:
+            total += numel * value_bytes
+        elif leaf != "weight":  # a quantised linear's bias stays as loaded
+            total += numel * value_bytes
+        elif method == "int8":
+            total += numel + shape[0] * (value_bytes + 1)
+        else:  # fp8: float8 values, one float32 scale a row
+            total += numel + shape[0] * 4
+    return total
+
+
+def component_shapes(folder: str) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Component -> its tensors' shapes, from the folder's safetensors headers
+    (the transformer, the VAE, the text encoders)."""
+    from diffrt.engine.pipelines.folder_check import weight_shapes
+
+    return {name: weight_shapes(os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+            if (name in ("transformer", "vae") or name.startswith("text_encoder"))
+            and os.path.isdir(os.path.join(folder, name))}
+
+
+def device_bytes(shapes: dict[str, dict[str, tuple[int, ...]]], value_bytes: int, *,
+                 quantization: str, text_encoder_quantization: str,
+                 offload_text_encoders: bool) -> int:
+    """Estimated weight bytes on the device under these settings."""
+    total = 0
+    for name, tensors in shapes.items():
+        text = name.startswith("text_encoder")
+        if text and offload_text_encoders:
+            continue
+        method = (text_encoder_quantization if text else
+                  quantization if name == "transformer" else "none")
+        total += tensor_bytes(tensors, method, value_bytes)
+    return total
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def what_fits(shapes: dict[str, dict[str, tuple[int, ...]]], value_bytes: int, budget: int, *,
+              current: dict[str, object], methods: Iterable[str], on_cpu: bool) -> str:
+    """The settings whose estimate fits ``budget`` (at most three, fewest
+    changes from ``current`` first), or the smallest estimate when none does."""
+    text_methods = ("none", "fp8-storage", "int8")
+    offloads = [False] if on_cpu else [False, True]
+    options = []
+    for quant, text, offload in itertools.product(["none", *methods], text_methods, offloads):
+        choice = {"quantization": quant, "text_encoder_quantization": text,
+                  "offload_text_encoders": offload}
+        need = device_bytes(shapes, value_bytes, quantization=quant,
+                            text_encoder_quantization=text, offload_text_encoders=offload)
+        changes = {k: v for k, v in choice.items() if current.get(k) != v}
+        options.append((len(changes), need, changes))
+    fits = sorted((o for o in options if o[1] <= budget and o[0]), key=lambda o: (o[0], o[1]))
+    if not fits:
+        smallest = min(options, key=lambda o: o[1])
+        return (f"no weight setting fits it (the smallest, "
+                f"{_settings(smallest[2]) or 'as configured'}, needs about {_gib(smallest[1])})")
+    return "it fits with " + " or ".join(
+        f"{_settings(changes)} (about {_gib(need)})" for _, need, changes in fits[:3])
+
+
+def refusal(need: int, budget: int, folder: str | None, value_bytes: int, *,
+            current: dict[str, object], methods: Iterable[str], on_cpu: bool,
+            measured: bool = False) -> str:
+    """The one-line reason a configuration over ``device_memory_budget`` is
+    refused: what it needs and, from the folder's estimate, what would fit."""
+    what = "the loaded weights hold" if measured else "the weights need about"
+    line = (f"{what} {_gib(need)} on the device, over the budget of {_gib(budget)}")
+    if folder is None:
+        return line
+    return line + "; " + what_fits(component_shapes(folder), value_bytes, budget,
+                                   current=current, methods=methods, on_cpu=on_cpu)
+
+
+def weight_settings(model: object) -> dict[str, object]:
+    """The settings ``what_fits`` varies, as ``model`` (a ModelConfig) has them."""
+    return {name: getattr(model, name) for name in (
+        "quantization", "text_encoder_quantization", "offload_text_encoders")}
+
+
+def _settings(changes: dict[str, object]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in changes.items())
+
+
+__all__ = ["FP8_STORAGE_SKIP", "TOKEN_EMBEDDING", "component_shapes", "device_bytes", "refusal",
+           "tensor_bytes", "weight_settings", "what_fits"]

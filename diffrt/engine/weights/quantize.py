@@ -1,0 +1,104 @@
+"""Lower-precision weights for a loaded component, through the libraries that
+own them: diffusers' layerwise casting and torchao's ``quantize_``.
+
+* ``fp8-storage``: parameters stored as float8 e4m3 and cast to the compute
+  dtype around each layer's forward (diffusers' ``apply_layerwise_casting``;
+  norms, embeddings and the patch projections stay as loaded, diffusers'
+  default skip list). Every device runs it: the cast is an ordinary copy.
+* ``int8``: weight-only int8 with one scale per output channel (torchao's
+  ``Int8WeightOnlyConfig``) on every ``nn.Linear``. On CPU it dequantises
+  per call: it saves memory, not time.
+* ``fp8``: float8 weights *and* activations with per-row scales, matmuls in
+  float8 (torchao's ``Float8DynamicActivationFloat8WeightConfig``): only a
+  device with float8 matmuls (``Platform.fp8_matmul_supported``) runs it.
+
+Quantised linears stay ``nn.Linear`` modules (their weight a tensor
+subclass), so forward hooks — the per-row LoRA terms of ``lora.row_lora`` —
+apply on top of the quantised base as they do on a float one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from diffrt.engine.settings import QuantizationMethod
+
+METHODS: tuple[str, ...] = typing.get_args(QuantizationMethod)
+#: the methods that need torchao
+TORCHAO_METHODS = ("int8", "fp8")
+
+
+TORCHAO_MISSING = "int8 and fp8 weights need torchao: pip install 'diffrt[quant]'"
+
+
+class QuantizationUnavailable(RuntimeError):
+    """The method's library is not installed."""
+
+
+@contextlib.contextmanager
+def _quiet_torchao() -> Iterator[None]:
+    """torchao logs a warning per CUDA kernel library it cannot load when it
+    is imported on a host without those devices; they concern kernels no
+    method here uses on such a host."""
+    log = logging.getLogger("torchao")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _torchao() -> Any:
+    try:
+        with _quiet_torchao():
+            import torchao.quantization as quantization  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise QuantizationUnavailable(TORCHAO_MISSING) from exc
+    return quantization
+
+
+def torchao_available() -> bool:
+    try:
+        _torchao()
+    except QuantizationUnavailable:
+        return False
+    return True
+
+
+def _is_linear(module: torch.nn.Module, _fqn: str) -> bool:
+    return isinstance(module, torch.nn.Linear)
+
+
+def quantize_module(module: torch.nn.Module, method: str, compute_dtype: torch.dtype) -> None:
+    """Convert ``module``'s weights in place to ``method`` ("none": nothing)."""
+    if method == "none":
+        return
+    if method == "fp8-storage":
+        from diffusers.hooks import apply_layerwise_casting
+        from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+        apply_layerwise_casting(module, storage_dtype=torch.float8_e4m3fn,
+                                compute_dtype=compute_dtype,
+                                skip_modules_pattern=DEFAULT_SKIP_MODULES_PATTERN)
+        return
+    quantization = _torchao()
+    if method == "int8":
+        config = quantization.Int8WeightOnlyConfig()
+    elif method == "fp8":
+        config = quantization.Float8DynamicActivationFloat8WeightConfig(
+            granularity=quantization.PerRow())
+    else:
+        raise ValueError(f"quantization must be one of {METHODS}, got {method!r}")
+    with _quiet_torchao():
+        quantization.quantize_(module, config, filter_fn=_is_linear)
+
+
+__all__ = ["METHODS", "TORCHAO_METHODS", "TORCHAO_MISSING", "QuantizationUnavailable", "quantize_module",
+           "torchao_available"]
