@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/pip install -q -c requirements/cpu.txt -e '.[test,ray]' ./tests/plugins/diffrt_simdevice
+.venv/bin/pip install -q -c requirements/cpu.txt -e '.[test,ray,quant]' ./tests/plugins/diffrt_simdevice
 # the playground's browser test (DIFFRT_CHROMIUM names another one)
 if [ -z "${DIFFRT_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)

@@ -219,7 +219,7 @@ class EngineConfig:
             return
         from diffrt.engine.memory_estimate import value_bytes
         from diffrt.engine.weights.budget import (
-            component_shapes,
+            components,
             device_bytes,
             refusal,
             weight_settings,
@@ -227,7 +227,7 @@ class EngineConfig:
 
         size = value_bytes(m.dtype, platform)
         on_cpu = platform.device_type == "cpu"
-        need = device_bytes(component_shapes(spec.folder), size, quantization=m.quantization,
+        need = device_bytes(components(spec.folder), size, quantization=m.quantization,
                             text_encoder_quantization=m.text_encoder_quantization,
                             offload_text_encoders=m.offload_text_encoders and not on_cpu)
         if need > m.device_memory_budget:

@@ -24,6 +24,7 @@ import math
 import os
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 #: diffusers' ``DEFAULT_SKIP_MODULES_PATTERN`` (hooks/layerwise_casting.py),
 #: the layers ``fp8-storage`` leaves as loaded
@@ -33,14 +34,38 @@ FP8_STORAGE_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$
 TOKEN_EMBEDDING = re.compile(r"(token_embedding|position_embedding|embed_tokens|^shared)$")
 
 
-def _stored_in_fp8(layer: str) -> bool:
+def kept_patterns(folder: str) -> tuple[str, ...]:
+    """A component's own layers that ``fp8-storage`` leaves as loaded: its
+    class's ``_keep_in_fp32_modules`` (T5's ``wo``) and diffusers'
+    ``_skip_layerwise_casting_patterns``, from its config's class name."""
+    import json
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return ()
+    names = [config.get("_class_name"), *(config.get("architectures") or [])]
+    for library in ("diffusers", "transformers"):
+        module = __import__(library)
+        for name in names:
+            cls = getattr(module, name, None) if isinstance(name, str) else None
+            if cls is not None:
+                return (*(getattr(cls, "_keep_in_fp32_modules", None) or ()),
+                        *(getattr(cls, "_skip_layerwise_casting_patterns", None) or ()))
+    return ()
+
+
+def _stored_in_fp8(layer: str, kept: tuple[str, ...]) -> bool:
     """diffusers matches its patterns against each module's full name."""
-    return not any(re.search(pattern, layer) for pattern in FP8_STORAGE_SKIP)
+    return not any(re.search(pattern, layer) for pattern in (*FP8_STORAGE_SKIP, *kept))
 
 
-def tensor_bytes(shapes: dict[str, tuple[int, ...]], method: str, value_bytes: int) -> int:
+def tensor_bytes(shapes: dict[str, tuple[int, ...]], method: str, value_bytes: int,
+                 kept: tuple[str, ...] = ()) -> int:
     """Estimated bytes of one component's tensors (``shapes``: name -> shape)
-    under ``method`` at ``value_bytes`` per value."""
+    under ``method`` at ``value_bytes`` per value (``kept``: its own
+    ``kept_patterns``)."""
     linears = {name[:-len(".weight")] for name, shape in shapes.items()
                if name.endswith(".weight") and len(shape) == 2
                and not TOKEN_EMBEDDING.search(name[:-len(".weight")])}
@@ -49,7 +74,7 @@ def tensor_bytes(shapes: dict[str, tuple[int, ...]], method: str, value_bytes: i
         numel = math.prod(shape)
         layer, _, leaf = name.rpartition(".")
         if method == "fp8-storage":  # every layer but the skipped ones, tables included
-            total += numel * (1 if _stored_in_fp8(layer) else value_bytes)
+            total += numel * (1 if _stored_in_fp8(layer, kept) else value_bytes)
         elif method == "none" or layer not in linears:
             total += numel * value_bytes
         elif leaf != "weight":  # a quantised linear's bias stays as loaded
@@ -61,28 +86,40 @@ def tensor_bytes(shapes: dict[str, tuple[int, ...]], method: str, value_bytes: i
     return total
 
 
-def component_shapes(folder: str) -> dict[str, dict[str, tuple[int, ...]]]:
-    """Component -> its tensors' shapes, from the folder's safetensors headers
-    (the transformer, the VAE, the text encoders)."""
+@dataclass(frozen=True)
+class Component:
+    """One component's tensors (name -> shape, from its safetensors headers)
+    and the layers ``fp8-storage`` keeps (``kept_patterns``)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    kept: tuple[str, ...] = ()
+
+    def bytes(self, method: str, value_bytes: int) -> int:
+        return tensor_bytes(self.shapes, method, value_bytes, self.kept)
+
+
+def components(folder: str) -> dict[str, Component]:
+    """The transformer, the VAE and the text encoders of a diffusers folder."""
     from diffrt.engine.pipelines.folder_check import weight_shapes
 
-    return {name: weight_shapes(os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+    return {name: Component(weight_shapes(sub), kept_patterns(sub))
+            for name in sorted(os.listdir(folder))
             if (name in ("transformer", "vae") or name.startswith("text_encoder"))
-            and os.path.isdir(os.path.join(folder, name))}
+            and os.path.isdir(sub := os.path.join(folder, name))}
 
 
-def device_bytes(shapes: dict[str, dict[str, tuple[int, ...]]], value_bytes: int, *,
+def device_bytes(parts: dict[str, Component], value_bytes: int, *,
                  quantization: str, text_encoder_quantization: str,
                  offload_text_encoders: bool) -> int:
     """Estimated weight bytes on the device under these settings."""
     total = 0
-    for name, tensors in shapes.items():
+    for name, part in parts.items():
         text = name.startswith("text_encoder")
         if text and offload_text_encoders:
             continue
         method = (text_encoder_quantization if text else
                   quantization if name == "transformer" else "none")
-        total += tensor_bytes(tensors, method, value_bytes)
+        total += part.bytes(method, value_bytes)
     return total
 
 
@@ -90,7 +127,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def what_fits(shapes: dict[str, dict[str, tuple[int, ...]]], value_bytes: int, budget: int, *,
+def what_fits(parts: dict[str, Component], value_bytes: int, budget: int, *,
               current: dict[str, object], methods: Iterable[str], on_cpu: bool) -> str:
     """The settings whose estimate fits ``budget`` (at most three, fewest
     changes from ``current`` first), or the smallest estimate when none does."""
@@ -100,7 +137,7 @@ def what_fits(shapes: dict[str, dict[str, tuple[int, ...]]], value_bytes: int, b
     for quant, text, offload in itertools.product(["none", *methods], text_methods, offloads):
         choice = {"quantization": quant, "text_encoder_quantization": text,
                   "offload_text_encoders": offload}
-        need = device_bytes(shapes, value_bytes, quantization=quant,
+        need = device_bytes(parts, value_bytes, quantization=quant,
                             text_encoder_quantization=text, offload_text_encoders=offload)
         changes = {k: v for k, v in choice.items() if current.get(k) != v}
         options.append((len(changes), need, changes))
@@ -122,7 +159,7 @@ def refusal(need: int, budget: int, folder: str | None, value_bytes: int, *,
     line = (f"{what} {_gib(need)} on the device, over the budget of {_gib(budget)}")
     if folder is None:
         return line
-    return line + "; " + what_fits(component_shapes(folder), value_bytes, budget,
+    return line + "; " + what_fits(components(folder), value_bytes, budget,
                                    current=current, methods=methods, on_cpu=on_cpu)
 
 
@@ -136,5 +173,5 @@ def _settings(changes: dict[str, object]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in changes.items())
 
 
-__all__ = ["FP8_STORAGE_SKIP", "TOKEN_EMBEDDING", "component_shapes", "device_bytes", "refusal",
-           "tensor_bytes", "weight_settings", "what_fits"]
+__all__ = ["FP8_STORAGE_SKIP", "TOKEN_EMBEDDING", "Component", "components", "device_bytes",
+           "kept_patterns", "refusal", "tensor_bytes", "weight_settings", "what_fits"]

@@ -2,9 +2,10 @@
 own them: diffusers' layerwise casting and torchao's ``quantize_``.
 
 * ``fp8-storage``: parameters stored as float8 e4m3 and cast to the compute
-  dtype around each layer's forward (diffusers' ``apply_layerwise_casting``;
-  norms, embeddings and the patch projections stay as loaded, diffusers'
-  default skip list). Every device runs it: the cast is an ordinary copy.
+  dtype around each layer's forward (diffusers' layerwise casting; norms,
+  positional and patch embeddings and the patch projections stay as loaded,
+  diffusers' default skip list, with a model's ``_keep_in_fp32_modules``).
+  Every device runs it: the cast is an ordinary copy.
 * ``int8``: weight-only int8 with one scale per output channel (torchao's
   ``Int8WeightOnlyConfig``) on every ``nn.Linear``. On CPU it dequantises
   per call: it saves memory, not time.
@@ -19,10 +20,7 @@ apply on top of the quantised base as they do on a float one.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import typing
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,24 +39,9 @@ class QuantizationUnavailable(RuntimeError):
     """The method's library is not installed."""
 
 
-@contextlib.contextmanager
-def _quiet_torchao() -> Iterator[None]:
-    """torchao logs a warning per CUDA kernel library it cannot load when it
-    is imported on a host without those devices; they concern kernels no
-    method here uses on such a host."""
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
 def _torchao() -> Any:
     try:
-        with _quiet_torchao():
-            import torchao.quantization as quantization  # type: ignore[import-untyped]
+        import torchao.quantization as quantization  # type: ignore[import-untyped]
     except ImportError as exc:
         raise QuantizationUnavailable(TORCHAO_MISSING) from exc
     return quantization
@@ -81,12 +64,19 @@ def quantize_module(module: torch.nn.Module, method: str, compute_dtype: torch.d
     if method == "none":
         return
     if method == "fp8-storage":
+        enable = getattr(module, "enable_layerwise_casting", None)
+        if callable(enable):  # a diffusers model: its own skip list joins the default
+            enable(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype)
+            return
         from diffusers.hooks import apply_layerwise_casting
         from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
+        # a transformers model's fp32 modules stay as loaded: T5 casts its
+        # input to ``wo.weight``'s dtype before that layer's hook could run
+        keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
         apply_layerwise_casting(module, storage_dtype=torch.float8_e4m3fn,
                                 compute_dtype=compute_dtype,
-                                skip_modules_pattern=DEFAULT_SKIP_MODULES_PATTERN)
+                                skip_modules_pattern=(*DEFAULT_SKIP_MODULES_PATTERN, *keep))
         return
     quantization = _torchao()
     if method == "int8":
@@ -96,8 +86,7 @@ def quantize_module(module: torch.nn.Module, method: str, compute_dtype: torch.d
             granularity=quantization.PerRow())
     else:
         raise ValueError(f"quantization must be one of {METHODS}, got {method!r}")
-    with _quiet_torchao():
-        quantization.quantize_(module, config, filter_fn=_is_linear)
+    quantization.quantize_(module, config, filter_fn=_is_linear)
 
 
 __all__ = ["METHODS", "TORCHAO_METHODS", "TORCHAO_MISSING", "QuantizationUnavailable", "quantize_module",
