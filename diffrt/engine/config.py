@@ -215,6 +215,10 @@ class EngineConfig:
                 f"fp8 needs float8 matmuls, which {platform.device_type} does not have "
                 "(CUDA compute capability 8.9+, ROCm MI300+); int8 or fp8-storage run "
                 "everywhere"))
+        if m.offload == "layerwise" and platform.host_is_device:
+            raise EngineConfigError("offload", (
+                f"layerwise offload moves blocks from host to device memory; on "
+                f"{platform.name} the host is the device"))
         if m.device_memory_budget is None or spec.folder is None:
             return
         from diffrt.engine.memory_estimate import value_bytes
@@ -260,6 +264,21 @@ class EngineConfig:
                 if getattr(sched, name) != getattr(defaults, name):
                     raise EngineConfigError(name, "applies to scheduling_policy='slo' only, "
                                             f"not {sched.scheduling_policy!r}")
+        m = self.model_config
+        if m.offload == "layerwise":
+            if m.quantization != "none":
+                raise EngineConfigError("offload", (
+                    "layerwise offload packs each block's parameters into one copy; "
+                    f"quantization={m.quantization!r} replaces them per call (layerwise "
+                    "casting) or with tensor subclasses (torchao): use one of them"))
+            if m.compile:
+                raise EngineConfigError("offload", "layerwise offload re-points the blocks' "
+                                        "parameters each call, under which a compiled "
+                                        "graph's guards fail: use compile or offload")
+            if ranks != 1:
+                raise EngineConfigError("offload", (
+                    f"layerwise offload runs on one rank; {ranks} ranks each hold their own "
+                    "copy of the weights (the parallel degrees split the work, not them)"))
         if self.executor.executor_backend == "inproc" and ranks != 1:
             raise EngineConfigError("executor_backend", f"inproc runs exactly one rank; "
                                     f"{ranks} ranks need 'mp' or 'ray'")

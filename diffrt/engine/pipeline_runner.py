@@ -135,6 +135,9 @@ class PipelineRunner:
         if model.quantization != "none" or model.text_encoder_quantization != "none":
             # before the parallel, LoRA and compile hooks: they see the quantised linears
             self.pipeline.quantize_weights(model.quantization, model.text_encoder_quantization)
+        #: offload="layerwise": the blocks' host copies and device slots
+        self.offload = (self.pipeline.enable_layerwise_offload(platform, model.offload_prefetch)
+                        if model.offload == "layerwise" else None)
         self._methods: dict[str, str] = {name: (model.quantization if name == "transformer" else
                                 model.text_encoder_quantization
                                 if name.startswith("text_encoder") else "none")
@@ -197,7 +200,9 @@ class PipelineRunner:
                                       sum(state.nbytes() for state in self.states.values()))
             case CountWeights():
                 return WeightBytes({name: resident_bytes(module) for name, module
-                                    in self.pipeline.weight_modules().items()}, self._methods)
+                                    in self.pipeline.weight_modules().items()}, self._methods,
+                                   offloaded={"transformer": self.offload.host_bytes}
+                                   if self.offload is not None else {})
             case LoadLora(adapter_id=adapter_id, path=path):
                 self._loader().start(adapter_id, path)
                 return LoraState("loading")

@@ -166,6 +166,9 @@ class WeightBytes(msgspec.Struct, tag="weight_bytes"):
     components: dict[str, dict[str, int]]
     #: the weight method each component runs with ("none": as loaded)
     methods: dict[str, str] = {}
+    #: component -> bytes of its weights kept in page-locked host memory and
+    #: streamed to the device per call (``offload="layerwise"``)
+    offloaded: dict[str, int] = {}
 
 
 RunnerReply = BatchDone | StepDone | StepStateCount | LoraState | WeightBytes

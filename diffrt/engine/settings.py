@@ -30,6 +30,7 @@ MixedRows = Literal["auto", "padded", "by_size", "packed"]
 #: per prompt, so float8 matmuls would buy nothing there
 QuantizationMethod = Literal["none", "fp8-storage", "int8", "fp8"]
 TextQuantizationMethod = Literal["none", "fp8-storage", "int8"]
+Offload = Literal["none", "layerwise"]
 
 #: the two coalescing windows, in ms: None (automatic) or a finite number >= 0
 _AUTOMATIC = ("None (the default) sizes it from measured request run times (a tenth of "
@@ -81,6 +82,14 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         "matmuls, torchao; only a device that has them)"))] = "none"
     text_encoder_quantization: Annotated[TextQuantizationMethod, Meta(description=(
         "the text encoders' weights: none, fp8-storage or int8, as quantization"))] = "none"
+    offload: Annotated[Offload, Meta(description=(
+        "layerwise: the transformer's blocks live in page-locked host memory and stream to "
+        "the device ahead of use on a side stream (offload_prefetch blocks ahead), ordered "
+        "by the platform's events; not on CPU, where host is device; none: all on the "
+        "device"))] = "none"
+    offload_prefetch: Annotated[int, Meta(ge=1, le=8, description=(
+        "offload=layerwise: blocks copied ahead of the one running; the device holds "
+        "offload_prefetch + 1 blocks"))] = 1
     device_memory_budget: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(
         extra={"unit": "bytes"}, description=(
             "the bytes each worker's weights may take on its device (the CLI takes 24GiB, "

@@ -91,6 +91,7 @@ class CpuPlatform(Platform):
     device_control_env_var = None
     # Packing may still run in the background thread: there is nothing to wait for.
     supports_async_output = True
+    host_is_device = True
 
     def is_available(self) -> bool:
         return True

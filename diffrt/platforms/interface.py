@@ -80,6 +80,8 @@ class Platform:
 
     #: True when outputs may be copied off the device by a background thread.
     supports_async_output: ClassVar[bool] = False
+    #: the "device" is host memory (CPU): nothing to offload to
+    host_is_device: ClassVar[bool] = False
 
     # -- device facts ----------------------------------------------------------
     def is_available(self) -> bool:
@@ -195,6 +197,12 @@ class Platform:
 
     def event_synchronize(self, event: Any) -> None:
         event.synchronize()
+
+    def wait_for_compute(self, event: Any) -> None:
+        """Make the work issued next on the current stream (the compute) wait
+        for ``event`` — a host-to-device copy landing — without blocking the
+        host where the device queues its work."""
+        self.wait_event(self.current_stream(), event)
 
     def wait_copied(self, event: Any, stream: Any) -> None:
         """Block until the device-to-host copies enqueued on ``stream`` before

@@ -232,6 +232,15 @@ class FlowMatchPipeline(DiffusionPipeline):
                 text_method if name.startswith("text_encoder") else "none")
             quantize_module(module, chosen, self.dtype)
 
+    def enable_layerwise_offload(self, platform: Any, prefetch: int = 1) -> Any:
+        """The transformer's blocks to host memory, streamed to the device
+        per call (``engine.weights.offload``)."""
+        from diffrt.engine.weights.offload import LayerwiseOffload, transformer_blocks
+
+        self.offload = LayerwiseOffload(transformer_blocks(self.eager_transformer), platform,
+                                        self.device, prefetch=prefetch)
+        return self.offload
+
     def enable_parallel(self, groups: Any, *, vae_parallel: bool = False) -> None:
         """CFG branches over ``groups.cfg``, image tokens over
         ``groups.sequence`` (the family's ``enable_sequence_parallel``), the

@@ -248,6 +248,10 @@ class DiffusionPipeline(ABC):
         spec declares no methods is never asked."""
         raise NotImplementedError(f"{self.name} has no lower-precision weights")
 
+    def enable_layerwise_offload(self, platform: Any, prefetch: int = 1) -> Any:
+        """Stream the denoiser's blocks from host memory (``offload="layerwise"``)."""
+        raise NotImplementedError(f"{self.name} has no layer-wise offload")
+
     def enable_loras(self, slots: int) -> dict[str, tuple[int, int]]:
         """Give the denoiser ``slots`` device slots for LoRA adapters applied
         per row (``row_loras``); return its linear layers, name -> (out, in),

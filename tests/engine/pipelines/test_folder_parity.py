@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from pipeline_steps import stepped
 
 from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
 from diffrt.engine.pipelines.flux.tiny_folder import build_tiny_flux_folder
@@ -68,17 +69,6 @@ def request(prompt: str, seed: int, guidance: float, negative: str | None) -> Di
 
 def ours(image: torch.Tensor) -> np.ndarray:
     return quantize_images(image)[0].numpy().astype(np.int16)
-
-
-def stepped(pipe, requests: list[DiffusionRequest]) -> list[torch.Tensor]:
-    states = [StepRequestState(request=r) for r in requests]
-    for s in states:
-        pipe.prepare_encode(s)
-    while not states[0].finished:
-        preds = pipe.split_predictions(pipe.denoise_step(states), states)
-        for s, p in zip(states, preds, strict=True):
-            pipe.apply_step(s, p)
-    return pipe.post_decode_batch(states)
 
 
 CASES = [("flux", 1.0, None), ("flux-distilled", 3.5, None), ("sd3", 1.0, None), ("sd3", 2.0, None),

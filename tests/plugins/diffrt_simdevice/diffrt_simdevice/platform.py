@@ -77,6 +77,7 @@ def _worker(state: _StreamState) -> None:
             if state.error is None:
                 state.error = exc
         finally:
+            job = None  # a finished job holds nothing (its tensors go with their owners)
             with state.lock:
                 state.pending -= 1
 
@@ -223,6 +224,11 @@ class SimDevicePlatform(Platform):
     def event_synchronize(self, event: Any) -> None:
         self._event(event).synchronize()
 
+    def wait_for_compute(self, event: Any) -> None:
+        """This device's compute is the host thread itself (its tensors are
+        CPU tensors, computed at once): the compute waits on the host."""
+        self._event(event).synchronize()
+
     @staticmethod
     def _event(event: Any) -> SimEvent:
         if not isinstance(event, SimEvent):
@@ -232,11 +238,12 @@ class SimDevicePlatform(Platform):
     # -- work -----------------------------------------------------------------------------
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
         """Enqueue ``dst.copy_(src)``; it lands ``copy_delay_s`` after the stream
-        reaches it. As on CUDA, only a copy into page-locked (registered)
-        memory is asynchronous: into pageable memory the
-        issuing thread waits until the copy has landed."""
+        reaches it. As on CUDA, only a copy whose host side is page-locked
+        (registered) is asynchronous — into it (device to host) or out of it
+        (host to device; the "device" side here is never registered): with
+        pageable memory the issuing thread waits until the copy has landed."""
         delay = self.copy_delay_s
-        page_locked = self.is_page_locked(dst)
+        page_locked = self.is_page_locked(dst) or self.is_page_locked(src)
         if self.copy_gbps:
             # pageable copies go through the driver's bounce buffer: half the bandwidth
             gbps = self.copy_gbps if page_locked else self.copy_gbps / 2
