@@ -41,3 +41,20 @@ def test_a_truncation_warning_is_dropped_at_every_level():
             logging.getLogger(FLUX_LOGGER).warning("another warning")
         assert [r.getMessage() for r in got] == ["another warning"]
     assert logging.getLogger(FLUX_LOGGER).filters.count(log_filters._FILTER) == 1
+
+
+def test_torchaos_import_time_warnings_are_dropped_and_nothing_else():
+    """The messages torchao, diffusers and torch log when torchao is imported
+    on a host without CUDA kernels or triton (see ``IMPORT_NOISE``)."""
+    log_filters.install()
+    noise = [("torchao", "Failed to load /x/_C_mxfp8.so: Could not load this library", ()),
+             ("torchao.kernel.intmm", "Warning: Detected no triton, on systems without", ()),
+             ("diffusers.quantizers.torchao.torchao_quantizer",
+              "Unable to import `torchao` Tensor objects. This may affect loading", ()),
+             ("torch.utils._pytree", "%s is an Enum subclass and is now natively supported by "
+              "torch.compile", ("KernelPreference",))]
+    for name, message, args in noise:
+        with records(name, logging.DEBUG) as got:
+            logging.getLogger(name).warning(message, *args)
+            logging.getLogger(name).warning("quantize_ failed on layer %s", "x")
+        assert [r.getMessage() for r in got] == ["quantize_ failed on layer x"], name
