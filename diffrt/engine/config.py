@@ -215,9 +215,21 @@ class EngineConfig:
                 f"fp8 needs float8 matmuls, which {platform.device_type} does not have "
                 "(CUDA compute capability 8.9+, ROCm MI300+); int8 or fp8-storage run "
                 "everywhere"))
-        if m.offload == "layerwise" and platform.host_is_device:
+        if m.quantization == "fp8":
+            import torch
+
+            from diffrt.engine.pipeline_runner import resolve_dtype
+
+            dtype = resolve_dtype(m.dtype, platform)
+            if dtype is not torch.bfloat16:
+                raise EngineConfigError("quantization", (
+                    f"fp8's per-row scales (torchao) take bfloat16 weights; dtype {m.dtype!r} "
+                    f"is {str(dtype).removeprefix('torch.')} here: use dtype='bfloat16' or "
+                    "int8"))
+        if m.offload != "none" and platform.host_is_device:
+            what = "blocks" if m.offload == "layerwise" else "components"
             raise EngineConfigError("offload", (
-                f"layerwise offload moves blocks from host to device memory; on "
+                f"{m.offload} offload moves {what} from host to device memory; on "
                 f"{platform.name} the host is the device"))
         if m.device_memory_budget is None or spec.folder is None:
             return
@@ -230,14 +242,15 @@ class EngineConfig:
         )
 
         size = value_bytes(m.dtype, platform)
-        on_cpu = platform.device_type == "cpu"
-        need = device_bytes(components(spec.folder), size, quantization=m.quantization,
-                            text_encoder_quantization=m.text_encoder_quantization,
-                            offload_text_encoders=m.offload_text_encoders and not on_cpu)
+        host_is_device = platform.host_is_device
+        chosen = weight_settings(m)
+        if host_is_device:  # offload_text_encoders does nothing there
+            chosen["offload_text_encoders"] = False
+        need = device_bytes(components(spec.folder), size, chosen)
         if need > m.device_memory_budget:
             raise EngineConfigError("device_memory_budget", refusal(
-                need, m.device_memory_budget, spec.folder, size, current=weight_settings(m),
-                methods=usable_methods(spec, platform), on_cpu=on_cpu))
+                need, m.device_memory_budget, spec.folder, size, current=chosen,
+                methods=usable_methods(spec, platform), host_is_device=host_is_device))
 
     # -- checks across fields ---------------------------------------------------------------------
     def _check_combinations(self) -> None:
@@ -265,20 +278,25 @@ class EngineConfig:
                     raise EngineConfigError(name, "applies to scheduling_policy='slo' only, "
                                             f"not {sched.scheduling_policy!r}")
         m = self.model_config
-        if m.offload == "layerwise":
-            if m.quantization != "none":
-                raise EngineConfigError("offload", (
-                    "layerwise offload packs each block's parameters into one copy; "
-                    f"quantization={m.quantization!r} replaces them per call (layerwise "
-                    "casting) or with tensor subclasses (torchao): use one of them"))
+        if m.offload == "layerwise" and m.quantization != "none":
+            raise EngineConfigError("offload", (
+                "layerwise offload packs each block's parameters into one copy; "
+                f"quantization={m.quantization!r} replaces them per call (layerwise "
+                "casting) or with tensor subclasses (torchao): use offload='model' with it"))
+        if m.offload != "layerwise" and m.offload_prefetch != ModelConfig().offload_prefetch:
+            raise EngineConfigError("offload_prefetch", "applies to offload='layerwise' only, "
+                                    f"not {m.offload!r}")
+        if m.offload != "none":
             if m.compile:
-                raise EngineConfigError("offload", "layerwise offload re-points the blocks' "
-                                        "parameters each call, under which a compiled "
-                                        "graph's guards fail: use compile or offload")
+                raise EngineConfigError("offload", f"{m.offload} offload re-points the "
+                                        "transformer's parameters between calls, under which "
+                                        "a compiled graph's guards fail: use compile or "
+                                        "offload")
             if ranks != 1:
                 raise EngineConfigError("offload", (
-                    f"layerwise offload runs on one rank; {ranks} ranks each hold their own "
-                    "copy of the weights (the parallel degrees split the work, not them)"))
+                    f"{m.offload} offload runs on one rank; {ranks} ranks each hold their "
+                    "own copy of the weights (the parallel degrees split the work, not "
+                    "them)"))
         if self.executor.executor_backend == "inproc" and ranks != 1:
             raise EngineConfigError("executor_backend", f"inproc runs exactly one rank; "
                                     f"{ranks} ranks need 'mp' or 'ray'")
@@ -334,8 +352,14 @@ class EngineConfig:
 
 
 def usable_methods(spec: ModelSpec, platform: Platform) -> list[str]:
-    """The weight methods of ``spec`` that ``platform`` runs."""
-    return [q for q in spec.quantization if q != "fp8" or platform.fp8_matmul_supported()]
+    """The weight methods of ``spec`` that ``platform`` runs, with what is
+    installed (torchao's: ``int8``, ``fp8``)."""
+    from diffrt.engine.weights.quantize import torchao_available
+
+    torchao = torchao_available()
+    return [q for q in spec.quantization
+            if (q != "fp8" or platform.fp8_matmul_supported())
+            and (q not in ("int8", "fp8") or torchao)]
 
 
 def _rebuild(settings: dict[str, Any]) -> EngineConfig:

@@ -224,16 +224,18 @@ class DiffusionEngine:
             f"{name} ({report.methods.get(name, 'none')}) "
             + " + ".join(f"{n / 2**20:.1f} MiB {kind}" for kind, n in sorted(held.items()))
             for name, held in report.components.items()))
+        logger.info("weights on the device at their peak: %.1f MiB%s", report.on_device / 2**20,
+                    "".join(f"; {name} offloaded ({n / 2**20:.1f} MiB in host memory)"
+                            for name, n in report.offloaded.items()))
         from diffrt.platforms import current_platform
 
         model = self.config.model_config
-        budget, kind = model.device_memory_budget, current_platform.device_type
-        on_device = sum(held.get(kind, 0) for held in report.components.values())
+        budget, on_device = model.device_memory_budget, report.on_device
         if budget is not None and on_device > budget:
             raise EngineConfigError("device_memory_budget", refusal(
                 on_device, budget, self.spec.folder, value_bytes(model.dtype, current_platform),
                 current=weight_settings(model), methods=usable_methods(self.spec, current_platform),
-                on_cpu=kind == "cpu", measured=True))
+                host_is_device=current_platform.host_is_device, measured=True))
 
     def _make_scheduler(self) -> Scheduler:
         from diffrt.platforms import current_platform

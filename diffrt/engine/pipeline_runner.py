@@ -61,6 +61,7 @@ from diffrt.runtime.shm_transport import Arena
 from diffrt.runtime.types import RankFailure, RunnerResult
 
 if TYPE_CHECKING:
+    from diffrt.engine.settings import ModelConfig
     from diffrt.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,17 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
     return torch.bfloat16 if supported else torch.float16
 
 
+def loads_on_host(model: ModelConfig, platform: Platform) -> bool:
+    """Whether the weights load into host memory first, to be converted
+    (``fp8-storage``, ``int8``) or offloaded before what stays on the device
+    moves there: the full-precision model need not fit the device. ``fp8``'s
+    torchao conversion runs on the device, so it loads there."""
+    if platform.host_is_device or model.quantization == "fp8":
+        return False
+    return (model.quantization != "none" or model.text_encoder_quantization != "none"
+            or model.offload != "none" or model.offload_text_encoders)
+
+
 def rank_device(platform: Platform, rank: int) -> torch.device:
     """The device of ``rank``, made this process's device (``set_device``), so
     tensors, streams and events agree: ``rank % device_count`` where a worker
@@ -128,9 +140,10 @@ class PipelineRunner:
         self.world_size = world_size
         self.platform = platform
         device = rank_device(platform, rank)
-        self.pipeline: DiffusionPipeline = load_pipeline(settings.spec, device=device,
-                                                         dtype=resolve_dtype(model.dtype,
-                                                                             platform))
+        host_first = loads_on_host(model, platform)
+        self.pipeline: DiffusionPipeline = load_pipeline(
+            settings.spec, device=torch.device("cpu") if host_first else device,
+            dtype=resolve_dtype(model.dtype, platform))
         self.pipeline.mixed_rows = resolve_mixed_rows(model.mixed_rows, platform)
         if model.quantization != "none" or model.text_encoder_quantization != "none":
             # before the parallel, LoRA and compile hooks: they see the quantised linears
@@ -138,13 +151,20 @@ class PipelineRunner:
         #: offload="layerwise": the blocks' host copies and device slots
         self.offload = (self.pipeline.enable_layerwise_offload(platform, model.offload_prefetch)
                         if model.offload == "layerwise" else None)
+        #: offload="model" (every component) or offload_text_encoders (those only)
+        self.model_offload = None
+        if model.offload == "model" or (model.offload_text_encoders
+                                        and not platform.host_is_device):
+            self.model_offload = self.pipeline.enable_model_offload(
+                platform, kept=() if model.offload == "model" else ("transformer", "vae"))
+        if host_first:
+            self.pipeline.place_weights(device, on_host=tuple(
+                self.model_offload.managed) if self.model_offload is not None else ())
         self._methods: dict[str, str] = {name: (model.quantization if name == "transformer" else
                                 model.text_encoder_quantization
                                 if name.startswith("text_encoder") else "none")
                          for name in self.pipeline.weight_modules()}
-        self.pipeline.configure_memory(vae_tiling=model.vae_tiling,
-                                       vae_slicing=model.vae_slicing,
-                                       offload_text_encoders=model.offload_text_encoders)
+        self.pipeline.configure_memory(vae_tiling=model.vae_tiling, vae_slicing=model.vae_slicing)
         degrees = ParallelDegrees(cfg=parallel.cfg_parallel_size, ulysses=parallel.ulysses_degree,
                                   ring=parallel.ring_degree)
         #: several ranks share each request: a rank-local failure ends the rank
@@ -175,6 +195,27 @@ class PipelineRunner:
         self.pipeline.step_hook = lambda: self.heartbeat()
         logger.info("rank %d: runner ready for %s on %s", rank, settings.spec.name, device)
 
+    def count_weights(self) -> WeightBytes:
+        """Per component the bytes its storages hold, where; what offload keeps
+        on the host; the peak on the device."""
+        modules = self.pipeline.weight_modules()
+        kind = self.platform.device_type
+        managed = self.model_offload.managed if self.model_offload is not None else {}
+        offloaded = {name: part.host_bytes for name, part in managed.items()}
+        on_device = max(offloaded.values(), default=0)
+        for name, module in modules.items():
+            if name in managed:
+                continue
+            if name == "transformer" and self.offload is not None:
+                offloaded[name] = self.offload.host_bytes
+                blocks = [block.module for block in self.offload.blocks]
+                on_device += (resident_bytes(module, skip=blocks).get(kind, 0)
+                              + self.offload.device_bytes)
+            else:
+                on_device += resident_bytes(module).get(kind, 0)
+        return WeightBytes({name: resident_bytes(module) for name, module in modules.items()},
+                           self._methods, offloaded=offloaded, on_device=on_device)
+
     def handle(self, request: Any) -> Any:
         match request:
             case ExecuteBatch():
@@ -199,10 +240,7 @@ class PipelineRunner:
                 return StepStateCount(len(self.states), self.pipeline.cache_budget.used(),
                                       sum(state.nbytes() for state in self.states.values()))
             case CountWeights():
-                return WeightBytes({name: resident_bytes(module) for name, module
-                                    in self.pipeline.weight_modules().items()}, self._methods,
-                                   offloaded={"transformer": self.offload.host_bytes}
-                                   if self.offload is not None else {})
+                return self.count_weights()
             case LoadLora(adapter_id=adapter_id, path=path):
                 self._loader().start(adapter_id, path)
                 return LoraState("loading")

@@ -167,8 +167,11 @@ class WeightBytes(msgspec.Struct, tag="weight_bytes"):
     #: the weight method each component runs with ("none": as loaded)
     methods: dict[str, str] = {}
     #: component -> bytes of its weights kept in page-locked host memory and
-    #: streamed to the device per call (``offload="layerwise"``)
+    #: moved to the device to run (``offload``, ``offload_text_encoders``)
     offloaded: dict[str, int] = {}
+    #: the weights' bytes on the device at their peak: what stays there, the
+    #: layer-wise slots, the largest component model offload moves on
+    on_device: int = 0
 
 
 RunnerReply = BatchDone | StepDone | StepStateCount | LoraState | WeightBytes

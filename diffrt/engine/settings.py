@@ -30,7 +30,7 @@ MixedRows = Literal["auto", "padded", "by_size", "packed"]
 #: per prompt, so float8 matmuls would buy nothing there
 QuantizationMethod = Literal["none", "fp8-storage", "int8", "fp8"]
 TextQuantizationMethod = Literal["none", "fp8-storage", "int8"]
-Offload = Literal["none", "layerwise"]
+Offload = Literal["none", "layerwise", "model"]
 
 #: the two coalescing windows, in ms: None (automatic) or a finite number >= 0
 _AUTOMATIC = ("None (the default) sizes it from measured request run times (a tenth of "
@@ -74,7 +74,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     vae_slicing: Annotated[bool, Meta(description=(
         "decode one image at a time (large batches on one device)"))] = False
     offload_text_encoders: Annotated[bool, Meta(description=(
-        "keep text encoders on the CPU between encodings (small devices)"))] = False
+        "offload='model' for the text encoders only: they live in page-locked host memory "
+        "and move to the device for an encoding the prompt cache misses, the transformer "
+        "and VAE staying there (small devices; nothing on CPU)"))] = False
     quantization: Annotated[QuantizationMethod, Meta(description=(
         "the transformer's weights: none (as loaded), fp8-storage (stored as float8 e4m3, "
         "cast per layer to the compute dtype; every device), int8 (weight-only, one scale "
@@ -85,8 +87,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     offload: Annotated[Offload, Meta(description=(
         "layerwise: the transformer's blocks live in page-locked host memory and stream to "
         "the device ahead of use on a side stream (offload_prefetch blocks ahead), ordered "
-        "by the platform's events; not on CPU, where host is device; none: all on the "
-        "device"))] = "none"
+        "by the platform's events; model: whole components (transformer, VAE, text "
+        "encoders) live in page-locked host memory and each moves to the device when it "
+        "runs, the others going back (the transformer stays for a request's steps); not on "
+        "CPU, where host is device; none: all on the device"))] = "none"
     offload_prefetch: Annotated[int, Meta(ge=1, le=8, description=(
         "offload=layerwise: blocks copied ahead of the one running; the device holds "
         "offload_prefetch + 1 blocks"))] = 1

@@ -150,7 +150,7 @@ def test_generate_registers_an_adapter_at_start_for_its_requests(cli, tmp_path):
         assert im.size == (64, 64)
 
 
-def test_bench_compares_weight_methods_and_layerwise_offload(cli, tmp_path):
+def test_bench_compares_weight_methods_and_offloads(cli, tmp_path):
     """``--compare`` over the weight settings on the simulated device (where
     layer-wise offload runs: its host is not its device): every request
     served, each engine reporting its settings."""
@@ -162,11 +162,14 @@ def test_bench_compares_weight_methods_and_layerwise_offload(cli, tmp_path):
                "inproc", "--height", "64", "--width", "64", "--steps", "2", "-N", "2",
                "--warmup-requests", "1",
                "--compare", "offload=none", "offload=layerwise", "quantization=int8",
-               "--json", "bench.json", cwd=tmp_path, env=env)
+               "offload=model", "--json", "bench.json", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((tmp_path / "bench.json").read_text())["results"]
     assert [r["label"] for r in results] == ["offload=none", "offload=layerwise",
-                                             "quantization=int8"]
+                                             "quantization=int8", "offload=model"]
     assert all(r["requests"] == 2 and r["failed"] == 0 for r in results), results
     assert "layer-wise offload: 4 blocks in host memory" in proc.stderr, proc.stderr
     assert "transformer (int8)" in proc.stderr  # the resident-weights line
+    assert "model offload: transformer, vae, text_encoder, text_encoder_2 in host memory" in (
+        proc.stderr)
+    assert "transformer offloaded" in proc.stderr  # the peak line

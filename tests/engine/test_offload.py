@@ -116,15 +116,28 @@ def test_tiny_flux_with_offloaded_blocks_draws_the_same_bits_in_both_modes():
     full = resident_bytes(pipeline.transformer)["cpu"]
     offload = pipeline.enable_layerwise_offload(SimDevicePlatform(copy_delay_s=0.002), prefetch=1)
     blocks = transformer_blocks(pipeline.transformer)
-    block_bytes = sum(resident_bytes(b)["cpu"] for b in blocks)
+    hosts = {block.host.untyped_storage().data_ptr() for block in offload.blocks}
+    peaks = []
+
+    def device_held(module, args):
+        """At each block's start: the bytes of the storages the transformer's
+        parameters point at outside the blocks' host buffers (the device's)."""
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                    for p in pipeline.transformer.parameters()}
+        peaks.append(sum(n for ptr, n in storages.items() if ptr not in hosts))
+        assert all(p.untyped_storage().data_ptr() not in hosts for p in module.parameters())
+
+    for block in blocks:
+        block.register_forward_pre_hook(device_held)  # after the offload's own
     for got, want in zip(pipeline.forward(DiffusionRequestBatch(requests)), expected, strict=True):
         assert torch.equal(got, want)
     for got, want in zip(stepped(pipeline, requests), expected, strict=True):
         assert torch.equal(got, want)
-    # what the transformer's parameters hold now: the non-block ones and the slots
-    assert resident_bytes(pipeline.transformer)["cpu"] == (full - block_bytes
-                                                           + offload.device_bytes)
-    assert offload.device_bytes <= 2 * max(b.nbytes for b in offload.blocks)
+    # never more on the device than the non-block parameters and two blocks' slots
+    rest = resident_bytes(pipeline.transformer, skip=blocks)["cpu"]
+    assert offload.device_bytes == 2 * max(b.nbytes for b in offload.blocks)
+    assert peaks and max(peaks) <= rest + offload.device_bytes
+    assert max(peaks) < full  # and less than the whole transformer
 
 
 def test_layerwise_offload_is_refused_where_it_cannot_run():
@@ -133,8 +146,74 @@ def test_layerwise_offload_is_refused_where_it_cannot_run():
     assert info.value.field == "offload"
     EngineConfig(model="tiny-flux", offload="layerwise").executor_config(
         platform=SimDevicePlatform())
-    for kw, reason in [(dict(quantization="int8"), "use one of them"),
+    for kw, reason in [(dict(quantization="int8"), "use offload='model' with it"),
                        (dict(compile=True), "use compile or offload"),
                        (dict(cfg_parallel_size=2), "runs on one rank")]:
         with pytest.raises(EngineConfigError, match=reason):
             EngineConfig(model="tiny-flux", offload="layerwise", **kw)
+
+
+@pytest.mark.parametrize("rows, cache", [("packed", None), ("by_size", "teacache")])
+def test_paths_that_call_a_blocks_layers_directly_wait_for_its_copy(rows, cache):
+    """Flux's packed rows call each block's layers, not the block; TeaCache
+    reads the first block's norm before the block runs. Both must see the
+    block's own weights: mixed sizes in one step, with and without offload."""
+    spec = resolve_model_spec("tiny-flux")
+    sizes = [(64, 64), (96, 64), (64, 96)]
+    requests = [DiffusionRequest("a red square", request_id=f"r{i}", sampling_params=SamplingParams(
+        seed=i, num_inference_steps=5, height=h, width=w, cache=cache,
+        cache_threshold=0.6 if cache else None)) for i, (h, w) in enumerate(sizes)]
+    plain = load_pipeline(spec, device=CPU, dtype=torch.float32)
+    plain.mixed_rows = rows
+    expected = stepped(plain, requests)
+    pipeline = load_pipeline(spec, device=CPU, dtype=torch.float32)
+    pipeline.mixed_rows = rows
+    pipeline.enable_layerwise_offload(SimDevicePlatform(copy_delay_s=0.002), prefetch=1)
+    for _ in range(2):  # the second time after the wrap-around prefetch of the first
+        for got, want in zip(stepped(pipeline, requests), expected, strict=True):
+            assert torch.equal(got, want)
+
+
+class LateBlock(torch.nn.Module):
+    """A residual linear block whose compute is a kernel queued on the
+    simulated device's current stream, reading the weights it was launched
+    with when it runs (as a GPU kernel reads its pointers), a few ms later."""
+
+    def __init__(self, platform: SimDevicePlatform, width: int):
+        super().__init__()
+        self.platform = platform
+        self.weight = torch.nn.Parameter(torch.randn(width, width) / width, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, weight = torch.empty_like(x), self.weight.detach()  # the pointer, not the name
+
+        def kernel() -> None:
+            torch.add(x, x @ weight.t(), out=out)
+        self.platform.launch(kernel, delay_s=0.003)
+        return out
+
+
+@pytest.mark.parametrize("drop_wait", [False, True])
+def test_a_slot_is_not_overwritten_before_the_kernels_reading_it_ran(monkeypatch, drop_wait):
+    """With compute queued on the device, a copy into a slot must wait for
+    the event recorded after the slot's previous block: without that wait
+    (``wait_event`` taken out) the late kernels read the next block's weights."""
+    platform = SimDevicePlatform(copy_delay_s=0.0005)
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(LateBlock(platform, 32) for _ in range(6))
+    x = torch.randn(4, 32)
+
+    def run() -> torch.Tensor:
+        h = x
+        for block in blocks:
+            h = block(h)
+        platform.synchronize()
+        return h
+
+    expected = run()
+    LayerwiseOffload(list(blocks), platform, CPU, prefetch=1)
+    if drop_wait:
+        monkeypatch.setattr(platform, "wait_event", lambda stream, event: None)
+    results = [run() for _ in range(2)]
+    same = all(torch.equal(got, expected) for got in results)
+    assert same is not drop_wait

@@ -201,15 +201,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         self.transformer = torch.compile(self.transformer, backend=backend, dynamic=None)
 
-    def configure_memory(self, *, vae_tiling: bool = False, vae_slicing: bool = False,
-                         offload_text_encoders: bool = False) -> None:
+    def configure_memory(self, *, vae_tiling: bool = False,
+                         vae_slicing: bool = False) -> None:
         if vae_tiling:
             self.vae.enable_tiling()  # diffusers blends overlapping tiles
         if vae_slicing:
             self.vae.enable_slicing()
-        offload = getattr(self.text_encoder, "offload", None)
-        if offload_text_encoders and callable(offload):
-            offload()
 
     # -- weights (``engine.weights``) ------------------------------------------------------
     def weight_modules(self) -> dict[str, torch.nn.Module]:
@@ -240,6 +237,29 @@ class FlowMatchPipeline(DiffusionPipeline):
         self.offload = LayerwiseOffload(transformer_blocks(self.eager_transformer), platform,
                                         self.device, prefetch=prefetch)
         return self.offload
+
+    def enable_model_offload(self, platform: Any, kept: tuple[str, ...] = ()) -> Any:
+        """Whole components to host memory, each moved to the device when it
+        runs (``engine.weights.model_offload``)."""
+        from diffrt.engine.weights.model_offload import ModelOffload
+
+        self.model_offload = ModelOffload(self.weight_modules(), platform, self.device,
+                                          kept=kept)
+        return self.model_offload
+
+    def place_weights(self, device: torch.device, *, on_host: tuple[str, ...] = ()) -> None:
+        """Move the components not in ``on_host`` to ``device`` and compute
+        there; under layer-wise offload the transformer's blocks stay in their
+        host buffers and only the rest of it moves."""
+        self.device = self.text_encoder.device = torch.device(device)
+        offload = getattr(self, "offload", None)
+        for name, module in self.weight_modules().items():
+            if name in on_host:
+                continue
+            if name == "transformer" and offload is not None:
+                offload.place_rest(module, self.device)
+            else:
+                _place(module, self.device)
 
     def enable_parallel(self, groups: Any, *, vae_parallel: bool = False) -> None:
         """CFG branches over ``groups.cfg``, image tokens over
@@ -279,8 +299,11 @@ class FlowMatchPipeline(DiffusionPipeline):
         return {}
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The family's diffusers ``encode_prompt``: (embeds, extra) per prompt."""
+    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's diffusers ``encode_prompt`` with its inputs on ``device``
+        (the compute device, wherever the encoders' weights are between
+        uses): (embeds, extra) per prompt."""
         raise NotImplementedError
 
     @staticmethod

@@ -44,25 +44,14 @@ class PromptWindow(NamedTuple):
 class FolderTextEncoder:
     """Callable as the pipelines' text encoder: prompts -> (embeds, pooled)."""
 
-    def __init__(self, text_pipeline: Any, encode: Callable[[Any, list[str]], tuple], *,
+    def __init__(self, text_pipeline: Any,
+                 encode: Callable[[Any, list[str], torch.device], tuple], *,
                  device: torch.device, windows: Sequence[PromptWindow] = ()):
         self.pipeline = text_pipeline
         self._encode = encode
         self.windows = tuple(windows)
+        #: where the prompts' tensors go (the compute device)
         self.device = device
-        self._offloaded = False
-
-    def offload(self) -> None:
-        """Keep the text encoders on the CPU between encodings: each call moves
-        them to the device and back (for devices too small to hold them with
-        the transformer; the prompt cache spares most calls)."""
-        self._offloaded = True
-        self._move(torch.device("cpu"))
-
-    def _move(self, device: torch.device) -> None:
-        for name, module in self.pipeline.components.items():
-            if name.startswith("text_encoder") and module is not None:
-                module.to(device)
 
     def tokens_dropped(self, prompt: str) -> dict[str, int]:
         """Text encoder -> the tokens of ``prompt`` it cuts, for those that cut any."""
@@ -71,12 +60,4 @@ class FolderTextEncoder:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._offloaded:
-            return self._encode(self.pipeline, list(prompts))
-        self._move(self.device)
-        try:
-            embeds, pooled = self._encode(self.pipeline, list(prompts))
-            return embeds.to(self.device), pooled.to(self.device)
-        finally:
-            self._move(torch.device("cpu"))
-
+        return self._encode(self.pipeline, list(prompts), self.device)

@@ -232,11 +232,11 @@ class DiffusionPipeline(ABC):
         sizes = [s.latents.shape[0] for s in states]  # type: ignore[union-attr]
         return list(noise_pred.split(sizes, dim=0))
 
-    def configure_memory(self, *, vae_tiling: bool = False, vae_slicing: bool = False,  # noqa: B027
-                         offload_text_encoders: bool = False) -> None:
-        """Trade speed for device memory: VAE decoding in tiles (large images) or
-        one image at a time (large batches), text encoders kept on the CPU
-        between encodings (small devices). Pipelines without them ignore it."""
+    def configure_memory(self, *, vae_tiling: bool = False,  # noqa: B027
+                         vae_slicing: bool = False) -> None:
+        """Trade speed for decode memory: VAE decoding in tiles (large images)
+        or one image at a time (large batches). Pipelines without them ignore
+        it. (What stays on the device between uses: ``enable_model_offload``.)"""
 
     def weight_modules(self) -> dict[str, torch.nn.Module]:
         """Component name -> module, for counting resident weight bytes
@@ -251,6 +251,19 @@ class DiffusionPipeline(ABC):
     def enable_layerwise_offload(self, platform: Any, prefetch: int = 1) -> Any:
         """Stream the denoiser's blocks from host memory (``offload="layerwise"``)."""
         raise NotImplementedError(f"{self.name} has no layer-wise offload")
+
+    def enable_model_offload(self, platform: Any, kept: tuple[str, ...] = ()) -> Any:
+        """Keep whole components (``weight_modules``; all but ``kept``) in host
+        memory and move each to the device when it runs (``offload="model"``,
+        ``offload_text_encoders``)."""
+        raise NotImplementedError(f"{self.name} has no model offload")
+
+    def place_weights(self, device: torch.device, *, on_host: tuple[str, ...] = ()) -> None:
+        """Compute on ``device`` from now on and move there every component of
+        ``weight_modules`` not named in ``on_host``. The runner loads a model
+        into host memory when its weights are converted or offloaded first (the
+        full-precision model need not fit the device), then calls this."""
+        raise NotImplementedError(f"{self.name} cannot load its weights on the host first")
 
     def enable_loras(self, slots: int) -> dict[str, tuple[int, int]]:
         """Give the denoiser ``slots`` device slots for LoRA adapters applied

@@ -4,13 +4,13 @@ Before anything loads, each component's weight bytes are estimated from its
 safetensors headers (names, shapes) under the configured methods; after the
 workers load, the bytes their storages hold (``resident``) are checked
 again. A configuration over the budget is refused naming the settings
-(``quantization``, ``text_encoder_quantization``, ``offload_text_encoders``)
-whose estimate fits, fewest changes first.
+(``VARIED``: the methods, ``offload``, ``offload_text_encoders``) whose
+estimate fits, fewest changes first.
 
 The estimate per tensor: as loaded, its elements at the compute dtype's
 size. A linear layer (a 2-D ``<name>.weight`` other than a text encoder's token or position
 table, ``TOKEN_EMBEDDING``) under ``int8`` takes one byte
-an element plus a scale and a zero point per output channel; under ``fp8``
+an element plus a float32 scale and an int8 zero point per output channel; under ``fp8``
 one byte plus a float32 scale per row; under ``fp8-storage`` one byte an
 element for it and its bias — except the layers diffusers' layerwise
 casting skips (norms, embeddings, the patch projections), while the token
@@ -80,7 +80,7 @@ def tensor_bytes(shapes: dict[str, tuple[int, ...]], method: str, value_bytes: i
         elif leaf != "weight":  # a quantised linear's bias stays as loaded
             total += numel * value_bytes
         elif method == "int8":
-            total += numel + shape[0] * (value_bytes + 1)
+            total += numel + shape[0] * 5  # torchao: a float32 scale, an int8 zero point
         else:  # fp8: float8 values, one float32 scale a row
             total += numel + shape[0] * 4
     return total
@@ -108,19 +108,56 @@ def components(folder: str) -> dict[str, Component]:
             and os.path.isdir(sub := os.path.join(folder, name))}
 
 
-def device_bytes(parts: dict[str, Component], value_bytes: int, *,
-                 quantization: str, text_encoder_quantization: str,
-                 offload_text_encoders: bool) -> int:
-    """Estimated weight bytes on the device under these settings."""
-    total = 0
+#: the settings ``device_bytes`` reads and ``what_fits`` varies (with
+#: ``offload_prefetch``, which it reads only)
+VARIED = ("quantization", "text_encoder_quantization", "offload", "offload_text_encoders")
+
+_BLOCK = re.compile(r"^([A-Za-z_]+)\.(\d+)\.")
+
+
+def _block_bytes(part: Component, method: str, value_bytes: int) -> tuple[int, list[int]]:
+    """A transformer's bytes outside its repeated blocks, and each block's
+    (a block: ``<list>.<i>.`` where ``<list>`` has two or more, as
+    ``offload.transformer_blocks`` finds them)."""
+    groups: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
+    for name, shape in part.shapes.items():
+        if match := _BLOCK.match(name):
+            groups.setdefault((match[1], match[2]), {})[name] = shape
+    lists: dict[str, int] = {}
+    for prefix, _ in groups:
+        lists[prefix] = lists.get(prefix, 0) + 1
+    blocks = {key: shapes for key, shapes in groups.items() if lists[key[0]] >= 2}
+    inside = {name for shapes in blocks.values() for name in shapes}
+    rest = {name: shape for name, shape in part.shapes.items() if name not in inside}
+    return (tensor_bytes(rest, method, value_bytes, part.kept),
+            [tensor_bytes(shapes, method, value_bytes, part.kept) for shapes in blocks.values()])
+
+
+def device_bytes(parts: dict[str, Component], value_bytes: int,
+                 settings: dict[str, object]) -> int:
+    """Estimated weight bytes on the device at their peak under ``settings``
+    (``VARIED`` and ``offload_prefetch``): everything; under
+    ``offload="layerwise"`` the transformer's non-block weights and
+    ``offload_prefetch + 1`` of its largest blocks; under ``offload="model"``
+    the largest component; under ``offload_text_encoders`` the others and the
+    largest text encoder (one is on the device while it encodes)."""
+    sizes: dict[str, int] = {}
     for name, part in parts.items():
         text = name.startswith("text_encoder")
-        if text and offload_text_encoders:
-            continue
-        method = (text_encoder_quantization if text else
-                  quantization if name == "transformer" else "none")
-        total += part.bytes(method, value_bytes)
-    return total
+        method = str(settings["text_encoder_quantization"] if text else
+                     settings["quantization"] if name == "transformer" else "none")
+        if name == "transformer" and settings["offload"] == "layerwise":
+            rest, blocks = _block_bytes(part, method, value_bytes)
+            prefetch = int(settings.get("offload_prefetch", 1))  # type: ignore[call-overload]
+            sizes[name] = rest + (prefetch + 1) * max(blocks, default=0)
+        else:
+            sizes[name] = part.bytes(method, value_bytes)
+    if settings["offload"] == "model":
+        return max(sizes.values(), default=0)
+    texts = [n for name, n in sizes.items() if name.startswith("text_encoder")]
+    if settings["offload_text_encoders"] and texts:
+        return sum(sizes.values()) - sum(texts) + max(texts)
+    return sum(sizes.values())
 
 
 def _gib(n: int) -> str:
@@ -128,17 +165,21 @@ def _gib(n: int) -> str:
 
 
 def what_fits(parts: dict[str, Component], value_bytes: int, budget: int, *,
-              current: dict[str, object], methods: Iterable[str], on_cpu: bool) -> str:
+              current: dict[str, object], methods: Iterable[str], host_is_device: bool) -> str:
     """The settings whose estimate fits ``budget`` (at most three, fewest
     changes from ``current`` first), or the smallest estimate when none does."""
     text_methods = ("none", "fp8-storage", "int8")
-    offloads = [False] if on_cpu else [False, True]
+    offloads = [("none", False)] if host_is_device else [
+        ("none", False), ("none", True), ("layerwise", False), ("layerwise", True),
+        ("model", False)]
     options = []
-    for quant, text, offload in itertools.product(["none", *methods], text_methods, offloads):
+    for quant, text, (offload, texts) in itertools.product(["none", *methods], text_methods,
+                                                           offloads):
+        if offload == "layerwise" and quant != "none":
+            continue  # refused together (config)
         choice = {"quantization": quant, "text_encoder_quantization": text,
-                  "offload_text_encoders": offload}
-        need = device_bytes(parts, value_bytes, quantization=quant,
-                            text_encoder_quantization=text, offload_text_encoders=offload)
+                  "offload": offload, "offload_text_encoders": texts}
+        need = device_bytes(parts, value_bytes, {**current, **choice})
         changes = {k: v for k, v in choice.items() if current.get(k) != v}
         options.append((len(changes), need, changes))
     fits = sorted((o for o in options if o[1] <= budget and o[0]), key=lambda o: (o[0], o[1]))
@@ -151,7 +192,7 @@ def what_fits(parts: dict[str, Component], value_bytes: int, budget: int, *,
 
 
 def refusal(need: int, budget: int, folder: str | None, value_bytes: int, *,
-            current: dict[str, object], methods: Iterable[str], on_cpu: bool,
+            current: dict[str, object], methods: Iterable[str], host_is_device: bool,
             measured: bool = False) -> str:
     """The one-line reason a configuration over ``device_memory_budget`` is
     refused: what it needs and, from the folder's estimate, what would fit."""
@@ -160,18 +201,17 @@ def refusal(need: int, budget: int, folder: str | None, value_bytes: int, *,
     if folder is None:
         return line
     return line + "; " + what_fits(components(folder), value_bytes, budget,
-                                   current=current, methods=methods, on_cpu=on_cpu)
+                                   current=current, methods=methods, host_is_device=host_is_device)
 
 
 def weight_settings(model: object) -> dict[str, object]:
     """The settings ``what_fits`` varies, as ``model`` (a ModelConfig) has them."""
-    return {name: getattr(model, name) for name in (
-        "quantization", "text_encoder_quantization", "offload_text_encoders")}
+    return {name: getattr(model, name) for name in (*VARIED, "offload_prefetch")}
 
 
 def _settings(changes: dict[str, object]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in changes.items())
 
 
-__all__ = ["FP8_STORAGE_SKIP", "TOKEN_EMBEDDING", "Component", "components", "device_bytes",
+__all__ = ["FP8_STORAGE_SKIP", "TOKEN_EMBEDDING", "VARIED", "Component", "components", "device_bytes",
            "kept_patterns", "refusal", "tensor_bytes", "weight_settings", "what_fits"]

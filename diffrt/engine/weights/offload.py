@@ -9,9 +9,13 @@ slot its copy landed in. Before block ``i`` runs, the compute waits for its
 copy's event (``Platform.wait_for_compute``) and the copies of the next
 ``prefetch`` blocks (in execution order, wrapping to the first block for the
 next call) are issued on a side stream; a copy into a slot first waits for
-the event recorded after the slot's previous block ran, so a block's weights
-are never overwritten under it. Two events per block order copy and
-compute, the way diffusers' group offloading does with CUDA streams — but
+the event recorded when the block after the slot's previous one started
+(every kernel of that block is queued by then), so a block's weights are
+never overwritten under it. The hooks sit on each block and on each of its
+weighted layers, so a path that calls a block's layers without the block
+(Flux's packed rows, TeaCache's look at the first block) waits too; a block
+whose slot is taken points back at its host copy. Two events per block
+order copy and compute, the way diffusers' group offloading does with CUDA streams — but
 through ``Platform`` (streams, events, pinned memory, ``copy_async``), so it
 runs on every vendor with events, and on the simulated device of the tests,
 where a copy lands late and a missing wait shows as wrong pixels. A platform
@@ -21,7 +25,10 @@ before each block.
 A block a step cache skips does not run: its slot is taken by the next copy
 that needs one, and the block is copied again when it next runs. What the
 device holds is the non-block parameters plus the slots:
-``(prefetch + 1) x`` the largest block (``device_bytes``).
+``(prefetch + 1) x`` the largest block (``device_bytes``). On the simulated
+device compute runs on the host thread, so only the compute-side wait can
+show as wrong pixels there; the copy-side wait is checked by the order of
+the recorded calls (tests/engine/test_offload.py).
 """
 
 from __future__ import annotations
@@ -32,18 +39,10 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.weights.packing import nbytes, pack_into, start_at, view_at
 from diffrt.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
-
-#: byte alignment of each parameter inside a packed block (a safe alignment
-#: for every dtype's vector loads)
-ALIGN = 64
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
 
 def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a diffusers transformer, in the order its
@@ -66,21 +65,20 @@ class _Block:
         self.params: list[tuple[torch.nn.Parameter, int, torch.dtype, torch.Size]] = []
         offset = 0
         for param in module.parameters():
-            self.params.append((param, offset, param.dtype, param.shape))
-            offset = _aligned(offset + param.numel() * param.element_size())
+            start = start_at(offset, param)
+            self.params.append((param, start, param.dtype, param.shape))
+            offset = start + nbytes(param)
         self.nbytes = offset
         self.host = platform.empty_pinned((max(offset, 1),), torch.uint8)
         for param, start, _dtype, _shape in self.params:
-            n = param.numel() * param.element_size()
-            self.host[start:start + n].copy_(param.detach().reshape(-1).view(torch.uint8))
+            pack_into(self.host, start, param)
         #: the slot holding (or receiving) this block's copy, and its event
         self.slot: int | None = None
         self.copied: Any = None
 
     def point_into(self, buffer: torch.Tensor) -> None:
         for param, start, dtype, shape in self.params:
-            n = param.numel() * param.element_size()
-            param.data = buffer[start:start + n].view(dtype).view(shape)
+            param.data = view_at(buffer, start, dtype, shape)
 
 
 class LayerwiseOffload:
@@ -103,10 +101,17 @@ class LayerwiseOffload:
         self._holder: list[_Block | None] = [None] * len(self.slots)
         self._freed: list[Any] = [None] * len(self.slots)
         self._stream = platform.new_side_stream() if self._has_events() else None
+        #: the block whose layers ran last (its slot is free once the next starts)
+        self._running: _Block | None = None
         for block in self.blocks:
             block.point_into(block.host[:max(block.nbytes, 1)])  # until first issued
-            block.module.register_forward_pre_hook(self._before(block))
-            block.module.register_forward_hook(self._after(block))
+            # on the block and on every layer of it that holds weights: a path
+            # that calls a block's layers without the block (Flux's packed rows,
+            # TeaCache's look at the first block's norm) still waits for them
+            hook = self._before(block)
+            for owner in block.module.modules():
+                if owner is block.module or owner._parameters:
+                    owner.register_forward_pre_hook(hook)
         logger.info("layer-wise offload: %d blocks in host memory (%.1f MiB), %d device slots "
                     "of %.1f MiB", len(self.blocks), self.host_bytes / 2**20, len(self.slots),
                     slot_bytes / 2**20)
@@ -116,6 +121,20 @@ class LayerwiseOffload:
             return self.platform.record_device_event() is not None
         except Exception:  # a backend without streams: synchronous copies
             return False
+
+    def place_rest(self, module: torch.nn.Module, device: torch.device) -> None:
+        """Move ``module``'s parameters and buffers outside the blocks to
+        ``device`` (a model loaded into host memory first); the blocks stay
+        in their host buffers."""
+        inside = {id(t) for block in self.blocks
+                  for t in (*block.module.parameters(), *block.module.buffers())}
+        for owner in module.modules():
+            for param in owner._parameters.values():
+                if param is not None and id(param) not in inside:
+                    param.data = param.data.to(device)
+            for name, buffer in owner._buffers.items():
+                if buffer is not None and id(buffer) not in inside:
+                    owner._buffers[name] = buffer.to(device)
 
     @property
     def host_bytes(self) -> int:
@@ -139,8 +158,9 @@ class LayerwiseOffload:
         if slot is None:
             slot = next(s for s, holder in enumerate(self._holder) if holder not in keep)
         previous = self._holder[slot]
-        if previous is not None:
+        if previous is not None:  # back to its host copy: no stale slot under it
             previous.slot, previous.copied = None, None
+            previous.point_into(previous.host)
         self._holder[slot], block.slot = block, slot
         target = self.slots[slot]
         if self._stream is None:  # no events: the copy is done when this returns
@@ -156,7 +176,17 @@ class LayerwiseOffload:
 
     # -- hooks ------------------------------------------------------------------------
     def _before(self, block: _Block) -> Any:
+        """Runs before the block and before each of its weighted layers; only
+        the first entry of a block does anything. Entering a block ends the
+        one before it: the event recorded then frees that block's slot (every
+        kernel of it is queued by now), whichever way its layers were called."""
         def hook(module: torch.nn.Module, args: Any) -> None:
+            if block is self._running and block.slot is not None and block.copied is None:
+                return
+            previous, self._running = self._running, block
+            if (self._stream is not None and previous is not None and previous is not block
+                    and previous.slot is not None):
+                self._freed[previous.slot] = self.platform.record_device_event()
             upcoming = self._upcoming(block)
             if block.slot is None:  # not prefetched (the first call, or skipped for a while)
                 self._issue(block, upcoming)
@@ -168,11 +198,5 @@ class LayerwiseOffload:
                     self._issue(nxt, [block, *upcoming])
         return hook
 
-    def _after(self, block: _Block) -> Any:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if self._stream is not None and block.slot is not None:
-                self._freed[block.slot] = self.platform.record_device_event()
-        return hook
 
-
-__all__ = ["ALIGN", "LayerwiseOffload", "transformer_blocks"]
+__all__ = ["LayerwiseOffload", "transformer_blocks"]

@@ -11,7 +11,7 @@ int8 copy beside them) shows at its real size.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -29,12 +29,22 @@ def _leaves(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
             yield from _leaves(inner)
 
 
-def resident_bytes(module: torch.nn.Module) -> dict[str, int]:
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the storages holding ``tensor``'s data (a subclass's inner tensors)."""
+    return sum(leaf.untyped_storage().nbytes() for leaf in _leaves(tensor))
+
+
+def resident_bytes(module: torch.nn.Module,
+                   skip: Iterable[torch.nn.Module] = ()) -> dict[str, int]:
     """Device type ("cpu", "cuda", ...) -> bytes of the storages that
-    ``module``'s parameters and buffers hold there, each storage once."""
+    ``module``'s parameters and buffers hold there, each storage once
+    (those of the submodules in ``skip`` left out)."""
+    skipped = {id(t) for sub in skip for t in (*sub.parameters(), *sub.buffers())}
     seen: set[tuple[str, int]] = set()
     held: dict[str, int] = {}
     for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) in skipped:
+            continue
         for leaf in _leaves(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor):
             if leaf.device.type == "meta":
                 continue
@@ -47,4 +57,4 @@ def resident_bytes(module: torch.nn.Module) -> dict[str, int]:
     return held
 
 
-__all__ = ["resident_bytes"]
+__all__ = ["resident_bytes", "storage_bytes"]

@@ -39,14 +39,15 @@ class FluxPipeline(FlowMatchPipeline):
     """Text-to-image with a diffusers FluxTransformer2DModel."""
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """CLIP pooled output + T5 hidden states, as FluxPipeline does: 512 T5
         tokens (its default), or fewer when the folder's T5 tokenizer says its
         model saw fewer (``model_max_length``: a model trained on 16 tokens
         must not be given 512)."""
         length = min(512, int(getattr(pipeline.tokenizer_2, "model_max_length", 512)))
         embeds, pooled, _ = pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, device=pipeline.text_encoder.device,
+            prompt=prompts, prompt_2=None, device=device,
             num_images_per_prompt=1, max_sequence_length=length)
         return embeds, pooled
 

@@ -41,11 +41,11 @@ class QwenImagePipeline(FluxPipeline):
     """Text-to-image with a diffusers QwenImageTransformer2DModel."""
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen2.5-VL's last hidden states without the template prefix, padded
         to the longest prompt, and their mask (1 = a token)."""
-        embeds, mask = pipeline.encode_prompt(prompt=prompts,
-                                              device=pipeline.text_encoder.device,
+        embeds, mask = pipeline.encode_prompt(prompt=prompts, device=device,
                                               num_images_per_prompt=1, max_sequence_length=1024)
         if mask is None:  # diffusers drops an all-ones mask
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
@@ -123,7 +123,7 @@ class QwenImagePipeline(FluxPipeline):
 
         def encode(prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
             embeds, mask = pipeline.encode_prompt(prompt=[prompt], image=picture,
-                                                  device=pipeline.text_encoder.device,
+                                                  device=self.device,
                                                   num_images_per_prompt=1,
                                                   max_sequence_length=1024)
             if mask is None:

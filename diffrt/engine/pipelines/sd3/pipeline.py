@@ -28,11 +28,12 @@ class SD3Pipeline(FlowMatchPipeline):
     """Text-to-image with a diffusers SD3Transformer2DModel."""
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Two CLIPs (penultimate hidden states, pooled) and T5 (256 tokens),
         concatenated as StableDiffusion3Pipeline does."""
         embeds, _, pooled, _ = pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=pipeline.text_encoder.device,
+            prompt=prompts, prompt_2=None, prompt_3=None, device=device,
             num_images_per_prompt=1, do_classifier_free_guidance=False, max_sequence_length=256)
         return embeds, pooled
 
