@@ -76,9 +76,17 @@ class _Block:
         self.slot: int | None = None
         self.copied: Any = None
 
+        #: the parameters' views into each buffer they point at (host, slots),
+        #: made once: re-pointing a block is then one assignment a parameter
+        self._views: dict[int, list[torch.Tensor]] = {}
+
     def point_into(self, buffer: torch.Tensor) -> None:
-        for param, start, dtype, shape in self.params:
-            param.data = view_at(buffer, start, dtype, shape)
+        views = self._views.get(buffer.data_ptr())
+        if views is None:
+            views = self._views[buffer.data_ptr()] = [
+                view_at(buffer, start, dtype, shape) for _, start, dtype, shape in self.params]
+        for (param, *_), view in zip(self.params, views, strict=True):
+            param.data = view
 
 
 class LayerwiseOffload:
@@ -104,7 +112,7 @@ class LayerwiseOffload:
         #: the block whose layers ran last (its slot is free once the next starts)
         self._running: _Block | None = None
         for block in self.blocks:
-            block.point_into(block.host[:max(block.nbytes, 1)])  # until first issued
+            block.point_into(block.host)  # until first issued
             # on the block and on every layer of it that holds weights: a path
             # that calls a block's layers without the block (Flux's packed rows,
             # TeaCache's look at the first block's norm) still waits for them
@@ -152,8 +160,9 @@ class LayerwiseOffload:
 
     def _issue(self, block: _Block, keep: list[_Block]) -> None:
         """Copy ``block`` into a slot held by none of ``keep`` (the blocks
-        about to run). A slot whose block is still running may be taken: the
-        copy waits for the event recorded after that block ran."""
+        about to run). A slot whose block may still have kernels queued can
+        be taken: the copy waits for the event recorded when the block after
+        it started."""
         slot = next((s for s, holder in enumerate(self._holder) if holder is None), None)
         if slot is None:
             slot = next(s for s, holder in enumerate(self._holder) if holder not in keep)

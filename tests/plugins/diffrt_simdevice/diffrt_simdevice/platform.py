@@ -104,15 +104,24 @@ class SimStream:
         self._state.queue.put(fn)
 
     def record_event(self) -> SimEvent:
+        """An event the stream completes when it reaches it: at once where
+        nothing is queued (as a device's idle stream does; no thread hop)."""
         event = SimEvent()
-        self.enqueue(event._complete)
+        with self._state.lock:
+            idle = self._state.pending == 0
+        if idle:
+            event._complete()
+        else:
+            self.enqueue(event._complete)
         return event
 
     def wait_event(self, event: SimEvent) -> None:
-        """Work queued after this waits until ``event`` completed; the host does not."""
+        """Work queued after this waits until ``event`` completed; the host
+        does not (nothing to queue for an event already complete)."""
         if not isinstance(event, SimEvent):
             raise TypeError(f"SimStream.wait_event needs a SimEvent, got {type(event).__name__}")
-        self.enqueue(event.synchronize)
+        if not event.query():
+            self.enqueue(event.synchronize)
 
     def synchronize(self) -> None:
         self.record_event().synchronize()
