@@ -215,6 +215,14 @@ class EngineConfig:
                 f"fp8 needs float8 matmuls, which {platform.device_type} does not have "
                 "(CUDA compute capability 8.9+, ROCm MI300+); int8 or fp8-storage run "
                 "everywhere"))
+        if spec.folder is not None:
+            from diffrt.engine.weights.prequantized import folder_methods
+
+            saved = folder_methods(spec.folder)
+            if "fp8" in saved.values() and not platform.fp8_matmul_supported():
+                raise EngineConfigError("model", (
+                    f"{self.model!r} is saved with fp8 weights (float8 matmuls), which "
+                    f"{platform.device_type} does not have"))
         if m.quantization == "fp8":
             import torch
 
@@ -336,6 +344,7 @@ class EngineConfig:
 
                 if not torchao_available():
                     raise EngineConfigError(name, TORCHAO_MISSING)
+        self._check_saved_methods(spec)
         step_execution = self.scheduling.step_execution
         if step_execution and not spec.supports_step_execution:
             raise EngineConfigError(
@@ -349,6 +358,35 @@ class EngineConfig:
                 f"model {self.model!r} ({spec.family}) does not support request batching; "
                 "use max_num_seqs=1 or step_execution=True",
             )
+
+
+    def _check_saved_methods(self, spec: ModelSpec) -> None:
+        """A folder whose components are saved quantised (torchao, through
+        diffusers' ``TorchAoConfig``) loads as saved: converting them again
+        is refused, and they need torchao."""
+        if spec.folder is None:
+            return
+        from diffrt.engine.weights.prequantized import folder_methods
+        from diffrt.engine.weights.quantize import TORCHAO_MISSING, torchao_available
+
+        m = self.model_config
+        saved = folder_methods(spec.folder)
+        for name, method in saved.items():
+            field = ("quantization" if name == "transformer" else
+                     "text_encoder_quantization" if name.startswith("text_encoder") else None)
+            if field is not None and getattr(m, field) != "none":
+                raise EngineConfigError(field, (
+                    f"the folder's {name} is saved quantised ({method}, torchao) and loads "
+                    f"as saved: leave {field}='none'"))
+            if name == "transformer" and m.offload == "layerwise":
+                raise EngineConfigError("offload", (
+                    f"the folder's transformer is saved quantised ({method}): its torchao "
+                    "tensor subclasses do not pack into layer-wise slots; use "
+                    "offload='model'"))
+        if saved and not torchao_available():
+            raise EngineConfigError("model", f"{self.model!r} is saved quantised ("
+                                    + ", ".join(f"{n}: {m_}" for n, m_ in saved.items())
+                                    + f"); {TORCHAO_MISSING}")
 
 
 def usable_methods(spec: ModelSpec, platform: Platform) -> list[str]:

@@ -56,6 +56,7 @@ from diffrt.engine.runner_messages import (
     StepStateCount,
     WeightBytes,
 )
+from diffrt.engine.weights.prequantized import folder_methods
 from diffrt.engine.weights.resident import resident_bytes
 from diffrt.runtime.shm_transport import Arena
 from diffrt.runtime.types import RankFailure, RunnerResult
@@ -160,10 +161,12 @@ class PipelineRunner:
         if host_first:
             self.pipeline.place_weights(device, on_host=tuple(
                 self.model_offload.managed) if self.model_offload is not None else ())
-        self._methods: dict[str, str] = {name: (model.quantization if name == "transformer" else
-                                model.text_encoder_quantization
-                                if name.startswith("text_encoder") else "none")
-                         for name in self.pipeline.weight_modules()}
+        saved = folder_methods(settings.spec.folder) if settings.spec.folder else {}
+        #: the method each component runs with: as configured, or as the folder saved it
+        self._methods: dict[str, str] = {name: saved.get(name) or (
+            model.quantization if name == "transformer" else model.text_encoder_quantization
+            if name.startswith("text_encoder") else "none")
+            for name in self.pipeline.weight_modules()}
         self.pipeline.configure_memory(vae_tiling=model.vae_tiling, vae_slicing=model.vae_slicing)
         degrees = ParallelDegrees(cfg=parallel.cfg_parallel_size, ulysses=parallel.ulysses_degree,
                                   ring=parallel.ring_degree)

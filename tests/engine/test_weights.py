@@ -214,3 +214,40 @@ def test_the_loaded_weights_are_checked_against_the_budget_too():
     with pytest.raises(EngineConfigError, match="the loaded weights hold .* it fits with"):
         DiffusionEngine.make_engine(plain.replace(device_memory_budget=4_600_000),
                                     executor=executor)
+
+
+def test_a_folder_saved_quantised_with_torchao_loads_as_saved(tmp_path):
+    """tiny-flux's transformer quantised by diffusers' ``TorchAoConfig``
+    (int8 weight-only) and saved: the folder loads as saved, runs as
+    ``quantization="int8"`` on the float folder does (the same torchao
+    config), is counted and estimated as int8, and is not converted again."""
+    import shutil
+
+    from diffusers import FluxTransformer2DModel, TorchAoConfig
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    from diffrt.engine.weights.prequantized import folder_methods
+
+    source = embedded_folder("tiny-flux")
+    folder = tmp_path / "tiny-flux-int8"
+    shutil.copytree(source, folder)
+    shutil.rmtree(folder / "transformer")
+    model = FluxTransformer2DModel.from_pretrained(
+        source, subfolder="transformer", torch_dtype=torch.float32,
+        quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))
+    model.save_pretrained(folder / "transformer", safe_serialization=False)
+    assert folder_methods(str(folder)) == {"transformer": "int8"}
+
+    images, held = {}, {}
+    for name, kw in (("saved", dict(model=str(folder))), ("converted", dict(quantization="int8"))):
+        with engine(**kw) as e:
+            # sizes given: a folder by path has the family's defaults, not tiny-flux's
+            images[name] = pixels(e.generate(flux_request(3, height=64, width=64)))
+            held[name] = e.weight_bytes.components["transformer"]["cpu"]
+            assert e.weight_bytes.methods["transformer"] == "int8"
+    assert np.array_equal(images["saved"], images["converted"])
+    assert held["saved"] == held["converted"]
+    estimate = components(str(folder))["transformer"].bytes("none", 4)
+    assert estimate == components(source)["transformer"].bytes("int8", 4)
+    with pytest.raises(EngineConfigError, match="saved quantised .* leave quantization='none'"):
+        EngineConfig(model=str(folder), quantization="int8")

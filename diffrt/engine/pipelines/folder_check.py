@@ -230,6 +230,26 @@ def weight_shapes(sub: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def model_shapes(sub: str) -> dict[str, tuple[int, ...]]:
+    """``weight_shapes``, or where the weights are pickled (a pre-quantised
+    torchao save) the shapes of the model its config.json builds, unquantised
+    (empty when no class builds it)."""
+    shapes = weight_shapes(sub)
+    if shapes:
+        return shapes
+    try:
+        with open(os.path.join(sub, "config.json")) as f:
+            config = json.load(f)
+        for library, name in (("diffusers", config.get("_class_name")),
+                              ("transformers", (config.get("architectures") or [None])[0])):
+            cls = getattr(__import__(library), name, None) if isinstance(name, str) else None
+            if isinstance(cls, type):
+                return _meta_shapes(sub, library, cls)
+    except Exception:  # a folder the loader will judge
+        return {}
+    return {}
+
+
 def _meta_shapes(sub: str, library: str, cls: Any) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of the model ``cls`` builds from ``sub``'s
     config.json, on the meta device."""

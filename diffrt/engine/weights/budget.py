@@ -93,16 +93,22 @@ class Component:
 
     shapes: dict[str, tuple[int, ...]]
     kept: tuple[str, ...] = ()
+    #: the method the folder saved it in (``prequantized``), which the
+    #: settings do not change; None: as trained
+    saved: str | None = None
 
     def bytes(self, method: str, value_bytes: int) -> int:
-        return tensor_bytes(self.shapes, method, value_bytes, self.kept)
+        chosen = self.saved if self.saved in ("int8", "fp8") else (
+            "none" if self.saved else method)
+        return tensor_bytes(self.shapes, chosen, value_bytes, self.kept)
 
 
 def components(folder: str) -> dict[str, Component]:
     """The transformer, the VAE and the text encoders of a diffusers folder."""
-    from diffrt.engine.pipelines.folder_check import weight_shapes
+    from diffrt.engine.pipelines.folder_check import model_shapes
+    from diffrt.engine.weights.prequantized import folder_method
 
-    return {name: Component(weight_shapes(sub), kept_patterns(sub))
+    return {name: Component(model_shapes(sub), kept_patterns(sub), folder_method(sub))
             for name in sorted(os.listdir(folder))
             if (name in ("transformer", "vae") or name.startswith("text_encoder"))
             and os.path.isdir(sub := os.path.join(folder, name))}
