@@ -4,7 +4,8 @@ quality per method, and the copy time offload hides.
 One run on CPU, nothing asserted, medians printed with ratios:
 
 1. **per method** (``quantization`` none / fp8-storage / int8; fp8 only where
-   the device has float8 matmuls, so not here), each in a fresh process so
+   the device has float8 matmuls, so not here; gguf: the model's folder with
+   its transformer written as a Q8_0 GGUF file, ``gguf_file.gguf_folder``), each in a fresh process so
    its peak memory is its own, the methods' processes interleaved over
    ``--rounds`` rounds (the order rotating): the transformer's resident
    weight bytes (``DiffusionEngine.weight_bytes``, counted from the
@@ -44,7 +45,8 @@ import time
 
 import numpy as np
 
-METHODS = ("none", "fp8-storage", "int8")
+#: quantization values, and "gguf": the model's transformer as a Q8_0 GGUF file
+METHODS = ("none", "fp8-storage", "int8", "gguf")
 HIDDEN_GOAL = 0.80
 
 
@@ -60,12 +62,31 @@ def run_method(method: str, requests: int, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
+    import tempfile
+
+    import msgspec
+
     from diffrt.demo import shapes
     from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
+    from diffrt.engine.pipelines.registry import resolve_model_spec
+    from diffrt.engine.weights.gguf_file import gguf_folder
+
+    folders = tempfile.TemporaryDirectory()
 
     def engine(model: str) -> DiffusionEngine:
+        if method == "gguf":  # the model's folder with its transformer as a Q8_0 file
+            folder = gguf_folder(resolve_model_spec(model).folder, f"{folders.name}/{model}")
+            return DiffusionEngine.make_engine(EngineConfig(
+                model=folder, executor_backend="inproc", torch_threads=threads))
         return DiffusionEngine.make_engine(EngineConfig(
             model=model, executor_backend="inproc", quantization=method, torch_threads=threads))
+
+    def params(model: str, **given) -> SamplingParams:
+        """The named model's defaults spelled out (a folder by path has its
+        family's), so every method draws the same request."""
+        defaults = msgspec.structs.asdict(resolve_model_spec(model).defaults)
+        defaults.pop("strength")  # image-to-image only
+        return SamplingParams(**{**defaults, **given})
 
     result: dict = {"method": method}
     with engine("tiny-flux") as e:
@@ -75,14 +96,16 @@ def run_method(method: str, requests: int, threads: int) -> dict:
         images, start = [], time.perf_counter()
         for seed in range(requests):
             out = e.generate(DiffusionRequest("a red square on a blue field", sampling_params=
-                                              SamplingParams(seed=seed, num_inference_steps=8)))
+                                              params("tiny-flux", seed=seed,
+                                                     num_inference_steps=8)))
             images.append(np.asarray(out.images[0]))
         result["rps"] = requests / (time.perf_counter() - start)
         result["images"] = [im.tolist() for im in images]
     scenes = shapes.HELD_OUT[:30]
     with engine("diffrt-shapes") as e:
-        drawn = [e.generate(DiffusionRequest(s.prompt, sampling_params=SamplingParams(seed=i)))
-                 .images[0] for i, s in enumerate(scenes)]
+        drawn = [e.generate(DiffusionRequest(s.prompt, sampling_params=params(
+            "diffrt-shapes", seed=i))).images[0] for i, s in enumerate(scenes)]
+    folders.cleanup()
     result["shapes"] = shapes.tally(scenes, drawn)
     result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result

@@ -376,17 +376,23 @@ class EngineConfig:
                      "text_encoder_quantization" if name.startswith("text_encoder") else None)
             if field is not None and getattr(m, field) != "none":
                 raise EngineConfigError(field, (
-                    f"the folder's {name} is saved quantised ({method}, torchao) and loads "
-                    f"as saved: leave {field}='none'"))
+                    f"the folder's {name} is saved quantised ({method}) and loads as "
+                    f"saved: leave {field}='none'"))
             if name == "transformer" and m.offload == "layerwise":
                 raise EngineConfigError("offload", (
-                    f"the folder's transformer is saved quantised ({method}): its torchao "
-                    "tensor subclasses do not pack into layer-wise slots; use "
+                    f"the folder's transformer is saved quantised ({method}): its "
+                    "quantised tensor subclasses do not pack into layer-wise slots; use "
                     "offload='model'"))
-        if saved and not torchao_available():
-            raise EngineConfigError("model", f"{self.model!r} is saved quantised ("
-                                    + ", ".join(f"{n}: {m_}" for n, m_ in saved.items())
-                                    + f"); {TORCHAO_MISSING}")
+        listed = ", ".join(f"{n}: {m_}" for n, m_ in saved.items())
+        if any(m_ != "gguf" for m_ in saved.values()) and not torchao_available():
+            raise EngineConfigError("model", f"{self.model!r} is saved quantised ({listed}); "
+                                    f"{TORCHAO_MISSING}")
+        if "gguf" in saved.values():
+            from diffrt.engine.weights.gguf_file import GGUF_MISSING, gguf_available
+
+            if not gguf_available():
+                raise EngineConfigError("model", f"{self.model!r} ships GGUF weights "
+                                        f"({listed}); {GGUF_MISSING}")
 
 
 def usable_methods(spec: ModelSpec, platform: Platform) -> list[str]:

@@ -270,3 +270,23 @@ def test_lora_adapters_and_batches_run_on_offloaded_weights(on_simulated_device,
             assert np.array_equal(a, b)
     assert offloaded == {"none": set(), "layerwise": {"transformer"},
                          "model": {"transformer", "vae", "text_encoder", "text_encoder_2"}}
+
+
+def test_a_gguf_transformer_moves_with_model_offload(tmp_path):
+    """GGUF weights (diffusers' GGUFParameter, a tensor subclass carrying its
+    quantisation type) move as subclasses do and keep their type: the same
+    bits as the GGUF folder without offload."""
+    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.weights.gguf_file import gguf_folder
+
+    folder = gguf_folder(embedded_folder("tiny-flux"), str(tmp_path / "gguf"))
+    request = [DiffusionRequest("a red square", request_id="r", sampling_params=SamplingParams(
+        seed=1, num_inference_steps=3, height=64, width=64))]
+    want = load_pipeline(str(folder)).forward(DiffusionRequestBatch(request))[0]
+    pipeline = load_pipeline(str(folder))
+    offload = pipeline.enable_model_offload(SimDevicePlatform(copy_delay_s=0.002))
+    pipeline.place_weights(CPU, on_host=tuple(offload.managed))
+    assert torch.equal(pipeline.forward(DiffusionRequestBatch(request))[0], want)
+    weight = pipeline.transformer.transformer_blocks[0].attn.to_q.weight
+    assert type(weight).__name__ == "GGUFParameter" and weight.quant_type is not None
+    assert offload.loads["transformer"] == 1

@@ -251,3 +251,32 @@ def test_a_folder_saved_quantised_with_torchao_loads_as_saved(tmp_path):
     assert estimate == components(source)["transformer"].bytes("int8", 4)
     with pytest.raises(EngineConfigError, match="saved quantised .* leave quantization='none'"):
         EngineConfig(model=str(folder), quantization="int8")
+
+
+def test_a_component_shipped_as_gguf_loads_and_draws_near_the_float_image(tmp_path):
+    """tiny-flux with its transformer's weights as a Q8_0 GGUF file (written
+    here with gguf's writer) in place of its safetensors: loaded by diffusers'
+    GGUF support, reported and estimated as gguf to the byte, within the int8
+    PSNR of the float image, in step mode too; converting it is refused."""
+    from diffusers import FluxTransformer2DModel
+
+    from diffrt.engine.weights.gguf_file import gguf_folder
+
+    source = embedded_folder("tiny-flux")
+    folder = gguf_folder(source, str(tmp_path / "tiny-flux-gguf"))
+    float_model = FluxTransformer2DModel.from_pretrained(source, subfolder="transformer")
+
+    request = flux_request(3, height=64, width=64)
+    with engine() as e:
+        want = pixels(e.generate(request))
+    for step in (False, True):
+        with engine(model=str(folder), step_execution=step) as e:
+            got = pixels(e.generate(request))
+            assert e.weight_bytes.methods["transformer"] == "gguf"
+            held = e.weight_bytes.components["transformer"]["cpu"]
+        assert psnr(got, want) >= MIN_PSNR["int8"], psnr(got, want)
+    floats = resident_bytes(float_model)["cpu"]
+    assert held <= 0.4 * floats  # Q8_0: 34 bytes per 32 values, the norms and biases float
+    assert components(str(folder))["transformer"].bytes("none", 4) == held
+    with pytest.raises(EngineConfigError, match="saved quantised \\(gguf\\)"):
+        EngineConfig(model=str(folder), quantization="int8")

@@ -89,7 +89,7 @@ def check_safetensors(path: str) -> None:
 
 #: files that hold a component's weights (one file, shards with an index, pickles)
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json",
-                   ".pt", ".pth", ".ckpt")
+                   ".pt", ".pth", ".ckpt", ".gguf")
 #: libraries whose component classes are checked by name
 _LIBRARIES = ("diffusers", "transformers")
 
@@ -121,7 +121,7 @@ def check_model_folder(folder: str, *, diffusers_pipeline: bool = True) -> dict[
                 check_safetensors(path)
         if "config.json" in files and not any(f.endswith(WEIGHT_SUFFIXES) for f in files):
             raise ModelLoadError(f"{sub}: component {name!r} has a config.json but no weights "
-                                 "(no *.safetensors or *.bin file)")
+                                 "(no *.safetensors, *.bin or *.gguf file)")
         if entry[0] in _LIBRARIES:
             models.append((name, sub, entry[0], entry[1]))
     if not _written_by_diffrt(folder):  # the cheap checks passed: now the classes

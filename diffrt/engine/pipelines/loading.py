@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffrt.engine.pipelines.folder_check import read_json_object
+from diffrt.engine.weights.gguf_file import gguf_path, load_gguf
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline as DiffusersPipeline
@@ -40,7 +41,7 @@ logger = logging.getLogger(PROGRESS_LOGGER)
 #: Checkpoints at least this large (1 GB) report each component at INFO.
 PROGRESS_BYTES = 10**9
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 #: "model.fp16.safetensors", "model.fp16-00001-of-00002.safetensors": variants
 #: that the default load (no ``variant=``) leaves alone.
 _VARIANT = re.compile(r"\.(fp16|bf16|fp32|ema|non_ema)[.-]")
@@ -136,8 +137,11 @@ def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dt
                        format_bytes(size))
             began = time.monotonic()
             cls = getattr(importlib.import_module(library), class_name)
-            loaded[name] = cls.from_pretrained(os.path.join(folder, name), dtype=dtype,
-                                               local_files_only=True)
+            sub = os.path.join(folder, name)
+            if gguf_path(sub) is not None:  # quantised blocks, dequantised per layer
+                loaded[name] = load_gguf(cls, sub, dtype)
+            else:
+                loaded[name] = cls.from_pretrained(sub, dtype=dtype, local_files_only=True)
             logger.log(level, "[%d/%d] %s loaded in %.1f s", i, len(components), name,
                        time.monotonic() - began)
         pipeline = pipeline_cls.from_pretrained(

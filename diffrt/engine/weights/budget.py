@@ -96,8 +96,14 @@ class Component:
     #: the method the folder saved it in (``prequantized``), which the
     #: settings do not change; None: as trained
     saved: str | None = None
+    #: its GGUF file (``saved`` "gguf"), whose tensors' sizes are read from it
+    gguf: str | None = None
 
     def bytes(self, method: str, value_bytes: int) -> int:
+        if self.gguf is not None:
+            from diffrt.engine.weights.gguf_file import tensor_bytes as gguf_bytes
+
+            return gguf_bytes(self.gguf, value_bytes)
         chosen = self.saved if self.saved in ("int8", "fp8") else (
             "none" if self.saved else method)
         return tensor_bytes(self.shapes, chosen, value_bytes, self.kept)
@@ -106,9 +112,11 @@ class Component:
 def components(folder: str) -> dict[str, Component]:
     """The transformer, the VAE and the text encoders of a diffusers folder."""
     from diffrt.engine.pipelines.folder_check import model_shapes
+    from diffrt.engine.weights.gguf_file import gguf_path
     from diffrt.engine.weights.prequantized import folder_method
 
-    return {name: Component(model_shapes(sub), kept_patterns(sub), folder_method(sub))
+    return {name: Component(model_shapes(sub), kept_patterns(sub), folder_method(sub),
+                            gguf_path(sub))
             for name in sorted(os.listdir(folder))
             if (name in ("transformer", "vae") or name.startswith("text_encoder"))
             and os.path.isdir(sub := os.path.join(folder, name))}

@@ -1,4 +1,4 @@
-"""Components a folder ships already quantised with torchao.
+"""Components a folder ships already quantised: with torchao, or as GGUF.
 
 diffusers saves a model quantised through its ``TorchAoConfig`` with the
 config beside it (``config.json``'s ``quantization_config``: ``quant_method``
@@ -21,8 +21,12 @@ TORCHAO_TYPES = {"Int8WeightOnlyConfig": "int8",
 
 def folder_method(sub: str) -> str | None:
     """The method a component folder's weights were saved in (``int8``,
-    ``fp8``, or "torchao <config>" for another torchao config), None for
-    weights as trained."""
+    ``fp8``, "torchao <config>" for another torchao config, ``gguf`` for a
+    GGUF file: ``gguf_file``), None for weights as trained."""
+    from diffrt.engine.weights.gguf_file import gguf_path
+
+    if gguf_path(sub) is not None:
+        return "gguf"
     try:
         with open(os.path.join(sub, "config.json")) as f:
             config = json.load(f)
