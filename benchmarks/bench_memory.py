@@ -81,12 +81,15 @@ def run_method(method: str, requests: int, threads: int) -> dict:
         return DiffusionEngine.make_engine(EngineConfig(
             model=model, executor_backend="inproc", quantization=method, torch_threads=threads))
 
-    def params(model: str, **given) -> SamplingParams:
-        """The named model's defaults spelled out (a folder by path has its
-        family's), so every method draws the same request."""
-        defaults = msgspec.structs.asdict(resolve_model_spec(model).defaults)
+    def request(model: str, prompt: str, **given) -> DiffusionRequest:
+        """The named model's defaults spelled out — sampling and negative
+        prompt (a folder by path has its family's) — so every method draws
+        the same request."""
+        spec = resolve_model_spec(model)
+        defaults = msgspec.structs.asdict(spec.defaults)
         defaults.pop("strength")  # image-to-image only
-        return SamplingParams(**{**defaults, **given})
+        return DiffusionRequest(prompt, negative_prompt=spec.default_negative_prompt,
+                                sampling_params=SamplingParams(**{**defaults, **given}))
 
     result: dict = {"method": method}
     with engine("tiny-flux") as e:
@@ -95,16 +98,15 @@ def run_method(method: str, requests: int, threads: int) -> dict:
         result["all_bytes"] = sum(sum(h.values()) for h in e.weight_bytes.components.values())
         images, start = [], time.perf_counter()
         for seed in range(requests):
-            out = e.generate(DiffusionRequest("a red square on a blue field", sampling_params=
-                                              params("tiny-flux", seed=seed,
-                                                     num_inference_steps=8)))
+            out = e.generate(request("tiny-flux", "a red square on a blue field", seed=seed,
+                                     num_inference_steps=8))
             images.append(np.asarray(out.images[0]))
         result["rps"] = requests / (time.perf_counter() - start)
         result["images"] = [im.tolist() for im in images]
     scenes = shapes.HELD_OUT[:30]
     with engine("diffrt-shapes") as e:
-        drawn = [e.generate(DiffusionRequest(s.prompt, sampling_params=params(
-            "diffrt-shapes", seed=i))).images[0] for i, s in enumerate(scenes)]
+        drawn = [e.generate(request("diffrt-shapes", s.prompt, seed=i)).images[0]
+                 for i, s in enumerate(scenes)]
     folders.cleanup()
     result["shapes"] = shapes.tally(scenes, drawn)
     result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,6 +1,6 @@
 """``diffrt env --check``: the one prepared check to run on a new accelerator.
 
-Prints one JSON object with seven parts, each measured side by side in this
+Prints one JSON object with eight parts, each measured side by side in this
 run and each allowed to fail alone (its entry then holds ``error``):
 
 - ``env``: the platform report (``diffrt env --json``);
@@ -14,6 +14,10 @@ run and each allowed to fail alone (its entry then holds ``error``):
   output, sync output and no output, and the share of the bubble removed;
 - ``engine_overhead``: the engine (worker process, scheduler, output path)
   against a bare loop over the same pipeline in this process;
+- ``weights`` (``weights_check``): as loaded, ``int8``, ``fp8`` and both
+  offloads on tiny-flux, side by side: requests per second, the weights on
+  the device, the device's peak memory, PSNR (the offloads: the same bits);
+  what the platform refuses is entered with its reason;
 - ``host_register_error`` and ``rank_devices`` (``gpu_checks``, NVIDIA only,
   else ``{"skipped": reason}``): a failed host registration leaves no error for
   the next launch; each rank's tensors, streams and events on its own device.
@@ -57,6 +61,9 @@ class CheckOptions:
     identical_steps: int = 4
     overhead_requests: int = 8
     d2h_mib: int = 64
+    weights_requests: int = 4
+    weights_size: int = 256
+    weights_steps: int = 4
     executor: str = "mp"
 
     @classmethod
@@ -65,7 +72,8 @@ class CheckOptions:
         return cls(size=128, widths="tiny", double_blocks=1, single_blocks=1,
                    min_forward_s=0.0, bubble_requests=3, bubble_repeats=1,
                    identical_requests=4, identical_size=64, identical_steps=2,
-                   overhead_requests=2, d2h_mib=4)
+                   overhead_requests=2, d2h_mib=4, weights_requests=2, weights_size=64,
+                   weights_steps=2)
 
 
 # -- the serving loop the bubble is measured with (benchmarks share it) -------------
@@ -345,7 +353,7 @@ def _forward_id(p: Any) -> str:
 
 def run_check(opts: CheckOptions) -> tuple[dict[str, Any], bool]:
     """All parts in order; returns (the JSON object, whether everything passed)."""
-    from diffrt.cli import gpu_checks
+    from diffrt.cli import gpu_checks, weights_check
     from diffrt.platforms import current_platform as platform
     from diffrt.platforms.report import platform_report
 
@@ -358,6 +366,9 @@ def run_check(opts: CheckOptions) -> tuple[dict[str, Any], bool]:
         ("async_vs_sync", lambda: async_vs_sync(opts)),
         ("bubble", lambda: bubble(opts)),
         ("engine_overhead", lambda: engine_overhead(opts)),
+        ("weights", lambda: weights_check.weights_part(
+            requests=opts.weights_requests, size=opts.weights_size, steps=opts.weights_steps,
+            executor=opts.executor, timeout_s=REQUEST_TIMEOUT_S)),
         ("host_register_error", lambda: gpu_checks.host_register_error(platform)),
         ("rank_devices", lambda: gpu_checks.rank_devices(platform)),
     ]
@@ -369,7 +380,7 @@ def run_check(opts: CheckOptions) -> tuple[dict[str, Any], bool]:
             result[name] = {"error": f"{type(exc).__name__}: {exc}"}
             ok = False
         result[name]["seconds"] = round(time.perf_counter() - t0, 1)
-    ok = ok and bool(result["async_vs_sync"].get("ok"))
+    ok = ok and bool(result["async_vs_sync"].get("ok")) and result["weights"].get("ok", True)
     ok = ok and all(result[part].get("ok", True) for part in GPU_PARTS)
     result["ok"] = ok
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -27,7 +27,14 @@ def test_the_quick_check_prints_one_json_with_every_part(cli, tmp_path):
     assert all(v > 0 for v in bubble["requests_per_s"].values())
     overhead = result["engine_overhead"]
     assert overhead["ms_per_request"]["engine"] > 0 and overhead["ms_per_request"]["bare"] > 0
-    for part in ("env", "d2h", "async_vs_sync", "bubble", "engine_overhead"):
+    weights = result["weights"]
+    assert weights["ok"] is True and weights["none"]["requests_per_s"] > 0
+    assert weights["int8"]["weights_on_device_bytes"] < weights["none"]["weights_on_device_bytes"]
+    assert weights["int8"]["psnr_min_db"] > 20
+    assert "float8 matmuls" in weights["fp8"]["skipped"]  # refused here, with the reason
+    for label in ("offload_layerwise", "offload_model"):
+        assert "the host is the device" in weights[label]["skipped"]
+    for part in ("env", "d2h", "async_vs_sync", "bubble", "engine_overhead", "weights"):
         assert "error" not in result[part], result[part]
     for part in ("host_register_error", "rank_devices"):  # a lent NVIDIA GPU only
         assert result[part]["skipped"] == "needs an NVIDIA GPU (platform cpu)"
@@ -43,6 +50,9 @@ def test_a_failing_part_fails_the_check_and_keeps_the_others(monkeypatch):
     monkeypatch.setattr(device_check, "async_vs_sync", broken)
     monkeypatch.setattr(device_check, "bubble", lambda opts: {"stub": True})
     monkeypatch.setattr(device_check, "engine_overhead", lambda opts: {"stub": True})
+    from diffrt.cli import weights_check
+
+    monkeypatch.setattr(weights_check, "weights_part", lambda **kw: {"stub": True})
     result, ok = device_check.run_check(device_check.CheckOptions.quick())
     assert ok is False and result["ok"] is False
     assert result["async_vs_sync"]["error"] == "RuntimeError: copy engine on fire"
