@@ -368,7 +368,7 @@ def run_check(opts: CheckOptions) -> tuple[dict[str, Any], bool]:
         ("engine_overhead", lambda: engine_overhead(opts)),
         ("weights", lambda: weights_check.weights_part(
             requests=opts.weights_requests, size=opts.weights_size, steps=opts.weights_steps,
-            executor=opts.executor, timeout_s=REQUEST_TIMEOUT_S)),
+            timeout_s=REQUEST_TIMEOUT_S)),
         ("host_register_error", lambda: gpu_checks.host_register_error(platform)),
         ("rank_devices", lambda: gpu_checks.rank_devices(platform)),
     ]

@@ -294,6 +294,10 @@ class EngineConfig:
         if m.offload != "layerwise" and m.offload_prefetch != ModelConfig().offload_prefetch:
             raise EngineConfigError("offload_prefetch", "applies to offload='layerwise' only, "
                                     f"not {m.offload!r}")
+        if m.offload != "none" and m.quantization == "fp8":
+            raise EngineConfigError("offload", (
+                "fp8's torchao conversion runs on the device, so the model loads there in "
+                "full precision before any offload: use int8 or fp8-storage with offload"))
         if m.offload != "none":
             if m.compile:
                 raise EngineConfigError("offload", f"{m.offload} offload re-points the "

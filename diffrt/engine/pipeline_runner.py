@@ -150,14 +150,19 @@ class PipelineRunner:
             # before the parallel, LoRA and compile hooks: they see the quantised linears
             self.pipeline.quantize_weights(model.quantization, model.text_encoder_quantization)
         #: offload="layerwise": the blocks' host copies and device slots
-        self.offload = (self.pipeline.enable_layerwise_offload(platform, model.offload_prefetch)
-                        if model.offload == "layerwise" else None)
+        # the offloads copy to the worker's device, where the pipeline computes
+        # once placed (a model loaded into host memory first is not there yet)
+        self.offload = (self.pipeline.enable_layerwise_offload(
+            platform, model.offload_prefetch, device=device)
+            if model.offload == "layerwise" else None)
         #: offload="model" (every component) or offload_text_encoders (those only)
         self.model_offload = None
-        if model.offload == "model" or (model.offload_text_encoders
+        texts = [n for n in self.pipeline.weight_modules() if n.startswith("text_encoder")]
+        if model.offload == "model" or (model.offload_text_encoders and texts
                                         and not platform.host_is_device):
             self.model_offload = self.pipeline.enable_model_offload(
-                platform, kept=() if model.offload == "model" else ("transformer", "vae"))
+                platform, kept=() if model.offload == "model" else ("transformer", "vae"),
+                device=device)
         if host_first:
             self.pipeline.place_weights(device, on_host=tuple(
                 self.model_offload.managed) if self.model_offload is not None else ())

@@ -161,12 +161,12 @@ def test_bench_compares_weight_methods_and_offloads(cli, tmp_path):
     proc = cli("--log-level", "INFO", "bench", "--model", "tiny-flux", "--executor-backend",
                "inproc", "--height", "64", "--width", "64", "--steps", "2", "-N", "2",
                "--warmup-requests", "1",
-               "--compare", "offload=none", "offload=layerwise", "quantization=int8",
-               "offload=model", "--json", "bench.json", cwd=tmp_path, env=env)
+               "--compare", "offload=layerwise", "quantization=int8,offload=model",
+               "--json", "bench.json", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((tmp_path / "bench.json").read_text())["results"]
-    assert [r["label"] for r in results] == ["offload=none", "offload=layerwise",
-                                             "quantization=int8", "offload=model"]
+    assert [r["label"] for r in results] == ["offload=layerwise",
+                                             "quantization=int8,offload=model"]
     assert all(r["requests"] == 2 and r["failed"] == 0 for r in results), results
     assert "layer-wise offload: 4 blocks in host memory" in proc.stderr, proc.stderr
     assert "transformer (int8)" in proc.stderr  # the resident-weights line

@@ -290,3 +290,25 @@ def test_a_gguf_transformer_moves_with_model_offload(tmp_path):
     weight = pipeline.transformer.transformer_blocks[0].attn.to_q.weight
     assert type(weight).__name__ == "GGUFParameter" and weight.quant_type is not None
     assert offload.loads["transformer"] == 1
+
+
+@pytest.mark.parametrize("settings, attribute", [
+    ({"offload": "model"}, "model_offload"), ({"offload_text_encoders": True}, "model_offload"),
+    ({"offload": "layerwise"}, "offload")])
+def test_the_runner_offloads_to_its_device_not_where_it_loaded(monkeypatch, settings,
+                                                               attribute):
+    """Under offload the worker loads into host memory first; the offloads
+    must copy to the worker's device all the same. ``cpu:0`` stands for it
+    (it compares unequal to the host's ``cpu``, where the model loaded)."""
+    from diffrt.engine import pipeline_runner
+    from diffrt.engine.runner_messages import RunnerSettings
+    from diffrt.engine.settings import ModelConfig
+
+    target = torch.device("cpu", 0)
+    monkeypatch.setattr(pipeline_runner, "rank_device", lambda platform, rank: target)
+    runner = pipeline_runner.PipelineRunner(
+        RunnerSettings(resolve_model_spec("tiny-flux"), model=ModelConfig(
+            model="tiny-flux", **settings)), rank=0, world_size=1,
+        platform=SimDevicePlatform())
+    assert runner.pipeline.device == target
+    assert getattr(runner, attribute).device == target

@@ -229,22 +229,24 @@ class FlowMatchPipeline(DiffusionPipeline):
                 text_method if name.startswith("text_encoder") else "none")
             quantize_module(module, chosen, self.dtype)
 
-    def enable_layerwise_offload(self, platform: Any, prefetch: int = 1) -> Any:
-        """The transformer's blocks to host memory, streamed to the device
-        per call (``engine.weights.offload``)."""
+    def enable_layerwise_offload(self, platform: Any, prefetch: int = 1, *,
+                                 device: torch.device | None = None) -> Any:
+        """The transformer's blocks to host memory, streamed to ``device``
+        (default: the pipeline's) per call (``engine.weights.offload``)."""
         from diffrt.engine.weights.offload import LayerwiseOffload, transformer_blocks
 
         self.offload = LayerwiseOffload(transformer_blocks(self.eager_transformer), platform,
-                                        self.device, prefetch=prefetch)
+                                        device or self.device, prefetch=prefetch)
         return self.offload
 
-    def enable_model_offload(self, platform: Any, kept: tuple[str, ...] = ()) -> Any:
-        """Whole components to host memory, each moved to the device when it
-        runs (``engine.weights.model_offload``)."""
+    def enable_model_offload(self, platform: Any, kept: tuple[str, ...] = (), *,
+                             device: torch.device | None = None) -> Any:
+        """Whole components to host memory, each moved to ``device`` (default:
+        the pipeline's) when it runs (``engine.weights.model_offload``)."""
         from diffrt.engine.weights.model_offload import ModelOffload
 
-        self.model_offload = ModelOffload(self.weight_modules(), platform, self.device,
-                                          kept=kept)
+        self.model_offload = ModelOffload(self.weight_modules(), platform,
+                                          device or self.device, kept=kept)
         return self.model_offload
 
     def place_weights(self, device: torch.device, *, on_host: tuple[str, ...] = ()) -> None:

@@ -248,11 +248,15 @@ class DiffusionPipeline(ABC):
         spec declares no methods is never asked."""
         raise NotImplementedError(f"{self.name} has no lower-precision weights")
 
-    def enable_layerwise_offload(self, platform: Any, prefetch: int = 1) -> Any:
-        """Stream the denoiser's blocks from host memory (``offload="layerwise"``)."""
+    def enable_layerwise_offload(self, platform: Any, prefetch: int = 1, *,
+                                 device: torch.device | None = None) -> Any:
+        """Stream the denoiser's blocks from host memory to ``device`` (the
+        pipeline's when None; a model loaded into host memory first computes
+        elsewhere: ``place_weights``) (``offload="layerwise"``)."""
         raise NotImplementedError(f"{self.name} has no layer-wise offload")
 
-    def enable_model_offload(self, platform: Any, kept: tuple[str, ...] = ()) -> Any:
+    def enable_model_offload(self, platform: Any, kept: tuple[str, ...] = (), *,
+                             device: torch.device | None = None) -> Any:
         """Keep whole components (``weight_modules``; all but ``kept``) in host
         memory and move each to the device when it runs (``offload="model"``,
         ``offload_text_encoders``)."""

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffrt.engine.pipelines.folder_check import read_json_object
-from diffrt.engine.weights.gguf_file import gguf_path, load_gguf
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline as DiffusersPipeline
@@ -123,6 +122,8 @@ def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dt
     """``diffusers.<pipeline_class>.from_pretrained(folder)`` offline in
     ``dtype``, reporting each weight component as it loads; ``preloaded``:
     components the family loaded its own way (given to ``from_pretrained``)."""
+    from diffrt.engine.weights.gguf_file import gguf_path, load_gguf
+
     components = weight_components(folder)
     total = sum(size for *_, size in components)
     level = logging.INFO if total >= PROGRESS_BYTES else logging.DEBUG
@@ -138,6 +139,7 @@ def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dt
             began = time.monotonic()
             cls = getattr(importlib.import_module(library), class_name)
             sub = os.path.join(folder, name)
+
             if gguf_path(sub) is not None:  # quantised blocks, dequantised per layer
                 loaded[name] = load_gguf(cls, sub, dtype)
             else:

@@ -186,11 +186,20 @@ def what_fits(parts: dict[str, Component], value_bytes: int, budget: int, *,
     offloads = [("none", False)] if host_is_device else [
         ("none", False), ("none", True), ("layerwise", False), ("layerwise", True),
         ("model", False)]
+    saved = {name for name, part in parts.items() if part.saved}
+    transformer_saved = "transformer" in saved
+    text_saved = any(name.startswith("text_encoder") for name in saved)
     options = []
     for quant, text, (offload, texts) in itertools.product(["none", *methods], text_methods,
                                                            offloads):
-        if offload == "layerwise" and quant != "none":
-            continue  # refused together (config)
+        # what the configuration refuses: layer-wise offload of quantised
+        # weights, converting what the folder saved quantised
+        if offload == "layerwise" and (quant != "none" or transformer_saved):
+            continue
+        if (quant != "none" and transformer_saved) or (text != "none" and text_saved):
+            continue
+        if offload != "none" and quant == "fp8":
+            continue
         choice = {"quantization": quant, "text_encoder_quantization": text,
                   "offload": offload, "offload_text_encoders": texts}
         need = device_bytes(parts, value_bytes, {**current, **choice})

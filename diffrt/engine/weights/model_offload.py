@@ -218,7 +218,11 @@ class ModelOffload:
             self.current.to_host()
             self.current = None
         if part is not None:
-            part.to_device(self.platform, self.device, self._events)
+            try:
+                part.to_device(self.platform, self.device, self._events)
+            except BaseException:  # out of memory half-way: nothing left on the device
+                part.to_host()
+                raise
             self.loads[part.name] += 1
             self.current = part
 

@@ -99,7 +99,7 @@ class LayerwiseOffload:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if len(blocks) < 2:
             raise ValueError("layer-wise offload needs a model with repeated blocks")
-        self.platform = platform
+        self.platform, self.device = platform, torch.device(device)
         self.prefetch = min(prefetch, len(blocks) - 1)
         self.blocks = [_Block(i, module, platform) for i, module in enumerate(blocks)]
         slot_bytes = max(block.nbytes for block in self.blocks)
@@ -131,17 +131,16 @@ class LayerwiseOffload:
             return False
 
     def place_rest(self, module: torch.nn.Module, device: torch.device) -> None:
-        """Move ``module``'s parameters and buffers outside the blocks to
-        ``device`` (a model loaded into host memory first); the blocks stay
-        in their host buffers."""
-        inside = {id(t) for block in self.blocks
-                  for t in (*block.module.parameters(), *block.module.buffers())}
+        """Move ``module``'s parameters outside the blocks, and every buffer,
+        to ``device`` (a model loaded into host memory first); the blocks'
+        parameters stay in their host buffers."""
+        inside = {id(t) for block in self.blocks for t in block.module.parameters()}
         for owner in module.modules():
             for param in owner._parameters.values():
                 if param is not None and id(param) not in inside:
                     param.data = param.data.to(device)
             for name, buffer in owner._buffers.items():
-                if buffer is not None and id(buffer) not in inside:
+                if buffer is not None:
                     owner._buffers[name] = buffer.to(device)
 
     @property
