@@ -122,6 +122,19 @@ def test_cfg_and_ulysses_on_four_ranks_with_parallel_decode(one_rank):
     assert_close(without, one_rank["tiny-flux", False])
 
 
+def test_int8_weights_split_over_cfg_ranks_as_on_one_rank():
+    """Each rank converts its own copy of the weights (quantization="int8"):
+    CFG parallel over two ranks draws the int8 images of one rank."""
+    batch = requests("int8", model="tiny-flux")
+    with DiffusionEngine.make_engine(EngineConfig(
+            model="tiny-flux", executor_backend="inproc", max_num_seqs=4,
+            quantization="int8")) as engine:
+        want = pixels(engine.generate(batch, timeout=120))
+    [got] = on_ranks([batch], model="tiny-flux", executor_backend="mp", cfg_parallel_size=2,
+                     step_execution=True, quantization="int8")
+    assert_close(got, want)
+
+
 def test_a_rank_killed_mid_request_fails_it_and_leaves_nothing_behind():
     """The second rank of a Ulysses pair dies while a request runs: the
     request fails promptly (its peer would wait in a collective: the engine
