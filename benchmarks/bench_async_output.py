@@ -102,7 +102,7 @@ class BenchRunner:
         self.device = platform.torch_device(None if platform.device_type == "cpu" else rank)
         self.pipeline = None
         if settings.model:
-            from diffrt.engine.pipelines.registry import load_pipeline
+            from diffrt.engine.pipelines.load import load_pipeline
 
             self.pipeline = load_pipeline(settings.model, device=self.device)
         self._a = torch.randn(512, 512, device=self.device)

@@ -163,7 +163,8 @@ class Runner:
     def __init__(self, model: str):
         import torch
 
-        from diffrt.engine.pipelines.registry import load_pipeline, resolve_model_spec
+        from diffrt.engine.models.registry import resolve_model_spec
+        from diffrt.engine.pipelines.load import load_pipeline
 
         self.model, self.steps = model, MODELS[model]
         self.spec = resolve_model_spec(model)
@@ -602,7 +603,7 @@ class Peer:
         import torch
         import transformers
 
-        from diffrt.engine.pipelines.registry import resolve_model_spec
+        from diffrt.engine.models.registry import resolve_model_spec
 
         _count_peer_decisions()
         self.model, self.steps = model, MODELS[model]
@@ -733,7 +734,7 @@ def bench_peer(shapes: dict[str, Any] | None, flux: dict[str, Any] | None,
 def default_threshold(model: str, policy: str) -> float:
     """The threshold a request naming none gets on ``model``."""
     from diffrt.engine.cache.policies import DEFAULT_THRESHOLDS
-    from diffrt.engine.pipelines.registry import resolve_model_spec
+    from diffrt.engine.models.registry import resolve_model_spec
 
     return resolve_model_spec(model).cache.thresholds.get(policy, DEFAULT_THRESHOLDS[policy])
 

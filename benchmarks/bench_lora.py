@@ -89,8 +89,8 @@ def flux_width_folder(out: Path) -> Path:
     seeded random Flux-width transformer whose inputs fit them."""
     from diffusers import FluxTransformer2DModel
 
-    from diffrt.engine.pipelines import tiny_folders as shared
-    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.models.embedded import embedded_folder
+    from diffrt.engine.models.tiny import shared
 
     tiny = Path(embedded_folder("tiny-flux"))
     shutil.copytree(tiny, out, ignore=lambda d, names: ["transformer"] if Path(d) == tiny else [])
@@ -113,7 +113,7 @@ def make_adapters(folder: str, out: Path) -> dict[str, str]:
 
 def prepare(models: tuple[str, ...], work: Path) -> dict[str, dict[str, Any]]:
     """model -> {"folder", "adapters"}."""
-    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.models.embedded import embedded_folder
 
     prepared = {}
     for model in models:

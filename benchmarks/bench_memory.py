@@ -68,8 +68,8 @@ def run_method(method: str, requests: int, threads: int) -> dict:
 
     from diffrt.demo import shapes
     from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-    from diffrt.engine.pipelines.registry import resolve_model_spec
-    from diffrt.engine.weights.gguf_file import gguf_folder
+    from diffrt.engine.models.gguf_file import gguf_folder
+    from diffrt.engine.models.registry import resolve_model_spec
 
     folders = tempfile.TemporaryDirectory()
 
@@ -146,8 +146,8 @@ def offload_section(rounds: int, threads: int) -> dict:
     from diffrt_simdevice.platform import SimDevicePlatform
 
     torch.set_num_threads(threads)
+    from diffrt.engine.models.registry import resolve_model_spec
     from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
-    from diffrt.engine.pipelines.registry import resolve_model_spec
     from diffrt.engine.request import DiffusionRequest
     from diffrt.engine.sampling import SamplingParams
     from diffrt.engine.weights.offload import transformer_blocks

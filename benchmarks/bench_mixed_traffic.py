@@ -166,7 +166,7 @@ def cache_threshold(model: str) -> float:
     """First-Block Cache's threshold of a request that names none on ``model``
     (what diffusers is given too)."""
     from diffrt.engine.cache.policies import DEFAULT_THRESHOLDS, FIRST_BLOCK
-    from diffrt.engine.pipelines.registry import resolve_model_spec
+    from diffrt.engine.models.registry import resolve_model_spec
 
     return resolve_model_spec(model).cache.thresholds.get(FIRST_BLOCK,
                                                          DEFAULT_THRESHOLDS[FIRST_BLOCK])
@@ -363,7 +363,7 @@ def _peer_run(spec: dict[str, Any]) -> tuple[list[float], float, dict]:
     import diffusers
     import torch
 
-    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.models.embedded import embedded_folder
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.lora_share:
             from bench_lora import make_adapters
 
-            from diffrt.engine.pipelines.embedded import embedded_folder
+            from diffrt.engine.models.embedded import embedded_folder
 
             args.adapter_paths = make_adapters(str(embedded_folder("tiny-flux")),
                                                Path(work) / "adapters")

@@ -104,8 +104,8 @@ MIX_STEPS = (4, 8, 28)
 
 # -- the systems, each in its own process ---------------------------------------------------
 def _folder(model: str) -> str:
-    from diffrt.engine.pipelines.embedded import embedded_folder
-    from diffrt.engine.pipelines.shipped import SHIPPED_MODELS, shipped_folder
+    from diffrt.engine.models.embedded import embedded_folder
+    from diffrt.engine.models.shipped import SHIPPED_MODELS, shipped_folder
 
     return shipped_folder(model) if model in SHIPPED_MODELS else str(embedded_folder(model))
 

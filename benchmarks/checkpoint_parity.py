@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
+from diffrt.engine.models.loading import library_bars_off
+from diffrt.engine.models.tiny.flux import build_tiny_flux_folder
+from diffrt.engine.models.tiny.sd3 import build_tiny_sd3_folder
 from diffrt.engine.pipelines import load_pipeline
-from diffrt.engine.pipelines.flux.tiny_folder import build_tiny_flux_folder
-from diffrt.engine.pipelines.loading import library_bars_off
-from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
 
 SIZE, STEPS = 64, 4
 
@@ -61,7 +61,7 @@ PROMPTS = ["a red fox in the snow", "an old castle on a hill"]
 def build(kind: str, root: Path) -> Path:
     path = root / kind
     if kind == "qwen":
-        from diffrt.engine.pipelines.qwen_image.tiny_folder import build_tiny_qwen_image_folder
+        from diffrt.engine.models.tiny.qwen_image import build_tiny_qwen_image_folder
 
         return build_tiny_qwen_image_folder(path, seed=3)
     if kind in ("flux", "flux-dev"):

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from diffrt.demo import shapes
-from diffrt.engine.pipelines.tiny_folders import (
+from diffrt.engine.models.tiny.shared import (
     FLUX_COMPONENTS,
     _write_index,
     build_clip_tokenizer,

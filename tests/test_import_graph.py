@@ -10,7 +10,9 @@ when there is one. Importing ``a.b.c`` also runs the ``__init__`` of ``a`` and
 ``a.b``; those implicit edges are left out, or every package would sit on a
 cycle with its own modules.
 
-Layers (platforms -> runtime -> engine -> cli/serve) import only downwards;
+Layers (platforms -> runtime -> engine -> cli/serve) import only downwards, and
+so do the engine's rooms (models -> weights -> pipelines; the compute rooms and
+the schedulers below the core);
 ``diffrt.tracing`` is a leaf every layer may use; ``diffrt/__init__.py`` is the root.
 """
 
@@ -31,6 +33,22 @@ FORBIDDEN = {
     "diffrt.engine": ("diffrt.cli", "diffrt.serve"),
     "diffrt.serve": ("diffrt.cli",),
 }
+#: the engine's rooms, in the same form: model folders below weights below the
+#: pipelines, the worker-side compute rooms below the engine process's core,
+#: and the schedulers' bookkeeping apart from both
+_ENGINE_TOP = ("diffrt.engine.engine", "diffrt.engine.core", "diffrt.engine.pipeline_runner",
+               "diffrt.engine.output_processor")
+_COMPUTE = ("diffrt.engine.pipelines", "diffrt.engine.cache", "diffrt.engine.lora",
+            "diffrt.engine.parallel", "diffrt.engine.weights")
+FORBIDDEN.update({
+    "diffrt.engine.models": (*_COMPUTE, "diffrt.engine.sched", *_ENGINE_TOP),
+    "diffrt.engine.weights": ("diffrt.engine.pipelines", "diffrt.engine.sched", *_ENGINE_TOP),
+    "diffrt.engine.pipelines": ("diffrt.engine.sched", "diffrt.engine.record", *_ENGINE_TOP),
+    "diffrt.engine.cache": ("diffrt.engine.pipelines", "diffrt.engine.sched", *_ENGINE_TOP),
+    "diffrt.engine.parallel": ("diffrt.engine.pipelines", "diffrt.engine.sched", *_ENGINE_TOP),
+    "diffrt.engine.lora": ("diffrt.engine.pipelines", "diffrt.engine.sched", *_ENGINE_TOP),
+    "diffrt.engine.sched": (*_COMPUTE, "diffrt.engine.models", *_ENGINE_TOP, "diffrt.runtime"),
+})
 #: shared by every layer (tracing, log_filters) or by the demo model's training,
 #: tests and docs (demo), so they import no other diffrt module
 LEAVES = ("diffrt.tracing", "diffrt.demo", "diffrt.log_filters")
@@ -244,3 +262,13 @@ def test_layering_allows_downward_imports_and_tracing_only():
         "diffrt.engine.z -> diffrt.cli.bench",
         "diffrt.runtime.x -> diffrt.engine.z",
         "diffrt.tracing -> diffrt.platforms.y (a leaf imports no other diffrt module)"]
+
+
+def test_the_engines_rooms_are_layered_too():
+    """Model folders sit below the pipelines, the schedulers apart from compute."""
+    graph = {"diffrt.engine.models.registry": {"diffrt.engine.pipelines.flux"},
+             "diffrt.engine.sched.policy": {"diffrt.engine.record", "diffrt.engine.cache.state"},
+             "diffrt.engine.pipelines.load": {"diffrt.engine.models.registry"}}
+    assert layer_violations(graph) == [
+        "diffrt.engine.models.registry -> diffrt.engine.pipelines.flux",
+        "diffrt.engine.sched.policy -> diffrt.engine.cache.state"]

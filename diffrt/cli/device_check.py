@@ -293,7 +293,7 @@ def engine_overhead(opts: CheckOptions) -> dict[str, Any]:
 
     from diffrt.engine import DiffusionEngine, EngineConfig
     from diffrt.engine.pipelines.interface import DiffusionRequestBatch
-    from diffrt.engine.pipelines.registry import load_pipeline
+    from diffrt.engine.pipelines.load import load_pipeline
     from diffrt.engine.request import DiffusionRequest
     from diffrt.engine.sampling import SamplingParams
     from diffrt.platforms import current_platform as platform

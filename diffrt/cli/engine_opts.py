@@ -364,7 +364,7 @@ def model_spec(model: str, plugins: Iterable[str] = ()) -> Any:
     """The model's ModelSpec, after importing the plugins that may register it."""
     import importlib
 
-    from diffrt.engine.pipelines.registry import resolve_model_spec
+    from diffrt.engine.models.registry import resolve_model_spec
 
     for name in plugins:
         try:

@@ -142,7 +142,7 @@ class EngineConfig:
 
     def model_spec(self) -> ModelSpec:
         """The model's description (resolved once per folder, without weights)."""
-        from diffrt.engine.pipelines.registry import resolve_model_spec
+        from diffrt.engine.models.registry import resolve_model_spec
 
         return resolve_model_spec(self.model_config.model)
 
@@ -314,8 +314,8 @@ class EngineConfig:
                                     f"{ranks} ranks need 'mp' or 'ray'")
 
     def _check_model(self) -> None:
-        from diffrt.engine.pipelines.folder_check import ModelLoadError
-        from diffrt.engine.pipelines.registry import UnknownModelError
+        from diffrt.engine.models.folder_check import ModelLoadError
+        from diffrt.engine.models.registry import UnknownModelError
 
         # The engine process resolves the model too (to check requests at
         # submission), so a plugin that registers it must be imported here as
@@ -392,7 +392,7 @@ class EngineConfig:
             raise EngineConfigError("model", f"{self.model!r} is saved quantised ({listed}); "
                                     f"{TORCHAO_MISSING}")
         if "gguf" in saved.values():
-            from diffrt.engine.weights.gguf_file import GGUF_MISSING, gguf_available
+            from diffrt.engine.models.gguf_file import GGUF_MISSING, gguf_available
 
             if not gguf_available():
                 raise EngineConfigError("model", f"{self.model!r} ships GGUF weights "

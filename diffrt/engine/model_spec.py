@@ -1,7 +1,7 @@
 """ModelSpec: one immutable description of a model, read by every room that
 needs to know what the model accepts.
 
-A spec is resolved once from a model folder (``pipelines.registry``) without
+A spec is resolved once from a model folder (``models.registry``) without
 loading weights, and it is plain data: a msgspec Struct, so the worker
 receives the same object in its settings. Submission (defaults, limits, the
 run-time estimate's shape), the schedulers (batch keys), the CLI's input

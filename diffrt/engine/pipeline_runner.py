@@ -36,7 +36,7 @@ from diffrt.engine.pipelines.interface import (
     DiffusionRequestBatch,
     StepRequestState,
 )
-from diffrt.engine.pipelines.registry import load_pipeline
+from diffrt.engine.pipelines.load import load_pipeline
 from diffrt.engine.pipelines.segments import resolve_mixed_rows
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.runner_messages import (

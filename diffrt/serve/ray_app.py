@@ -308,7 +308,7 @@ class ReplicaClient:
     def model_spec(self) -> Any:
         """The model's description when this node can read its folder (the
         replicas' node may hold a folder the ingress's does not)."""
-        from diffrt.engine.pipelines.registry import resolve_model_spec
+        from diffrt.engine.models.registry import resolve_model_spec
 
         try:
             return resolve_model_spec(self._model)

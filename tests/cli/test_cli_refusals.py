@@ -49,7 +49,7 @@ def test_bad_inputs_are_refused_in_one_line_before_any_engine_starts(tmp_path, m
         binary.write_bytes(bytes(range(256)))
         args, needle = ["--prompts-file", str(binary)], f"--prompts-file '{binary}' is not UTF-8"
     else:
-        from diffrt.engine.pipelines.embedded import embedded_folder
+        from diffrt.engine.models.embedded import embedded_folder
 
         folder = tmp_path / "flux"
         shutil.copytree(embedded_folder("tiny-flux"), folder)

@@ -135,7 +135,7 @@ def test_generate_registers_an_adapter_at_start_for_its_requests(cli, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
     from lora_files import make_adapter
 
-    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.models.embedded import embedded_folder
     from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
 
     adapter = make_adapter(embedded_folder("tiny-flux"), "FluxPipeline", tmp_path / "style",

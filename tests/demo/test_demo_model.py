@@ -16,8 +16,8 @@ import torch
 from shape_checks import SCENES, assert_drawn
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.pipelines.registry import resolve_model_spec
-from diffrt.engine.pipelines.shipped import shipped_folder
+from diffrt.engine.models.registry import resolve_model_spec
+from diffrt.engine.models.shipped import shipped_folder
 
 FOLDER = shipped_folder("diffrt-shapes")
 

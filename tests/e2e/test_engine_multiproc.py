@@ -61,7 +61,7 @@ def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_e
     carries a LoRA adapter registered at run time (read in the worker process)."""
     from lora_files import make_adapter
 
-    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.models.embedded import embedded_folder
     from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
 
     adapter = make_adapter(embedded_folder("tiny-flux"), "FluxPipeline", tmp_path / "style",
@@ -263,7 +263,7 @@ def test_a_restart_reads_the_registered_adapters_again(tmp_path):
     same pixels before and after."""
     from lora_files import make_adapter
 
-    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.models.embedded import embedded_folder
     from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
 
     adapter = make_adapter(embedded_folder("tiny-flux"), "FluxPipeline", tmp_path / "style",

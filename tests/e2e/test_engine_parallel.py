@@ -154,7 +154,7 @@ def test_sd35_style_folder_with_dual_attention_splits_exactly(tmp_path_factory):
     """A complete SD3.5-style folder (RMS q/k norms, a block with a second,
     image-only attention): Ulysses 2 and the banded decode give one rank's
     images."""
-    from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
+    from diffrt.engine.models.tiny.sd3 import build_tiny_sd3_folder
 
     folder = str(build_tiny_sd3_folder(tmp_path_factory.mktemp("sd35") / "sd35", seed=5,
                                        sd35=True))
@@ -199,7 +199,7 @@ def test_a_failure_on_one_rank_only_ends_that_rank_not_in_a_hang():
 
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory):
-    from diffrt.engine.pipelines.qwen_image.tiny_folder import build_tiny_qwen_image_folder
+    from diffrt.engine.models.tiny.qwen_image import build_tiny_qwen_image_folder
 
     return str(build_tiny_qwen_image_folder(tmp_path_factory.mktemp("qwen") / "qwen", seed=0))
 

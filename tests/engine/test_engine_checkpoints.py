@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.pipelines.flux.tiny_folder import build_tiny_flux_folder
-from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
+from diffrt.engine.models.tiny.flux import build_tiny_flux_folder
+from diffrt.engine.models.tiny.sd3 import build_tiny_sd3_folder
 
 SIZE, STEPS = 64, 3
 MAX_DIFF = 2  # of 255, fp32

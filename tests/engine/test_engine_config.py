@@ -186,7 +186,7 @@ def test_plugin_modules_are_imported_before_the_model_is_resolved(tmp_path, caps
     import sys
 
     from diffrt.cli import main
-    from diffrt.engine.pipelines import registry
+    from diffrt.engine.models import registry
 
     sys.modules.pop("plugin_registers_model", None)  # its import is what registers
     registry.unregister_model("toy-from-plugin")

@@ -17,7 +17,7 @@ from engine_helpers import assert_clean, toy_request, wait_until
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 from diffrt.engine.errors import InputsFullError
 from diffrt.engine.input_images import StoredImage, to_arrays
-from diffrt.engine.pipelines.registry import resolve_model_spec
+from diffrt.engine.models.registry import resolve_model_spec
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.submission import accept
 from diffrt.runtime.input_arena import InputArena, InputArenaFullError, InputHandle

@@ -29,7 +29,7 @@ from diffrt.engine import (
     LoraExistsError,
     SamplingParams,
 )
-from diffrt.engine.pipelines.embedded import embedded_folder
+from diffrt.engine.models.embedded import embedded_folder
 from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
 from diffrt.engine.runner_messages import LoraState, LoraStatus
 
@@ -157,7 +157,7 @@ def test_matmuls_per_layer_do_not_depend_on_the_adapters_in_a_step(files):
 
     from diffrt.engine.lora.adapter_file import read_adapter
     from diffrt.engine.pipelines.interface import StepRequestState
-    from diffrt.engine.pipelines.registry import load_pipeline
+    from diffrt.engine.pipelines.load import load_pipeline
 
     spec = EngineConfig(model="tiny-flux").model_spec()
     pipe = load_pipeline(spec, device=torch.device("cpu"), dtype=torch.float32)

@@ -14,8 +14,8 @@ from diffrt_simdevice.platform import SimDevicePlatform
 from pipeline_steps import stepped
 
 from diffrt.engine import EngineConfig, EngineConfigError
+from diffrt.engine.models.registry import resolve_model_spec
 from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
-from diffrt.engine.pipelines.registry import resolve_model_spec
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 from diffrt.engine.weights.budget import components, device_bytes
@@ -242,7 +242,7 @@ def test_lora_adapters_and_batches_run_on_offloaded_weights(on_simulated_device,
     from lora_files import make_adapter
 
     from diffrt.engine import DiffusionEngine
-    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.models.embedded import embedded_folder
     from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
 
     adapter = make_adapter(embedded_folder("tiny-flux"), "FluxPipeline", tmp_path / "a",
@@ -276,8 +276,8 @@ def test_a_gguf_transformer_moves_with_model_offload(tmp_path):
     """GGUF weights (diffusers' GGUFParameter, a tensor subclass carrying its
     quantisation type) move as subclasses do and keep their type: the same
     bits as the GGUF folder without offload."""
-    from diffrt.engine.pipelines.embedded import embedded_folder
-    from diffrt.engine.weights.gguf_file import gguf_folder
+    from diffrt.engine.models.embedded import embedded_folder
+    from diffrt.engine.models.gguf_file import gguf_folder
 
     folder = gguf_folder(embedded_folder("tiny-flux"), str(tmp_path / "gguf"))
     request = [DiffusionRequest("a red square", request_id="r", sampling_params=SamplingParams(

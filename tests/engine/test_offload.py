@@ -15,8 +15,8 @@ from diffrt_simdevice.platform import SimDevicePlatform
 from pipeline_steps import stepped
 
 from diffrt.engine import EngineConfig, EngineConfigError
+from diffrt.engine.models.registry import resolve_model_spec
 from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
-from diffrt.engine.pipelines.registry import resolve_model_spec
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 from diffrt.engine.weights.offload import LayerwiseOffload, transformer_blocks

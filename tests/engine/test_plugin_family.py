@@ -49,7 +49,7 @@ def alone(folder: str, request: DiffusionRequest) -> np.ndarray:
 
 def test_the_family_is_unknown_until_its_plugin_is_imported(folder):
     was = sys.modules.pop(PLUGIN, None)
-    from diffrt.engine.pipelines import registry
+    from diffrt.engine.models import registry
 
     registry._FAMILIES.pop("stripes", None)
     try:

@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 
 from diffrt import log_filters
 from diffrt.engine import DiffusionRequest, SamplingParams
+from diffrt.engine.models.registry import resolve_model_spec
 from diffrt.engine.pipelines.folder_text import PromptWindow
-from diffrt.engine.pipelines.registry import resolve_model_spec
 
 
 def tiny_request(prompt: str, **kw) -> DiffusionRequest:
@@ -117,8 +117,8 @@ def test_qwen_image_counts_what_its_encoder_leaves_out(tmp_path):
     longer than the window has exactly the window's tokens."""
     import diffusers
 
+    from diffrt.engine.models.tiny.qwen_image import build_tiny_qwen_image_folder
     from diffrt.engine.pipelines.qwen_image.pipeline import QwenImagePipeline
-    from diffrt.engine.pipelines.qwen_image.tiny_folder import build_tiny_qwen_image_folder
 
     pipe = diffusers.QwenImagePipeline.from_pretrained(
         str(build_tiny_qwen_image_folder(tmp_path / "qwen", seed=0)), local_files_only=True)

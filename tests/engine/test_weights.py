@@ -18,9 +18,10 @@ from shape_checks import SCENES
 
 from diffrt.demo import shapes
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, EngineConfigError
-from diffrt.engine.pipelines.embedded import embedded_folder
+from diffrt.engine.models.embedded import embedded_folder
+from diffrt.engine.models.registry import resolve_model_spec
 from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
-from diffrt.engine.pipelines.registry import load_pipeline, resolve_model_spec
+from diffrt.engine.pipelines.load import load_pipeline
 from diffrt.engine.sampling import SamplingParams
 from diffrt.engine.weights.budget import FP8_STORAGE_SKIP, components
 from diffrt.engine.weights.resident import resident_bytes
@@ -143,7 +144,7 @@ def test_diffrt_shapes_still_draws_its_prompts_on_int8_weights():
     right is at least the model card's held-out accuracy less 5 points."""
     import json
 
-    from diffrt.engine.pipelines.shipped import shipped_folder
+    from diffrt.engine.models.shipped import shipped_folder
 
     card = json.load(open(f"{shipped_folder('diffrt-shapes')}/evaluation.json"))["rows"][0]
     shipped = sum(card[a] for a in ("colour", "shape", "position", "background")) / 4
@@ -270,7 +271,7 @@ def test_a_component_shipped_as_gguf_loads_and_draws_near_the_float_image(tmp_pa
     PSNR of the float image, in step mode too; converting it is refused."""
     from diffusers import FluxTransformer2DModel
 
-    from diffrt.engine.weights.gguf_file import gguf_folder
+    from diffrt.engine.models.gguf_file import gguf_folder
 
     source = embedded_folder("tiny-flux")
     folder = gguf_folder(source, str(tmp_path / "tiny-flux-gguf"))

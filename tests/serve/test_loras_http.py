@@ -30,7 +30,7 @@ def lora_dir(tmp_path_factory):
     """A --lora-dir holding one tiny adapter (``style/``), a text file named
     like an adapter, a symlink that leads outside it and a folder whose
     weights file is such a link."""
-    from diffrt.engine.pipelines.embedded import embedded_folder
+    from diffrt.engine.models.embedded import embedded_folder
     from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
 
     root = tmp_path_factory.mktemp("loras")

@@ -35,9 +35,9 @@ from diffrt.engine.cache.forward import TransformerBlocks, cached_call
 from diffrt.engine.cache.state import DEFAULT_CACHE_STATE_BYTES, CacheBudget, RequestCache
 from diffrt.engine.input_images import InputPixels, read_pixels
 from diffrt.engine.model_spec import ModelSpec, check_heads
+from diffrt.engine.models.folder_check import ModelLoadError
 from diffrt.engine.outputs import CacheMetrics, TextEncoderStats
 from diffrt.engine.pipelines.flow_match_spec import vae_factor
-from diffrt.engine.pipelines.folder_check import ModelLoadError
 from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.pipelines.interface import (
     DiffusionPipeline,
@@ -169,8 +169,8 @@ class FlowMatchPipeline(DiffusionPipeline):
         prompts are encoded by that pipeline's ``encode_prompt``
         (``folder_text.py``), so the conditioning is what diffusers gives.
         """
+        from diffrt.engine.models.loading import load_diffusers_pipeline
         from diffrt.engine.pipelines.folder_text import FolderTextEncoder
-        from diffrt.engine.pipelines.loading import load_diffusers_pipeline
 
         if spec.folder is None or spec.diffusers_pipeline is None:
             raise ModelLoadError(f"{spec.name}: a {cls.__name__} loads a diffusers folder; "

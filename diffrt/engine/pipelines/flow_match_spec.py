@@ -8,8 +8,8 @@ import os
 from typing import Any
 
 from diffrt.engine.model_spec import ParallelSupport
-from diffrt.engine.pipelines.family import ModelFolder
-from diffrt.engine.pipelines.folder_check import ModelLoadError, read_json_object
+from diffrt.engine.models.family import ModelFolder
+from diffrt.engine.models.folder_check import ModelLoadError, read_json_object
 
 #: the largest side a family allows with its usual 8x VAE
 FAMILY_MAX_SIZE = 2048

@@ -101,7 +101,7 @@ class Component:
 
     def bytes(self, method: str, value_bytes: int) -> int:
         if self.gguf is not None:
-            from diffrt.engine.weights.gguf_file import tensor_bytes as gguf_bytes
+            from diffrt.engine.models.gguf_file import tensor_bytes as gguf_bytes
 
             return gguf_bytes(self.gguf, value_bytes)
         chosen = self.saved if self.saved in ("int8", "fp8") else (
@@ -111,8 +111,8 @@ class Component:
 
 def components(folder: str) -> dict[str, Component]:
     """The transformer, the VAE and the text encoders of a diffusers folder."""
-    from diffrt.engine.pipelines.folder_check import model_shapes
-    from diffrt.engine.weights.gguf_file import gguf_path
+    from diffrt.engine.models.folder_check import model_shapes
+    from diffrt.engine.models.gguf_file import gguf_path
     from diffrt.engine.weights.prequantized import folder_method
 
     return {name: Component(model_shapes(sub), kept_patterns(sub), folder_method(sub),

@@ -23,7 +23,7 @@ def folder_method(sub: str) -> str | None:
     """The method a component folder's weights were saved in (``int8``,
     ``fp8``, "torchao <config>" for another torchao config, ``gguf`` for a
     GGUF file: ``gguf_file``), None for weights as trained."""
-    from diffrt.engine.weights.gguf_file import gguf_path
+    from diffrt.engine.models.gguf_file import gguf_path
 
     if gguf_path(sub) is not None:
         return "gguf"

@@ -23,6 +23,6 @@ def pipe(request, pipelines):
 def qwen_folder(tmp_path_factory) -> str:
     """One tiny Qwen-Image folder for the session (its builder learns a
     tokenizer: seconds each time)."""
-    from diffrt.engine.pipelines.qwen_image.tiny_folder import build_tiny_qwen_image_folder
+    from diffrt.engine.models.tiny.qwen_image import build_tiny_qwen_image_folder
 
     return str(build_tiny_qwen_image_folder(tmp_path_factory.mktemp("qwen") / "qwen", seed=0))

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from diffrt.engine import EngineConfig, EngineConfigError
-from diffrt.engine.pipelines.embedded import embedded_folder
-from diffrt.engine.pipelines.folder_check import ModelLoadError, check_model_folder
-from diffrt.engine.pipelines.registry import load_pipeline
+from diffrt.engine.models.embedded import embedded_folder
+from diffrt.engine.models.folder_check import ModelLoadError, check_model_folder
+from diffrt.engine.pipelines.load import load_pipeline
 
 
 @pytest.fixture(scope="module")

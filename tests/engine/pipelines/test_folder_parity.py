@@ -14,10 +14,10 @@ import pytest
 import torch
 from pipeline_steps import stepped
 
+from diffrt.engine.models.tiny.flux import build_tiny_flux_folder
+from diffrt.engine.models.tiny.sd3 import build_tiny_sd3_folder
 from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
-from diffrt.engine.pipelines.flux.tiny_folder import build_tiny_flux_folder
 from diffrt.engine.pipelines.interface import StepRequestState
-from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
 from diffrt.engine.postprocess import quantize_images
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
@@ -95,7 +95,7 @@ def test_request_and_step_mode_alone_and_batched_match_diffusers(loaded, family,
 def test_a_hub_id_in_the_local_cache_resolves_offline(folders, tmp_path, monkeypatch):
     import shutil
 
-    from diffrt.engine.pipelines.registry import UnknownModelError, resolve_model_spec
+    from diffrt.engine.models.registry import UnknownModelError, resolve_model_spec
 
     cache = tmp_path / "hub"
     snapshot = cache / "models--tiny--flux" / "snapshots" / "0123abcd"

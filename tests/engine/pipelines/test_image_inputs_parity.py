@@ -23,10 +23,10 @@ import PIL.Image
 import pytest
 import torch
 
+from diffrt.engine.models.embedded import embedded_folder
+from diffrt.engine.models.tiny.sd3 import build_tiny_sd3_folder
 from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
-from diffrt.engine.pipelines.embedded import embedded_folder
 from diffrt.engine.pipelines.interface import StepRequestState
-from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
 from diffrt.engine.postprocess import quantize_images
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
@@ -217,7 +217,7 @@ def test_kontext_sizes_its_input_as_diffusers_does():
     from diffrt.engine.pipelines.flux.spec import KONTEXT_RESOLUTIONS
 
     assert list(KONTEXT_RESOLUTIONS) == PREFERRED_KONTEXT_RESOLUTIONS
-    from diffrt.engine.pipelines.registry import resolve_model_spec
+    from diffrt.engine.models.registry import resolve_model_spec
 
     spec = resolve_model_spec("tiny-flux-kontext")
     request = _edit("r", _input_image(), (SIZE, SIZE), 0)
@@ -255,7 +255,7 @@ def qwen_edit():
     import diffusers
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
-    from diffrt.engine.pipelines.qwen_image.vl_processor import load_vl_processor
+    from diffrt.engine.models.vl_processor import load_vl_processor
 
     folder = embedded_folder("tiny-qwen-image-edit")
     theirs = diffusers.QwenImageEditPipeline.from_pretrained(
@@ -317,7 +317,7 @@ def test_qwen_image_edit_plus_reads_several_images_as_diffusers_does(monkeypatch
     import diffusers
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
 
-    from diffrt.engine.pipelines.qwen_image.vl_processor import load_vl_processor
+    from diffrt.engine.models.vl_processor import load_vl_processor
 
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", SIZE * SIZE)
     # the spec's prompt area: smaller than the VAE's, so a swapped copy shows

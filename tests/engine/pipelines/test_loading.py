@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from diffrt.engine.pipelines import loading
-from diffrt.engine.pipelines.embedded import embedded_folder
-from diffrt.engine.pipelines.registry import load_pipeline
+from diffrt.engine.models import loading
+from diffrt.engine.models.embedded import embedded_folder
+from diffrt.engine.pipelines.load import load_pipeline
 
 
 def _progress(caplog) -> list[tuple[int, str]]:

@@ -13,7 +13,7 @@ import torch
 from lora_files import make_adapter
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.pipelines.embedded import embedded_folder
+from diffrt.engine.models.embedded import embedded_folder
 
 MAX_DIFF = 2  # of 255, fp32
 #: diffusers' pipeline holds several adapters at once by design here
@@ -24,7 +24,7 @@ SETS = [{"x": 1.0}, {"x": 0.5, "y": 1.0}, None]
 def _folder(family: str, tmp_path_factory) -> str:
     if family == "sd3":
         return embedded_folder("tiny-sd3")
-    from diffrt.engine.pipelines.qwen_image.tiny_folder import build_tiny_qwen_image_folder
+    from diffrt.engine.models.tiny.qwen_image import build_tiny_qwen_image_folder
 
     return str(build_tiny_qwen_image_folder(tmp_path_factory.mktemp("qwen") / "qwen", seed=0))
 

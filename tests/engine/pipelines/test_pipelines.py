@@ -202,7 +202,7 @@ def test_missing_seed_draws_a_random_one(pipe):
 
 def test_prompt_conditions_the_image(pipe):
     # the tiny folders scale their prompt weights up so that this shows
-    # (each family's tiny_folder.PROMPT_BOOST): 20/255 and more on average
+    # (each family's models/tiny module's PROMPT_BOOST): 20/255 and more on average
     assert_different_image(
         run_request(pipe, make_request(prompt="a red fox"))[0],
         run_request(pipe, make_request(prompt="an old castle"))[0],

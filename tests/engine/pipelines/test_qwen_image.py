@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.pipelines.qwen_image.tiny_folder import (
+from diffrt.engine.models.tiny.qwen_image import (
     QWEN_TEMPLATE,
     TEMPLATE_DROP,
 )

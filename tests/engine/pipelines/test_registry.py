@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
+from diffrt.engine.models.embedded import cache_dir, embedded_folder
 from diffrt.engine.pipelines import (
     DiffusionPipeline,
     DiffusionRequestBatch,
@@ -25,7 +26,6 @@ from diffrt.engine.pipelines import (
     resolve_model_spec,
     unregister_model,
 )
-from diffrt.engine.pipelines.embedded import cache_dir, embedded_folder
 from diffrt.engine.postprocess import output_postprocessor, quantize_images
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
@@ -135,7 +135,7 @@ def test_register_model_and_its_spec():
 def test_the_pipeline_contract_is_compute_only():
     """What a request may ask is the spec's: the pipeline class answers none
     of the engine's questions, and the second names of the hooks are gone."""
-    from diffrt.engine.pipelines import registry
+    from diffrt.engine.models import registry
     from diffrt.engine.pipelines.flux.pipeline import FluxPipeline
 
     for name in ("check_inputs", "with_defaults", "uses_cfg", "request_batch_key",
@@ -210,7 +210,7 @@ def test_processes_racing_to_build_an_embedded_folder_share_one(tmp_path):
     """Three processes start at once on an empty cache: each builds into a
     temporary folder and renames it into place; all end with the same folder,
     byte-identical to this process's, and no temporary folder is left."""
-    script = ("from diffrt.engine.pipelines.embedded import embedded_folder\n"
+    script = ("from diffrt.engine.models.embedded import embedded_folder\n"
               "print(embedded_folder('tiny-sd3'))\n")
     env = {**os.environ, "DIFFRT_CACHE_DIR": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
@@ -280,8 +280,8 @@ def test_a_named_models_cache_calibration_lands_on_its_family_description(tmp_pa
     benchmark fitted for that checkpoint) replace the family's calibration of
     those fields only; the same folder under another path has the family's."""
     from diffrt.engine.cache.policies import DEFAULT_THRESHOLDS
-    from diffrt.engine.pipelines.embedded import EMBEDDED_MODELS
-    from diffrt.engine.pipelines.shipped import SHIPPED_MODELS
+    from diffrt.engine.models.embedded import EMBEDDED_MODELS
+    from diffrt.engine.models.shipped import SHIPPED_MODELS
 
     calibrated = {**EMBEDDED_MODELS, **SHIPPED_MODELS}
     assert all(calibrated[name].cache for name in ("tiny-flux", "tiny-sd3", "diffrt-shapes"))
@@ -305,8 +305,8 @@ def test_a_named_models_cache_calibration_lands_on_its_family_description(tmp_pa
 
 
 def test_a_broken_or_unwritable_cache_is_one_clear_error(monkeypatch, tmp_path):
-    from diffrt.engine.pipelines.embedded import folder_key
-    from diffrt.engine.pipelines.folder_check import ModelLoadError
+    from diffrt.engine.models.embedded import folder_key
+    from diffrt.engine.models.folder_check import ModelLoadError
 
     monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path))
     # a folder of the right name that is not a model (say, copied half-way by hand)
@@ -324,7 +324,7 @@ def test_a_broken_or_unwritable_cache_is_one_clear_error(monkeypatch, tmp_path):
 
 
 def test_builds_killed_midway_are_cleaned_up(monkeypatch, tmp_path):
-    from diffrt.engine.pipelines import embedded
+    from diffrt.engine.models import embedded
 
     monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path))
     models = tmp_path / "models"
@@ -341,12 +341,12 @@ def test_builds_killed_midway_are_cleaned_up(monkeypatch, tmp_path):
 def test_the_folder_key_follows_the_builders_source(tmp_path):
     """A folder's key covers its builder's module and the shared pieces:
     editing either builds anew."""
-    from diffrt.engine.pipelines import embedded
+    from diffrt.engine.models import embedded
 
     sources = embedded.builder_sources("tiny-flux")
     assert [os.path.relpath(p, os.path.dirname(embedded.SHARED_SOURCE)) for p in sources] == [
-        os.path.join("flux", "tiny_folder.py"), "tiny_folders.py"]
-    assert embedded.builder_sources("tiny-sd3")[0].endswith(os.path.join("sd3", "tiny_folder.py"))
+        "flux.py", "shared.py"]
+    assert embedded.builder_sources("tiny-sd3")[0].endswith(os.path.join("tiny", "sd3.py"))
     before = embedded.folder_key("tiny-flux")
     assert before == embedded._folder_key("tiny-flux", sources)
     for i, path in enumerate(sources):

@@ -13,9 +13,9 @@ import torch
 from engine_helpers import assert_clean, assert_shared_steps, shared_engine
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
+from diffrt.engine.models.tiny.sd3 import build_tiny_sd3_folder
 from diffrt.engine.pipelines import StepRequestState, load_pipeline
 from diffrt.engine.pipelines.sd3.mixed import forward_rows
-from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
 from diffrt.engine.pipelines.segments import RowLayout
 
 #: (height, width, outputs, steps, output type): the four sizes of Flux's

@@ -26,14 +26,14 @@ import pytest
 import torch
 from PIL import Image
 
-from diffrt.engine.pipelines.flux.tiny_folder import build_tiny_flux_kontext_folder
-from diffrt.engine.pipelines.qwen_image.tiny_edit_folder import (
+from diffrt.engine.models.tiny.flux import build_tiny_flux_kontext_folder
+from diffrt.engine.models.tiny.qwen_image import QWEN_TEMPLATE, TEMPLATE_DROP
+from diffrt.engine.models.tiny.qwen_image_edit import (
     EDIT_TEMPLATE,
     EDIT_TEMPLATE_DROP,
     build_tiny_qwen_image_edit_folder,
 )
-from diffrt.engine.pipelines.qwen_image.tiny_folder import QWEN_TEMPLATE, TEMPLATE_DROP
-from diffrt.engine.pipelines.qwen_image.vl_processor import load_vl_processor
+from diffrt.engine.models.vl_processor import load_vl_processor
 
 SIZE, STEPS = 64, 2
 PROMPT = "make the sky red"
@@ -193,7 +193,7 @@ def test_qwen_edit_repeats_and_the_input_and_prompt_show(qwen_edit, small_edit_a
     np.testing.assert_array_equal(base, _generate(qwen_edit, image=_image("noise"), height=SIZE,
                                                   width=SIZE))
     assert _generate(qwen_edit, image=_image("noise"), height=48, width=80).shape == (48, 80, 3)
-    for other in ("gradient", "flat"):  # through the VL encoder (see tiny_edit_folder)
+    for other in ("gradient", "flat"):  # through the VL encoder (see models/tiny/qwen_image_edit.py)
         assert _diff_255(base, _generate(qwen_edit, image=_image(other), height=SIZE,
                                          width=SIZE)) > 3, other
     assert _diff_255(base, _generate(qwen_edit, image=_image("noise"), prompt="a blue car",
@@ -293,13 +293,12 @@ def test_same_seed_same_bytes(folders, tmp_path):
 def test_the_edit_builders_sources_key_their_folders():
     """Registered, the Qwen-Image-Edit builder's folder key would cover the
     Qwen-Image builder it takes its pieces from."""
-    from diffrt.engine.pipelines import embedded
+    from diffrt.engine.models import embedded
 
     root = os.path.dirname(embedded.SHARED_SOURCE)
-    sources = embedded.module_sources("diffrt.engine.pipelines.qwen_image.tiny_edit_folder")
+    sources = embedded.module_sources("diffrt.engine.models.tiny.qwen_image_edit")
     assert [os.path.relpath(p, root) for p in sources] == [
-        os.path.join("qwen_image", "tiny_edit_folder.py"),
-        os.path.join("qwen_image", "tiny_folder.py"), "tiny_folders.py"]
+        "qwen_image_edit.py", "qwen_image.py", "shared.py"]
     assert [os.path.relpath(p, root) for p in embedded.module_sources(
-        "diffrt.engine.pipelines.flux.tiny_folder")] == [
-        os.path.join("flux", "tiny_folder.py"), "tiny_folders.py"]
+        "diffrt.engine.models.tiny.flux")] == [
+        "flux.py", "shared.py"]

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from diffrt.engine.pipelines.flux.tiny_folder import build_tiny_flux_folder
-from diffrt.engine.pipelines.sd3.tiny_folder import build_tiny_sd3_folder
-from diffrt.engine.pipelines.tiny_folders import CLIP_MAX_LENGTH, T5_MAX_LENGTH
+from diffrt.engine.models.tiny.flux import build_tiny_flux_folder
+from diffrt.engine.models.tiny.sd3 import build_tiny_sd3_folder
+from diffrt.engine.models.tiny.shared import CLIP_MAX_LENGTH, T5_MAX_LENGTH
 
 PROMPTS = ("a red fox in the snow", "portrait of an old man at sunset")
 KINDS = ("flux", "sd3", "sd35")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
+from diffrt.engine.models.folder_check import ModelLoadError, read_json_object
 from diffrt.engine.pipelines import ModelFolder
-from diffrt.engine.pipelines.folder_check import ModelLoadError, read_json_object
 
 
 def describe(folder: ModelFolder) -> ModelSpec:

@@ -1,8 +1,8 @@
 """The Flux family: its spec (``spec.py``), its pipeline (``pipeline.py``),
-its sequence-parallel attention (``parallel.py``) and its tiny test folder
-(``tiny_folder.py``)."""
+its sequence-parallel attention (``parallel.py``);
+its tiny test folder is ``engine/models/tiny``'s."""
 
-from diffrt.engine.pipelines.family import Family
+from diffrt.engine.models.family import Family
 
 FAMILY = Family("flux", diffusers_pipelines=("FluxPipeline", "FluxKontextPipeline"),
                 transformer_classes=("FluxTransformer2DModel",),

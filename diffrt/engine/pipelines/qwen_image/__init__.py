@@ -1,8 +1,8 @@
 """The Qwen-Image family: its spec (``spec.py``), its pipeline
-(``pipeline.py``), its sequence-parallel attention (``parallel.py``) and its
-tiny test folder (``tiny_folder.py``)."""
+(``pipeline.py``), its sequence-parallel attention (``parallel.py``);
+its tiny test folder is ``engine/models/tiny``'s."""
 
-from diffrt.engine.pipelines.family import Family
+from diffrt.engine.models.family import Family
 
 FAMILY = Family("qwen-image", diffusers_pipelines=("QwenImagePipeline", "QwenImageEditPipeline",
                                                   "QwenImageEditPlusPipeline"),

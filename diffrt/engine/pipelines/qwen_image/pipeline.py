@@ -99,12 +99,12 @@ class QwenImagePipeline(FluxPipeline):
         builds it only with torchvision, which this CPU stack lacks)."""
         import os
 
-        from diffrt.engine.pipelines.folder_check import read_json_object
+        from diffrt.engine.models.folder_check import read_json_object
 
         index = read_json_object(os.path.join(folder, "model_index.json"))
         if "processor" not in index:
             return {}
-        from diffrt.engine.pipelines.qwen_image.vl_processor import load_vl_processor
+        from diffrt.engine.models.vl_processor import load_vl_processor
 
         return {"processor": load_vl_processor(os.path.join(folder, "processor"))}
 

@@ -12,7 +12,8 @@ from diffrt.engine.model_spec import (
     ParallelSupport,
     SamplingDefaults,
 )
-from diffrt.engine.pipelines.family import ModelFolder
+from diffrt.engine.models.family import ModelFolder
+from diffrt.engine.models.folder_check import ModelLoadError
 from diffrt.engine.pipelines.flow_match_spec import (
     attention_width,
     check_text_encoder,
@@ -21,7 +22,6 @@ from diffrt.engine.pipelines.flow_match_spec import (
     scaled_max_size,
     sequence_parallel_support,
 )
-from diffrt.engine.pipelines.folder_check import ModelLoadError
 
 #: linear layers of QwenImageTransformer2DModel that LoRA adapters for it
 #: target (joint attention, the image and text feed-forwards)

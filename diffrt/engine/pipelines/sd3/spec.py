@@ -11,7 +11,7 @@ from diffrt.engine.model_spec import (
     ModelSpec,
     SamplingDefaults,
 )
-from diffrt.engine.pipelines.family import ModelFolder
+from diffrt.engine.models.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
     attention_width,
     check_text_encoder,

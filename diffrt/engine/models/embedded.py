@@ -4,11 +4,11 @@ user's checkpoint is (model_index.json, the folder's own text encoders and
 tokenizers, the family's diffusers pipeline).
 
 A folder is built from fixed seeds by its family's builder (a
-"module:function" path, e.g. ``flux/tiny_folder.py``'s
-``build_tiny_flux_folder``) out of the shared pieces of ``tiny_folders``, so
+"module:function" path, e.g. ``tiny/flux.py``'s
+``build_tiny_flux_folder``) out of the shared pieces of ``tiny/shared.py``, so
 the same library versions give the same files on every machine. Its name
 carries a key of the source of the builder's module, of the diffrt modules it
-imports and of ``tiny_folders``, the builder's arguments and the versions of
+imports and of ``tiny/shared.py``, the builder's arguments and the versions of
 the libraries that wrote it, so an upgrade or an edit of any of those modules
 writes a fresh folder instead of reading one written by other initialisation
 code.
@@ -38,14 +38,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffrt.engine.pipelines.folder_check import ModelLoadError, cache_dir
+from diffrt.engine.models.folder_check import ModelLoadError, cache_dir
 
 logger = logging.getLogger(__name__)
 
 #: The shared builder pieces: their source is part of every folder's key, next
 #: to the source of the builder's own module (and the modules it imports), so
 #: editing any of them builds anew.
-SHARED_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_folders.py")
+SHARED_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny", "shared.py")
 #: A temporary build folder older than this was left by a killed process.
 STALE_BUILD_S = 3600.0
 
@@ -77,13 +77,13 @@ TINY_SD3_TEACACHE = (2.18057681e+00, 4.73439378e-02)
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     # FLUX.1-dev-style: guidance-distilled, so guidance_scale is an input.
-    "tiny-flux": EmbeddedModel("diffrt.engine.pipelines.flux.tiny_folder:build_tiny_flux_folder",
+    "tiny-flux": EmbeddedModel("diffrt.engine.models.tiny.flux:build_tiny_flux_folder",
                                {"seed": 20261129, "guidance_embeds": True},
                                {"height": 128, "width": 128, "num_inference_steps": 4},
                                cache={"teacache_rescale": TINY_FLUX_TEACACHE}),
     # SD3 Medium-style: two CLIPs + T5, CFG with an (empty) negative prompt;
     # its transformer's sample_size makes the default 128 px.
-    "tiny-sd3": EmbeddedModel("diffrt.engine.pipelines.sd3.tiny_folder:build_tiny_sd3_folder",
+    "tiny-sd3": EmbeddedModel("diffrt.engine.models.tiny.sd3:build_tiny_sd3_folder",
                               {"seed": 20261130},
                               {"num_inference_steps": 4},
                               cache={"thresholds": {"first-block": 0.2},
@@ -91,19 +91,19 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     # FLUX.1 Kontext [dev]-style: edits an input image it sees as extra tokens;
     # the input keeps its size (FluxKontextPipeline's ``_auto_resize=False``)
     "tiny-flux-kontext": EmbeddedModel(
-        "diffrt.engine.pipelines.flux.tiny_folder:build_tiny_flux_kontext_folder",
+        "diffrt.engine.models.tiny.flux:build_tiny_flux_kontext_folder",
         {"seed": 20261201}, {"height": 128, "width": 128, "num_inference_steps": 4},
         {"edit_resize": "keep"}),
     # Qwen-Image-Edit-style: Qwen2.5-VL reads the input image with the prompt;
     # its input area is 64 x 64 px, not the 1 Mpx of the released model
     "tiny-qwen-image-edit": EmbeddedModel(
-        "diffrt.engine.pipelines.qwen_image.tiny_edit_folder:build_tiny_qwen_image_edit_folder",
+        "diffrt.engine.models.tiny.qwen_image_edit:build_tiny_qwen_image_edit_folder",
         {"seed": 20261202}, {"num_inference_steps": 4}, {"edit_area": 64 * 64}),
     # its Plus layout (several input images), the same components: the VAE's
     # input area 64 x 64 px, Qwen2.5-VL's smaller (40 x 40), as the released
     # model's 384^2 is smaller than its 1 Mpx, so the two copies differ
     "tiny-qwen-image-edit-plus": EmbeddedModel(
-        "diffrt.engine.pipelines.qwen_image.tiny_edit_folder:build_tiny_qwen_image_edit_folder",
+        "diffrt.engine.models.tiny.qwen_image_edit:build_tiny_qwen_image_edit_folder",
         {"seed": 20261202, "plus": True}, {"num_inference_steps": 4},
         {"edit_area": 64 * 64, "edit_prompt_area": 40 * 40}),
 }
@@ -121,7 +121,7 @@ def _version(dist: str) -> str:
 def builder_sources(name: str) -> tuple[str, ...]:
     """The files whose source builds embedded model ``name``: its builder's
     module and the diffrt modules it imports (``module_sources``), then the
-    shared ``tiny_folders.py``. Finds them without running them (no import of
+    shared ``tiny/shared.py``. Finds them without running them (no import of
     torch or diffusers)."""
     module = EMBEDDED_MODELS[name].builder.partition(":")[0]
     if _find_spec(module) is None:
@@ -238,8 +238,8 @@ def embedded_folder(name: str) -> str:
     if os.path.exists(final):
         raise ModelLoadError(f"{final}: not a model folder (no model_index.json); delete it "
                              f"and diffrt writes {name} again")
-    from diffrt.engine.pipelines.family import load_object
-    from diffrt.engine.pipelines.loading import library_bars_off
+    from diffrt.engine.models.family import load_object
+    from diffrt.engine.models.loading import library_bars_off
 
     try:
         os.makedirs(root, exist_ok=True)

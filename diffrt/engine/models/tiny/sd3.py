@@ -3,7 +3,7 @@
 ``build_tiny_sd3_folder`` writes a folder diffusers' own
 ``StableDiffusion3Pipeline`` loads offline: transformer, VAE, scheduler and
 the folder's own two tiny CLIP encoders and T5 with their tokenizers, all
-from the shared pieces of ``tiny_folders``.
+from the shared pieces of ``tiny/shared.py``.
 
 Shapes (read from diffusers' pipeline): the two CLIPs' penultimate hidden
 states are concatenated and zero-padded to T5's width, so T5 ``d_model`` (=
@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from diffrt.engine.pipelines import tiny_folders as shared
+from diffrt.engine.models.tiny import shared
 
 #: SD3's T5 is wider than the two CLIPs together (32 + 32 < 96), as in the
 #: real model (768 + 1280 < 4096): the concatenated CLIP states are zero-padded.
@@ -47,7 +47,7 @@ TINY_SD35_EXTRA: dict[str, Any] = dict(qk_norm="rms_norm", dual_attention_layers
 SD3_SCHEDULER: dict[str, Any] = dict(num_train_timesteps=1000, shift=3.0)
 
 #: Factors applied to the fresh transformer's weights so the prompt shows in
-#: the image (see ``tiny_folders``), by parameter-name suffix. SD3 has no q/k
+#: the image (see ``tiny/shared.py``), by parameter-name suffix. SD3 has no q/k
 #: norm, so its attention logits scale with the projections; SD3.5's RMS
 #: q/k norm scales them with its weight. Mean |difference| between two
 #: prompts' 64x64 images (4 steps, fp32, CPU), min over 10 prompt pairs:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffrt.engine.pipelines.folder_check import read_json_object
+from diffrt.engine.models.folder_check import read_json_object
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline as DiffusersPipeline
@@ -122,7 +122,7 @@ def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dt
     """``diffusers.<pipeline_class>.from_pretrained(folder)`` offline in
     ``dtype``, reporting each weight component as it loads; ``preloaded``:
     components the family loaded its own way (given to ``from_pretrained``)."""
-    from diffrt.engine.weights.gguf_file import gguf_path, load_gguf
+    from diffrt.engine.models.gguf_file import gguf_path, load_gguf
 
     components = weight_components(folder)
     total = sum(size for *_, size in components)

@@ -3,7 +3,7 @@
 ``build_tiny_flux_folder`` writes a folder diffusers' own ``FluxPipeline``
 loads offline: transformer, VAE, scheduler and the folder's own tiny CLIP and
 T5 text encoders with their tokenizers, all from the shared pieces of
-``tiny_folders``. ``build_tiny_flux_kontext_folder`` writes the same
+``tiny/shared.py``. ``build_tiny_flux_kontext_folder`` writes the same
 components for ``FluxKontextPipeline`` (and ``FluxKontextInpaintPipeline``).
 
 Shapes (read from diffusers' pipeline): latent channels = VAE
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from diffrt.engine.pipelines import tiny_folders as shared
+from diffrt.engine.models.tiny import shared
 
 TINY_FLUX_VAE: dict[str, Any] = {**shared.TINY_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 
@@ -40,7 +40,7 @@ TINY_FLUX_TRANSFORMER: dict[str, Any] = dict(
 FLUX_SCHEDULER: dict[str, Any] = dict(num_train_timesteps=1000, shift=3.0, **shared.DYNAMIC_SHIFT)
 
 #: Factors applied to the fresh transformer's weights so the prompt shows in
-#: the image (see ``tiny_folders``), by parameter-name suffix: the pooled
+#: the image (see ``tiny/shared.py``), by parameter-name suffix: the pooled
 #: prompt's projection, sharper attention from image queries to text keys
 #: (the few prompt tokens otherwise drown among hundreds of padding tokens;
 #: with an RMS q/k norm the logits scale with its weight) and larger text

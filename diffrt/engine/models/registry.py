@@ -1,10 +1,11 @@
-"""Model name -> ModelSpec, and loading.
+"""Model name -> ModelSpec (the pipelines' ``load_pipeline`` loads one).
 
 A model is one of:
 
 - a local diffusers-format folder, whose family is read from its
   model_index.json (``_class_name``, or for an index without one its
-  transformer class) among the families registered with `register_family`;
+  transformer class) among the registered families (entry points of group
+  ``diffrt.model_families``, and `register_family`);
 - a hub id ("owner/name") already in the local Hugging Face cache (resolved
   offline to its snapshot folder);
 - a shipped model (`diffrt-shapes`, the default): a trained folder inside the
@@ -26,34 +27,44 @@ import logging
 import os
 import re
 from functools import lru_cache
+from importlib.metadata import entry_points
 from typing import Any
 
 import msgspec
-import torch
 
 from diffrt.engine.model_spec import ModelSpec
-from diffrt.engine.pipelines.embedded import EMBEDDED_MODELS, embedded_folder
-from diffrt.engine.pipelines.family import Family, ModelFolder, load_object
-from diffrt.engine.pipelines.folder_check import (
+from diffrt.engine.models.embedded import EMBEDDED_MODELS, embedded_folder
+from diffrt.engine.models.family import Family, ModelFolder, load_object
+from diffrt.engine.models.folder_check import (
     ModelLoadError,
     check_model_folder,
     read_json_object,
 )
-from diffrt.engine.pipelines.interface import DiffusionPipeline
-from diffrt.engine.pipelines.shipped import SHIPPED_MODELS, shipped_folder
+from diffrt.engine.models.shipped import SHIPPED_MODELS, shipped_folder
 
 logger = logging.getLogger(__name__)
 
-CPU = torch.device("cpu")
-
 #: registered name -> spec (models without a folder)
 _MODELS: dict[str, ModelSpec] = {}
-#: family name -> Family; the built-in ones are named by module path
-_FAMILIES: dict[str, Family | str] = {
-    "flux": "diffrt.engine.pipelines.flux:FAMILY",
-    "sd3": "diffrt.engine.pipelines.sd3:FAMILY",
-    "qwen-image": "diffrt.engine.pipelines.qwen_image:FAMILY",
-}
+#: The entry-point group families register under, each a "module:attribute"
+#: naming its `Family`. The built-in ones (flux, sd3, qwen-image) are
+#: registered there by diffrt's own package metadata, so an installed
+#: out-of-tree family is their peer, and this room names no pipeline module.
+FAMILY_GROUP = "diffrt.model_families"
+#: family name -> Family, or the entry point's "module:attribute" until first use
+_FAMILIES: dict[str, Family | str] = {}
+_entry_points_read = False
+
+
+def _registered() -> dict[str, Family | str]:
+    """The registered families, the entry points' added on first use (a
+    family registered by `register_family` before then keeps its place)."""
+    global _entry_points_read
+    if not _entry_points_read:
+        for ep in entry_points(group=FAMILY_GROUP):
+            _FAMILIES.setdefault(ep.name, ep.value)
+        _entry_points_read = True
+    return _FAMILIES
 
 
 class UnknownModelError(ValueError):
@@ -65,7 +76,7 @@ class UnknownModelError(ValueError):
         super().__init__(
             f"model: unknown model {model!r}{detail}; known models: {known}, "
             "a path to a local diffusers-format folder of a registered family "
-            f"({', '.join(sorted(_FAMILIES))}), or a hub id already in the local Hugging Face "
+            f"({', '.join(sorted(_registered()))}), or a hub id already in the local Hugging Face "
             "cache"
         )
         self.model = model
@@ -75,7 +86,7 @@ def register_family(family: Family) -> None:
     """Serve the folders ``family`` describes (a plugin's, or a replacement of
     a built-in one under the same name). Folders already resolved keep the
     spec they were given."""
-    if family.name in _FAMILIES:
+    if family.name in _registered():
         logger.warning("re-registering family %r", family.name)
     _FAMILIES[family.name] = family
     _folder_spec.cache_clear()
@@ -101,7 +112,7 @@ def known_models() -> list[str]:
 def families() -> list[Family]:
     """The registered families (built-in ones imported on first use)."""
     out = []
-    for name, entry in list(_FAMILIES.items()):
+    for name, entry in list(_registered().items()):
         family = load_object(entry) if isinstance(entry, str) else entry
         _FAMILIES[name] = family
         out.append(family)
@@ -203,24 +214,3 @@ def cached_snapshot(repo_id: str) -> str:
             repo_id, f"not a registered model or a folder, and not in the local Hugging Face "
                      f"cache {cache} ({type(exc).__name__}); nothing is downloaded: fetch it "
                      f"first, e.g. `huggingface-cli download {repo_id}`") from None
-
-
-def load_pipeline(
-    model: str | ModelSpec,
-    *,
-    device: torch.device | str = CPU,
-    dtype: torch.dtype = torch.float32,
-) -> DiffusionPipeline:
-    """Load the pipeline for ``model`` (a name or its resolved spec) onto ``device``."""
-    spec = model if isinstance(model, ModelSpec) else resolve_model_spec(model)
-    try:
-        cls = load_object(spec.pipeline)
-        pipeline = cls.load(spec, device=torch.device(device), dtype=dtype)
-    except ModelLoadError:
-        raise
-    except Exception as exc:  # one line for the user; the traceback stays in the log
-        logger.debug("loading %s failed", spec.name, exc_info=True)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ModelLoadError(f"{spec.name}: cannot load ({type(exc).__name__}: {first})") from exc
-    logger.info("loaded pipeline %s on %s (%s)", spec.name, device, dtype)
-    return pipeline

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffrt.engine.model_spec import ModelSpec
-from diffrt.engine.pipelines.folder_check import read_json_object
+from diffrt.engine.models.folder_check import read_json_object
 
 
 @dataclass(frozen=True)

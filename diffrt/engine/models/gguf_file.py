@@ -104,7 +104,7 @@ def gguf_folder(source: str, target: str, kind: str = "Q8_0") -> str:
 
     import diffusers
 
-    from diffrt.engine.pipelines.folder_check import read_json_object
+    from diffrt.engine.models.folder_check import read_json_object
 
     shutil.copytree(source, target)
     sub = os.path.join(target, "transformer")

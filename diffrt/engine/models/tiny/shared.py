@@ -1,7 +1,7 @@
 """The pieces every tiny diffusers folder shares, built locally and deterministically.
 
-Each family's builder lives in its own package (``flux/tiny_folder.py``,
-``sd3/tiny_folder.py``, ``qwen_image/tiny_folder.py``) and writes a folder that
+Each family's builder lives in its own module (``tiny/flux.py``,
+``tiny/sd3.py``, ``tiny/qwen_image.py``) and writes a folder that
 diffusers' own pipeline for that family loads with
 ``from_pretrained(path, local_files_only=True)``. What they have in common is
 here: seeded module construction, the tiny CLIP and T5 text encoders, their

@@ -1,7 +1,7 @@
 """A complete tiny Qwen-Image-Edit folder, built locally and deterministically.
 
 ``build_tiny_qwen_image_edit_folder`` writes the layout of Qwen/Qwen-Image-Edit:
-the components of the tiny Qwen-Image folder (``tiny_folder``: transformer,
+the components of the tiny Qwen-Image folder (``tiny/qwen_image.py``: transformer,
 VAE, scheduler, a Qwen2.5-VL text encoder whose vision tower now sees the
 input image, the tokenizer) plus a ``processor`` (``Qwen2VLProcessor``: the
 same tokenizer and a ``Qwen2VLImageProcessor``). ``QwenImageEditPipeline``,
@@ -41,7 +41,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from diffrt.engine.pipelines.qwen_image.tiny_folder import (
+from diffrt.engine.models.tiny.qwen_image import (
     _TEMPLATE_WORDS,
     QWEN_IMAGE_COMPONENTS,
     QWEN_TEMPLATE,
@@ -51,7 +51,7 @@ from diffrt.engine.pipelines.qwen_image.tiny_folder import (
     save_qwen_models,
     template_prefix,
 )
-from diffrt.engine.pipelines.tiny_folders import _write_index
+from diffrt.engine.models.tiny.shared import _write_index
 
 #: QwenImageEditPipeline's prompt template and the tokens it drops (its
 #: ``prompt_template_encode`` / ``prompt_template_encode_start_idx``; the Plus

@@ -12,7 +12,7 @@ tokens of the encoder's output (the template's system prefix), so the
 tokenizer must split that prefix into exactly 34 tokens, as Qwen2.5's does:
 its BPE merges are learned from the template's words first (each becomes
 one token, with or without its leading space), then from the common prompt
-words of ``tiny_folders``; Qwen2.5's added tokens (``<|im_start|>``, the
+words of ``tiny/shared.py``; Qwen2.5's added tokens (``<|im_start|>``, the
 vision markers ...) are special tokens. ``build_qwen_tokenizer`` checks the
 count.
 
@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from diffrt.engine.pipelines.tiny_folders import (
+from diffrt.engine.models.tiny.shared import (
     _WORDS,
     _boost,
     _bytes_to_unicode,
