@@ -29,8 +29,9 @@ from diffrt.runtime.messages import (
     encode_raw,
     result_decoder,
 )
-from diffrt.runtime.result_router import ResultRouter, SlotFreer
+from diffrt.runtime.result_router import ResultRouter
 from diffrt.runtime.shm_transport import Arena, OutputLease
+from diffrt.runtime.slot_freer import SlotFreer
 from diffrt.runtime.types import ExecutorConfig, ExecutorDeadError, RunnerOutput
 
 logger = logging.getLogger(__name__)

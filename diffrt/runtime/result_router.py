@@ -48,11 +48,11 @@ from typing import Any
 
 import msgspec
 
+from diffrt.runtime.futures import complete, set_exception
 from diffrt.runtime.messages import (
     NIL,
     PENDING_NOTICE_S,
     ComputeDone,
-    FreeSlots,
     Heartbeat,
     OutputPending,
     OutputReady,
@@ -60,6 +60,7 @@ from diffrt.runtime.messages import (
     RpcResult,
 )
 from diffrt.runtime.shm_transport import Arena, OutputLease, read_views
+from diffrt.runtime.slot_freer import SlotFreer, releaser
 from diffrt.runtime.types import (
     ExecutorDeadError,
     ExecutorError,
@@ -71,47 +72,6 @@ from diffrt.runtime.types import (
 logger = logging.getLogger(__name__)
 
 Future = concurrent.futures.Future
-
-
-class SlotFreer:
-    """Returns slots to the writer. ``post`` may run from a GC finalizer on any
-    thread at any moment, so it only appends and never blocks on a lock."""
-
-    def __init__(self, sink: Callable[[FreeSlots], None]):
-        self._sink = sink
-        self._pending: deque[tuple[int, int]] = deque()
-        self._ids: deque[str] = deque()
-        self._lock = threading.Lock()
-        self.closed = False
-
-    def post(self, offset: int, generation: int) -> None:
-        self._pending.append((offset, generation))
-        self.flush()
-
-    def post_id(self, output_id: str) -> None:
-        """Free by id (sent with the next flush; the pump flushes periodically)."""
-        self._ids.append(output_id)
-
-    def flush(self) -> None:
-        if not self._lock.acquire(blocking=False):
-            return  # the holder (or a periodic flush) sends it
-        try:
-            while (self._pending or self._ids) and not self.closed:
-                msg = FreeSlots(_drain(self._pending), _drain(self._ids))
-                try:
-                    self._sink(msg)
-                except Exception:  # writer gone: nothing left to free
-                    logger.debug("could not return slots", exc_info=True)
-                    self.closed = True
-        finally:
-            self._lock.release()
-
-
-def _drain(q: deque) -> list:
-    out = []
-    while q:
-        out.append(q.popleft())
-    return out
 
 
 @dataclass
@@ -299,13 +259,13 @@ class ResultRouter:
     def _run(self, fx: _Effects) -> None:
         """Carry out a transition's effects, outside the lock."""
         for fut, value in fx.resolve:
-            _complete(fut, value)
+            complete(fut, value)
         for fut in fx.cancel:
             fut.cancel()
         for result in fx.discard:
             _discard(result)
         for oid, fut, result in fx.hand_over:
-            if _complete(fut, result):
+            if complete(fut, result):
                 continue  # from then on the lease's holder owns the slot
             with self._lock:
                 self._transition(oid, OutputEvent.HANDOVER_FAILED, _Effects(), now=0.0)
@@ -431,7 +391,7 @@ class ResultRouter:
         for out in msg.outputs:
             value = read_views(self.arena, out)
             lease = OutputLease(out.output_id, value, out.nbytes,
-                                _releaser(self.freer, out.slot_offset, out.generation,
+                                releaser(self.freer, out.slot_offset, out.generation,
                                           out.output_id, self._lease_done))
             arrivals.append((out.output_id, lease))
         for oid in msg.failed_ids:
@@ -497,48 +457,16 @@ class ResultRouter:
             self._abandoned.clear()
         err = ExecutorDeadError(str(exc))
         for p in rpcs:
-            _set_exception(p.future, err)
+            set_exception(p.future, err)
         for entry in outputs:
             if entry.state is OutputState.WAITING:
-                _set_exception(entry.waiter, err)
+                set_exception(entry.waiter, err)
             elif entry.state is OutputState.ARRIVED:
                 _discard(entry.result)
 
 
 def _undeclared(exc: Exception) -> str:
     return f"the runner replied with a message its protocol does not declare ({exc})"
-
-
-def _releaser(freer: SlotFreer, offset: int, generation: int, oid: str,
-              done: deque[str]) -> Callable[[], None]:
-    # A closure over plain values: the lease's finalizer must not reference the lease.
-    def release() -> None:
-        freer.post(offset, generation)
-        done.append(oid)
-    return release
-
-
-def _complete(fut: Future, result: Any) -> bool:
-    """Resolve ``fut``; False when it was already cancelled/resolved (never raises)."""
-    if isinstance(result, BaseException):
-        return _set_exception(fut, result)
-    return _set_result(fut, result)
-
-
-def _set_result(fut: Future, value: Any) -> bool:
-    try:
-        fut.set_result(value)
-        return True
-    except concurrent.futures.InvalidStateError:
-        return False
-
-
-def _set_exception(fut: Future, exc: BaseException) -> bool:
-    try:
-        fut.set_exception(exc)
-        return True
-    except concurrent.futures.InvalidStateError:
-        return False
 
 
 def _discard(result: Any) -> None:

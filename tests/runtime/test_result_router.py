@@ -22,8 +22,9 @@ from diffrt.runtime.messages import (
     output_ids_for,
     result_decoder,
 )
-from diffrt.runtime.result_router import ResultRouter, SlotFreer
+from diffrt.runtime.result_router import ResultRouter
 from diffrt.runtime.shm_transport import Arena, PackPlan, SlotAllocator
+from diffrt.runtime.slot_freer import SlotFreer
 
 
 class Harness:
