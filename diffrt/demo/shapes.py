@@ -97,8 +97,8 @@ def render(scene: Scene, jitter: tuple[float, float] = (0.0, 0.0), scale: float 
 
 
 def random_render(scene: Scene, rng: np.random.Generator) -> Image.Image:
-    jitter = tuple(float(x) for x in rng.uniform(-3, 3, size=2))
-    return render(scene, jitter, float(rng.uniform(0.85, 1.15)))  # type: ignore[arg-type]
+    dx, dy = (float(x) for x in rng.uniform(-3, 3, size=2))
+    return render(scene, (dx, dy), float(rng.uniform(0.85, 1.15)))
 
 
 # -- the classifier ------------------------------------------------------------------

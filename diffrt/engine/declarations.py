@@ -52,7 +52,8 @@ class Declared:
 def declared_fields(struct: type) -> list[Declared]:
     """The fields of ``struct`` as ``Declared``, in declaration order."""
     info = msgspec.inspect.type_info(struct)
-    return [_declared(f) for f in info.fields]  # type: ignore[attr-defined]
+    assert isinstance(info, msgspec.inspect.StructType | msgspec.inspect.DataclassType)
+    return [_declared(f) for f in info.fields]
 
 
 def _declared(f: msgspec.inspect.Field) -> Declared:

@@ -26,9 +26,10 @@ have (``/ 255``, then ``2x - 1`` for an image) with the same float32 steps.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -36,6 +37,14 @@ import numpy as np
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.runtime.input_arena import InputArena, InputHandle, read_input
 from diffrt.runtime.shm_transport import ALIGN, Arena
+
+if TYPE_CHECKING:
+    import PIL.Image
+    import torch
+    from diffusers.image_processor import VaeImageProcessor
+
+    from diffrt.engine.request import DiffusionRequest
+
 
 #: the most images one request may give (a model may take fewer: its spec's
 #: ``max_input_images``)
@@ -54,11 +63,11 @@ class InputPixels:
     """One request's inputs as the worker reads them: uint8 CPU tensors,
     images ``(H, W, 3)``, the mask ``(H, W)``."""
 
-    images: list[Any]
-    mask: Any = None
+    images: list[torch.Tensor]
+    mask: torch.Tensor | None = None
     #: the images as the text encoder reads them, where the model reads them
     #: at another size (Qwen-Image-Edit Plus)
-    prompt_images: list[Any] | None = None
+    prompt_images: list[torch.Tensor] | None = None
 
 
 def _is_image(value: object) -> bool:
@@ -90,7 +99,7 @@ def check_kinds(images: object, mask: object) -> None:
         raise InvalidRequestError("mask_image", "a mask needs an image to mask (images)")
 
 
-def _as_pil(value: Any, field: str) -> Any:
+def _as_pil(value: PIL.Image.Image | np.ndarray, field: str) -> PIL.Image.Image:
     """A PIL image of ``value`` (a PIL image or a numpy array), checked for size."""
     import PIL.Image
 
@@ -119,7 +128,7 @@ def _as_pil(value: Any, field: str) -> Any:
     return value
 
 
-def _converted(image: Any, field: str, mode: str) -> Any:
+def _converted(image: PIL.Image.Image, field: str, mode: str) -> PIL.Image.Image:
     """``image`` in ``mode`` ("RGB" or "L"), converted as described above (a
     file that cannot be decoded is refused naming ``field``)."""
     import PIL.Image
@@ -153,17 +162,17 @@ def _checked_size(size: tuple[int, int], field: str) -> tuple[int, int]:
     return size
 
 
-_RESIZER: Any = None
+@functools.cache
+def _resizer() -> VaeImageProcessor:
+    """diffusers' image processor, made on first use (importing diffusers is slow)."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    return VaeImageProcessor()
 
 
-def _resize(image: Any, height: int, width: int) -> Any:
+def _resize(image: PIL.Image.Image, height: int, width: int) -> PIL.Image.Image:
     """diffusers' own resize of a PIL image (its processor's defaults: Lanczos)."""
-    global _RESIZER
-    if _RESIZER is None:
-        from diffusers.image_processor import VaeImageProcessor
-
-        _RESIZER = VaeImageProcessor()
-    return _RESIZER.resize(image, height, width)
+    return _resizer().resize(image, height, width)
 
 
 #: (width, height) of an input -> the (height, width) it is resized to
@@ -176,9 +185,9 @@ class Converted(msgspec.Struct):
     for a model whose text encoder reads its images at another size (the
     spec's ``prompt_image_size``) those copies too."""
 
-    images: list[Any]
-    mask: Any = None
-    prompt_images: list[Any] | None = None
+    images: list[np.ndarray]
+    mask: np.ndarray | None = None
+    prompt_images: list[np.ndarray] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -187,7 +196,8 @@ class Converted(msgspec.Struct):
         return sum(-(-max(a.nbytes, 1) // ALIGN) * ALIGN for a in arrays if a is not None)
 
 
-def to_arrays(images: list[Any], mask: Any, size_of: SizeRule,
+def to_arrays(images: list[PIL.Image.Image | np.ndarray],
+              mask: PIL.Image.Image | np.ndarray | None, size_of: SizeRule,
               prompt_size_of: SizeRule | None = None) -> Converted:
     """The request's inputs converted (see the module docstring), each
     resized to the size ``size_of`` gives for its own (the model's
@@ -224,13 +234,13 @@ class StoredImage(msgspec.Struct, frozen=True, tag="stored_image"):
         return [self.image] + ([self.prompt_image] if self.prompt_image is not None else [])
 
 
-def stored_shape(item: Any) -> tuple[int, int] | None:
+def stored_shape(item: object) -> tuple[int, int] | None:
     """(height, width) of a stored input (already resized), None for one as given."""
     stored = _stored(item)
     return (stored.image.shape[0], stored.image.shape[1]) if stored is not None else None
 
 
-def pixel_size(item: Any) -> tuple[int, int]:
+def pixel_size(item: object) -> tuple[int, int]:
     """(width, height) of an input as given (a PIL image or an array)."""
     if isinstance(item, np.ndarray):
         return (int(item.shape[1]), int(item.shape[0])) if item.ndim >= 2 else (0, 0)
@@ -238,7 +248,8 @@ def pixel_size(item: Any) -> tuple[int, int]:
     return (int(size[0]), int(size[1])) if isinstance(size, tuple) else (0, 0)
 
 
-def store(request: Any, converted: Converted, inputs: InputArena) -> Any:
+def store(request: DiffusionRequest, converted: Converted,
+          inputs: InputArena) -> DiffusionRequest:
     """``request`` with its inputs replaced by ``StoredImage``s in ``inputs``
     (all or none: a failure frees what was written)."""
     written: list[InputHandle] = []
@@ -248,7 +259,8 @@ def store(request: Any, converted: Converted, inputs: InputArena) -> Any:
         return written[-1]
 
     try:
-        prompts = converted.prompt_images or [None] * len(converted.images)
+        prompts: list[np.ndarray | None] = (list(converted.prompt_images or [])
+                                            or [None] * len(converted.images))
         images = [StoredImage(put(a), put(p) if p is not None else None)
                   for a, p in zip(converted.images, prompts, strict=True)]
         mask = StoredImage(put(converted.mask)) if converted.mask is not None else None
@@ -259,12 +271,12 @@ def store(request: Any, converted: Converted, inputs: InputArena) -> Any:
     return msgspec.structs.replace(request, images=images, mask_image=mask)
 
 
-def _all_stored(request: Any) -> list[StoredImage]:
+def _all_stored(request: DiffusionRequest) -> list[StoredImage]:
     items = [_stored(item) for item in [*request.images, request.mask_image]]
     return [item for item in items if item is not None]
 
 
-def release(request: Any, inputs: InputArena | None) -> None:
+def release(request: DiffusionRequest, inputs: InputArena | None) -> None:
     """Free the input slots of a request that has ended (or never ran)."""
     if inputs is None:
         return
@@ -273,7 +285,7 @@ def release(request: Any, inputs: InputArena | None) -> None:
             inputs.free(handle)
 
 
-def _stored(item: Any) -> StoredImage | None:
+def _stored(item: object) -> StoredImage | None:
     """A stored input: as sent, or as a worker decodes it (the request's input
     fields are untyped: a user gives images there)."""
     if isinstance(item, dict) and item.get("type") == "stored_image":
@@ -281,7 +293,7 @@ def _stored(item: Any) -> StoredImage | None:
     return item if isinstance(item, StoredImage) else None
 
 
-def read_pixels(request: Any, arena: Arena | None, size_of: SizeRule,
+def read_pixels(request: DiffusionRequest, arena: Arena | None, size_of: SizeRule,
                 prompt_size_of: SizeRule | None = None) -> InputPixels | None:
     """The worker's copy of a request's inputs (None without any): read from
     ``arena``, or converted here (to the sizes the rules say) when the request
@@ -303,7 +315,7 @@ def read_pixels(request: Any, arena: Arena | None, size_of: SizeRule,
                            prompts or None)
     converted = to_arrays(list(request.images), request.mask_image, size_of, prompt_size_of)
 
-    def tensor(array: np.ndarray) -> Any:
+    def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array.copy())
 
     return InputPixels([tensor(a) for a in converted.images],

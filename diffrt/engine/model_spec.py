@@ -213,7 +213,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     def task_of(self, request: DiffusionRequest) -> Task:
         """What ``request`` asks of this model: its inputs' task, or an edit
         when this model edits the images it is given."""
-        task: Task = request.task  # type: ignore[assignment]
+        task: Task = request.task
         if task != "text-to-image" and "editing" in self.tasks:
             return "editing"
         return task

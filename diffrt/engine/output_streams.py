@@ -113,8 +113,9 @@ class OutputStream:
         if self._inbox is not None:
             self._inbox.put((self.request_id, item))
             return True
+        assert self._loop is not None and self._async is not None  # no inbox: a loop's stream
         try:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, item)  # type: ignore[union-attr]
+            self._loop.call_soon_threadsafe(self._async.put_nowait, item)
         except RuntimeError:  # the consumer's event loop is closed
             self._closed.set()
             return False

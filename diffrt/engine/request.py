@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from diffrt.engine.input_images import check_kinds
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
+
+#: what a request asks by its inputs alone (an editing model reads images as
+#: an edit: ``ModelSpec.task_of``)
+InputTask = Literal["text-to-image", "image-to-image", "inpainting"]
 
 MAX_REQUEST_ID_CHARS = 256
 #: prompts and negative prompts, in UTF-8 bytes (text encoders keep far fewer tokens).
@@ -86,7 +90,7 @@ class DiffusionRequest(msgspec.Struct):
             raise InvalidRequestError("strength", "applies to an input image (images) only")
 
     @property
-    def task(self) -> str:
+    def task(self) -> InputTask:
         """What the request asks by its inputs alone: "text-to-image",
         "image-to-image" (images) or "inpainting" (images and a mask); an
         editing model reads images as an edit (``ModelSpec.task_of``)."""

@@ -61,7 +61,7 @@ class Arena:
         self.fd = fd
         self.size = size
         self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._u8: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     @classmethod
     def create(cls, size: int, name: str = "diffrt-output-arena") -> Arena:
@@ -82,6 +82,8 @@ class Arena:
     def bytes_view(self, offset: int, nbytes: int) -> torch.Tensor:
         if offset < 0 or offset + nbytes > self.size:
             raise ValueError(f"slot [{offset}, {offset + nbytes}) outside the arena of {self.size} bytes")
+        if self._u8 is None:
+            raise ValueError("the arena is closed")
         return self._u8[offset:offset + nbytes]
 
     def tensor_view(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
@@ -94,7 +96,7 @@ class Arena:
     def close(self) -> None:
         """Drop this process's mapping and descriptor. Views still alive keep the
         mapping (and the memory) until they are collected."""
-        self._u8 = None  # type: ignore[assignment]
+        self._u8 = None
         try:
             self._mm.close()
         except BufferError:

@@ -36,9 +36,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-from diffrt.engine.models.folder_check import ModelLoadError, cache_dir
+from diffrt.engine.models.folder_check import JsonObject, ModelLoadError, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +54,16 @@ class EmbeddedModel:
     """A tiny folder: which builder writes it, with which arguments."""
 
     builder: str  # "module:function", called as builder(folder, **kwargs)
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: JsonObject = field(default_factory=dict)
     #: sampling defaults on top of the family's (a quick image, not 1024 px in 28 steps).
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: JsonObject = field(default_factory=dict)
     #: spec fields on top of the family's description (a tiny editing model
     #: keeps its input's size instead of the 1 Mpx its family was trained at)
-    spec_overrides: dict[str, Any] = field(default_factory=dict)
+    spec_overrides: JsonObject = field(default_factory=dict)
     #: the step caches' calibration of this checkpoint, ``CacheSupport`` fields
     #: (``thresholds``, ``teacache_rescale``) on top of the family's; the
     #: values are what ``benchmarks/bench_cache.py`` fitted and chose for it
-    cache: dict[str, Any] = field(default_factory=dict)
+    cache: JsonObject = field(default_factory=dict)
 
 
 #: TeaCache's rescaling of the tiny models, fitted by ``benchmarks/bench_cache.py``

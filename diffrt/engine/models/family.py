@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffrt.engine.model_spec import ModelSpec
-from diffrt.engine.models.folder_check import read_json_object
+from diffrt.engine.models.folder_check import JsonObject, read_json_object
 
 
 @dataclass(frozen=True)
@@ -27,16 +27,16 @@ class ModelFolder:
     path: str
     #: the name the engine serves it under (a shipped or embedded name, else the path)
     name: str
-    index: dict[str, Any]
-    transformer_config: dict[str, Any] = field(default_factory=dict)
-    vae_config: dict[str, Any] = field(default_factory=dict)
+    index: JsonObject
+    transformer_config: JsonObject = field(default_factory=dict)
+    vae_config: JsonObject = field(default_factory=dict)
 
     @classmethod
-    def read(cls, path: str, name: str, index: dict[str, Any]) -> ModelFolder:
+    def read(cls, path: str, name: str, index: JsonObject) -> ModelFolder:
         return cls(path, name, index, _config(path, "transformer"), _config(path, "vae"))
 
 
-def _config(folder: str, component: str) -> dict[str, Any]:
+def _config(folder: str, component: str) -> JsonObject:
     path = os.path.join(folder, component, "config.json")
     return read_json_object(path) if os.path.isfile(path) else {}
 

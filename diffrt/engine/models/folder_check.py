@@ -34,7 +34,12 @@ class ModelLoadError(ValueError):
     """A model folder that cannot be loaded; the message names the file and the problem."""
 
 
-def read_json_object(path: str) -> dict[str, Any]:
+#: a JSON object as a model folder's files hold it (config.json, model_index.json:
+#: values of any JSON type), and the configs the tiny folders are written from
+JsonObject = dict[str, Any]
+
+
+def read_json_object(path: str) -> JsonObject:
     """The JSON object in ``path``, or ModelLoadError naming the file."""
     try:
         with open(path, "rb") as f:
@@ -94,7 +99,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.inde
 _LIBRARIES = ("diffusers", "transformers")
 
 
-def check_model_folder(folder: str, *, diffusers_pipeline: bool = True) -> dict[str, Any]:
+def check_model_folder(folder: str, *, diffusers_pipeline: bool = True) -> JsonObject:
     """Check ``folder``'s model_index.json and every component it lists (the
     folder exists, its JSON files parse, its safetensors files are whole, a
     model component has weights, and, for folders diffrt did not write, the
@@ -267,7 +272,7 @@ _VARIANT = re.compile(r"\.(fp16|bf16|fp32|ema|non_ema)[.-]")
 _BLOCK = re.compile(r"^(.*?)\.(\d+)\.")
 
 
-def _layer_count_mismatch(weights: dict[str, Any], built: dict[str, Any]) -> str | None:
+def _layer_count_mismatch(weights: JsonObject, built: JsonObject) -> str | None:
     """"transformer_blocks: 2 in the weights, 3 by config.json" for the first
     repeated block whose count differs."""
     def counts(keys: Any) -> dict[str, int]:
@@ -285,7 +290,7 @@ def _layer_count_mismatch(weights: dict[str, Any], built: dict[str, Any]) -> str
     return None
 
 
-def _shape_mismatch(weights: dict[str, Any], built: dict[str, Any]) -> str | None:
+def _shape_mismatch(weights: JsonObject, built: JsonObject) -> str | None:
     differ = sorted(k for k in set(weights) & set(built) if tuple(weights[k]) != built[k])
     if not differ:
         return None

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffrt.engine.models.folder_check import read_json_object
+from diffrt.engine.models.folder_check import JsonObject, read_json_object
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline as DiffusersPipeline
@@ -118,7 +118,7 @@ def _diffusers_pipeline_class(name: str) -> type[DiffusersPipeline]:
 
 
 def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dtype,
-                            preloaded: dict[str, Any] | None = None) -> Any:
+                            preloaded: JsonObject | None = None) -> Any:
     """``diffusers.<pipeline_class>.from_pretrained(folder)`` offline in
     ``dtype``, reporting each weight component as it loads; ``preloaded``:
     components the family loaded its own way (given to ``from_pretrained``)."""
@@ -130,7 +130,7 @@ def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dt
     logger.log(level, "loading %s: %d components with weights, %s", folder, len(components),
                format_bytes(total))
     start = time.monotonic()
-    loaded: dict[str, Any] = dict(preloaded or {})
+    loaded: JsonObject = dict(preloaded or {})
     pipeline_cls = _diffusers_pipeline_class(pipeline_class)
     with library_bars_off():
         for i, (name, library, class_name, size) in enumerate(components, 1):

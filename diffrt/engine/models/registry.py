@@ -28,7 +28,6 @@ import os
 import re
 from functools import lru_cache
 from importlib.metadata import entry_points
-from typing import Any
 
 import msgspec
 
@@ -36,6 +35,7 @@ from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.models.embedded import EMBEDDED_MODELS, embedded_folder
 from diffrt.engine.models.family import Family, ModelFolder, load_object
 from diffrt.engine.models.folder_check import (
+    JsonObject,
     ModelLoadError,
     check_model_folder,
     read_json_object,
@@ -119,7 +119,7 @@ def families() -> list[Family]:
     return out
 
 
-def _family_of(folder: str, index_path: str, index: dict[str, Any]) -> Family:
+def _family_of(folder: str, index_path: str, index: JsonObject) -> Family:
     """The family of a folder: by the pipeline class its index names, else (an
     index without ``_class_name``) by its transformer class. A folder naming a
     pipeline class no family serves is refused: an editing model shares its
@@ -154,7 +154,7 @@ def _folder_spec(folder: str, name: str | None = None) -> ModelSpec:
     index = check_model_folder(folder, diffusers_pipeline=family.diffusers)
     describe = load_object(family.describe) if isinstance(family.describe, str) else family.describe
     spec = describe(ModelFolder.read(folder, name or folder, index))
-    named = SHIPPED_MODELS.get(name) or EMBEDDED_MODELS.get(name)  # type: ignore[arg-type]
+    named = (SHIPPED_MODELS.get(name) or EMBEDDED_MODELS.get(name)) if name else None
     if named is not None:  # what the named model was built or trained for
         defaults = msgspec.structs.replace(spec.defaults, **named.sampling_defaults)
         cache = msgspec.structs.replace(spec.cache, **named.cache)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+
+from diffrt.engine.models.folder_check import JsonObject
 
 #: where the package keeps its model folders
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -22,13 +23,13 @@ MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 class ShippedModel:
     folder: str  # below MODELS_DIR
     #: sampling defaults on top of the family's (what the model was trained for)
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: JsonObject = field(default_factory=dict)
     #: the negative prompt of a request that names none (see
     #: DiffusionPipeline.default_negative_prompt)
     default_negative_prompt: str | None = None
     #: the step caches' calibration of this checkpoint, ``CacheSupport`` fields
     #: on top of the family's, as ``EmbeddedModel.cache``
-    cache: dict[str, Any] = field(default_factory=dict)
+    cache: JsonObject = field(default_factory=dict)
 
 
 SHIPPED_MODELS: dict[str, ShippedModel] = {

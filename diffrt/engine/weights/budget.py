@@ -162,7 +162,8 @@ def device_bytes(parts: dict[str, Component], value_bytes: int,
                      settings["quantization"] if name == "transformer" else "none")
         if name == "transformer" and settings["offload"] == "layerwise":
             rest, blocks = _block_bytes(part, method, value_bytes)
-            prefetch = int(settings.get("offload_prefetch", 1))  # type: ignore[call-overload]
+            prefetch = settings.get("offload_prefetch", 1)
+            assert isinstance(prefetch, int)  # a declared int setting
             sizes[name] = rest + (prefetch + 1) * max(blocks, default=0)
         else:
             sizes[name] = part.bytes(method, value_bytes)

@@ -41,7 +41,7 @@ class QuantizationUnavailable(RuntimeError):
 
 def _torchao() -> Any:
     try:
-        import torchao.quantization as quantization  # type: ignore[import-untyped]
+        import torchao.quantization as quantization
     except ImportError as exc:
         raise QuantizationUnavailable(TORCHAO_MISSING) from exc
     return quantization

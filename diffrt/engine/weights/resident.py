@@ -22,7 +22,7 @@ def _leaves(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     if flatten is None or type(tensor) in (torch.Tensor, torch.nn.Parameter):
         yield tensor
         return
-    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    names, _ = flatten(tensor)
     for name in names:
         inner = getattr(tensor, name)
         if isinstance(inner, torch.Tensor):

@@ -41,6 +41,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from diffrt.engine.models.folder_check import JsonObject
 from diffrt.engine.models.tiny.qwen_image import (
     _TEMPLATE_WORDS,
     QWEN_IMAGE_COMPONENTS,
@@ -71,7 +72,7 @@ _EDIT_TEMPLATE_WORDS = tuple(dict.fromkeys(re.findall(
 
 #: Qwen2VLImageProcessor settings: patches as the tiny vision tower cuts them,
 #: images of at most 64x64 pixels (4 tokens for a square one)
-TINY_VL_IMAGE_PROCESSOR: dict[str, Any] = dict(
+TINY_VL_IMAGE_PROCESSOR: JsonObject = dict(
     min_pixels=28 * 28,
     max_pixels=64 * 64,
     patch_size=TINY_QWEN_VISION["patch_size"],

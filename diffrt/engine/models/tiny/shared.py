@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.models.folder_check import JsonObject
+
 
 @contextlib.contextmanager
 def seeded_init(seed: int) -> Iterator[None]:
@@ -53,7 +55,7 @@ def seeded_init(seed: int) -> Iterator[None]:
 # ---------------------------------------------------------------------------
 
 #: CLIP text encoder (both families; SD3 has two of them).
-TINY_CLIP_TEXT: dict[str, Any] = dict(
+TINY_CLIP_TEXT: JsonObject = dict(
     hidden_size=32,
     intermediate_size=37,
     num_hidden_layers=2,
@@ -65,7 +67,7 @@ TINY_CLIP_TEXT: dict[str, Any] = dict(
 )
 
 #: T5 v1.1-style encoder (gated GELU, untied), as in FLUX.1 and SD3.
-TINY_T5: dict[str, Any] = dict(
+TINY_T5: JsonObject = dict(
     d_model=32,
     d_kv=8,
     d_ff=37,
@@ -80,7 +82,7 @@ TINY_T5: dict[str, Any] = dict(
 #: The VAE of the Flux and SD3 folders (8x, 4 latent channels), without quant
 #: convs like the FLUX.1 and SD3 VAEs; each family adds its real scaling and
 #: shift factors.
-TINY_VAE: dict[str, Any] = dict(
+TINY_VAE: JsonObject = dict(
     in_channels=3,
     out_channels=3,
     latent_channels=4,
@@ -96,7 +98,7 @@ TINY_VAE: dict[str, Any] = dict(
 
 #: The scheduler keys of a resolution-dependent shift (FLUX.1's values; an SD3
 #: folder with ``dynamic_shifting`` takes them too).
-DYNAMIC_SHIFT: dict[str, Any] = dict(
+DYNAMIC_SHIFT: JsonObject = dict(
     use_dynamic_shifting=True,
     base_shift=0.5,
     max_shift=1.15,
@@ -333,7 +335,7 @@ def _clip_text(cls: type, seed: int, vocab: dict[str, int]) -> Any:
         return cls(config).eval()
 
 
-def _t5(seed: int, vocab_size: int, config_kwargs: dict[str, Any]) -> Any:
+def _t5(seed: int, vocab_size: int, config_kwargs: JsonObject) -> Any:
     from transformers import T5Config, T5EncoderModel
 
     # T5Config keeps keys it does not list (config.json carries decoder_start_token_id)
@@ -365,7 +367,7 @@ def _write_index(path: Path, class_name: str,
     for an optional component the folder leaves out."""
     import diffusers
 
-    index: dict[str, Any] = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}
+    index: JsonObject = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}
     index.update({name: list(lib_cls) for name, lib_cls in sorted(components.items())})
     (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
