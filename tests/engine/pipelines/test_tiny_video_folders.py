@@ -73,3 +73,22 @@ def test_diffusers_wan_image_to_video_pipeline_runs_the_i2v_folder(wan_folders):
         (np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8))
     frames = _frames(pipeline, "a red fox", image=first)
     assert frames.shape == (9, 64, 64, 3) and np.isfinite(frames).all()
+
+
+def test_diffusers_helios_pipeline_runs_the_folder_chunk_by_chunk(tmp_path):
+    from diffrt.engine.models.tiny.helios import build_tiny_helios_folder
+
+    folder = build_tiny_helios_folder(tmp_path / "helios", seed=1)
+    pipeline = diffusers.HeliosPipeline.from_pretrained(folder, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    calls: list[int] = []
+    pipeline.transformer.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append(kw["hidden_states"].shape[2]), with_kwargs=True)
+    # a chunk of 2 latent frames covers (2 - 1) x 4 + 1 = 5 frames: 13 frames are
+    # 3 chunks, each 2 steps with CFG
+    out = pipeline(prompt="a red fox", height=64, width=64, num_frames=13,
+                   num_inference_steps=2, num_latent_frames_per_chunk=2,
+                   history_sizes=[4, 2, 1], generator=torch.Generator().manual_seed(0))
+    frames = out.frames[0]
+    assert frames.shape[1:] == (64, 64, 3) and np.isfinite(frames).all()
+    assert len(calls) == 3 * 2 * 2 and set(calls) == {2}

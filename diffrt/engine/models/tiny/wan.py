@@ -23,6 +23,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from diffrt.engine.models.folder_check import JsonObject
 from diffrt.engine.models.tiny import shared
 
@@ -83,6 +85,16 @@ PROMPT_BOOST: dict[str, float] = {
 _SEED_OFFSETS = {**shared._SEED_OFFSETS, "transformer_2": 5}
 
 
+def umt5(seed: int, vocab_size: int) -> torch.nn.Module:
+    """The tiny UMT5 encoder of the Wan and Helios folders, built under ``seed``."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1,
+                        decoder_start_token_id=0, is_encoder_decoder=False, **TINY_UMT5)
+    with shared.seeded_init(seed):
+        return UMT5EncoderModel(config).eval()
+
+
 def wan_components(i2v: bool, two_experts: bool) -> dict[str, tuple[str | None, str | None]]:
     """A Wan folder's components (model_index.json); an image-to-video folder
     of Wan 2.2's layout leaves the CLIP image encoder out."""
@@ -105,7 +117,6 @@ def build_tiny_wan_folder(path: str | os.PathLike, *, seed: int = 0, i2v: bool =
     or, with ``i2v``, image-to-video (``WanImageToVideoPipeline``); with
     ``two_experts`` Wan 2.2's pair of transformers and its boundary ratio."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -117,11 +128,7 @@ def build_tiny_wan_folder(path: str | os.PathLike, *, seed: int = 0, i2v: bool =
     shared.save_seeded(path / "vae", AutoencoderKLWan, seed + _SEED_OFFSETS["vae"],
                        **TINY_WAN_VAE)
     FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER).save_pretrained(path / "scheduler")
-    config = UMT5Config(vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1,
-                        decoder_start_token_id=0, is_encoder_decoder=False, **TINY_UMT5)
-    with shared.seeded_init(seed + _SEED_OFFSETS["text_encoder"]):
-        encoder = UMT5EncoderModel(config).eval()
-    shared._save(encoder, path / "text_encoder")
+    shared._save(umt5(seed + _SEED_OFFSETS["text_encoder"], len(tokenizer)), path / "text_encoder")
     pipeline = "WanImageToVideoPipeline" if i2v else "WanPipeline"
     shared._write_index(path, pipeline, wan_components(i2v, two_experts))
     index_path = path / "model_index.json"
@@ -135,4 +142,4 @@ def build_tiny_wan_folder(path: str | os.PathLike, *, seed: int = 0, i2v: bool =
 
 __all__ = ["BOUNDARY_RATIO", "I2V_IN_CHANNELS", "PROMPT_BOOST", "TINY_UMT5", "TINY_WAN_TRANSFORMER",
            "TINY_WAN_VAE", "WAN_MAX_LENGTH", "WAN_SCHEDULER", "build_tiny_wan_folder",
-           "wan_components"]
+           "umt5", "wan_components"]
