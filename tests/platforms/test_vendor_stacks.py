@@ -16,6 +16,7 @@ from vendor_fakes import (
     CudaRuntime,
     NpuRuntime,
     bf16_check,
+    device_properties,
     level_zero_visible,
     locked_bytes,
     page_aligned_arena,
@@ -226,6 +227,10 @@ def test_auto_dtype_is_float16_where_bfloat16_is_only_emulated(cls, monkeypatch,
     from diffrt.engine.pipeline_runner import resolve_dtype
 
     platform, mod = install(monkeypatch, device_module_factory, cls)
+    # a worker: its context exists, so the device is asked directly (the
+    # engine process asks a child: test_vendor_paths.py)
+    mod.is_initialized = lambda: True
+    mod.get_device_properties = lambda i=0: device_properties(7, 5)
     mod.is_bf16_supported = bf16_check(native=False)  # T4, V100, Arc A-series
     assert resolve_dtype("auto", platform) is torch.float16
     assert mod.is_bf16_supported.calls == [False]
