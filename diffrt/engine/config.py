@@ -215,9 +215,9 @@ class EngineConfig:
                 f"fp8 needs float8 matmuls, which {platform.device_type} does not have "
                 "(CUDA compute capability 8.9+; ROCm MI300, or MI350 with ROCm 6.5+); int8 "
                 "runs everywhere"))
-        cannot_cast = platform.fp8_storage_refusal()
         for field in ("quantization", "text_encoder_quantization"):
-            if getattr(m, field) == "fp8-storage" and cannot_cast:
+            if getattr(m, field) == "fp8-storage" and (
+                    cannot_cast := platform.fp8_storage_refusal()):
                 raise EngineConfigError(field, (
                     f"fp8-storage keeps weights in float8 e4m3 and casts them on the "
                     f"{platform.device_type} at each call; {cannot_cast}: use int8 or none"))
