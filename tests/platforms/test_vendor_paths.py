@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from vendor_fakes import cuda_device, flash_attn_module, ray_module
+from vendor_fakes import broken_install, cuda_device, flash_attn_module, ray_module
 
 from diffrt.engine import EngineConfig, EngineConfigError
 from diffrt.engine.config import usable_methods
@@ -233,26 +233,13 @@ def test_rank_actors_inherit_every_vendors_runtime_settings(monkeypatch):
 
 
 # -- 7. a vendor backend that breaks `import torch` -----------------------------------------
-def broken_backend(tmp_path: Path) -> Path:
-    """An installed torch-npu 2.14.0 on this torch: its setup.py registers
-    ``'torch.backends': ['torch_npu = torch_npu:_autoload']`` (Ascend/pytorch
-    setup.py), so torch imports it inside ``import torch`` (torch/__init__.py
-    ``_import_device_backends``), where it fails as a build for another torch
-    does (its CANN libraries missing here)."""
-    (tmp_path / "torch_npu").mkdir()
-    (tmp_path / "torch_npu" / "__init__.py").write_text(
-        "raise ImportError('libhccl.so: cannot open shared object file')\n")
-    info = tmp_path / "torch_npu-2.14.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-npu\nVersion: 2.14.0\n"
-                                   "Requires-Dist: torch==2.14.0\n")
-    (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
-    return tmp_path
-
-
 def test_a_backend_failing_inside_import_torch_is_named_in_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(broken_backend(tmp_path)),
-                                                         str(ROOT)])}
+    """torch-npu 2.14.0 on this torch, its CANN libraries missing: torch
+    imports it inside ``import torch`` (torch/__init__.py
+    ``_import_device_backends``) through its ``torch.backends`` entry point."""
+    site = broken_install(tmp_path, "torch_npu", "torch-npu", "2.14.0", "torch==2.14.0",
+                          "libhccl.so: cannot open shared object file", entry_point=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
     env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
     out = subprocess.run([sys.executable, "-m", "diffrt.cli", "env", "--json"], env=env,
                          capture_output=True, text=True, timeout=120)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import torch
@@ -227,7 +228,27 @@ def flash_attn_module(version: str) -> ModuleType:
     return mod
 
 
+def broken_install(root: Path, package: str, dist: str, version: str, requires: str,
+                   error: str, entry_point: bool = False) -> Path:
+    """An installed vendor package under ``root`` (on sys.path) whose import
+    raises ``ImportError(error)``: a wheel's ``<dist>-<version>.dist-info``
+    with its METADATA (``Requires-Dist: <requires>``) and, with
+    ``entry_point``, the ``torch.backends`` entry point that Ascend/pytorch's
+    and MooreThreads/torch_musa's setup.py register (``<package> =
+    <package>:_autoload``), which torch loads inside ``import torch``."""
+    (root / package).mkdir()
+    (root / package / "__init__.py").write_text(f"raise ImportError({error!r})\n")
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"  # a wheel's normalised name
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
+                                   f"Requires-Dist: {requires}\n")
+    if entry_point:
+        (info / "entry_points.txt").write_text(
+            f"[torch.backends]\n{package} = {package}:_autoload\n")
+    return root
+
+
 __all__ = ["ACL_ERROR_INVALID_PARAM", "ALREADY_REGISTERED", "CudaRuntime", "NpuRuntime",
-           "SimpleNamespace", "bf16_check", "cuda_device", "device_properties",
+           "SimpleNamespace", "bf16_check", "broken_install", "cuda_device", "device_properties",
            "flash_attn_module", "level_zero_visible", "locked_bytes",
            "page_aligned_arena", "ray_module", "runtime_binding"]
