@@ -51,7 +51,7 @@ FORBIDDEN.update({
 })
 #: shared by every layer (tracing, log_filters) or by the demo model's training,
 #: tests and docs (demo), so they import no other diffrt module
-LEAVES = ("diffrt.tracing", "diffrt.demo", "diffrt.log_filters")
+LEAVES = ("diffrt.tracing", "diffrt.demo", "diffrt.log_filters", "diffrt.vendor_metadata")
 
 _MODULE_STRING = re.compile(r"^(diffrt(?:\.\w+)+)(?::[\w.]+)?$")
 

@@ -13,8 +13,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from diffrt.cli import bench, env, generate, serve, trace_cmd
 from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError, is_user_error
+from diffrt.cli.torch_import import import_torch
+from diffrt.vendor_metadata import AutoloadFailure
 
 __all__ = ["CliError", "build_parser", "main"]
 
@@ -29,6 +30,10 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # the subcommands import torch (through the engine's declarations): only
+    # once main() made sure `import torch` works
+    from diffrt.cli import bench, env, generate, serve, trace_cmd
+
     parser = argparse.ArgumentParser(
         prog="diffrt", description="Serve diffusion models on any accelerator, or on CPU.")
     parser.add_argument("--version", action="version", version=f"diffrt {_version()}")
@@ -65,8 +70,25 @@ def configure_logging(level: str) -> None:
         logging.getLogger(name).setLevel(min(logging.INFO, getattr(logging, level)))
 
 
+def autoload_failed(failure: AutoloadFailure, argv: list[str]) -> int:
+    """The one line on stderr (and ``diffrt env``'s report, from package
+    metadata) when ``import torch`` failed in a vendor backend; exit 2. The
+    command line is read by hand: the parser needs the subcommands, which
+    need torch."""
+    command = next((a for a in argv if not a.startswith("-")), "")
+    print(f"diffrt{' ' + command if command else ''}: error: {failure.line()}", file=sys.stderr)
+    if command == "env":
+        from diffrt.cli.env import print_autoload_report
+
+        print_autoload_report(failure, as_json="--json" in argv)
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
+    failure = import_torch()
+    if failure is not None:  # a vendor backend broke `import torch`: nothing else can run
+        return autoload_failed(failure, list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level)

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from diffrt.cli.table import format_pairs
+from diffrt.vendor_metadata import VENDOR_PACKAGES, AutoloadFailure, dist_version
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,6 +43,24 @@ def render_report(report: dict[str, Any]) -> str:
             pairs = _flatten("", value)
             sections.append(format_pairs(pairs, str(key)) if pairs else f"{key}\n  -")
     return "\n\n".join(sections)
+
+
+def autoload_report(failure: AutoloadFailure) -> dict[str, Any]:
+    """What ``diffrt env`` can say when ``import torch`` failed in a vendor
+    backend: that failure and the installed versions, from package metadata
+    (no platform: none can be chosen without torch)."""
+    import platform as py_platform
+
+    versions = {"python": py_platform.python_version(), "diffrt": dist_version("diffrt"),
+                "torch": dist_version("torch")}
+    versions.update({dist: v for dist in VENDOR_PACKAGES if (v := dist_version(dist))})
+    return {"platform": None, "reason": failure.line(),
+            "torch_backend_autoload_failure": failure.as_dict(), "versions": versions}
+
+
+def print_autoload_report(failure: AutoloadFailure, as_json: bool) -> None:
+    report = autoload_report(failure)
+    print(json.dumps(report, indent=2) if as_json else render_report(report))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -213,8 +213,14 @@ class EngineConfig:
         if m.quantization == "fp8" and not platform.fp8_matmul_supported():
             raise EngineConfigError("quantization", (
                 f"fp8 needs float8 matmuls, which {platform.device_type} does not have "
-                "(CUDA compute capability 8.9+, ROCm MI300+); int8 or fp8-storage run "
-                "everywhere"))
+                "(CUDA compute capability 8.9+; ROCm MI300, or MI350 with ROCm 6.5+); int8 "
+                "runs everywhere"))
+        for field in ("quantization", "text_encoder_quantization"):
+            if getattr(m, field) == "fp8-storage" and (
+                    cannot_cast := platform.fp8_storage_refusal()):
+                raise EngineConfigError(field, (
+                    f"fp8-storage keeps weights in float8 e4m3 and casts them on the "
+                    f"{platform.device_type} at each call; {cannot_cast}: use int8 or none"))
         if spec.folder is not None:
             from diffrt.engine.weights.prequantized import folder_methods
 
@@ -407,6 +413,7 @@ def usable_methods(spec: ModelSpec, platform: Platform) -> list[str]:
     torchao = torchao_available()
     return [q for q in spec.quantization
             if (q != "fp8" or platform.fp8_matmul_supported())
+            and (q != "fp8-storage" or platform.fp8_storage_refusal() is None)
             and (q not in ("int8", "fp8") or torchao)]
 
 

@@ -134,8 +134,11 @@ def detect_xpu() -> str | None:
     try:
         if xpu is not None and xpu.is_available():
             return XPU
-    except Exception as exc:
-        logger.debug("torch.xpu.is_available() failed: %s", exc)
+    except Exception as exc:  # e.g. a Level Zero loader that fails: named in the report
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        vendor_packages.record_failure("torch.xpu", (
+            f"torch.xpu.is_available() failed ({type(exc).__name__}: {first}); this is torch "
+            f"{torch.__version__}: check the Intel GPU driver and Level Zero loader"))
     if xpu is None:
         from diffrt.platforms.xpu import load_ipex
 

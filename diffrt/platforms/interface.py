@@ -120,6 +120,12 @@ class Platform:
         False, and the method is refused there."""
         return False
 
+    def fp8_storage_refusal(self) -> str | None:
+        """Why weights stored as float8 e4m3 and cast to the compute dtype on
+        the device at each call (``quantization="fp8-storage"``) cannot run
+        here, in words for the config error; None where they can."""
+        return None
+
     def distributed_backend(self) -> str:
         """The ``torch.distributed`` backend name for several ranks, after
         loading whatever registers it; raises where this stack has none."""

@@ -18,20 +18,9 @@ import torch
 
 from diffrt.platforms.interface import output_path
 from diffrt.platforms.vendor_packages import SUPPORTED_TORCH, import_failures
+from diffrt.vendor_metadata import VENDOR_PACKAGES
 
 logger = logging.getLogger(__name__)
-
-#: Distributions whose versions are reported when installed.
-VENDOR_PACKAGES = (
-    "torch-npu",
-    "torch_musa",
-    "intel-extension-for-pytorch",
-    "pytorch-triton-xpu",
-    "pytorch-triton-rocm",
-    "nvidia-ml-py",
-    "amdsmi",
-)
-
 
 def _version(dist: str) -> str | None:
     try:

@@ -13,15 +13,17 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import re
 import threading
 
 import torch
 
+from diffrt.vendor_metadata import torch_requirement
+
 logger = logging.getLogger(__name__)
 
 #: import name -> distribution name, for the packages a built-in platform imports
-DISTRIBUTIONS = {"torch_npu": "torch-npu", "torch_musa": "torch_musa"}
+DISTRIBUTIONS = {"torch_npu": "torch-npu", "torch_musa": "torch_musa",
+                 "intel_extension_for_pytorch": "intel-extension-for-pytorch"}
 
 #: the torch each vendor stack supports, as declared in pyproject's extras and
 #: the README ("unverified": a floor nobody has run diffrt on)
@@ -37,19 +39,6 @@ _lock = threading.Lock()
 _failures: dict[str, str] = {}
 
 
-def _torch_requirement(dist: str) -> str | None:
-    """The ``torch`` requirement in ``dist``'s metadata (e.g. "torch==2.7.1")."""
-    try:
-        requires = importlib.metadata.requires(dist) or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for line in requires:
-        spec = line.split(";")[0].strip()
-        if re.match(r"torch(?![\w.-])", spec):
-            return spec.replace(" ", "")
-    return None
-
-
 def describe_failure(package: str, exc: BaseException) -> str:
     """One line: the package, its error, the torch it needs and the torch here."""
     dist = DISTRIBUTIONS.get(package, package)
@@ -57,7 +46,7 @@ def describe_failure(package: str, exc: BaseException) -> str:
         version = f" {importlib.metadata.version(dist)}"
     except importlib.metadata.PackageNotFoundError:
         version = ""
-    needs = _torch_requirement(dist)
+    needs = torch_requirement(dist)
     need = f"it requires {needs}, " if needs else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return (f"{package}{version} is installed but cannot be imported "
@@ -71,18 +60,25 @@ def try_import(package: str) -> str | None:
         importlib.import_module(package)
     except Exception as exc:  # a vendor build for another torch, missing CANN libraries...
         message = describe_failure(package, exc)
-        with _lock:
-            first = package not in _failures
-            _failures[package] = message
-        if first:
-            logger.warning("%s", message)
+        record_failure(package, message)
         return message
     with _lock:
         _failures.pop(package, None)
     return None
 
 
+def record_failure(package: str, message: str) -> None:
+    """Keep why ``package`` (a vendor package, or a vendor call such as
+    ``torch.xpu``) cannot work here, for the report; logged once."""
+    with _lock:
+        first = package not in _failures
+        _failures[package] = message
+    if first:
+        logger.warning("%s", message)
+
+
 def import_failures() -> dict[str, str]:
-    """Vendor packages whose import failed in this process: package -> why."""
+    """Vendor packages whose import failed or that were refused in this
+    process, and vendor calls that failed (``torch.xpu``): name -> why."""
     with _lock:
         return dict(_failures)

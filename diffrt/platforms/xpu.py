@@ -14,6 +14,7 @@ from types import ModuleType
 
 import torch
 
+from diffrt.platforms import vendor_packages
 from diffrt.platforms.accelerator import TorchAcceleratorPlatform
 
 logger = logging.getLogger(__name__)
@@ -59,15 +60,15 @@ def load_ipex() -> bool:
     except importlib.metadata.PackageNotFoundError:
         ipex_version = ""
     if ipex_version and _major_minor(ipex_version) != _major_minor(torch.__version__):
-        logger.warning("not importing %s %s: built for another torch than %s",
-                       IPEX, ipex_version, torch.__version__)
+        built_for = ".".join(str(p) for p in _major_minor(ipex_version))
+        vendor_packages.record_failure(IPEX, (
+            f"{IPEX} {ipex_version} is installed but not imported: it is built for torch "
+            f"{built_for}, this is torch {torch.__version__} (IPEX refuses another major.minor "
+            "on import; its development stopped after 2.8: torch.xpu serves Intel GPUs "
+            "without it)"))
         return False
-    try:
-        importlib.import_module(IPEX)
-    except Exception as exc:  # an optional extra must never take the platform down
-        logger.warning("importing %s failed: %s", IPEX, exc)
-        return False
-    return True
+    failure = vendor_packages.try_import(IPEX)  # an optional extra never takes the platform down
+    return failure is None
 
 
 class XpuPlatform(TorchAcceleratorPlatform):

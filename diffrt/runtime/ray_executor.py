@@ -424,37 +424,66 @@ def ray_pinning_var(platform: Platform) -> str | None:
 
 
 def pin_to_ray_devices(var: str | None, environ: Any = None) -> dict[str, str]:
-    """Set ``var`` to the GPU ids Ray assigned to this actor or replica (what
+    """Set ``var`` to the devices Ray assigned to this actor or replica (what
     vllm-musa does for MUSA); nothing when ``var`` is None or Ray assigned no
-    GPU. Returns what was set. Must run before the device is initialised."""
+    GPU. Returns what was set. Must run before anything touches the device
+    runtime (torch_musa's ``device_count()`` is cached at its first call).
+
+    Ray's ids count the GPUs of the node's ``--num-gpus``; its GPU manager maps
+    them through an inherited ``CUDA_VISIBLE_DEVICES`` only (worker.py
+    ``get_accelerator_ids_for_accelerator_resource``), never through ``var``.
+    So where this process inherited ``var`` (a raylet started with
+    ``MUSA_VISIBLE_DEVICES=2,3``), Ray's id i is its i-th entry; otherwise the
+    id is the device."""
     if not var:
         return {}
-    ids = import_ray().get_gpu_ids()
+    ids = [str(i) for i in import_ray().get_gpu_ids()]
     if not ids:
         return {}
     environ = os.environ if environ is None else environ
-    environ[var] = ",".join(str(i) for i in ids)
+    inherited = [v.strip() for v in environ.get(var, "").split(",") if v.strip()]
+    if inherited:
+        outside = [i for i in ids if not i.isdigit() or int(i) >= len(inherited)]
+        if outside:
+            raise RuntimeError(
+                f"Ray assigned GPU id(s) {', '.join(outside)}, but this node's {var}="
+                f"{environ[var]} lists {len(inherited)} device(s): start the node with "
+                f"ray start --num-gpus {len(inherited)}")
+        ids = [inherited[int(i)] for i in ids]
+    environ[var] = ",".join(ids)
     return {var: environ[var]}
 
 
 #: environment variables a rank actor inherits from the engine's process (an
 #: actor starts from Ray's environment, not the engine's): allocator settings
-#: (PYTORCH_*_ALLOC_CONF), the vendors' runtime settings (ASCEND_*, ZE_*, SYCL_)
+#: (PYTORCH_*_ALLOC_CONF) and the vendors' runtime settings: Ascend (ASCEND_*,
+#: ACL_*, torch_npu's TASK_QUEUE_ENABLE), Intel (ZE_*, SYCL_*, the Unified
+#: Runtime's UR_*, IPEX_*), ROCm (HSA_*, HIP_*, MIOPEN_*, HIPBLASLT_*), MUSA
+#: (MUSA_*), CUDA's module loading and connection count
 FORWARDED_ENV_PREFIXES = ("DIFFRT_", "HF_", "NCCL_", "GLOO_", "HCCL_", "CCL_", "MCCL_",
-                          "TORCH_", "OMP_", "MALLOC_", "PYTORCH_", "ASCEND_", "ZE_", "SYCL_")
+                          "TORCH_", "OMP_", "MALLOC_", "PYTORCH_", "ASCEND_", "ACL_", "ZE_",
+                          "SYCL_", "UR_", "IPEX_", "HSA_", "HIP_", "MIOPEN_", "HIPBLASLT_",
+                          "MUSA_")
+#: single variables forwarded as well; LD_LIBRARY_PATH because an Ascend
+#: rank finds its CANN libraries through it (DeepSpeed exports it to NPU
+#: ranks: without it two CANN installs can mix)
+FORWARDED_ENV_NAMES = frozenset({"CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS",
+                                 "TASK_QUEUE_ENABLE", "LD_LIBRARY_PATH"})
 #: device visibility names the engine's node's devices: on an actor, Ray sets
 #: (or diffrt pins) the actor's own, which a forwarded value would override or
 #: filter again
 NOT_FORWARDED = frozenset({"ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VISIBLE_DEVICES",
-                           "ZE_AFFINITY_MASK"})
+                           "ZE_AFFINITY_MASK", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+                           "MUSA_VISIBLE_DEVICES"})
 
 
 def rank_environment(worker_env: dict[str, str]) -> dict[str, str]:
     """What a rank actor starts with (Ray's ``runtime_env``, so glibc's and
     torch's start-up variables take effect): the engine's own variables with
-    the prefixes above, but no device visibility, then ``worker_env``."""
+    the prefixes and names above, but no device visibility, then ``worker_env``."""
     env = {k: v for k, v in os.environ.items()
-           if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED}
+           if (k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES)
+           and k not in NOT_FORWARDED}
     env.update(worker_env)
     return env
 

@@ -163,7 +163,14 @@ class ModelReplica:
     """One engine behind the application (a Ray Serve deployment)."""
 
     def __init__(self, config: EngineConfig, settings: ServeSettings, board: Any,
-                 cpus: float = 1.0) -> None:
+                 cpus: float = 1.0, pin_var: str | None = None) -> None:
+        # First of all: the devices Ray assigned (MUSA, which no Ray manager
+        # pins; ``pin_var`` from the deploying process's platform). Resolving
+        # the platform here would start the vendor runtime, which fixes the
+        # visible devices (and caches their count) before the pin.
+        from diffrt.runtime.ray_executor import pin_to_ray_devices
+
+        pin_to_ray_devices(pin_var)
 
         from ray import serve
 
@@ -177,9 +184,6 @@ class ModelReplica:
         # engine's own restart; on CPU its threads follow the CPUs reserved
         changes: dict[str, Any] = {"restart_workers": False}
         from diffrt.platforms import current_platform
-        from diffrt.runtime.ray_executor import pin_to_ray_devices, ray_pinning_var
-
-        pin_to_ray_devices(ray_pinning_var(current_platform))  # MUSA: no Ray manager
 
         if current_platform.device_type == "cpu" and config.torch_threads is None:
             changes["torch_threads"] = torch_threads_for(cpus, config.ranks)
@@ -445,6 +449,8 @@ def build_application(config: EngineConfig, settings: ServeSettings,
     the caller created (``ray.remote(StatsBoard).remote()``) and keeps alive."""
     from ray import serve
 
+    from diffrt.runtime.ray_executor import ray_pinning_var
+
     if platform is None:
         from diffrt.platforms import current_platform
         platform = current_platform
@@ -455,7 +461,8 @@ def build_application(config: EngineConfig, settings: ServeSettings,
         # outlives the replicas' drain, so answers in flight still reach their clients
         graceful_shutdown_timeout_s=settings.shutdown_timeout_s + 10,
         ray_actor_options={"num_cpus": ingress_cpus(replicas)})
-    return ingress.bind(model.bind(config, settings, board, replicas.cpus), board,
+    return ingress.bind(model.bind(config, settings, board, replicas.cpus,
+                                   ray_pinning_var(platform)), board,
                         settings, config.model, config.step_execution)
 
 

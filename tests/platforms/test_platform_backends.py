@@ -361,31 +361,32 @@ def test_the_cpu_platform_trims_the_c_heap_and_reads_its_resident_set(tmp_path):
         CpuPlatform().trim_memory()
 
 
-def test_cuda_offers_flash_attentions_varlen_for_half_types(monkeypatch):
+def test_cuda_offers_flash_attentions_varlen_for_half_types(monkeypatch, device_module_factory):
     """``flash_attn_varlen_func`` with the same offsets for queries and keys,
-    not causal; None for float32 (no such kernel) and without the package."""
+    not causal, on a device its kernel accepts (an A100 here, in a worker
+    whose context exists); None for float32 (no such kernel) and without
+    the package."""
     import sys
-    import types
 
     import torch
+    from vendor_fakes import cuda_device, flash_attn_module
 
     from diffrt.platforms import cuda
 
-    calls: list[tuple] = []
-    fake = types.ModuleType("flash_attn")
-    fake.flash_attn_varlen_func = lambda *a, **kw: calls.append((a, kw)) or "out"  # type: ignore[attr-defined]
+    fake = flash_attn_module("2.8.3")
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    cuda._flash_attn_varlen.cache_clear()
+    monkeypatch.setattr(torch, "cuda", cuda_device(device_module_factory("cuda"), 8, 0,
+                                                    initialized=True))
+    cuda._flash_attn.cache_clear()
     try:
         platform = cuda.CudaPlatform()
         assert platform.varlen_attention(torch.float32) is None
         attend = platform.varlen_attention(torch.bfloat16)
         starts = torch.tensor([0, 3, 5], dtype=torch.int32)
-        assert attend("q", "k", "v", starts, 3) == "out"
-        (args, kwargs), = calls
-        assert args == ("q", "k", "v", starts, starts, 3, 3) and kwargs == {"causal": False}
+        assert attend("q", "k", "v", starts, 3) == "q"
+        assert fake.calls == [(3, 3, False)]
         monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
-        cuda._flash_attn_varlen.cache_clear()
+        cuda._flash_attn.cache_clear()
         assert platform.varlen_attention(torch.float16) is None
     finally:
-        cuda._flash_attn_varlen.cache_clear()
+        cuda._flash_attn.cache_clear()

@@ -16,6 +16,8 @@ from vendor_fakes import (
     CudaRuntime,
     NpuRuntime,
     bf16_check,
+    broken_install,
+    device_properties,
     level_zero_visible,
     locked_bytes,
     page_aligned_arena,
@@ -226,6 +228,10 @@ def test_auto_dtype_is_float16_where_bfloat16_is_only_emulated(cls, monkeypatch,
     from diffrt.engine.pipeline_runner import resolve_dtype
 
     platform, mod = install(monkeypatch, device_module_factory, cls)
+    # a worker: its context exists, so the device is asked directly (the
+    # engine process asks a child: test_vendor_paths.py)
+    mod.is_initialized = lambda: True
+    mod.get_device_properties = lambda i=0: device_properties(7, 5)
     mod.is_bf16_supported = bf16_check(native=False)  # T4, V100, Arc A-series
     assert resolve_dtype("auto", platform) is torch.float16
     assert mod.is_bf16_supported.calls == [False]
@@ -244,13 +250,8 @@ def test_a_bf16_check_without_the_keyword_is_asked_plainly(monkeypatch, device_m
 def broken_torch_musa(tmp_path, monkeypatch):
     """An installed torch_musa built for torch 2.7.1 (its wheel's METADATA, as
     MooreThreads/torch_musa's setup.py writes it): importing it fails."""
-    (tmp_path / "torch_musa").mkdir()
-    (tmp_path / "torch_musa" / "__init__.py").write_text(
-        "raise ImportError('libmusa.so.4: cannot open shared object file')\n")
-    info = tmp_path / "torch_musa-2.7.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_musa\nVersion: 2.7.1\n"
-                                   "Requires-Dist: torch==2.7.1\n")
+    broken_install(tmp_path, "torch_musa", "torch_musa", "2.7.1", "torch==2.7.1",
+                   "libmusa.so.4: cannot open shared object file")
     monkeypatch.syspath_prepend(str(tmp_path))
     from diffrt.platforms import vendor_packages
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import torch
@@ -159,6 +160,95 @@ def runtime_binding(mod: ModuleType, binding: str, runtime: object) -> None:
     setattr(mod, binding, lambda: runtime)
 
 
+def device_properties(major: int, minor: int, gcn_arch: str = "") -> SimpleNamespace:
+    """``torch.cuda.get_device_properties(i)`` of torch 2.13 (torch/cuda/__init__.py,
+    ``_CudaDeviceProperties`` bound in torch/csrc/cuda/Module.cpp): ``major``,
+    ``minor``, ``name`` and, on a ROCm build, ``gcnArchName`` with its feature
+    suffix ("gfx942:sramecc+:xnack-")."""
+    return SimpleNamespace(major=major, minor=minor, name=f"Fake sm{major}{minor}",
+                           gcnArchName=gcn_arch)
+
+
+def cuda_device(mod: ModuleType, major: int, minor: int, gcn_arch: str = "",
+                bf16_native: bool | None = None, initialized: bool = False) -> ModuleType:
+    """Give a fake ``torch.cuda`` one device of capability (major, minor).
+
+    As torch 2.13's torch/cuda/__init__.py does, ``get_device_capability``,
+    ``get_device_properties`` and ``is_bf16_supported`` run ``_lazy_init()``
+    first: in a process without a context they create one, counted in
+    ``mod.contexts_created``; ``is_initialized()`` says whether one exists.
+    ``is_bf16_supported(including_emulation=False)`` is True from capability 8.0
+    (always on ROCm), as there."""
+    state = {"initialized": initialized}
+    mod.contexts_created = 0
+    native = (major >= 8 or bool(gcn_arch)) if bf16_native is None else bf16_native
+
+    def lazy_init() -> None:
+        if not state["initialized"]:
+            state["initialized"] = True
+            mod.contexts_created += 1
+
+    def get_device_properties(device: object = None) -> SimpleNamespace:
+        lazy_init()
+        return device_properties(major, minor, gcn_arch)
+
+    def get_device_capability(device: object = None) -> tuple[int, int]:
+        lazy_init()
+        return (major, minor)
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        lazy_init()
+        return True if including_emulation else native
+
+    mod.is_initialized = lambda: state["initialized"]
+    mod.get_device_properties = get_device_properties
+    mod.get_device_capability = get_device_capability
+    mod.is_bf16_supported = is_bf16_supported
+    return mod
+
+
+def flash_attn_module(version: str) -> ModuleType:
+    """The ``flash_attn`` package of Dao-AILab/flash-attention: ``__version__``
+    (flash_attn/__init__.py) and ``flash_attn_varlen_func(q, k, v,
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+    softmax_scale=None, causal=False, ...)`` (flash_attn/flash_attn_interface.py,
+    v2.8.3). Which devices its kernel accepts is the platform's to know
+    (csrc/flash_attn/flash_api.cpp ``mha_varlen_fwd``; the CK build's
+    ``allowed_archs`` in setup.py); this records the calls it gets."""
+    mod = ModuleType("flash_attn")
+    mod.__version__ = version
+    mod.calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,  # noqa: ANN001
+                               max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False):
+        mod.calls.append((max_seqlen_q, max_seqlen_k, causal))
+        return q
+
+    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    return mod
+
+
+def broken_install(root: Path, package: str, dist: str, version: str, requires: str,
+                   error: str, entry_point: bool = False) -> Path:
+    """An installed vendor package under ``root`` (on sys.path) whose import
+    raises ``ImportError(error)``: a wheel's ``<dist>-<version>.dist-info``
+    with its METADATA (``Requires-Dist: <requires>``) and, with
+    ``entry_point``, the ``torch.backends`` entry point that Ascend/pytorch's
+    and MooreThreads/torch_musa's setup.py register (``<package> =
+    <package>:_autoload``), which torch loads inside ``import torch``."""
+    (root / package).mkdir()
+    (root / package / "__init__.py").write_text(f"raise ImportError({error!r})\n")
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"  # a wheel's normalised name
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
+                                   f"Requires-Dist: {requires}\n")
+    if entry_point:
+        (info / "entry_points.txt").write_text(
+            f"[torch.backends]\n{package} = {package}:_autoload\n")
+    return root
+
+
 __all__ = ["ACL_ERROR_INVALID_PARAM", "ALREADY_REGISTERED", "CudaRuntime", "NpuRuntime",
-           "SimpleNamespace", "bf16_check", "level_zero_visible", "locked_bytes",
+           "SimpleNamespace", "bf16_check", "broken_install", "cuda_device", "device_properties",
+           "flash_attn_module", "level_zero_visible", "locked_bytes",
            "page_aligned_arena", "ray_module", "runtime_binding"]
