@@ -78,7 +78,7 @@ def hold_restarts(monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> thr
     Every executor an engine builds from now on waits so (``make_executor``):
     build the engine first. ``fail``: then every attempt fails, with no
     back-off between attempts, so the restart gives up at once."""
-    import diffrt.engine.core as core_module
+    import diffrt.engine.restart as restart_module
     import diffrt.engine.engine as engine_module
 
     gate = threading.Event()
@@ -93,5 +93,5 @@ def hold_restarts(monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> thr
 
     monkeypatch.setattr(engine_module, "make_executor", held_make)
     if fail:
-        monkeypatch.setattr(core_module, "RESTART_BACKOFF_S", 0.0)
+        monkeypatch.setattr(restart_module, "RESTART_BACKOFF_S", 0.0)
     return gate

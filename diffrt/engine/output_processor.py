@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from diffrt.engine.core import AbortNotice, TickResult
+from diffrt.engine.tick import AbortNotice, TickResult
 from diffrt.engine.errors import EngineClosedError, EngineDeadError
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.output_streams import FinalSlot, OutputStream
