@@ -25,7 +25,6 @@ from diffrt.engine.errors import EngineConfigError
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.parallel.degrees import ParallelConfigError, ParallelDegrees
 from diffrt.engine.runner_messages import PIPELINE_PROTOCOL, RunnerSettings
-from diffrt.engine.setup_checks import usable_methods
 from diffrt.engine.settings import (
     FIELD_GROUP,
     GROUPS,
@@ -35,6 +34,7 @@ from diffrt.engine.settings import (
     ParallelConfig,
     SchedulingConfig,
 )
+from diffrt.engine.setup_checks import usable_methods
 from diffrt.runtime.types import (
     DeclaredValueError,
     ExecutorConfig,
