@@ -1,4 +1,4 @@
-"""EngineConfig: every engine setting, checked when the config is built.
+"""EngineConfig: every engine setting, each checked when the config is built.
 
 Users pass one flat ``EngineConfig(model=..., max_num_seqs=...)``; each
 keyword is declared once in ``settings.py`` and lands in its group
