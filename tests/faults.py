@@ -78,11 +78,11 @@ def hold_restarts(monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> thr
     Every executor an engine builds from now on waits so (``make_executor``):
     build the engine first. ``fail``: then every attempt fails, with no
     back-off between attempts, so the restart gives up at once."""
-    import diffrt.engine.core as core_module
-    import diffrt.engine.engine as engine_module
+    import diffrt.engine.restart as restart_module
+    import diffrt.engine.workers as workers_module
 
     gate = threading.Event()
-    make = engine_module.make_executor
+    make = workers_module.make_executor
 
     def held_make(*args, **kwargs):
         if not gate.wait(HOLD_LIMIT_S):
@@ -91,7 +91,7 @@ def hold_restarts(monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> thr
             raise RuntimeError("injected: fresh workers failed to start")
         return make(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "make_executor", held_make)
+    monkeypatch.setattr(workers_module, "make_executor", held_make)
     if fail:
-        monkeypatch.setattr(core_module, "RESTART_BACKOFF_S", 0.0)
+        monkeypatch.setattr(restart_module, "RESTART_BACKOFF_S", 0.0)
     return gate

@@ -46,7 +46,9 @@ FORBIDDEN.update({
     "diffrt.engine.pipelines": ("diffrt.engine.sched", "diffrt.engine.record", *_ENGINE_TOP),
     "diffrt.engine.cache": ("diffrt.engine.pipelines", "diffrt.engine.sched", *_ENGINE_TOP),
     "diffrt.engine.parallel": ("diffrt.engine.pipelines", "diffrt.engine.sched", *_ENGINE_TOP),
-    "diffrt.engine.lora": ("diffrt.engine.pipelines", "diffrt.engine.sched", *_ENGINE_TOP),
+    # adapters: the rows' math for the workers, the registry and the pinning of a
+    # tick's adapters (which reads the schedulers' output) for the engine process
+    "diffrt.engine.lora": ("diffrt.engine.pipelines", *_ENGINE_TOP),
     "diffrt.engine.sched": (*_COMPUTE, "diffrt.engine.models", *_ENGINE_TOP, "diffrt.runtime"),
 })
 #: shared by every layer (tracing, log_filters) or by the demo model's training,

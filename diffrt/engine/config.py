@@ -1,12 +1,16 @@
-"""EngineConfig: every engine setting, checked when the config is built.
+"""EngineConfig: every engine setting, each checked when the config is built.
 
 Users pass one flat ``EngineConfig(model=..., max_num_seqs=...)``; each
 keyword is declared once in ``settings.py`` and lands in its group
 (``config.model_config``, ``.scheduling``, ``.parallel``, ``.limits``,
 ``.executor``), which the rooms of the engine read. Errors a user can cause
 raise ``EngineConfigError`` naming the field (or the model) and what is
-allowed, before any process is started or weight loaded. Model capabilities
-come from the model's ``ModelSpec``, resolved without loading weights.
+allowed, before any process is started or weight loaded. Building a config
+reads nothing: the model's ``ModelSpec`` is resolved (without weights) and
+checked against the settings on its first use (``model_spec()``), and what
+the platform and the model's folder refuse is the dry run of the workers'
+set-up plan (``executor_config``, ``worker_setup.dry_run``) when the engine
+starts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from diffrt.engine.cpu_policy import cpu_worker_env
+from diffrt.engine.errors import EngineConfigError
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.parallel.degrees import ParallelConfigError, ParallelDegrees
 from diffrt.engine.runner_messages import PIPELINE_PROTOCOL, RunnerSettings
@@ -29,6 +34,7 @@ from diffrt.engine.settings import (
     ParallelConfig,
     SchedulingConfig,
 )
+from diffrt.engine.setup_checks import usable_methods
 from diffrt.runtime.types import (
     DeclaredValueError,
     ExecutorConfig,
@@ -47,14 +53,6 @@ PIPELINE_RUNNER_CLS = "diffrt.engine.pipeline_runner:PipelineRunner"
 class EngineMode(enum.Enum):
     REQUEST_BATCH = "request_batch"
     STEP_BATCH = "step_batch"
-
-
-class EngineConfigError(ValueError):
-    """A bad engine setting; ``field`` names it."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 class EngineConfig:
@@ -88,7 +86,6 @@ class EngineConfig:
                 raise EngineConfigError(exc.field, exc.reason) from None
             object.__setattr__(self, group, struct)
         self._check_combinations()
-        self._check_model()
 
     # -- reading ----------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -141,10 +138,15 @@ class EngineConfig:
         return EngineMode.STEP_BATCH if self.scheduling.step_execution else EngineMode.REQUEST_BATCH
 
     def model_spec(self) -> ModelSpec:
-        """The model's description (resolved once per folder, without weights)."""
-        from diffrt.engine.models.registry import resolve_model_spec
-
-        return resolve_model_spec(self.model_config.model)
+        """The model's description (resolved once per folder, without weights),
+        checked against these settings: ``EngineConfigError`` naming the field
+        the model refuses. The first call reads the model (its plugins, its
+        folder); the config's construction reads nothing."""
+        spec = self.__dict__.get("_spec")
+        if spec is None:
+            spec = self._resolve_model()
+            object.__setattr__(self, "_spec", spec)
+        return spec
 
     @property
     def ranks(self) -> int:
@@ -162,19 +164,23 @@ class EngineConfig:
     def executor_config(self, *, platform: Platform) -> ExecutorConfig:
         """The runtime settings this config implies on ``platform`` (whether it
         supports the two-phase output decides ``async_output=None``; a CPU
-        worker starts with the allocator policy of ``cpu_policy``)."""
+        worker starts with the allocator policy of ``cpu_policy``). It runs
+        the dry run of the workers' set-up plan (``worker_setup.dry_run``)
+        first: a setting the model's folder or the platform refuses fails
+        here, before any worker loads weights."""
+        from diffrt.engine.worker_setup import dry_run
+
         self._check_devices(platform)
         ex = self.executor
         spec = self.model_spec()
-        self._check_weights(platform, spec)
+        settings = RunnerSettings(spec=spec, model=self.model_config, parallel=self.parallel)
+        dry_run(settings, platform)  # what the workers' set-up would refuse, before they start
         options = {name: getattr(ex, name) for name in ExecutorOptions.__struct_fields__}
         options["worker_env"] = {**cpu_worker_env(platform), **ex.worker_env}
         options["max_pending_output_bytes"] = min(ex.max_pending_output_bytes,
                                                   self.output_arena_bytes(spec))
         async_output = (bool(platform.supports_async_output) if ex.async_output is None
                         else ex.async_output)
-        settings = RunnerSettings(spec=spec, model=self.model_config,
-                                  parallel=self.parallel)
         runner = RunnerSpec(PIPELINE_RUNNER_CLS, PIPELINE_PROTOCOL, settings)
         return ExecutorConfig(runner=runner, world_size=self.ranks,
                               async_output=async_output, **options)
@@ -205,66 +211,6 @@ class EngineConfig:
             raise EngineConfigError(field, (
                 f"cfg_parallel_size x ulysses_degree x ring_degree = {self.ranks} ranks, one "
                 f"device each, but {devices} {platform.device_type} device(s) are visible"))
-
-    def _check_weights(self, platform: Platform, spec: ModelSpec) -> None:
-        """``fp8`` only where the device multiplies float8; the weights'
-        estimate (from the folder's headers) within ``device_memory_budget``."""
-        m = self.model_config
-        if m.quantization == "fp8" and not platform.fp8_matmul_supported():
-            raise EngineConfigError("quantization", (
-                f"fp8 needs float8 matmuls, which {platform.device_type} does not have "
-                "(CUDA compute capability 8.9+; ROCm MI300, or MI350 with ROCm 6.5+); int8 "
-                "runs everywhere"))
-        for field in ("quantization", "text_encoder_quantization"):
-            if getattr(m, field) == "fp8-storage" and (
-                    cannot_cast := platform.fp8_storage_refusal()):
-                raise EngineConfigError(field, (
-                    f"fp8-storage keeps weights in float8 e4m3 and casts them on the "
-                    f"{platform.device_type} at each call; {cannot_cast}: use int8 or none"))
-        if spec.folder is not None:
-            from diffrt.engine.weights.prequantized import folder_methods
-
-            saved = folder_methods(spec.folder)
-            if "fp8" in saved.values() and not platform.fp8_matmul_supported():
-                raise EngineConfigError("model", (
-                    f"{self.model!r} is saved with fp8 weights (float8 matmuls), which "
-                    f"{platform.device_type} does not have"))
-        if m.quantization == "fp8":
-            import torch
-
-            from diffrt.engine.pipeline_runner import resolve_dtype
-
-            dtype = resolve_dtype(m.dtype, platform)
-            if dtype is not torch.bfloat16:
-                raise EngineConfigError("quantization", (
-                    f"fp8's per-row scales (torchao) take bfloat16 weights; dtype {m.dtype!r} "
-                    f"is {str(dtype).removeprefix('torch.')} here: use dtype='bfloat16' or "
-                    "int8"))
-        if m.offload != "none" and platform.host_is_device:
-            what = "blocks" if m.offload == "layerwise" else "components"
-            raise EngineConfigError("offload", (
-                f"{m.offload} offload moves {what} from host to device memory; on "
-                f"{platform.name} the host is the device"))
-        if m.device_memory_budget is None or spec.folder is None:
-            return
-        from diffrt.engine.memory_estimate import value_bytes
-        from diffrt.engine.weights.budget import (
-            components,
-            device_bytes,
-            refusal,
-            weight_settings,
-        )
-
-        size = value_bytes(m.dtype, platform)
-        host_is_device = platform.host_is_device
-        chosen = weight_settings(m)
-        if host_is_device:  # offload_text_encoders does nothing there
-            chosen["offload_text_encoders"] = False
-        need = device_bytes(components(spec.folder), size, chosen)
-        if need > m.device_memory_budget:
-            raise EngineConfigError("device_memory_budget", refusal(
-                need, m.device_memory_budget, spec.folder, size, current=chosen,
-                methods=usable_methods(spec, platform), host_is_device=host_is_device))
 
     # -- checks across fields ---------------------------------------------------------------------
     def _check_combinations(self) -> None:
@@ -319,9 +265,10 @@ class EngineConfig:
             raise EngineConfigError("executor_backend", f"inproc runs exactly one rank; "
                                     f"{ranks} ranks need 'mp' or 'ray'")
 
-    def _check_model(self) -> None:
+    def _resolve_model(self) -> ModelSpec:
         from diffrt.engine.models.folder_check import ModelLoadError
-        from diffrt.engine.models.registry import UnknownModelError
+        from diffrt.engine.models.registry import UnknownModelError, resolve_model_spec
+        from diffrt.engine.setup_checks import check_saved_methods
 
         # The engine process resolves the model too (to check requests at
         # submission), so a plugin that registers it must be imported here as
@@ -333,7 +280,7 @@ class EngineConfig:
                 raise EngineConfigError("plugin_modules",
                                         f"cannot import {name!r}: {e}") from e
         try:
-            spec = self.model_spec()
+            spec = resolve_model_spec(self.model_config.model)
         except UnknownModelError as e:
             raise EngineConfigError("model", str(e)) from e
         except ModelLoadError as e:
@@ -354,7 +301,7 @@ class EngineConfig:
 
                 if not torchao_available():
                     raise EngineConfigError(name, TORCHAO_MISSING)
-        self._check_saved_methods(spec)
+        check_saved_methods(self.model_config, spec)
         step_execution = self.scheduling.step_execution
         if step_execution and not spec.supports_step_execution:
             raise EngineConfigError(
@@ -368,53 +315,11 @@ class EngineConfig:
                 f"model {self.model!r} ({spec.family}) does not support request batching; "
                 "use max_num_seqs=1 or step_execution=True",
             )
+        return spec
 
 
-    def _check_saved_methods(self, spec: ModelSpec) -> None:
-        """A folder whose components are saved quantised (torchao, through
-        diffusers' ``TorchAoConfig``) loads as saved: converting them again
-        is refused, and they need torchao."""
-        if spec.folder is None:
-            return
-        from diffrt.engine.weights.prequantized import folder_methods
-        from diffrt.engine.weights.quantize import TORCHAO_MISSING, torchao_available
-
-        m = self.model_config
-        saved = folder_methods(spec.folder)
-        for name, method in saved.items():
-            field = ("quantization" if name == "transformer" else
-                     "text_encoder_quantization" if name.startswith("text_encoder") else None)
-            if field is not None and getattr(m, field) != "none":
-                raise EngineConfigError(field, (
-                    f"the folder's {name} is saved quantised ({method}) and loads as "
-                    f"saved: leave {field}='none'"))
-            if name == "transformer" and m.offload == "layerwise":
-                raise EngineConfigError("offload", (
-                    f"the folder's transformer is saved quantised ({method}): its "
-                    "quantised tensor subclasses do not pack into layer-wise slots; use "
-                    "offload='model'"))
-        listed = ", ".join(f"{n}: {m_}" for n, m_ in saved.items())
-        if any(m_ != "gguf" for m_ in saved.values()) and not torchao_available():
-            raise EngineConfigError("model", f"{self.model!r} is saved quantised ({listed}); "
-                                    f"{TORCHAO_MISSING}")
-        if "gguf" in saved.values():
-            from diffrt.engine.models.gguf_file import GGUF_MISSING, gguf_available
-
-            if not gguf_available():
-                raise EngineConfigError("model", f"{self.model!r} ships GGUF weights "
-                                        f"({listed}); {GGUF_MISSING}")
-
-
-def usable_methods(spec: ModelSpec, platform: Platform) -> list[str]:
-    """The weight methods of ``spec`` that ``platform`` runs, with what is
-    installed (torchao's: ``int8``, ``fp8``)."""
-    from diffrt.engine.weights.quantize import torchao_available
-
-    torchao = torchao_available()
-    return [q for q in spec.quantization
-            if (q != "fp8" or platform.fp8_matmul_supported())
-            and (q != "fp8-storage" or platform.fp8_storage_refusal() is None)
-            and (q not in ("int8", "fp8") or torchao)]
+__all__ = ["PIPELINE_RUNNER_CLS", "EngineConfig", "EngineConfigError", "EngineMode",
+           "usable_methods"]
 
 
 def _rebuild(settings: dict[str, Any]) -> EngineConfig:

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+class EngineConfigError(ValueError):
+    """A bad engine setting; ``field`` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 class EngineError(RuntimeError):
     """The engine cannot take this request (closed, or its executor died)."""
 

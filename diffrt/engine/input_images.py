@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import msgspec
 import numpy as np
@@ -43,8 +43,20 @@ if TYPE_CHECKING:
     import torch
     from diffusers.image_processor import VaeImageProcessor
 
-    from diffrt.engine.request import DiffusionRequest
 
+class WithInputs(Protocol):
+    """A request as this module reads it: its input images and mask, as given
+    or as stored (``DiffusionRequest``; named by shape, not imported, since
+    the request checks its inputs here)."""
+
+    @property
+    def images(self) -> list: ...
+    @property
+    def mask_image(self) -> object: ...
+
+
+#: the request ``store`` gives back with its inputs stored (a ``DiffusionRequest``)
+Request = TypeVar("Request", bound=msgspec.Struct)
 
 #: the most images one request may give (a model may take fewer: its spec's
 #: ``max_input_images``)
@@ -248,8 +260,7 @@ def pixel_size(item: object) -> tuple[int, int]:
     return (int(size[0]), int(size[1])) if isinstance(size, tuple) else (0, 0)
 
 
-def store(request: DiffusionRequest, converted: Converted,
-          inputs: InputArena) -> DiffusionRequest:
+def store(request: Request, converted: Converted, inputs: InputArena) -> Request:
     """``request`` with its inputs replaced by ``StoredImage``s in ``inputs``
     (all or none: a failure frees what was written)."""
     written: list[InputHandle] = []
@@ -271,12 +282,12 @@ def store(request: DiffusionRequest, converted: Converted,
     return msgspec.structs.replace(request, images=images, mask_image=mask)
 
 
-def _all_stored(request: DiffusionRequest) -> list[StoredImage]:
+def _all_stored(request: WithInputs) -> list[StoredImage]:
     items = [_stored(item) for item in [*request.images, request.mask_image]]
     return [item for item in items if item is not None]
 
 
-def release(request: DiffusionRequest, inputs: InputArena | None) -> None:
+def release(request: WithInputs, inputs: InputArena | None) -> None:
     """Free the input slots of a request that has ended (or never ran)."""
     if inputs is None:
         return
@@ -293,7 +304,7 @@ def _stored(item: object) -> StoredImage | None:
     return item if isinstance(item, StoredImage) else None
 
 
-def read_pixels(request: DiffusionRequest, arena: Arena | None, size_of: SizeRule,
+def read_pixels(request: WithInputs, arena: Arena | None, size_of: SizeRule,
                 prompt_size_of: SizeRule | None = None) -> InputPixels | None:
     """The worker's copy of a request's inputs (None without any): read from
     ``arena``, or converted here (to the sizes the rules say) when the request
@@ -313,7 +324,9 @@ def read_pixels(request: DiffusionRequest, arena: Arena | None, size_of: SizeRul
         return InputPixels([read_input(arena, s.image) for s in stored if s is not None],
                            read_input(arena, mask.image) if mask is not None else None,
                            prompts or None)
-    converted = to_arrays(list(request.images), request.mask_image, size_of, prompt_size_of)
+    # not stored: the request's own inputs, as check_kinds took them
+    given = cast("PIL.Image.Image | np.ndarray | None", request.mask_image)
+    converted = to_arrays(list(request.images), given, size_of, prompt_size_of)
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array.copy())

@@ -36,7 +36,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from diffrt.engine.core import AbortNotice, TickResult
 from diffrt.engine.errors import EngineClosedError, EngineDeadError
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.output_streams import FinalSlot, OutputStream
@@ -46,6 +45,7 @@ from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched import AbortOutcome, Finished
 from diffrt.engine.stats import StatsRecorder
+from diffrt.engine.tick import AbortNotice, TickResult
 from diffrt.runtime.shm_transport import OutputLease
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from diffrt.engine.outputs import RequestMetrics
-from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.request import DiffusionRequest, OfRequest
 
 if TYPE_CHECKING:
     from diffrt.engine.output_ref import OutputRef
@@ -34,7 +34,7 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False)
-class RequestRecord:
+class RequestRecord(OfRequest):
     request: DiffusionRequest
     arrival: float
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -92,11 +92,3 @@ class RequestRecord:
     compute_done_at: float | None = None
     #: wall time of the execute calls it took part in.
     forward_time: float = 0.0
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def total_steps(self) -> int:
-        return self.request.sampling_params.denoise_steps()

@@ -97,3 +97,20 @@ class DiffusionRequest(msgspec.Struct):
         if not self.images:
             return "text-to-image"
         return "inpainting" if self.mask_image is not None else "image-to-image"
+
+
+class OfRequest:
+    """What a holder of one request (``request``) reads of it: the engine's
+    ``RequestRecord`` and the worker's ``StepRequestState`` alike."""
+
+    request: DiffusionRequest
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def total_steps(self) -> int:
+        """The denoise steps it runs (``SamplingParams.denoise_steps``)."""
+        return self.request.sampling_params.denoise_steps()
+

@@ -56,7 +56,7 @@ class ExecuteStep(msgspec.Struct, tag="execute_step"):
     lora_installs: dict[int, int] = {}
     lora_rows: dict[str, LoraRows] = {}
     #: the scheduler may pause running requests: report each one's state bytes
-    #: (``StepDone.state_bytes``); without preemption nobody reads them
+    #: (``StepReport.state_bytes``); without preemption nobody reads them
     report_state_bytes: bool = False
 
 
@@ -91,10 +91,32 @@ RunnerRequest = (ExecuteBatch | ExecuteStep | CountStepStates | LoadLora | LoraS
 
 
 # -- replies ----------------------------------------------------------------------------
-class BatchDone(msgspec.Struct, tag="batch_done"):
-    #: request id -> error, for requests that failed (the others have an output).
+class StepReport(msgspec.Struct):
+    """STEP_BATCH's part of a ``TickReport``: where each request got to."""
+
+    #: request id -> denoise steps done (its step), for requests still running.
+    steps: dict[str, int] = {}
+    #: ids decoded in this tick (their outputs travel on the output path).
+    finished: list[str] = []
+    #: id -> preview index (0-based), for running requests whose output in
+    #: this tick is a preview (``partial_images``).
+    previews: dict[str, int] = {}
+    #: denoise steps this call ran (``ExecuteStep.steps`` or fewer)
+    steps_run: int = 1
+    #: request id -> the bytes its step state holds (``StepRequestState.nbytes``),
+    #: for requests still running: what pausing it would keep in the worker
+    state_bytes: dict[str, int] = {}
+
+
+class TickReport(msgspec.Struct, tag="tick_report"):
+    """The runner's answer to one execute (``ExecuteBatch`` or ``ExecuteStep``):
+    what every tick reports, and in STEP_BATCH where the requests got to
+    (``step``). In REQUEST_BATCH a request without an error has its output."""
+
+    #: request id -> error, for requests that failed.
     errors: dict[str, str] = {}
-    #: text encoding done in this tick (None: the pipeline does not count it).
+    #: text encoding done in this tick (None: the pipeline does not count it;
+    #: in STEP_BATCH new requests are encoded when prepared).
     text_encoding: TextEncoderStats | None = None
     #: request id -> text encoder -> tokens it cut from the request's prompts
     #: (only requests encoded in this tick that lost some)
@@ -110,37 +132,8 @@ class BatchDone(msgspec.Struct, tag="batch_done"):
     lora_missing: list[int] = []
     #: request id -> what its step cache did, for requests that finished with one
     cache: dict[str, CacheMetrics] = {}
-
-
-class StepDone(msgspec.Struct, tag="step_done"):
-    #: request id -> denoise steps done (its step), for requests still running.
-    steps: dict[str, int] = {}
-    #: ids decoded in this tick (their outputs travel on the output path).
-    finished: list[str] = []
-    #: id -> preview index (0-based), for running requests whose output in
-    #: this tick is a preview (``partial_images``).
-    previews: dict[str, int] = {}
-    errors: dict[str, str] = {}
-    #: text encoding done in this tick (new requests are encoded when prepared).
-    text_encoding: TextEncoderStats | None = None
-    #: as ``BatchDone.prompt_tokens_dropped`` (new requests are encoded when prepared)
-    prompt_tokens_dropped: dict[str, dict[str, int]] = {}
-    #: the most the worker held above its warm baseline during this execute,
-    #: in bytes (None: no baseline yet, or the platform cannot tell)
-    peak_memory_bytes: int | None = None
-    #: the memory free to the worker when it took its warm baseline (only in
-    #: the reply of the execute that took it)
-    free_memory_bytes: int | None = None
-    #: LoRA slots of this execute's ``lora_installs`` that stayed empty (the
-    #: adapter could not be copied there): the engine forgets the assignment
-    lora_missing: list[int] = []
-    #: denoise steps this call ran (``ExecuteStep.steps`` or fewer)
-    steps_run: int = 1
-    #: as ``BatchDone.cache``
-    cache: dict[str, CacheMetrics] = {}
-    #: request id -> the bytes its step state holds (``StepRequestState.nbytes``),
-    #: for requests still running: what pausing it would keep in the worker
-    state_bytes: dict[str, int] = {}
+    #: STEP_BATCH: the steps, finishes and previews (None: a REQUEST_BATCH tick)
+    step: StepReport | None = None
 
 
 class StepStateCount(msgspec.Struct, tag="step_state_count"):
@@ -174,7 +167,7 @@ class WeightBytes(msgspec.Struct, tag="weight_bytes"):
     on_device: int = 0
 
 
-RunnerReply = BatchDone | StepDone | StepStateCount | LoraState | WeightBytes
+RunnerReply = TickReport | StepStateCount | LoraState | WeightBytes
 
 PIPELINE_PROTOCOL = RunnerProtocol(settings=RunnerSettings, requests=RunnerRequest,
                                    replies=RunnerReply)

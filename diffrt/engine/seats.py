@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -85,4 +87,64 @@ class Seat:
             logger.exception("a seat's admission callback failed")
 
 
-__all__ = ["Seat", "SeatState"]
+class Seated(Protocol):
+    """What the seat count reads of a request's record (``RequestRecord``)."""
+
+    seat: Seat | None
+    aborted: bool
+
+
+class Seats:
+    """The count of seats taken whose request has not reached the scheduler,
+    kept under the engine core's lock (``lock``): ``take`` and ``give_back``
+    take it, the others run with it held already."""
+
+    def __init__(self, lock: threading.Condition):
+        self._lock = lock
+        #: seats taken whose request has not reached the scheduler (under the lock)
+        self.held = 0
+        #: seats of the requests the last schedule admitted (the loop's thread only)
+        self._admitted: list[Seat] = []
+
+    def take(self, limit: int, queued: Callable[[], int],
+             on_admitted: Callable[[], None] | None = None) -> Seat:
+        """A seat, or a refused one when ``limit`` requests wait already (the
+        seats not yet queued plus the ``queued()`` ones)."""
+        with self._lock:
+            waiting = self.held + queued()
+            if waiting >= limit:
+                return Seat(waiting)
+            self.held += 1
+            return Seat(waiting, self._give_back, on_admitted)
+
+    def _give_back(self, seat: Seat) -> None:
+        with self._lock:
+            if seat.state is SeatState.HELD:
+                self.held -= 1
+                seat.state = SeatState.RELEASED
+
+    def queue(self, record: Seated) -> None:
+        """Under the lock: ``record`` reached the scheduler (or ended first,
+        an abort racing its submission); the queue counts it from now on."""
+        seat = record.seat
+        if seat is not None and seat.state is SeatState.HELD:
+            self.held -= 1
+            seat.state = SeatState.QUEUED if not record.aborted else SeatState.RELEASED
+
+    def note_admitted(self, records: Iterable[Seated | None]) -> None:
+        """Under the lock: the seats of the records a tick admits, told by
+        ``tell_admitted`` once the lock is released."""
+        for record in records:
+            seat = record.seat if record is not None else None
+            if seat is not None and seat.state is SeatState.QUEUED:
+                seat.state = SeatState.ADMITTED
+                self._admitted.append(seat)
+
+    def tell_admitted(self) -> None:
+        """On the loop's thread, no lock held: call the admitted seats' listeners."""
+        admitted, self._admitted = self._admitted, []
+        for seat in admitted:
+            seat.admitted()
+
+
+__all__ = ["Seat", "SeatState", "Seats"]

@@ -51,9 +51,10 @@ def test_bad_field_is_named(kw, field):
     ("toy", {"cfg_parallel_size": 2}, "world_size", "one rank only"),
 ])
 def test_parallel_configurations_the_model_cannot_run_are_refused(model, kw, field, reason):
-    """Refused at construction (make_engine), before any worker starts."""
+    """Refused when the model is resolved (``model_spec()``, which the engine
+    calls at its start), before any worker starts."""
     with pytest.raises(EngineConfigError, match=reason) as info:
-        EngineConfig(model=model, **kw)
+        EngineConfig(model=model, **kw).model_spec()
     assert info.value.field == field
 
 
@@ -99,19 +100,19 @@ def test_more_ranks_than_devices_are_refused():
 
 def test_unknown_model_names_the_model_and_lists_known_ones():
     with pytest.raises(EngineConfigError, match="no-such-model") as info:
-        EngineConfig(model="no-such-model")
+        EngineConfig(model="no-such-model").model_spec()
     assert info.value.field == "model"
     assert "tiny-flux" in str(info.value)
 
 
 def test_capabilities_of_the_model_are_checked():
     with pytest.raises(EngineConfigError, match="request batching") as info:
-        EngineConfig(model="toy-serial", max_num_seqs=2)
+        EngineConfig(model="toy-serial", max_num_seqs=2).model_spec()
     assert info.value.field == "max_num_seqs" and "toy-serial" in str(info.value)
     with pytest.raises(EngineConfigError, match="step protocol") as info:
-        EngineConfig(model="toy-serial", step_execution=True)
+        EngineConfig(model="toy-serial", step_execution=True).model_spec()
     assert info.value.field == "step_execution"
-    EngineConfig(model="toy-serial", max_num_seqs=1)  # serial request mode is fine
+    EngineConfig(model="toy-serial", max_num_seqs=1).model_spec()  # serial request mode is fine
 
 
 def test_mode_follows_step_execution():
@@ -192,7 +193,7 @@ def test_plugin_modules_are_imported_before_the_model_is_resolved(tmp_path, caps
     registry.unregister_model("toy-from-plugin")
     try:
         with pytest.raises(EngineConfigError, match="toy-from-plugin"):
-            EngineConfig(model="toy-from-plugin")  # not registered without its plugin
+            EngineConfig(model="toy-from-plugin").model_spec()  # not registered without its plugin
         cfg = EngineConfig(model="toy-from-plugin", plugin_modules=["plugin_registers_model"])
         assert cfg.model_spec().pipeline == "engine_toy:ToyPipeline"
         # the CLI checks the request against the plugin's model before any engine starts
@@ -207,7 +208,7 @@ def test_plugin_modules_are_imported_before_the_model_is_resolved(tmp_path, caps
     finally:
         registry.unregister_model("toy-from-plugin")
     with pytest.raises(EngineConfigError, match="cannot import 'no_such_plugin_module'") as info:
-        EngineConfig(model="toy", plugin_modules=["no_such_plugin_module"])
+        EngineConfig(model="toy", plugin_modules=["no_such_plugin_module"]).model_spec()
     assert info.value.field == "plugin_modules"
     assert main(["generate", "-p", "x", "--plugin-module", "no_such_plugin_module"]) == 2
     assert "--plugin-modules 'no_such_plugin_module'" in capsys.readouterr().err

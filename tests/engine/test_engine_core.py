@@ -13,11 +13,11 @@ from diffrt.engine.config import EngineMode
 from diffrt.engine.core import EngineCore, TickResult
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.runner_messages import (
-    BatchDone,
     CountStepStates,
     ExecuteBatch,
     ExecuteStep,
-    StepDone,
+    StepReport,
+    TickReport,
 )
 from diffrt.engine.sched import RequestScheduler, StepScheduler
 from diffrt.runtime.types import ExecutorDeadError, RunnerOutput, WorkerError
@@ -65,7 +65,7 @@ def records(*rids: str, steps: int = 2) -> list[RequestRecord]:
 
 
 def test_a_request_batch_tick_reports_finished_ids_with_their_output_ids():
-    ex = ScriptedExecutor([RunnerOutput(BatchDone(errors={"b": "boom"}), "out-1",
+    ex = ScriptedExecutor([RunnerOutput(TickReport(errors={"b": "boom"}), "out-1",
                                         {"a": "out-1/0", "b": "out-1/1"})])
     recs = records("a", "b")
     [tick], dead = run_core(EngineMode.REQUEST_BATCH, RequestScheduler(2), ex, recs, 1)
@@ -84,8 +84,8 @@ def test_a_request_batch_tick_reports_finished_ids_with_their_output_ids():
 
 def test_step_ticks_report_progress_then_the_finish():
     ex = ScriptedExecutor([
-        RunnerOutput(StepDone(steps={"a": 1}), None, {}),
-        RunnerOutput(StepDone(finished=["a"]), "out-2", {"a": "out-2/0"}),
+        RunnerOutput(TickReport(step=StepReport(steps={"a": 1})), None, {}),
+        RunnerOutput(TickReport(step=StepReport(finished=["a"])), "out-2", {"a": "out-2/0"}),
     ])
     ticks, dead = run_core(EngineMode.STEP_BATCH, StepScheduler(2), ex, records("a"), 2)
     assert not dead
@@ -114,7 +114,7 @@ def test_an_unexpected_reply_fails_the_tick_not_the_engine():
 
 def test_the_engine_refuses_a_request_its_runner_does_not_declare(req_engine1):
     with pytest.raises(TypeError, match="not a request of this runner"):
-        req_engine1.executor.execute(StepDone())
+        req_engine1.executor.execute(TickReport())
     assert req_engine1.is_healthy()
 
 

@@ -55,7 +55,7 @@ def test_the_family_is_unknown_until_its_plugin_is_imported(folder):
     try:
         with pytest.raises(EngineConfigError,
                            match="_class_name 'StripesPipeline' is not a diffusers pipeline"):
-            EngineConfig(model=folder, executor_backend="inproc")
+            EngineConfig(model=folder, executor_backend="inproc").model_spec()
         config = EngineConfig(model=folder, executor_backend="inproc", plugin_modules=[PLUGIN])
         spec = config.model_spec()
         assert (spec.family, spec.size_multiple, spec.max_size) == ("stripes", 4, 64)

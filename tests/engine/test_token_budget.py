@@ -105,19 +105,19 @@ def test_the_engine_derives_its_budget_at_warm_up():
     fit its overhead, and the budget follows from it (None where it measured
     none: on this CPU every tiny model's step is compute-bound)."""
     from diffrt.engine import DiffusionEngine
-    from diffrt.engine.engine import CALIBRATION_WORK_RATIO
     from diffrt.engine.run_time import MIN_SPREAD
+    from diffrt.engine.start_up import CALIBRATION_WORK_RATIO, calibration_requests
 
     with DiffusionEngine.make_engine(EngineConfig(
             executor_backend="inproc", step_execution=True, max_num_seqs=4)) as engine:
         fit = engine.run_time.coefficients
         assert fit is not None
         smallest = engine.run_time.units(engine.spec.with_defaults(
-            engine._calibration_requests()[0]))
+            calibration_requests(engine.spec, engine.run_time, engine.config.max_steps_per_tick)[0]))
         assert engine.scheduler.token_budget == derived_token_budget(fit, smallest)
         # the two calibration sizes differ enough in work for the fit to tell o from k
         small, large = (engine.run_time.units(engine.spec.with_defaults(r))
-                        for r in engine._calibration_requests())
+                        for r in calibration_requests(engine.spec, engine.run_time, engine.config.max_steps_per_tick))
         assert large >= CALIBRATION_WORK_RATIO * small
         assert (large - small) / (large + small) >= MIN_SPREAD
     with DiffusionEngine.make_engine(EngineConfig(

@@ -261,7 +261,7 @@ def test_a_folder_saved_quantised_with_torchao_loads_as_saved(tmp_path):
     estimate = components(str(folder))["transformer"].bytes("none", 4)
     assert estimate == components(source)["transformer"].bytes("int8", 4)
     with pytest.raises(EngineConfigError, match="saved quantised .* leave quantization='none'"):
-        EngineConfig(model=str(folder), quantization="int8")
+        EngineConfig(model=str(folder), quantization="int8").model_spec()
 
 
 def test_a_component_shipped_as_gguf_loads_and_draws_near_the_float_image(tmp_path):
@@ -290,4 +290,4 @@ def test_a_component_shipped_as_gguf_loads_and_draws_near_the_float_image(tmp_pa
     assert held <= 0.4 * floats  # Q8_0: 34 bytes per 32 values, the norms and biases float
     assert components(str(folder))["transformer"].bytes("none", 4) == held
     with pytest.raises(EngineConfigError, match="saved quantised \\(gguf\\)"):
-        EngineConfig(model=str(folder), quantization="int8")
+        EngineConfig(model=str(folder), quantization="int8").model_spec()

@@ -4,12 +4,18 @@ waits here until all ranks have it or one refused it."""
 
 from __future__ import annotations
 
+import logging
+import os
 import time
+from collections.abc import Callable
 
 from diffrt.engine.lora.adapter_file import AdapterFileError
 from diffrt.engine.lora.loader import LOADING, READY
+from diffrt.engine.lora.registry import AdapterRegistry, LoraInfo
 from diffrt.engine.runner_messages import DropLora, LoadLora, LoraState, LoraStatus
 from diffrt.runtime.executor import Executor
+
+logger = logging.getLogger(__name__)
 
 #: how often the workers are asked how far a read got (a worker answers
 #: between ticks, so a long step makes an answer later, never wrong)
@@ -37,4 +43,42 @@ def load_on_workers(executor: Executor, adapter_id: int, path: str,
         time.sleep(POLL_S)
 
 
-__all__ = ["load_on_workers"]
+def register(registry: AdapterRegistry, executor_now: Callable[[], Executor], name: str,
+             path: str, timeout_s: float) -> LoraInfo:
+    """``DiffusionEngine.add_lora``: reserve ``name``, have the workers read
+    the file, confirm it; fresh workers that started meanwhile
+    (``executor_now()`` another executor) read it too."""
+    adapter = registry.reserve(name, os.path.abspath(path))
+    executor = executor_now()
+    try:
+        state = load_on_workers(executor, adapter.id, adapter.path, timeout_s)
+    except BaseException:
+        registry.abandon(adapter)
+        raise
+    adapter.rank, adapter.modules, adapter.nbytes = state.rank, state.modules, state.nbytes
+    registry.confirm(adapter)
+    if executor_now() is not executor:  # fresh workers started meanwhile: they read it too
+        try:
+            load_on_workers(executor_now(), adapter.id, adapter.path, timeout_s)
+        except Exception as exc:
+            registry.lost(adapter.id)
+            raise AdapterFileError(f"{adapter.path}: the restarted workers could not read "
+                                   f"it: {exc}") from exc
+    logger.info("LoRA adapter %r registered: %s (rank %d, %d layers, %d KiB)", name,
+                adapter.path, state.rank, state.modules, state.nbytes >> 10)
+    return next(info for info in registry.infos() if info.name == name)
+
+
+def unregister(registry: AdapterRegistry, executor: Executor, name: str) -> None:
+    """``DiffusionEngine.remove_lora``: refuse ``name`` from now on; the
+    workers drop its weights now if no request holds it."""
+    ids = registry.remove(name)
+    logger.info("LoRA adapter %r removed", name)
+    if ids:
+        try:
+            executor.collective_rpc(DropLora(ids))
+        except Exception as exc:  # removed all the same: workers gone hold nothing
+            logger.warning("dropping LoRA adapter %r in the workers failed: %s", name, exc)
+
+
+__all__ = ["load_on_workers", "register", "unregister"]

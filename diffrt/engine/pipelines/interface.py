@@ -322,3 +322,18 @@ class DiffusionPipeline(ABC):
         from diffrt.engine.postprocess import quantize_images
 
         return output if params.output_type == "latent" else quantize_images(output)
+
+    # -- set by the worker's set-up plan (``engine.worker_setup``) ---------------
+    def use_mixed_rows(self, arrangement: str) -> None:
+        """How rows of different sizes share a step (``mixed_rows``, resolved
+        for the platform: "padded", "by_size" or "packed")."""
+        self.mixed_rows = arrangement
+
+    def use_cache_budget(self, budget: Any) -> None:
+        """The bound on this worker's step-cache state
+        (``engine.cache.state.CacheBudget``)."""
+        self.cache_budget = budget
+
+    def use_step_hook(self, hook: Callable[[], None] | None) -> None:
+        """Called by ``report_step``: a sign of progress from inside a forward."""
+        self.step_hook = hook

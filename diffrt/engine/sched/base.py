@@ -4,6 +4,7 @@ in-flight set of the current execute call, and the terminal transitions."""
 from __future__ import annotations
 
 import itertools
+from abc import abstractmethod
 from collections.abc import Callable
 
 from diffrt.engine.record import RequestRecord, RequestStatus
@@ -12,8 +13,11 @@ from diffrt.engine.sched.interface import (
     AbortOutcome,
     BatchAdapters,
     BatchMemory,
+    ExecutionResult,
     Finished,
     Scheduler,
+    SchedulerOutput,
+    UpdateResult,
 )
 from diffrt.engine.sched.policy import AdmissionPolicy, FifoPolicy
 
@@ -257,6 +261,23 @@ class BaseScheduler(Scheduler):
 
     def _on_running_aborted(self, record: RequestRecord) -> None:
         """A running request (not in flight) was aborted: STEP_BATCH drops its state."""
+
+    def update_from_output(self, output: SchedulerOutput, result: ExecutionResult) -> UpdateResult:
+        """Apply an execute call's result to each request it ran that is still
+        here (``_update_request``, the mode's own transitions)."""
+        update = UpdateResult()
+        finished_ok = set(result.finished)
+        for rid in output.scheduled_ids:
+            record = self._requests.get(rid)
+            if record is not None:
+                self._update_request(record, result, rid in finished_ok, update)
+        return update
+
+    @abstractmethod
+    def _update_request(self, record: RequestRecord, result: ExecutionResult, produced: bool,
+                        update: UpdateResult) -> None:
+        """``record`` ran in the call ``result`` reports (``produced``: its
+        output came): its progress and terminal event go into ``update``."""
 
     def _finish(self, record: RequestRecord, status: RequestStatus, *, error: str | None = None,
                 has_output: bool = False) -> Finished:

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import enum
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from diffrt.engine.errors import DeadlineUnmeetableError
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
 
@@ -167,6 +169,19 @@ class Scheduler(ABC):
         """Seconds past its deadline ``record`` would finish if queued at
         ``now`` (<= 0: in time); None where the scheduler cannot tell."""
         return None
+
+    def refuse_if_late(self, record: RequestRecord, now: float) -> None:
+        """``DeadlineUnmeetableError`` when the queue ahead and its own work
+        would take ``record`` past its deadline (``reject_unmeetable``)."""
+        late = self.lateness(record, now)
+        if late is None or late <= 0:
+            return
+        deadline = record.request.sampling_params.deadline_s
+        retry = max(1.0, math.ceil(late))
+        raise DeadlineUnmeetableError(
+            f"deadline_s: with the work queued ahead it would finish about {late:.2g} s after "
+            f"its deadline of {deadline:g} s (reject_unmeetable); retry in {retry:.0f} s",
+            retry_after_s=retry)
 
     def step_tokens(self, requests: list[DiffusionRequest]) -> tuple[int, int]:
         """(rows, tokens computed) of one step of ``requests`` (what the stats

@@ -72,23 +72,6 @@ class AdmissionPolicy(ABC):
         return None
 
 
-class FifoPolicy(AdmissionPolicy):
-    name = "fifo"
-
-    def select(self, waiting: Sequence[RequestRecord], key: tuple | None,
-               capacity: int, now: float = 0.0) -> list[RequestRecord]:
-        if capacity <= 0 or not waiting:
-            return []
-        if key is None:
-            key = waiting[0].key
-        chosen: list[RequestRecord] = []
-        for record in waiting:
-            if len(chosen) >= capacity or record.key != key:
-                break
-            chosen.append(record)
-        return chosen
-
-
 class SkipAheadPolicy(AdmissionPolicy):
     name = "skip_ahead"
 
@@ -118,3 +101,14 @@ class SkipAheadPolicy(AdmissionPolicy):
                 break  # aged: it blocks like a FIFO head until the batch drains
             skipped.append(record)
         return chosen
+
+
+class FifoPolicy(SkipAheadPolicy):
+    """Arrival order, the head of the queue blocking: skip-ahead that lets no
+    request pass another (a request of another batch key ends the batch)."""
+
+    name = "fifo"
+
+    def __init__(self) -> None:
+        super().__init__(max_bypass=0)
+

@@ -9,7 +9,7 @@ gather.
 
 from __future__ import annotations
 
-from diffrt.engine.record import RequestStatus
+from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sched.base import BaseScheduler
 from diffrt.engine.sched.interface import (
@@ -35,20 +35,17 @@ class RequestScheduler(BaseScheduler):
         self._in_flight.update(ids)
         return SchedulerOutput(new=[record.request for record in wave], scheduled_ids=ids)
 
-    def update_from_output(self, output: SchedulerOutput, result: ExecutionResult) -> UpdateResult:
-        update = UpdateResult()
-        finished_ok = set(result.finished)
-        for rid in output.scheduled_ids:
-            record = self._requests.get(rid)
-            if record is None:
-                continue
-            self._running.remove(record)
-            record.step = record.total_steps if rid in finished_ok else record.step
-            update.finished.append(self._terminal(record, rid, result, finished_ok))
-        return update
+    def _update_request(self, record: RequestRecord, result: ExecutionResult, produced: bool,
+                        update: UpdateResult) -> None:
+        """The wave leaves: every request of it ends here."""
+        self._running.remove(record)
+        if produced:
+            record.step = record.total_steps
+        update.finished.append(self._terminal(record, result, produced))
 
-    def _terminal(self, record, rid: str, result: ExecutionResult, finished_ok: set[str]) -> Finished:
-        produced = rid in finished_ok
+    def _terminal(self, record: RequestRecord, result: ExecutionResult,
+                  produced: bool) -> Finished:
+        rid = record.request_id
         if record.abort_requested:
             return self._finish(record, RequestStatus.ABORTED)
         if result.failed_all is not None:

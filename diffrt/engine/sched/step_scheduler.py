@@ -279,41 +279,37 @@ class StepScheduler(BaseScheduler):
         left = min(record.total_steps - record.step for record in self._running)
         return max(1, min(self.max_steps_per_tick, left))
 
-    def update_from_output(self, output: SchedulerOutput, result: ExecutionResult) -> UpdateResult:
-        update = UpdateResult()
-        finished_ok = set(result.finished)
-        for rid in output.scheduled_ids:
-            record = self._requests.get(rid)
-            if record is None:
-                continue
-            self._in_flight.discard(rid)
-            produced = rid in finished_ok
-            failed = result.failed_all if result.failed_all is not None else result.errors.get(rid)
-            before = record.step
-            if produced:
-                record.step = record.total_steps
-            elif rid in result.steps:
-                record.step = result.steps[rid]
-            if rid in result.state_bytes:
-                record.state_bytes = result.state_bytes[rid]
-            if record.abort_requested or failed is not None:
-                self._running.remove(record)
-                if not record.abort_requested:  # a failure: the steps it finished in this call
-                    update.progress += _steps(record, before + 1, min(record.step, record.total_steps - 1))
-                # After a failed call the worker may still hold its state.
-                if not produced and (record.abort_requested or result.failed_all is not None):
-                    self._pending_drops.append(rid)
-                status = RequestStatus.ABORTED if record.abort_requested else RequestStatus.FAILED
-                update.finished.append(self._finish(record, status, error=None if record.abort_requested
-                                                    else failed))
-            elif produced:
-                self._running.remove(record)
-                # the steps a multi-step tick ran before the last one
-                update.progress += _steps(record, before + 1, record.total_steps - 1)
-                update.finished.append(self._finish(record, RequestStatus.FINISHED, has_output=True))
-            else:  # one progress item per step, also when a tick ran several
-                update.progress += _steps(record, min(before + 1, record.step), record.step)
-        return update
+    def _update_request(self, record: RequestRecord, result: ExecutionResult, produced: bool,
+                        update: UpdateResult) -> None:
+        """A step (or several) of ``record``: its progress, and its end when it
+        finished, failed or was aborted."""
+        rid = record.request_id
+        self._in_flight.discard(rid)
+        failed = result.failed_all if result.failed_all is not None else result.errors.get(rid)
+        before = record.step
+        if produced:
+            record.step = record.total_steps
+        elif rid in result.steps:
+            record.step = result.steps[rid]
+        if rid in result.state_bytes:
+            record.state_bytes = result.state_bytes[rid]
+        if record.abort_requested or failed is not None:
+            self._running.remove(record)
+            if not record.abort_requested:  # a failure: the steps it finished in this call
+                update.progress += _steps(record, before + 1, min(record.step, record.total_steps - 1))
+            # After a failed call the worker may still hold its state.
+            if not produced and (record.abort_requested or result.failed_all is not None):
+                self._pending_drops.append(rid)
+            status = RequestStatus.ABORTED if record.abort_requested else RequestStatus.FAILED
+            update.finished.append(self._finish(record, status, error=None if record.abort_requested
+                                                else failed))
+        elif produced:
+            self._running.remove(record)
+            # the steps a multi-step tick ran before the last one
+            update.progress += _steps(record, before + 1, record.total_steps - 1)
+            update.finished.append(self._finish(record, RequestStatus.FINISHED, has_output=True))
+        else:  # one progress item per step, also when a tick ran several
+            update.progress += _steps(record, min(before + 1, record.step), record.step)
 
     def _on_running_aborted(self, record: RequestRecord) -> None:
         self._pending_drops.append(record.request_id)

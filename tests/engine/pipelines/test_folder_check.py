@@ -121,7 +121,7 @@ def test_a_good_folder_passes(good_folder):
 def test_a_broken_folder_is_refused_naming_the_file(folder, breakage):
     path, problem = breakage(folder)
     with pytest.raises(EngineConfigError) as info:
-        EngineConfig(model=str(folder))
+        EngineConfig(model=str(folder)).model_spec()
     message = str(info.value)
     assert info.value.field == "model"
     assert str(path.resolve()) in message and problem in message

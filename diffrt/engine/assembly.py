@@ -1,0 +1,93 @@
+"""The engine's scheduler and its batch memory model, built from the config
+and the model's spec (``DiffusionEngine`` builds them once, at its start)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from diffrt.engine.config import EngineConfig, EngineMode
+from diffrt.engine.lora.registry import AdapterRegistry
+from diffrt.engine.memory_estimate import (
+    DEFAULT_DEVICE_SHARE,
+    DEFAULT_HOST_SHARE,
+    MemoryModel,
+    default_batch_memory_budget,
+    value_bytes,
+)
+from diffrt.engine.model_spec import ModelSpec
+from diffrt.engine.pipelines.segments import resolve_mixed_rows
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.run_time import RunTimeModel
+from diffrt.engine.sched import RequestScheduler, Scheduler, StepScheduler, make_policy
+
+logger = logging.getLogger(__name__)
+
+
+def make_scheduler(config: EngineConfig, spec: ModelSpec, run_time: RunTimeModel,
+                   memory: MemoryModel | None, adapters: AdapterRegistry) -> Scheduler:
+    """The mode's scheduler with the configured policy; the run-time model
+    prices the ``slo`` policy's remaining work."""
+    from diffrt.platforms import current_platform
+
+    c = config.scheduling
+    policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass,
+                         aging_ticks=c.slo_aging_ticks, cost=run_time)
+    if config.mode is EngineMode.STEP_BATCH:
+        return StepScheduler(c.max_num_seqs, policy,
+                             max_wait_s=_seconds(c.step_batch_max_wait_ms),
+                             key=step_batch_key(config, spec),
+                             max_steps_per_tick=c.max_steps_per_tick, memory=memory,
+                             tokens=lambda r: (spec.rows(r), spec.row_tokens(r)),
+                             token_budget=c.max_num_batched_tokens or None,
+                             padded=resolve_mixed_rows(config.model_config.mixed_rows,
+                                                       current_platform) == "padded",
+                             adapters=adapters, max_paused_bytes=c.max_paused_state_bytes)
+    wait_ms = c.request_batch_max_wait_ms if spec.supports_request_batch else 0.0
+    return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
+                            key=spec.request_batch_key, memory=memory, adapters=adapters)
+
+
+def step_batch_key(config: EngineConfig, spec: ModelSpec) -> Callable[[DiffusionRequest], tuple]:
+    """Sizes share a step when the setting, the model and the split allow
+    (``mixed_size_batching``; a sequence-parallel split shards one size's
+    tokens, so there the size stays in the key)."""
+    if not (config.scheduling.mixed_size_batching and spec.mixed_sizes):
+        return spec.step_batch_key
+    p = config.parallel
+    if p.ulysses_degree * p.ring_degree > 1:
+        logger.info("mixed_size_batching: off with ulysses_degree=%d ring_degree=%d "
+                    "(a sequence split needs one size per step)",
+                    p.ulysses_degree, p.ring_degree)
+        return spec.step_batch_key
+    return spec.mixed_step_batch_key
+
+
+def memory_model(config: EngineConfig, spec: ModelSpec) -> MemoryModel | None:
+    """A request's estimated peak memory and the batch budget
+    (``max_batch_memory_bytes``, or a share of the memory the workers
+    report free; see ``engine/memory_estimate.py``); None with one request
+    per batch: nothing to bound."""
+    from diffrt.platforms import current_platform
+
+    if config.scheduling.max_num_seqs == 1:
+        return None
+    budget = config.scheduling.max_batch_memory_bytes
+    on_cpu = current_platform.device_type == "cpu"
+    model = MemoryModel(
+        spec, value_bytes(config.model_config.dtype, current_platform),
+        budget=budget if budget is not None else default_batch_memory_budget(current_platform),
+        explicit=budget is not None,
+        share=DEFAULT_HOST_SHARE if on_cpu else DEFAULT_DEVICE_SHARE)
+    if model.budget is not None:
+        logger.info("batch memory budget %d MiB of estimated peak activations",
+                    model.budget >> 20)
+    return model
+
+
+def _seconds(ms: float | None) -> float | None:
+    """A window in ms as seconds; None (automatic) stays None."""
+    return None if ms is None else ms / 1000.0
+
+
+__all__ = ["make_scheduler", "memory_model", "step_batch_key"]

@@ -1,0 +1,138 @@
+"""The engine's start-up requests: the warm-up, then the calibration.
+
+The warm-up request (cold: it loads kernels, allocates buffers) runs first
+and is no measure of a warm tick; the calibration requests that follow are
+the run-time estimate's first measurements (``run_time.py``) and, in
+STEP_BATCH, what the default token budget is derived from
+(``token_budget.py``). A model that only edits (Qwen-Image-Edit draws
+nothing from text alone) gets a plain picture as input.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Protocol
+
+from diffrt.engine.config import EngineConfig
+from diffrt.engine.errors import EngineWarmupError
+from diffrt.engine.model_spec import ModelSpec
+from diffrt.engine.output_processor import OutputProcessor
+from diffrt.engine.outputs import DiffusionOutput
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.run_time import RunTimeModel
+from diffrt.engine.sampling import SamplingParams
+from diffrt.engine.sched import Scheduler, StepScheduler
+from diffrt.engine.token_budget import derived_token_budget
+
+logger = logging.getLogger(__name__)
+
+#: the second calibration request has at least this many times the first's work
+CALIBRATION_WORK_RATIO = 2.0
+
+
+class StartingEngine(Protocol):
+    """What the start-up requests need of the engine (``DiffusionEngine``)."""
+
+    config: EngineConfig
+    spec: ModelSpec
+    run_time: RunTimeModel
+    output_processor: OutputProcessor
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    def generate(self, requests: DiffusionRequest, *,
+                 timeout: float | None = None) -> DiffusionOutput: ...
+
+
+def warmup_request(spec: ModelSpec) -> DiffusionRequest:
+    """A one-step request of about 64 px: loads kernels, allocates buffers."""
+    size = spec.warmup_size()
+    return DiffusionRequest(
+        prompt="warm-up", request_id=f"warmup-{uuid.uuid4().hex[:8]}",
+        images=start_up_images(spec, size),
+        sampling_params=SamplingParams(height=size, width=size, num_inference_steps=1,
+                                       seed=0, guidance_scale=1.0))
+
+
+def start_up_images(spec: ModelSpec, side: int) -> list:
+    """A start-up request's input: none, or a plain picture for a model
+    that only edits (Qwen-Image-Edit draws nothing from text alone)."""
+    if "text-to-image" in spec.tasks:
+        return []
+    from PIL import Image
+
+    return [Image.new("RGB", (side, side), (128, 128, 128))]
+
+
+def calibration_requests(spec: ModelSpec, run_time: RunTimeModel,
+                         max_steps_per_tick: int) -> list[DiffusionRequest]:
+    """The run-time estimate's first measurements, on warm kernels, at two
+    sizes far enough apart in work to tell a step's overhead from its
+    per-unit cost (``run_time.MIN_SPREAD``): the warm-up's side, and the
+    smallest side (within the model's limits) with at least
+    ``CALIBRATION_WORK_RATIO`` times its work — text tokens dominate a small
+    image's row, so twice the side is not always enough. Each runs two worker
+    calls' worth of steps (so prompt encoding and the decode weigh on few of
+    them), with a prompt of its own (the prompt cache would spare the second
+    its encoding)."""
+    multiple = spec.size_multiple
+    largest = spec.max_size // multiple * multiple
+
+    def request(i: int, side: int) -> DiffusionRequest:
+        return DiffusionRequest(
+            prompt=f"calibration {i}", request_id=f"calibrate-{uuid.uuid4().hex[:8]}",
+            images=start_up_images(spec, side),
+            sampling_params=SamplingParams(
+                height=side, width=side, seed=0, guidance_scale=1.0,
+                num_inference_steps=2 * max_steps_per_tick))
+
+    first = request(0, spec.warmup_size())
+    side, work = spec.warmup_size(), run_time.units(spec.with_defaults(first))
+    while side + multiple <= largest:
+        side += multiple
+        if run_time.units(spec.with_defaults(request(1, side))) >= (
+                CALIBRATION_WORK_RATIO * work):
+            break
+    return [first] if side == spec.warmup_size() else [first, request(1, side)]
+
+
+def _run(engine: StartingEngine, request: DiffusionRequest) -> None:
+    timeout = engine.config.model_config.warmup_timeout_s
+    try:
+        out = engine.generate(request, timeout=timeout)
+    except TimeoutError:
+        raise EngineWarmupError(
+            f"warm-up did not finish within warmup_timeout_s={timeout}") from None
+    if not out.ok:
+        raise EngineWarmupError(f"warm-up request failed: {out.error}")
+
+
+def warm_up(engine: StartingEngine) -> None:
+    """The warm-up request, then the calibration requests whose measured
+    steps are the run-time estimate's first (and, in STEP_BATCH without
+    ``max_num_batched_tokens``, what the token budget is derived from)."""
+    start = time.monotonic()
+    spec, run_time = engine.spec, engine.run_time
+    _run(engine, warmup_request(spec))
+    run_time.reset()  # a cold tick is no measure of a warm one
+    calibration = calibration_requests(spec, run_time,
+                                       engine.config.scheduling.max_steps_per_tick)
+    for request in calibration:
+        _run(engine, request)
+    engine.output_processor.stats.reset()  # stats() describes served requests only
+    scheduler = engine.scheduler
+    scheduler.forget_run_times()  # a cold one-step request sizes no window
+    if (isinstance(scheduler, StepScheduler)
+            and engine.config.scheduling.max_num_batched_tokens is None):
+        smallest = run_time.units(spec.with_defaults(calibration[0]))
+        scheduler.token_budget = derived_token_budget(run_time.coefficients, smallest)
+        logger.info("max_num_batched_tokens: %s (derived from the warm-up's step times)",
+                    scheduler.token_budget or "no bound")
+    logger.info("warm-up done in %.2f s", time.monotonic() - start)
+
+
+__all__ = ["CALIBRATION_WORK_RATIO", "calibration_requests", "start_up_images", "warm_up",
+           "warmup_request"]
