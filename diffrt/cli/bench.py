@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         check_requests(model_name(opts), _requests(opts, 1, args.seed, "check"),
                        plugin_modules(opts))
         _fill_model_defaults(opts)
-        EngineConfig(**engine_settings(opts))
+        EngineConfig(**engine_settings(opts)).model_spec()  # the model refuses what it cannot run
 
     results = []
     engine, engine_key = None, None

@@ -257,6 +257,7 @@ def _run(args: argparse.Namespace, serve_settings: Any, limits: Any, sock: Any) 
     serve_logger.setLevel(min(logging.INFO, serve_logger.getEffectiveLevel()))
     model_spec(model_name(args), plugin_modules(args))  # a bad model is refused first
     config = EngineConfig(**engine_settings(args))
+    config.model_spec()  # what the model refuses exits 2 here, before an engine starts
     if on_ray(args):
         from diffrt.cli.serve_ray import serve_on_ray
 

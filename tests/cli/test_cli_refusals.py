@@ -31,7 +31,10 @@ def run_main(*argv: str) -> tuple[int, str]:
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = main(list(argv))
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse's own exit 2
+            code = int(exc.code or 0)
     return code, err.getvalue()
 
 
@@ -93,3 +96,15 @@ def test_ctrl_c_during_start_up_ends_in_one_line(tmp_path):
         wait_until(lambda pid=pid: not Path(f"/proc/{pid}").exists()
                    or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3],
                    timeout=20, message=f"worker {pid} outlived the CLI")
+
+
+@pytest.mark.parametrize("command", ["bench", "serve"])
+def test_a_setting_the_model_refuses_ends_bench_and_serve_in_one_line(command):
+    """The model's refusals (here: Ulysses over a head count it does not
+    divide) come before any engine starts, as generate's do."""
+    extra = ["--num-requests", "1"] if command == "bench" else ["--host", "127.0.0.1", "--port", "0"]
+    code, stderr = run_main(command, "--model", "tiny-flux", "--ulysses-degree", "3",
+                            "--executor-backend", "mp", *extra)
+    assert code == 2, stderr
+    assert "ulysses_degree" in stderr and "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr

@@ -19,12 +19,11 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from diffrt.engine.models.folder_check import JsonObject
 from diffrt.engine.models.tiny import shared
 
-TINY_FLUX_VAE: JsonObject = {**shared.TINY_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
+TINY_FLUX_VAE: shared.ComponentConfig = {**shared.TINY_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 
-TINY_FLUX_TRANSFORMER: JsonObject = dict(
+TINY_FLUX_TRANSFORMER: shared.ComponentConfig = dict(
     patch_size=1,
     in_channels=4 * shared.TINY_VAE["latent_channels"],
     num_layers=2,
@@ -37,7 +36,7 @@ TINY_FLUX_TRANSFORMER: JsonObject = dict(
 )
 
 #: FLUX.1-dev's scheduler (resolution-dependent shift).
-FLUX_SCHEDULER: JsonObject = dict(num_train_timesteps=1000, shift=3.0, **shared.DYNAMIC_SHIFT)
+FLUX_SCHEDULER: shared.ComponentConfig = dict(num_train_timesteps=1000, shift=3.0, **shared.DYNAMIC_SHIFT)
 
 #: Factors applied to the fresh transformer's weights so the prompt shows in
 #: the image (see ``tiny/shared.py``), by parameter-name suffix: the pooled

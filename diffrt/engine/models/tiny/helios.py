@@ -15,17 +15,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from diffrt.engine.models.folder_check import JsonObject
 from diffrt.engine.models.tiny import shared, wan
 
-TINY_HELIOS_TRANSFORMER: JsonObject = {
+TINY_HELIOS_TRANSFORMER: shared.ComponentConfig = {
     **{k: v for k, v in wan.TINY_WAN_TRANSFORMER.items() if k != "rope_max_seq_len"},
     # one rotary table per axis (frames, height, width), summing to the head dim
     "rope_dim": (4, 4, 4),
 }
 
 #: Helios-Base's scheduler: one stage of flow-matching UniPC
-HELIOS_SCHEDULER: JsonObject = dict(num_train_timesteps=1000, stages=1)
+HELIOS_SCHEDULER: shared.ComponentConfig = dict(num_train_timesteps=1000, stages=1)
 
 #: the prompt length Helios' pipeline pads to (``max_sequence_length``)
 HELIOS_MAX_LENGTH = 512

@@ -27,9 +27,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from diffrt.engine.models.folder_check import JsonObject
 from diffrt.engine.models.tiny.shared import (
     _WORDS,
+    ComponentConfig,
     _boost,
     _bytes_to_unicode,
     _save,
@@ -54,27 +54,27 @@ _TEMPLATE_WORDS = tuple("system user assistant Describe the image by detailing c
                         "texture quantity text spatial relationships of objects and background"
                         .split())
 
-TINY_QWEN_TEXT: JsonObject = dict(
+TINY_QWEN_TEXT: ComponentConfig = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
     num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
 )
-TINY_QWEN_VISION: JsonObject = dict(
+TINY_QWEN_VISION: ComponentConfig = dict(
     depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
     patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
     fullatt_block_indexes=[0],
 )
-TINY_QWEN_TRANSFORMER: JsonObject = dict(
+TINY_QWEN_TRANSFORMER: ComponentConfig = dict(
     patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
     num_attention_heads=2, joint_attention_dim=TINY_QWEN_TEXT["hidden_size"],
     axes_dims_rope=(4, 6, 6),
 )
-TINY_QWEN_VAE: JsonObject = dict(
+TINY_QWEN_VAE: ComponentConfig = dict(
     base_dim=16, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
     temperal_downsample=[False, True, True],
 )
 #: Qwen-Image's own scheduler configuration
-QWEN_SCHEDULER: JsonObject = dict(
+QWEN_SCHEDULER: ComponentConfig = dict(
     num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
     max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
     time_shift_type="exponential",

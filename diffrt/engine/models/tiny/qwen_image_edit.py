@@ -41,7 +41,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from diffrt.engine.models.folder_check import JsonObject
 from diffrt.engine.models.tiny.qwen_image import (
     _TEMPLATE_WORDS,
     QWEN_IMAGE_COMPONENTS,
@@ -52,7 +51,7 @@ from diffrt.engine.models.tiny.qwen_image import (
     save_qwen_models,
     template_prefix,
 )
-from diffrt.engine.models.tiny.shared import _write_index
+from diffrt.engine.models.tiny.shared import ComponentConfig, _write_index
 
 #: QwenImageEditPipeline's prompt template and the tokens it drops (its
 #: ``prompt_template_encode`` / ``prompt_template_encode_start_idx``; the Plus
@@ -72,7 +71,7 @@ _EDIT_TEMPLATE_WORDS = tuple(dict.fromkeys(re.findall(
 
 #: Qwen2VLImageProcessor settings: patches as the tiny vision tower cuts them,
 #: images of at most 64x64 pixels (4 tokens for a square one)
-TINY_VL_IMAGE_PROCESSOR: JsonObject = dict(
+TINY_VL_IMAGE_PROCESSOR: ComponentConfig = dict(
     min_pixels=28 * 28,
     max_pixels=64 * 64,
     patch_size=TINY_QWEN_VISION["patch_size"],

@@ -17,16 +17,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from diffrt.engine.models.folder_check import JsonObject
 from diffrt.engine.models.tiny import shared
 
 #: SD3's T5 is wider than the two CLIPs together (32 + 32 < 96), as in the
 #: real model (768 + 1280 < 4096): the concatenated CLIP states are zero-padded.
-TINY_SD3_T5: JsonObject = {**shared.TINY_T5, "d_model": 96}
+TINY_SD3_T5: shared.ComponentConfig = {**shared.TINY_T5, "d_model": 96}
 
-TINY_SD3_VAE: JsonObject = {**shared.TINY_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
+TINY_SD3_VAE: shared.ComponentConfig = {**shared.TINY_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
 
-TINY_SD3_TRANSFORMER: JsonObject = dict(
+TINY_SD3_TRANSFORMER: shared.ComponentConfig = dict(
     sample_size=16,
     patch_size=2,
     in_channels=shared.TINY_VAE["latent_channels"],
@@ -41,10 +40,10 @@ TINY_SD3_TRANSFORMER: JsonObject = dict(
 )
 
 #: SD3.5 (Medium-style): RMS-normed q/k and a dual-attention first block.
-TINY_SD35_EXTRA: JsonObject = dict(qk_norm="rms_norm", dual_attention_layers=(0,))
+TINY_SD35_EXTRA: shared.ComponentConfig = dict(qk_norm="rms_norm", dual_attention_layers=(0,))
 
 #: SD3 / SD3.5's scheduler (fixed shift).
-SD3_SCHEDULER: JsonObject = dict(num_train_timesteps=1000, shift=3.0)
+SD3_SCHEDULER: shared.ComponentConfig = dict(num_train_timesteps=1000, shift=3.0)
 
 #: Factors applied to the fresh transformer's weights so the prompt shows in
 #: the image (see ``tiny/shared.py``), by parameter-name suffix. SD3 has no q/k

@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 
-from diffrt.engine.models.folder_check import JsonObject
+#: a component's constructor arguments, as its config.json holds them
+ComponentConfig = dict[str, Any]
+
 
 
 @contextlib.contextmanager
@@ -55,7 +57,7 @@ def seeded_init(seed: int) -> Iterator[None]:
 # ---------------------------------------------------------------------------
 
 #: CLIP text encoder (both families; SD3 has two of them).
-TINY_CLIP_TEXT: JsonObject = dict(
+TINY_CLIP_TEXT: ComponentConfig = dict(
     hidden_size=32,
     intermediate_size=37,
     num_hidden_layers=2,
@@ -67,7 +69,7 @@ TINY_CLIP_TEXT: JsonObject = dict(
 )
 
 #: T5 v1.1-style encoder (gated GELU, untied), as in FLUX.1 and SD3.
-TINY_T5: JsonObject = dict(
+TINY_T5: ComponentConfig = dict(
     d_model=32,
     d_kv=8,
     d_ff=37,
@@ -82,7 +84,7 @@ TINY_T5: JsonObject = dict(
 #: The VAE of the Flux and SD3 folders (8x, 4 latent channels), without quant
 #: convs like the FLUX.1 and SD3 VAEs; each family adds its real scaling and
 #: shift factors.
-TINY_VAE: JsonObject = dict(
+TINY_VAE: ComponentConfig = dict(
     in_channels=3,
     out_channels=3,
     latent_channels=4,
@@ -98,7 +100,7 @@ TINY_VAE: JsonObject = dict(
 
 #: The scheduler keys of a resolution-dependent shift (FLUX.1's values; an SD3
 #: folder with ``dynamic_shifting`` takes them too).
-DYNAMIC_SHIFT: JsonObject = dict(
+DYNAMIC_SHIFT: ComponentConfig = dict(
     use_dynamic_shifting=True,
     base_shift=0.5,
     max_shift=1.15,
@@ -335,7 +337,7 @@ def _clip_text(cls: type, seed: int, vocab: dict[str, int]) -> Any:
         return cls(config).eval()
 
 
-def _t5(seed: int, vocab_size: int, config_kwargs: JsonObject) -> Any:
+def _t5(seed: int, vocab_size: int, config_kwargs: ComponentConfig) -> Any:
     from transformers import T5Config, T5EncoderModel
 
     # T5Config keeps keys it does not list (config.json carries decoder_start_token_id)
@@ -367,7 +369,7 @@ def _write_index(path: Path, class_name: str,
     for an optional component the folder leaves out."""
     import diffusers
 
-    index: JsonObject = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}
+    index: ComponentConfig = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}
     index.update({name: list(lib_cls) for name, lib_cls in sorted(components.items())})
     (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 

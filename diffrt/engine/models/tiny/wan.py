@@ -25,15 +25,14 @@ from pathlib import Path
 
 import torch
 
-from diffrt.engine.models.folder_check import JsonObject
 from diffrt.engine.models.tiny import shared
 
 #: UMT5 as Wan's text encoder (umt5-xxl in the released models).
-TINY_UMT5: JsonObject = {**shared.TINY_T5, "d_model": 32}
+TINY_UMT5: shared.ComponentConfig = {**shared.TINY_T5, "d_model": 32}
 
 #: ``AutoencoderKLWan`` at its smallest (diffusers' own tests build this one):
 #: 4x temporal, 8x spatial compression, 16 latent channels.
-TINY_WAN_VAE: JsonObject = dict(
+TINY_WAN_VAE: shared.ComponentConfig = dict(
     base_dim=3,
     z_dim=16,
     dim_mult=[1, 1, 1, 1],
@@ -41,7 +40,7 @@ TINY_WAN_VAE: JsonObject = dict(
     temperal_downsample=[False, True, True],
 )
 
-TINY_WAN_TRANSFORMER: JsonObject = dict(
+TINY_WAN_TRANSFORMER: shared.ComponentConfig = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=2,
     attention_head_dim=12,
@@ -60,7 +59,7 @@ TINY_WAN_TRANSFORMER: JsonObject = dict(
 I2V_IN_CHANNELS = 16 + 4 + 16
 
 #: Wan's scheduler (the released 2.1 / 2.2 folders' flow shift for 480p)
-WAN_SCHEDULER: JsonObject = dict(num_train_timesteps=1000, shift=3.0)
+WAN_SCHEDULER: shared.ComponentConfig = dict(num_train_timesteps=1000, shift=3.0)
 
 #: Wan 2.2 A14B's expert switch (``boundary_ratio`` x 1000 train timesteps):
 #: text-to-video 0.875, image-to-video 0.9, as its released folders say
