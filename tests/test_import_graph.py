@@ -31,9 +31,9 @@ FORBIDDEN = {
     "diffrt.engine": ("diffrt.cli", "diffrt.serve"),
     "diffrt.serve": ("diffrt.cli",),
 }
-#: shared by every layer (tracing, log_filters) or by the demo model's training,
-#: tests and docs (demo), so they import no other diffrt module
-LEAVES = ("diffrt.tracing", "diffrt.demo", "diffrt.log_filters")
+#: shared by every layer (tracing, log_filters, the field errors' base) or by the
+#: demo model's training, tests and docs (demo), so they import no other diffrt module
+LEAVES = ("diffrt.tracing", "diffrt.demo", "diffrt.log_filters", "diffrt.field_error")
 
 _MODULE_STRING = re.compile(r"^(diffrt(?:\.\w+)+)(?::[\w.]+)?$")
 

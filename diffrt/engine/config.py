@@ -29,6 +29,7 @@ from diffrt.engine.settings import (
     ParallelConfig,
     SchedulingConfig,
 )
+from diffrt.field_error import FieldError
 from diffrt.runtime.types import (
     DeclaredValueError,
     ExecutorConfig,
@@ -49,12 +50,8 @@ class EngineMode(enum.Enum):
     STEP_BATCH = "step_batch"
 
 
-class EngineConfigError(ValueError):
+class EngineConfigError(FieldError):
     """A bad engine setting; ``field`` names it."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 class EngineConfig:
