@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from diffrt.cli import bench, env, generate, serve, trace_cmd
 from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError, is_user_error
+from diffrt.cli.renamed import CommandParser
 
 __all__ = ["CliError", "build_parser", "main"]
 
@@ -29,7 +30,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="diffrt", description="Serve diffusion models on any accelerator, or on CPU.")
     parser.add_argument("--version", action="version", version=f"diffrt {_version()}")
     parser.add_argument("--log-level", default="WARNING",

@@ -30,6 +30,8 @@ from diffrt.cli.engine_opts import (
 )
 from diffrt.cli.errors import EXIT_FAILURE, CliError
 from diffrt.cli.paths import check_writable_file
+from diffrt.cli.profiles import BENCH
+from diffrt.cli.renamed import add_renamed
 from diffrt.cli.table import format_table
 from diffrt.cli.trace_session import (
     TraceWindows,
@@ -42,6 +44,9 @@ from diffrt.cli.trace_session import (
 #: engine settings and sampling fields read theirs as their flags do)
 LOAD_PARSERS = {"concurrency": positive_int, "request_rate": positive_float,
                 "num_requests": positive_int, "distinct_prompts": positive_int}
+#: bench's flags that took a value in earlier releases -> how to say it now
+RENAMED_VALUES = {"--warmup": "--warmup-requests N (--warmup/--no-warmup is the engine's "
+                              "warm-up)"}
 #: compare keys of earlier releases -> their names now
 RENAMED_KEYS = {"mode": "step_execution", "threads": "torch_threads",
                 "policy": "scheduling_policy", "executor": "executor_backend",
@@ -73,8 +78,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "repeats prompts (default: every request its own prompt); the "
                         "'cache hit' column shows what the prompt-embedding cache saved")
     # --seed seeds the requests (request i: seed+i) and the arrival times
-    add_sampling_args(p, defaults={"seed": 0})
+    add_sampling_args(p, profile=BENCH)
     add_engine_args(p)
+    add_renamed(p, {}, RENAMED_VALUES)
     p.add_argument("--compare", nargs="+", metavar="SPEC",
                    help="run one configuration per SPEC ('key=value,key=value' on top of the "
                         "other options) and print ratios against the first")

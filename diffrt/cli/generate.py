@@ -33,6 +33,7 @@ from diffrt.cli.engine_opts import (
 )
 from diffrt.cli.errors import EXIT_FAILURE, CliError
 from diffrt.cli.paths import image_paths
+from diffrt.cli.profiles import GENERATE
 from diffrt.cli.trace_session import add_trace_args, check_trace_args, trace_session
 
 
@@ -60,8 +61,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(without alpha, as diffusers), or fully transparent pixels (with "
                         "alpha, as OpenAI's edits)")
     # --seed is the first prompt's: prompt i uses seed+i
-    add_sampling_args(p, defaults={"seed": 0})
-    add_engine_args(p)
+    add_sampling_args(p, profile=GENERATE)
+    add_engine_args(p, profile=GENERATE)
     add_trace_args(p)
     p.set_defaults(func=run)
 
@@ -193,12 +194,8 @@ def run(args: argparse.Namespace) -> int:
                                  images=list(images), mask_image=mask)
                 for i, p in enumerate(prompts)]
     _check(model, requests, plugins)
-    settings = engine_settings(args)
-    settings.setdefault("max_num_seqs", len(requests))
-    if len(requests) > 1:  # let the whole burst join one batch
-        window = ("step_batch_max_wait_ms" if settings.get("step_execution")
-                  else "request_batch_max_wait_ms")
-        settings.setdefault(window, 20.0)
+    # the profile's rules: the whole burst joins one batch
+    settings = GENERATE.apply(engine_settings(args), prompts=len(requests))
 
     start = time.perf_counter()
     with trace_session(args, title=f"diffrt generate ({model}, {len(prompts)} prompts)") as tw:
