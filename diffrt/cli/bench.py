@@ -44,6 +44,8 @@ from diffrt.cli.trace_session import (
 #: engine settings and sampling fields read theirs as their flags do)
 LOAD_PARSERS = {"concurrency": positive_int, "request_rate": positive_float,
                 "num_requests": positive_int, "distinct_prompts": positive_int}
+#: bench's own flags of earlier releases -> what replaced them
+RENAMED_FLAGS = {"--http-timeout": "--http-timeout-s"}
 #: bench's flags that took a value in earlier releases -> how to say it now
 RENAMED_VALUES = {"--warmup": "--warmup-requests N (--warmup/--no-warmup is the engine's "
                               "warm-up)"}
@@ -80,7 +82,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     # --seed seeds the requests (request i: seed+i) and the arrival times
     add_sampling_args(p, profile=BENCH)
     add_engine_args(p)
-    add_renamed(p, {}, RENAMED_VALUES)
+    add_renamed(p, RENAMED_FLAGS, RENAMED_VALUES)
     p.add_argument("--compare", nargs="+", metavar="SPEC",
                    help="run one configuration per SPEC ('key=value,key=value' on top of the "
                         "other options) and print ratios against the first")
@@ -90,7 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "instead of an in-process engine; engine options do not apply")
     p.add_argument("--api-key", default=os.environ.get("DIFFRT_API_KEY"),
                    help="with --base-url: the server's key (default: $DIFFRT_API_KEY)")
-    p.add_argument("--http-timeout", type=positive_float, default=300.0, metavar="S",
+    p.add_argument("--http-timeout-s", type=positive_float, default=300.0, metavar="S",
                    help="with --base-url: a request unanswered after S seconds fails; after "
                         "3 in a row the rest are not sent (default: %(default)s)")
     add_trace_args(p)
@@ -274,7 +276,7 @@ def _run_http(args: argparse.Namespace, configs: list[tuple[str, dict[str, Any]]
         tag = f"[{i}/{len(configs)}] {label}"
 
         def target() -> HttpTarget:
-            return HttpTarget(args.base_url, api_key=args.api_key, timeout_s=args.http_timeout)
+            return HttpTarget(args.base_url, api_key=args.api_key, timeout_s=args.http_timeout_s)
 
         if args.warmup_requests > 0:
             drive(target(), _requests(opts, args.warmup_requests, args.seed + 10_000,

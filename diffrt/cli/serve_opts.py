@@ -123,12 +123,14 @@ def http_limits(args: argparse.Namespace) -> HttpLimits:
 
 
 def replica_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``ReplicaOptions`` given; autoscaling ones need ``--max-replicas``."""
+    """The ``ReplicaOptions`` given, checked against their declarations;
+    autoscaling ones need ``--max-replicas``."""
     values = given(args, ReplicaOptions)
     if values.get("max_replicas") is None and any(a in values for a in AUTOSCALING_FIELDS):
         flags = [serve_flags()[a] for a in AUTOSCALING_FIELDS]
         raise CliError(f"{', '.join(flags[:-1])} and {flags[-1]} need --max-replicas "
                        "(which turns autoscaling on)")
+    convert_declared(ReplicaOptions, values)
     return values
 
 
