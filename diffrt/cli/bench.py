@@ -39,6 +39,7 @@ from diffrt.cli.trace_session import (
     check_trace_args,
     trace_session,
 )
+from diffrt.serve.settings import API_KEY_ENV
 
 #: load keys a --compare spec may change, and how their values are read (the
 #: engine settings and sampling fields read theirs as their flags do)
@@ -90,8 +91,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", metavar="URL",
                    help="load a running server over HTTP (POST URL/v1/images/generations) "
                         "instead of an in-process engine; engine options do not apply")
-    p.add_argument("--api-key", default=os.environ.get("DIFFRT_API_KEY"),
-                   help="with --base-url: the server's key (default: $DIFFRT_API_KEY)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"with --base-url: the server's key (default: ${API_KEY_ENV})")
     p.add_argument("--http-timeout-s", type=positive_float, default=300.0, metavar="S",
                    help="with --base-url: a request unanswered after S seconds fails; after "
                         "3 in a row the rest are not sent (default: %(default)s)")

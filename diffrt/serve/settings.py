@@ -28,6 +28,8 @@ from msgspec import Meta
 
 from diffrt.engine.sampling import MAX_PRIORITY, MIN_PRIORITY
 
+#: the environment variable ``diffrt serve`` (and ``bench --base-url``) read the API key from
+API_KEY_ENV = "DIFFRT_API_KEY"
 _Bytes = Annotated[int, Meta(ge=1)]
 _Seconds = Annotated[float, Meta(gt=0)]
 
@@ -42,10 +44,10 @@ class ServeSettings(msgspec.Struct, kw_only=True, frozen=True):
     model_name: Annotated[str | None, Meta(extra={"flag": "--served-model-name"}, description=(
         "the model id clients send as model and /v1/models lists; None: the engine's "
         "model (--model)"))] = None
-    api_key: Annotated[str | None, Meta(extra={"env": "DIFFRT_API_KEY", "metavar": "KEY"},
+    api_key: Annotated[str | None, Meta(extra={"env": API_KEY_ENV, "metavar": "KEY"},
                                         description=(
         "require 'Authorization: Bearer KEY' on /v1 (/health, /ready and /metrics stay "
-        "open); diffrt serve's default: $DIFFRT_API_KEY; None: no key"))] = None
+        f"open); diffrt serve's default: ${API_KEY_ENV}; None: no key"))] = None
     max_pending: Annotated[int, Meta(ge=1, description=(
         "requests that may wait to be admitted (accepted, not yet running); past it a new "
         "one gets 429 with Retry-After"))] = 64
@@ -152,4 +154,4 @@ AUTOSCALING_FIELDS = ("min_replicas", "target_ongoing_requests", "upscale_delay_
                       "downscale_delay_s", "look_back_s")
 
 
-__all__ = ["AUTOSCALING_FIELDS", "HttpLimits", "ReplicaOptions", "ServeSettings"]
+__all__ = ["API_KEY_ENV", "AUTOSCALING_FIELDS", "HttpLimits", "ReplicaOptions", "ServeSettings"]
