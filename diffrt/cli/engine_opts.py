@@ -202,7 +202,8 @@ def add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: De
         if field.kind == "mapping":
             _MAPPINGS[field.name] = flag
     elif field.kind in ("int", "float"):
-        # the flag converts; the limits are the engine's check, whose error
+        # the flag converts; the limits are the owner's check (EngineConfig,
+        # SamplingParams.validate, the server's convert_declared), whose error
         # names the field in one line (bench --compare checks them at once)
         number: Callable[[str], Any] = (byte_size if field.extra.get("unit") == "bytes" else
                                         int if field.kind == "int" else float)
@@ -218,7 +219,6 @@ def add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: De
         kw["metavar"] = field.extra["metavar"]
     parsers[field.name] = parse
     group.add_argument(flag, *aliases, **kw)
-
 
 
 _ENGINE_PARSERS: dict[str, Callable[[str], Any]] = {}
