@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from diffrt.cli.engine_opts import (
-    UNSET,
     add_engine_args,
     add_sampling_args,
     check_requests,
@@ -181,7 +180,7 @@ async def _run_all(engine: Any, requests: list[Any], progress: _Progress) -> lis
 
 def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
-    outputs = 1 if args.num_outputs_per_prompt is UNSET else args.num_outputs_per_prompt
+    outputs = sampling_params(args).num_outputs_per_prompt  # the declared default if unset
     paths = image_paths(args.output, len(prompts), outputs)
     check_trace_args(args)
     from diffrt.engine.request import DiffusionRequest
