@@ -51,9 +51,10 @@ FORBIDDEN.update({
     "diffrt.engine.lora": ("diffrt.engine.pipelines", *_ENGINE_TOP),
     "diffrt.engine.sched": (*_COMPUTE, "diffrt.engine.models", *_ENGINE_TOP, "diffrt.runtime"),
 })
-#: shared by every layer (tracing, log_filters) or by the demo model's training,
+#: shared by every layer (tracing, log_filters, the field errors' base, vendor metadata) or by the demo model's training,
 #: tests and docs (demo), so they import no other diffrt module
-LEAVES = ("diffrt.tracing", "diffrt.demo", "diffrt.log_filters", "diffrt.vendor_metadata")
+LEAVES = ("diffrt.tracing", "diffrt.demo", "diffrt.log_filters", "diffrt.vendor_metadata",
+          "diffrt.field_error")
 
 _MODULE_STRING = re.compile(r"^(diffrt(?:\.\w+)+)(?::[\w.]+)?$")
 

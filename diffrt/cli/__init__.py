@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError, is_user_error
+from diffrt.cli.renamed import CommandParser
 from diffrt.cli.torch_import import import_torch
 from diffrt.vendor_metadata import AutoloadFailure
 
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     # once main() made sure `import torch` works
     from diffrt.cli import bench, env, generate, serve, trace_cmd
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="diffrt", description="Serve diffusion models on any accelerator, or on CPU.")
     parser.add_argument("--version", action="version", version=f"diffrt {_version()}")
     parser.add_argument("--log-level", default="WARNING",

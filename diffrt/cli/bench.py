@@ -30,6 +30,8 @@ from diffrt.cli.engine_opts import (
 )
 from diffrt.cli.errors import EXIT_FAILURE, CliError
 from diffrt.cli.paths import check_writable_file
+from diffrt.cli.profiles import BENCH
+from diffrt.cli.renamed import add_renamed
 from diffrt.cli.table import format_table
 from diffrt.cli.trace_session import (
     TraceWindows,
@@ -37,11 +39,17 @@ from diffrt.cli.trace_session import (
     check_trace_args,
     trace_session,
 )
+from diffrt.serve.settings import API_KEY_ENV
 
 #: load keys a --compare spec may change, and how their values are read (the
 #: engine settings and sampling fields read theirs as their flags do)
 LOAD_PARSERS = {"concurrency": positive_int, "request_rate": positive_float,
                 "num_requests": positive_int, "distinct_prompts": positive_int}
+#: bench's own flags of earlier releases -> what replaced them
+RENAMED_FLAGS = {"--http-timeout": "--http-timeout-s"}
+#: bench's flags that took a value in earlier releases -> how to say it now
+RENAMED_VALUES = {"--warmup": "--warmup-requests N (--warmup/--no-warmup is the engine's "
+                              "warm-up)"}
 #: compare keys of earlier releases -> their names now
 RENAMED_KEYS = {"mode": "step_execution", "threads": "torch_threads",
                 "policy": "scheduling_policy", "executor": "executor_backend",
@@ -73,8 +81,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "repeats prompts (default: every request its own prompt); the "
                         "'cache hit' column shows what the prompt-embedding cache saved")
     # --seed seeds the requests (request i: seed+i) and the arrival times
-    add_sampling_args(p, defaults={"seed": 0})
+    add_sampling_args(p, profile=BENCH)
     add_engine_args(p)
+    add_renamed(p, RENAMED_FLAGS, RENAMED_VALUES)
     p.add_argument("--compare", nargs="+", metavar="SPEC",
                    help="run one configuration per SPEC ('key=value,key=value' on top of the "
                         "other options) and print ratios against the first")
@@ -82,9 +91,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", metavar="URL",
                    help="load a running server over HTTP (POST URL/v1/images/generations) "
                         "instead of an in-process engine; engine options do not apply")
-    p.add_argument("--api-key", default=os.environ.get("DIFFRT_API_KEY"),
-                   help="with --base-url: the server's key (default: $DIFFRT_API_KEY)")
-    p.add_argument("--http-timeout", type=positive_float, default=300.0, metavar="S",
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"with --base-url: the server's key (default: ${API_KEY_ENV})")
+    p.add_argument("--http-timeout-s", type=positive_float, default=300.0, metavar="S",
                    help="with --base-url: a request unanswered after S seconds fails; after "
                         "3 in a row the rest are not sent (default: %(default)s)")
     add_trace_args(p)
@@ -268,7 +277,7 @@ def _run_http(args: argparse.Namespace, configs: list[tuple[str, dict[str, Any]]
         tag = f"[{i}/{len(configs)}] {label}"
 
         def target() -> HttpTarget:
-            return HttpTarget(args.base_url, api_key=args.api_key, timeout_s=args.http_timeout)
+            return HttpTarget(args.base_url, api_key=args.api_key, timeout_s=args.http_timeout_s)
 
         if args.warmup_requests > 0:
             drive(target(), _requests(opts, args.warmup_requests, args.seed + 10_000,

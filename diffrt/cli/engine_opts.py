@@ -6,9 +6,11 @@ Every ``EngineConfig`` setting (``engine/settings.py``) and every
 limits and help once; this module turns each into a flag of the same name
 (``max_num_seqs`` -> ``--max-num-seqs``; a bool ``--x/--no-x``; a sequence or
 a mapping repeatable), with a few short aliases (``-m``, ``--steps``, ``-n``).
-A flag left out means "the engine's default" (or the command's, shown in
-``--help``), so the CLI never has a default of its own that disagrees with the
-engine's. Renamed flags of earlier releases exit 2 naming the new one.
+A flag left out means "the engine's default" (or the command's profile's,
+``cli/profiles.py``, shown in ``--help``), so the CLI never has a default of
+its own that disagrees with the engine's. Flags of earlier releases exit 2
+naming the new one (``cli/renamed.py``). ``add_declared`` makes the flag of
+any declared field: the server's (``cli/serve_opts.py``) too.
 Model-specific limits (size multiple, largest size) come from the model's
 ``ModelSpec``, checked before anything loads.
 """
@@ -23,10 +25,13 @@ from typing import Any
 import msgspec
 
 from diffrt.cli.errors import CliError
+from diffrt.cli.profiles import Profile
+from diffrt.cli.renamed import RENAMED_FLAGS, RENAMED_VALUES, add_renamed
 from diffrt.engine.declarations import Declared, declared_fields
 from diffrt.engine.settings import DEFAULT_MODEL, FIELD_GROUP, GROUPS
 
-__all__ = ["DEFAULT_MODEL", "UNSET", "add_engine_args", "add_sampling_args", "check_requests",
+__all__ = ["DEFAULT_MODEL", "RENAMED_FLAGS", "UNSET", "add_declared", "add_engine_args",
+           "add_sampling_args", "check_requests", "flag_of",
            "engine_settings", "flag_parsers", "make_engine", "model_defaults", "model_spec",
            "non_negative_float", "positive_float", "positive_int", "sampling_params"]
 
@@ -42,22 +47,6 @@ UNSET: Any = _Unset()
 
 #: short or familiar extra spellings of engine flags
 ENGINE_ALIASES = {"model": ("-m",), "plugin_modules": ("--plugin-module",)}
-#: flags of earlier releases -> what replaced them (given, they exit 2 naming it)
-RENAMED_FLAGS = {
-    "--mode": "--step-execution / --no-step-execution",
-    "--threads": "--torch-threads",
-    "--policy": "--scheduling-policy",
-    "--batch-wait-ms": "--request-batch-max-wait-ms or --step-batch-max-wait-ms",
-    "--steps-per-tick": "--max-steps-per-tick",
-    "--executor": "--executor-backend",
-    "--request-timeout": "--request-timeout-s",
-    "--unread-output-timeout": "--unread-output-timeout-s",
-    "--startup-timeout": "--startup-timeout-s",
-    "--no-restart": "--no-restart-workers",
-    "--max-request-cost": "--max-request-seconds (an estimated run time, not megapixel-steps)",
-}
-
-
 # -- value parsers (also used by bench --compare) -------------------------------------------
 def positive_int(text: str) -> int:
     try:
@@ -176,11 +165,22 @@ _ITEM_CONVERT: dict[str, Callable[[str], Any]] = {"float": float, "int": int}
 
 
 # -- flags from declarations ------------------------------------------------------------------
-def _add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: Declared,
-                  aliases: Iterable[str], default: Any) -> None:
-    flag = "--" + field.name.replace("_", "-")
+def flag_of(field: Declared) -> str:
+    """A declaration's flag: its name with dashes, unless it names its own
+    (``extra["flag"]``)."""
+    return field.extra.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: Declared,
+                 aliases: Iterable[str], default: Any, *, shown: str | None = None) -> None:
+    """Add ``field``'s flag to ``group``; ``default``: the command's own (UNSET:
+    the declaration's), ``shown``: what --help says a rule of the command's
+    profile makes it (the flag's default staying UNSET)."""
+    flag = flag_of(field)
     help_text = field.description.replace("%", "%%")
-    if (not field.has_factory_default or default is not UNSET) and "default" not in help_text:
+    if shown is not None:
+        help_text += f" (default: {shown})".replace("%", "%%")
+    elif (not field.has_factory_default or default is not UNSET) and "default" not in help_text:
         help_text += f" (default: {field.default if default is UNSET else default!r})"
     kw: dict[str, Any] = {"dest": field.name, "default": default, "help": help_text}
     parse: Callable[[str], Any]
@@ -202,7 +202,8 @@ def _add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: D
         if field.kind == "mapping":
             _MAPPINGS[field.name] = flag
     elif field.kind in ("int", "float"):
-        # the flag converts; the limits are the engine's check, whose error
+        # the flag converts; the limits are the owner's check (EngineConfig,
+        # SamplingParams.validate, the server's convert_declared), whose error
         # names the field in one line (bench --compare checks them at once)
         number: Callable[[str], Any] = (byte_size if field.extra.get("unit") == "bytes" else
                                         int if field.kind == "int" else float)
@@ -214,6 +215,8 @@ def _add_declared(group: Any, parsers: dict[str, Callable[[str], Any]], field: D
     else:
         parse = _optional(str) if field.optional else str
         kw.update(type=parse)
+    if "metavar" in field.extra:
+        kw["metavar"] = field.extra["metavar"]
     parsers[field.name] = parse
     group.add_argument(flag, *aliases, **kw)
 
@@ -242,30 +245,18 @@ def flag_parsers() -> dict[str, Callable[[str], Any]]:
     return parsers
 
 
-class _Renamed(argparse.Action):
-    """A flag of an earlier release: exits 2 naming its replacement."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, new: str, **kw: Any) -> None:
-        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS,
-                         help=argparse.SUPPRESS)
-        self.new = new
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kw: Any) -> None:
-        parser.error(f"{self.option_strings[0]} was renamed: use {self.new}")
-
-
-def add_engine_args(p: argparse.ArgumentParser, *, defaults: dict[str, Any] | None = None
-                    ) -> None:
-    """One flag per EngineConfig setting; ``defaults``: the command's own
-    (shown in --help), else the engine's."""
-    defaults = defaults or {}
-    group = p.add_argument_group("engine settings (EngineConfig; docs/engine.md)")
+def add_engine_args(p: argparse.ArgumentParser, *, profile: Profile | None = None) -> None:
+    """One flag per EngineConfig setting; ``profile``: the command's own
+    defaults (shown in --help), else the engine's."""
+    profile = profile or Profile("")
+    defaults, shown = profile.fixed(FIELD_GROUP), profile.shown(FIELD_GROUP)
+    group = p.add_argument_group("engine settings (EngineConfig; docs/engine.md)",
+                                 profile.describe(FIELD_GROUP) or None)
     for cls in GROUPS.values():
         for field in declared_fields(cls):
-            _add_declared(group, _ENGINE_PARSERS, field, ENGINE_ALIASES.get(field.name, ()),
-                          defaults.get(field.name, UNSET))
-    for old, new in RENAMED_FLAGS.items():
-        p.add_argument(old, action=_Renamed, new=new)
+            add_declared(group, _ENGINE_PARSERS, field, ENGINE_ALIASES.get(field.name, ()),
+                         defaults.get(field.name, UNSET), shown=shown.get(field.name))
+    add_renamed(p, RENAMED_FLAGS, RENAMED_VALUES)
 
 
 def _sampling_fields() -> list[Declared]:
@@ -275,14 +266,18 @@ def _sampling_fields() -> list[Declared]:
     return [f for f in declared_fields(SamplingParams) if f.extra.get("cli") is not None]
 
 
-def add_sampling_args(p: argparse.ArgumentParser, *, defaults: dict[str, Any] | None = None
-                      ) -> None:
-    """One flag per SamplingParams field that has a meaning on the command line."""
-    defaults = defaults or {}
-    group = p.add_argument_group("sampling (SamplingParams; unset: the model's defaults)")
-    for field in _sampling_fields():
-        _add_declared(group, _SAMPLING_PARSERS, field, field.extra["cli"],
-                      defaults.get(field.name, UNSET))
+def add_sampling_args(p: argparse.ArgumentParser, *, profile: Profile | None = None) -> None:
+    """One flag per SamplingParams field that has a meaning on the command
+    line; ``profile``: the command's own defaults, else the model's."""
+    profile = profile or Profile("")
+    fields = _sampling_fields()
+    names = {f.name for f in fields}
+    defaults = profile.fixed(names)
+    group = p.add_argument_group("sampling (SamplingParams; unset: the model's defaults)",
+                                 profile.describe(names) or None)
+    for field in fields:
+        add_declared(group, _SAMPLING_PARSERS, field, field.extra["cli"],
+                     defaults.get(field.name, UNSET))
 
 
 def _given(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from diffrt.cli.engine_opts import (
-    UNSET,
     add_engine_args,
     add_sampling_args,
     check_requests,
@@ -33,6 +32,7 @@ from diffrt.cli.engine_opts import (
 )
 from diffrt.cli.errors import EXIT_FAILURE, CliError
 from diffrt.cli.paths import image_paths
+from diffrt.cli.profiles import GENERATE
 from diffrt.cli.trace_session import add_trace_args, check_trace_args, trace_session
 
 
@@ -60,8 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(without alpha, as diffusers), or fully transparent pixels (with "
                         "alpha, as OpenAI's edits)")
     # --seed is the first prompt's: prompt i uses seed+i
-    add_sampling_args(p, defaults={"seed": 0})
-    add_engine_args(p)
+    add_sampling_args(p, profile=GENERATE)
+    add_engine_args(p, profile=GENERATE)
     add_trace_args(p)
     p.set_defaults(func=run)
 
@@ -180,7 +180,7 @@ async def _run_all(engine: Any, requests: list[Any], progress: _Progress) -> lis
 
 def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
-    outputs = 1 if args.num_outputs_per_prompt is UNSET else args.num_outputs_per_prompt
+    outputs = sampling_params(args).num_outputs_per_prompt  # the declared default if unset
     paths = image_paths(args.output, len(prompts), outputs)
     check_trace_args(args)
     from diffrt.engine.request import DiffusionRequest
@@ -193,12 +193,8 @@ def run(args: argparse.Namespace) -> int:
                                  images=list(images), mask_image=mask)
                 for i, p in enumerate(prompts)]
     _check(model, requests, plugins)
-    settings = engine_settings(args)
-    settings.setdefault("max_num_seqs", len(requests))
-    if len(requests) > 1:  # let the whole burst join one batch
-        window = ("step_batch_max_wait_ms" if settings.get("step_execution")
-                  else "request_batch_max_wait_ms")
-        settings.setdefault(window, 20.0)
+    # the profile's rules: the whole burst joins one batch
+    settings = GENERATE.apply(engine_settings(args), prompts=len(requests))
 
     start = time.perf_counter()
     with trace_session(args, title=f"diffrt generate ({model}, {len(prompts)} prompts)") as tw:

@@ -4,7 +4,7 @@ Joins the cluster ``--ray-address`` names, or starts a local Ray instance
 (bound to ``--host`` when that is a loopback address) and stops it at exit.
 Ray Serve's HTTP proxy listens on ``--host:--port``. The first SIGTERM or
 SIGINT deletes the application — Ray drains each replica (no new requests,
-those in flight get ``--shutdown-timeout`` seconds) — and the process exits 0.
+those in flight get ``--shutdown-timeout-s`` seconds) — and the process exits 0.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
+from diffrt.cli.errors import EXIT_FAILURE, EXIT_USAGE
+from diffrt.cli.serve_opts import replica_values
 from diffrt.serve.ray_placement import PlacementError, wait_until_placed
 
 if TYPE_CHECKING:
@@ -24,18 +25,10 @@ if TYPE_CHECKING:
 
 def replica_settings(args: argparse.Namespace) -> Any:
     """The ``ReplicaSettings`` of the command line (unset flags: the defaults)."""
+    from diffrt.runtime.types import convert_declared
     from diffrt.serve.ray_app import ReplicaSettings
 
-    autoscaling = ("min_replicas", "target_ongoing_requests", "upscale_delay", "downscale_delay")
-    if args.max_replicas is None and any(getattr(args, a) is not None for a in autoscaling):
-        raise CliError("--min-replicas, --target-ongoing-requests and the delays need "
-                         "--max-replicas (which turns autoscaling on)")
-    given = {"replicas": args.replicas, "min_replicas": args.min_replicas,
-             "max_replicas": args.max_replicas,
-             "target_ongoing_requests": args.target_ongoing_requests,
-             "upscale_delay_s": args.upscale_delay, "downscale_delay_s": args.downscale_delay,
-             "replica_cpus": args.replica_cpus}
-    return ReplicaSettings(**{k: v for k, v in given.items() if v is not None})
+    return convert_declared(ReplicaSettings, replica_values(args))
 
 
 def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
@@ -88,7 +81,7 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
 
         threading.Thread(target=deploy, name="diffrt-deploy", daemon=True).start()
         try:
-            wait_until_placed(lambda: _app_status(serve, failed), args.placement_timeout)
+            wait_until_placed(lambda: _app_status(serve, failed), args.placement_timeout_s)
         except PlacementError as exc:
             print(f"diffrt serve: error: {exc}", file=sys.stderr)
             return EXIT_USAGE if not failed else EXIT_FAILURE

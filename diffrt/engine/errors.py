@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+from diffrt.field_error import FieldError
 
-class EngineConfigError(ValueError):
+
+class EngineConfigError(FieldError):
     """A bad engine setting; ``field`` names it."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 class EngineError(RuntimeError):

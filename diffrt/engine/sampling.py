@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
+from diffrt.field_error import FieldError
 from diffrt.runtime.types import DeclaredValueError, check_declared
 
 OutputType = Literal["pil", "pt", "latent"]
@@ -57,12 +58,8 @@ def filled(value: _T | None) -> _T:
     return value
 
 
-class InvalidRequestError(ValueError):
+class InvalidRequestError(FieldError):
     """A request the user can fix: names the field and the allowed range."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 #: The fields a model may give defaults for (None in a request: the model's).

@@ -1,7 +1,8 @@
 """The runtime's shared vocabulary: errors, settings and the runner contract.
 
 A leaf module: every other runtime module (and the engine) imports it, and it
-imports nothing of diffrt. The runtime knows nothing of diffusion; the engine
+imports nothing of diffrt but the leaf ``diffrt.field_error`` (the base of its
+``DeclaredValueError``). The runtime knows nothing of diffusion; the engine
 names a runner class that lives in each worker and declares its messages in a
 ``RunnerProtocol``:
 
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import msgspec
+
+from diffrt.field_error import FieldError
 
 OUTPUT_TIMEOUT_ENV = "DIFFRT_OUTPUT_TIMEOUT_S"
 DEFAULT_OUTPUT_TIMEOUT_S = 600.0
@@ -205,13 +208,8 @@ def _subset(cls: type, names: tuple[str, ...]) -> type:
                              kw_only=True)
 
 
-class DeclaredValueError(ValueError):
+class DeclaredValueError(FieldError):
     """A value that breaks its field's declaration; ``field`` names the field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.reason = message
 
     @classmethod
     def from_validation(cls, exc: msgspec.ValidationError, values: dict[str, Any],

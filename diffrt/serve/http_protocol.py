@@ -25,10 +25,12 @@ import h11
 from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # as uvicorn's h11_impl does
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from diffrt.serve.settings import HttpLimits
+
 logger = logging.getLogger(__name__)
 
-#: default seconds a client has to send a request's line and headers
-DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: default seconds a client has to send a request's line and headers (declared there)
+DEFAULT_HEADER_TIMEOUT_S = HttpLimits().header_timeout_s
 
 
 class HeadTimeoutH11Protocol(H11Protocol):

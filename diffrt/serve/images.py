@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from diffrt.serve.settings import ServeSettings
+
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
@@ -63,7 +65,8 @@ class ImageStore:
     seconds until the oldest image expires); the room is filled with the
     encoded images (their real sizes replace the estimates) or given back."""
 
-    def __init__(self, *, ttl_s: float, max_images: int, max_bytes: int = 256 << 20,
+    def __init__(self, *, ttl_s: float, max_images: int,
+                 max_bytes: int = ServeSettings().url_max_bytes,
                  clock: Callable[[], float] = time.monotonic):
         self.ttl_s = ttl_s
         self.max_images = max_images

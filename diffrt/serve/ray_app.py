@@ -35,14 +35,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
 from diffrt.serve.errors import ApiError
 from diffrt.serve.ingress_seats import WaitingSeats, announce_admission, is_admitted
 from diffrt.serve.ray_placement import INGRESS_CPUS, cpu_share, torch_threads_for
-from diffrt.serve.settings import ServeSettings
+from diffrt.serve.settings import ReplicaOptions, ServeSettings
 
 if TYPE_CHECKING:
     from diffrt.platforms.interface import Platform
@@ -57,32 +58,9 @@ PUBLISH_EVERY_S = 1.0
 STALE_AFTER_S = 10.0
 
 
-@dataclass(frozen=True)
-class ReplicaSettings:
-    """How many model replicas, and what each asks of Ray.
-
-    Attributes:
-        replicas: a fixed count (None with autoscaling).
-        min_replicas / max_replicas / target_ongoing_requests: autoscaling
-            (Ray Serve's ``autoscaling_config``) when ``max_replicas`` is set.
-        upscale_delay_s / downscale_delay_s: how long load must stay above /
-            below target before a replica is added / removed.
-        look_back_s: the window over which the load is averaged.
-        replica_cpus: CPUs each replica reserves (fractional on CPU; the
-            engine's worker processes are its own, outside Ray's count).
-            None: on CPU an equal share of the node's CPUs ((CPUs - the
-            ingress's 0.5) / replicas), elsewhere 1 (``sized_for``).
-    """
-
-    replicas: int | None = 1
-    min_replicas: int = 1
-    max_replicas: int | None = None
-    target_ongoing_requests: float | None = None
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
-    #: autoscaling: the window of load it averages (Ray's default 30 s)
-    look_back_s: float = 30.0
-    replica_cpus: float | None = None
+class ReplicaSettings(ReplicaOptions, kw_only=True, frozen=True):
+    """How many model replicas, and what each asks of Ray: the declared
+    ``ReplicaOptions`` (``settings.py``) and the deployment made from them."""
 
     @property
     def initial_count(self) -> int:
@@ -92,12 +70,10 @@ class ReplicaSettings:
     def sized_for(self, platform: Platform, node_cpus: float) -> ReplicaSettings:
         """These settings with ``replica_cpus`` filled in: given, or on CPU the
         node's equal share for the initial replicas, else 1."""
-        import dataclasses
-
         if self.replica_cpus is not None:
             return self
         cpus = cpu_share(node_cpus, self.initial_count) if platform.ray_resource is None else 1.0
-        return dataclasses.replace(self, replica_cpus=cpus)
+        return msgspec.structs.replace(self, replica_cpus=cpus)
 
     @property
     def cpus(self) -> float:

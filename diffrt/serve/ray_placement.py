@@ -22,8 +22,6 @@ from typing import Any
 INGRESS_CPUS = 0.5
 #: the least a CPU replica reserves when the node's share is smaller
 MIN_REPLICA_CPUS = 0.1
-#: default seconds the application may take to be placed and start
-DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
 
 
 class PlacementError(Exception):

@@ -1,5 +1,5 @@
 """uvicorn's server with a drain before it stops, and the bounds of its
-connections.
+connections (``HttpLimits``, declared in ``settings.py``).
 
 The first SIGTERM or SIGINT does not stop the server at once: the
 EngineClient drains (``/ready`` and new requests 503, requests in flight get
@@ -17,36 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 
 from diffrt.serve.engine_client import EngineClient
-from diffrt.serve.http_protocol import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
+from diffrt.serve.http_protocol import with_header_timeout
+from diffrt.serve.settings import HttpLimits
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """What one connection may hold (``diffrt serve`` flags; uvicorn's settings).
-
-    Attributes:
-        max_header_bytes: the request line and headers together; a larger
-            head is 400 (h11's ``max_incomplete_event_size``).
-        header_timeout_s: from a connection's opening (or the first byte of
-            its next request) to the end of the request's headers; past it the
-            connection is closed.
-        keep_alive_timeout_s: an idle kept-alive connection is closed after this.
-        limit_concurrency: connections (and requests in progress) beyond this
-            are answered 503 at once.
-    """
-
-    max_header_bytes: int = 16 << 10
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    keep_alive_timeout_s: float = 5.0
-    limit_concurrency: int = 512
 
 
 def uvicorn_config(app: Any, limits: HttpLimits, *, host: str, port: int) -> uvicorn.Config:
@@ -107,3 +86,6 @@ class DrainingServer(uvicorn.Server):
             return self.servers[0].sockets[0].getsockname()[1]
         except (AttributeError, IndexError, TypeError):
             return None
+
+
+__all__ = ["DrainingServer", "HttpLimits", "uvicorn_config"]

@@ -197,9 +197,9 @@ def test_a_new_request_field_needs_only_its_declaration():
     assert (d.kind, d.optional, d.bounds, d.description) == ("float", True,
                                                              {"ge": 0, "le": 2}, "how bright")
     p = argparse.ArgumentParser()
-    from diffrt.cli.engine_opts import _add_declared
+    from diffrt.cli.engine_opts import add_declared
 
-    _add_declared(p, {}, d, (), None)
+    add_declared(p, {}, d, (), None)
     assert p.parse_args(["--brightness", "1.5"]).brightness == 1.5
 
 

@@ -174,9 +174,9 @@ def test_the_placement_watchdog_names_what_ray_last_said():
 def test_the_placement_timeout_is_a_flag():
     from diffrt.cli import build_parser
 
-    args = build_parser().parse_args(["serve", "--replicas", "2", "--placement-timeout", "3"])
-    assert args.placement_timeout == 3.0
-    assert build_parser().parse_args(["serve"]).placement_timeout == 60.0
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--placement-timeout-s", "3"])
+    assert args.placement_timeout_s == 3.0
+    assert build_parser().parse_args(["serve"]).placement_timeout_s == 60.0
 
 
 # -- issue 27 item 1: the single ingress holds max_pending ---------------------------------

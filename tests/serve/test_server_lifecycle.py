@@ -30,7 +30,7 @@ def _status(url: str, path: str) -> int:
 
 def test_overload_then_a_drain_on_sigterm():
     server = ServerProcess("--max-num-seqs", "1", "--max-pending", "1",
-                           "--shutdown-timeout", "60").wait_ready()
+                           "--shutdown-timeout-s", "60").wait_ready()
     workers = children(server.proc.pid)
     assert workers, "the server runs its model in worker processes"
     try:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diffrt.field_error import FieldError
 
-class ParallelConfigError(ValueError):
+
+class ParallelConfigError(FieldError):
     """A parallel configuration this model cannot run; ``field`` names the
-    EngineConfig field to change."""
+    EngineConfig field to change (the reason, the message, says why in words)."""
 
     def __init__(self, field: str, reason: str) -> None:
-        super().__init__(reason)
-        self.field = field
+        super().__init__(field, reason, message=reason)
 
 
 @dataclass(frozen=True)
