@@ -26,8 +26,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +44,7 @@ from diffrt.engine.pipelines.interface import (
     StepRequestState,
 )
 from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder, cat_rows
+from diffrt.engine.pipelines.request_state import Conditioning, Inpaint, Overlay
 from diffrt.engine.pipelines.segments import RowLayout, pad_tokens
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams, filled, random_seed
@@ -52,6 +52,7 @@ from diffrt.engine.sampling import SamplingParams, filled, random_seed
 logger = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
+T = TypeVar("T")
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -84,36 +85,18 @@ def _check_compatible(requests: list[DiffusionRequest], key: Any) -> None:
             )
 
 
+def _prepared(value: T | None) -> T:
+    """A field ``prepare_encode`` set (a step of an unprepared state is a bug)."""
+    assert value is not None, "a step of a request that was not prepared"
+    return value
+
+
 def _place(module: Any, device: torch.device) -> Any:
     """Move a loaded model to the device, in eval mode. Its dtype was set when it
     was loaded (``from_pretrained(dtype=...)``), which keeps the layers a model
     declares float32-only (T5's ``wo``) in float32; a later ``.to(dtype)``
     would cast those too and give other pixels than diffusers."""
     return module.to(device).eval()
-
-
-@dataclass
-class Conditioning:
-    """Prompt embeddings for a group of rows (uncond only when CFG runs).
-    ``extra`` is the family's second text output: CLIP's pooled embedding
-    (Flux, SD3), the text mask (Qwen-Image)."""
-
-    embeds: torch.Tensor
-    extra: torch.Tensor
-    neg_embeds: torch.Tensor | None = None
-    neg_extra: torch.Tensor | None = None
-
-    @staticmethod
-    def cat(parts: list[Conditioning]) -> Conditioning:
-        def cat_opt(xs: list[torch.Tensor | None]) -> torch.Tensor | None:
-            return None if xs[0] is None else cat_rows(xs)  # type: ignore[arg-type]
-
-        return Conditioning(
-            embeds=cat_rows([p.embeds for p in parts]),
-            extra=cat_rows([p.extra for p in parts]),
-            neg_embeds=cat_opt([p.neg_embeds for p in parts]),
-            neg_extra=cat_opt([p.neg_extra for p in parts]),
-        )
 
 
 class FlowMatchPipeline(DiffusionPipeline):
@@ -546,7 +529,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         noise_scheduler = state.noise_scheduler
         noise_scheduler.set_begin_index(start)  # diffusers' get_timesteps (order 1)
         state.timesteps = state.timesteps[start:]  # type: ignore[index]
-        state.extra["start_step"] = start
+        state.start_step = start
         n = params.num_outputs_per_prompt
         noise = torch.randn(self.latent_shape(params), generator=generator,
                             dtype=torch.float32).to(self.device, self.dtype)
@@ -554,11 +537,12 @@ class FlowMatchPipeline(DiffusionPipeline):
         first = noise_scheduler.scale_noise(image_latents, state.timesteps[:1].repeat(n), noise)
         state.latents = self.pack_latents(first)
         if mask is not None:
-            state.extra["inpaint"] = (self.pack_latents(self.latent_mask(mask, params)),
-                                      self.pack_latents(image_latents), self.pack_latents(noise))
-            state.extra["overlay"] = (binarized(mask)[None, None].to(self.device, self.dtype),
-                                      to_model_pixels(state.inputs.images[0]).to(  # type: ignore[union-attr]
-                                          self.device, self.dtype))
+            state.inpaint = Inpaint(self.pack_latents(self.latent_mask(mask, params)),
+                                    self.pack_latents(image_latents), self.pack_latents(noise))
+            assert state.inputs is not None  # the mask came with its image
+            state.overlay = Overlay(binarized(mask)[None, None].to(self.device, self.dtype),
+                                    to_model_pixels(state.inputs.images[0]).to(
+                                        self.device, self.dtype))
 
     def condition_on_images(self, state: StepRequestState,
                             image_latents: list[torch.Tensor]) -> None:
@@ -570,9 +554,9 @@ class FlowMatchPipeline(DiffusionPipeline):
     def row_input(self, state: StepRequestState) -> torch.Tensor:
         """What the state's rows give the transformer: its latents, followed by
         its conditioning tokens when it has any (an edit's input image)."""
-        latents, cond = state.latents, state.extra.get("cond_tokens")
+        latents, edit = state.latents, state.edit
         assert latents is not None  # prepared
-        return latents if cond is None else torch.cat([latents, cond], dim=1)
+        return latents if edit is None else torch.cat([latents, edit.tokens], dim=1)
 
     def latent_mask(self, mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """A (H, W) uint8 mask -> (N, C, h, w) of 0 and 1 at the latents' size,
@@ -820,10 +804,10 @@ class FlowMatchPipeline(DiffusionPipeline):
                        edit: bool = False) -> None:
         params = state.request.sampling_params
         seed = resolve_seed(params.seed)
-        state.extra["seed"] = seed
-        state.extra["cond"] = cond
-        state.extra["guidance"] = self._guidance_rows(params)
-        state.extra["cfg_scale"] = self._cfg_rows(params)
+        state.seed = seed
+        state.cond = cond
+        state.guidance = self._guidance_rows(params)
+        state.cfg_scale = self._cfg_rows(params)
         state.noise_scheduler, state.timesteps = self.prepare_timesteps(params)
         state.step = 0
         state.cache = self.new_cache(state)
@@ -843,7 +827,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         _check_compatible([s.request for s in states], self.spec.mixed_step_batch_key
                           if self.spec.mixed_sizes else self.spec.step_batch_key)
         layout = RowLayout.join([self.row_layout(s.request.sampling_params, None, s.loras,
-                                                 s.extra.get("cond_sizes", ()),
+                                                 s.edit_sizes,
                                                  self._running_cache(s)) for s in states])
         if layout.uniform:
             latents = torch.cat([self.row_input(s) for s in states])
@@ -854,9 +838,9 @@ class FlowMatchPipeline(DiffusionPipeline):
         timesteps = torch.cat(
             [s.timesteps[s.step].expand(s.latents.shape[0]) for s in states]  # type: ignore[index,union-attr]
         )
-        cond = Conditioning.cat([s.extra["cond"] for s in states])
-        guidance = torch.cat([s.extra["guidance"] for s in states])
-        scales = torch.cat([s.extra["cfg_scale"] for s in states])
+        cond = Conditioning.cat([_prepared(s.cond) for s in states])
+        guidance = torch.cat([_prepared(s.guidance) for s in states])
+        scales = torch.cat([_prepared(s.cfg_scale) for s in states])
         return self.guided_prediction(latents, timesteps, cond, guidance, layout, scales)
 
     def _denoise_by_size(self, states: list[StepRequestState], longest: int) -> torch.Tensor:
@@ -866,7 +850,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(states):
             groups.setdefault((self.latent_size(s.request.sampling_params),
-                               s.extra.get("cond_sizes", ())), []).append(i)
+                               s.edit_sizes), []).append(i)
         preds: list[torch.Tensor | None] = [None] * len(states)
         for members in groups.values():
             group = [states[i] for i in members]
@@ -890,41 +874,41 @@ class FlowMatchPipeline(DiffusionPipeline):
         assert latents is not None and timesteps is not None  # set when it was admitted
         t = timesteps[state.step]
         noise_scheduler = state.noise_scheduler
-        inpaint = state.extra.get("inpaint")
-        if state.step + 1 in state.extra.setdefault(
-                "preview_steps", state.request.sampling_params.preview_steps()):
+        inpaint = state.inpaint
+        if state.preview_steps is None:
+            state.preview_steps = tuple(state.request.sampling_params.preview_steps())
+        if state.step + 1 in state.preview_steps:
             # flow matching: x_t = (1 - sigma) x0 + sigma noise and the model
             # predicts noise - x0, so x0 = x_t - sigma * prediction (the
             # schedule's index: an image-to-image request began at start_step)
-            index = state.extra.get("start_step", 0) + state.step
+            index = state.start_step + state.step
             sigma = noise_scheduler.sigmas[index].to(latents.dtype)
             x0 = latents - sigma * noise_pred
             if inpaint is not None:  # outside the mask the image is kept
-                x0 = (1 - inpaint[0]) * inpaint[1] + inpaint[0] * x0
-            state.extra["x0"] = x0
+                x0 = inpaint.keep_outside(x0, inpaint.image_latents)
+            state.x0 = x0
         state.latents = noise_scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         if inpaint is not None:
-            self._blend_masked(state, *inpaint)
+            self._blend_masked(state, inpaint)
         if state.cache is not None:  # its decision of this step becomes its own
             state.cache.commit()
         state.step += 1
 
-    def _blend_masked(self, state: StepRequestState, mask: torch.Tensor,
-                      image_latents: torch.Tensor, noise: torch.Tensor) -> None:
+    def _blend_masked(self, state: StepRequestState, inpaint: Inpaint) -> None:
         """Inpainting, after each step: outside the mask the latents are the
         input image noised to the next step (the image itself after the last),
         as diffusers' inpaint pipelines blend them."""
         timesteps = state.timesteps
         assert timesteps is not None and state.latents is not None
-        proper = image_latents
+        proper = inpaint.image_latents
         if state.step + 1 < len(timesteps):
             proper = state.noise_scheduler.scale_noise(
-                image_latents, timesteps[state.step + 1:state.step + 2], noise)
-        state.latents = (1 - mask) * proper + mask * state.latents
+                inpaint.image_latents, timesteps[state.step + 1:state.step + 2], inpaint.noise)
+        state.latents = inpaint.keep_outside(state.latents, proper)
 
     @torch.no_grad()
     def decode_preview(self, state: StepRequestState) -> torch.Tensor | None:
-        x0 = state.extra.pop("x0", None)
+        x0, state.x0 = state.x0, None
         if x0 is None:
             return None
         return self._restore_unmasked(state, self.finish(x0, state.request.sampling_params))
@@ -939,11 +923,10 @@ class FlowMatchPipeline(DiffusionPipeline):
         round trip (which drifts a few levels over the whole picture), as
         diffusers' ``apply_overlay`` pastes them back for a cropped inpaint;
         latents pass as they are."""
-        overlay = state.extra.get("overlay")
+        overlay = state.overlay
         if overlay is None or state.request.sampling_params.output_type == "latent":
             return images
-        mask, pixels = overlay
-        return mask * images + (1 - mask) * pixels
+        return overlay.paste(images)
 
     @torch.no_grad()
     def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.flux.blocks import FluxBlocks
 from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.pipelines.interface import StepRequestState
+from diffrt.engine.pipelines.request_state import EditTokens
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.sampling import SamplingParams
 
@@ -102,9 +103,8 @@ class FluxPipeline(FlowMatchPipeline):
         for latents in image_latents:
             latents = torch.cat([latents] * n) if n > 1 else latents
             packed.append(self.pack_latents(latents.to(self.device, self.dtype)))
-        state.extra["cond_tokens"] = torch.cat(packed, dim=1)
-        state.extra["cond_sizes"] = tuple((int(x.shape[2]), int(x.shape[3]))
-                                          for x in image_latents)
+        state.edit = EditTokens(torch.cat(packed, dim=1),
+                                tuple((int(x.shape[2]), int(x.shape[3])) for x in image_latents))
 
     def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
