@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffrt.engine.input_images import InputPixels
 from diffrt.engine.cache.state import RequestCache
+from diffrt.engine.input_images import InputPixels
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.pipelines.request_state import Conditioning, EditTokens, Inpaint, Overlay
 from diffrt.engine.request import DiffusionRequest
