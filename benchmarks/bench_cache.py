@@ -32,7 +32,7 @@ asserted. Sections:
    30 per attribute; tiny-flux and tiny-sd3: PSNR of the cached image against
    the uncached one of the same seed, and the transformer time ratio
    (cached / uncached, the stage timers' transformer seconds: every diffrt
-   transformer call goes through ``FlowMatchPipeline._transformer``). The
+   transformer call goes through ``FlowMatchPipeline.run_transformer``). The
    share reused: steps reused / steps, which is the share of the *skippable*
    block evaluations (First-Block Cache always runs block 0: N-1 skippable a
    step; TeaCache skips all N) and, for TeaCache, of all of them; the share
@@ -488,7 +488,7 @@ def bench_psnr_time(runner: Runner, args: argparse.Namespace) -> dict[str, Any]:
               f"{rows[config]['psnr']:>9.1f}{rows[config]['psnr_min']:>7.1f}"
               f"{med[config]['transformer']:>11.3f}{ratio:>7.2f}{rows[config]['wall_ratio']:>12.2f}")
     print(f"(xformer s: transformer seconds for the {len(cases)} requests (stage timers: "
-          "FlowMatchPipeline._transformer); ratio: cached / uncached; wall ratio: the "
+          "FlowMatchPipeline.run_transformer); ratio: cached / uncached; wall ratio: the "
           "requests' whole time, VAE and text included; PSNR mean and min over the seeds, "
           "capped at 100)")
     return {"rows": rows, "images": images}

@@ -7,7 +7,7 @@ import it wraps, at class level, the calls each stage is made of:
 - transformer: diffusers' ``FluxTransformer2DModel.forward`` and
   ``SD3Transformer2DModel.forward``, diffrt's ``transformer_forward`` of both
   families (whose mixed-size path runs the transformer's modules without its
-  ``forward``) and ``FlowMatchPipeline._transformer``, which every diffrt
+  ``forward``) and ``FlowMatchPipeline.run_transformer``, which every diffrt
   transformer call goes through (a call with step-cached rows runs the
   blocks without ``transformer_forward``, ``engine.cache.forward``); only the
   outermost of them is counted;
@@ -81,7 +81,7 @@ def install() -> None:
     _wrap(SD3Transformer2DModel, "forward", "transformer")
     _wrap(FluxPipeline, "transformer_forward", "transformer")
     _wrap(SD3Pipeline, "transformer_forward", "transformer")
-    _wrap(FlowMatchPipeline, "_transformer", "transformer")
+    _wrap(FlowMatchPipeline, "run_transformer", "transformer")
     _wrap(AutoencoderKL, "decode", "vae")
     _wrap(AutoencoderKL, "encode", "vae")
     _wrap(CLIPTextModel, "forward", "text")

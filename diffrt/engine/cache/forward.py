@@ -60,6 +60,12 @@ class TransformerBlocks(ABC):
         temb = self.temb if rows is None else self.temb.index_select(0, rows)
         return self.blocks[0].norm1(hidden, emb=temb)[0]
 
+    def run_all(self) -> torch.Tensor:
+        """The whole call uncached: every block over every row, then the head
+        (a family's forward over rows of several sizes)."""
+        hidden, _ = self.run(0, self.count, self.hidden, self.encoder, None)
+        return self.out(hidden)
+
     def out(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over every row's final image stream (diffusers'
         ``norm_out`` then ``proj_out``)."""

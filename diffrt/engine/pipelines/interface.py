@@ -26,13 +26,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffrt.engine.cache.state import RequestCache
 from diffrt.engine.input_images import InputPixels
 from diffrt.engine.model_spec import ModelSpec
+from diffrt.engine.pipelines.request_state import Conditioning, EditTokens, Inpaint, Overlay
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 
@@ -69,7 +71,13 @@ class DiffusionRequestBatch:
 
 @dataclass
 class StepRequestState:
-    """Request-local state of a STEP_BATCH request, owned by the worker."""
+    """Request-local state of a STEP_BATCH request, owned by the worker.
+
+    The pipeline fills it in ``prepare_encode`` and reads it in every step:
+    its latents and schedule, its prompt embeddings (``cond``) and per-row
+    scales, and what its task adds (``inpaint``/``overlay``: an inpainting
+    request; ``edit``: an edit's input-image tokens; ``start_step``: an
+    image-to-image request's first step)."""
 
     request: DiffusionRequest
     latents: torch.Tensor | None = None
@@ -81,9 +89,27 @@ class StepRequestState:
     #: its input images as the worker read them (None: none, or not read yet:
     #: a pipeline called directly converts the request's own)
     inputs: InputPixels | None = None
-    #: its step cache (``engine.cache.RequestCache``; None: it runs uncached)
-    cache: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: its step cache (None: it runs uncached)
+    cache: RequestCache | None = None
+    #: the seed its noise was drawn with (a request without one draws it here)
+    seed: int | None = None
+    #: its prompt embeddings, repeated per output (and the negative's under CFG)
+    cond: Conditioning | None = None
+    #: per row: the family's embedded guidance input, and the CFG scale
+    guidance: torch.Tensor | None = None
+    cfg_scale: torch.Tensor | None = None
+    #: the schedule's index of its first step (image-to-image: past 0)
+    start_step: int = 0
+    inpaint: Inpaint | None = None
+    overlay: Overlay | None = None
+    edit: EditTokens | None = None
+    #: the steps after which it previews (``SamplingParams.preview_steps``),
+    #: and the clean-image prediction of the last such step, until decoded
+    preview_steps: tuple[int, ...] | None = None
+    x0: torch.Tensor | None = None
+    #: a family's own per-request struct, where it needs one (its tensors
+    #: are counted by ``nbytes`` like the rest)
+    family_state: Any = None
 
     @property
     def request_id(self) -> str:
@@ -97,26 +123,35 @@ class StepRequestState:
     def finished(self) -> bool:
         return self.step >= self.total_steps
 
+    @property
+    def edit_sizes(self) -> tuple[tuple[int, int], ...]:
+        """The latent sizes of its edit's input images (() when it edits none)."""
+        return self.edit.sizes if self.edit is not None else ()
+
     def nbytes(self) -> int:
         """The bytes this state holds: its latents, schedule, prompt
-        embeddings and other ``extra`` tensors, its input pixels, its noise
-        scheduler's tensors and its step cache (each view once)."""
+        embeddings and task tensors, its family's state, its input pixels,
+        its noise scheduler's tensors and its step cache (each view once)."""
         seen: set[tuple[int, int, int]] = set()
-        values = [self.latents, self.timesteps, self.extra, self.inputs and vars(self.inputs),
+        values = [self.latents, self.timesteps, self.cond, self.guidance, self.cfg_scale,
+                  self.inpaint, self.overlay, self.edit, self.x0, self.family_state,
+                  self.inputs,
                   vars(self.noise_scheduler) if hasattr(self.noise_scheduler, "__dict__") else None]
         total = _tensor_bytes(values, seen)
         return total + (self.cache.nbytes if self.cache is not None else 0)
 
 
-def _tensor_bytes(value: Any, seen: set[tuple[int, int, int]]) -> int:
-    """The bytes of the tensors in ``value`` and in the lists, tuples and
-    dicts it nests, each view once (other objects count nothing)."""
+def _tensor_bytes(value: object, seen: set[tuple[int, int, int]]) -> int:
+    """The bytes of the tensors in ``value`` and in the lists, tuples, dicts
+    and dataclasses it nests, each view once (other objects count nothing)."""
     if isinstance(value, torch.Tensor):
         key = (value.data_ptr(), value.numel(), value.element_size())
         if key in seen:  # the same view twice (a slice of a batch counts its own part)
             return 0
         seen.add(key)
         return value.numel() * value.element_size()
+    if is_dataclass(value) and not isinstance(value, type):
+        return _tensor_bytes(vars(value), seen)
     if isinstance(value, dict):
         return sum(_tensor_bytes(v, seen) for v in value.values())
     if isinstance(value, (list, tuple)):

@@ -193,7 +193,7 @@ def test_requests_admitted_together_are_encoded_in_one_call(loaded, monkeypatch)
     for state in together:
         alone = StepRequestState(request=state.request)
         pipe.prepare_encode(alone)
-        assert torch.allclose(alone.extra["cond"].embeds, state.extra["cond"].embeds, atol=1e-5)
+        assert torch.allclose(alone.cond.embeds, state.cond.embeds, atol=1e-5)
         assert torch.equal(alone.latents, state.latents)
 
 

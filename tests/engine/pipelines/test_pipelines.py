@@ -197,7 +197,7 @@ def test_missing_seed_draws_a_random_one(pipe):
     assert_different_image(first, second)
     state = StepRequestState(make_request(seed=None))
     pipe.prepare_encode(state)
-    assert isinstance(state.extra["seed"], int)
+    assert isinstance(state.seed, int)
 
 
 def test_prompt_conditions_the_image(pipe):

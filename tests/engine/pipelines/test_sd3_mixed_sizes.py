@@ -99,7 +99,7 @@ def test_the_mixed_forward_over_one_size_is_diffusers_forward():
     embeds = torch.randn(rows, 7, pipe.transformer.config.joint_attention_dim, generator=generator)
     pooled = torch.randn(rows, pipe.transformer.config.pooled_projection_dim, generator=generator)
     timesteps = torch.tensor([1000.0, 500.0])
-    layout = RowLayout.uniform_rows(size, pipe.image_tokens(size), rows)
+    layout = RowLayout.uniform_rows(size, pipe.latents.tokens(size), rows)
     with torch.no_grad():
         ours = forward_rows(pipe.transformer, hidden_states=pipe.pack_latents(latents),
                             encoder_hidden_states=embeds, pooled_projections=pooled,

@@ -104,8 +104,7 @@ def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_stat
                             encoder_hidden_states=encoder_hidden_states,
                             pooled_projections=pooled_projections, timestep=timestep,
                             guidance=guidance, rotary=rotary, attention_mask=attention_mask)
-        hidden, _ = blocks.run(0, blocks.count, blocks.hidden, blocks.encoder, None)
-        return blocks.out(hidden)
+        return blocks.run_all()
 
 
 def rows_processor(model: Any) -> AbstractContextManager:

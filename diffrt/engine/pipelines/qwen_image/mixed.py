@@ -98,8 +98,7 @@ def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_stat
         blocks = QwenImageBlocks(model, hidden_states=hidden_states,
                                  encoder_hidden_states=encoder_hidden_states, timestep=timestep,
                                  guidance=None, rotary=rotary, key_mask=key_mask)
-        hidden, _ = blocks.run(0, blocks.count, blocks.hidden, blocks.encoder, None)
-        return blocks.out(hidden)
+        return blocks.run_all()
 
 
 def rows_processor(model: Any) -> AbstractContextManager:

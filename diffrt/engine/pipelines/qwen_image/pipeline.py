@@ -1,9 +1,10 @@
 """Qwen-Image family: QwenImageTransformer2DModel behind Qwen2.5-VL prompts.
 
 It shares Flux's latent layout (2x2-packed tokens), sigma schedule
-(``linspace(1, 1/n, n)`` shifted by the image's token count) and true-CFG
-semantics (``true_cfg_scale`` > 1 with a negative prompt; diffusers'
-default scale 4.0), so it derives from ``FluxPipeline``. What is its own:
+(``linspace(1, 1/n, n)`` shifted by the image's token count) and an edit's
+input-image tokens: ``packed_latents``, the module both families use; and
+its true-CFG semantics (``true_cfg_scale`` > 1 with a negative prompt;
+diffusers' default scale 4.0) are its spec's. What is its own:
 
 - prompts: Qwen2.5-VL in a chat template, the template's 34 leading tokens
   dropped (diffusers' ``encode_prompt``), **no fixed length**: a prompt's
@@ -28,17 +29,20 @@ from typing import Any
 import torch
 
 from diffrt.engine.input_images import InputPixels
-from diffrt.engine.pipelines.flow_match import Conditioning
+from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.flow_match_spec import qwen_vae_factor
-from diffrt.engine.pipelines.flux.pipeline import FluxPipeline
 from diffrt.engine.pipelines.folder_text import PromptWindow
+from diffrt.engine.pipelines.packed_latents import PackedFamily, PackedLatents
+from diffrt.engine.pipelines.request_state import Conditioning
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 
 
-class QwenImagePipeline(FluxPipeline):
+class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
     """Text-to-image with a diffusers QwenImageTransformer2DModel."""
+
+    latents: PackedLatents
 
     @staticmethod
     def encode_with_diffusers(pipeline: Any, prompts: list[str],
@@ -60,13 +64,9 @@ class QwenImagePipeline(FluxPipeline):
                              + pipeline.prompt_template_encode_start_idx,
                              pipeline.prompt_template_encode)]
 
-    @staticmethod
-    def vae_factor(vae_config: dict) -> int:
-        return qwen_vae_factor(vae_config)
-
-    @staticmethod
-    def vae_latent_channels(vae_config: dict) -> int:
-        return int(vae_config.get("z_dim", 16))
+    def latent_layout(self, vae_config: dict[str, Any]) -> PackedLatents:
+        """AutoencoderKLQwenImage's ``z_dim`` channels, 2 x 2-packed."""
+        return PackedLatents(int(vae_config.get("z_dim", 16)), qwen_vae_factor(vae_config))
 
     def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
         """As QwenImagePipeline: stepping starts at index 0 (``set_begin_index``);
@@ -176,21 +176,22 @@ class QwenImagePipeline(FluxPipeline):
         if not layout.uniform:  # rows of several sizes: frequencies per row
             from diffrt.engine.pipelines.qwen_image.mixed import forward_rows, row_rotary
 
-            rotary = row_rotary(self.transformer, self.image_shapes(layout), embeds.shape[1],
+            model = self.denoiser(layout)
+            rotary = row_rotary(model, self.image_shapes(layout), embeds.shape[1],
                                 layout.longest, latents.device)
             # one key mask: each row's text (its prompt's padding out), then its image tokens
             keys = torch.cat([mask, layout.key_mask(0, latents.device)], dim=1)  # type: ignore[list-item]
-            return forward_rows(self.transformer, hidden_states=latents,
+            return forward_rows(model, hidden_states=latents,
                                 encoder_hidden_states=embeds, timestep=timestep, rotary=rotary,
                                 key_mask=keys)
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
-        sequence = self._sequence_split
+        sequence = self.sequence_split
         if sequence is not None:  # this rank's image tokens; gathered by proj_out's wrapper
             if sequence.begin(latents.shape[1]):
                 latents = sequence.shard(latents, 1)
             sequence.text_len = embeds.shape[1]
             sequence.text_mask = None if mask.all() else mask
-        out = self.transformer(
+        out = self.denoiser(layout)(
             hidden_states=latents,
             timestep=timestep,
             guidance=embedded,
@@ -218,7 +219,8 @@ class QwenImagePipeline(FluxPipeline):
     def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Packed latents -> images in [-1, 1], with the VAE's per-channel
         statistics (computed as QwenImagePipeline does, for the same bits)."""
-        spatial = self.unpack_latents(latents, params).unsqueeze(2).to(self.dtype)
+        spatial = self.latents.unpack(latents, self.latents.size(params)).unsqueeze(2).to(
+            self.dtype)
         config = self.vae.config
         mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(spatial.device,
                                                                           spatial.dtype)
@@ -235,5 +237,5 @@ class QwenImagePipeline(FluxPipeline):
         from diffrt.engine.parallel.sequence import SequenceSplit
         from diffrt.engine.pipelines.qwen_image.parallel import enable_qwen_sequence_parallel
 
-        self._sequence_split = SequenceSplit(groups.sequence, groups.sequence_attention())
-        enable_qwen_sequence_parallel(self.transformer, self._sequence_split)
+        self.sequence_split = SequenceSplit(groups.sequence, groups.sequence_attention())
+        enable_qwen_sequence_parallel(self.transformer, self.sequence_split)

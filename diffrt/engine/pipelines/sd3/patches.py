@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from diffrt.engine.pipelines.latents import SpatialLatents
+
 
 def patchify(latents: torch.Tensor, patch: int) -> torch.Tensor:
     """(N, C, h, w) -> (N, (h/p)(w/p), p·p·C)."""
@@ -30,3 +32,21 @@ def unpatchify(tokens: torch.Tensor, size: tuple[int, int], patch: int) -> torch
     c = d // (patch * patch)
     tokens = tokens.view(n, h // patch, w // patch, patch, patch, c).permute(0, 5, 1, 3, 2, 4)
     return tokens.reshape(n, c, h, w)
+
+
+class PatchLatents(SpatialLatents):
+    """SD3's ``latents.LatentLayout``: (N, C, h, w) latents as
+    (N, (h/p)(w/p), p·p·C) patch tokens."""
+
+    def __init__(self, channels: int, factor: int, patch: int):
+        super().__init__(channels, factor)
+        self.patch = patch
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        return patchify(latents, self.patch)
+
+    def unpack(self, tokens: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        return unpatchify(tokens, size, self.patch)
+
+    def tokens(self, size: tuple[int, int]) -> int:
+        return (size[0] // self.patch) * (size[1] // self.patch)

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
+from diffrt.engine.pipelines.flow_match_spec import vae_factor
 from diffrt.engine.pipelines.folder_text import PromptWindow
-from diffrt.engine.pipelines.sd3.patches import patchify, unpatchify
+from diffrt.engine.pipelines.packed_latents import calculate_shift
+from diffrt.engine.pipelines.sd3.patches import PatchLatents, patchify, unpatchify
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.sampling import SamplingParams
 
@@ -48,20 +50,17 @@ class SD3Pipeline(FlowMatchPipeline):
             windows.append(PromptWindow("text_encoder_3", pipeline.tokenizer_3, 256))
         return windows
 
+    latents: PatchLatents
+
     @property
     def patch(self) -> int:
         """Latents per token side (the transformer's ``patch_size``)."""
         return int(self.transformer.config.patch_size)
 
-    def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return patchify(latents, self.patch)
-
-    def unpack_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        return unpatchify(latents, self.latent_size(params), self.patch)
-
-    def image_tokens(self, size: tuple[int, int]) -> int:
-        """One token a ``patch`` x ``patch`` latent patch."""
-        return (size[0] // self.patch) * (size[1] // self.patch)
+    def latent_layout(self, vae_config: dict[str, Any]) -> PatchLatents:
+        """One token a ``patch`` x ``patch`` latent patch (``patches.py``)."""
+        return PatchLatents(int(vae_config["latent_channels"]), vae_factor(vae_config),
+                            self.patch)
 
     def timestep_kwargs(self, num_steps: int, params: SamplingParams) -> dict[str, Any]:
         """``mu`` when the noise scheduler shifts dynamically (SD3.5 configs), from
@@ -69,9 +68,7 @@ class SD3Pipeline(FlowMatchPipeline):
         cfg = self.noise_scheduler.config
         if not cfg.get("use_dynamic_shifting", False):
             return {}
-        from diffrt.engine.pipelines.flux.pipeline import calculate_shift
-
-        seq_len = self.image_tokens(self.latent_size(params))
+        seq_len = self.latents.tokens(self.latents.size(params))
         return {"mu": calculate_shift(seq_len, cfg.get("base_image_seq_len", 256),
                                       cfg.get("max_image_seq_len", 4096),
                                       cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))}
@@ -101,10 +98,10 @@ class SD3Pipeline(FlowMatchPipeline):
         if not layout.uniform:  # rows of several sizes: padded tokens, masked keys
             from diffrt.engine.pipelines.sd3.mixed import forward_rows
 
-            return forward_rows(self.transformer, hidden_states=latents,
+            return forward_rows(self.denoiser(layout), hidden_states=latents,
                                 encoder_hidden_states=embeds, pooled_projections=pooled,
                                 timestep=timesteps, layout=layout)
-        out = self.transformer(
+        out = self.denoiser(layout)(
             hidden_states=unpatchify(latents, layout.sizes[0], self.patch),
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
@@ -122,7 +119,8 @@ class SD3Pipeline(FlowMatchPipeline):
         from diffrt.engine.parallel.sequence import GatherTokens, SequenceSplit, ShardTokens
         from diffrt.engine.pipelines.sd3.parallel import SequenceParallelJointAttnProcessor
 
-        sequence = SequenceSplit(groups.sequence, groups.sequence_attention())
+        self.sequence_split = sequence = SequenceSplit(groups.sequence,
+                                                       groups.sequence_attention())
         model = self.transformer
         model.set_attn_processor(SequenceParallelJointAttnProcessor(sequence))
         model.pos_embed = ShardTokens(model.pos_embed, sequence)

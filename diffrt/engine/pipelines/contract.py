@@ -1,0 +1,107 @@
+"""The family contract: what the denoise loop and its stages ask of a
+flow-matching pipeline (``flow_match.FlowMatchPipeline`` and the families
+that subclass it).
+
+A family supplies five things and nothing else — its spec (``load`` sets
+it), its encoders (``encode_with_diffusers``, ``prompt_windows``; an editor
+whose text encoder reads images: ``encode_with_images``), its transformer
+call (``transformer_forward``, and ``transformer_blocks`` where step caches
+cut it at its blocks), its latent layout (``latents``, a
+``latents.LatentLayout``; ``timestep_kwargs``: the sigmas that layout's
+token count shifts) and its decode (``decode_latents``; for input images
+``encode_image_dist`` / ``normalize_image_latents``). ``FlowMatchHost`` is
+that contract as the loop's modules (``conditioning``, ``denoise``,
+``transformer_call``) see it, so they import no pipeline class; docs/families.md
+shows it on one page.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from diffrt.engine.cache.forward import TransformerBlocks
+from diffrt.engine.cache.state import CacheBudget
+from diffrt.engine.input_images import InputPixels
+from diffrt.engine.lora.row_lora import RowLoras
+from diffrt.engine.model_spec import ModelSpec
+from diffrt.engine.pipelines.interface import StepRequestState
+from diffrt.engine.pipelines.latents import SpatialLatents
+from diffrt.engine.pipelines.request_state import Conditioning
+from diffrt.engine.pipelines.segments import RowLayout
+from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.sampling import SamplingParams
+
+
+class FlowMatchHost(Protocol):
+    """A flow-matching pipeline as its loop's stages use it (see the module)."""
+
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+    latents: SpatialLatents
+    vae: Any
+    text_encoder: Any
+    #: the family's text encoder reads an edit's input images with its prompt
+    text_sees_images: bool
+    cfg_parallel_group: Any
+    mixed_rows: str
+    row_loras: RowLoras | None
+    cache_budget: CacheBudget | None
+    #: the sequence-parallel split of each call (None: the call runs whole)
+    sequence_split: Any
+
+    # -- the family's -------------------------------------------------------------------
+    def encode_with_images(self, request: DiffusionRequest,
+                           inputs: InputPixels) -> Conditioning: ...
+
+    def encode_image_dist(self, pixels: torch.Tensor) -> Any: ...
+
+    def normalize_image_latents(self, latents: torch.Tensor) -> torch.Tensor: ...
+
+    def condition_on_images(self, state: StepRequestState,
+                            image_latents: list[torch.Tensor]) -> None: ...
+
+    def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]: ...
+
+    def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                            layout: RowLayout) -> torch.Tensor: ...
+
+    def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                           embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                           layout: RowLayout) -> AbstractContextManager[TransformerBlocks]: ...
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor,
+                         scale: torch.Tensor) -> torch.Tensor: ...
+
+    def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor: ...
+
+    # -- the pipeline's (what the runner calls, and the loop through it) ------------------
+    def prepared(self, request: DiffusionRequest) -> DiffusionRequest: ...
+
+    def report_step(self) -> None: ...
+
+    def prepare_encode_batch(self, states: list[StepRequestState]) -> None: ...
+
+    def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor: ...
+
+    def split_predictions(self, noise_pred: torch.Tensor,
+                          states: list[StepRequestState]) -> list[torch.Tensor]: ...
+
+    def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None: ...
+
+    def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]: ...
+
+    def run_transformer(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                        embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                        layout: RowLayout) -> torch.Tensor: ...
+
+    def row_layout(self, params: SamplingParams, rows: int | None = None,
+                   loras: tuple[tuple[int, float], ...] = (),
+                   cond: tuple[tuple[int, int], ...] = (), cache: Any = None) -> RowLayout: ...
+
+
+__all__ = ["FlowMatchHost"]
