@@ -49,7 +49,7 @@ def usable_methods(spec: ModelSpec, platform: Platform) -> list[str]:
     torchao = torchao_available()
     return [q for q in spec.quantization
             if (q != "fp8" or platform.fp8_matmul_supported())
-            and (q != "fp8-storage" or platform.fp8_storage_refusal() is None)
+            and (q != "fp8-storage" or platform.fp8_storage_refusal is None)
             and (q not in ("int8", "fp8") or torchao)]
 
 
@@ -98,7 +98,7 @@ def check_weights(m: ModelConfig, spec: ModelSpec, platform: Platform) -> None:
             "runs everywhere"))
     for field in ("quantization", "text_encoder_quantization"):
         if getattr(m, field) == "fp8-storage" and (
-                cannot_cast := platform.fp8_storage_refusal()):
+                cannot_cast := platform.fp8_storage_refusal):
             raise EngineConfigError(field, (
                 f"fp8-storage keeps weights in float8 e4m3 and casts them on the "
                 f"{platform.device_type} at each call; {cannot_cast}: use int8 or none"))

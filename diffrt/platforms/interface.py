@@ -80,6 +80,11 @@ class Platform:
 
     #: True when outputs may be copied off the device by a background thread.
     supports_async_output: ClassVar[bool] = False
+    #: why weights stored as float8 e4m3 and cast to the compute dtype on the
+    #: device at each call (``quantization="fp8-storage"``) cannot run here, in
+    #: words for the config error; None where they can (a fact of the vendor's
+    #: stack, like the identity attributes)
+    fp8_storage_refusal: ClassVar[str | None] = None
     #: the "device" is host memory (CPU): nothing to offload to
     host_is_device: ClassVar[bool] = False
 
@@ -119,12 +124,6 @@ class Platform:
         ``quantization="fp8"`` needs). A platform that cannot tell answers
         False, and the method is refused there."""
         return False
-
-    def fp8_storage_refusal(self) -> str | None:
-        """Why weights stored as float8 e4m3 and cast to the compute dtype on
-        the device at each call (``quantization="fp8-storage"``) cannot run
-        here, in words for the config error; None where they can."""
-        return None
 
     def distributed_backend(self) -> str:
         """The ``torch.distributed`` backend name for several ranks, after

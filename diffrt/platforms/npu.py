@@ -35,15 +35,14 @@ class NpuPlatform(TorchAcceleratorPlatform):
     host_register_api = ("npurt", "npuHostRegister", "npuHostUnregister")
     host_register_flags = ACL_HOST_REG_MAPPED
 
-    def fp8_storage_refusal(self) -> str | None:
-        """torch_npu casts through aclnnCast, which rejects FLOAT8_E4M3FN on
-        Atlas A2 and later (torch_npu/csrc/aten/ops/op_api/CopyKernelOpApi.cpp,
-        ``is_aclnn_cast_unsupported_dtype``; torch_npu falls back to a CPU cast
-        only for host-to-device copies), and no device run has shown a float8
-        weight cast working on an NPU."""
-        return ("torch_npu casts through aclnnCast, which rejects float8_e4m3fn on Atlas A2 "
-                "and later (torch_npu's CopyKernelOpApi.cpp), and no NPU run has shown it "
-                "working")
+    #: torch_npu casts through aclnnCast, which rejects FLOAT8_E4M3FN on Atlas
+    #: A2 and later (torch_npu/csrc/aten/ops/op_api/CopyKernelOpApi.cpp,
+    #: ``is_aclnn_cast_unsupported_dtype``; torch_npu falls back to a CPU cast
+    #: only for host-to-device copies), and no device run has shown a float8
+    #: weight cast working on an NPU
+    fp8_storage_refusal = ("torch_npu casts through aclnnCast, which rejects float8_e4m3fn on "
+                           "Atlas A2 and later (torch_npu's CopyKernelOpApi.cpp), and no NPU "
+                           "run has shown it working")
 
     def register_host_memory(self, tensor: torch.Tensor) -> Any | None:
         """Lock the arena (``mlock``), then register it MAPPED, as DeepSpeed's
