@@ -225,13 +225,13 @@ class DeclaredValueError(FieldError):
         choices = _choices(struct, field)
         if choices is not None:
             allowed = ", ".join(repr(c) for c in choices)
-            return cls(field, f"must be one of {allowed}, got {_short(values.get(field))}")
+            return cls(field, f"must be one of {allowed}, got {short_repr(values.get(field))}")
         message = message.split(", got `")[0].replace("Expected ", "").replace("`", "")
         message = message.replace(" | ", "|")
         kind, _, bound = message.partition(" ")
         words = " or ".join(_WORDS.get(part, part) for part in kind.split("|"))
         return cls(field, f"must be {words}{' ' + bound if bound else ''}, "
-                          f"got {_short(values.get(field))}")
+                          f"got {short_repr(values.get(field))}")
 
 
 #: msgspec's type names in a user's words
@@ -239,9 +239,19 @@ _WORDS = {"int": "an int", "float": "a number", "str": "a str", "bool": "a bool"
           "array": "a sequence", "object": "a mapping", "null": "None"}
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+#: the most characters of a client's value an error message quotes
+SHORT_CHARS = 80
+
+
+def short_repr(value: Any, limit: int = SHORT_CHARS) -> str:
+    """``value``'s repr as an error quotes it: cut to ``limit`` characters
+    (ending "...") so a megabyte-long value is not echoed back whole."""
+    return cut(repr(value), limit)
+
+
+def cut(text: str, limit: int = SHORT_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, ending "..." when it was longer."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _choices(struct: type, field: str) -> tuple[Any, ...] | None:

@@ -8,10 +8,12 @@ from yours (Starlette does not run a mounted app's lifespan):
     async with diffrt_app.router.lifespan_context(diffrt_app):
         yield
 
-Protocol models (``protocol.py``), routes
-(``routes.py``; image edits' in ``edit_routes.py``, the LoRA adapters' in ``lora_routes.py``), the engine client, errors, metrics and the request middleware
-live in their own modules; this one only wires them, so another app can mount
-the result.
+Protocol models (``protocol.py``), routes (``routes.py``: images;
+``edit_routes.py``: image edits; ``lora_routes.py``: the LoRA adapters;
+``status_routes.py``: models, health, readiness, metrics), the answers and
+refusals they share (``image_answers.py``, ``error_mapping.py``), the engine
+client, errors, metrics and the request middleware live in their own
+modules; this one only wires them, so another app can mount the result.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from diffrt.engine import DiffusionEngine, EngineConfig
-from diffrt.serve import edit_routes, lora_routes, playground, routes
+from diffrt.serve import edit_routes, lora_routes, playground, routes, status_routes
 from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.errors import install_error_handlers
 from diffrt.serve.images import ImageStore
@@ -72,6 +74,7 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.include_router(routes.router)
+    app.include_router(status_routes.router)
     app.include_router(edit_routes.router)
     app.include_router(lora_routes.router)
     app.include_router(playground.router)

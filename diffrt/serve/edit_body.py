@@ -26,6 +26,7 @@ refusal names as OpenAI's ``param``.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from diffrt.engine.input_images import MAX_INPUT_IMAGES
-from diffrt.serve.errors import ApiError
+from diffrt.serve.errors import ApiError, field_name
+from diffrt.serve.json_body import loads_unique
 from diffrt.serve.protocol import ImageEditForm, ImageEditRequest
 
 #: the parts a multipart body may have: every field once, the images and the mask
@@ -88,8 +90,10 @@ async def read_edit_body(request: Request) -> tuple[ImageEditForm, EditInputs]:
 
 # -- JSON ----------------------------------------------------------------------------------
 def _from_json(body: bytes) -> tuple[ImageEditForm, EditInputs]:
-    try:
-        doc = ImageEditRequest.model_validate_json(body)
+    try:  # each key once, as the generation route reads its body (json_body.py)
+        doc = ImageEditRequest.model_validate(loads_unique(body) if body else None)
+    except json.JSONDecodeError as exc:
+        raise _bad(f"the body must be a JSON object (it is not valid JSON: {exc})") from None
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None
     inputs = EditInputs(images_field="images")
@@ -168,7 +172,7 @@ def _parts(content_type: str, body: bytes) -> list[_Part]:
         part.data += chunk[start:end]
         if part.filename is None and len(part.data) > MAX_TEXT_PART_BYTES and (
                 part.name not in (*_IMAGE_PARTS, "mask")):
-            raise _bad(f"{part.name}: a text field larger than {MAX_TEXT_PART_BYTES} bytes",
+            raise _bad(f"{field_name(part.name)}: a text field larger than {MAX_TEXT_PART_BYTES} bytes",
                        part.name)
 
     callbacks = {"on_part_begin": begin, "on_header_field": header_field,
@@ -233,25 +237,25 @@ def _text(part: _Part) -> str:
     try:
         return part.data.decode("utf-8")
     except UnicodeDecodeError:
-        raise _bad(f"{part.name}: not UTF-8 text (a file part needs a filename)",
+        raise _bad(f"{field_name(part.name)}: not UTF-8 text (a file part needs a filename)",
                    part.name) from None
 
 
 def _add_field(fields: dict[str, Any], part: _Part) -> None:
     """A text part into ``fields``: ``name`` once, or ``name[key]`` into a mapping."""
     if part.filename is not None:
-        raise _bad(f"{part.name}: a file where a text field belongs", part.name)
+        raise _bad(f"{field_name(part.name)}: a file where a text field belongs", part.name)
     value = _text(part)
     mapping = _MAPPING_PART.fullmatch(part.name)
     if mapping is not None:
         name, key = mapping.groups()
         entries = fields.setdefault(name, {})
         if not isinstance(entries, dict) or key in entries:
-            raise _bad(f"{part.name}: given more than once", name)
+            raise _bad(f"{field_name(part.name)}: given more than once", name)
         entries[key] = value
         return
     if part.name in fields:
-        raise _bad(f"{part.name}: given more than once", part.name)
+        raise _bad(f"{field_name(part.name)}: given more than once", part.name)
     fields[part.name] = value
 
 

@@ -38,14 +38,9 @@ from diffrt.engine.image_files import mask_for_engine
 from diffrt.engine.input_images import to_arrays
 from diffrt.serve.edit_body import EditInputs, read_edit_body
 from diffrt.serve.engine_client import EngineClient
+from diffrt.serve.error_mapping import ImageRoute, invalid
 from diffrt.serve.protocol import ErrorResponse, ImageEditForm, ImageEditRequest, ImagesResponse
-from diffrt.serve.routes import (
-    ImageRoute,
-    check_body,
-    invalid,
-    serve_images,
-    to_engine_request,
-)
+from diffrt.serve.routes import check_body, serve_images, to_engine_request
 from diffrt.serve.uploads import read_input
 
 #: edits decoding at once (each a thread of this module's pool)

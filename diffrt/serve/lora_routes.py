@@ -24,16 +24,17 @@ from diffrt.engine import InvalidRequestError
 from diffrt.engine.errors import EngineError
 from diffrt.engine.lora.adapter_file import AdapterFileError
 from diffrt.engine.lora.registry import LoraExistsError, LoraInfo
-from diffrt.serve.errors import ApiError
+from diffrt.serve.error_mapping import engine_error
+from diffrt.serve.errors import ApiError, echoed
+from diffrt.serve.json_body import StrictJsonRoute
 from diffrt.serve.protocol import ErrorResponse, LoraCard, LoraList, LoraRegistration
-from diffrt.serve.routes import engine_error
 
 logger = logging.getLogger(__name__)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 501, 503, 504)}
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)  # each JSON key once
 
 
 def confined_path(path: str, lora_dir: str | None) -> str:
@@ -53,7 +54,7 @@ def confined_path(path: str, lora_dir: str | None) -> str:
     if os.path.isdir(real):  # diffusers opens a file in it: each must stay inside too
         inside += [os.path.realpath(os.path.join(real, f)) for f in os.listdir(real)]
     if any(os.path.commonpath([root, p]) != root for p in inside):
-        raise ApiError(403, f"path: {path!r} is outside the server's --lora-dir, or a folder "
+        raise ApiError(403, f"path: {echoed(path)} is outside the server's --lora-dir, or a folder "
                             "with a link leading out of it (real paths, symlinks resolved, "
                             "must lie inside it)",
                        param="path", code="path_outside_lora_dir")
@@ -111,7 +112,7 @@ async def remove_lora(name: str, request: Request) -> dict[str, Any]:
     try:
         await client.remove_lora(name)
     except KeyError:
-        raise ApiError(404, f"no LoRA adapter named {name!r}", param="name",
+        raise ApiError(404, f"no LoRA adapter named {echoed(name)}", param="name",
                        code="lora_not_found") from None
     except EngineError as exc:
         raise engine_error(exc) from None

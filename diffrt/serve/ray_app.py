@@ -119,9 +119,18 @@ class StatsBoard:
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[float, Any]] = {}
+        self._ending = False
 
-    def put(self, replica: str, stats: Any) -> None:
+    def put(self, replica: str, stats: Any) -> bool:
+        """Record ``replica``'s statistics; True once the drain is to end now
+        (the replica then aborts its requests in flight)."""
         self._entries[replica] = (time.monotonic(), stats)
+        return self._ending
+
+    def end_drain(self) -> None:
+        """A second signal during the application's drain (``diffrt serve``):
+        every replica aborts its requests in flight when it next publishes."""
+        self._ending = True
 
     def remove(self, replica: str) -> None:
         self._entries.pop(replica, None)
@@ -172,11 +181,19 @@ class ModelReplica:
     def _publish(self) -> None:
         engine = self.engine
         assert engine is not None  # made before this thread starts
+        import ray
+
         while not self._stop.is_set():
             try:
-                self.board.put.remote(self.name, engine.stats())
+                ending = ray.get(self.board.put.remote(self.name, engine.stats()),
+                                 timeout=PUBLISH_EVERY_S * 5)
             except Exception:  # the board may be gone while the app shuts down
                 logger.debug("publishing statistics failed", exc_info=True)
+                ending = False
+            if ending:  # the drain ends now: what runs is answered 503 (aborted)
+                aborted = self.client.abort_running()
+                if aborted:
+                    logger.info("the drain ends now: %d request(s) aborted", aborted)
             self._stop.wait(PUBLISH_EVERY_S)
 
     async def generate(self, request: DiffusionRequest) -> AsyncIterator[tuple[str, Any]]:
