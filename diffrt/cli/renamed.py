@@ -29,6 +29,8 @@ RENAMED_FLAGS = {
     "--startup-timeout": "--startup-timeout-s",
     "--no-restart": "--no-restart-workers",
     "--max-request-cost": "--max-request-seconds (an estimated run time, not megapixel-steps)",
+    "--reject-unmeetable": "--refuse-unmeetable",
+    "--no-reject-unmeetable": "--no-refuse-unmeetable",
 }
 #: engine flags that took a value and take none now -> how to say it today
 RENAMED_VALUES = {

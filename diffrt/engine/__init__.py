@@ -19,7 +19,7 @@ from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
-    from diffrt.engine.config import EngineConfig, EngineConfigError, EngineMode
+    from diffrt.engine.config import EngineConfig, EngineConfigError, ExecutionMode
     from diffrt.engine.engine import DiffusionEngine
     from diffrt.engine.errors import (
         DeadlineUnmeetableError,
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "EngineConfig": "diffrt.engine.config",
     "EngineConfigError": "diffrt.engine.config",
-    "EngineMode": "diffrt.engine.config",
+    "ExecutionMode": "diffrt.engine.config",
     "DiffusionEngine": "diffrt.engine.engine",
     "EngineError": "diffrt.engine.errors",
     "DeadlineUnmeetableError": "diffrt.engine.errors",
@@ -62,7 +62,7 @@ __all__ = [
     "EngineConfigError",
     "EngineDeadError",
     "EngineError",
-    "EngineMode",
+    "ExecutionMode",
     "EngineRestartingError",
     "EngineStats",
     "EngineWarmupError",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from diffrt.engine.config import EngineConfig, EngineMode
+from diffrt.engine.config import EngineConfig, ExecutionMode
 from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.memory_estimate import (
     DEFAULT_DEVICE_SHARE,
@@ -33,7 +33,7 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, run_time: RunTimeModel
     c = config.scheduling
     policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass,
                          aging_ticks=c.slo_aging_ticks, cost=run_time)
-    if config.mode is EngineMode.STEP_BATCH:
+    if config.mode is ExecutionMode.STEP_BATCH:
         return StepScheduler(c.max_num_seqs, policy,
                              max_wait_s=_seconds(c.step_batch_max_wait_ms),
                              key=step_batch_key(config, spec),

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 PIPELINE_RUNNER_CLS = "diffrt.engine.pipeline_runner:PipelineRunner"
 
 
-class EngineMode(enum.Enum):
+class ExecutionMode(enum.Enum):
     REQUEST_BATCH = "request_batch"
     STEP_BATCH = "step_batch"
 
@@ -134,8 +134,8 @@ class EngineConfig:
                 for name in cls.__struct_fields__}
 
     @property
-    def mode(self) -> EngineMode:
-        return EngineMode.STEP_BATCH if self.scheduling.step_execution else EngineMode.REQUEST_BATCH
+    def mode(self) -> ExecutionMode:
+        return ExecutionMode.STEP_BATCH if self.scheduling.step_execution else ExecutionMode.REQUEST_BATCH
 
     def model_spec(self) -> ModelSpec:
         """The model's description (resolved once per folder, without weights),
@@ -233,7 +233,7 @@ class EngineConfig:
                                     "use one of them")
         sched, defaults = self.scheduling, SchedulingConfig()
         if sched.scheduling_policy != "slo":
-            for name in ("reject_unmeetable", "slo_aging_ticks", "max_paused_state_bytes"):
+            for name in ("refuse_unmeetable", "slo_aging_ticks", "max_paused_state_bytes"):
                 if getattr(sched, name) != getattr(defaults, name):
                     raise EngineConfigError(name, "applies to scheduling_policy='slo' only, "
                                             f"not {sched.scheduling_policy!r}")
@@ -318,7 +318,7 @@ class EngineConfig:
         return spec
 
 
-__all__ = ["PIPELINE_RUNNER_CLS", "EngineConfig", "EngineConfigError", "EngineMode",
+__all__ = ["PIPELINE_RUNNER_CLS", "EngineConfig", "EngineConfigError", "ExecutionMode",
            "usable_methods"]
 
 

@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable
 
 from diffrt import tracing
-from diffrt.engine.config import EngineMode
+from diffrt.engine.config import ExecutionMode
 from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.lora.tick_adapters import TickAdapters
 from diffrt.engine.memory_estimate import MemoryModel
@@ -83,7 +83,7 @@ TIMER_PERIOD_S = 0.1
 class EngineCore:
     """Runs ticks on its own thread; see the module docstring."""
 
-    def __init__(self, mode: EngineMode, scheduler: Scheduler, executor: Executor, *,
+    def __init__(self, mode: ExecutionMode, scheduler: Scheduler, executor: Executor, *,
                  on_tick: Callable[[TickResult], None], on_dead: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic,
                  restart: Callable[[], Executor] | None = None,
@@ -92,10 +92,10 @@ class EngineCore:
                  run_time: RunTimeModel | None = None,
                  memory: MemoryModel | None = None,
                  adapters: AdapterRegistry | None = None,
-                 reject_unmeetable: bool = False):
+                 refuse_unmeetable: bool = False):
         self.mode = mode
         #: refuse a request the scheduler says would miss its deadline (``lateness``)
-        self.reject_unmeetable = reject_unmeetable
+        self.refuse_unmeetable = refuse_unmeetable
         #: LoRA adapters: pinned by the requests queued here, their device
         #: slots sent with each tick (a registry of None: the model takes none)
         self.loras = TickAdapters(adapters)
@@ -155,7 +155,7 @@ class EngineCore:
                     raise InvalidRequestError(
                         "request_id", f"{record.request_id!r} is still finishing; "
                         "use another id or retry in a moment")
-                if self.reject_unmeetable:
+                if self.refuse_unmeetable:
                     self.scheduler.refuse_if_late(record, self._clock())
             self.loras.pin_all([r for r in records if not r.aborted])
             for record in records:
@@ -351,7 +351,7 @@ class EngineCore:
                           elapsed=ran.elapsed, progress=update.progress,
                           finished=update.finished, outputs=outputs, previews=previews,
                           step_seconds=step_seconds,
-                          steps=ran.steps_run if self.mode is EngineMode.STEP_BATCH else 1,
+                          steps=ran.steps_run if self.mode is ExecutionMode.STEP_BATCH else 1,
                           text_encoding=report.text_encoding,
                           prompt_tokens_dropped=dict(report.prompt_tokens_dropped),
                           cache=dict(report.cache), step_rows=rows, step_tokens=tokens)
@@ -380,7 +380,7 @@ class EngineCore:
     def _ran(self, tick: SchedulerOutput) -> list[DiffusionRequest]:
         """The requests a tick ran (under the lock, before the scheduler lets
         finished ones go)."""
-        if self.mode is not EngineMode.STEP_BATCH:
+        if self.mode is not ExecutionMode.STEP_BATCH:
             return tick.new
         records = (self.scheduler.record(rid) for rid in tick.scheduled_ids)
         return [record.request for record in records if record is not None]
@@ -390,7 +390,7 @@ class EngineCore:
         batch's whole step count (one count per batch: it is in the batch key)."""
         if not tick.scheduled_ids:
             return None
-        if self.mode is EngineMode.STEP_BATCH:
+        if self.mode is ExecutionMode.STEP_BATCH:
             return ran.elapsed / max(1, ran.steps_run)  # a tick may carry several steps
         return ran.elapsed / max(1, tick.new[0].sampling_params.denoise_steps())
 

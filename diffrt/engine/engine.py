@@ -125,7 +125,7 @@ class DiffusionEngine:
             restart=self._fresh_executor if config.executor.restart_workers else None,
             on_timer=self.output_processor.expire_unread, run_time=self.run_time,
             memory=self.memory, adapters=self.adapters,
-            reject_unmeetable=config.scheduling.reject_unmeetable)
+            refuse_unmeetable=config.scheduling.refuse_unmeetable)
         #: submissions made while fresh workers start wait here (``holds.py``)
         self._holds = RestartHolds(config, self._core, self.output_processor, clock)
         self._closed = False

@@ -39,7 +39,7 @@ class InputsFullError(EngineError):
 
 
 class DeadlineUnmeetableError(EngineError):
-    """``reject_unmeetable``: with the work queued ahead of it, this request
+    """``refuse_unmeetable``: with the work queued ahead of it, this request
     would finish after its ``deadline_s``; refused at once instead of served
     late. ``retry_after_s``: about when the queue ahead will have drained
     enough. The HTTP server answers it 429 (``code="deadline_unmeetable"``)

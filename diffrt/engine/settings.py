@@ -167,7 +167,7 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
         "slo, STEP_BATCH: the step state (latents, noise-scheduler state, step cache) that "
         "paused requests may keep in the workers, in bytes; at the bound no more running "
         "request is paused; 0: no preemption"))] = 1 << 30
-    reject_unmeetable: Annotated[bool, Meta(description=(
+    refuse_unmeetable: Annotated[bool, Meta(description=(
         "slo: refuse at submission (DeadlineUnmeetableError, HTTP 429 with Retry-After) a "
         "request whose deadline_s the queue ahead of it and its own estimated work "
         "would miss, instead of finishing it late"))] = False

@@ -100,7 +100,7 @@ class EngineStats:
     #: deadlines (``SamplingParams.deadline_s``): finished requests with one per
     #: (priority class, outcome "met" | "missed" | "refused"); a failed or
     #: timed-out one missed it, an aborted one is not counted, "refused": by
-    #: ``reject_unmeetable`` at submission. The class is the priority as
+    #: ``refuse_unmeetable`` at submission. The class is the priority as
     #: a string (at most 21 values)
     requests_deadline_total: dict[tuple[str, str], int] = field(default_factory=dict)
     #: ``slo`` preemption: running requests paused since start, paused now,
@@ -196,7 +196,7 @@ class StatsRecorder:
 
     def on_refused(self, priority: int) -> None:
         """A request of ``priority`` was refused as unable to meet its
-        deadline (``reject_unmeetable``): outcome "refused"."""
+        deadline (``refuse_unmeetable``): outcome "refused"."""
         key = (str(priority), "refused")
         with self._lock:
             self._deadlines[key] = self._deadlines.get(key, 0) + 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffrt.engine.config import EngineMode
+from diffrt.engine.config import ExecutionMode
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.outputs import CacheMetrics, TextEncoderStats
 from diffrt.engine.record import RequestRecord
@@ -94,10 +94,10 @@ class Executed:
         return self.report.step.steps_run if self.report.step is not None else 1
 
 
-def tick_request(mode: EngineMode, tick: SchedulerOutput, *,
+def tick_request(mode: ExecutionMode, tick: SchedulerOutput, *,
                  report_state_bytes: bool) -> ExecuteBatch | ExecuteStep:
     """The typed request that carries ``tick`` to the workers."""
-    if mode is EngineMode.STEP_BATCH:
+    if mode is ExecutionMode.STEP_BATCH:
         return ExecuteStep(new=tick.new, advance=tick.scheduled_ids, drop=tick.drop_ids,
                            steps=tick.steps, lora_installs=tick.lora_installs,
                            lora_rows=tick.lora_rows, report_state_bytes=report_state_bytes)

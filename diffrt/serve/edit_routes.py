@@ -103,7 +103,7 @@ def _prepared(body: ImageEditForm, inputs: EditInputs, request_id: str, client: 
             mask = mask_for_engine(read_input(inputs.mask[1], "mask"))
     except InvalidRequestError as exc:  # named as the client named the input
         raise invalid(exc) from None
-    request = to_engine_request(body, request_id, step_execution=client.step_mode,
+    request = to_engine_request(body, request_id, step_execution=client.step_execution,
                                 images=images, mask=mask)
     spec = client.model_spec()
     if spec is None:  # a Ray ingress without the model's folder: the replica converts

@@ -81,7 +81,7 @@ class EngineClient:
         return self.settings.model_name or self.config.model
 
     @property
-    def step_mode(self) -> bool:
+    def step_execution(self) -> bool:
         return self.config.step_execution
 
     def model_spec(self) -> ModelSpec | None:

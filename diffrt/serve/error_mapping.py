@@ -58,7 +58,7 @@ def invalid(exc: InvalidRequestError, route: ImageRoute = GENERATION) -> ApiErro
 
 def engine_error(exc: EngineError) -> ApiError:
     """The answer of an engine that refused a request: 429 when its deadline
-    cannot be met behind the queue (``reject_unmeetable``; retry when the
+    cannot be met behind the queue (``refuse_unmeetable``; retry when the
     engine expects the queue to have drained enough) or when the input images
     it holds leave no room for this one's (retry after
     ``INPUTS_RETRY_AFTER_S``), 503 restarting (retry after

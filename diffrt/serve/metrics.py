@@ -28,10 +28,10 @@ HISTOGRAMS = (
     ("diffrt_output_wait_seconds", "output_wait_s",
      "Compute done to the output in host memory, per request"),
     ("diffrt_step_batch_rows", "step_batch_rows",
-     "Rows of one denoise step (outputs, twice with CFG; step mode)"),
+     "Rows of one denoise step (outputs, twice with CFG; step-batch execution)"),
     ("diffrt_step_batch_tokens", "step_batch_tokens",
      "Tokens one denoise step computed: each row's text and image tokens, summed "
-     "(step mode)"),
+     "(step-batch execution)"),
 )
 
 

@@ -249,12 +249,12 @@ class ReplicaClient:
     runtime_loras = False
 
     def __init__(self, model: Any, board: Any, settings: ServeSettings, model_name: str,
-                 step_mode: bool) -> None:
+                 step_execution: bool) -> None:
         self.model = model
         self.board = board
         self.settings = settings
         self.model_name = settings.model_name or model_name
-        self.step_mode = step_mode
+        self.step_execution = step_execution
         self._model = model_name
         # ready from the start: Ray deploys the ingress once the model replicas
         # passed their health checks (and may route to it before the app's
@@ -417,11 +417,11 @@ class Ingress:
     ingress deployment; the app is built in the replica, after __init__)."""
 
     def __init__(self, model: Any, board: Any, settings: ServeSettings, model_name: str,
-                 step_mode: bool) -> None:
+                 step_execution: bool) -> None:
         from ray import serve
 
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.client = ReplicaClient(model, board, settings, model_name, step_mode)
+        self.client = ReplicaClient(model, board, settings, model_name, step_execution)
 
     def __serve_build_asgi_app__(self) -> Any:
         from diffrt.serve.app import build_app

@@ -78,7 +78,7 @@ async def generate(body: ImageGenerationRequest, request: Request) -> Any:
     client = _client(request)
     check_body(body, client)
     engine_request = to_engine_request(body, request.state.request_id,
-                                       step_execution=client.step_mode)
+                                       step_execution=client.step_execution)
     return await serve_images(client, body, engine_request, request, GENERATION)
 
 
@@ -90,7 +90,7 @@ def check_body(body: ImageBody, client: EngineClient) -> None:
                             f"{client.model_name!r}", param="model", code="model_not_found")
     if body.stream and body.n != 1:
         raise ApiError(400, "n: must be 1 with stream=true", param="n")
-    if body.stream_progress and not client.step_mode:  # previews: the engine's own check
+    if body.stream_progress and not client.step_execution:  # previews: the engine's own check
         raise ApiError(400, "stream_progress: needs a server with step_execution (diffrt serve "
                             "--step-execution, the default)", param="stream_progress")
 

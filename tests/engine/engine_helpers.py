@@ -12,7 +12,7 @@ import engine_toy  # registers the toy models
 from waiting import wait_until  # re-exported: the engine tests import it from here
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.config import EngineMode
+from diffrt.engine.config import ExecutionMode
 from diffrt.engine.runner_messages import CountStepStates, StepStateCount
 
 _ids = itertools.count()
@@ -80,7 +80,7 @@ def settle_shared_engines() -> None:
     for engine in SHARED_ENGINES:
         assert engine.is_healthy(), "a test closed or broke an engine its module shares"
         assert_clean(engine)
-        if engine.mode is EngineMode.STEP_BATCH:
+        if engine.mode is ExecutionMode.STEP_BATCH:
             assert_no_step_states(engine)
     engine_toy.reset()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffrt.engine import EngineConfig, EngineConfigError, EngineMode
+from diffrt.engine import EngineConfig, EngineConfigError, ExecutionMode
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -70,7 +70,7 @@ def test_world_size_is_the_product_of_the_parallel_degrees():
     assert config.replace(cfg_parallel_size=1).ranks == 4
 
 
-@pytest.mark.parametrize("field, value", [("reject_unmeetable", True), ("slo_aging_ticks", 4),
+@pytest.mark.parametrize("field, value", [("refuse_unmeetable", True), ("slo_aging_ticks", 4),
                                           ("max_paused_state_bytes", 0)])
 def test_slo_settings_under_another_policy_are_refused(field, value):
     """They would change nothing under fifo or skip_ahead: said, not ignored."""
@@ -116,8 +116,8 @@ def test_capabilities_of_the_model_are_checked():
 
 
 def test_mode_follows_step_execution():
-    assert EngineConfig(model="toy").mode is EngineMode.REQUEST_BATCH
-    assert EngineConfig(model="toy", step_execution=True, max_num_seqs=8).mode is EngineMode.STEP_BATCH
+    assert EngineConfig(model="toy").mode is ExecutionMode.REQUEST_BATCH
+    assert EngineConfig(model="toy", step_execution=True, max_num_seqs=8).mode is ExecutionMode.STEP_BATCH
 
 
 def test_executor_config_names_the_pipeline_runner_and_its_typed_settings():

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from engine_helpers import toy_request
 
-from diffrt.engine.config import EngineMode
+from diffrt.engine.config import ExecutionMode
 from diffrt.engine.core import EngineCore, TickResult
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.runner_messages import (
@@ -45,7 +45,7 @@ class ScriptedExecutor:
         pass
 
 
-def run_core(mode: EngineMode, scheduler, executor, records: list[RequestRecord],
+def run_core(mode: ExecutionMode, scheduler, executor, records: list[RequestRecord],
              ticks: int) -> tuple[list[TickResult], list[str]]:
     events: queue.Queue = queue.Queue()  # TickResults, or the reason the core died
     core = EngineCore(mode, scheduler, executor, on_tick=events.put, on_dead=events.put)
@@ -68,7 +68,7 @@ def test_a_request_batch_tick_reports_finished_ids_with_their_output_ids():
     ex = ScriptedExecutor([RunnerOutput(TickReport(errors={"b": "boom"}), "out-1",
                                         {"a": "out-1/0", "b": "out-1/1"})])
     recs = records("a", "b")
-    [tick], dead = run_core(EngineMode.REQUEST_BATCH, RequestScheduler(2), ex, recs, 1)
+    [tick], dead = run_core(ExecutionMode.REQUEST_BATCH, RequestScheduler(2), ex, recs, 1)
     assert not dead
     assert isinstance(ex.requests[0], ExecuteBatch)
     assert [r.request_id for r in ex.requests[0].requests] == ["a", "b"]
@@ -87,7 +87,7 @@ def test_step_ticks_report_progress_then_the_finish():
         RunnerOutput(TickReport(step=StepReport(steps={"a": 1})), None, {}),
         RunnerOutput(TickReport(step=StepReport(finished=["a"])), "out-2", {"a": "out-2/0"}),
     ])
-    ticks, dead = run_core(EngineMode.STEP_BATCH, StepScheduler(2), ex, records("a"), 2)
+    ticks, dead = run_core(ExecutionMode.STEP_BATCH, StepScheduler(2), ex, records("a"), 2)
     assert not dead
     assert isinstance(ex.requests[0], ExecuteStep) and [r.request_id for r in ex.requests[0].new] == ["a"]
     assert ex.requests[1] == ExecuteStep(new=[], advance=["a"], drop=[])
@@ -98,7 +98,7 @@ def test_step_ticks_report_progress_then_the_finish():
 
 def test_a_runner_error_fails_the_tick_and_a_dead_executor_kills_the_core():
     ex = ScriptedExecutor([WorkerError("rank 0: broken"), ExecutorDeadError("worker gone")])
-    [tick], dead = run_core(EngineMode.REQUEST_BATCH, RequestScheduler(1), ex,
+    [tick], dead = run_core(ExecutionMode.REQUEST_BATCH, RequestScheduler(1), ex,
                             records("a", "b"), 2)
     assert tick.finished[0].status is RequestStatus.FAILED and "broken" in tick.finished[0].error
     assert dead == ["executor died: worker gone"]
@@ -106,7 +106,7 @@ def test_a_runner_error_fails_the_tick_and_a_dead_executor_kills_the_core():
 
 def test_an_unexpected_reply_fails_the_tick_not_the_engine():
     ex = ScriptedExecutor([RunnerOutput(CountStepStates(), None, {})])
-    [tick], dead = run_core(EngineMode.REQUEST_BATCH, RequestScheduler(1), ex, records("a"), 1)
+    [tick], dead = run_core(ExecutionMode.REQUEST_BATCH, RequestScheduler(1), ex, records("a"), 1)
     assert not dead
     assert tick.finished[0].status is RequestStatus.FAILED
     assert "unexpected runner reply CountStepStates" in tick.finished[0].error
@@ -127,7 +127,7 @@ def test_an_abort_is_one_call_whose_outcome_comes_back_as_a_report():
     from diffrt.engine.sched import AbortOutcome
 
     events: queue.Queue = queue.Queue()
-    core = EngineCore(EngineMode.REQUEST_BATCH, RequestScheduler(1), ScriptedExecutor([]),
+    core = EngineCore(ExecutionMode.REQUEST_BATCH, RequestScheduler(1), ScriptedExecutor([]),
                       on_tick=events.put, on_dead=events.put)
     queued, racing = records("queued", "racing")
     with core._cond:  # no loop thread: the scheduler stays as add() leaves it

@@ -3,7 +3,7 @@ request pauses a running one at the next step boundary and finishes first;
 the paused one resumes from its kept state (bit-identical alone, within 1/255
 in a batch); a sustained stream of urgent requests lets an older one through
 at the aging rate; a paused request aborted frees its state; a deadline the
-queue cannot meet is refused at once (``reject_unmeetable``)."""
+queue cannot meet is refused at once (``refuse_unmeetable``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def engine():
     config = EngineConfig(model="tiny-flux", executor_backend="inproc", step_execution=True,
                           max_num_seqs=2, max_steps_per_tick=STEPS_PER_TICK, warmup=False,
                           scheduling_policy="slo", slo_aging_ticks=1000,
-                          reject_unmeetable=True, max_request_seconds=None)
+                          refuse_unmeetable=True, max_request_seconds=None)
     with shared_engine(DiffusionEngine.make_engine(config)) as engine:
         yield engine
 

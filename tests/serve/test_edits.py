@@ -313,7 +313,7 @@ class _StubClient:
     requests of these tests are refused before one would be asked)."""
 
     model_name = "stub"
-    step_mode = True
+    step_execution = True
     state = "ready"
 
     def __init__(self, settings):

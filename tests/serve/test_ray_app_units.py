@@ -62,7 +62,7 @@ class Stats:
 
 def test_the_ingress_is_healthy_while_a_replica_says_so():
     client = ReplicaClient(model=None, board=None, settings=ServeSettings(), model_name="m",
-                           step_mode=True)
+                           step_execution=True)
     assert client.healthy() and client.ready()  # before any report: Ray checked them
     client._snapshots, client._heard_from_replicas = [("a", Stats(False)), ("b", Stats(True))], True
     assert client.healthy()
@@ -81,7 +81,7 @@ def test_the_ingress_is_stalled_while_every_live_replica_is():
     stall reports (a stalled replica next to a working one is not the
     application's stall; a dead one does not count)."""
     client = ReplicaClient(model=None, board=None, settings=ServeSettings(), model_name="m",
-                           step_mode=True)
+                           step_execution=True)
     client._heard_from_replicas = True
     stalled = Stats(True, "no progress for 31 s (stall_timeout_s=30)")
     client._snapshots = [("a", stalled), ("b", Stats(True))]
@@ -259,7 +259,7 @@ def test_the_ingress_holds_max_pending_over_the_replicas():
     replicas = FakeReplicas(seqs)
     client = ReplicaClient(model=replicas, board=None,
                            settings=ServeSettings(max_pending=max_pending), model_name="m",
-                           step_mode=True)
+                           step_execution=True)
 
     async def one(i: int):
         try:

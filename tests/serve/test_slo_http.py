@@ -25,7 +25,7 @@ def body(**kw) -> dict:
 
 def test_priority_floor_deadlines_and_their_series(toy_app):
     app = toy_app(ServeSettings(api_key=API_KEY, client_priority_floor=0),
-                  scheduling_policy="slo", reject_unmeetable=True)
+                  scheduling_policy="slo", refuse_unmeetable=True)
     r = call(app, "POST", GEN, json=body(priority=-1))
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
     r = call(app, "POST", GEN, json=body(priority=11))  # the engine's own bound

@@ -172,7 +172,7 @@ class Scheduler(ABC):
 
     def refuse_if_late(self, record: RequestRecord, now: float) -> None:
         """``DeadlineUnmeetableError`` when the queue ahead and its own work
-        would take ``record`` past its deadline (``reject_unmeetable``)."""
+        would take ``record`` past its deadline (``refuse_unmeetable``)."""
         late = self.lateness(record, now)
         if late is None or late <= 0:
             return
@@ -180,7 +180,7 @@ class Scheduler(ABC):
         retry = max(1.0, math.ceil(late))
         raise DeadlineUnmeetableError(
             f"deadline_s: with the work queued ahead it would finish about {late:.2g} s after "
-            f"its deadline of {deadline:g} s (reject_unmeetable); retry in {retry:.0f} s",
+            f"its deadline of {deadline:g} s (refuse_unmeetable); retry in {retry:.0f} s",
             retry_after_s=retry)
 
     def step_tokens(self, requests: list[DiffusionRequest]) -> tuple[int, int]:
