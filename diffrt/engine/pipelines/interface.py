@@ -35,7 +35,7 @@ from diffrt.engine.cache.state import RequestCache
 from diffrt.engine.input_images import InputPixels
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.pipelines.request_state import Conditioning, EditTokens, Inpaint, Overlay
-from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.request import DiffusionRequest, OfRequest
 from diffrt.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class DiffusionRequestBatch:
 
 
 @dataclass
-class StepRequestState:
+class StepRequestState(OfRequest):
     """Request-local state of a STEP_BATCH request, owned by the worker.
 
     The pipeline fills it in ``prepare_encode`` and reads it in every step:
@@ -112,16 +112,15 @@ class StepRequestState:
     family_state: Any = None
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def total_steps(self) -> int:
-        return self.request.sampling_params.denoise_steps()
-
-    @property
     def finished(self) -> bool:
         return self.step >= self.total_steps
+
+    @property
+    def rows(self) -> int:
+        """Its rows in a transformer call (one per output), once prepared."""
+        if self.latents is None:
+            raise RuntimeError(f"{self.request_id}: not prepared (no latents)")
+        return self.latents.shape[0]
 
     @property
     def edit_sizes(self) -> tuple[tuple[int, int], ...]:
@@ -264,7 +263,7 @@ class DiffusionPipeline(ABC):
     ) -> list[torch.Tensor]:
         """Slice ``denoise_step``'s output back to each state, in order (each
         state owns as many rows as its latents)."""
-        sizes = [s.latents.shape[0] for s in states]  # type: ignore[union-attr]
+        sizes = [s.rows for s in states]
         return list(noise_pred.split(sizes, dim=0))
 
     def configure_memory(self, *, vae_tiling: bool = False,  # noqa: B027

@@ -78,11 +78,12 @@ class SloPolicy(AdmissionPolicy):
         """Its remaining steps at its step time alone (0 before the model has
         measured a tick); ``overhead=False``: its own work only, without the
         per-step overhead a batch pays once."""
-        fit = self.cost.coefficients if self.cost is not None else None
-        if fit is None:
+        cost = self.cost
+        fit = cost.coefficients if cost is not None else None
+        if cost is None or fit is None:
             return 0.0
         o, k = fit
-        per_step = (o if overhead else 0.0) + k * self.cost.units(record.request)  # type: ignore[union-attr]
+        per_step = (o if overhead else 0.0) + k * cost.units(record.request)
         return remaining_steps(record) * per_step
 
     def slack(self, record: RequestRecord, now: float) -> float:
@@ -146,13 +147,14 @@ class SloPolicy(AdmissionPolicy):
         nothing) allows ``(time left / steps left - o) / k`` units a step.
         Class by class, most urgent first, rows of less urgent classes go,
         least urgent first, until the step fits what the class allows."""
-        fit = self.cost.coefficients if self.cost is not None else None
-        if fit is None or not batch:
+        cost = self.cost
+        fit = cost.coefficients if cost is not None else None
+        if cost is None or fit is None or not batch:
             return list(batch), None
         o, k = fit
         if k <= 0:
             return list(batch), None
-        units = {id(r): self.cost.units(r.request) for r in batch}  # type: ignore[union-attr]
+        units = {id(r): cost.units(r.request) for r in batch}
         kept = self.ordered(batch, now)
         protected = None
         for level in sorted({self.urgency(r) for r in kept})[:-1]:
