@@ -94,6 +94,8 @@ def _from_json(body: bytes) -> tuple[ImageEditForm, EditInputs]:
         doc = ImageEditRequest.model_validate(loads_unique(body) if body else None)
     except json.JSONDecodeError as exc:
         raise _bad(f"the body must be a JSON object (it is not valid JSON: {exc})") from None
+    except UnicodeDecodeError:  # json.loads reads bytes as UTF-8 (or -16, -32)
+        raise _bad("the body must be a JSON object (it is not UTF-8 text)") from None
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None
     inputs = EditInputs(images_field="images")

@@ -477,3 +477,11 @@ def test_an_editing_model_edits_over_http_as_the_engine_does(model):
                        num_inference_steps="2")
         error = _error(masked, 400, "mask")
         assert error["message"].startswith(f"mask: {model} edits without a mask"), error
+
+
+def test_a_json_edit_body_that_is_not_text_is_a_400_not_a_500(flux_app):
+    """Bytes that are no UTF-8 (schemathesis found b'\\x80') are a client's error."""
+    for route in (EDITS, "/v1/images/generations"):
+        answer = call(flux_app, "POST", route, content=b"\x80",
+                      headers={**AUTH, "content-type": "application/json"})
+        assert answer.status_code in (400, 422), (route, answer.text)
