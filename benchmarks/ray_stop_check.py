@@ -56,13 +56,11 @@ def one_stop(args: argparse.Namespace, run: int) -> tuple[int | None, float, str
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, text=True)
     try:
-        wait_ready(url, proc, args.ready_timeout)
-        for i in range(args.requests):
-            r = httpx.post(f"{url}/v1/images/generations", timeout=120, json={
-                "prompt": f"a red fox {run}.{i}", "size": "64x64", "seed": i,
-                "num_inference_steps": 2})
-            if r.status_code != 200:
-                raise RuntimeError(f"request {i}: {r.status_code} {r.text[:200]}")
+        try:
+            serve_some(url, proc, args, run)
+        except RuntimeError as exc:  # the run failed before its stop: say why, with the log
+            print(f"run {run}: {exc}\n{Path(log.name).read_text()[-4000:]}", flush=True)
+            return None, 0.0, Path(log.name).read_text()
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         if args.second_signal:
@@ -80,6 +78,18 @@ def one_stop(args: argparse.Namespace, run: int) -> tuple[int | None, float, str
             proc.wait(30)
         log.close()
         os.unlink(log.name)
+
+
+def serve_some(url: str, proc: subprocess.Popen, args: argparse.Namespace,
+                   run: int) -> None:
+    """Wait for the server, then send it ``--requests`` requests one by one."""
+    wait_ready(url, proc, args.ready_timeout)
+    for i in range(args.requests):
+        r = httpx.post(f"{url}/v1/images/generations", timeout=120, json={
+            "prompt": f"a red fox {run}.{i}", "size": "64x64", "seed": i,
+            "num_inference_steps": 2})
+        if r.status_code != 200:
+            raise RuntimeError(f"request {i}: {r.status_code} {r.text[:200]}")
 
 
 def main() -> int:
