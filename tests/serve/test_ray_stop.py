@@ -27,7 +27,7 @@ import pytest
 from diffrt.cli import main
 
 ARGS = ["serve", "--replicas", "2", "--model", "tiny-flux", "--host", "127.0.0.1", "--port",
-        "0", "--placement-timeout", "60"]
+        "0", "--placement-timeout-s", "60"]
 
 
 class FakeBoard:
