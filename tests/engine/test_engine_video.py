@@ -83,3 +83,19 @@ def test_what_does_not_run_on_video_is_refused_naming_its_field(field, value, na
     assert info.value.field == named
     if field == "offload":  # (the CPU's own refusal would come after)
         assert "video" in str(info.value)
+
+
+def test_a_preview_is_the_frames_of_the_current_prediction(engines):
+    import asyncio
+
+    _, step = engines
+
+    async def items():
+        return [o async for o in step.step_streaming(clip_request(5, partial_images=1))]
+
+    outs = asyncio.run(items())
+    previews = [o for o in outs if o.preview is not None]
+    assert len(previews) == 1 and previews[0].step == 2
+    [frames] = previews[0].preview  # one output: its 9 frames
+    assert len(frames) == 9 and frames[0].size == (64, 64)
+    assert outs[-1].finished and len(outs[-1].frames[0]) == 9
