@@ -146,3 +146,35 @@ def test_frames_are_checked_at_submission_and_counted_by_the_budget():
         with pytest.raises(InvalidRequestError) as info:
             spec.check(request("a fox", 0, **{field: value}))
         assert info.value.field == field
+
+
+def test_requests_at_different_steps_share_a_call_across_the_two_experts(t2v):
+    """B joins after A's first step: their rows are one call with A's on the
+    low-noise expert and B's on the high-noise one, each its own clip."""
+    from diffrt.engine.pipelines.interface import StepRequestState
+
+    _, ours = t2v
+    a, b = request("a red fox", 5), request("a blue square", 6)
+    solo = [stepped(ours, [r])[0] for r in (a, b)]
+    calls: list[int] = []
+    hooks = [getattr(ours, name).register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append(kw["hidden_states"].shape[0]), with_kwargs=True)
+        for name in ("transformer", "transformer_2")]
+    try:
+        first, second = StepRequestState(request=a), StepRequestState(request=b)
+        ours.prepare_encode(first)
+        ours.apply_step(first, ours.split_predictions(ours.denoise_step([first]), [first])[0])
+        ours.prepare_encode(second)
+        running = [first, second]
+        while running:
+            preds = ours.split_predictions(ours.denoise_step(running), running)
+            for state, pred in zip(running, preds, strict=True):
+                ours.apply_step(state, pred)
+            running = [s for s in running if not s.finished]
+    finally:
+        for h in hooks:
+            h.remove()
+    # the shared step split its 4 rows (2 requests x CFG) between the experts
+    assert 2 in calls[1:3] and calls.count(4) >= 1
+    for state, want in zip((first, second), solo, strict=True):
+        assert np.abs(frames(ours.post_decode(state)) - frames(want)).max() <= 1
