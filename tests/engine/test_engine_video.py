@@ -99,3 +99,18 @@ def test_a_preview_is_the_frames_of_the_current_prediction(engines):
     [frames] = previews[0].preview  # one output: its 9 frames
     assert len(frames) == 9 and frames[0].size == (64, 64)
     assert outs[-1].finished and len(outs[-1].frames[0]) == 9
+
+
+def test_np_output_is_a_uint8_array_for_images_and_clips():
+    import torch
+
+    from diffrt.engine.postprocess import postprocess_output, quantize_images
+
+    image = quantize_images(torch.zeros(2, 3, 8, 16))  # mid-grey, (N, C, H, W) in [-1, 1]
+    clip = quantize_images(torch.ones(1, 3, 5, 8, 16))  # white, (N, C, F, H, W)
+    for tensor, shape, level in ((image, (2, 8, 16, 3), 128), (clip, (1, 5, 8, 16, 3), 255)):
+        images, array = postprocess_output(tensor, "np")
+        assert images is None and isinstance(array, np.ndarray)
+        assert array.shape == shape and array.dtype == np.uint8 and (array == level).all()
+    [frames], _ = postprocess_output(clip, "pil")
+    assert len(frames) == 5 and frames[0].size == (16, 8)
