@@ -130,6 +130,10 @@ def test_image_to_video_from_a_first_frame_matches_diffusers():
                              sampling_params=SamplingParams(seed=2))
     changed = ours.forward(DiffusionRequestBatch([other]))[0]
     assert np.abs(frames(changed) - frames(got)).mean() > 1  # the first frame shows
+    # two image-to-video requests batched: each its own clip
+    for alone, shared in zip((got, changed), ours.forward(DiffusionRequestBatch([r, other])),
+                             strict=True):
+        assert np.abs(frames(alone) - frames(shared)).max() <= 1
 
 
 def test_frames_are_checked_at_submission_and_counted_by_the_budget():
