@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -28,7 +28,10 @@ Status = Literal["queued", "in_progress", "completed", "failed"]
 UNFINISHED: tuple[Status, ...] = ("queued", "in_progress")
 #: a job's files, by OpenAI's download ``variant`` (``video``: the MP4;
 #: ``thumbnail``: the first frame as PNG; ``spritesheet``: frames on one image)
-VARIANTS = ("video", "thumbnail", "spritesheet")
+Variant = Literal["video", "thumbnail", "spritesheet"]
+VARIANTS: tuple[Variant, ...] = get_args(Variant)
+#: the most jobs one page of ``GET /v1/videos`` lists
+MAX_PAGE = 100
 _ID = re.compile(r"video_[0-9a-f]{32}")
 
 
@@ -106,5 +109,5 @@ def owner_of(api_key: str | None) -> str | None:
 encode_job = msgspec.json.Encoder().encode
 decode_job = msgspec.json.Decoder(VideoJob).decode
 
-__all__ = ["UNFINISHED", "VARIANTS", "Status", "VideoError", "VideoJob", "decode_job",
-           "encode_job", "is_job_id", "new_job_id", "owner_of"]
+__all__ = ["MAX_PAGE", "UNFINISHED", "VARIANTS", "Status", "Variant", "VideoError", "VideoJob",
+           "decode_job", "encode_job", "is_job_id", "new_job_id", "owner_of"]

@@ -43,14 +43,12 @@ import msgspec
 
 from diffrt.serve.images import StoreFull
 from diffrt.serve.video_disk import FILE_KINDS, VideoDir
-from diffrt.serve.video_jobs import VideoError, VideoJob, is_job_id, new_job_id
+from diffrt.serve.video_jobs import MAX_PAGE, VideoError, VideoJob, is_job_id, new_job_id
 
 logger = logging.getLogger(__name__)
 
 #: what each job's record is counted as (its JSON and the folder's entry)
 RECORD_BYTES = 4096
-#: the most jobs one page lists
-MAX_PAGE = 100
 
 
 class VideoPage(msgspec.Struct, frozen=True):
@@ -343,4 +341,4 @@ class VideoStore:
         return failed, True
 
 
-__all__ = ["MAX_PAGE", "RECORD_BYTES", "VideoPage", "VideoStore"]
+__all__ = ["RECORD_BYTES", "VideoPage", "VideoStore"]
