@@ -17,13 +17,16 @@ browser plays the file while it downloads; FFmpeg does that by rewriting
 the finished file, hence a path and not a stream (``encode_mp4`` writes a
 temporary file and returns its bytes).
 
-``thumbnail_png`` (the first frame) and ``preview_webp`` (an animated WebP
-of every frame, for a small preview) need only Pillow.
+``thumbnail_png`` (the first frame), ``spritesheet_jpeg`` (frames on one
+grid) and ``preview_webp`` (an animated WebP of every frame, for a small
+preview) need only Pillow; ``clip_files`` makes what a finished video job
+keeps (MP4, thumbnail, spritesheet).
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -46,7 +49,6 @@ AAC_RATES = (7350, 8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000,
              88200, 96000)
 #: samples per AAC frame (what the encoder is fed at a time)
 _AAC_FRAME = 1024
-MEDIA_TYPES = {"mp4": "video/mp4", "png": "image/png", "webp": "image/webp"}
 
 
 @dataclass(frozen=True)
@@ -198,5 +200,44 @@ def preview_webp(frames: Any, fps: float, *, quality: int = 80, max_side: int = 
     return buffer.getvalue()
 
 
-__all__ = ["AAC_RATES", "DEFAULT_CRF", "MEDIA_TYPES", "Waveform", "as_uint8_frames",
-           "encode_mp4", "even_frames", "preview_webp", "thumbnail_png", "write_mp4"]
+def spritesheet_jpeg(frames: Any, *, max_frames: int = 16, tile_side: int = 160,
+                     quality: int = 85) -> bytes:
+    """Up to ``max_frames`` frames, evenly spaced from first to last, on one
+    JPEG grid (rows of ``ceil(sqrt(n))``), each scaled to at most
+    ``tile_side`` pixels a side: OpenAI's ``variant=spritesheet``, a strip a
+    player scrubs over."""
+    import PIL.Image
+
+    pixels = as_uint8_frames(frames)
+    count = min(max_frames, len(pixels))
+    picks = np.round(np.linspace(0, len(pixels) - 1, count)).astype(int)
+    height, width = pixels.shape[1:3]
+    scale = min(1.0, tile_side / max(height, width))
+    tile = (max(1, round(width * scale)), max(1, round(height * scale)))
+    columns = math.ceil(math.sqrt(count))
+    rows = math.ceil(count / columns)
+    sheet = PIL.Image.new("RGB", (tile[0] * columns, tile[1] * rows))
+    for slot, index in enumerate(picks):
+        image = PIL.Image.fromarray(pixels[index])
+        if image.size != tile:
+            image = image.resize(tile, PIL.Image.Resampling.BILINEAR)
+        sheet.paste(image, ((slot % columns) * tile[0], (slot // columns) * tile[1]))
+    buffer = io.BytesIO()
+    sheet.save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def clip_files(frames: Any, fps: float, *, audio: Waveform | None = None,
+               lossless: bool = False) -> dict[str, bytes]:
+    """What a finished video job keeps, by OpenAI's download ``variant``:
+    the MP4 (``video``), its first frame (``thumbnail``) and a
+    ``spritesheet``. Blocking (encoding takes a while): run it off the
+    event loop and the engine's loop."""
+    pixels = as_uint8_frames(frames)
+    return {"video": encode_mp4(pixels, fps, audio=audio, lossless=lossless),
+            "thumbnail": thumbnail_png(pixels), "spritesheet": spritesheet_jpeg(pixels)}
+
+
+__all__ = ["AAC_RATES", "DEFAULT_CRF", "Waveform", "as_uint8_frames", "clip_files",
+           "encode_mp4", "even_frames", "preview_webp", "spritesheet_jpeg", "thumbnail_png",
+           "write_mp4"]

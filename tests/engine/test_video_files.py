@@ -18,8 +18,10 @@ from video_decode import aligned_correlation, decode_mp4, psnr, smooth_noise
 from diffrt.engine import InvalidRequestError
 from diffrt.engine.video_files import (
     Waveform,
+    clip_files,
     encode_mp4,
     preview_webp,
+    spritesheet_jpeg,
     thumbnail_png,
     write_mp4,
 )
@@ -139,3 +141,26 @@ def test_preview_is_an_animated_webp_of_every_frame() -> None:
     image.load()
     assert image.info.get("duration") == 100  # ms a frame: 10 fps
     assert image.info.get("loop") == 0        # loops
+
+
+def test_spritesheet_puts_evenly_spaced_frames_on_one_grid() -> None:
+    frames = np.zeros((9, 32, 48, 3), dtype=np.uint8)
+    for index in range(9):
+        frames[index] = index * 28                        # each frame its own grey
+    sheet = np.asarray(PIL.Image.open(io.BytesIO(spritesheet_jpeg(frames, max_frames=4))))
+    assert sheet.shape == (64, 96, 3)                     # 2 x 2 tiles of 48 x 32
+    tiles = [sheet[r * 32 + 16, c * 48 + 24] for r in range(2) for c in range(2)]
+    expected = [0, 3, 5, 8]                               # first to last, evenly spaced
+    for tile, index in zip(tiles, expected, strict=True):
+        assert abs(int(tile[0]) - 28 * index) <= 3, (tile, index)
+    small = PIL.Image.open(io.BytesIO(spritesheet_jpeg(frames[:3], tile_side=24)))
+    assert (small.format, small.size) == ("JPEG", (48, 32))   # 2 columns, 2 rows of 24 x 16
+
+
+def test_clip_files_are_what_a_video_job_keeps() -> None:
+    frames = smooth_noise(12, frames=5)
+    files = clip_files(frames, 8)
+    assert set(files) == {"video", "thumbnail", "spritesheet"}
+    assert decode_mp4(files["video"]).frames.shape == frames.shape
+    assert np.array_equal(np.asarray(PIL.Image.open(io.BytesIO(files["thumbnail"]))), frames[0])
+    assert PIL.Image.open(io.BytesIO(files["spritesheet"])).format == "JPEG"
