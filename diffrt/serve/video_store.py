@@ -129,7 +129,9 @@ class VideoStore:
     def complete(self, job_id: str, files: Mapping[str, bytes]) -> VideoJob | None:
         """Write the job's files (``variant -> bytes``; ``video`` required)
         and mark it completed, expiring ``ttl_s`` from now. None (and the
-        files removed) when the job was deleted meanwhile."""
+        files removed) when the job was deleted meanwhile. Files larger than
+        the job's reservation are kept all the same (a finished video is
+        never thrown away): the excess holds off later jobs until it frees."""
         if "video" not in files or not set(files) <= set(FILE_KINDS):
             raise ValueError(f"files must hold 'video' and only {sorted(FILE_KINDS)}, "
                              f"got {sorted(files)}")
@@ -179,7 +181,12 @@ class VideoStore:
             job = self._owned_locked(job_id, owner)
             if job is None or job.status != "completed" or variant not in job.files:
                 return None
-            handle = open(self._dir.file_path(job_id, variant), "rb")
+            try:
+                handle = open(self._dir.file_path(job_id, variant), "rb")
+            except FileNotFoundError:  # removed behind the server's back
+                logger.warning("video store: %s's %s file is gone from %s", job_id, variant,
+                               self._dir.path)
+                return None
             if variant == "video" and job.fetched_s is None:
                 fetched = msgspec.structs.replace(job, fetched_s=self._clock())
                 self._jobs[job_id] = fetched
@@ -266,11 +273,15 @@ class VideoStore:
                 self._drop_locked(job)
 
     def _evict_fetched_locked(self, need: int) -> None:
-        """Room for ``need`` bytes from videos already downloaded, fetched longest ago first."""
+        """Room for ``need`` bytes from videos already downloaded, fetched
+        longest ago first; none is evicted when all of them would not make
+        enough (the job is refused anyway: they stay for another download)."""
         if self._bytes + need <= self.max_bytes:
             return
         fetched = sorted((j for j in self._jobs.values() if j.fetched_s is not None),
                          key=lambda j: j.fetched_s or 0.0)
+        if self._bytes - sum(self._held(j) for j in fetched) + need > self.max_bytes:
+            return
         for job in fetched:
             if self._bytes + need <= self.max_bytes:
                 break

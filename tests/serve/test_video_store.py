@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import re
 import stat
+import threading
 
 import pytest
 from openai.types import Video
+from video_decode import decode_mp4, smooth_noise
 
+from diffrt.engine.video_files import clip_files
 from diffrt.serve.images import StoreFull
 from diffrt.serve.video_disk import DirInUse, VideoDir, default_video_dir
 from diffrt.serve.video_jobs import decode_job, owner_of
@@ -355,3 +358,49 @@ def test_the_bounds_are_serve_flags() -> None:
     defaults = build_serve_settings(build_parser().parse_args(["serve"]))
     assert (defaults.video_ttl_s, defaults.video_store_bytes, defaults.video_dir) == (
         3600.0, 4 << 30, None)
+
+
+def test_fetched_videos_stay_when_evicting_them_would_not_make_room(tmp_path, clock) -> None:
+    store = open_store(tmp_path / "v", clock, max_bytes=3 * RECORD_BYTES + 30 * KB)
+    fetched, running = make(store), make(store, reserve=20 * KB)
+    finish(store, fetched, b"f" * 10 * KB)
+    read(store, fetched)
+    with pytest.raises(StoreFull):
+        make(store, reserve=25 * KB)                 # 10 KB freed would not be enough
+    assert read(store, fetched) is not None          # so it was not evicted for nothing
+    assert store.get(running, None) is not None
+    store.close()
+
+
+def test_concurrent_creations_never_pass_the_bound(tmp_path, clock) -> None:
+    store = open_store(tmp_path / "v", clock, max_bytes=10 * (RECORD_BYTES + 10 * KB))
+    made, refused = [], []
+
+    def worker() -> None:
+        for _ in range(5):
+            try:
+                made.append(make(store))
+            except StoreFull:
+                refused.append(1)
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert (len(made), len(refused)) == (10, 10)
+    assert store.usage()["bytes"] == store.max_bytes
+    store.close()
+
+
+def test_the_encoders_files_are_kept_and_served_back_whole(store) -> None:
+    frames = smooth_noise(1, frames=5)
+    job_id = make(store, reserve=frames.nbytes)
+    store.start(job_id)
+    store.complete(job_id, clip_files(frames, 8, lossless=True))
+    data, media_type = read(store, job_id)
+    assert media_type == "video/mp4"
+    assert (decode_mp4(data).frames == frames).all()
+    assert read(store, job_id, "spritesheet")[1] == "image/jpeg"
+    assert store.get(job_id, None).files["video"] == len(data)
+    store._dir.file_path(job_id, "video").unlink()     # removed behind the server's back
+    assert read(store, job_id) is None
