@@ -160,7 +160,7 @@ else:
         **body_fields(VIDEO_FIELDS))
 
 
-def read_video_fields(fields: dict[str, Any], *, form: bool) -> VideoCreateRequest:
+def read_video_fields(fields: Any, *, form: bool) -> VideoCreateRequest:
     """``fields`` (a JSON object, or a form's text fields, ``name[key]``
     parts already made mappings) as the create body: a form's leniently
     (text for numbers), JSON's strictly. A refusal is FastAPI's
