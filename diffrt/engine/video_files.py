@@ -72,7 +72,9 @@ def as_uint8_frames(frames: Any) -> np.ndarray:
         return np.ascontiguousarray(array)
     if not np.issubdtype(array.dtype, np.floating):
         raise ValueError(f"frames must be uint8, or float in [0, 1], got {array.dtype}")
-    return np.round(np.clip(array.astype(np.float32), 0.0, 1.0) * 255).astype(np.uint8)
+    # NaN (a diverged sample) as black rather than whatever a cast makes of it
+    pixels = np.nan_to_num(array.astype(np.float32), nan=0.0, posinf=1.0, neginf=0.0)
+    return np.round(np.clip(pixels, 0.0, 1.0) * 255).astype(np.uint8)
 
 
 def even_frames(frames: np.ndarray, *, pad_odd: bool) -> np.ndarray:
@@ -100,6 +102,7 @@ def _channels_first(waveform: Waveform) -> np.ndarray:
     if waveform.sample_rate not in AAC_RATES:
         raise InvalidRequestError("sample_rate", f"is {waveform.sample_rate}; AAC takes "
                                                  f"{', '.join(map(str, AAC_RATES))}")
+    samples = np.nan_to_num(samples, nan=0.0, posinf=1.0, neginf=-1.0)  # NaN: silence
     return np.ascontiguousarray(np.clip(samples, -1.0, 1.0))
 
 

@@ -47,6 +47,21 @@ def test_float_frames_are_rounded_as_the_engine_rounds_them() -> None:
     assert decode_mp4(encode_mp4(as_float, 8, lossless=True)).frames.tolist() == frames.tolist()
 
 
+def test_nan_and_out_of_range_values_are_clamped() -> None:
+    frames = np.full((2, 4, 4, 3), 0.5, np.float32)
+    frames[0, 0, 0] = [np.nan, 2.0, -1.0]
+    frames[1, 0, 0] = [np.inf, -np.inf, 1.0]
+    back = decode_mp4(encode_mp4(frames, 8, lossless=True)).frames
+    assert back[0, 0, 0].tolist() == [0, 255, 0] and back[1, 0, 0].tolist() == [255, 0, 255]
+    assert back[0, 1, 1].tolist() == [128, 128, 128]
+    sound = np.sin(np.arange(4800) / 24000 * 2 * np.pi * 300).astype(np.float32)
+    noisy = sound.copy()
+    noisy[100:110] = np.nan
+    decoded = decode_mp4(encode_mp4(frames, 8, audio=Waveform(noisy, 24000))).audio
+    assert decoded is not None and np.isfinite(decoded).all()
+    assert aligned_correlation(decoded[0], sound)[0] >= 0.99
+
+
 def test_fractional_fps_is_kept() -> None:
     decoded = decode_mp4(encode_mp4(smooth_noise(4, frames=6), 30000 / 1001))
     assert decoded.fps == Fraction(30000, 1001)
