@@ -95,6 +95,8 @@ class VideoStore:
         """A queued job holding ``reserve_bytes`` for its files (an estimate
         at least their size). ``ValueError`` when it would not fit even an
         empty store, ``StoreFull`` while others hold the room."""
+        if reserve_bytes < 0:
+            raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
         need = RECORD_BYTES + reserve_bytes
         if need > self.max_bytes:
             raise ValueError(f"a video of about {reserve_bytes} bytes does not fit in the video "

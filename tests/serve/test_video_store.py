@@ -160,6 +160,8 @@ def test_a_job_that_does_not_fit_is_refused_with_the_time_room_frees(tmp_path, c
     assert read(store, first) is not None and read(store, second) is not None
     with pytest.raises(ValueError, match="does not fit in the video store"):
         make(store, reserve=40 * KB)                 # not even in an empty store
+    with pytest.raises(ValueError, match="reserve_bytes must be >= 0"):
+        make(store, reserve=-RECORD_BYTES)
     assert store.get(running, None).status == "queued"
     store.close()
 
