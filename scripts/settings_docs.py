@@ -29,7 +29,7 @@ DOC = ROOT / "docs" / "engine.md"
 SERVING = ROOT / "docs" / "serving.md"
 #: every file whose tables or quoted defaults come from declarations
 DOCS = (DOC, SERVING, ROOT / "docs" / "cli.md", ROOT / "docs" / "limits.md",
-        ROOT / "docs" / "scale-out.md", ROOT / "README.md")
+        ROOT / "docs" / "scale-out.md", ROOT / "docs" / "videos.md", ROOT / "README.md")
 GROUP_NAMES = {"model_config": "model", "scheduling": "scheduling", "parallel": "parallel",
                "limits": "limits", "executor": "executor"}
 

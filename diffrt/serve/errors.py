@@ -107,9 +107,11 @@ def _json_kind(value: object) -> str:
     return _JSON_KINDS.get(type(value), type(value).__name__)
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
+def _validation_error(exc: RequestValidationError, path: str = "") -> ApiError:
     """The first problem pydantic found, naming the field as OpenAI's ``param``
-    (a key the client chose is cut short, as every quoted value is)."""
+    (a key the client chose is cut short, as every quoted value is). An
+    edit's field sent to the generation route (``path``) is pointed at the
+    edits route; to any other route it is an unknown field."""
     errors = exc.errors()
     if not errors:
         return ApiError(400, "invalid request body")
@@ -123,7 +125,8 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     param = field_name(".".join(loc)) if loc else None
     if param is None and kind == "missing":  # no body at all
         return ApiError(400, "a JSON object body is required", code="invalid_value")
-    if kind == "extra_forbidden" and param in EDIT_ONLY_FIELDS:
+    if kind == "extra_forbidden" and param in EDIT_ONLY_FIELDS \
+            and path.endswith("/v1/images/generations"):
         message = f"{param}: applies to an input image; send it to POST /v1/images/edits"
     elif kind == "extra_forbidden":
         message = f"unknown field {echoed('.'.join(loc))}"
@@ -145,7 +148,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
+        return error_response(_validation_error(exc, request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -174,6 +174,13 @@ else:
 ImageBody = ImageGenerationRequest | ImageEditForm
 
 
+def body_fields(fields: tuple[BodyField, ...]) -> dict[str, tuple[Any, Any]]:
+    """pydantic fields for ``fields`` (body name -> type and Field), made
+    from their declarations as the image bodies' are: for another body that
+    carries sampling fields (the videos', ``video_protocol.py``)."""
+    return {f.http: _body_field(_DECLARED[f.field], f.http) for f in fields}
+
+
 class ImageData(BaseModel):
     b64_json: str | None = None
     url: str | None = None

@@ -11,7 +11,7 @@ also says which group of the help it sits in (``group``: "edge" for the
 bounds of the HTTP edge, "ray" for the replicas) and its metavar.
 
 Three declarations, each read by its own room: ``ServeSettings`` by the app
-(routes, middleware, guards, the URL store), ``HttpLimits`` by uvicorn's
+(routes, middleware, guards, the URL store, the video store), ``HttpLimits`` by uvicorn's
 configuration (``server.py``), ``ReplicaOptions`` by the Ray Serve
 application (``ray_app.ReplicaSettings`` adds its behaviour). Building one in
 Python checks nothing (as before); the command line checks the values it
@@ -71,6 +71,18 @@ class ServeSettings(msgspec.Struct, kw_only=True, frozen=True):
         "the most response_format=\"url\" images kept at once"))] = 256
     url_max_bytes: Annotated[_Bytes, Meta(extra={"unit": "bytes"}, description=(
         "the most bytes of response_format=\"url\" images kept at once"))] = 256 << 20
+    video_dir: Annotated[str | None, Meta(extra={"metavar": "DIR"}, description=(
+        "the folder the video jobs and their files are kept in (made with mode 0700; one "
+        "server at a time: it is locked while open); a restart lists its finished videos "
+        "again; None: videos in diffrt's cache folder ($DIFFRT_CACHE_DIR, else "
+        "~/.cache/diffrt)"))] = None
+    video_store_bytes: Annotated[_Bytes, Meta(extra={"unit": "bytes"}, description=(
+        "the most bytes the video jobs hold at once (finished videos, and the room running "
+        "jobs reserve for theirs); a job that does not fit is refused (429 with "
+        "Retry-After): an unfetched finished video is never evicted before it "
+        "expires"))] = 4 << 30
+    video_ttl_s: Annotated[_Seconds, Meta(description=(
+        "seconds a finished video (or a failed job's record) is kept"))] = 3600.0
     lora_dir: Annotated[str | None, Meta(extra={"metavar": "DIR"}, description=(
         "the folder POST /v1/loras may register LoRA adapters from (a path is accepted "
         "when its real path, symlinks resolved, lies inside it; diffrt serve: an existing "
