@@ -236,7 +236,25 @@ def _save(prompts: list[str], finals: list[Any], paths: list[list[Path]]) -> int
         for image, path in zip(final.images or [], targets, strict=False):
             image.save(path)
             print(f"wrote {path} ({image.width}x{image.height}{took}) for {prompt!r}")
+        for frames, path in zip(final.frames or [], targets, strict=False):
+            frame_strip(frames).save(path)
+            seconds = len(frames) / final.fps if final.fps else 0.0
+            print(f"wrote {path} (a strip of {len(frames)} frames of {frames[0].width}x"
+                  f"{frames[0].height}, a {seconds:.2f} s clip at {final.fps:g} fps{took}) "
+                  f"for {prompt!r}")
     return failed
+
+
+def frame_strip(frames: list[Any]) -> Any:
+    """A video's frames side by side in one image, first to last (a PNG
+    strip until an encoded video file can be written)."""
+    from PIL import Image
+
+    width, height = frames[0].size
+    strip = Image.new("RGB", (width * len(frames), height))
+    for i, frame in enumerate(frames):
+        strip.paste(frame, (i * width, 0))
+    return strip
 
 
 def _cache_note(cache: Any) -> str:

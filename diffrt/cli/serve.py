@@ -78,7 +78,12 @@ def _run(args: argparse.Namespace, serve_settings: Any, limits: Any, sock: Any) 
     # the access log (one line per request) and the drain are the server's output
     serve_logger = logging.getLogger("diffrt.serve")
     serve_logger.setLevel(min(logging.INFO, serve_logger.getEffectiveLevel()))
-    model_spec(model_name(args), plugin_modules(args))  # a bad model is refused first
+    spec = model_spec(model_name(args), plugin_modules(args))  # a bad model is refused first
+    if spec.frame_factor:
+        from diffrt.cli.errors import CliError
+
+        raise CliError(f"--model {spec.name}: a video model is not served over HTTP yet (no "
+                       "video response format); use diffrt generate or DiffusionEngine")
     config = EngineConfig(**engine_settings(args))
     config.model_spec()  # what the model refuses exits 2 here, before an engine starts
     if on_ray(args):

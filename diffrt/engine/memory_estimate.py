@@ -112,7 +112,8 @@ def peak_activation_bytes(spec: ModelSpec, request: DiffusionRequest,
     outputs = filled(params.num_outputs_per_prompt)
     transformer = (spec.rows(request) * spec.row_tokens(request)
                    * max(1, spec.transformer_width) * LINEAR_WIDTHS * value_bytes)
-    decode = outputs * height * width * DECODE_BYTES_PER_PIXEL * value_bytes // 4
+    decode = (outputs * spec.output_frames(params) * height * width * DECODE_BYTES_PER_PIXEL
+              * value_bytes // 4)
     return int(transformer + decode)
 
 

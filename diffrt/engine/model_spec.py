@@ -61,16 +61,17 @@ class CfgRule(enum.Enum):
 #: what two requests must agree on to share one fused forward: a request-level
 #: forward runs one denoising loop, so the step count is in it
 REQUEST_BATCH_FIELDS = ("height", "width", "num_inference_steps", "guidance_scale",
-                        "true_cfg_scale", "num_outputs_per_prompt", "output_type", "strength")
+                        "true_cfg_scale", "num_outputs_per_prompt", "output_type", "strength",
+                        "num_frames")
 #: what two requests must agree on to share a denoise step: each keeps its own
 #: noise scheduler (step counts may differ) and guidance is applied per row
-STEP_BATCH_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type")
+STEP_BATCH_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type", "num_frames")
 #: the step batch fields that may differ within a step where the pipeline runs
 #: rows of different sizes together (``ModelSpec.mixed_sizes``): sizes, output
 #: counts and output types (decodes are grouped by size and output type); the
 #: rest of ``step_batch_fields`` (a plugin family's own) must match. LoRA
 #: adapters are in no key: rows with any adapters share calls (``engine.lora``)
-MIXED_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type")
+MIXED_FIELDS = ("height", "width", "num_outputs_per_prompt", "output_type", "num_frames")
 
 
 class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,6 +84,9 @@ class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True):
     true_cfg_scale: float = 1.0
     #: image-to-image and inpainting (diffusers' default for both)
     strength: float = 0.6
+    #: a video model's clip (None: an image model, which refuses both fields)
+    num_frames: int | None = None
+    fps: float | None = None
 
 
 class CacheSupport(msgspec.Struct, frozen=True, kw_only=True):
@@ -141,7 +145,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: own size rounded down to ``size_multiple``, "area" — ``edit_area``
     #: pixels at its aspect ratio in multiples of 32 (Qwen-Image-Edit's
     #: ``calculate_dimensions``; the output's default size too)
-    edit_resize: Literal["preferred", "keep", "area"] = "preferred"
+    #: "output" — the request's own size (an image-to-video model's first frame,
+    #: as diffusers' video processor resizes it)
+    edit_resize: Literal["preferred", "keep", "area", "output"] = "preferred"
     #: (width, height) resolutions an editing model was trained on
     edit_resolutions: tuple[tuple[int, int], ...] = ()
     edit_area: int = 1024 * 1024
@@ -154,6 +160,11 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: height and width must be positive multiples of this (VAE factor x patch)
     size_multiple: int = 16
     max_size: int = 2048
+    #: a video model: its VAE's frames per latent frame (a clip has
+    #: ``frame_factor`` x k + 1 frames) and the most frames a request may ask;
+    #: 0 for an image model
+    frame_factor: int = 0
+    max_frames: int = 0
     max_steps: int = MAX_STEPS
     defaults: SamplingDefaults
     #: the negative prompt of a request that names none (None: the request has
@@ -206,6 +217,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         resolved = params.with_defaults(defaults)
         if params.strength is None and self.task_of(request) in ("image-to-image", "inpainting"):
             resolved = msgspec.structs.replace(resolved, strength=self.defaults.strength)
+        if self.frame_factor and (params.num_frames is None or params.fps is None):
+            resolved = msgspec.structs.replace(
+                resolved, num_frames=params.num_frames or self.defaults.num_frames,
+                fps=params.fps or self.defaults.fps)
         if resolved is params:
             return request
         return msgspec.structs.replace(request, sampling_params=resolved)
@@ -245,6 +260,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                 raise InvalidRequestError(field, (
                     f"must be a positive multiple of {self.size_multiple} no larger than "
                     f"{self.max_size} for {self.name}, got {value}"))
+        self.check_frames(params)
         if filled(params.num_inference_steps) > self.max_steps:
             raise InvalidRequestError("num_inference_steps", (
                 f"must be at most {self.max_steps} for {self.name}, "
@@ -259,6 +275,30 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                 and self.cache.default is None:
             raise InvalidRequestError("cache_threshold", (
                 f"{self.name} has no default step cache: name a policy in cache"))
+
+    def check_frames(self, params: SamplingParams) -> None:
+        """A video model's clip is ``frame_factor`` x k + 1 frames, at most
+        ``max_frames``; an image model takes neither field."""
+        if not self.frame_factor:
+            for field in ("num_frames", "fps"):
+                if getattr(params, field) is not None:
+                    raise InvalidRequestError(field, f"{self.name} draws images, not video")
+            return
+        frames, f = filled(params.num_frames), self.frame_factor
+        if frames % f != 1 % f or frames > self.max_frames:
+            raise InvalidRequestError("num_frames", (
+                f"must be {f}k + 1 (1, {f + 1}, {2 * f + 1}, ...) and at most {self.max_frames} "
+                f"for {self.name}, got {frames}"))
+
+    def latent_frames(self, params: SamplingParams) -> int:
+        """Latent frames of a request's clip (1 for an image)."""
+        if not self.frame_factor or params.num_frames is None:
+            return 1
+        return (params.num_frames - 1) // self.frame_factor + 1
+
+    def output_frames(self, params: SamplingParams) -> int:
+        """Frames of one output (1 for an image)."""
+        return params.num_frames or 1 if self.frame_factor else 1
 
     def cache_plan(self, params: SamplingParams) -> CachePlan | None:
         """The step cache a request runs with (None: none): its policy, or
@@ -278,7 +318,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         resized to: the request's size for image-to-image and inpainting (as
         diffusers' pipelines resize it); for an edit the model's own rule
         (``edit_resize``), as FluxKontextPipeline sizes it."""
-        if self.task_of(request) != "editing":
+        if self.task_of(request) != "editing" or self.edit_resize == "output":
             params = request.sampling_params
             return filled(params.height), filled(params.width)
         m = self.size_multiple
@@ -306,8 +346,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     def edit_tokens(self, request: DiffusionRequest) -> int:
         """The extra tokens an edit's input image adds to each row (0 for
         other tasks): its latent patches, as the output's are counted."""
-        if self.task_of(request) != "editing":
-            return 0
+        if self.task_of(request) != "editing" or self.edit_resize == "output":
+            return 0  # "output": a first frame in the clip's place, no tokens of its own
         total = 0
         for image in request.images:
             h, w = self.input_shape(request, image)
@@ -349,12 +389,14 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             2 if self.uses_cfg(request) else 1)
 
     def row_tokens(self, request: DiffusionRequest) -> int:
-        """One row's tokens: the image's latent patches plus the model's text
-        tokens (and an edit's input image's patches: ``edit_tokens``)."""
+        """One row's tokens: the image's latent patches (a video's, every latent
+        frame's) plus the model's text tokens (and an edit's input image's
+        patches: ``edit_tokens``)."""
         params = request.sampling_params
         multiple = self.size_multiple
-        return ((filled(params.height) // multiple) * (filled(params.width) // multiple)
-                + self.text_tokens + self.edit_tokens(request))
+        patches = (filled(params.height) // multiple) * (filled(params.width) // multiple)
+        return (patches * self.latent_frames(params) + self.text_tokens
+                + self.edit_tokens(request))
 
     def cfg_scale(self, params: SamplingParams) -> float:
         """The scale of classifier-free guidance when it runs."""
@@ -405,7 +447,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     def largest_output_bytes(self) -> int:
         """The bytes of the largest output one request may ask for."""
         return int(self.max_size * self.max_size * self.output_bytes_per_pixel
-                   * MAX_OUTPUTS_PER_PROMPT)
+                   * MAX_OUTPUTS_PER_PROMPT * max(1, self.max_frames))
 
     # -- what the engine needs for its own warm-up ------------------------------------------------
     def warmup_size(self) -> int:

@@ -339,8 +339,12 @@ class OutputProcessor:
         finally:
             lease.release()
         done = self._clock()
+        frames = None
+        if params.num_frames is not None:  # a video: its frames per output
+            frames, images = images, None
         output = DiffusionOutput(rid, finished=True, error=error, images=images, output=value,
-                                 step=record.total_steps, total_steps=record.total_steps)
+                                 step=record.total_steps, total_steps=record.total_steps,
+                                 frames=frames, fps=params.fps)
         with self._lock:
             record.metrics.output_wait = ready_at - (record.compute_done_at or ready_at)
             record.metrics.postprocess_time = done - start

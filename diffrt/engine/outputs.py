@@ -65,6 +65,11 @@ class DiffusionOutput:
     #: a limit ended it (request_timeout_s, its own timeout_s, or its output
     #: left unread past unread_output_timeout_s); ``error`` names the limit.
     timed_out: bool = False
+    #: a video's final item (``num_frames``): each output's frames (PIL for
+    #: output_type "pil"; else ``output`` holds them, (N, F, H, W, 3)) and
+    #: the frame rate they play at
+    frames: list[list[Any]] | None = None
+    fps: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -20,19 +20,30 @@ PostProcess = Callable[[torch.Tensor, str], tuple[list[Any] | None, Any]]
 
 
 def quantize_images(images: torch.Tensor) -> torch.Tensor:
-    """[-1, 1] float (N, C, H, W) -> uint8 (N, H, W, C), on the tensor's device."""
+    """[-1, 1] float (N, C, H, W) -> uint8 (N, H, W, C), on the tensor's
+    device; a video's (N, C, F, H, W) -> (N, F, H, W, C)."""
     images = (images.float() / 2 + 0.5).clamp(0, 1)
-    return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    order = (0, 2, 3, 4, 1) if images.dim() == 5 else (0, 2, 3, 1)
+    return (images * 255).round().to(torch.uint8).permute(*order).contiguous()
 
 
 def postprocess_output(host_tensor: torch.Tensor, output_type: str) -> tuple[list[Any] | None, Any]:
-    """Return (images, output): PIL images for "pil", the tensor for "pt"/"latent"."""
+    """Return (images, output): PIL images for "pil" (a video: a list of
+    frames per output), a uint8 array for "np", the tensor for "pt"/"latent"."""
+    if output_type == "np":
+        return None, _array(host_tensor)
     if output_type == "pil":
         from PIL import Image
 
-        array = host_tensor.numpy() if isinstance(host_tensor, torch.Tensor) else np.asarray(host_tensor)
+        array = _array(host_tensor)
+        if array.ndim == 5:  # (N, F, H, W, 3): each output's frames
+            return [[Image.fromarray(np.ascontiguousarray(f)) for f in clip] for clip in array], None
         return [Image.fromarray(np.ascontiguousarray(a)) for a in array], None
     return None, host_tensor
+
+
+def _array(host_tensor: Any) -> np.ndarray:
+    return host_tensor.numpy() if isinstance(host_tensor, torch.Tensor) else np.asarray(host_tensor)
 
 
 #: ModelSpec.postprocess -> its host-side conversion

@@ -17,7 +17,7 @@ from msgspec import Meta
 from diffrt.field_error import FieldError
 from diffrt.runtime.types import DeclaredValueError, check_declared
 
-OutputType = Literal["pil", "pt", "latent"]
+OutputType = Literal["pil", "np", "pt", "latent"]
 #: what a request may ask of the step cache (``engine.cache``): "off", or a
 #: policy that reuses the transformer's work between denoise steps
 CachePolicyName = Literal["off", "first-block", "teacache"]
@@ -27,6 +27,10 @@ MAX_CACHE_THRESHOLD = 100.0
 
 MAX_STEPS = 1000
 MAX_OUTPUTS_PER_PROMPT = 16
+#: the most frames and the highest frame rate a video request may ask for (a
+#: model's own bound, ``ModelSpec.max_frames``, may be lower)
+MAX_FRAMES = 1025
+MAX_FPS = 240.0
 #: what ``torch.Generator.manual_seed`` accepts (and msgpack carries).
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -114,7 +118,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         "images for the prompt", http="n", cli=("-n", "--num-images"),
         ge=1, le=MAX_OUTPUTS_PER_PROMPT)] = 1
     output_type: Annotated[OutputType, _about(
-        "pil, pt (uint8 tensor) or latent; over HTTP the response_format and "
+        "pil, np (uint8 array), pt (uint8 tensor) or latent; over HTTP the response_format and "
         "output_format say what comes back instead", http=None, cli=None)] = "pil"
     loras: Annotated[Annotated[dict[Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME_CHARS)],
                                     Annotated[float, Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)]],
@@ -161,6 +165,16 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     cache_threshold: Annotated[Annotated[float, Meta(ge=0, le=MAX_CACHE_THRESHOLD)] | None, _about(
         "the step cache's threshold: higher reuses more steps (default: the policy's "
         "for this model; 0 reuses none)")] = None
+
+    #: a video model's clip: frames of the form the VAE needs (Wan: 4k + 1)
+    #: and the frame rate it is meant to play at; None: the model's. An image
+    #: model refuses them (``ModelSpec.check``).
+    num_frames: Annotated[Annotated[int, Meta(ge=1, le=MAX_FRAMES)] | None, _about(
+        "video models: frames of the clip, of the form the model's VAE needs (Wan: 4k + 1; "
+        "default: the model's; not over HTTP until a video response format exists)",
+        http=None)] = None
+    fps: Annotated[Annotated[float, Meta(gt=0, le=MAX_FPS)] | None, _about(
+        "video models: the clip's frames per second (default: the model's)", http=None)] = None
 
     #: the scheduling class (``scheduling_policy="slo"`` orders by it first;
     #: the other policies ignore it); lower runs first
@@ -248,6 +262,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.num_outputs_per_prompt,
             self.output_type,
             self.strength,
+            self.num_frames,
         )
 
     def step_batch_key(self) -> tuple:
@@ -263,4 +278,5 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.width,
             self.num_outputs_per_prompt,
             self.output_type,
+            self.num_frames,
         )

@@ -123,6 +123,10 @@ def check_weights(m: ModelConfig, spec: ModelSpec, platform: Platform) -> None:
 
 def check_offload(m: ModelConfig, spec: ModelSpec, platform: Platform) -> None:
     """Offload moves weights from host to device memory: not where they are one."""
+    if m.offload != "none" and spec.frame_factor:
+        raise EngineConfigError("offload", (
+            f"{spec.name} is a video model: offload does not run on video yet (Wan 2.2's "
+            "second expert would stay on the device); use offload='none'"))
     if m.offload != "none" and platform.host_is_device:
         what = "blocks" if m.offload == "layerwise" else "components"
         raise EngineConfigError("offload", (

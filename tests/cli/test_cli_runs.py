@@ -173,3 +173,15 @@ def test_bench_compares_weight_methods_and_offloads(cli, tmp_path):
     assert "model offload: transformer, vae, text_encoder, text_encoder_2 in host memory" in (
         proc.stderr)
     assert "transformer offloaded" in proc.stderr  # the peak line
+
+
+def test_generate_writes_a_video_as_a_strip_of_frames_and_says_its_length(cli, tmp_path):
+    proc = cli("generate", "--model", "tiny-wan", "--prompt", "a red fox", "--num-frames", "5",
+               "--steps", "2", "--seed", "3", "--executor-backend", "inproc", "-o", "clip.png",
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with Image.open(tmp_path / "clip.png") as strip:
+        assert strip.size == (5 * 64, 64)  # 5 frames of 64 x 64, side by side
+        first, last = strip.crop((0, 0, 64, 64)), strip.crop((256, 0, 320, 64))
+        assert first.tobytes() != last.tobytes()
+    assert "a strip of 5 frames of 64x64, a 0.31 s clip at 16 fps" in proc.stdout, proc.stdout

@@ -105,6 +105,17 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         "diffrt.engine.models.tiny.qwen_image_edit:build_tiny_qwen_image_edit_folder",
         {"seed": 20261202, "plus": True}, {"num_inference_steps": 4},
         {"edit_area": 64 * 64, "edit_prompt_area": 40 * 40}),
+    # Wan 2.2 A14B-style text-to-video: two experts switched at the folder's
+    # boundary ratio; 9 frames of 64 x 64 px, not 81 of 480 x 832
+    "tiny-wan": EmbeddedModel("diffrt.engine.models.tiny.wan:build_tiny_wan_folder",
+                              {"seed": 1, "two_experts": True},
+                              {"height": 64, "width": 64, "num_inference_steps": 4,
+                               "num_frames": 9}),
+    # its image-to-video layout: the first frame as 20 condition channels
+    "tiny-wan-i2v": EmbeddedModel("diffrt.engine.models.tiny.wan:build_tiny_wan_folder",
+                                  {"seed": 1, "i2v": True, "two_experts": True},
+                                  {"height": 64, "width": 64, "num_inference_steps": 4,
+                                   "num_frames": 9}),
 }
 
 _VERSIONED = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")

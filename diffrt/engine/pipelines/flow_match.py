@@ -110,7 +110,13 @@ class FlowMatchPipeline(ComponentsPipeline):
         pipeline = cls(full.transformer, full.vae, full.scheduler, text, device=device,
                        dtype=dtype)
         pipeline.spec = spec
+        pipeline.take_components(full)
         return pipeline
+
+    def take_components(self, pipeline: Any) -> None:
+        """Components of the loaded diffusers ``pipeline`` beyond the
+        transformer, VAE and text encoders the family keeps (none by
+        default; Wan 2.2's second expert)."""
 
     # -- the family's: encoders ----------------------------------------------------------
     @staticmethod

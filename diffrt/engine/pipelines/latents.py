@@ -39,8 +39,9 @@ class LatentLayout(Protocol):
     channels: int
     factor: int
 
-    def size(self, params: SamplingParams) -> tuple[int, int]:
-        """The request's latent size (its pixels over ``factor``)."""
+    def size(self, params: SamplingParams) -> LatentSize:
+        """The request's latent size (its pixels over ``factor``; a video's
+        latent frames first)."""
         ...
 
     def shape(self, params: SamplingParams) -> tuple[int, ...]:
@@ -51,11 +52,11 @@ class LatentLayout(Protocol):
         """VAE latents -> the transformer's rows of tokens (N, tokens, dim)."""
         ...
 
-    def unpack(self, tokens: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    def unpack(self, tokens: torch.Tensor, size: LatentSize) -> torch.Tensor:
         """Rows of tokens of latents of ``size`` -> VAE latents."""
         ...
 
-    def tokens(self, size: tuple[int, int]) -> int:
+    def tokens(self, size: LatentSize) -> int:
         """The transformer's tokens in a row of latents of ``size``."""
         ...
 
@@ -68,7 +69,7 @@ class SpatialLatents:
         self.channels = channels
         self.factor = factor
 
-    def size(self, params: SamplingParams) -> tuple[int, int]:
+    def size(self, params: SamplingParams) -> LatentSize:
         return filled(params.height) // self.factor, filled(params.width) // self.factor
 
     def shape(self, params: SamplingParams) -> tuple[int, ...]:
@@ -77,10 +78,10 @@ class SpatialLatents:
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         return latents
 
-    def unpack(self, tokens: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    def unpack(self, tokens: torch.Tensor, size: LatentSize) -> torch.Tensor:
         return tokens
 
-    def tokens(self, size: tuple[int, int]) -> int:
+    def tokens(self, size: LatentSize) -> int:
         return size[0] * size[1]
 
     def noise(self, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:

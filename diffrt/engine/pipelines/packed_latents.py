@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from diffrt.engine.pipelines.interface import StepRequestState
-from diffrt.engine.pipelines.latents import SpatialLatents
+from diffrt.engine.pipelines.latents import LatentSize, SpatialLatents
 from diffrt.engine.pipelines.request_state import EditTokens
 from diffrt.engine.sampling import SamplingParams
 
@@ -41,17 +41,17 @@ class PackedLatents(SpatialLatents):
         latents = latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
         return latents.reshape(n, (h // 2) * (w // 2), c * 4)
 
-    def unpack(self, tokens: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    def unpack(self, tokens: torch.Tensor, size: LatentSize) -> torch.Tensor:
         n, _, d = tokens.shape
         h, w = size
         latents = tokens.view(n, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
         return latents.reshape(n, d // 4, h, w)
 
-    def tokens(self, size: tuple[int, int]) -> int:
+    def tokens(self, size: LatentSize) -> int:
         """2 x 2 latent patches a token."""
         return (size[0] // 2) * (size[1] // 2)
 
-    def image_ids(self, size: tuple[int, int], device: torch.device) -> torch.Tensor:
+    def image_ids(self, size: LatentSize, device: torch.device) -> torch.Tensor:
         """Flux's (0, row, column) positions of the packed tokens of latents of ``size``."""
         h, w = (side // 2 for side in size)
         ids = torch.zeros(h, w, 3)
@@ -60,7 +60,7 @@ class PackedLatents(SpatialLatents):
         # float32 whatever the model dtype: bf16 cannot count past 256 exactly
         return ids.reshape(h * w, 3).to(device=device)
 
-    def row_ids(self, size: tuple[int, int], conds: tuple[tuple[int, int], ...],
+    def row_ids(self, size: LatentSize, conds: tuple[tuple[int, int], ...],
                 device: torch.device) -> torch.Tensor:
         """A row's token positions: its image's, then (an edit) its input
         images', whose first coordinate is 1 (FluxKontextPipeline's ids)."""

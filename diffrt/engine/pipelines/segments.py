@@ -59,7 +59,8 @@ class RowLayout:
     (device slot, scale) pairs (``loras``: () when no row has any;
     ``engine.lora.row_lora`` applies them)."""
 
-    sizes: tuple[tuple[int, int], ...]
+    #: (height, width); a video's (frames, height, width) (``latents.LatentSize``)
+    sizes: tuple[tuple[int, ...], ...]
     tokens: tuple[int, ...]
     loras: tuple[tuple[tuple[int, float], ...], ...] = ()
     #: each row's conditioning images' latent (height, width)s, () for a row
@@ -73,7 +74,7 @@ class RowLayout:
     caches: tuple[Any, ...] = ()
 
     @staticmethod
-    def uniform_rows(size: tuple[int, int], tokens: int, rows: int,
+    def uniform_rows(size: tuple[int, ...], tokens: int, rows: int,
                      loras: tuple[tuple[int, float], ...] = (),
                      cond: tuple[tuple[int, int], ...] = (), cache: Any = None) -> RowLayout:
         return RowLayout((size,) * rows, (tokens,) * rows, (loras,) * rows if loras else (),

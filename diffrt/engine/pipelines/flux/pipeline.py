@@ -54,7 +54,7 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
         """2 x 2 latent patches a token (``packed_latents``)."""
         return PackedLatents(int(vae_config["latent_channels"]), vae_factor(vae_config))
 
-    def row_ids(self, size: tuple[int, int], conds: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    def row_ids(self, size: tuple[int, ...], conds: tuple[tuple[int, int], ...]) -> torch.Tensor:
         """A row's token positions (``PackedLatents.row_ids``)."""
         return self.latents.row_ids(size, conds, self.device)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from diffrt.engine.pipelines.latents import SpatialLatents
+from diffrt.engine.pipelines.latents import LatentSize, SpatialLatents
 
 
 def patchify(latents: torch.Tensor, patch: int) -> torch.Tensor:
@@ -25,7 +25,7 @@ def patchify(latents: torch.Tensor, patch: int) -> torch.Tensor:
     return latents.reshape(n, (h // patch) * (w // patch), patch * patch * c)
 
 
-def unpatchify(tokens: torch.Tensor, size: tuple[int, int], patch: int) -> torch.Tensor:
+def unpatchify(tokens: torch.Tensor, size: LatentSize, patch: int) -> torch.Tensor:
     """(N, (h/p)(w/p), p·p·C) -> (N, C, h, w) for latents of ``size`` (h, w)."""
     n, _, d = tokens.shape
     h, w = size
@@ -45,8 +45,8 @@ class PatchLatents(SpatialLatents):
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         return patchify(latents, self.patch)
 
-    def unpack(self, tokens: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    def unpack(self, tokens: torch.Tensor, size: LatentSize) -> torch.Tensor:
         return unpatchify(tokens, size, self.patch)
 
-    def tokens(self, size: tuple[int, int]) -> int:
+    def tokens(self, size: LatentSize) -> int:
         return (size[0] // self.patch) * (size[1] // self.patch)

@@ -1,0 +1,192 @@
+"""The Wan pipeline: diffusers' ``WanPipeline`` / ``WanImageToVideoPipeline``
+on the shared denoise loop.
+
+The family's five parts (docs/families.md): prompts through diffusers' own
+``encode_prompt`` (UMT5, padded to 512 tokens); the transformer call over
+``WanTransformer3DModel`` — Wan 2.2's two experts, ``transformer`` for
+rows whose timestep is at or above the folder's boundary (``boundary_ratio``
+x the train timesteps) and ``transformer_2`` below it, as diffusers switches
+them, each row by its own timestep (requests at different steps share a
+call); video latents as frames x patch tokens (``latents.py``); the decode
+through ``AutoencoderKLWan`` with Wan's per-channel ``latents_mean`` /
+``latents_std``.
+
+Image-to-video (Wan 2.2 A14B's layout: no CLIP image encoder): the first
+frame, followed by empty frames, is encoded as a clip (``condition_on_images``,
+as diffusers' ``prepare_latents``: the distribution's mode, normalised) and
+given to the transformer beside the noise as 4 mask and 16 latent channels;
+the loop carries those per-row tokens as the rows' second text output
+(``Conditioning.extra``), which t2v leaves empty.
+
+Rows of different sizes or frame counts share a step a call per size
+(``mixed_rows="by_size"``, whatever was asked: diffusers builds one 3-D
+rotary table per batch, a per-row table is not written yet).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
+from diffrt.engine.pipelines.folder_text import PromptWindow
+from diffrt.engine.pipelines.interface import StepRequestState
+from diffrt.engine.pipelines.request_state import Conditioning
+from diffrt.engine.pipelines.segments import RowLayout
+from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS, VideoLatents, patchify
+from diffrt.engine.sampling import SamplingParams, filled
+
+logger = logging.getLogger(__name__)
+
+
+class WanPipeline(FlowMatchPipeline):
+    """Text- and image-to-video with diffusers' ``WanTransformer3DModel``."""
+
+    latents: VideoLatents
+    #: Wan 2.2's low-noise expert (None: one transformer, Wan 2.1)
+    transformer_2: Any = None
+    #: the timestep at and above which ``transformer`` runs (None: always)
+    boundary: float | None = None
+    #: rows of several sizes: a call per size (see the module)
+    mixed_rows = "by_size"
+
+    # -- encoders ------------------------------------------------------------------------
+    @staticmethod
+    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """UMT5's last hidden states, zeroed past each prompt's tokens and
+        padded to 512, as WanPipeline encodes them; no second output (an
+        empty (N, 0) tensor)."""
+        embeds, _ = pipeline.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
+                                           max_sequence_length=TEXT_TOKENS, device=device)
+        return embeds, embeds.new_zeros(len(prompts), 0)
+
+    @staticmethod
+    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+        return [PromptWindow("text_encoder", pipeline.tokenizer, TEXT_TOKENS)]
+
+    def take_components(self, pipeline: Any) -> None:
+        """Wan 2.2's second expert and its boundary, from the loaded folder."""
+        from diffrt.engine.pipelines.components import place
+
+        ratio = pipeline.config.get("boundary_ratio")
+        if pipeline.transformer_2 is not None and ratio is not None:
+            self.transformer_2 = place(pipeline.transformer_2, self.device)
+            self.boundary = float(ratio) * self.noise_scheduler.config.num_train_timesteps
+
+    def weight_modules(self) -> dict[str, torch.nn.Module]:
+        modules = super().weight_modules()
+        if self.transformer_2 is not None:
+            modules["transformer_2"] = self.transformer_2
+        return modules
+
+    def use_mixed_rows(self, arrangement: str) -> None:
+        """A call per size (see the module)."""
+        if arrangement != "by_size":
+            logger.info("%s: mixed_rows %s runs as by_size (no per-row 3-D rotary table yet)",
+                        self.name, arrangement)
+        self.mixed_rows = "by_size"
+
+    # -- latent layout -----------------------------------------------------------------
+    def latent_layout(self, vae_config: dict[str, Any]) -> VideoLatents:
+        patch = tuple(int(p) for p in self.transformer.config.patch_size)
+        assert len(patch) == 3
+        return VideoLatents(int(vae_config["z_dim"]), int(vae_config.get("scale_factor_spatial", 8)),
+                            int(vae_config.get("scale_factor_temporal", 4)),
+                            (patch[0], patch[1], patch[2]))
+
+    # -- transformer call --------------------------------------------------------------
+    def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                            layout: RowLayout) -> torch.Tensor:
+        """diffusers' forward over rows of one size (``by_size``), each row
+        to the expert its timestep falls to; an image-to-video row's
+        condition channels (``extra``) beside its latents."""
+        if not layout.uniform:
+            raise ValueError("Wan runs rows of one size per call (mixed_rows=by_size)")
+        size = layout.sizes[0]
+        x = self.latents.unpack(latents, size)
+        if extra.shape[-1]:  # image-to-video: mask and first-frame channels
+            x = torch.cat([x, self.latents.unpack(extra, size)], dim=1)
+        high = (torch.ones_like(timesteps, dtype=torch.bool) if self.boundary is None
+                else timesteps >= self.boundary)
+        out: torch.Tensor | None = None
+        for expert, rows in ((self.denoiser(layout), high), (self.transformer_2, ~high)):
+            if not bool(rows.any()):
+                continue
+            index = rows.nonzero().squeeze(1)
+            whole = len(index) == len(rows)
+            pred = expert(hidden_states=x if whole else x[index],
+                          timestep=timesteps if whole else timesteps[index],
+                          encoder_hidden_states=embeds if whole else embeds[index],
+                          return_dict=False)[0]
+            if whole:
+                return self.latents.pack(pred)
+            if out is None:
+                out = pred.new_empty(len(rows), *pred.shape[1:])
+            out[index] = pred
+        assert out is not None  # a call has rows
+        return self.latents.pack(out)
+
+    # -- image-to-video ----------------------------------------------------------------
+    def encode_image_dist(self, pixels: torch.Tensor) -> Any:
+        """The first frame's pixels as they are: Wan encodes it with the
+        clip's empty frames (its VAE is causal in time), which needs the
+        request's frame count (``condition_on_images``)."""
+        return SimpleNamespace(mean=pixels, std=torch.zeros_like(pixels))
+
+    def normalize_image_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
+    def condition_on_images(self, state: StepRequestState,
+                            image_latents: list[torch.Tensor]) -> None:
+        """The first frame ((1, 3, H, W) in [-1, 1]) -> the rows' condition
+        channels, as WanImageToVideoPipeline's ``prepare_latents`` makes them:
+        the frame then zeros for the rest of the clip, encoded (the mode),
+        normalised; before them a 4-channel mask, 1 on the first frame."""
+        params = state.request.sampling_params
+        frames = filled(params.num_frames)
+        image = image_latents[0].to(self.device, self.dtype)[:, :, None]
+        clip = torch.cat([image, image.new_zeros(*image.shape[:2], frames - 1,
+                                                 *image.shape[3:])], dim=2)
+        latent = self.vae.encode(clip, return_dict=False)[0].mode()
+        mean, inv_std = self.latent_stats(latent)
+        latent = (latent - mean) * inv_std
+        t = self.latents.temporal
+        f, h, w = self.latents.size(params)
+        mask = torch.ones(1, 1, frames, h, w, device=latent.device, dtype=latent.dtype)
+        mask[:, :, 1:] = 0
+        mask = torch.cat([mask[:, :, :1].repeat_interleave(t, dim=2), mask[:, :, 1:]], dim=2)
+        mask = mask.view(1, -1, t, h, w).transpose(1, 2)
+        condition = torch.cat([mask, latent], dim=1)
+        assert condition.shape[2] == f  # one mask group per latent frame
+        n = params.num_outputs_per_prompt
+        tokens = patchify(condition, self.latents.patch).repeat(n, 1, 1)
+        cond = state.cond
+        assert cond is not None  # prepared before its images
+        state.cond = Conditioning(cond.embeds, tokens, cond.neg_embeds,
+                                  None if cond.neg_embeds is None else tokens)
+
+    # -- decode ------------------------------------------------------------------------
+    def latent_stats(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's per-channel ``latents_mean`` and 1 / ``latents_std``,
+        (1, C, 1, 1, 1), as diffusers' Wan pipelines compute them."""
+        config = self.vae.config
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device,
+                                                                         latents.dtype)
+        return mean, inv_std
+
+    def decode_latents(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Tokens -> frames in [-1, 1], (N, 3, frames, H, W)."""
+        spatial = self.latents.unpack(latents, self.latents.size(params)).to(self.dtype)
+        mean, inv_std = self.latent_stats(spatial)
+        video = self.vae.decode(spatial / inv_std + mean, return_dict=False)[0]
+        return video.clamp(-1, 1)
+
+
+__all__ = ["WanPipeline"]
