@@ -8,15 +8,17 @@ busy loop, and builds what the caller asked for.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from PIL.Image import Image
+
     from diffrt.engine.model_spec import ModelSpec
 
-PostProcess = Callable[[torch.Tensor, str], tuple[list[Any] | None, Any]]
+PostProcess = Callable[[torch.Tensor, str], tuple["list[Image] | None", torch.Tensor | None]]
 
 
 def quantize_images(images: torch.Tensor) -> torch.Tensor:
@@ -25,7 +27,8 @@ def quantize_images(images: torch.Tensor) -> torch.Tensor:
     return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
-def postprocess_output(host_tensor: torch.Tensor, output_type: str) -> tuple[list[Any] | None, Any]:
+def postprocess_output(host_tensor: torch.Tensor,
+                       output_type: str) -> tuple[list[Image] | None, torch.Tensor | None]:
     """Return (images, output): PIL images for "pil", the tensor for "pt"/"latent"."""
     if output_type == "pil":
         from PIL import Image

@@ -117,7 +117,7 @@ async def image_events(client: EngineClient, outputs: AsyncGenerator[DiffusionOu
 
     try:
         async for out in rest():
-            if out.preview is not None:
+            if isinstance(out.preview, list):  # PIL images: the server asks for "pil"
                 image = out.preview[0]
                 text = await asyncio.to_thread(_b64_image, image, fmt, compression)
                 yield _sse(partial, {
