@@ -12,7 +12,8 @@ pipeline and keeps the request states.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -54,6 +55,16 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 #: request id -> its output tensor of this tick
 Outputs = dict[str, torch.Tensor]
+
+
+class _OfRequest(Protocol):
+    """A request or its step state: what a failure's error is filed under."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
+_Item = TypeVar("_Item", bound=_OfRequest)
 
 
 class TickRunner:
@@ -99,6 +110,18 @@ class TickRunner:
                 logger.exception("empty_cache failed")
         return describe_error(exc)
 
+    def _isolate(self, exc: BaseException, items: list[_Item], errors: dict[str, str],
+                 what: str, alone: Callable[[_Item], None]) -> None:
+        """After ``exc`` failed the work of ``items`` together: a lone item gets
+        the error; several are run again each ``alone``, so the error lands on
+        the request that caused it."""
+        if len(items) == 1:
+            errors[items[0].request_id] = self._failed(exc)
+            return
+        logger.warning("%s of %d failed (%s); one at a time", what, len(items), self._failed(exc))
+        for item in items:
+            alone(item)
+
     def _end_if_shared(self, exc: BaseException) -> None:
         """With several ranks, a failure inside work they share ends this rank
         (``RankFailure``): retrying alone would call collectives its peers are
@@ -109,26 +132,20 @@ class TickRunner:
 
     # -- REQUEST_BATCH ------------------------------------------------------------
     def execute_batch(self, batch: ExecuteBatch) -> RunnerResult:
-        requests = batch.requests
         outputs: Outputs = {}
         errors: dict[str, str] = {}
-        rows = batch.lora_rows
+        self._forward_or_isolate(batch.requests, outputs, errors, batch.lora_rows)
+        return RunnerResult(reply=TickReport(errors=errors), outputs=outputs)
+
+    def _forward_or_isolate(self, requests: list[DiffusionRequest], outputs: Outputs,
+                            errors: dict[str, str], lora_rows: dict[str, LoraRows]) -> None:
+        """The requests' fused forward; on a failure, each alone."""
         try:
-            self._forward(requests, outputs, rows)
+            self._forward(requests, outputs, lora_rows)
         except Exception as exc:
             self._end_if_shared(exc)
-            if len(requests) == 1:
-                errors[requests[0].request_id] = self._failed(exc)
-            else:
-                logger.warning("fused batch of %d failed (%s); isolating", len(requests),
-                               self._failed(exc))
-                outputs.clear()
-                for request in requests:
-                    try:
-                        self._forward([request], outputs, rows)
-                    except Exception as one:
-                        errors[request.request_id] = self._failed(one)
-        return RunnerResult(reply=TickReport(errors=errors), outputs=outputs)
+            self._isolate(exc, requests, errors, "fused batch", lambda r: self._forward_or_isolate(
+                [r], outputs, errors, lora_rows))
 
     def _forward(self, requests: list[DiffusionRequest], outputs: Outputs,
                  lora_rows: dict[str, LoraRows]) -> None:
@@ -140,8 +157,9 @@ class TickRunner:
         if len(results) != len(requests):
             raise RuntimeError(
                 f"pipeline returned {len(results)} outputs for {len(requests)} requests")
-        for request, tensor in zip(requests, results, strict=True):
-            outputs[request.request_id] = self.pipeline.to_transfer(tensor, request.sampling_params)
+        # all or nothing: a batch that fails leaves no output of its own behind
+        outputs.update({request.request_id: self.pipeline.to_transfer(tensor, request.sampling_params)
+                        for request, tensor in zip(requests, results, strict=True)})
 
     # -- STEP_BATCH -----------------------------------------------------------------
     def execute_step(self, step: ExecuteStep) -> RunnerResult:
@@ -236,13 +254,8 @@ class TickRunner:
         try:
             self.pipeline.prepare_encode_batch(states)
         except Exception as exc:
-            if len(states) == 1:
-                errors[requests[0].request_id] = self._failed(exc)
-                return
-            logger.warning("preparing %d together failed (%s); one by one", len(states),
-                           self._failed(exc))
-            for request in requests:
-                self._prepare([request], errors, lora_rows)
+            self._isolate(exc, requests, errors, "preparing",
+                          lambda r: self._prepare([r], errors, lora_rows))
             return
         for state in states:
             self.states[state.request_id] = state
@@ -278,13 +291,8 @@ class TickRunner:
         except Exception as exc:
             if self.vae_parallel:
                 self._end_if_shared(exc)
-            if len(states) == 1:
-                reply.errors[states[0].request_id] = self._failed(exc)
-                return
-            logger.warning("decoding %d together failed (%s); one by one", len(states),
-                           self._failed(exc))
-            for state in states:
-                self._decode([state], reply, outputs)
+            self._isolate(exc, states, reply.errors, "decoding",
+                          lambda s: self._decode([s], reply, outputs))
             return
         for state, out in zip(states, decoded, strict=True):
             rid = state.request_id
@@ -302,13 +310,8 @@ class TickRunner:
             preds = self._denoise(states)
         except Exception as exc:
             self._end_if_shared(exc)
-            if len(states) == 1:
-                errors[states[0].request_id] = self._failed(exc)
-                return
-            logger.warning("step batch of %d failed (%s); isolating", len(states),
-                           self._failed(exc))
-            for state in states:
-                self._advance([state], errors)
+            self._isolate(exc, states, errors, "step batch",
+                          lambda s: self._advance([s], errors))
             return
         for state, pred in zip(states, preds, strict=True):
             try:
