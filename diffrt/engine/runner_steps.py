@@ -27,7 +27,7 @@ from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.runner_messages import (
     ExecuteBatch,
     ExecuteStep,
-    LoraRows,
+    RequestAdapters,
     StepReport,
     TickReport,
 )
@@ -89,7 +89,7 @@ class TickRunner:
         return read_pixels(request, self.inputs, lambda w, h: spec.input_size(request, w, h),
                            spec.prompt_image_size(request))
 
-    def _slots(self, uses: LoraRows) -> tuple[tuple[int, float], ...]:
+    def _slots(self, uses: RequestAdapters) -> tuple[tuple[int, float], ...]:
         """A request's (slot, scale) pairs, each slot checked to hold the adapter
         the engine assigned it (a mismatch is a bug: never other pixels)."""
         for slot, adapter_id, _ in uses:
@@ -134,22 +134,22 @@ class TickRunner:
     def execute_batch(self, batch: ExecuteBatch) -> RunnerResult:
         outputs: Outputs = {}
         errors: dict[str, str] = {}
-        self._forward_or_isolate(batch.requests, outputs, errors, batch.lora_rows)
+        self._forward_or_isolate(batch.requests, outputs, errors, batch.request_adapters)
         return RunnerResult(reply=TickReport(errors=errors), outputs=outputs)
 
     def _forward_or_isolate(self, requests: list[DiffusionRequest], outputs: Outputs,
-                            errors: dict[str, str], lora_rows: dict[str, LoraRows]) -> None:
+                            errors: dict[str, str], request_adapters: dict[str, RequestAdapters]) -> None:
         """The requests' fused forward; on a failure, each alone."""
         try:
-            self._forward(requests, outputs, lora_rows)
+            self._forward(requests, outputs, request_adapters)
         except Exception as exc:
             self._end_if_shared(exc)
             self._isolate(exc, requests, errors, "fused batch", lambda r: self._forward_or_isolate(
-                [r], outputs, errors, lora_rows))
+                [r], outputs, errors, request_adapters))
 
     def _forward(self, requests: list[DiffusionRequest], outputs: Outputs,
-                 lora_rows: dict[str, LoraRows]) -> None:
-        loras = [self._slots(lora_rows.get(r.request_id, [])) for r in requests]
+                 request_adapters: dict[str, RequestAdapters]) -> None:
+        loras = [self._slots(request_adapters.get(r.request_id, [])) for r in requests]
         inputs = [self._inputs_of(r) for r in requests]
         results = self.pipeline.forward(DiffusionRequestBatch(
             requests=list(requests), loras=loras if any(loras) else [],
@@ -169,7 +169,7 @@ class TickRunner:
         outputs: Outputs = {}
         for rid in step.drop:
             self._forget(rid)
-        self._prepare(step.new, errors, step.lora_rows)
+        self._prepare(step.new, errors, step.request_adapters)
         if self.parallel and step.new:
             self._agree_on_prepared(step.new, errors)
         states = []
@@ -235,7 +235,7 @@ class TickRunner:
             logger.warning("preview of %s failed: %s", state.request_id, describe_error(exc))
 
     def _prepare(self, requests: list[DiffusionRequest], errors: dict[str, str],
-                 lora_rows: dict[str, LoraRows]) -> None:
+                 request_adapters: dict[str, RequestAdapters]) -> None:
         """Prepare the requests admitted in this tick together (one text-encoder
         call); on a failure, one by one so the error lands on its own request."""
         if not requests:
@@ -244,7 +244,7 @@ class TickRunner:
         for r in requests:
             try:
                 states.append(StepRequestState(
-                    request=r, loras=self._slots(lora_rows.get(r.request_id, [])),
+                    request=r, loras=self._slots(request_adapters.get(r.request_id, [])),
                     inputs=self._inputs_of(r)))
             except (RuntimeError, ValueError) as exc:  # an empty adapter slot, an unreadable
                 errors[r.request_id] = describe_error(exc)  # input: it fails alone
@@ -255,7 +255,7 @@ class TickRunner:
             self.pipeline.prepare_encode_batch(states)
         except Exception as exc:
             self._isolate(exc, requests, errors, "preparing",
-                          lambda r: self._prepare([r], errors, lora_rows))
+                          lambda r: self._prepare([r], errors, request_adapters))
             return
         for state in states:
             self.states[state.request_id] = state

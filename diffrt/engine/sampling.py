@@ -36,7 +36,7 @@ MAX_LORA_NAME_CHARS = 256
 #: the largest scale (either sign) it may give one
 MAX_LORAS_PER_REQUEST = 16
 MAX_LORA_SCALE = 100.0
-#: previews a step-mode request may ask for (as OpenAI's ``partial_images``).
+#: previews a request may ask for in step-batch execution (as OpenAI's ``partial_images``).
 MAX_PARTIAL_IMAGES = 3
 #: the priorities a request may give (lower runs first, vLLM's convention)
 MIN_PRIORITY, MAX_PRIORITY = -10, 10
