@@ -130,7 +130,8 @@ async def image_events(client: EngineClient, outputs: AsyncGenerator[DiffusionOu
                                                    "total_steps": out.total_steps})
             else:
                 raise_for_final(out, client)
-                image = out.images[0]  # type: ignore[index]
+                assert out.images is not None  # a final output it let through has images
+                image = out.images[0]
                 text = await asyncio.to_thread(_b64_image, image, fmt, compression)
                 yield _sse(completed, {
                     "type": completed, "b64_json": text,
