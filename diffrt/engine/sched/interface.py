@@ -122,6 +122,10 @@ class Scheduler(ABC):
     lifecycle rule is testable without a model.
     """
 
+    #: where a scheduler has it, the device slots its admitted requests' adapters
+    #: take (``BaseScheduler``'s); one given to the engine with None gets the engine's
+    adapters: BatchAdapters | None
+
     @abstractmethod
     def add(self, record: RequestRecord) -> None:
         """Queue ``record`` (its ``arrival`` is the queueing time)."""
