@@ -237,7 +237,7 @@ def flag_parsers() -> dict[str, Callable[[str], Any]]:
         add_engine_args(scratch)
         add_sampling_args(scratch)
     parsers = {**_ENGINE_PARSERS, **_SAMPLING_PARSERS}
-    aliases = {**ENGINE_ALIASES, **{f.name: tuple(f.extra["cli"]) for f in _sampling_fields()}}
+    aliases = {**ENGINE_ALIASES, **{f.name: tuple(f.extra.get("cli") or ()) for f in _sampling_fields()}}
     for name, spellings in aliases.items():
         for alias in spellings:
             if alias.startswith("--") and name in parsers:
@@ -276,7 +276,7 @@ def add_sampling_args(p: argparse.ArgumentParser, *, profile: Profile | None = N
     group = p.add_argument_group("sampling (SamplingParams; unset: the model's defaults)",
                                  profile.describe(names) or None)
     for field in fields:
-        add_declared(group, _SAMPLING_PARSERS, field, field.extra["cli"],
+        add_declared(group, _SAMPLING_PARSERS, field, field.extra.get("cli") or (),
                      defaults.get(field.name, UNSET))
 
 

@@ -22,7 +22,7 @@ from msgspec import Meta
 from diffrt.cli.engine_opts import UNSET, add_declared, flag_of
 from diffrt.cli.errors import CliError
 from diffrt.cli.renamed import add_renamed
-from diffrt.engine.declarations import declared_fields
+from diffrt.engine.declarations import DeclaredExtra, declared_fields
 from diffrt.runtime.types import convert_declared
 from diffrt.serve.settings import AUTOSCALING_FIELDS, HttpLimits, ReplicaOptions, ServeSettings
 
@@ -134,7 +134,7 @@ def replica_values(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _extra(struct: type[msgspec.Struct], name: str) -> dict[str, Any]:
+def _extra(struct: type[msgspec.Struct], name: str) -> DeclaredExtra:
     return next(f.extra for f in declared_fields(struct) if f.name == name)
 
 

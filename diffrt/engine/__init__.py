@@ -12,7 +12,7 @@ so importing the request/sampling types stays cheap.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from diffrt.engine.outputs import DiffusionOutput, RequestMetrics, TextEncoderStats
 from diffrt.engine.request import DiffusionRequest
@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import enum
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from diffrt.engine.cpu_policy import cpu_worker_env
@@ -70,8 +71,8 @@ class EngineConfig:
     limits: LimitsConfig
     executor: ExecutorSettings
 
-    def __init__(self, **settings: Any) -> None:
-        given: dict[str, dict[str, Any]] = {group: {} for group in GROUPS}
+    def __init__(self, **settings: object) -> None:
+        given: dict[str, dict[str, object]] = {group: {} for group in GROUPS}
         for name, value in settings.items():
             group = FIELD_GROUP.get(name)
             if group is None:
@@ -95,7 +96,7 @@ class EngineConfig:
             raise AttributeError(f"EngineConfig has no setting {name!r}")
         return getattr(object.__getattribute__(self, group), name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("EngineConfig is immutable: use config.replace(...)")
 
     @staticmethod
@@ -103,11 +104,11 @@ class EngineConfig:
         """Every setting's name, in declaration order."""
         return list(FIELD_GROUP)
 
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> dict[str, object]:
         """Every setting and its value (what ``EngineConfig(**...)`` takes back)."""
         return {name: getattr(getattr(self, group), name) for name, group in FIELD_GROUP.items()}
 
-    def replace(self, **changes: Any) -> EngineConfig:
+    def replace(self, **changes: object) -> EngineConfig:
         """A copy with ``changes``, checked as a new config is."""
         return EngineConfig(**{**self.settings(), **changes})
 
@@ -125,11 +126,12 @@ class EngineConfig:
                             if defaults.get(k, object()) != v)
         return f"EngineConfig({changed})"
 
-    def __reduce__(self) -> tuple[Any, ...]:  # Ray ships configs to replicas
+    def __reduce__(self) -> tuple[Callable[[dict[str, object]], EngineConfig],
+                                  tuple[dict[str, object]]]:  # Ray ships configs to replicas
         return (_rebuild, (self.settings(),))
 
     @staticmethod
-    def _defaults() -> dict[str, Any]:
+    def _defaults() -> dict[str, object]:
         return {name: getattr(cls(), name) for cls in GROUPS.values()
                 for name in cls.__struct_fields__}
 
@@ -322,5 +324,5 @@ __all__ = ["PIPELINE_RUNNER_CLS", "EngineConfig", "EngineConfigError", "Executio
            "usable_methods"]
 
 
-def _rebuild(settings: dict[str, Any]) -> EngineConfig:
+def _rebuild(settings: dict[str, object]) -> EngineConfig:
     return EngineConfig(**settings)

@@ -386,7 +386,7 @@ class EngineCore:
         return [record.request for record in records if record is not None]
 
     def _step_seconds(self, tick: SchedulerOutput, ran: Executed) -> float | None:
-        """A step-mode tick ran ``steps_run`` denoise steps; a request-mode tick runs its
+        """A step-batch tick ran ``steps_run`` denoise steps; a request-batch tick runs its
         batch's whole step count (one count per batch: it is in the batch key)."""
         if not tick.scheduled_ids:
             return None

@@ -10,11 +10,37 @@ the HTTP body model and the docs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import msgspec
 
 _BOUNDS = ("ge", "gt", "le", "lt", "min_length", "max_length")
+
+
+class DeclaredExtra(TypedDict, total=False):
+    """What a declaration's ``Meta(extra=...)`` may say for the surfaces
+    built from it (each key optional)."""
+
+    #: the HTTP body's name ("" the field's own; None: not over HTTP)
+    http: str | None
+    #: the command line's extra aliases (None: no flag)
+    cli: list[str] | None
+    #: means something only for a request with input images
+    needs_image: bool
+    #: an upper bound beyond msgspec's int64 ones, checked by the owner
+    le: int
+    #: the flag's spelling when it is not ``--<name>``
+    flag: str
+    #: the environment variable that also sets it
+    env: str
+    #: the flag's metavar in ``--help``
+    metavar: str
+    #: "bytes": the flag takes a size such as 8GiB
+    unit: str
+    #: the ``--help`` group the flag is listed in
+    group: str
+
+
 _KINDS = {msgspec.inspect.BoolType: "bool", msgspec.inspect.IntType: "int",
           msgspec.inspect.FloatType: "float", msgspec.inspect.StrType: "str",
           msgspec.inspect.LiteralType: "choice", msgspec.inspect.VarTupleType: "sequence",
@@ -32,14 +58,14 @@ class Declared:
     #: None is a value it takes (its "automatic" or "no limit")
     optional: bool
     #: the default (NODEFAULT when a factory makes it)
-    default: Any
+    default: object
     description: str
     #: ge/gt/le/lt/min_length/max_length that apply
-    bounds: dict[str, Any] = field(default_factory=dict)
+    bounds: dict[str, int | float] = field(default_factory=dict)
     #: the allowed values of a choice
-    choices: tuple[Any, ...] = ()
+    choices: tuple[object, ...] = ()
     #: what the declaration adds for other surfaces (``Meta(extra=...)``)
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: DeclaredExtra = field(default_factory=lambda: DeclaredExtra())
     #: the kind of a mapping's values or a sequence's items ("" for the others),
     #: so a surface can read ``name=1.5`` as a number where one is declared
     item_kind: str = ""
@@ -57,14 +83,14 @@ def declared_fields(struct: type) -> list[Declared]:
 
 
 def _declared(f: msgspec.inspect.Field) -> Declared:
-    t: Any = f.type
-    extra: dict[str, Any] = {}
+    t: msgspec.inspect.Type = f.type
+    extra = DeclaredExtra()
     description = ""
     optional = False
-    bounds: dict[str, Any] = {}
+    bounds: dict[str, int | float] = {}
     while True:
         if isinstance(t, msgspec.inspect.Metadata):
-            extra = {**(t.extra or {}), **extra}
+            extra = {**DeclaredExtra(**(t.extra or {})), **extra}
             description = description or (t.extra_json_schema or {}).get("description", "")
             t = t.type
         elif isinstance(t, msgspec.inspect.UnionType):
@@ -80,13 +106,13 @@ def _declared(f: msgspec.inspect.Field) -> Declared:
     if "le" in extra:  # a bound beyond msgspec's int64, checked by the owner
         bounds["le"] = extra["le"]
     kind = next(k for cls, k in _KINDS.items() if isinstance(t, cls))
-    choices = tuple(t.values) if kind == "choice" else ()
+    choices = tuple(t.values) if isinstance(t, msgspec.inspect.LiteralType) else ()
     default = f.default if f.default_factory is msgspec.NODEFAULT else msgspec.NODEFAULT
     return Declared(f.name, kind, optional, default, description, bounds, choices, extra,
                     _item_kind(t))
 
 
-def _item_kind(t: Any) -> str:
+def _item_kind(t: msgspec.inspect.Type) -> str:
     """The kind of a mapping's values or a sequence's items ("" otherwise)."""
     item = getattr(t, "value_type", None) or getattr(t, "item_type", None)
     if item is None:  # a fixed-length tuple has item_types; not a repeatable kind
@@ -96,4 +122,4 @@ def _item_kind(t: Any) -> str:
     return next((k for cls, k in _KINDS.items() if isinstance(item, cls)), "")
 
 
-__all__ = ["Declared", "declared_fields"]
+__all__ = ["Declared", "DeclaredExtra", "declared_fields"]

@@ -111,7 +111,7 @@ class DiffusionEngine:
         #: a request's estimated peak memory and the batch budget (None: unbounded)
         self.memory = memory_model(config, self.spec)
         if scheduler is not None and getattr(scheduler, "adapters", False) is None:
-            scheduler.adapters = self.adapters  # type: ignore[attr-defined]
+            scheduler.adapters = self.adapters
         self.output_processor = OutputProcessor(
             output_postprocessor(self.spec),
             workers=config.executor.postprocess_workers,

@@ -22,12 +22,15 @@ calls it (``image``, ``images[0]``, ``mask``, a flag).
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from diffrt.engine.input_images import MAX_INPUT_PIXELS
 from diffrt.engine.sampling import InvalidRequestError
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 #: the formats Pillow may open for an input image
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -36,7 +39,7 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
 
 
-def decode_image(data: bytes, field: str) -> Any:
+def decode_image(data: bytes, field: str) -> Image:
     """``data`` (a file's bytes) as an upright PIL image in its own mode."""
     import PIL.Image
     import PIL.ImageOps
@@ -68,12 +71,12 @@ def _too_large(field: str, size: tuple[int, int] | None) -> InvalidRequestError:
                                       "smaller image")
 
 
-def has_alpha(image: Any) -> bool:
+def has_alpha(image: Image) -> bool:
     """Whether ``image`` carries transparency (an alpha band or a transparent colour)."""
     return image.mode in _ALPHA_MODES or "transparency" in image.info
 
 
-def mask_for_engine(mask: Any, field: str = "mask") -> Any:
+def mask_for_engine(mask: Image, field: str = "mask") -> Image:
     """A mask file's image as the engine reads masks (white: repaint).
 
     With an alpha channel: OpenAI's convention, where fully transparent

@@ -35,6 +35,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from diffrt.engine.errors import EngineClosedError, EngineDeadError
 from diffrt.engine.output_ref import OutputRef
@@ -47,6 +48,9 @@ from diffrt.engine.sched import AbortOutcome, Finished
 from diffrt.engine.stats import StatsRecorder
 from diffrt.engine.tick import AbortNotice, TickResult
 from diffrt.runtime.shm_transport import OutputLease
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 logger = logging.getLogger(__name__)
 
@@ -340,9 +344,10 @@ class OutputProcessor:
             lease.release()
         done = self._clock()
         frames = None
-        if params.num_frames is not None:  # a video: its frames per output
-            frames, images = images, None
-        output = DiffusionOutput(rid, finished=True, error=error, images=images, output=value,
+        if params.num_frames is not None:  # a video: "pil" gives its frames per output
+            frames, images = cast("list[list[Image]] | None", images), None
+        output = DiffusionOutput(rid, finished=True, error=error,
+                                 images=cast("list[Image] | None", images), output=value,
                                  step=record.total_steps, total_steps=record.total_steps,
                                  frames=frames, fps=params.fps)
         with self._lock:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from PIL.Image import Image
 
 
 @dataclass
@@ -51,8 +56,9 @@ class DiffusionOutput:
     aborted: bool = False
     step: int = 0
     total_steps: int = 0
-    images: list[Any] | None = None  # PIL images for output_type "pil"
-    output: Any = None  # torch tensor for output_type "pt" / "latent"
+    images: list[Image] | None = None  # PIL images for output_type "pil"
+    #: a torch tensor for output_type "pt" / "latent", a uint8 array for "np"
+    output: torch.Tensor | np.ndarray | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     #: the seed the request ran with (a random one when it gave none), so any
     #: image can be reproduced by submitting it again with this seed.
@@ -60,7 +66,7 @@ class DiffusionOutput:
     #: a progress item carrying a preview (``partial_images``): the images as
     #: predicted at this step (PIL for output_type "pil", else a host tensor)
     #: and the preview's index, 0-based.
-    preview: Any = None
+    preview: list[Image] | list[list[Image]] | torch.Tensor | np.ndarray | None = None
     preview_index: int | None = None
     #: a limit ended it (request_timeout_s, its own timeout_s, or its output
     #: left unread past unread_output_timeout_s); ``error`` names the limit.
@@ -68,7 +74,7 @@ class DiffusionOutput:
     #: a video's final item (``num_frames``): each output's frames (PIL for
     #: output_type "pil"; else ``output`` holds them, (N, F, H, W, 3)) and
     #: the frame rate they play at
-    frames: list[list[Any]] | None = None
+    frames: list[list[Image]] | None = None
     fps: float | None = None
 
     @property

@@ -35,14 +35,14 @@ from diffrt.engine.pipelines.interface import DiffusionPipeline, StepRequestStat
 from diffrt.engine.pipelines.load import load_pipeline
 from diffrt.engine.runner_messages import (
     PIPELINE_PROTOCOL,
+    AdapterState,
+    AdapterStatus,
     CountStepStates,
     CountWeights,
-    DropLora,
+    DropAdapters,
     ExecuteBatch,
     ExecuteStep,
-    LoadLora,
-    LoraState,
-    LoraStatus,
+    LoadAdapter,
     RunnerReply,
     RunnerRequest,
     RunnerSettings,
@@ -147,18 +147,18 @@ class PipelineRunner(TickRunner):
     def handle(self, request: RunnerRequest) -> RunnerResult | RunnerReply:
         match request:
             case ExecuteBatch():
-                missing = self._install_loras(request.lora_installs)
+                missing = self._install_adapters(request.adapter_installs)
                 self.memory.start_execute()
                 result = self._reporting(self.execute_batch(request))
-                result.reply.lora_missing = missing
+                result.reply.empty_adapter_slots = missing
                 self._report_memory(result.reply, trim=True)
                 return result
             case ExecuteStep():
-                missing = self._install_loras(request.lora_installs)
+                missing = self._install_adapters(request.adapter_installs)
                 self.memory.start_execute()
                 result = self._reporting(self.execute_step(request))
                 reply = result.reply
-                reply.lora_missing = missing
+                reply.empty_adapter_slots = missing
                 # trimmed only when a request left: its memory is free now, not
                 # while it runs (trimming between its steps would fault it back
                 # in each tick)
@@ -171,23 +171,23 @@ class PipelineRunner(TickRunner):
                                       sum(state.nbytes() for state in self.states.values()))
             case CountWeights():
                 return self.count_weights()
-            case LoadLora(adapter_id=adapter_id, path=path):
+            case LoadAdapter(adapter_id=adapter_id, path=path):
                 self._loader().start(adapter_id, path)
-                return LoraState("loading")
-            case LoraStatus(adapter_id=adapter_id):
+                return AdapterState("loading")
+            case AdapterStatus(adapter_id=adapter_id):
                 state = self._loader().status(adapter_id)
                 if state != READY:
-                    return LoraState(state)
+                    return AdapterState(state)
                 weights = self._loader().get(adapter_id)
-                return LoraState(READY, rank=weights.rank, modules=len(weights.modules),
+                return AdapterState(READY, rank=weights.rank, modules=len(weights.modules),
                                  nbytes=weights.nbytes)
-            case DropLora(adapter_ids=ids):
+            case DropAdapters(adapter_ids=ids):
                 for adapter_id in ids:
                     self._loader().drop(adapter_id)
                     slot = self.pipeline.row_loras.slot_of(adapter_id)
                     if slot is not None:
                         self.pipeline.row_loras.clear(slot)
-                return LoraState("dropped")
+                return AdapterState("dropped")
             case _:
                 raise TypeError(f"PipelineRunner cannot handle {type(request).__name__}")
 
@@ -196,7 +196,7 @@ class PipelineRunner(TickRunner):
             raise RuntimeError("this model takes no LoRA adapters")
         return self.adapters
 
-    def _install_loras(self, installs: dict[int, int]) -> list[int]:
+    def _install_adapters(self, installs: dict[int, int]) -> list[int]:
         """Copy the adapters the engine assigned to device slots since the last
         execute into them, before this execute's rows use them; the slots that
         could not be filled — with the others a failure left empty — so the

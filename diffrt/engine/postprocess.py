@@ -8,15 +8,18 @@ busy loop, and builds what the caller asked for.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from PIL.Image import Image
+
     from diffrt.engine.model_spec import ModelSpec
 
-PostProcess = Callable[[torch.Tensor, str], tuple[list[Any] | None, Any]]
+PostProcess = Callable[[torch.Tensor, str],
+                       tuple["list[Image] | list[list[Image]] | None", "torch.Tensor | np.ndarray | None"]]
 
 
 def quantize_images(images: torch.Tensor) -> torch.Tensor:
@@ -27,7 +30,8 @@ def quantize_images(images: torch.Tensor) -> torch.Tensor:
     return (images * 255).round().to(torch.uint8).permute(*order).contiguous()
 
 
-def postprocess_output(host_tensor: torch.Tensor, output_type: str) -> tuple[list[Any] | None, Any]:
+def postprocess_output(host_tensor: torch.Tensor, output_type: str
+                       ) -> tuple[list[Image] | list[list[Image]] | None, torch.Tensor | np.ndarray | None]:
     """Return (images, output): PIL images for "pil" (a video: a list of
     frames per output), a uint8 array for "np", the tensor for "pt"/"latent"."""
     if output_type == "np":
@@ -42,7 +46,7 @@ def postprocess_output(host_tensor: torch.Tensor, output_type: str) -> tuple[lis
     return None, host_tensor
 
 
-def _array(host_tensor: Any) -> np.ndarray:
+def _array(host_tensor: torch.Tensor | np.ndarray) -> np.ndarray:
     return host_tensor.numpy() if isinstance(host_tensor, torch.Tensor) else np.asarray(host_tensor)
 
 

@@ -5,7 +5,7 @@ same object: the scheduler (inside ``EngineCore``) queues and advances it, the
 ``OutputProcessor`` delivers its outputs and metrics. Each field has one
 writer, guarded by that writer's lock, as marked below; the other side reads
 only what is noted. (``StepRequestState`` is a different thing: the worker's
-latents and noise-scheduler state for a step-mode request.)
+latents and noise-scheduler state for a request in step-batch execution.)
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class RequestRecord(OfRequest):
     #: the core queued it until it ends (``lora.registry``)
     adapters: tuple[tuple[int, float], ...] = ()
     #: the same as (device slot, scale), once admitted to a batch
-    lora_slots: tuple[tuple[int, float], ...] = ()
+    adapter_slots: tuple[tuple[int, float], ...] = ()
 
     # -- set at submission, before the record is shared; the core (its timer) reads them --
     #: when a limit (request_timeout_s, SamplingParams.timeout_s) ends it, and

@@ -30,7 +30,7 @@ class RunnerSettings(msgspec.Struct, frozen=True):
 # -- requests -------------------------------------------------------------------------
 #: one request's LoRA adapters in a worker: (device slot, adapter id, scale);
 #: the id lets the worker check the slot holds what the engine assigned
-LoraRows = list[tuple[int, int, float]]
+RequestAdapters = list[tuple[int, int, float]]
 
 
 class ExecuteBatch(msgspec.Struct, tag="execute_batch"):
@@ -38,9 +38,9 @@ class ExecuteBatch(msgspec.Struct, tag="execute_batch"):
 
     requests: list[DiffusionRequest]
     #: device slot -> adapter id to copy into it before running (``lora.slot_table``)
-    lora_installs: dict[int, int] = {}
+    adapter_installs: dict[int, int] = {}
     #: request id -> its adapters' slots and scales (requests without adapters: absent)
-    lora_rows: dict[str, LoraRows] = {}
+    request_adapters: dict[str, RequestAdapters] = {}
 
 
 class ExecuteStep(msgspec.Struct, tag="execute_step"):
@@ -52,31 +52,31 @@ class ExecuteStep(msgspec.Struct, tag="execute_step"):
     advance: list[str] = []
     drop: list[str] = []
     steps: int = 1
-    #: as ``ExecuteBatch``'s; ``lora_rows`` for ``new`` (kept with their state)
-    lora_installs: dict[int, int] = {}
-    lora_rows: dict[str, LoraRows] = {}
+    #: as ``ExecuteBatch``'s; ``request_adapters`` for ``new`` (kept with their state)
+    adapter_installs: dict[int, int] = {}
+    request_adapters: dict[str, RequestAdapters] = {}
     #: the scheduler may pause running requests: report each one's state bytes
     #: (``StepReport.state_bytes``); without preemption nobody reads them
     report_state_bytes: bool = False
 
 
 class CountStepStates(msgspec.Struct, tag="count_step_states"):
-    """How many step-mode request states the worker holds (leak checks)."""
+    """How many step-batch request states the worker holds (leak checks)."""
 
 
-class LoadLora(msgspec.Struct, tag="load_lora"):
+class LoadAdapter(msgspec.Struct, tag="load_adapter"):
     """Start reading an adapter file on the worker's loader thread (answered at
-    once with ``LoraState``; ``LoraStatus`` asks how far it got)."""
+    once with ``AdapterState``; ``AdapterStatus`` asks how far it got)."""
 
     adapter_id: int
     path: str
 
 
-class LoraStatus(msgspec.Struct, tag="lora_status"):
+class AdapterStatus(msgspec.Struct, tag="adapter_status"):
     adapter_id: int
 
 
-class DropLora(msgspec.Struct, tag="drop_lora"):
+class DropAdapters(msgspec.Struct, tag="drop_adapters"):
     """Forget these adapters (host copies and device slots)."""
 
     adapter_ids: list[int]
@@ -86,8 +86,8 @@ class CountWeights(msgspec.Struct, tag="count_weights"):
     """The bytes the worker's loaded weights hold (``WeightBytes``)."""
 
 
-RunnerRequest = (ExecuteBatch | ExecuteStep | CountStepStates | LoadLora | LoraStatus | DropLora
-                 | CountWeights)
+RunnerRequest = (ExecuteBatch | ExecuteStep | CountStepStates | LoadAdapter | AdapterStatus
+                 | DropAdapters | CountWeights)
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -127,9 +127,9 @@ class TickReport(msgspec.Struct, tag="tick_report"):
     #: the memory free to the worker when it took its warm baseline (only in
     #: the reply of the execute that took it)
     free_memory_bytes: int | None = None
-    #: LoRA slots of this execute's ``lora_installs`` that stayed empty (the
+    #: LoRA slots of this execute's ``adapter_installs`` that stayed empty (the
     #: adapter could not be copied there): the engine forgets the assignment
-    lora_missing: list[int] = []
+    empty_adapter_slots: list[int] = []
     #: request id -> what its step cache did, for requests that finished with one
     cache: dict[str, CacheMetrics] = {}
     #: STEP_BATCH: the steps, finishes and previews (None: a REQUEST_BATCH tick)
@@ -144,7 +144,7 @@ class StepStateCount(msgspec.Struct, tag="step_state_count"):
     state_bytes: int = 0
 
 
-class LoraState(msgspec.Struct, tag="lora_state"):
+class AdapterState(msgspec.Struct, tag="adapter_state"):
     #: "loading", "ready", or why the file was refused
     state: str
     rank: int = 0
@@ -167,7 +167,7 @@ class WeightBytes(msgspec.Struct, tag="weight_bytes"):
     on_device: int = 0
 
 
-RunnerReply = TickReport | StepStateCount | LoraState | WeightBytes
+RunnerReply = TickReport | StepStateCount | AdapterState | WeightBytes
 
 PIPELINE_PROTOCOL = RunnerProtocol(settings=RunnerSettings, requests=RunnerRequest,
                                    replies=RunnerReply)

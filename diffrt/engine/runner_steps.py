@@ -12,7 +12,8 @@ pipeline and keeps the request states.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -26,7 +27,7 @@ from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.runner_messages import (
     ExecuteBatch,
     ExecuteStep,
-    LoraRows,
+    RequestAdapters,
     StepReport,
     TickReport,
 )
@@ -56,6 +57,16 @@ def is_out_of_memory(exc: BaseException) -> bool:
 Outputs = dict[str, torch.Tensor]
 
 
+class _OfRequest(Protocol):
+    """A request or its step state: what a failure's error is filed under."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
+_Item = TypeVar("_Item", bound=_OfRequest)
+
+
 class TickRunner:
     """Runs ``ExecuteBatch`` and ``ExecuteStep`` on ``pipeline``; see the module."""
 
@@ -78,7 +89,7 @@ class TickRunner:
         return read_pixels(request, self.inputs, lambda w, h: spec.input_size(request, w, h),
                            spec.prompt_image_size(request))
 
-    def _slots(self, uses: LoraRows) -> tuple[tuple[int, float], ...]:
+    def _slots(self, uses: RequestAdapters) -> tuple[tuple[int, float], ...]:
         """A request's (slot, scale) pairs, each slot checked to hold the adapter
         the engine assigned it (a mismatch is a bug: never other pixels)."""
         for slot, adapter_id, _ in uses:
@@ -99,6 +110,18 @@ class TickRunner:
                 logger.exception("empty_cache failed")
         return describe_error(exc)
 
+    def _isolate(self, exc: BaseException, items: list[_Item], errors: dict[str, str],
+                 what: str, alone: Callable[[_Item], None]) -> None:
+        """After ``exc`` failed the work of ``items`` together: a lone item gets
+        the error; several are run again each ``alone``, so the error lands on
+        the request that caused it."""
+        if len(items) == 1:
+            errors[items[0].request_id] = self._failed(exc)
+            return
+        logger.warning("%s of %d failed (%s); one at a time", what, len(items), self._failed(exc))
+        for item in items:
+            alone(item)
+
     def _end_if_shared(self, exc: BaseException) -> None:
         """With several ranks, a failure inside work they share ends this rank
         (``RankFailure``): retrying alone would call collectives its peers are
@@ -109,30 +132,24 @@ class TickRunner:
 
     # -- REQUEST_BATCH ------------------------------------------------------------
     def execute_batch(self, batch: ExecuteBatch) -> RunnerResult:
-        requests = batch.requests
         outputs: Outputs = {}
         errors: dict[str, str] = {}
-        rows = batch.lora_rows
-        try:
-            self._forward(requests, outputs, rows)
-        except Exception as exc:
-            self._end_if_shared(exc)
-            if len(requests) == 1:
-                errors[requests[0].request_id] = self._failed(exc)
-            else:
-                logger.warning("fused batch of %d failed (%s); isolating", len(requests),
-                               self._failed(exc))
-                outputs.clear()
-                for request in requests:
-                    try:
-                        self._forward([request], outputs, rows)
-                    except Exception as one:
-                        errors[request.request_id] = self._failed(one)
+        self._forward_or_isolate(batch.requests, outputs, errors, batch.request_adapters)
         return RunnerResult(reply=TickReport(errors=errors), outputs=outputs)
 
+    def _forward_or_isolate(self, requests: list[DiffusionRequest], outputs: Outputs,
+                            errors: dict[str, str], request_adapters: dict[str, RequestAdapters]) -> None:
+        """The requests' fused forward; on a failure, each alone."""
+        try:
+            self._forward(requests, outputs, request_adapters)
+        except Exception as exc:
+            self._end_if_shared(exc)
+            self._isolate(exc, requests, errors, "fused batch", lambda r: self._forward_or_isolate(
+                [r], outputs, errors, request_adapters))
+
     def _forward(self, requests: list[DiffusionRequest], outputs: Outputs,
-                 lora_rows: dict[str, LoraRows]) -> None:
-        loras = [self._slots(lora_rows.get(r.request_id, [])) for r in requests]
+                 request_adapters: dict[str, RequestAdapters]) -> None:
+        loras = [self._slots(request_adapters.get(r.request_id, [])) for r in requests]
         inputs = [self._inputs_of(r) for r in requests]
         results = self.pipeline.forward(DiffusionRequestBatch(
             requests=list(requests), loras=loras if any(loras) else [],
@@ -140,8 +157,9 @@ class TickRunner:
         if len(results) != len(requests):
             raise RuntimeError(
                 f"pipeline returned {len(results)} outputs for {len(requests)} requests")
-        for request, tensor in zip(requests, results, strict=True):
-            outputs[request.request_id] = self.pipeline.to_transfer(tensor, request.sampling_params)
+        # all or nothing: a batch that fails leaves no output of its own behind
+        outputs.update({request.request_id: self.pipeline.to_transfer(tensor, request.sampling_params)
+                        for request, tensor in zip(requests, results, strict=True)})
 
     # -- STEP_BATCH -----------------------------------------------------------------
     def execute_step(self, step: ExecuteStep) -> RunnerResult:
@@ -151,7 +169,7 @@ class TickRunner:
         outputs: Outputs = {}
         for rid in step.drop:
             self._forget(rid)
-        self._prepare(step.new, errors, step.lora_rows)
+        self._prepare(step.new, errors, step.request_adapters)
         if self.parallel and step.new:
             self._agree_on_prepared(step.new, errors)
         states = []
@@ -217,7 +235,7 @@ class TickRunner:
             logger.warning("preview of %s failed: %s", state.request_id, describe_error(exc))
 
     def _prepare(self, requests: list[DiffusionRequest], errors: dict[str, str],
-                 lora_rows: dict[str, LoraRows]) -> None:
+                 request_adapters: dict[str, RequestAdapters]) -> None:
         """Prepare the requests admitted in this tick together (one text-encoder
         call); on a failure, one by one so the error lands on its own request."""
         if not requests:
@@ -226,7 +244,7 @@ class TickRunner:
         for r in requests:
             try:
                 states.append(StepRequestState(
-                    request=r, loras=self._slots(lora_rows.get(r.request_id, [])),
+                    request=r, loras=self._slots(request_adapters.get(r.request_id, [])),
                     inputs=self._inputs_of(r)))
             except (RuntimeError, ValueError) as exc:  # an empty adapter slot, an unreadable
                 errors[r.request_id] = describe_error(exc)  # input: it fails alone
@@ -236,13 +254,8 @@ class TickRunner:
         try:
             self.pipeline.prepare_encode_batch(states)
         except Exception as exc:
-            if len(states) == 1:
-                errors[requests[0].request_id] = self._failed(exc)
-                return
-            logger.warning("preparing %d together failed (%s); one by one", len(states),
-                           self._failed(exc))
-            for request in requests:
-                self._prepare([request], errors, lora_rows)
+            self._isolate(exc, requests, errors, "preparing",
+                          lambda r: self._prepare([r], errors, request_adapters))
             return
         for state in states:
             self.states[state.request_id] = state
@@ -278,13 +291,8 @@ class TickRunner:
         except Exception as exc:
             if self.vae_parallel:
                 self._end_if_shared(exc)
-            if len(states) == 1:
-                reply.errors[states[0].request_id] = self._failed(exc)
-                return
-            logger.warning("decoding %d together failed (%s); one by one", len(states),
-                           self._failed(exc))
-            for state in states:
-                self._decode([state], reply, outputs)
+            self._isolate(exc, states, reply.errors, "decoding",
+                          lambda s: self._decode([s], reply, outputs))
             return
         for state, out in zip(states, decoded, strict=True):
             rid = state.request_id
@@ -302,13 +310,8 @@ class TickRunner:
             preds = self._denoise(states)
         except Exception as exc:
             self._end_if_shared(exc)
-            if len(states) == 1:
-                errors[states[0].request_id] = self._failed(exc)
-                return
-            logger.warning("step batch of %d failed (%s); isolating", len(states),
-                           self._failed(exc))
-            for state in states:
-                self._advance([state], errors)
+            self._isolate(exc, states, errors, "step batch",
+                          lambda s: self._advance([s], errors))
             return
         for state, pred in zip(states, preds, strict=True):
             try:

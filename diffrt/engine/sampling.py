@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
+from diffrt.engine.declarations import DeclaredExtra
 from diffrt.field_error import FieldError
 from diffrt.runtime.types import DeclaredValueError, check_declared
 
@@ -39,7 +40,7 @@ MAX_LORA_NAME_CHARS = 256
 #: the largest scale (either sign) it may give one
 MAX_LORAS_PER_REQUEST = 16
 MAX_LORA_SCALE = 100.0
-#: previews a step-mode request may ask for (as OpenAI's ``partial_images``).
+#: previews a request may ask for in step-batch execution (as OpenAI's ``partial_images``).
 MAX_PARTIAL_IMAGES = 3
 #: the priorities a request may give (lower runs first, vLLM's convention)
 MIN_PRIORITY, MAX_PRIORITY = -10, 10
@@ -86,11 +87,11 @@ def _about(description: str, *, http: str | None = "", cli: tuple[str, ...] | No
     images (the HTTP body of /v1/images/edits carries it, that of
     /v1/images/generations does not). The HTTP body (``serve/protocol.py``) and the CLI flags
     (``cli/engine_opts.py``) are built from these."""
-    extra: dict[str, Any] = {"http": http, "cli": None if cli is None else list(cli),
+    extra: DeclaredExtra = {"http": http, "cli": None if cli is None else list(cli),
                              "needs_image": needs_image}
     if unchecked_le is not None:
         extra["le"] = unchecked_le
-    return Meta(description=description, extra=extra, **limits)
+    return Meta(description=description, extra=dict(extra), **limits)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):

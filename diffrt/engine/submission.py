@@ -13,8 +13,6 @@ seed drawn when none was given.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from diffrt.engine.config import EngineConfig
@@ -27,7 +25,7 @@ from diffrt.engine.sampling import InvalidRequestError, filled, random_seed
 from diffrt.runtime.input_arena import InputArena, InputArenaClosedError, InputArenaFullError
 
 
-def accept(request: Any, spec: ModelSpec, config: EngineConfig,
+def accept(request: object, spec: ModelSpec, config: EngineConfig,
            run_time: RunTimeModel | None = None,
            inputs: InputArena | None = None) -> DiffusionRequest:
     """Check one request end to end (``InvalidRequestError`` refuses it);

@@ -99,10 +99,10 @@ def tick_request(mode: ExecutionMode, tick: SchedulerOutput, *,
     """The typed request that carries ``tick`` to the workers."""
     if mode is ExecutionMode.STEP_BATCH:
         return ExecuteStep(new=tick.new, advance=tick.scheduled_ids, drop=tick.drop_ids,
-                           steps=tick.steps, lora_installs=tick.lora_installs,
-                           lora_rows=tick.lora_rows, report_state_bytes=report_state_bytes)
-    return ExecuteBatch(requests=tick.new, lora_installs=tick.lora_installs,
-                        lora_rows=tick.lora_rows)
+                           steps=tick.steps, adapter_installs=tick.adapter_installs,
+                           request_adapters=tick.request_adapters, report_state_bytes=report_state_bytes)
+    return ExecuteBatch(requests=tick.new, adapter_installs=tick.adapter_installs,
+                        request_adapters=tick.request_adapters)
 
 
 def read_report(reply: object) -> TickReport:

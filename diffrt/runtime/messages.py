@@ -142,7 +142,7 @@ class OutputPending(ResultMsg, tag=AsyncOutputKind.OUTPUT_PENDING.value):
 class Heartbeat(ResultMsg, tag=AsyncOutputKind.HEARTBEAT.value):
     """A sign of progress from inside an execute call (one per denoise step,
     at most one per ``HEARTBEAT_MIN_S``): the watchdog then tells a long
-    request-mode forward from a hung one."""
+    request-batch forward from a hung one."""
 
     rank: int
 

@@ -57,9 +57,11 @@ class EngineClient:
                  engine: DiffusionEngine | None = None,
                  on_ready: Callable[[], None] | None = None,
                  on_failed: Callable[[str], None] | None = None):
-        if engine is None and config is None:
-            raise ValueError("EngineClient needs an EngineConfig or a started engine")
-        self.config = config if config is not None else engine.config  # type: ignore[union-attr]
+        if config is None:
+            if engine is None:
+                raise ValueError("EngineClient needs an EngineConfig or a started engine")
+            config = engine.config
+        self.config = config
         self.settings = settings
         self.engine = engine
         self.state = "starting" if engine is None else "ready"
@@ -69,7 +71,7 @@ class EngineClient:
         self._in_flight = 0
         self._running: dict[str, None] = {}  # ids in flight, in arrival order
         #: the drain stopped waiting for aborted requests: their handlers answer
-        #: 503 at once (a request-mode forward cannot be cut short). Flags polled
+        #: 503 at once (a request-batch forward cannot be cut short). Flags polled
         #: rather than asyncio Events, which bind to one event loop.
         self._gave_up = False
         #: a second signal: the drain stops waiting for requests to finish

@@ -117,8 +117,9 @@ async def image_events(client: EngineClient, outputs: AsyncGenerator[DiffusionOu
 
     try:
         async for out in rest():
-            if out.preview is not None:
+            if isinstance(out.preview, list):  # PIL images: the server asks for "pil"
                 image = out.preview[0]
+                assert not isinstance(image, list)  # a clip's frames: no image route runs a video
                 text = await asyncio.to_thread(_b64_image, image, fmt, compression)
                 yield _sse(partial, {
                     "type": partial, "b64_json": text,
@@ -130,7 +131,8 @@ async def image_events(client: EngineClient, outputs: AsyncGenerator[DiffusionOu
                                                    "total_steps": out.total_steps})
             else:
                 raise_for_final(out, client)
-                image = out.images[0]  # type: ignore[index]
+                assert out.images is not None  # a final output it let through has images
+                image = out.images[0]
                 text = await asyncio.to_thread(_b64_image, image, fmt, compression)
                 yield _sse(completed, {
                     "type": completed, "b64_json": text,

@@ -69,7 +69,7 @@ class WaitingSeats:
 async def announce_admission(outputs: AsyncIterator[Any],
                              admitted: asyncio.Event) -> AsyncIterator[Any]:
     """``outputs``, with ``ADMITTED`` first as soon as ``admitted`` is set
-    (also while no output comes: a request-mode forward yields only its
+    (also while no output comes: a request-batch forward yields only its
     final output). Leaving early cancels the pending item and closes
     ``outputs`` (which aborts the request in the engine)."""
     told = False

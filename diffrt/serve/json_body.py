@@ -12,7 +12,7 @@ which reads its own body, calls ``loads_unique`` itself.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from fastapi import Request, Response
@@ -63,12 +63,13 @@ def _repeated(items: list[tuple[str, Any]]) -> str:
 
 def _first_twice(value: Any, path: tuple[str, ...]) -> tuple[str, ...] | None:
     """The path of the first key given twice in ``value`` (outermost first)."""
+    children: Iterable[tuple[str, Any]]
     if isinstance(value, _Object):
         if value.twice is not None:
             return (*path, value.twice)
         children = value.items()
     elif isinstance(value, list):
-        children = ((str(i), v) for i, v in enumerate(value))  # type: ignore[assignment]
+        children = ((str(i), v) for i, v in enumerate(value))
     else:
         return None
     for key, child in children:

@@ -101,7 +101,9 @@ def _body_field(declared: Declared, name: str) -> tuple[Any, Any]:
     """A pydantic field with the declaration's type, limits and default."""
     scale = _scale(declared, name)
     python = _python_type(declared)
-    bounds = {k: v * scale if scale != 1.0 and k in ("ge", "gt", "le", "lt") else v
+    # limits beside other keywords of pydantic's overloaded Field: mypy cannot
+    # tell which overload a ** of them reaches
+    bounds: dict[str, Any] = {k: v * scale if scale != 1.0 and k in ("ge", "gt", "le", "lt") else v
               for k, v in declared.bounds.items()}
     annotation: Any = python | None if declared.optional else python
     default = None if declared.optional else declared.default

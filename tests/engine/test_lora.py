@@ -31,7 +31,7 @@ from diffrt.engine import (
 )
 from diffrt.engine.models.embedded import embedded_folder
 from diffrt.engine.pipelines.flux.spec import LORA_TARGET_MODULES
-from diffrt.engine.runner_messages import LoraState, LoraStatus
+from diffrt.engine.runner_messages import AdapterState, AdapterStatus
 
 PROMPT = "a red square on a blue field"
 #: diffusers' pipeline holds several adapters at once by design here
@@ -223,7 +223,7 @@ def test_adapters_added_and_removed_while_requests_run(step_engine, files, refer
         assert np.abs(pixels(out) - alone).max() <= 1
     assert "c" not in [i.name for i in step_engine.list_loras()]
     # its last request ended: the worker holds it no longer (neither host nor slot)
-    [state] = step_engine.executor.collective_rpc(LoraStatus(adapter_id))
+    [state] = step_engine.executor.collective_rpc(AdapterStatus(adapter_id))
     assert "never asked" in state.state
     assert adapter_id not in [e and e[0] for e in runner_of(step_engine).pipeline.row_loras.installed]
     with pytest.raises(KeyError):
@@ -323,8 +323,8 @@ def test_fresh_workers_read_the_registered_adapters_again(step_engine):
         for info in step_engine.list_loras():
             adapter_id = next(a.id for a in step_engine.adapters.registered()
                               if a.name == info.name)
-            [state] = fresh.collective_rpc(LoraStatus(adapter_id))
-            assert state == LoraState("ready", rank=info.rank, modules=info.modules,
+            [state] = fresh.collective_rpc(AdapterStatus(adapter_id))
+            assert state == AdapterState("ready", rank=info.rank, modules=info.modules,
                                       nbytes=info.nbytes)
     finally:
         fresh.shutdown()

@@ -29,9 +29,12 @@ import inspect
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers.loaders.lora_base import LoraBaseMixin
 
 
 class AdapterFileError(ValueError):
@@ -107,10 +110,10 @@ def read_adapter(path: str, diffusers_pipeline: str, linears: dict[str, tuple[in
         raise AdapterFileError(f"{path}: cannot be applied ({type(exc).__name__}: {exc})") from None
 
 
-def _state_dict(cls: Any, path: str) -> tuple[dict[str, torch.Tensor], dict | None, dict | None]:
+def _state_dict(cls: type[LoraBaseMixin], path: str) -> tuple[dict[str, torch.Tensor], dict | None, dict | None]:
     """``cls.lora_state_dict`` with the metadata (and, where the family has
     them, kohya's alphas), as ``load_lora_weights`` calls it."""
-    kwargs: dict[str, Any] = {"return_lora_metadata": True, "local_files_only": True}
+    kwargs: dict[str, object] = {"return_lora_metadata": True, "local_files_only": True}
     if os.path.isfile(path):
         kwargs["weight_name"] = os.path.basename(path)
         path = os.path.dirname(path) or "."

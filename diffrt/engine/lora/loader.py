@@ -1,8 +1,8 @@
 """The worker's adapter files, read on a thread of their own.
 
-Registering an adapter (``LoadLora``) only queues its file here and answers
+Registering an adapter (``LoadAdapter``) only queues its file here and answers
 at once, so the worker's thread goes on running denoise steps while the file
-is read and checked; the engine asks how far it got (``LoraStatus``) until
+is read and checked; the engine asks how far it got (``AdapterStatus``) until
 every rank has it or one failed. Each adapter is read once into host memory
 and kept until it is dropped; the device holds only what the engine assigned
 to its slots (``row_lora``).

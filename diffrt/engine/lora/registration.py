@@ -12,7 +12,7 @@ from collections.abc import Callable
 from diffrt.engine.lora.adapter_file import AdapterFileError
 from diffrt.engine.lora.loader import LOADING, READY
 from diffrt.engine.lora.registry import AdapterRegistry, LoraInfo
-from diffrt.engine.runner_messages import DropLora, LoadLora, LoraState, LoraStatus
+from diffrt.engine.runner_messages import AdapterState, AdapterStatus, DropAdapters, LoadAdapter
 from diffrt.runtime.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -23,22 +23,22 @@ POLL_S = 0.02
 
 
 def load_on_workers(executor: Executor, adapter_id: int, path: str,
-                    timeout_s: float) -> LoraState:
+                    timeout_s: float) -> AdapterState:
     """Have every rank read ``path`` as ``adapter_id``; what rank 0 read
     (rank, modules, bytes). ``AdapterFileError`` when a rank refused the file,
     ``TimeoutError`` after ``timeout_s`` (the workers then forget it)."""
-    executor.collective_rpc(LoadLora(adapter_id, path))
+    executor.collective_rpc(LoadAdapter(adapter_id, path))
     deadline = time.monotonic() + timeout_s
     while True:
-        states = executor.collective_rpc(LoraStatus(adapter_id))
+        states = executor.collective_rpc(AdapterStatus(adapter_id))
         failed = [s.state for s in states if s.state not in (LOADING, READY)]
         if failed:
-            executor.collective_rpc(DropLora([adapter_id]))
+            executor.collective_rpc(DropAdapters([adapter_id]))
             raise AdapterFileError(failed[0])
         if all(s.state == READY for s in states):
             return states[0]
         if time.monotonic() > deadline:
-            executor.collective_rpc(DropLora([adapter_id]))
+            executor.collective_rpc(DropAdapters([adapter_id]))
             raise TimeoutError(f"{path}: not read within lora_load_timeout_s={timeout_s:g}")
         time.sleep(POLL_S)
 
@@ -76,7 +76,7 @@ def unregister(registry: AdapterRegistry, executor: Executor, name: str) -> None
     logger.info("LoRA adapter %r removed", name)
     if ids:
         try:
-            executor.collective_rpc(DropLora(ids))
+            executor.collective_rpc(DropAdapters(ids))
         except Exception as exc:  # removed all the same: workers gone hold nothing
             logger.warning("dropping LoRA adapter %r in the workers failed: %s", name, exc)
 

@@ -178,10 +178,10 @@ class AdapterRegistry:
 
     # -- the scheduler's (BatchAdapters) -----------------------------------------------------
     def admit(self, record: RequestRecord, *, blocked: bool) -> bool:
-        """Device slots for ``record``'s adapters (``record.lora_slots``); False
+        """Device slots for ``record``'s adapters (``record.adapter_slots``); False
         when they do not fit now, or when an earlier request of this pass
         waits for a slot (``blocked``) and this one needs one."""
-        if not record.adapters or record.lora_slots:
+        if not record.adapters or record.adapter_slots:
             return True
         if blocked:
             return False
@@ -189,13 +189,13 @@ class AdapterRegistry:
             slots = self.slots.acquire(adapter_id for adapter_id, _ in record.adapters)
         if slots is None:
             return False
-        record.lora_slots = tuple((slot, scale) for slot, (_, scale)
+        record.adapter_slots = tuple((slot, scale) for slot, (_, scale)
                                   in zip(slots, record.adapters, strict=True))
         return True
 
     def could_admit(self, record: RequestRecord) -> bool:
         """``admit`` would give ``record`` its slots now (nothing changes)."""
-        if not record.adapters or record.lora_slots:
+        if not record.adapters or record.adapter_slots:
             return True
         with self._lock:
             return self.slots.fits(adapter_id for adapter_id, _ in record.adapters)
@@ -205,14 +205,14 @@ class AdapterRegistry:
         if not record.adapters:
             return
         with self._lock:
-            if record.lora_slots:
-                self.slots.release(slot for slot, _ in record.lora_slots)
+            if record.adapter_slots:
+                self.slots.release(slot for slot, _ in record.adapter_slots)
             for adapter_id, _ in record.adapters:
                 adapter = self._by_id.get(adapter_id)
                 if adapter is not None:
                     adapter.pins -= 1
                     self._to_drop += self._drop_if_unused(adapter)
-            record.lora_slots = ()
+            record.adapter_slots = ()
             record.adapters = ()
 
     def take_installs(self) -> dict[int, int]:

@@ -39,9 +39,8 @@ the start of an execute); reading files is the loader thread's
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -198,8 +197,10 @@ class RowLoras:
         finally:
             self._active = previous
 
-    def _hook(self, name: str) -> Any:
-        def add_low_rank(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> Any:
+    def _hook(self, name: str) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor],
+                                           torch.Tensor | None]:
+        def add_low_rank(module: torch.nn.Module, args: tuple[torch.Tensor, ...],
+                         output: torch.Tensor) -> torch.Tensor | None:
             active = self._active
             tables = self.tables.get(name)
             if active is None or tables is None or not (tables.slots & active.slots):

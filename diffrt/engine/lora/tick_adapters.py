@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.record import RequestRecord
-from diffrt.engine.runner_messages import DropLora, TickReport
+from diffrt.engine.runner_messages import DropAdapters, TickReport
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched.interface import SchedulerOutput
 from diffrt.runtime.executor import Executor
@@ -54,23 +54,23 @@ class TickAdapters:
         of the requests ``tick`` admits."""
         if self.registry is None:
             return
-        tick.lora_installs = self.registry.take_installs()
+        tick.adapter_installs = self.registry.take_installs()
         for request in tick.new:
             record = record_of(request.request_id)
-            if record is not None and record.lora_slots:
-                tick.lora_rows[request.request_id] = [
+            if record is not None and record.adapter_slots:
+                tick.request_adapters[request.request_id] = [
                     (slot, adapter_id, scale) for (slot, scale), (adapter_id, _)
-                    in zip(record.lora_slots, record.adapters, strict=True)]
+                    in zip(record.adapter_slots, record.adapters, strict=True)]
 
     def after_reply(self, report: TickReport) -> None:
         """The slots the workers could not fill: assigned anew later."""
         if self.registry is not None:
-            self.registry.slots_empty(list(report.lora_missing))
+            self.registry.slots_empty(list(report.empty_adapter_slots))
 
     def tick_failed(self, tick: SchedulerOutput) -> None:
         """A tick that raised may not have filled its slots: assign them anew."""
-        if self.registry is not None and tick.lora_installs:
-            self.registry.slots_empty(list(tick.lora_installs))
+        if self.registry is not None and tick.adapter_installs:
+            self.registry.slots_empty(list(tick.adapter_installs))
 
     def workers_replaced(self) -> None:
         if self.registry is not None:
@@ -84,7 +84,7 @@ class TickAdapters:
         if not ids:
             return
         try:
-            executor.collective_rpc(DropLora(ids))
+            executor.collective_rpc(DropAdapters(ids))
         except Exception as exc:  # workers gone: nothing of theirs to free
             logger.warning("dropping LoRA adapters %s failed: %s", ids, exc)
 

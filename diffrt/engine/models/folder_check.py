@@ -26,8 +26,12 @@ import os
 import re
 import struct
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin
+    from transformers import PreTrainedModel
 
 
 class ModelLoadError(ValueError):
@@ -37,6 +41,8 @@ class ModelLoadError(ValueError):
 #: a JSON object as a model folder's files hold it (config.json, model_index.json:
 #: values of any JSON type), and the configs the tiny folders are written from
 JsonObject = dict[str, Any]
+#: tensor name -> shape
+Shapes = dict[str, tuple[int, ...]]
 
 
 def read_json_object(path: str) -> JsonObject:
@@ -178,8 +184,8 @@ def cache_dir() -> str:
     return os.path.join(base, "diffrt")
 
 
-def _check_class(index_path: str, name: str, library: str, class_name: Any, *,
-                 pipeline: bool = False) -> Any:
+def _check_class(index_path: str, name: str, library: str, class_name: object, *,
+                 pipeline: bool = False) -> type | None:
     """The class ``library.class_name`` names, or ModelLoadError naming it
     (None when the library is not installed: the loader says so)."""
     what = "pipeline _class_name" if pipeline else f"component {name!r} class"
@@ -255,7 +261,8 @@ def model_shapes(sub: str) -> dict[str, tuple[int, ...]]:
     return {}
 
 
-def _meta_shapes(sub: str, library: str, cls: Any) -> dict[str, tuple[int, ...]]:
+def _meta_shapes(sub: str, library: str,
+                 cls: type[ModelMixin] | type[PreTrainedModel]) -> Shapes:
     """Tensor name -> shape of the model ``cls`` builds from ``sub``'s
     config.json, on the meta device."""
     import torch
@@ -272,10 +279,10 @@ _VARIANT = re.compile(r"\.(fp16|bf16|fp32|ema|non_ema)[.-]")
 _BLOCK = re.compile(r"^(.*?)\.(\d+)\.")
 
 
-def _layer_count_mismatch(weights: JsonObject, built: JsonObject) -> str | None:
+def _layer_count_mismatch(weights: Shapes, built: Shapes) -> str | None:
     """"transformer_blocks: 2 in the weights, 3 by config.json" for the first
     repeated block whose count differs."""
-    def counts(keys: Any) -> dict[str, int]:
+    def counts(keys: Iterable[str]) -> dict[str, int]:
         found: dict[str, set[int]] = {}
         for key in keys:
             match = _BLOCK.match(key)
@@ -290,7 +297,7 @@ def _layer_count_mismatch(weights: JsonObject, built: JsonObject) -> str | None:
     return None
 
 
-def _shape_mismatch(weights: JsonObject, built: JsonObject) -> str | None:
+def _shape_mismatch(weights: Shapes, built: Shapes) -> str | None:
     differ = sorted(k for k in set(weights) & set(built) if tuple(weights[k]) != built[k])
     if not differ:
         return None

@@ -13,7 +13,11 @@ the original checkpoint's or diffusers' own (diffusers converts the first).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import ModelMixin
 
 GGUF_MISSING = "GGUF weights need the gguf package: pip install 'diffrt[quant]'"
 
@@ -61,7 +65,7 @@ def tensor_bytes(path: str, value_bytes: int) -> int:
     return total
 
 
-def load_gguf(cls: Any, sub: str, dtype: Any) -> Any:
+def load_gguf(cls: type[ModelMixin], sub: str, dtype: torch.dtype) -> ModelMixin:
     """``cls`` (a diffusers model class) from the folder's GGUF file, its
     config from the folder, offline."""
     from diffusers import GGUFQuantizationConfig
@@ -72,7 +76,7 @@ def load_gguf(cls: Any, sub: str, dtype: Any) -> Any:
                                 quantization_config=GGUFQuantizationConfig(compute_dtype=dtype))
 
 
-def write_gguf(model: Any, path: str, kind: str = "Q8_0") -> None:
+def write_gguf(model: torch.nn.Module, path: str, kind: str = "Q8_0") -> None:
     """Write ``model``'s state dict as a GGUF file under its diffusers names
     with gguf's own writer: 2-D weights whose rows divide into the type's
     blocks quantised to ``kind`` (a ``GGMLQuantizationType`` name), the rest

@@ -24,7 +24,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -118,7 +118,7 @@ def _diffusers_pipeline_class(name: str) -> type[DiffusersPipeline]:
 
 
 def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dtype,
-                            preloaded: JsonObject | None = None) -> Any:
+                            preloaded: JsonObject | None = None) -> DiffusersPipeline:
     """``diffusers.<pipeline_class>.from_pretrained(folder)`` offline in
     ``dtype``, reporting each weight component as it loads; ``preloaded``:
     components the family loaded its own way (given to ``from_pretrained``)."""

@@ -22,9 +22,12 @@ pixel values (not token counts) may differ slightly between the two.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from transformers import Qwen2VLProcessor
+
+if TYPE_CHECKING:
+    from transformers import BaseImageProcessor, PreTrainedTokenizerBase
 
 
 class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
@@ -35,12 +38,13 @@ class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
     go through ``Qwen2VLProcessor.__call__`` unchanged.
     """
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None,
-                 chat_template: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, image_processor: BaseImageProcessor | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None,
+                 chat_template: str | None = None, **kwargs: object) -> None:
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
-def load_vl_processor(path: str | os.PathLike) -> Any:
+def load_vl_processor(path: str | os.PathLike) -> Qwen2VLProcessor:
     """The processor saved at ``path`` (a folder's ``processor/``), offline:
     ``Qwen2VLProcessor`` with torchvision, ``ImageOnlyQwen2VLProcessor``
     (PIL image backend) without."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -15,7 +13,7 @@ def shares(length: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def share(length: int, group: Any) -> slice:
+def share(length: int, group: dist.ProcessGroup | None) -> slice:
     """This rank's part of ``length`` items split over ``group`` (``shares``)."""
     sizes = shares(length, dist.get_world_size(group))
     rank = dist.get_rank(group)
@@ -23,7 +21,8 @@ def share(length: int, group: Any) -> slice:
     return slice(start, start + sizes[rank])
 
 
-def gather_uneven(x: torch.Tensor, dim: int, group: Any, lengths: list[int]) -> torch.Tensor:
+def gather_uneven(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None,
+                  lengths: list[int]) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` in rank order; rank i's
     part is ``lengths[i]`` long there (known to every rank, so nothing but
     the data is exchanged). Parts are padded to the longest for the gather

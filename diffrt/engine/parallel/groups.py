@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch.distributed as dist
 
@@ -42,12 +42,12 @@ class ParallelGroups:
     dimension has one rank), and all ranks together (the VAE decode's group)."""
 
     degrees: ParallelDegrees
-    cfg: Any = None
-    ulysses: Any = None
-    ring: Any = None
+    cfg: dist.ProcessGroup | None = None
+    ulysses: dist.ProcessGroup | None = None
+    ring: dist.ProcessGroup | None = None
     #: ranks sharing the image tokens (ring × Ulysses): shard and gather
-    sequence: Any = None
-    all_ranks: Any = None
+    sequence: dist.ProcessGroup | None = None
+    all_ranks: dist.ProcessGroup | None = None
 
     def sequence_attention(self) -> JointAttention:
         """Joint attention (text first, then this rank's image tokens) over the
@@ -71,7 +71,7 @@ def build_groups(degrees: ParallelDegrees) -> ParallelGroups:
     groups = ParallelGroups(degrees=degrees, all_ranks=dist.group.WORLD)
     cs, rs, us = range(degrees.cfg), range(degrees.ring), range(degrees.ulysses)
 
-    def build(dimension: str, members: Any) -> None:
+    def build(dimension: str, members: Iterable[tuple[object, list[int]]]) -> None:
         """One new_group per value of the other coordinates; keep ours."""
         for key, ranks in members:
             group = dist.new_group(sorted(ranks))

@@ -30,7 +30,7 @@ nothing differs but the order of float additions.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,13 +39,17 @@ from torch import nn
 
 from diffrt.engine.parallel.collectives import gather_uneven, share, shares
 
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL
+    from diffusers.models.attention_processor import Attention
+
 
 class Bands:
     """The group the converted decoder splits over, and whether the current
     decode is split (an image with fewer latent rows than ranks is decoded
     whole on every rank, by the same layers running unsplit)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.split = False
         #: every rank's latent rows in the current decode
@@ -58,11 +62,12 @@ class Bands:
         return [rows * scale * per_row for rows in self.latent_rows]
 
 
-def _peer(group: Any, rank: int) -> int:
-    return dist.get_global_rank(group, rank)
+def _peer(group: dist.ProcessGroup | None, rank: int) -> int:
+    # None is the default group, where a group rank is the global rank
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def exchange_halo(x: torch.Tensor, halo: int, group: Any) -> torch.Tensor:
+def exchange_halo(x: torch.Tensor, halo: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``x`` (B, C, rows, W) with ``halo`` rows of each neighbour's band added
     above and below (zeros beyond the image's edge)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -156,10 +161,10 @@ class BandAttnProcessor:
     def __init__(self, bands: Bands) -> None:
         self.bands = bands
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor,
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
-                 temb: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+                 temb: torch.Tensor | None = None, *args: object, **kwargs: object) -> torch.Tensor:
         if encoder_hidden_states is not None or attention_mask is not None or attn.spatial_norm:
             raise ValueError("parallel VAE decode handles plain spatial self-attention only")
         residual = hidden_states
@@ -191,7 +196,7 @@ class BandAttnProcessor:
         return out / attn.rescale_output_factor
 
 
-def convert_decoder(decoder: nn.Module, group: Any) -> Bands:
+def convert_decoder(decoder: nn.Module, group: dist.ProcessGroup | None) -> Bands:
     """Make ``decoder`` (an AutoencoderKL's) able to run on bands of rows
     across ``group``: convolutions exchange halos, group norms share
     statistics, attention gathers keys and values. Raises ValueError, before
@@ -219,7 +224,7 @@ def convert_decoder(decoder: nn.Module, group: Any) -> Bands:
     return bands
 
 
-def parallel_decode(vae: Any, latents: torch.Tensor, bands: Bands) -> torch.Tensor:
+def parallel_decode(vae: AutoencoderKL, latents: torch.Tensor, bands: Bands) -> torch.Tensor:
     """``vae.decode(latents)`` by a decoder converted by ``convert_decoder``:
     this rank's band decoded, the bands all-gathered. An image with fewer
     latent rows than ranks is decoded whole on every rank."""

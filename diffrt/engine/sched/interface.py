@@ -106,8 +106,8 @@ class SchedulerOutput:
     steps: int = 1
     #: LoRA (set by the engine's core): device slot -> adapter id to install
     #: first, and the (slot, adapter id, scale) of the admitted requests' adapters
-    lora_installs: dict[int, int] = field(default_factory=dict)
-    lora_rows: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)
+    adapter_installs: dict[int, int] = field(default_factory=dict)
+    request_adapters: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -121,6 +121,10 @@ class Scheduler(ABC):
     clocks of their own (the engine passes ``now``), so every admission and
     lifecycle rule is testable without a model.
     """
+
+    #: where a scheduler has it, the device slots its admitted requests' adapters
+    #: take (``BaseScheduler``'s); one given to the engine with None gets the engine's
+    adapters: BatchAdapters | None
 
     @abstractmethod
     def add(self, record: RequestRecord) -> None:

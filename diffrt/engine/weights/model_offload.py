@@ -37,8 +37,7 @@ than ``forward`` (``vae.decode`` calls its ``post_quant_conv`` and
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -184,7 +183,7 @@ class ModelOffload:
         self.current: _Component | None = None
         #: how often a component was brought on (name -> count)
         self.loads: dict[str, int] = dict.fromkeys(self.managed, 0)
-        self._hooks: list[Any] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for name, module in components.items():
             part = self.managed.get(name)
             for owner in module.modules():
@@ -226,8 +225,9 @@ class ModelOffload:
             self.loads[part.name] += 1
             self.current = part
 
-    def _before(self, part: _Component | None) -> Any:
-        def hook(module: torch.nn.Module, args: Any) -> None:
+    def _before(self, part: _Component | None) -> Callable[[torch.nn.Module, tuple[object, ...]],
+                                                           None]:
+        def hook(module: torch.nn.Module, args: tuple[object, ...]) -> None:
             if self.current is not part:
                 self.use(part)
         return hook

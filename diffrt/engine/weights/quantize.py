@@ -21,7 +21,7 @@ apply on top of the quantised base as they do on a float one.
 from __future__ import annotations
 
 import typing
-from typing import Any
+from types import ModuleType
 
 import torch
 
@@ -39,7 +39,7 @@ class QuantizationUnavailable(RuntimeError):
     """The method's library is not installed."""
 
 
-def _torchao() -> Any:
+def _torchao() -> ModuleType:
     try:
         import torchao.quantization as quantization
     except ImportError as exc:

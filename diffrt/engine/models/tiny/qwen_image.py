@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from diffrt.engine.models.tiny.shared import (
     _WORDS,
@@ -37,6 +37,9 @@ from diffrt.engine.models.tiny.shared import (
     learn_bpe_merges,
     seeded_init,
 )
+
+if TYPE_CHECKING:
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 #: QwenImagePipeline's prompt template and the tokens it drops from the front
 QWEN_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, "
@@ -128,7 +131,7 @@ def template_prefix(template: str) -> str:
 
 def build_qwen_tokenizer(folder: str | os.PathLike, *,
                          templates: tuple[tuple[str, int], ...] = ((QWEN_TEMPLATE, TEMPLATE_DROP),),
-                         template_words: tuple[str, ...] = _TEMPLATE_WORDS) -> Any:
+                         template_words: tuple[str, ...] = _TEMPLATE_WORDS) -> Qwen2Tokenizer:
     """Write a ``Qwen2Tokenizer`` to ``folder`` and return it; raises unless
     each template's system prefix splits into the number of tokens its
     pipeline drops (``templates``: (template, drop) pairs; the merges are
@@ -151,7 +154,8 @@ def build_qwen_tokenizer(folder: str | os.PathLike, *,
     return tokenizer
 
 
-def _text_encoder(seed: int, tokenizer: Any) -> Any:
+def _text_encoder(seed: int,
+                  tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     ids = tokenizer.convert_tokens_to_ids
@@ -176,7 +180,8 @@ QWEN_IMAGE_COMPONENTS: dict[str, tuple[str, str]] = {
 }
 
 
-def save_qwen_models(path: Path, tokenizer: Any, *, seed: int, **transformer: Any) -> None:
+def save_qwen_models(path: Path, tokenizer: Qwen2Tokenizer, *, seed: int,
+                     **transformer: object) -> None:
     """The transformer (``TINY_QWEN_TRANSFORMER`` updated by ``transformer``,
     boosted), the VAE, the scheduler and the text encoder (sized for
     ``tokenizer``) of a tiny Qwen-Image folder, each from its own seed."""

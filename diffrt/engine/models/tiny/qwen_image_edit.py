@@ -39,7 +39,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from diffrt.engine.models.tiny.qwen_image import (
     _TEMPLATE_WORDS,
@@ -52,6 +52,9 @@ from diffrt.engine.models.tiny.qwen_image import (
     template_prefix,
 )
 from diffrt.engine.models.tiny.shared import ComponentConfig, _write_index
+
+if TYPE_CHECKING:
+    from transformers import Qwen2Tokenizer
 
 #: QwenImageEditPipeline's prompt template and the tokens it drops (its
 #: ``prompt_template_encode`` / ``prompt_template_encode_start_idx``; the Plus
@@ -106,14 +109,14 @@ QWEN_IMAGE_EDIT_COMPONENTS: dict[str, tuple[str, str]] = {
     **QWEN_IMAGE_COMPONENTS, "processor": ("transformers", "Qwen2VLProcessor")}
 
 
-def build_edit_tokenizer(folder: str | os.PathLike) -> Any:
+def build_edit_tokenizer(folder: str | os.PathLike) -> Qwen2Tokenizer:
     """The tiny Qwen tokenizer, its merges learned from both templates' words."""
     return build_qwen_tokenizer(
         folder, templates=((QWEN_TEMPLATE, TEMPLATE_DROP), (EDIT_TEMPLATE, EDIT_TEMPLATE_DROP)),
         template_words=tuple(dict.fromkeys((*_TEMPLATE_WORDS, *_EDIT_TEMPLATE_WORDS))))
 
 
-def save_vl_processor(folder: Path, tokenizer: Any) -> None:
+def save_vl_processor(folder: Path, tokenizer: Qwen2Tokenizer) -> None:
     """A ``Qwen2VLProcessor`` folder as Qwen's checkpoints lay it out
     (``preprocessor_config.json`` naming the processor class, the
     tokenizer's files, ``chat_template.jinja``), written part by part:

@@ -30,9 +30,13 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin
+    from transformers import CLIPTokenizer, PreTrainedModel, T5EncoderModel, T5Tokenizer
 
 #: a component's constructor arguments, as its config.json holds them
 ComponentConfig = dict[str, Any]
@@ -235,7 +239,7 @@ def clip_vocab_and_merges(num_merges: int = 400, extra: tuple[str, ...] = ()
 
 
 def build_clip_tokenizer(folder: str | os.PathLike, *, extra: tuple[str, ...] = (),
-                         max_length: int | None = None) -> Any:
+                         max_length: int | None = None) -> CLIPTokenizer:
     """Write a CLIP tokenizer to ``folder`` (``vocab.json`` + ``merges.txt``
     + ``tokenizer.json`` and its configs) and return it; ``extra`` words come
     first (whole tokens), ``max_length`` is what prompts are padded to."""
@@ -283,7 +287,7 @@ def t5_pieces(extra: tuple[str, ...] = ()) -> list[tuple[str, float]]:
 
 
 def build_t5_tokenizer(folder: str | os.PathLike, *, extra: tuple[str, ...] = (),
-                       max_length: int | None = None) -> Any:
+                       max_length: int | None = None) -> T5Tokenizer:
     """Write a T5 (Unigram, Metaspace) tokenizer to ``folder`` and return it
     (``extra`` words first, padded to ``max_length``)."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
@@ -323,7 +327,7 @@ def _boost(module: torch.nn.Module, factors: dict[str, float]) -> None:
         raise RuntimeError(f"no parameter ends with {missing} in {type(module).__name__}")
 
 
-def _clip_text(cls: type, seed: int, vocab: dict[str, int]) -> Any:
+def _clip_text(cls: type[PreTrainedModel], seed: int, vocab: dict[str, int]) -> PreTrainedModel:
     from transformers import CLIPTextConfig
 
     config = CLIPTextConfig(
@@ -337,7 +341,7 @@ def _clip_text(cls: type, seed: int, vocab: dict[str, int]) -> Any:
         return cls(config).eval()
 
 
-def _t5(seed: int, vocab_size: int, config_kwargs: ComponentConfig) -> Any:
+def _t5(seed: int, vocab_size: int, config_kwargs: ComponentConfig) -> T5EncoderModel:
     from transformers import T5Config, T5EncoderModel
 
     # T5Config keeps keys it does not list (config.json carries decoder_start_token_id)
@@ -347,12 +351,12 @@ def _t5(seed: int, vocab_size: int, config_kwargs: ComponentConfig) -> Any:
         return T5EncoderModel(config).eval()
 
 
-def _save(module: Any, folder: Path) -> None:
+def _save(module: PreTrainedModel | ModelMixin, folder: Path) -> None:
     module.save_pretrained(folder, safe_serialization=True)
 
 
-def save_seeded(folder: Path, cls: Any, seed: int, *, boost: dict[str, float] | None = None,
-                **config: Any) -> None:
+def save_seeded(folder: Path, cls: type[ModelMixin], seed: int, *,
+                boost: dict[str, float] | None = None, **config: object) -> None:
     """Build ``cls(**config)`` under ``seed``, scale its ``boost`` weights up
     (a family's ``PROMPT_BOOST``) and save it to ``folder``: a transformer's or
     a VAE's weights then depend on the seed alone."""
