@@ -13,7 +13,7 @@ reads what they leave: ``transformer`` (compiled or not) beside
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,10 @@ from diffrt.engine.pipelines.interface import DiffusionPipeline
 from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.platforms.interface import Platform
+
+if TYPE_CHECKING:
+    from diffrt.engine.parallel.sequence import SequenceSplit
+    from diffrt.engine.weights.offload import LayerwiseOffload
 
 
 def place(module: Any, device: torch.device) -> Any:
@@ -47,10 +51,10 @@ class ComponentsPipeline(DiffusionPipeline):
     #: set by ``enable_parallel``: the split of each call's image tokens
     #: over the sequence group (``engine.parallel.sequence``), and the VAE
     #: decoder's bands over all ranks (``engine.parallel.vae``)
-    sequence_split: Any = None
+    sequence_split: SequenceSplit | None = None
     vae_bands: Any = None
     #: set by ``enable_layerwise_offload`` / ``enable_model_offload``
-    offload: Any = None
+    offload: LayerwiseOffload | None = None
     model_offload: Any = None
 
     @property
@@ -106,14 +110,13 @@ class ComponentsPipeline(DiffusionPipeline):
             quantize_module(module, chosen, self.dtype)
 
     def enable_layerwise_offload(self, platform: Platform, prefetch: int = 1, *,
-                                 device: torch.device | None = None) -> Any:
+                                 device: torch.device | None = None) -> LayerwiseOffload:
         """The transformer's blocks to host memory, streamed to ``device``
-        (default: the pipeline's) per call (``engine.weights.offload``)."""
-        from diffrt.engine.weights.offload import LayerwiseOffload, transformer_blocks
+        (default: the pipeline's) per call: the call layer
+        ``transformer_call.BlockOffload`` installs its hooks."""
+        from diffrt.engine.pipelines.transformer_call import BlockOffload
 
-        self.offload = LayerwiseOffload(transformer_blocks(self.eager_transformer), platform,
-                                        device or self.device, prefetch=prefetch)
-        return self.offload
+        return BlockOffload.install(self, platform, prefetch, device or self.device)
 
     def enable_model_offload(self, platform: Platform, kept: tuple[str, ...] = (), *,
                              device: torch.device | None = None) -> Any:
@@ -147,15 +150,19 @@ class ComponentsPipeline(DiffusionPipeline):
         check_heads(getattr(self.transformer.config, "num_attention_heads", None),
                      groups.degrees.ulysses)  # the loaded model's, whatever the class said
         self.cfg_parallel_group = groups.cfg
-        if groups.sequence is not None:
-            self.enable_sequence_parallel(groups)
+        if groups.sequence is not None:  # the call layer installs the family's hooks
+            from diffrt.engine.pipelines.transformer_call import SequenceShard
+
+            SequenceShard.install(self, groups.sequence, groups.sequence_attention())
         if vae_parallel:
             from diffrt.engine.parallel.vae import convert_decoder
 
             self.vae_bands = convert_decoder(self.vae.decoder, groups.all_ranks)
 
-    def enable_sequence_parallel(self, groups: Any) -> None:
-        """Split each transformer call's image tokens over ``groups.sequence``."""
+    def sequence_hooks(self, split: SequenceSplit) -> None:
+        """The family's model hooks that shard each call's image tokens and
+        attend over the group (``transformer_call.SequenceShard`` installs
+        them, once)."""
         raise NotImplementedError(f"{self.name} has no sequence parallelism")
 
     def enable_loras(self, slots: int) -> dict[str, tuple[int, int]]:

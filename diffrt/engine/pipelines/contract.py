@@ -5,8 +5,11 @@ that subclass it).
 A family supplies five things and nothing else — its spec (``load`` sets
 it), its encoders (``encode_with_diffusers``, ``prompt_windows``; an editor
 whose text encoder reads images: ``encode_with_images``), its transformer
-call (``transformer_forward``, and ``transformer_blocks`` where step caches
-cut it at its blocks), its latent layout (``latents``, a
+call (``transformer_forward`` over rows of one size; where rows of several
+sizes share a call, ``padded_forward`` and, if it packs them,
+``packed_forward``; ``transformer_blocks`` where step caches cut it at its
+blocks; ``sequence_hooks`` where its tokens split over ranks — each entry
+the layer of that name in ``transformer_call`` calls), its latent layout (``latents``, a
 ``latents.LatentLayout``; ``timestep_kwargs``: the sigmas that layout's
 token count shifts) and its decode (``decode_latents``; for input images
 ``encode_image_dist`` / ``normalize_image_latents``). ``FlowMatchHost`` is
@@ -27,12 +30,32 @@ from diffrt.engine.cache.state import CacheBudget
 from diffrt.engine.input_images import InputPixels
 from diffrt.engine.lora.row_lora import RowLoras
 from diffrt.engine.model_spec import ModelSpec
+from diffrt.engine.parallel.sequence import SequenceSplit
 from diffrt.engine.pipelines.interface import StepRequestState
 from diffrt.engine.pipelines.latents import SpatialLatents
 from diffrt.engine.pipelines.request_state import Conditioning
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
+from diffrt.engine.weights.offload import LayerwiseOffload
+
+
+class SequenceHost(Protocol):
+    """What the sequence-split layer installs on (``transformer_call.SequenceShard``)."""
+
+    #: the sequence-parallel split of each call (None: the call runs whole)
+    sequence_split: SequenceSplit | None
+
+    def sequence_hooks(self, split: SequenceSplit) -> None: ...
+
+
+class OffloadHost(Protocol):
+    """What the offload layer installs on (``transformer_call.BlockOffload``)."""
+
+    offload: LayerwiseOffload | None
+
+    @property
+    def eager_transformer(self) -> torch.nn.Module: ...
 
 
 class FlowMatchHost(Protocol):
@@ -51,7 +74,9 @@ class FlowMatchHost(Protocol):
     row_loras: RowLoras | None
     cache_budget: CacheBudget | None
     #: the sequence-parallel split of each call (None: the call runs whole)
-    sequence_split: Any
+    sequence_split: SequenceSplit | None
+    #: the family has a packed forward (``packed_forward``)
+    packs_rows: bool
 
     # -- the family's -------------------------------------------------------------------
     def encode_with_images(self, request: DiffusionRequest,
@@ -69,6 +94,14 @@ class FlowMatchHost(Protocol):
     def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
                             embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
                             layout: RowLayout) -> torch.Tensor: ...
+
+    def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor: ...
+
+    def packed_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor: ...
 
     def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
@@ -104,4 +137,4 @@ class FlowMatchHost(Protocol):
                    cond: tuple[tuple[int, int], ...] = (), cache: Any = None) -> RowLayout: ...
 
 
-__all__ = ["FlowMatchHost"]
+__all__ = ["FlowMatchHost", "OffloadHost", "SequenceHost"]

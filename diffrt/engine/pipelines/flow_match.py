@@ -189,12 +189,30 @@ class FlowMatchPipeline(ComponentsPipeline):
     def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
                             embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
                             layout: RowLayout) -> torch.Tensor:
-        """One transformer call over rows; ``timesteps`` and ``guidance`` are
-        per row, ``layout`` says each row's image size; the model is
-        ``denoiser(layout)``. A family that takes rows of different sizes in
-        one call (``ModelSpec.mixed_sizes``) gets them zero-padded to the
-        longest row (``segments``)."""
+        """One transformer call over rows of one size (rows of several go to
+        ``padded_forward`` / ``packed_forward``); ``timesteps`` and
+        ``guidance`` are per row; the model is ``denoiser(layout)``. Under
+        the sequence split the call has begun it: the family's hooks
+        (``sequence_hooks``) shard its tokens."""
         raise NotImplementedError
+
+    #: the family has a ``packed_forward`` (``mixed_rows="packed"``)
+    packs_rows = False
+
+    def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """One call over rows of several sizes, each zero-padded to the
+        longest and its padding masked (``segments``): the family's where
+        its spec mixes sizes (``ModelSpec.mixed_sizes``)."""
+        raise NotImplementedError(f"{self.name} takes no rows of several sizes in one call")
+
+    def packed_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """``padded_forward``'s call with every row's tokens in one sequence,
+        nothing padded (``packs_rows``); inputs and output padded as there."""
+        raise NotImplementedError(f"{self.name} packs no rows")
 
     def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,

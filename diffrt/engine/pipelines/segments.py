@@ -118,11 +118,9 @@ class RowLayout:
                          conds if any(conds) else (),
                          caches if any(c is not None for c in caches) else ())
 
-    def key_mask(self, text_tokens: int, device: torch.device) -> torch.Tensor | None:
+    def key_mask(self, text_tokens: int, device: torch.device) -> torch.Tensor:
         """(rows, text_tokens + longest) booleans, True where a key is a real
-        token (text first, then the row's image tokens); None when uniform."""
-        if self.uniform:
-            return None
+        token (text first, then the row's image tokens): a padded call's."""
         image = torch.arange(self.longest, device=device)[None, :] < torch.tensor(
             self.tokens, device=device)[:, None]
         text = torch.ones(len(self), text_tokens, dtype=torch.bool, device=device)

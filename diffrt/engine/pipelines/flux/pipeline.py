@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.parallel.sequence import SequenceSplit
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.flow_match_spec import vae_factor
 from diffrt.engine.pipelines.flux.blocks import FluxBlocks
@@ -99,39 +100,17 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
                              attention_mask=layout.key_mask(embeds.shape[1], latents.device),
                              **kwargs)
 
-    def transformer_forward(
-        self,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        embeds: torch.Tensor,
-        pooled: torch.Tensor,
-        guidance: torch.Tensor,
-        layout: RowLayout,
-    ) -> torch.Tensor:
+    def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                            embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                            layout: RowLayout) -> torch.Tensor:
+        """diffusers' own forward over rows of one size; under the sequence
+        split this rank's image tokens and their position ids (the text whole)."""
         embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
-        if not layout.uniform:  # rows of several sizes: a rotary table per row
-            from diffrt.engine.pipelines.flux.mixed import forward_rows
-
-            rotary = self._row_rotary(txt_ids, layout)
-            model = self.denoiser(layout)
-            # adapters index rows, and an edit's tokens are not its own image's
-            if self.mixed_rows == "packed" and not layout.loras and not layout.conds:
-                from diffrt.engine.pipelines.flux.packed import forward_packed
-
-                return forward_packed(
-                    model, hidden_states=latents, layout=layout,
-                    encoder_hidden_states=embeds, pooled_projections=pooled, timestep=timestep,
-                    guidance=embedded, rotary=rotary)
-            return forward_rows(
-                model, hidden_states=latents, encoder_hidden_states=embeds,
-                pooled_projections=pooled, timestep=timestep, guidance=embedded, rotary=rotary,
-                attention_mask=layout.key_mask(embeds.shape[1], latents.device))  # type: ignore[arg-type]
         img_ids = self.row_ids(layout.sizes[0], layout.cond_of(0))
         sequence = self.sequence_split
-        if sequence is not None and sequence.begin(latents.shape[1]):  # this rank's image tokens
+        if sequence is not None:  # begun by the call layer; a no-op when it runs whole
             latents, img_ids = sequence.shard(latents, 1), sequence.shard(img_ids, 0)
-            sequence.text_len = embeds.shape[1]
-        out = self.denoiser(layout)(
+        return self.denoiser(layout)(
             hidden_states=latents,
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
@@ -141,19 +120,41 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
             guidance=embedded,
             return_dict=False,
         )[0]
-        return out if sequence is None else sequence.end(out, 1)
 
-    def enable_sequence_parallel(self, groups: Any) -> None:
-        """Each rank runs the transformer on its slice of the image tokens (and
-        of their position ids; the text whole); attention goes over the
-        sequence group (``pipelines.flux.parallel``); the output is
-        gathered."""
-        from diffrt.engine.parallel.sequence import SequenceSplit
+    def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """Rows of several sizes: a rotary table per row (``mixed.py``)."""
+        from diffrt.engine.pipelines.flux.mixed import forward_rows
+
+        embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
+        return forward_rows(
+            self.denoiser(layout), hidden_states=latents, encoder_hidden_states=embeds,
+            pooled_projections=pooled, timestep=timestep, guidance=embedded,
+            rotary=self._row_rotary(txt_ids, layout),
+            attention_mask=layout.key_mask(embeds.shape[1], latents.device))
+
+    packs_rows = True
+
+    def packed_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """Rows of several sizes packed into one sequence (``packed.py``)."""
+        from diffrt.engine.pipelines.flux.packed import forward_packed
+
+        embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
+        return forward_packed(
+            self.denoiser(layout), hidden_states=latents, layout=layout,
+            encoder_hidden_states=embeds, pooled_projections=pooled, timestep=timestep,
+            guidance=embedded, rotary=self._row_rotary(txt_ids, layout))
+
+    def sequence_hooks(self, split: SequenceSplit) -> None:
+        """Attention over the sequence group (``pipelines.flux.parallel``);
+        the tokens are sharded in ``transformer_forward``, the output
+        gathered by the call layer."""
         from diffrt.engine.pipelines.flux.parallel import SequenceParallelFluxAttnProcessor
 
-        self.sequence_split = SequenceSplit(groups.sequence, groups.sequence_attention())
-        self.transformer.set_attn_processor(SequenceParallelFluxAttnProcessor(
-            self.sequence_split))
+        self.transformer.set_attn_processor(SequenceParallelFluxAttnProcessor(split))
 
 
 __all__ = ["FluxPipeline", "calculate_shift"]

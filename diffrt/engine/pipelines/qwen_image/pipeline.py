@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from diffrt.engine.input_images import InputPixels
+from diffrt.engine.parallel.sequence import SequenceSplit
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.flow_match_spec import qwen_vae_factor
 from diffrt.engine.pipelines.folder_text import PromptWindow
@@ -156,51 +157,50 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
             return
         rotary = row_rotary(model, self.image_shapes(layout), embeds.shape[1], layout.longest,
                             latents.device)
-        keys = torch.cat([mask, layout.key_mask(0, latents.device)], dim=1)  # type: ignore[list-item]
+        keys = torch.cat([mask, layout.key_mask(0, latents.device)], dim=1)
         with rows_processor(model):
             yield QwenImageBlocks(model, hidden_states=latents, encoder_hidden_states=embeds,
                                   timestep=timestep, guidance=None, rotary=rotary, key_mask=keys)
 
-    def transformer_forward(
-        self,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        embeds: torch.Tensor,
-        extra: torch.Tensor,
-        guidance: torch.Tensor,
-        layout: RowLayout,
-    ) -> torch.Tensor:
+    def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                            layout: RowLayout) -> torch.Tensor:
+        """diffusers' own forward over rows of one size; under the sequence
+        split this rank's image tokens (their rotary rows by the hooks), the
+        text and its mask whole."""
         mask = extra.to(torch.bool)
         # as QwenImagePipeline: the model dtype first, then scaled
         timestep = timesteps.to(latents.dtype) / 1000
-        if not layout.uniform:  # rows of several sizes: frequencies per row
-            from diffrt.engine.pipelines.qwen_image.mixed import forward_rows, row_rotary
-
-            model = self.denoiser(layout)
-            rotary = row_rotary(model, self.image_shapes(layout), embeds.shape[1],
-                                layout.longest, latents.device)
-            # one key mask: each row's text (its prompt's padding out), then its image tokens
-            keys = torch.cat([mask, layout.key_mask(0, latents.device)], dim=1)  # type: ignore[list-item]
-            return forward_rows(model, hidden_states=latents,
-                                encoder_hidden_states=embeds, timestep=timestep, rotary=rotary,
-                                key_mask=keys)
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
+        text_mask = None if mask.all() else mask
         sequence = self.sequence_split
-        if sequence is not None:  # this rank's image tokens; gathered by proj_out's wrapper
-            if sequence.begin(latents.shape[1]):
-                latents = sequence.shard(latents, 1)
-            sequence.text_len = embeds.shape[1]
-            sequence.text_mask = None if mask.all() else mask
-        out = self.denoiser(layout)(
+        if sequence is not None:  # begun by the call layer; a no-op when it runs whole
+            latents = sequence.shard(latents, 1)
+            sequence.text_mask = text_mask
+        return self.denoiser(layout)(
             hidden_states=latents,
             timestep=timestep,
             guidance=embedded,
-            encoder_hidden_states_mask=None if mask.all() else mask,
+            encoder_hidden_states_mask=text_mask,
             encoder_hidden_states=embeds,
             img_shapes=self.image_shapes(layout),
             return_dict=False,
         )[0]
-        return out
+
+    def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """Rows of several sizes: frequencies per row and one key mask, each
+        row's text (its prompt's padding out) then its image tokens (``mixed.py``)."""
+        from diffrt.engine.pipelines.qwen_image.mixed import forward_rows, row_rotary
+
+        model = self.denoiser(layout)
+        rotary = row_rotary(model, self.image_shapes(layout), embeds.shape[1], layout.longest,
+                            latents.device)
+        keys = torch.cat([extra.to(torch.bool), layout.key_mask(0, latents.device)], dim=1)
+        return forward_rows(model, hidden_states=latents, encoder_hidden_states=embeds,
+                            timestep=timesteps.to(latents.dtype) / 1000, rotary=rotary,
+                            key_mask=keys)
 
     def encode_image_dist(self, pixels: torch.Tensor) -> Any:
         """AutoencoderKLQwenImage encodes video: the image is one frame."""
@@ -230,12 +230,11 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
         images = self.vae.decode(spatial, return_dict=False)[0][:, :, 0]
         return images.clamp(-1, 1)
 
-    def enable_sequence_parallel(self, groups: Any) -> None:
-        """Each rank runs the transformer blocks on its slice of the image
-        tokens and of their rotary embedding (``pipelines.qwen_image.parallel``);
-        the text (and its mask) whole on every rank; the output gathered."""
-        from diffrt.engine.parallel.sequence import SequenceSplit
+    def sequence_hooks(self, split: SequenceSplit) -> None:
+        """Attention over the sequence group with the text mask, each rank's
+        rows of the rotary table, the output gathered at the last projection
+        (``pipelines.qwen_image.parallel``); the image tokens are sharded in
+        ``transformer_forward``."""
         from diffrt.engine.pipelines.qwen_image.parallel import enable_qwen_sequence_parallel
 
-        self.sequence_split = SequenceSplit(groups.sequence, groups.sequence_attention())
-        enable_qwen_sequence_parallel(self.transformer, self.sequence_split)
+        enable_qwen_sequence_parallel(self.transformer, split)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from diffrt.engine.parallel.sequence import SequenceSplit
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.flow_match_spec import vae_factor
 from diffrt.engine.pipelines.folder_text import PromptWindow
@@ -85,22 +86,12 @@ class SD3Pipeline(FlowMatchPipeline):
             yield SD3Blocks(model, hidden_states=latents, encoder_hidden_states=embeds,
                             pooled_projections=pooled, timestep=timesteps, layout=layout)
 
-    def transformer_forward(
-        self,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        embeds: torch.Tensor,
-        pooled: torch.Tensor,
-        guidance: torch.Tensor,
-        layout: RowLayout,
-    ) -> torch.Tensor:
-        # timesteps float32 whatever the model dtype, as diffusers passes them
-        if not layout.uniform:  # rows of several sizes: padded tokens, masked keys
-            from diffrt.engine.pipelines.sd3.mixed import forward_rows
-
-            return forward_rows(self.denoiser(layout), hidden_states=latents,
-                                encoder_hidden_states=embeds, pooled_projections=pooled,
-                                timestep=timesteps, layout=layout)
+    def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                            embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                            layout: RowLayout) -> torch.Tensor:
+        """diffusers' own forward over rows of one size (its spatial input
+        from the patch tokens; timesteps float32 whatever the model dtype, as
+        diffusers passes them)."""
         out = self.denoiser(layout)(
             hidden_states=unpatchify(latents, layout.sizes[0], self.patch),
             encoder_hidden_states=embeds,
@@ -110,18 +101,26 @@ class SD3Pipeline(FlowMatchPipeline):
         )[0]
         return patchify(out, self.patch)
 
-    def enable_sequence_parallel(self, groups: Any) -> None:
-        """Each rank runs the transformer blocks on its slice of the image
-        tokens: the patch embedding (which adds the positional embedding, so
-        it sees the whole latent) is followed by the split, the last
-        projection by the gather; the attention goes over the sequence group
-        (``pipelines.sd3.parallel``), text whole on every rank."""
-        from diffrt.engine.parallel.sequence import GatherTokens, SequenceSplit, ShardTokens
+    def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """Rows of several sizes: padded patch tokens, masked keys (``mixed.py``)."""
+        from diffrt.engine.pipelines.sd3.mixed import forward_rows
+
+        return forward_rows(self.denoiser(layout), hidden_states=latents,
+                            encoder_hidden_states=embeds, pooled_projections=pooled,
+                            timestep=timesteps, layout=layout)
+
+    def sequence_hooks(self, split: SequenceSplit) -> None:
+        """The patch embedding (which adds the positional embedding, so it
+        sees the whole latent) is followed by the shard, the last projection
+        by the gather (before diffusers un-patchifies); the attention goes
+        over the sequence group (``pipelines.sd3.parallel``), text whole on
+        every rank."""
+        from diffrt.engine.parallel.sequence import GatherTokens, ShardTokens
         from diffrt.engine.pipelines.sd3.parallel import SequenceParallelJointAttnProcessor
 
-        self.sequence_split = sequence = SequenceSplit(groups.sequence,
-                                                       groups.sequence_attention())
         model = self.transformer
-        model.set_attn_processor(SequenceParallelJointAttnProcessor(sequence))
-        model.pos_embed = ShardTokens(model.pos_embed, sequence)
-        model.proj_out = GatherTokens(model.proj_out, sequence)
+        model.set_attn_processor(SequenceParallelJointAttnProcessor(split))
+        model.pos_embed = ShardTokens(model.pos_embed, split)
+        model.proj_out = GatherTokens(model.proj_out, split)
