@@ -105,11 +105,16 @@ def test_the_plugin_family_runs_through_the_shared_denoise_loop(folder, step_exe
         return family_call(self, call)
 
     monkeypatch.setattr(FamilyCall, "__call__", spy)
+    def entering(name):
+        inner = getattr(DenoiseLoop, name)
+
+        def entry(self, *args):
+            entries.append(name)
+            return inner(self, *args)
+        return entry
+
     for name in ("forward", "denoise_step"):
-        def entry(self, *args, _name=name, _inner=getattr(DenoiseLoop, name)):
-            entries.append(_name)
-            return _inner(self, *args)
-        monkeypatch.setattr(DenoiseLoop, name, entry)
+        monkeypatch.setattr(DenoiseLoop, name, entering(name))
     config = EngineConfig(model=folder, plugin_modules=[PLUGIN], executor_backend="inproc",
                           step_execution=step_execution, max_num_seqs=4, warmup=False,
                           request_batch_max_wait_ms=50, step_batch_max_wait_ms=50)

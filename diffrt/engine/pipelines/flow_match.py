@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,14 @@ from diffrt.engine.pipelines.transformer_call import RowsCall, TransformerCall, 
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams, filled
 
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage, ModelMixin, SchedulerMixin
+    from diffusers import DiffusionPipeline as DiffusersPipeline
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    from diffrt.engine.cache.state import RequestCache
+    from diffrt.engine.pipelines.prompt_cache import TextEncoder
+
 logger = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
@@ -59,7 +67,8 @@ class FlowMatchPipeline(ComponentsPipeline):
     #: image, one request at a time, past the prompt cache (it keys by text)
     text_sees_images = False
 
-    def __init__(self, transformer: Any, vae: Any, noise_scheduler: Any, text_encoder: Any, *,
+    def __init__(self, transformer: ModelMixin, vae: AutoencoderKL | AutoencoderKLQwenImage,
+                 noise_scheduler: SchedulerMixin, text_encoder: TextEncoder, *,
                  device: torch.device = CPU, dtype: torch.dtype = torch.float32):
         self.device = torch.device(device)
         self.dtype = dtype
@@ -120,7 +129,7 @@ class FlowMatchPipeline(ComponentsPipeline):
         return {}
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+    def encode_with_diffusers(pipeline: DiffusersPipeline, prompts: list[str],
                               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The family's diffusers ``encode_prompt`` with its inputs on ``device``
         (the compute device, wherever the encoders' weights are between
@@ -128,7 +137,7 @@ class FlowMatchPipeline(ComponentsPipeline):
         raise NotImplementedError
 
     @staticmethod
-    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+    def prompt_windows(pipeline: DiffusersPipeline) -> list[PromptWindow]:
         """The family's text encoders and where each cuts a prompt, as its
         ``encode_with_diffusers`` calls them (what ``take_prompt_cuts`` counts)."""
         return []
@@ -155,7 +164,8 @@ class FlowMatchPipeline(ComponentsPipeline):
         """Extra arguments to the noise scheduler's set_timesteps (sigmas, mu)."""
         return {}
 
-    def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
+    def prepare_timesteps(self, params: SamplingParams
+                          ) -> tuple[SchedulerMixin, torch.Tensor]:
         """A fresh noise-scheduler copy with its timesteps set, and those
         timesteps; never the shared template."""
         noise_scheduler = copy.deepcopy(self.noise_scheduler)
@@ -166,7 +176,8 @@ class FlowMatchPipeline(ComponentsPipeline):
 
     def row_layout(self, params: SamplingParams, rows: int | None = None,
                    loras: tuple[tuple[int, float], ...] = (),
-                   cond: tuple[tuple[int, int], ...] = (), cache: Any = None) -> RowLayout:
+                   cond: tuple[tuple[int, int], ...] = (),
+                   cache: RequestCache | None = None) -> RowLayout:
         """The layout of ``rows`` rows (default: one per output) of one
         request, each with the request's LoRA adapters ``loras``, its
         conditioning images' latent sizes ``cond`` (an edit) and its step
@@ -234,7 +245,7 @@ class FlowMatchPipeline(ComponentsPipeline):
         return self.call(RowsCall(latents, timesteps, embeds, extra, guidance, layout))
 
     # -- the family's: decode (and encode, for input images) -------------------------------
-    def encode_image_dist(self, pixels: torch.Tensor) -> Any:
+    def encode_image_dist(self, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
         """The VAE's latent distribution of ``pixels`` ((B, 3, H, W) in [-1, 1]);
         its ``mean`` and ``std`` are what diffusers samples from."""
         return self.vae.encode(pixels, return_dict=False)[0]

@@ -42,11 +42,16 @@ timestep and guidance embeddings are per row already).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin
+
+    from diffrt.engine.cache.state import RequestCache
 
 if TYPE_CHECKING:
     from diffrt.platforms.interface import Platform
@@ -70,12 +75,13 @@ class RowLayout:
     #: each row's request step cache (``engine.cache.RequestCache``; None: a
     #: row without one; (): no row has one): the rows of one request, over
     #: its outputs and CFG branches, share the same object
-    caches: tuple[Any, ...] = ()
+    caches: tuple[RequestCache | None, ...] = ()
 
     @staticmethod
     def uniform_rows(size: tuple[int, int], tokens: int, rows: int,
                      loras: tuple[tuple[int, float], ...] = (),
-                     cond: tuple[tuple[int, int], ...] = (), cache: Any = None) -> RowLayout:
+                     cond: tuple[tuple[int, int], ...] = (),
+                     cache: RequestCache | None = None) -> RowLayout:
         return RowLayout((size,) * rows, (tokens,) * rows, (loras,) * rows if loras else (),
                          (cond,) * rows if cond else (), (cache,) * rows if cache else ())
 
@@ -128,7 +134,8 @@ class RowLayout:
 
 
 @contextlib.contextmanager
-def attention_processor(model: Any, processor: Any) -> Iterator[None]:
+def attention_processor(model: ModelMixin, processor: Callable[..., object]
+                        ) -> Iterator[None]:
     """``model``'s attention processors are ``processor`` while the block runs
     (diffrt's per-row variants of diffusers' own), its own again after."""
     kept = model.attn_processors

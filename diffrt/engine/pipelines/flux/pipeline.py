@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.pipelines.packed_latents import PackedFamily, PackedLatents, calculate_shift
 from diffrt.engine.pipelines.segments import RowLayout
 
+if TYPE_CHECKING:
+    from diffusers import FluxPipeline as DiffusersFlux
+
 
 class FluxPipeline(PackedFamily, FlowMatchPipeline):
     """Text-to-image with a diffusers FluxTransformer2DModel."""
@@ -31,7 +34,7 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
     latents: PackedLatents
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+    def encode_with_diffusers(pipeline: DiffusersFlux, prompts: list[str],
                               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """CLIP pooled output + T5 hidden states, as FluxPipeline does: 512 T5
         tokens (its default), or fewer when the folder's T5 tokenizer says its
@@ -44,7 +47,7 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
         return embeds, pooled
 
     @staticmethod
-    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+    def prompt_windows(pipeline: DiffusersFlux) -> list[PromptWindow]:
         """CLIP at the pipeline's ``tokenizer_max_length`` (77), T5 at the
         length ``encode_with_diffusers`` asks."""
         length = min(512, int(getattr(pipeline.tokenizer_2, "model_max_length", 512)))
@@ -87,18 +90,22 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
                            layout: RowLayout) -> Iterator[FluxBlocks]:
         embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
         model = self.eager_transformer
-        kwargs: dict[str, Any] = {"hidden_states": latents, "encoder_hidden_states": embeds,
-                  "pooled_projections": pooled, "timestep": timestep, "guidance": embedded}
+
+        def blocks(rotary: tuple[torch.Tensor, torch.Tensor],
+                   mask: torch.Tensor | None = None) -> FluxBlocks:
+            return FluxBlocks(model, hidden_states=latents, encoder_hidden_states=embeds,
+                              pooled_projections=pooled, timestep=timestep, guidance=embedded,
+                              rotary=rotary, attention_mask=mask)
+
         if layout.uniform:
             ids = torch.cat((txt_ids, self.row_ids(layout.sizes[0], layout.cond_of(0))))
-            yield FluxBlocks(model, rotary=model.pos_embed(ids), **kwargs)
+            yield blocks(model.pos_embed(ids))
             return
         from diffrt.engine.pipelines.flux.mixed import rows_processor
 
         with rows_processor(model):
-            yield FluxBlocks(model, rotary=self._row_rotary(txt_ids, layout),
-                             attention_mask=layout.key_mask(embeds.shape[1], latents.device),
-                             **kwargs)
+            yield blocks(self._row_rotary(txt_ids, layout),
+                         layout.key_mask(embeds.shape[1], latents.device))
 
     def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
                             embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
@@ -121,18 +128,26 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
             return_dict=False,
         )[0]
 
+    def _rows_inputs(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                     embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                     layout: RowLayout) -> dict[str, Any]:
+        """A call over rows of several sizes: its model and inputs, with a
+        rotary table per row."""
+        embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
+        return {"model": self.denoiser(layout), "hidden_states": latents,
+                "encoder_hidden_states": embeds, "pooled_projections": pooled,
+                "timestep": timestep, "guidance": embedded,
+                "rotary": self._row_rotary(txt_ids, layout)}
+
     def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
                        embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
                        layout: RowLayout) -> torch.Tensor:
-        """Rows of several sizes: a rotary table per row (``mixed.py``)."""
+        """Rows of several sizes: a rotary table per row, padding masked (``mixed.py``)."""
         from diffrt.engine.pipelines.flux.mixed import forward_rows
 
-        embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
-        return forward_rows(
-            self.denoiser(layout), hidden_states=latents, encoder_hidden_states=embeds,
-            pooled_projections=pooled, timestep=timestep, guidance=embedded,
-            rotary=self._row_rotary(txt_ids, layout),
-            attention_mask=layout.key_mask(embeds.shape[1], latents.device))
+        return forward_rows(**self._rows_inputs(latents, timesteps, embeds, pooled, guidance,
+                                                layout),
+                            attention_mask=layout.key_mask(embeds.shape[1], latents.device))
 
     packs_rows = True
 
@@ -142,11 +157,8 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
         """Rows of several sizes packed into one sequence (``packed.py``)."""
         from diffrt.engine.pipelines.flux.packed import forward_packed
 
-        embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
-        return forward_packed(
-            self.denoiser(layout), hidden_states=latents, layout=layout,
-            encoder_hidden_states=embeds, pooled_projections=pooled, timestep=timestep,
-            guidance=embedded, rotary=self._row_rotary(txt_ids, layout))
+        return forward_packed(**self._rows_inputs(latents, timesteps, embeds, pooled, guidance,
+                                                  layout), layout=layout)
 
     def sequence_hooks(self, split: SequenceSplit) -> None:
         """Attention over the sequence group (``pipelines.flux.parallel``);

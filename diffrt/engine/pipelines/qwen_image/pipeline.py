@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,13 @@ from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers import QwenImagePipeline as DiffusersQwenImage
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    from diffrt.engine.pipelines.qwen_image.blocks import QwenImageBlocks
+
 
 class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
     """Text-to-image with a diffusers QwenImageTransformer2DModel."""
@@ -46,7 +53,7 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
     latents: PackedLatents
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+    def encode_with_diffusers(pipeline: DiffusersQwenImage, prompts: list[str],
                               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen2.5-VL's last hidden states without the template prefix, padded
         to the longest prompt, and their mask (1 = a token)."""
@@ -57,7 +64,7 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
         return embeds, mask
 
     @staticmethod
-    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+    def prompt_windows(pipeline: DiffusersQwenImage) -> list[PromptWindow]:
         """Qwen2.5-VL's tokenizer cuts the prompt in its chat template at 1024
         tokens past the template's dropped prefix, as ``encode_prompt`` does."""
         return [PromptWindow("text_encoder", pipeline.tokenizer,
@@ -69,7 +76,8 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
         """AutoencoderKLQwenImage's ``z_dim`` channels, 2 x 2-packed."""
         return PackedLatents(int(vae_config.get("z_dim", 16)), qwen_vae_factor(vae_config))
 
-    def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
+    def prepare_timesteps(self, params: SamplingParams
+                          ) -> tuple[FlowMatchEulerDiscreteScheduler, torch.Tensor]:
         """As QwenImagePipeline: stepping starts at index 0 (``set_begin_index``);
         with its terminal sigma the scheduler cannot find the first timestep
         by value."""
@@ -116,8 +124,14 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
         the negative prompt apart, as diffusers calls it."""
         from PIL import Image
 
+        from diffrt.engine.pipelines.folder_text import FolderTextEncoder
+        from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
+
         text = self.text_encoder
-        pipeline = getattr(text, "encoder", text).pipeline  # past the prompt cache
+        if isinstance(text, CachedTextEncoder):  # past the prompt cache
+            text = text.encoder
+        assert isinstance(text, FolderTextEncoder), "Qwen-Image encodes through its folder"
+        pipeline = text.pipeline
         pictures = [Image.fromarray(image.numpy())
                     for image in (inputs.prompt_images or inputs.images)]
         picture = pictures if inputs.prompt_images is not None else pictures[0]
@@ -141,7 +155,7 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
     @contextlib.contextmanager
     def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
-                           layout: RowLayout) -> Iterator[Any]:
+                           layout: RowLayout) -> Iterator[QwenImageBlocks]:
         from diffrt.engine.pipelines.qwen_image.blocks import QwenImageBlocks
         from diffrt.engine.pipelines.qwen_image.mixed import row_rotary, rows_processor
 
@@ -202,7 +216,7 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
                             timestep=timesteps.to(latents.dtype) / 1000, rotary=rotary,
                             key_mask=keys)
 
-    def encode_image_dist(self, pixels: torch.Tensor) -> Any:
+    def encode_image_dist(self, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
         """AutoencoderKLQwenImage encodes video: the image is one frame."""
         return self.vae.encode(pixels.unsqueeze(2), return_dict=False)[0]
 

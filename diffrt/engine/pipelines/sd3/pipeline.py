@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,12 +26,17 @@ from diffrt.engine.pipelines.sd3.patches import PatchLatents, patchify, unpatchi
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from diffusers import StableDiffusion3Pipeline
+
+    from diffrt.engine.pipelines.sd3.blocks import SD3Blocks
+
 
 class SD3Pipeline(FlowMatchPipeline):
     """Text-to-image with a diffusers SD3Transformer2DModel."""
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+    def encode_with_diffusers(pipeline: StableDiffusion3Pipeline, prompts: list[str],
                               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Two CLIPs (penultimate hidden states, pooled) and T5 (256 tokens),
         concatenated as StableDiffusion3Pipeline does."""
@@ -41,7 +46,7 @@ class SD3Pipeline(FlowMatchPipeline):
         return embeds, pooled
 
     @staticmethod
-    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+    def prompt_windows(pipeline: StableDiffusion3Pipeline) -> list[PromptWindow]:
         """Both CLIPs at ``tokenizer_max_length`` (77) and T5, where the folder
         has one, at the 256 tokens ``encode_with_diffusers`` asks."""
         windows = [PromptWindow("text_encoder", pipeline.tokenizer, pipeline.tokenizer_max_length),
@@ -77,7 +82,7 @@ class SD3Pipeline(FlowMatchPipeline):
     @contextlib.contextmanager
     def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
                            embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
-                           layout: RowLayout) -> Iterator[Any]:
+                           layout: RowLayout) -> Iterator[SD3Blocks]:
         from diffrt.engine.pipelines.sd3.blocks import SD3Blocks
         from diffrt.engine.pipelines.sd3.mixed import rows_processor
 
