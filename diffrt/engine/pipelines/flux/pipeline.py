@@ -2,8 +2,10 @@
 
 Only what is Flux-specific lives here: its prompts (CLIP pooled + T5), its
 transformer call (position ids, embedded guidance, timesteps scaled to
-[0, 1]; rows of several sizes through ``mixed.py`` and ``packed.py``) and
-its sequence split. Its latent layout (2 x 2-packed tokens, the shifted
+[0, 1]) as the entries the call layers of ``transformer_call`` reach —
+``transformer_forward`` for rows of one size, ``padded_forward`` and
+``packed_forward`` for rows of several (``mixed.py``, ``packed.py``),
+``transformer_blocks`` for step caches — and its sequence split's hooks. Its latent layout (2 x 2-packed tokens, the shifted
 sigmas, an edit's tokens) is ``packed_latents``', shared with Qwen-Image
 (the tiny seeded folder behind `tiny-flux` is ``tiny_folder.py``'s).
 """
