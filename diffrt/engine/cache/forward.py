@@ -21,7 +21,7 @@ as the same ``RequestCache`` on each.
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -31,11 +31,28 @@ import torch
 from diffrt.engine.cache.policies import TEACACHE
 from diffrt.engine.cache.state import RequestCache
 
+#: a block input indexed by row: a tensor (rows first), a pair of them (a
+#: rotary table per row), a mapping of them (``joint_attention_kwargs``)
+RowInput = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
+
+
+def rows_of(value: RowInput, rows: torch.Tensor) -> RowInput:
+    """``value`` for the call's rows ``rows`` (see ``RowInput``)."""
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, rows)
+    if isinstance(value, tuple):
+        return tuple(part.index_select(0, rows) for part in value)
+    return {name: part.index_select(0, rows) for name, part in value.items()}
+
 
 class TransformerBlocks(ABC):
     """A family's transformer call, embedded and cut at its blocks; the
     streams are (rows, tokens, dim), ``rows`` an index of the call's rows
-    (None: all of them)."""
+    (None: all of them). The block loop is written once (``run``): a family
+    gives its blocks' keyword inputs, those indexed by row (``row_inputs``:
+    a sub-batch takes its rows of them) and those shared by every row
+    (``shared_inputs``); each block takes the image and text streams and
+    returns (text, image), as diffusers' double- and single-stream blocks do."""
 
     #: the diffusers transformer, and its blocks in call order
     model: Any
@@ -47,11 +64,25 @@ class TransformerBlocks(ABC):
     temb: torch.Tensor
     #: the number of blocks
     count: int
+    #: every block call's other keyword inputs (see the class)
+    row_inputs: dict[str, RowInput]
+    shared_inputs: dict[str, object]
 
-    @abstractmethod
     def run(self, start: int, stop: int, hidden: torch.Tensor, encoder: torch.Tensor | None,
             rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Blocks ``start:stop`` over ``rows``' streams."""
+        kwargs = dict(self.shared_inputs)
+        for name, value in self.row_inputs.items():
+            kwargs[name] = value if rows is None else rows_of(value, rows)
+        for block in self.blocks[start:stop]:
+            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
+                                    **kwargs)
+        return hidden, encoder
+
+    @staticmethod
+    def attention_inputs(mask: torch.Tensor | None) -> dict[str, RowInput]:
+        """A padded call's key mask as the blocks take it (none: no entry)."""
+        return {} if mask is None else {"joint_attention_kwargs": {"attention_mask": mask}}
 
     def modulated_input(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """The first block's timestep-modulated image input (TeaCache's

@@ -5,12 +5,18 @@ group, the joint attention over it (Ulysses, ring, or both), and whether
 the current call is split at all. A call whose image tokens do not divide
 by the group's size runs whole on every rank (the same numbers, no saving):
 splitting it would need padded tokens masked out of every attention.
+
+The call layer ``pipelines.transformer_call.SequenceShard`` owns the split:
+it installs the family's hooks once (attention processors, and where a
+model cuts its tokens inside its forward, ``ShardTokens`` / ``GatherTokens``)
+and begins and ends it around each call. ``ShardTokens`` begins it too, so
+a call cut at its blocks for a step cache, which does not pass that layer,
+still splits where the model shards.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class SequenceSplit:
-    def __init__(self, group: Any, attend: JointAttention) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, attend: JointAttention) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

@@ -13,19 +13,34 @@ reads what they leave: ``transformer`` (compiled or not) beside
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from diffrt.engine.model_spec import check_heads
 from diffrt.engine.outputs import TextEncoderStats
 from diffrt.engine.pipelines.interface import DiffusionPipeline
-from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
+from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder, TextEncoder
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.platforms.interface import Platform
 
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage, ModelMixin
 
-def place(module: Any, device: torch.device) -> Any:
+    from diffrt.engine.parallel.groups import ParallelGroups
+    from diffrt.engine.parallel.vae import Bands
+    from diffrt.engine.weights.model_offload import ModelOffload
+
+if TYPE_CHECKING:
+    from diffrt.engine.parallel.sequence import SequenceSplit
+    from diffrt.engine.weights.offload import LayerwiseOffload
+
+
+#: a module placed keeps its type
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def place(module: M, device: torch.device) -> M:
     """Move a loaded model to the device, in eval mode. Its dtype was set when it
     was loaded (``from_pretrained(dtype=...)``), which keeps the layers a model
     declares float32-only (T5's ``wo``) in float32; a later ``.to(dtype)``
@@ -39,26 +54,26 @@ class ComponentsPipeline(DiffusionPipeline):
 
     #: the denoiser as it is called: its own modules, or a ``torch.compile``
     #: wrapper of them (``compile_models``)
-    transformer: Any
-    vae: Any
+    transformer: ModelMixin
+    vae: AutoencoderKL | AutoencoderKLQwenImage
     #: prompts -> (embeds, extra), one row per prompt (FolderTextEncoder),
     #: under the prompt cache once ``enable_prompt_cache`` ran
-    text_encoder: Any
+    text_encoder: TextEncoder
     #: set by ``enable_parallel``: the split of each call's image tokens
     #: over the sequence group (``engine.parallel.sequence``), and the VAE
     #: decoder's bands over all ranks (``engine.parallel.vae``)
-    sequence_split: Any = None
-    vae_bands: Any = None
+    sequence_split: SequenceSplit | None = None
+    vae_bands: Bands | None = None
     #: set by ``enable_layerwise_offload`` / ``enable_model_offload``
-    offload: Any = None
-    model_offload: Any = None
+    offload: LayerwiseOffload | None = None
+    model_offload: ModelOffload | None = None
 
     @property
-    def eager_transformer(self) -> Any:
+    def eager_transformer(self) -> ModelMixin:
         """The transformer's own modules (under a ``torch.compile`` wrapper)."""
         return getattr(self.transformer, "_orig_mod", self.transformer)
 
-    def denoiser(self, layout: RowLayout) -> Any:
+    def denoiser(self, layout: RowLayout) -> ModelMixin:
         """The model a call over ``layout`` runs: the eager one when its rows
         carry LoRA adapters (their hooks read per-call state a compiled graph
         would not see), else ``transformer``, compiled or not."""
@@ -106,17 +121,16 @@ class ComponentsPipeline(DiffusionPipeline):
             quantize_module(module, chosen, self.dtype)
 
     def enable_layerwise_offload(self, platform: Platform, prefetch: int = 1, *,
-                                 device: torch.device | None = None) -> Any:
+                                 device: torch.device | None = None) -> LayerwiseOffload:
         """The transformer's blocks to host memory, streamed to ``device``
-        (default: the pipeline's) per call (``engine.weights.offload``)."""
-        from diffrt.engine.weights.offload import LayerwiseOffload, transformer_blocks
+        (default: the pipeline's) per call: the call layer
+        ``transformer_call.BlockOffload`` installs its hooks."""
+        from diffrt.engine.pipelines.transformer_call import BlockOffload
 
-        self.offload = LayerwiseOffload(transformer_blocks(self.eager_transformer), platform,
-                                        device or self.device, prefetch=prefetch)
-        return self.offload
+        return BlockOffload.install(self, platform, prefetch, device or self.device)
 
     def enable_model_offload(self, platform: Platform, kept: tuple[str, ...] = (), *,
-                             device: torch.device | None = None) -> Any:
+                             device: torch.device | None = None) -> ModelOffload:
         """Whole components to host memory, each moved to ``device`` (default:
         the pipeline's) when it runs (``engine.weights.model_offload``)."""
         from diffrt.engine.weights.model_offload import ModelOffload
@@ -139,23 +153,28 @@ class ComponentsPipeline(DiffusionPipeline):
                 place(module, self.device)
 
     # -- parallelism, adapters, prompts ------------------------------------------------
-    def enable_parallel(self, groups: Any, *, vae_parallel: bool = False) -> None:
+    def enable_parallel(self, groups: ParallelGroups, *, vae_parallel: bool = False) -> None:
         """CFG branches over ``groups.cfg``, image tokens over
-        ``groups.sequence`` (the family's ``enable_sequence_parallel``), the
+        ``groups.sequence`` (the call layer ``SequenceShard`` installs the
+        family's ``sequence_hooks``), the
         VAE decode in bands over all ranks (``engine.parallel.vae``)."""
         self.spec.check_parallel(groups.degrees, vae_parallel)
         check_heads(getattr(self.transformer.config, "num_attention_heads", None),
                      groups.degrees.ulysses)  # the loaded model's, whatever the class said
         self.cfg_parallel_group = groups.cfg
-        if groups.sequence is not None:
-            self.enable_sequence_parallel(groups)
+        if groups.sequence is not None:  # the call layer installs the family's hooks
+            from diffrt.engine.pipelines.transformer_call import SequenceShard
+
+            SequenceShard.install(self, groups.sequence, groups.sequence_attention())
         if vae_parallel:
             from diffrt.engine.parallel.vae import convert_decoder
 
             self.vae_bands = convert_decoder(self.vae.decoder, groups.all_ranks)
 
-    def enable_sequence_parallel(self, groups: Any) -> None:
-        """Split each transformer call's image tokens over ``groups.sequence``."""
+    def sequence_hooks(self, split: SequenceSplit) -> None:
+        """The family's model hooks that shard each call's image tokens and
+        attend over the group (``transformer_call.SequenceShard`` installs
+        them, once)."""
         raise NotImplementedError(f"{self.name} has no sequence parallelism")
 
     def enable_loras(self, slots: int) -> dict[str, tuple[int, int]]:

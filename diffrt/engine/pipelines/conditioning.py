@@ -178,6 +178,7 @@ class Conditioner:
         a mask, what each step's blend and the decode need."""
         host, params = self.host, state.request.sampling_params
         assert state.timesteps is not None and state.inputs is not None  # prepared, with its image
+        assert state.noise_scheduler is not None
         start = params.start_step()
         noise_scheduler = state.noise_scheduler
         noise_scheduler.set_begin_index(start)  # diffusers' get_timesteps (order 1)
@@ -214,6 +215,7 @@ class Conditioner:
         as diffusers' inpaint pipelines blend them."""
         timesteps = state.timesteps
         assert timesteps is not None and state.latents is not None
+        assert state.noise_scheduler is not None
         proper = inpaint.image_latents
         if state.step + 1 < len(timesteps):
             proper = state.noise_scheduler.scale_noise(

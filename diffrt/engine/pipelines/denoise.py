@@ -24,7 +24,7 @@ applied per row, so a request's image does not depend on its batch mates
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -49,7 +49,7 @@ def prepared(value: T | None) -> T:
 
 
 def check_compatible(requests: list[DiffusionRequest],
-                     key: Callable[[DiffusionRequest], Any]) -> None:
+                     key: Callable[[DiffusionRequest], object]) -> None:
     """Refuse a batch the engine should not have formed (a bug, not user input)."""
     first = key(requests[0])
     for other in requests[1:]:
@@ -213,7 +213,7 @@ class DenoiseLoop:
     def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
         latents, timesteps = prepared(state.latents), prepared(state.timesteps)
         t = timesteps[state.step]
-        noise_scheduler = state.noise_scheduler
+        noise_scheduler = prepared(state.noise_scheduler)
         inpaint = state.inpaint
         if state.preview_steps is None:
             state.preview_steps = tuple(state.request.sampling_params.preview_steps())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,14 @@ from diffrt.engine.pipelines.transformer_call import RowsCall, TransformerCall, 
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams, filled
 
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage, ModelMixin, SchedulerMixin
+    from diffusers import DiffusionPipeline as DiffusersPipeline
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    from diffrt.engine.cache.state import RequestCache
+    from diffrt.engine.pipelines.prompt_cache import TextEncoder
+
 logger = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
@@ -59,7 +67,8 @@ class FlowMatchPipeline(ComponentsPipeline):
     #: image, one request at a time, past the prompt cache (it keys by text)
     text_sees_images = False
 
-    def __init__(self, transformer: Any, vae: Any, noise_scheduler: Any, text_encoder: Any, *,
+    def __init__(self, transformer: ModelMixin, vae: AutoencoderKL | AutoencoderKLQwenImage,
+                 noise_scheduler: SchedulerMixin, text_encoder: TextEncoder, *,
                  device: torch.device = CPU, dtype: torch.dtype = torch.float32):
         self.device = torch.device(device)
         self.dtype = dtype
@@ -126,7 +135,7 @@ class FlowMatchPipeline(ComponentsPipeline):
         return {}
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+    def encode_with_diffusers(pipeline: DiffusersPipeline, prompts: list[str],
                               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The family's diffusers ``encode_prompt`` with its inputs on ``device``
         (the compute device, wherever the encoders' weights are between
@@ -134,7 +143,7 @@ class FlowMatchPipeline(ComponentsPipeline):
         raise NotImplementedError
 
     @staticmethod
-    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+    def prompt_windows(pipeline: DiffusersPipeline) -> list[PromptWindow]:
         """The family's text encoders and where each cuts a prompt, as its
         ``encode_with_diffusers`` calls them (what ``take_prompt_cuts`` counts)."""
         return []
@@ -161,7 +170,8 @@ class FlowMatchPipeline(ComponentsPipeline):
         """Extra arguments to the noise scheduler's set_timesteps (sigmas, mu)."""
         return {}
 
-    def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
+    def prepare_timesteps(self, params: SamplingParams
+                          ) -> tuple[SchedulerMixin, torch.Tensor]:
         """A fresh noise-scheduler copy with its timesteps set, and those
         timesteps; never the shared template."""
         noise_scheduler = copy.deepcopy(self.noise_scheduler)
@@ -172,7 +182,8 @@ class FlowMatchPipeline(ComponentsPipeline):
 
     def row_layout(self, params: SamplingParams, rows: int | None = None,
                    loras: tuple[tuple[int, float], ...] = (),
-                   cond: tuple[tuple[int, int], ...] = (), cache: Any = None) -> RowLayout:
+                   cond: tuple[tuple[int, int], ...] = (),
+                   cache: RequestCache | None = None) -> RowLayout:
         """The layout of ``rows`` rows (default: one per output) of one
         request, each with the request's LoRA adapters ``loras``, its
         conditioning images' latent sizes ``cond`` (an edit) and its step
@@ -195,12 +206,30 @@ class FlowMatchPipeline(ComponentsPipeline):
     def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
                             embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
                             layout: RowLayout) -> torch.Tensor:
-        """One transformer call over rows; ``timesteps`` and ``guidance`` are
-        per row, ``layout`` says each row's image size; the model is
-        ``denoiser(layout)``. A family that takes rows of different sizes in
-        one call (``ModelSpec.mixed_sizes``) gets them zero-padded to the
-        longest row (``segments``)."""
+        """One transformer call over rows of one size (rows of several go to
+        ``padded_forward`` / ``packed_forward``); ``timesteps`` and
+        ``guidance`` are per row; the model is ``denoiser(layout)``. Under
+        the sequence split the call has begun it: the family's hooks
+        (``sequence_hooks``) shard its tokens."""
         raise NotImplementedError
+
+    #: the family has a ``packed_forward`` (``mixed_rows="packed"``)
+    packs_rows = False
+
+    def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """One call over rows of several sizes, each zero-padded to the
+        longest and its padding masked (``segments``): the family's where
+        its spec mixes sizes (``ModelSpec.mixed_sizes``)."""
+        raise NotImplementedError(f"{self.name} takes no rows of several sizes in one call")
+
+    def packed_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """``padded_forward``'s call with every row's tokens in one sequence,
+        nothing padded (``packs_rows``); inputs and output padded as there."""
+        raise NotImplementedError(f"{self.name} packs no rows")
 
     def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
@@ -222,7 +251,7 @@ class FlowMatchPipeline(ComponentsPipeline):
         return self.call(RowsCall(latents, timesteps, embeds, extra, guidance, layout))
 
     # -- the family's: decode (and encode, for input images) -------------------------------
-    def encode_image_dist(self, pixels: torch.Tensor) -> Any:
+    def encode_image_dist(self, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
         """The VAE's latent distribution of ``pixels`` ((B, 3, H, W) in [-1, 1]);
         its ``mean`` and ``std`` are what diffusers samples from."""
         return self.vae.encode(pixels, return_dict=False)[0]

@@ -13,9 +13,13 @@ and a new family only names its diffusers pipeline and the arguments its
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline as DiffusersPipeline
+    from transformers import PreTrainedTokenizerBase
 
 
 class PromptWindow(NamedTuple):
@@ -25,7 +29,7 @@ class PromptWindow(NamedTuple):
 
     #: the folder's component whose input this is ("text_encoder_2")
     encoder: str
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     max_tokens: int
     template: str = "{}"
 
@@ -44,8 +48,9 @@ class PromptWindow(NamedTuple):
 class FolderTextEncoder:
     """Callable as the pipelines' text encoder: prompts -> (embeds, pooled)."""
 
-    def __init__(self, text_pipeline: Any,
-                 encode: Callable[[Any, list[str], torch.device], tuple], *,
+    def __init__(self, text_pipeline: DiffusersPipeline,
+                 encode: Callable[[DiffusersPipeline, list[str], torch.device],
+                                  tuple[torch.Tensor, torch.Tensor]], *,
                  device: torch.device, windows: Sequence[PromptWindow] = ()):
         self.pipeline = text_pipeline
         self._encode = encode

@@ -39,6 +39,17 @@ from diffrt.engine.request import DiffusionRequest, OfRequest
 from diffrt.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+    from diffusers import SchedulerMixin
+
+    from diffrt.engine.cache.state import CacheBudget
+    from diffrt.engine.outputs import CacheMetrics
+    from diffrt.engine.parallel.groups import ParallelGroups
+    from diffrt.engine.weights.model_offload import ModelOffload
+    from diffrt.engine.weights.offload import LayerwiseOffload
+    from diffrt.platforms.interface import Platform
+
+if TYPE_CHECKING:
     from diffrt.engine.outputs import TextEncoderStats
 
 
@@ -83,7 +94,7 @@ class StepRequestState(OfRequest):
     latents: torch.Tensor | None = None
     timesteps: torch.Tensor | None = None
     step: int = 0
-    noise_scheduler: Any = None  # this request's own copy of the diffusers noise scheduler
+    noise_scheduler: SchedulerMixin | None = None  # this request's own copy of the diffusers noise scheduler
     #: its LoRA adapters as (device slot, scale) pairs (``engine.lora``)
     loras: tuple[tuple[int, float], ...] = ()
     #: its input images as the worker read them (None: none, or not read yet:
@@ -174,7 +185,7 @@ class DiffusionPipeline(ABC):
     #: set by ``enable_parallel`` with ``cfg_parallel_size=2``: the two-rank
     #: group whose rank 0 computes the conditional branch of CFG and rank 1
     #: the other (``engine.parallel.cfg``); None computes both branches here.
-    cfg_parallel_group: Any = None
+    cfg_parallel_group: dist.ProcessGroup | None = None
     #: set by the runner (``ModelConfig.mixed_rows``, resolved): how rows of
     #: different sizes share a step in a pipeline whose spec has
     #: ``mixed_sizes`` — "padded" (one call) or "by_size" (a call per size)
@@ -184,7 +195,7 @@ class DiffusionPipeline(ABC):
     row_loras: Any = None
     #: set by the runner: the bound on its requests' step-cache state
     #: (``engine.cache.state.CacheBudget``; None until then)
-    cache_budget: Any = None
+    cache_budget: CacheBudget | None = None
 
     @property
     def name(self) -> str:
@@ -282,15 +293,15 @@ class DiffusionPipeline(ABC):
         spec declares no methods is never asked."""
         raise NotImplementedError(f"{self.name} has no lower-precision weights")
 
-    def enable_layerwise_offload(self, platform: Any, prefetch: int = 1, *,
-                                 device: torch.device | None = None) -> Any:
+    def enable_layerwise_offload(self, platform: Platform, prefetch: int = 1, *,
+                                 device: torch.device | None = None) -> LayerwiseOffload:
         """Stream the denoiser's blocks from host memory to ``device`` (the
         pipeline's when None; a model loaded into host memory first computes
         elsewhere: ``place_weights``) (``offload="layerwise"``)."""
         raise NotImplementedError(f"{self.name} has no layer-wise offload")
 
-    def enable_model_offload(self, platform: Any, kept: tuple[str, ...] = (), *,
-                             device: torch.device | None = None) -> Any:
+    def enable_model_offload(self, platform: Platform, kept: tuple[str, ...] = (), *,
+                             device: torch.device | None = None) -> ModelOffload:
         """Keep whole components (``weight_modules``; all but ``kept``) in host
         memory and move each to the device when it runs (``offload="model"``,
         ``offload_text_encoders``)."""
@@ -310,7 +321,7 @@ class DiffusionPipeline(ABC):
         ``lora_target_modules`` is never asked."""
         raise NotImplementedError(f"pipeline {self.name!r} takes no LoRA adapters")
 
-    def enable_parallel(self, groups: Any, *, vae_parallel: bool = False) -> None:
+    def enable_parallel(self, groups: ParallelGroups, *, vae_parallel: bool = False) -> None:
         """Split each request across the ranks of ``groups`` (an
         ``engine.parallel.ParallelGroups``; every rank holds the full weights),
         on every rank alike; called once, after loading. A pipeline without
@@ -343,7 +354,7 @@ class DiffusionPipeline(ABC):
         {} from a pipeline that does not count."""
         return {}
 
-    def take_cache_metrics(self) -> dict[str, Any]:
+    def take_cache_metrics(self) -> dict[str, CacheMetrics]:
         """Request id -> what its step cache did (``outputs.CacheMetrics``), for
         the requests that finished with one since the last call; {} from a
         pipeline without step caches."""
@@ -363,7 +374,7 @@ class DiffusionPipeline(ABC):
         for the platform: "padded", "by_size" or "packed")."""
         self.mixed_rows = arrangement
 
-    def use_cache_budget(self, budget: Any) -> None:
+    def use_cache_budget(self, budget: CacheBudget) -> None:
         """The bound on this worker's step-cache state
         (``engine.cache.state.CacheBudget``)."""
         self.cache_budget = budget

@@ -10,7 +10,7 @@ position ids of those tokens live here too.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +19,10 @@ from diffrt.engine.pipelines.interface import StepRequestState
 from diffrt.engine.pipelines.latents import LatentSize, SpatialLatents
 from diffrt.engine.pipelines.request_state import EditTokens
 from diffrt.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.configuration_utils import FrozenDict
 
 
 def calculate_shift(
@@ -88,7 +92,7 @@ class PackedFamily:
     before ``FlowMatchPipeline``)."""
 
     latents: PackedLatents
-    noise_scheduler: Any
+    noise_scheduler: FlowMatchEulerDiscreteScheduler
     device: torch.device
     dtype: torch.dtype
 
@@ -106,7 +110,7 @@ class PackedFamily:
                               self.latents.tokens(self.latents.size(params)))
 
 
-def shifted_sigmas(noise_scheduler_config: Any, num_steps: int, image_tokens: int,
+def shifted_sigmas(noise_scheduler_config: FrozenDict, num_steps: int, image_tokens: int,
                    max_shift: float = 1.15) -> dict[str, Any]:
     """``set_timesteps`` arguments of Flux and Qwen-Image: sigmas
     ``linspace(1, 1/n, n)``, and ``mu`` from the image's tokens where the

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -41,8 +41,17 @@ def cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors)
 
 
+class TextEncoder(Protocol):
+    """Prompts -> (embeds, extra), a row each, on ``device`` (a family's
+    ``FolderTextEncoder``, or this cache around one)."""
+
+    device: torch.device
+
+    def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class CachedTextEncoder:
-    def __init__(self, encoder: Any, max_bytes: int,
+    def __init__(self, encoder: TextEncoder, max_bytes: int,
                  synchronize: Callable[[], None] | None = None):
         self.encoder = encoder
         self.max_bytes = max_bytes
@@ -52,6 +61,15 @@ class CachedTextEncoder:
         self.hits = 0
         self.misses = 0
         self.seconds = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        """The wrapped encoder's device (set through the cache: set on it)."""
+        return self.encoder.device
+
+    @device.setter
+    def device(self, device: torch.device) -> None:
+        self.encoder.device = device
 
     def stats(self) -> TextEncoderStats:
         return TextEncoderStats(encoded=self.misses, cache_hits=self.hits, seconds=self.seconds)

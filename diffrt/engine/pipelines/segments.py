@@ -42,11 +42,16 @@ timestep and guidance embeddings are per row already).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin
+
+    from diffrt.engine.cache.state import RequestCache
 
 if TYPE_CHECKING:
     from diffrt.platforms.interface import Platform
@@ -71,12 +76,13 @@ class RowLayout:
     #: each row's request step cache (``engine.cache.RequestCache``; None: a
     #: row without one; (): no row has one): the rows of one request, over
     #: its outputs and CFG branches, share the same object
-    caches: tuple[Any, ...] = ()
+    caches: tuple[RequestCache | None, ...] = ()
 
     @staticmethod
     def uniform_rows(size: tuple[int, ...], tokens: int, rows: int,
                      loras: tuple[tuple[int, float], ...] = (),
-                     cond: tuple[tuple[int, int], ...] = (), cache: Any = None) -> RowLayout:
+                     cond: tuple[tuple[int, int], ...] = (),
+                     cache: RequestCache | None = None) -> RowLayout:
         return RowLayout((size,) * rows, (tokens,) * rows, (loras,) * rows if loras else (),
                          (cond,) * rows if cond else (), (cache,) * rows if cache else ())
 
@@ -119,11 +125,9 @@ class RowLayout:
                          conds if any(conds) else (),
                          caches if any(c is not None for c in caches) else ())
 
-    def key_mask(self, text_tokens: int, device: torch.device) -> torch.Tensor | None:
+    def key_mask(self, text_tokens: int, device: torch.device) -> torch.Tensor:
         """(rows, text_tokens + longest) booleans, True where a key is a real
-        token (text first, then the row's image tokens); None when uniform."""
-        if self.uniform:
-            return None
+        token (text first, then the row's image tokens): a padded call's."""
         image = torch.arange(self.longest, device=device)[None, :] < torch.tensor(
             self.tokens, device=device)[:, None]
         text = torch.ones(len(self), text_tokens, dtype=torch.bool, device=device)
@@ -131,7 +135,8 @@ class RowLayout:
 
 
 @contextlib.contextmanager
-def attention_processor(model: Any, processor: Any) -> Iterator[None]:
+def attention_processor(model: ModelMixin, processor: Callable[..., object]
+                        ) -> Iterator[None]:
     """``model``'s attention processors are ``processor`` while the block runs
     (diffrt's per-row variants of diffusers' own), its own again after."""
     kept = model.attn_processors

@@ -5,25 +5,41 @@ row's timestep and guidance, the text embeddings and the family's second
 text output, and the ``RowLayout`` that says each row's size, LoRA
 adapters and step cache. A ``TransformerCall`` maps it to the prediction.
 The innermost one is the family's (``FamilyCall``: its
-``transformer_forward``); each feature that changes how rows reach it is a
-layer wrapping the one below, in the one order ``CALL_LAYERS`` states
-(outermost first)::
+``transformer_forward`` over rows of one size); each feature that changes
+how rows reach it is a layer wrapping the one below, in the one order
+``CALL_LAYERS`` states (outermost first)::
 
-    RowsBySize  mixed_rows="by_size": a call per latent size (edit sizes too)
-    LoraRows    the rows' LoRA adapters active on the hooked linears
-    StepCache   rows with a step cache: their call cut at the blocks
-    FamilyCall  the family's transformer_forward (compiled or eager model)
+    BlockOffload   offload="layerwise": the blocks' weights streamed in ahead of use
+    RowsBySize     mixed_rows="by_size": a call per latent size (edit sizes too)
+    LoraRows       the rows' LoRA adapters active on the hooked linears
+    StepCache      rows with a step cache: their call cut at the blocks
+    RowsPacked     mixed_rows="packed": every row's tokens in one sequence
+    RowsPadded     rows of several sizes zero-padded, masked (the default)
+    SequenceShard  a call's image tokens split over the sequence group
+    FamilyCall     the family's transformer_forward (compiled or eager model)
 
-Each layer passes a call it has nothing to do for straight down. The order
-is what the features need: a call per size first, so each size's call
-describes its own rows' adapters and decides its own caches; the adapters
-around the cache, whose sub-batches narrow them to the rows that compute
-(``cached_call``'s ``rows_context``). Below the family's call sit the
-features its model carries as hooks: the sequence split (the family's
-attention processors and token wrappers, ``engine.parallel.sequence``) and
-layer-wise offload (each block's pre-hooks, ``engine.weights.offload``).
-The padded and packed ways of mixing sizes are the family call's own (its
-per-row rotary tables and key masks; Flux's packed forward).
+Each layer passes a call it has nothing to do for straight down; a layer
+that takes a call itself (``StepCache``, ``RowsPacked``, ``RowsPadded``)
+runs the family's other entry for it (its blocks, its packed or padded
+forward), so what sits below it sees only what it passes. The order is
+what the features need:
+
+- the offload outermost: its per-block pre-hooks (the mechanism that must
+  stay per block: a copy is waited for as its block starts) serve every
+  call below, whichever layer takes it; the layer installs and removes them;
+- a call per size before the adapters and caches, so each size's call
+  describes its own rows' adapters and decides its own caches;
+- the adapters around the cache, whose sub-batches narrow them to the rows
+  that compute (``cached_call``'s ``rows_context``);
+- packed before padded: a packed call falls back to padded where it cannot
+  pack (adapters index rows, an edit's tokens are not its image's);
+- the sequence split innermost, over calls of one size (a padded call runs
+  whole on every rank): it begins the split, the family's hooks that it
+  installed shard the tokens where that model can cut them, and it ends the
+  split with the output gathered.
+
+Nothing swaps ``transformer`` out and back: a layer wraps calls, and the
+model hooks a feature needs are installed once, by the layer's ``install``.
 """
 
 from __future__ import annotations
@@ -35,10 +51,15 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from diffrt.engine.cache.forward import cached_call
-from diffrt.engine.pipelines.contract import FlowMatchHost
+from diffrt.engine.parallel.attention import JointAttention
+from diffrt.engine.parallel.sequence import SequenceSplit
+from diffrt.engine.pipelines.contract import FlowMatchHost, OffloadHost, SequenceHost
 from diffrt.engine.pipelines.segments import RowLayout
+from diffrt.engine.weights.offload import LayerwiseOffload, transformer_blocks
+from diffrt.platforms.interface import Platform
 
 
 @dataclass(frozen=True)
@@ -64,6 +85,12 @@ class RowsCall:
                        timesteps=take(self.timesteps), embeds=take(self.embeds),
                        extra=take(self.extra), guidance=take(self.guidance), layout=sub)
 
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor, RowLayout]:
+        """The family's entries' arguments, in their order."""
+        return (self.latents, self.timesteps, self.embeds, self.extra, self.guidance,
+                self.layout)
+
 
 class TransformerCall(Protocol):
     """A call over rows -> the prediction, (rows, tokens, dim) like the latents."""
@@ -72,15 +99,15 @@ class TransformerCall(Protocol):
 
 
 class FamilyCall:
-    """The family's own call (``transformer_forward``, looked up on the
-    pipeline at each call, so a wrapper set on it is honoured)."""
+    """The family's own call over rows of one size (``transformer_forward``,
+    looked up on the pipeline at each call, so a wrapper set on it is
+    honoured)."""
 
     def __init__(self, host: FlowMatchHost):
         self.host = host
 
     def __call__(self, call: RowsCall) -> torch.Tensor:
-        return self.host.transformer_forward(call.latents, call.timesteps, call.embeds,
-                                             call.extra, call.guidance, call.layout)
+        return self.host.transformer_forward(*call.inputs())
 
 
 class CallLayer(ABC):
@@ -146,13 +173,95 @@ class StepCache(CallLayer):
             def rows_context(rows: list[int]) -> contextlib.AbstractContextManager:
                 return loras.rows(tuple(uses[r] for r in rows))
 
-        with self.host.transformer_blocks(call.latents, call.timesteps, call.embeds,
-                                          call.extra, call.guidance, layout) as blocks:
+        with self.host.transformer_blocks(*call.inputs()) as blocks:
             return cached_call(blocks, layout.caches, layout.tokens, rows_context)
 
 
+class RowsPacked(CallLayer):
+    """``mixed_rows="packed"``: rows of several sizes as one sequence of
+    their tokens, nothing padded (the family's ``packed_forward``, where it
+    has one: ``packs_rows``); rows with adapters or an edit's tokens go on
+    to the padded call."""
+
+    def __call__(self, call: RowsCall) -> torch.Tensor:
+        layout = call.layout
+        if (layout.uniform or self.host.mixed_rows != "packed" or not self.host.packs_rows
+                or layout.loras or layout.conds):
+            return self.inner(call)
+        return self.host.packed_forward(*call.inputs())
+
+
+class RowsPadded(CallLayer):
+    """Rows of several sizes zero-padded to the longest, their padding keys
+    masked (the family's ``padded_forward``: a rotary table per row)."""
+
+    def __call__(self, call: RowsCall) -> torch.Tensor:
+        if call.layout.uniform:
+            return self.inner(call)
+        return self.host.padded_forward(*call.inputs())
+
+
+class SequenceShard(CallLayer):
+    """The sequence split (``engine.parallel.sequence``): a call begins it
+    over its image tokens, the family's hooks (``install``) shard the tokens
+    and attend over the group, and the call ends it, the output gathered
+    along the tokens (a family whose model gathers earlier, before it
+    un-patchifies, has ended it already)."""
+
+    @staticmethod
+    def install(host: SequenceHost, group: dist.ProcessGroup | None, attend: JointAttention) -> SequenceSplit:
+        """Split each call over ``group``: the family's model hooks
+        (``sequence_hooks``) installed once, the split left on the host."""
+        split = SequenceSplit(group, attend)
+        host.sequence_hooks(split)
+        host.sequence_split = split
+        return split
+
+    def __call__(self, call: RowsCall) -> torch.Tensor:
+        split = self.host.sequence_split
+        if split is None:
+            return self.inner(call)
+        split.begin(call.latents.shape[1])
+        split.text_len = call.embeds.shape[1]
+        try:
+            out = self.inner(call)
+        except BaseException:
+            split.active = False
+            raise
+        return split.end(out, 1)
+
+
+class BlockOffload(CallLayer):
+    """Layer-wise offload (``engine.weights.offload``): the blocks' weights
+    live in host memory and stream to the device ahead of use. What must
+    act per block stays per block — the pre-hooks that wait for a block's
+    copy and issue the next ones — and this layer owns them: ``install``
+    puts them on the model, ``remove`` takes them off. A call passes through
+    it: its place, outermost, says that every call below, whichever layer
+    takes it, runs its blocks through those hooks."""
+
+    @staticmethod
+    def install(host: OffloadHost, platform: Platform, prefetch: int,
+                device: torch.device) -> LayerwiseOffload:
+        offload = LayerwiseOffload(transformer_blocks(host.eager_transformer), platform,
+                                   device, prefetch=prefetch)
+        host.offload = offload
+        return offload
+
+    @staticmethod
+    def remove(host: OffloadHost) -> None:
+        """The hooks off the blocks; their weights stay where they are."""
+        if host.offload is not None:
+            host.offload.remove_hooks()
+            host.offload = None
+
+    def __call__(self, call: RowsCall) -> torch.Tensor:
+        return self.inner(call)
+
+
 #: the layers around the family's call, outermost first (see the module)
-CALL_LAYERS: tuple[type[CallLayer], ...] = (RowsBySize, LoraRows, StepCache)
+CALL_LAYERS: tuple[type[CallLayer], ...] = (BlockOffload, RowsBySize, LoraRows, StepCache,
+                                            RowsPacked, RowsPadded, SequenceShard)
 
 
 def build_call(host: FlowMatchHost,
@@ -164,5 +273,6 @@ def build_call(host: FlowMatchHost,
     return call
 
 
-__all__ = ["CALL_LAYERS", "CallLayer", "FamilyCall", "LoraRows", "RowsBySize", "RowsCall",
-           "StepCache", "TransformerCall", "build_call"]
+__all__ = ["CALL_LAYERS", "BlockOffload", "CallLayer", "FamilyCall", "LoraRows", "RowsBySize",
+           "RowsCall", "RowsPacked", "RowsPadded", "SequenceShard", "StepCache",
+           "TransformerCall", "build_call"]

@@ -111,6 +111,7 @@ class LayerwiseOffload:
         self._stream = platform.new_side_stream() if self._has_events() else None
         #: the block whose layers ran last (its slot is free once the next starts)
         self._running: _Block | None = None
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for block in self.blocks:
             block.point_into(block.host)  # until first issued
             # on the block and on every layer of it that holds weights: a path
@@ -119,10 +120,17 @@ class LayerwiseOffload:
             hook = self._before(block)
             for owner in block.module.modules():
                 if owner is block.module or owner._parameters:
-                    owner.register_forward_pre_hook(hook)
+                    self._hooks.append(owner.register_forward_pre_hook(hook))
         logger.info("layer-wise offload: %d blocks in host memory (%.1f MiB), %d device slots "
                     "of %.1f MiB", len(self.blocks), self.host_bytes / 2**20, len(self.slots),
                     slot_bytes / 2**20)
+
+    def remove_hooks(self) -> None:
+        """Take the pre-hooks off the blocks (the call layer that installed
+        them, ``pipelines.transformer_call.BlockOffload``, removes them)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def _has_events(self) -> bool:
         try:

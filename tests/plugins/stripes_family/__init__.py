@@ -6,10 +6,13 @@ registers it.
 "stripes" folders (``tiny_folder.py`` writes one) hold a diffusers-style
 ``model_index.json`` naming ``StripesPipeline`` and one component,
 ``painter``: a config and a safetensors file with one weight per colour
-channel. Its pipeline (``pipeline.py``) paints horizontal stripes whose
-phase moves with every denoise step and whose colours come from the seed,
-the prompt and the weights, in both execution styles, so a mixed-up,
-mis-batched or mis-stepped request shows in its pixels.
+channel. Its pipeline (``pipeline.py``) is a flow-matching family on the
+shared contract (docs/families.md): it supplies its encoder, its
+transformer call, its latent layout and its decode, and the shared denoise
+loop runs it in both execution modes. It denoises toward horizontal
+stripes whose colours come from the prompt and the weights, from the
+seed's noise and through every step, so a mixed-up, mis-batched or
+mis-stepped request shows in its pixels.
 """
 
 from diffrt.engine.pipelines import Family, register_family

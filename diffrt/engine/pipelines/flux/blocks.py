@@ -10,18 +10,21 @@ mask in a mixed-size call (``mixed.py``'s processor is then installed).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffrt.engine.cache.forward import TransformerBlocks
+
+if TYPE_CHECKING:
+    from diffusers import FluxTransformer2DModel
 
 
 class FluxBlocks(TransformerBlocks):
     """See the module; ``rotary`` (cos, sin) is (tokens, dim) shared, or
     (rows, tokens, dim) per row with ``attention_mask`` (rows, keys)."""
 
-    def __init__(self, model: Any, *, hidden_states: torch.Tensor,
+    def __init__(self, model: FluxTransformer2DModel, *, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor, pooled_projections: torch.Tensor,
                  timestep: torch.Tensor, guidance: torch.Tensor | None,
                  rotary: tuple[torch.Tensor, torch.Tensor],
@@ -37,21 +40,12 @@ class FluxBlocks(TransformerBlocks):
         self.encoder = model.context_embedder(encoder_hidden_states)
         self.blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
         self.count = len(self.blocks)
-        self.rotary = rotary
-        self.mask = attention_mask
-
-    def run(self, start: int, stop: int, hidden: torch.Tensor, encoder: torch.Tensor | None,
-            rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        temb, rotary, mask = self.temb, self.rotary, self.mask
-        if rows is not None:
-            temb = temb.index_select(0, rows)
-            if rotary[0].dim() == 3:  # a table per row
-                rotary = (rotary[0].index_select(0, rows), rotary[1].index_select(0, rows))
-            if mask is not None:
-                mask = mask.index_select(0, rows)
-        kwargs = None if mask is None else {"attention_mask": mask}
-        for block in self.blocks[start:stop]:
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
-                                    temb=temb, image_rotary_emb=rotary,
-                                    joint_attention_kwargs=kwargs)
-        return hidden, encoder
+        per_row = rotary[0].dim() == 3  # a table per row
+        self.row_inputs = {"temb": self.temb, **self.attention_inputs(attention_mask)}
+        self.shared_inputs = {}
+        if per_row:
+            self.row_inputs["image_rotary_emb"] = rotary
+        else:
+            self.shared_inputs["image_rotary_emb"] = rotary
+        if attention_mask is None:
+            self.shared_inputs["joint_attention_kwargs"] = None

@@ -17,12 +17,16 @@ Uniform batches keep diffusers' own forward (``FluxPipeline.transformer_forward`
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffrt.engine.pipelines.flux.blocks import FluxBlocks
 from diffrt.engine.pipelines.segments import attention_processor, masked_attention
+
+if TYPE_CHECKING:
+    from diffusers import FluxTransformer2DModel
+    from diffusers.models.transformers.transformer_flux import FluxAttention
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -39,10 +43,11 @@ class RowsAttnProcessor:
     key mask (True: attend), in the processor call diffusers' ``FluxAttention``
     makes. Attention runs through torch's ``scaled_dot_product_attention``."""
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor,
+    def __call__(self, attn: FluxAttention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
-                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
         query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
@@ -74,7 +79,7 @@ class RowsAttnProcessor:
 _ROWS_PROCESSOR = RowsAttnProcessor()
 
 
-def row_rotary(model: Any, txt_ids: torch.Tensor, img_ids: list[torch.Tensor],
+def row_rotary(model: FluxTransformer2DModel, txt_ids: torch.Tensor, img_ids: list[torch.Tensor],
                longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), (rows, text + longest, dim): each row's table from its own
     ``img_ids`` (padding positions get position 0, masked anyway); built once
@@ -92,7 +97,7 @@ def row_rotary(model: Any, txt_ids: torch.Tensor, img_ids: list[torch.Tensor],
     return torch.stack(cos_rows), torch.stack(sin_rows)
 
 
-def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+def forward_rows(model: FluxTransformer2DModel, *, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                  pooled_projections: torch.Tensor, timestep: torch.Tensor,
                  guidance: torch.Tensor | None, rotary: tuple[torch.Tensor, torch.Tensor],
                  attention_mask: torch.Tensor) -> torch.Tensor:
@@ -107,6 +112,6 @@ def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_stat
         return blocks.run_all()
 
 
-def rows_processor(model: Any) -> AbstractContextManager:
+def rows_processor(model: FluxTransformer2DModel) -> AbstractContextManager:
     """``RowsAttnProcessor`` in every attention of ``model`` while it is held."""
     return attention_processor(model, _ROWS_PROCESSOR)

@@ -17,12 +17,21 @@ call per size (``pipelines.segments``); not the default.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from diffrt.engine.pipelines.segments import RowLayout
+
+if TYPE_CHECKING:
+    from diffusers import FluxTransformer2DModel
+    from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
+    from diffusers.models.transformers.transformer_flux import (
+        FluxAttention,
+        FluxSingleTransformerBlock,
+        FluxTransformerBlock,
+    )
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -52,7 +61,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
 
 
-def _modulation(norm: Any, temb: torch.Tensor, rows: torch.Tensor, parts: int
+def _modulation(norm: AdaLayerNormZero | AdaLayerNormZeroSingle, temb: torch.Tensor, rows: torch.Tensor, parts: int
                 ) -> tuple[torch.Tensor, ...]:
     """A block norm's modulation vectors, computed per row as diffusers
     computes them and gathered to each token's row: (tokens, dim) each."""
@@ -94,7 +103,7 @@ class _Packing:
         return both[:self.text_count], both[self.text_count:]
 
 
-def _qkv(attn: Any, x: torch.Tensor, added: bool
+def _qkv(attn: FluxAttention, x: torch.Tensor, added: bool
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     heads = (-1, attn.head_dim)
     if added:
@@ -112,7 +121,7 @@ def _attend(pack: _Packing, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return packed_attention(q, k, v, pack.starts).flatten(1).to(q.dtype)
 
 
-def _double_block(block: Any, pack: _Packing, image: torch.Tensor, text: torch.Tensor,
+def _double_block(block: FluxTransformerBlock, pack: _Packing, image: torch.Tensor, text: torch.Tensor,
                   temb: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``FluxTransformerBlock.forward`` over the packed streams."""
@@ -136,7 +145,7 @@ def _double_block(block: Any, pack: _Packing, image: torch.Tensor, text: torch.T
     return image, text
 
 
-def _single_block(block: Any, pack: _Packing, joint: torch.Tensor, temb: torch.Tensor,
+def _single_block(block: FluxSingleTransformerBlock, pack: _Packing, joint: torch.Tensor, temb: torch.Tensor,
                   rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``FluxSingleTransformerBlock.forward`` over the joint packed stream."""
     shift, scale, gate = _modulation(block.norm, temb, pack.joint_rows, 3)
@@ -147,7 +156,7 @@ def _single_block(block: Any, pack: _Packing, joint: torch.Tensor, temb: torch.T
     return joint.clip(-65504, 65504) if joint.dtype == torch.float16 else joint
 
 
-def forward_packed(model: Any, *, hidden_states: torch.Tensor, layout: RowLayout,
+def forward_packed(model: FluxTransformer2DModel, *, hidden_states: torch.Tensor, layout: RowLayout,
                    encoder_hidden_states: torch.Tensor, pooled_projections: torch.Tensor,
                    timestep: torch.Tensor, guidance: torch.Tensor | None,
                    rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -9,22 +9,26 @@ already concatenated, so the processor cannot tell them apart).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from diffrt.engine.parallel.sequence import SequenceSplit
 
+if TYPE_CHECKING:
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
 
 class SequenceParallelFluxAttnProcessor:
     def __init__(self, sequence: SequenceSplit) -> None:
         self.sequence = sequence
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor,
+    def __call__(self, attn: FluxAttention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
-                 image_rotary_emb: Any = None) -> Any:
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if attention_mask is not None:
             raise ValueError("sequence-parallel attention does not take an attention mask")
 

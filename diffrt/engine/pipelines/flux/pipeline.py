@@ -2,8 +2,10 @@
 
 Only what is Flux-specific lives here: its prompts (CLIP pooled + T5), its
 transformer call (position ids, embedded guidance, timesteps scaled to
-[0, 1]; rows of several sizes through ``mixed.py`` and ``packed.py``) and
-its sequence split. Its latent layout (2 x 2-packed tokens, the shifted
+[0, 1]) as the entries the call layers of ``transformer_call`` reach —
+``transformer_forward`` for rows of one size, ``padded_forward`` and
+``packed_forward`` for rows of several (``mixed.py``, ``packed.py``),
+``transformer_blocks`` for step caches — and its sequence split's hooks. Its latent layout (2 x 2-packed tokens, the shifted
 sigmas, an edit's tokens) is ``packed_latents``', shared with Qwen-Image
 (the tiny seeded folder behind `tiny-flux` is ``tiny_folder.py``'s).
 """
@@ -12,16 +14,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffrt.engine.parallel.sequence import SequenceSplit
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.flow_match_spec import vae_factor
 from diffrt.engine.pipelines.flux.blocks import FluxBlocks
 from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.pipelines.packed_latents import PackedFamily, PackedLatents, calculate_shift
 from diffrt.engine.pipelines.segments import RowLayout
+
+if TYPE_CHECKING:
+    from diffusers import FluxPipeline as DiffusersFlux
 
 
 class FluxPipeline(PackedFamily, FlowMatchPipeline):
@@ -30,7 +36,7 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
     latents: PackedLatents
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+    def encode_with_diffusers(pipeline: DiffusersFlux, prompts: list[str],
                               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """CLIP pooled output + T5 hidden states, as FluxPipeline does: 512 T5
         tokens (its default), or fewer when the folder's T5 tokenizer says its
@@ -43,7 +49,7 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
         return embeds, pooled
 
     @staticmethod
-    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+    def prompt_windows(pipeline: DiffusersFlux) -> list[PromptWindow]:
         """CLIP at the pipeline's ``tokenizer_max_length`` (77), T5 at the
         length ``encode_with_diffusers`` asks."""
         length = min(512, int(getattr(pipeline.tokenizer_2, "model_max_length", 512)))
@@ -86,52 +92,34 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
                            layout: RowLayout) -> Iterator[FluxBlocks]:
         embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
         model = self.eager_transformer
-        kwargs: dict[str, Any] = {"hidden_states": latents, "encoder_hidden_states": embeds,
-                  "pooled_projections": pooled, "timestep": timestep, "guidance": embedded}
+
+        def blocks(rotary: tuple[torch.Tensor, torch.Tensor],
+                   mask: torch.Tensor | None = None) -> FluxBlocks:
+            return FluxBlocks(model, hidden_states=latents, encoder_hidden_states=embeds,
+                              pooled_projections=pooled, timestep=timestep, guidance=embedded,
+                              rotary=rotary, attention_mask=mask)
+
         if layout.uniform:
             ids = torch.cat((txt_ids, self.row_ids(layout.sizes[0], layout.cond_of(0))))
-            yield FluxBlocks(model, rotary=model.pos_embed(ids), **kwargs)
+            yield blocks(model.pos_embed(ids))
             return
         from diffrt.engine.pipelines.flux.mixed import rows_processor
 
         with rows_processor(model):
-            yield FluxBlocks(model, rotary=self._row_rotary(txt_ids, layout),
-                             attention_mask=layout.key_mask(embeds.shape[1], latents.device),
-                             **kwargs)
+            yield blocks(self._row_rotary(txt_ids, layout),
+                         layout.key_mask(embeds.shape[1], latents.device))
 
-    def transformer_forward(
-        self,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        embeds: torch.Tensor,
-        pooled: torch.Tensor,
-        guidance: torch.Tensor,
-        layout: RowLayout,
-    ) -> torch.Tensor:
+    def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                            embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                            layout: RowLayout) -> torch.Tensor:
+        """diffusers' own forward over rows of one size; under the sequence
+        split this rank's image tokens and their position ids (the text whole)."""
         embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
-        if not layout.uniform:  # rows of several sizes: a rotary table per row
-            from diffrt.engine.pipelines.flux.mixed import forward_rows
-
-            rotary = self._row_rotary(txt_ids, layout)
-            model = self.denoiser(layout)
-            # adapters index rows, and an edit's tokens are not its own image's
-            if self.mixed_rows == "packed" and not layout.loras and not layout.conds:
-                from diffrt.engine.pipelines.flux.packed import forward_packed
-
-                return forward_packed(
-                    model, hidden_states=latents, layout=layout,
-                    encoder_hidden_states=embeds, pooled_projections=pooled, timestep=timestep,
-                    guidance=embedded, rotary=rotary)
-            return forward_rows(
-                model, hidden_states=latents, encoder_hidden_states=embeds,
-                pooled_projections=pooled, timestep=timestep, guidance=embedded, rotary=rotary,
-                attention_mask=layout.key_mask(embeds.shape[1], latents.device))  # type: ignore[arg-type]
         img_ids = self.row_ids(layout.sizes[0], layout.cond_of(0))
         sequence = self.sequence_split
-        if sequence is not None and sequence.begin(latents.shape[1]):  # this rank's image tokens
+        if sequence is not None:  # begun by the call layer; a no-op when it runs whole
             latents, img_ids = sequence.shard(latents, 1), sequence.shard(img_ids, 0)
-            sequence.text_len = embeds.shape[1]
-        out = self.denoiser(layout)(
+        return self.denoiser(layout)(
             hidden_states=latents,
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
@@ -141,19 +129,46 @@ class FluxPipeline(PackedFamily, FlowMatchPipeline):
             guidance=embedded,
             return_dict=False,
         )[0]
-        return out if sequence is None else sequence.end(out, 1)
 
-    def enable_sequence_parallel(self, groups: Any) -> None:
-        """Each rank runs the transformer on its slice of the image tokens (and
-        of their position ids; the text whole); attention goes over the
-        sequence group (``pipelines.flux.parallel``); the output is
-        gathered."""
-        from diffrt.engine.parallel.sequence import SequenceSplit
+    def _rows_inputs(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                     embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                     layout: RowLayout) -> dict[str, Any]:
+        """A call over rows of several sizes: its model and inputs, with a
+        rotary table per row."""
+        embedded, txt_ids, timestep = self._call_inputs(latents, timesteps, embeds, guidance)
+        return {"model": self.denoiser(layout), "hidden_states": latents,
+                "encoder_hidden_states": embeds, "pooled_projections": pooled,
+                "timestep": timestep, "guidance": embedded,
+                "rotary": self._row_rotary(txt_ids, layout)}
+
+    def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """Rows of several sizes: a rotary table per row, padding masked (``mixed.py``)."""
+        from diffrt.engine.pipelines.flux.mixed import forward_rows
+
+        return forward_rows(**self._rows_inputs(latents, timesteps, embeds, pooled, guidance,
+                                                layout),
+                            attention_mask=layout.key_mask(embeds.shape[1], latents.device))
+
+    packs_rows = True
+
+    def packed_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """Rows of several sizes packed into one sequence (``packed.py``)."""
+        from diffrt.engine.pipelines.flux.packed import forward_packed
+
+        return forward_packed(**self._rows_inputs(latents, timesteps, embeds, pooled, guidance,
+                                                  layout), layout=layout)
+
+    def sequence_hooks(self, split: SequenceSplit) -> None:
+        """Attention over the sequence group (``pipelines.flux.parallel``);
+        the tokens are sharded in ``transformer_forward``, the output
+        gathered by the call layer."""
         from diffrt.engine.pipelines.flux.parallel import SequenceParallelFluxAttnProcessor
 
-        self.sequence_split = SequenceSplit(groups.sequence, groups.sequence_attention())
-        self.transformer.set_attn_processor(SequenceParallelFluxAttnProcessor(
-            self.sequence_split))
+        self.transformer.set_attn_processor(SequenceParallelFluxAttnProcessor(split))
 
 
 __all__ = ["FluxPipeline", "calculate_shift"]

@@ -13,11 +13,14 @@ no cache.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffrt.engine.cache.forward import TransformerBlocks
+
+if TYPE_CHECKING:
+    from diffusers import QwenImageTransformer2DModel
 
 
 class QwenImageBlocks(TransformerBlocks):
@@ -25,9 +28,9 @@ class QwenImageBlocks(TransformerBlocks):
     padding) as diffusers takes them; mixed: ``rotary`` per row and
     ``key_mask`` (rows, text + longest)."""
 
-    def __init__(self, model: Any, *, hidden_states: torch.Tensor,
+    def __init__(self, model: QwenImageTransformer2DModel, *, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
-                 guidance: torch.Tensor | None, img_shapes: list | None = None,
+                 guidance: torch.Tensor | None, img_shapes: list[list[tuple[int, int, int]]] | None = None,
                  text_mask: torch.Tensor | None = None,
                  rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                  key_mask: torch.Tensor | None = None):
@@ -55,24 +58,16 @@ class QwenImageBlocks(TransformerBlocks):
             self.text_mask, self.rotary, self.per_row = None, rotary, True
         self.blocks = list(model.transformer_blocks)
         self.count = len(self.blocks)
-
-    def run(self, start: int, stop: int, hidden: torch.Tensor, encoder: torch.Tensor | None,
-            rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        temb, rotary, text_mask, key_mask = self.temb, self.rotary, self.text_mask, self.key_mask
-        if rows is not None:
-            temb = temb.index_select(0, rows)
-            if self.per_row:
-                rotary = (rotary[0].index_select(0, rows), rotary[1].index_select(0, rows))
-            if text_mask is not None:
-                text_mask = text_mask.index_select(0, rows)
-            if key_mask is not None:
-                key_mask = key_mask.index_select(0, rows)
-        kwargs = None if key_mask is None else {"attention_mask": key_mask}
-        for block in self.blocks[start:stop]:
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
-                                    encoder_hidden_states_mask=text_mask, temb=temb,
-                                    image_rotary_emb=rotary, joint_attention_kwargs=kwargs)
-        return hidden, encoder
+        self.row_inputs = {"temb": self.temb, **self.attention_inputs(key_mask)}
+        self.shared_inputs = {"encoder_hidden_states_mask": None}
+        if self.text_mask is not None:
+            self.row_inputs["encoder_hidden_states_mask"] = self.text_mask
+        if self.per_row:
+            self.row_inputs["image_rotary_emb"] = self.rotary
+        else:
+            self.shared_inputs["image_rotary_emb"] = self.rotary
+        if key_mask is None:
+            self.shared_inputs["joint_attention_kwargs"] = None
 
     def modulated_input(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """The first block's image stream after its norm and modulation

@@ -2,43 +2,33 @@
 attention, shared by diffrt's processors (``parallel.py``: sequence
 parallelism; ``mixed.py``: rows of several sizes): what
 ``QwenDoubleStreamAttnProcessor2_0`` does around its attention call, so the
-processors differ only in their rotary embedding and that call."""
+processors differ only in their rotary embedding and that call. Each
+stream's projections are ``attention_streams.stream_qkv``, as SD3's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from diffrt.engine.pipelines.attention_streams import stream_qkv
+
+if TYPE_CHECKING:
+    from diffusers.models.attention_processor import Attention
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def joint_qkv(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-              image_rotary_emb: Any, rotate: Rotate
+def joint_qkv(attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+              image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None, rotate: Rotate
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Query, key and value (rows, heads, tokens, head dim), text first and
     then image as diffusers joins them, each stream projected and normed as
     there and rotated by ``rotate(x, freqs)`` with its frequencies
     (``image_rotary_emb``: (image, text), or None)."""
-    head_dim = attn.inner_dim // attn.heads
-
-    def heads(x: torch.Tensor) -> torch.Tensor:
-        return x.unflatten(-1, (-1, head_dim))
-
-    img_q, img_k = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states))
-    img_v = heads(attn.to_v(hidden_states))
-    txt_q = heads(attn.add_q_proj(encoder_hidden_states))
-    txt_k = heads(attn.add_k_proj(encoder_hidden_states))
-    txt_v = heads(attn.add_v_proj(encoder_hidden_states))
-    if attn.norm_q is not None:
-        img_q = attn.norm_q(img_q)
-    if attn.norm_k is not None:
-        img_k = attn.norm_k(img_k)
-    if attn.norm_added_q is not None:
-        txt_q = attn.norm_added_q(txt_q)
-    if attn.norm_added_k is not None:
-        txt_k = attn.norm_added_k(txt_k)
+    img_q, img_k, img_v = stream_qkv(attn, hidden_states)
+    txt_q, txt_k, txt_v = stream_qkv(attn, encoder_hidden_states, text=True)
     if image_rotary_emb is not None:
         img_freqs, txt_freqs = image_rotary_emb
         img_q, img_k = rotate(img_q, img_freqs), rotate(img_k, img_freqs)
@@ -48,7 +38,7 @@ def joint_qkv(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: tor
     return q, k, v
 
 
-def joint_outputs(attn: Any, out: torch.Tensor, text_tokens: int
+def joint_outputs(attn: Attention, out: torch.Tensor, text_tokens: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention's output (rows, heads, tokens, head dim) through the
     output projections: (image, text)."""

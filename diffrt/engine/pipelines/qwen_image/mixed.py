@@ -23,12 +23,16 @@ Uniform batches keep diffusers' own forward (``QwenImagePipeline.transformer_for
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffrt.engine.pipelines.qwen_image.joint_attention import joint_outputs, joint_qkv
 from diffrt.engine.pipelines.segments import attention_processor, masked_attention
+
+if TYPE_CHECKING:
+    from diffusers import QwenImageTransformer2DModel
+    from diffusers.models.attention_processor import Attention
 
 
 def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -46,11 +50,12 @@ class RowsAttnProcessor:
     which diffusers' processor refuses because it builds its own from the text
     mask alone). Attention runs through torch's ``scaled_dot_product_attention``."""
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor,
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
                  encoder_hidden_states_mask: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
-                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if encoder_hidden_states is None or encoder_hidden_states_mask is not None:
             raise ValueError("mixed-size Qwen-Image attention takes the text stream, "
                              "its mask inside attention_mask")
@@ -63,7 +68,7 @@ class RowsAttnProcessor:
 _ROWS_PROCESSOR = RowsAttnProcessor()
 
 
-def row_rotary(model: Any, shapes: list[list[tuple[int, int, int]]], text_tokens: int,
+def row_rotary(model: QwenImageTransformer2DModel, shapes: list[list[tuple[int, int, int]]], text_tokens: int,
                longest: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(image, text) complex frequencies, (rows, longest, dim / 2) and (rows,
     text_tokens, dim / 2): each row's from its own shapes by diffusers'
@@ -84,7 +89,7 @@ def row_rotary(model: Any, shapes: list[list[tuple[int, int, int]]], text_tokens
     return torch.stack(image_rows), torch.stack(text_rows)
 
 
-def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+def forward_rows(model: QwenImageTransformer2DModel, *, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                  timestep: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                  key_mask: torch.Tensor) -> torch.Tensor:
     """``QwenImageTransformer2DModel.forward`` with frequencies per row and
@@ -101,6 +106,6 @@ def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_stat
         return blocks.run_all()
 
 
-def rows_processor(model: Any) -> AbstractContextManager:
+def rows_processor(model: QwenImageTransformer2DModel) -> AbstractContextManager:
     """``RowsAttnProcessor`` in every attention of ``model`` while it is held."""
     return attention_processor(model, _ROWS_PROCESSOR)

@@ -11,7 +11,7 @@ gathered; the pipeline splits the image tokens before the call.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
@@ -19,6 +19,10 @@ from torch import nn
 
 from diffrt.engine.parallel.sequence import GatherTokens, SequenceSplit
 from diffrt.engine.pipelines.qwen_image.joint_attention import joint_outputs, joint_qkv
+
+if TYPE_CHECKING:
+    from diffusers import QwenImageTransformer2DModel
+    from diffusers.models.attention_processor import Attention
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -31,11 +35,12 @@ class SequenceParallelQwenAttnProcessor:
     def __init__(self, sequence: SequenceSplit) -> None:
         self.sequence = sequence
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor,
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
                  encoder_hidden_states_mask: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
-                 image_rotary_emb: Any = None) -> Any:
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if encoder_hidden_states is None or attention_mask is not None:
             raise ValueError("Qwen-Image attention takes the text stream and no external mask")
         query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states,
@@ -53,12 +58,13 @@ class ShardRotary(nn.Module):
         super().__init__()
         self.inner, self.sequence = inner, sequence
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         image, text = self.inner(*args, **kwargs)
         return self.sequence.shard(image, 0), text
 
 
-def enable_qwen_sequence_parallel(transformer: Any, sequence: SequenceSplit) -> None:
+def enable_qwen_sequence_parallel(transformer: QwenImageTransformer2DModel,
+                                  sequence: SequenceSplit) -> None:
     transformer.set_attn_processor(SequenceParallelQwenAttnProcessor(sequence))
     transformer.pos_embed = ShardRotary(transformer.pos_embed, sequence)
     transformer.proj_out = GatherTokens(transformer.proj_out, sequence)

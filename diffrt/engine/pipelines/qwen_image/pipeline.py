@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffrt.engine.input_images import InputPixels
+from diffrt.engine.parallel.sequence import SequenceSplit
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.flow_match_spec import qwen_vae_factor
 from diffrt.engine.pipelines.folder_text import PromptWindow
@@ -38,6 +39,13 @@ from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers import QwenImagePipeline as DiffusersQwenImage
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    from diffrt.engine.pipelines.qwen_image.blocks import QwenImageBlocks
+
 
 class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
     """Text-to-image with a diffusers QwenImageTransformer2DModel."""
@@ -45,7 +53,7 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
     latents: PackedLatents
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+    def encode_with_diffusers(pipeline: DiffusersQwenImage, prompts: list[str],
                               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen2.5-VL's last hidden states without the template prefix, padded
         to the longest prompt, and their mask (1 = a token)."""
@@ -56,7 +64,7 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
         return embeds, mask
 
     @staticmethod
-    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+    def prompt_windows(pipeline: DiffusersQwenImage) -> list[PromptWindow]:
         """Qwen2.5-VL's tokenizer cuts the prompt in its chat template at 1024
         tokens past the template's dropped prefix, as ``encode_prompt`` does."""
         return [PromptWindow("text_encoder", pipeline.tokenizer,
@@ -68,7 +76,8 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
         """AutoencoderKLQwenImage's ``z_dim`` channels, 2 x 2-packed."""
         return PackedLatents(int(vae_config.get("z_dim", 16)), qwen_vae_factor(vae_config))
 
-    def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
+    def prepare_timesteps(self, params: SamplingParams
+                          ) -> tuple[FlowMatchEulerDiscreteScheduler, torch.Tensor]:
         """As QwenImagePipeline: stepping starts at index 0 (``set_begin_index``);
         with its terminal sigma the scheduler cannot find the first timestep
         by value."""
@@ -115,8 +124,14 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
         the negative prompt apart, as diffusers calls it."""
         from PIL import Image
 
+        from diffrt.engine.pipelines.folder_text import FolderTextEncoder
+        from diffrt.engine.pipelines.prompt_cache import CachedTextEncoder
+
         text = self.text_encoder
-        pipeline = getattr(text, "encoder", text).pipeline  # past the prompt cache
+        if isinstance(text, CachedTextEncoder):  # past the prompt cache
+            text = text.encoder
+        assert isinstance(text, FolderTextEncoder), "Qwen-Image encodes through its folder"
+        pipeline = text.pipeline
         pictures = [Image.fromarray(image.numpy())
                     for image in (inputs.prompt_images or inputs.images)]
         picture = pictures if inputs.prompt_images is not None else pictures[0]
@@ -140,7 +155,7 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
     @contextlib.contextmanager
     def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
-                           layout: RowLayout) -> Iterator[Any]:
+                           layout: RowLayout) -> Iterator[QwenImageBlocks]:
         from diffrt.engine.pipelines.qwen_image.blocks import QwenImageBlocks
         from diffrt.engine.pipelines.qwen_image.mixed import row_rotary, rows_processor
 
@@ -156,53 +171,52 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
             return
         rotary = row_rotary(model, self.image_shapes(layout), embeds.shape[1], layout.longest,
                             latents.device)
-        keys = torch.cat([mask, layout.key_mask(0, latents.device)], dim=1)  # type: ignore[list-item]
+        keys = torch.cat([mask, layout.key_mask(0, latents.device)], dim=1)
         with rows_processor(model):
             yield QwenImageBlocks(model, hidden_states=latents, encoder_hidden_states=embeds,
                                   timestep=timestep, guidance=None, rotary=rotary, key_mask=keys)
 
-    def transformer_forward(
-        self,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        embeds: torch.Tensor,
-        extra: torch.Tensor,
-        guidance: torch.Tensor,
-        layout: RowLayout,
-    ) -> torch.Tensor:
+    def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                            layout: RowLayout) -> torch.Tensor:
+        """diffusers' own forward over rows of one size; under the sequence
+        split this rank's image tokens (their rotary rows by the hooks), the
+        text and its mask whole."""
         mask = extra.to(torch.bool)
         # as QwenImagePipeline: the model dtype first, then scaled
         timestep = timesteps.to(latents.dtype) / 1000
-        if not layout.uniform:  # rows of several sizes: frequencies per row
-            from diffrt.engine.pipelines.qwen_image.mixed import forward_rows, row_rotary
-
-            model = self.denoiser(layout)
-            rotary = row_rotary(model, self.image_shapes(layout), embeds.shape[1],
-                                layout.longest, latents.device)
-            # one key mask: each row's text (its prompt's padding out), then its image tokens
-            keys = torch.cat([mask, layout.key_mask(0, latents.device)], dim=1)  # type: ignore[list-item]
-            return forward_rows(model, hidden_states=latents,
-                                encoder_hidden_states=embeds, timestep=timestep, rotary=rotary,
-                                key_mask=keys)
         embedded = guidance.to(latents.dtype) if self.transformer.config.guidance_embeds else None
+        text_mask = None if mask.all() else mask
         sequence = self.sequence_split
-        if sequence is not None:  # this rank's image tokens; gathered by proj_out's wrapper
-            if sequence.begin(latents.shape[1]):
-                latents = sequence.shard(latents, 1)
-            sequence.text_len = embeds.shape[1]
-            sequence.text_mask = None if mask.all() else mask
-        out = self.denoiser(layout)(
+        if sequence is not None:  # begun by the call layer; a no-op when it runs whole
+            latents = sequence.shard(latents, 1)
+            sequence.text_mask = text_mask
+        return self.denoiser(layout)(
             hidden_states=latents,
             timestep=timestep,
             guidance=embedded,
-            encoder_hidden_states_mask=None if mask.all() else mask,
+            encoder_hidden_states_mask=text_mask,
             encoder_hidden_states=embeds,
             img_shapes=self.image_shapes(layout),
             return_dict=False,
         )[0]
-        return out
 
-    def encode_image_dist(self, pixels: torch.Tensor) -> Any:
+    def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """Rows of several sizes: frequencies per row and one key mask, each
+        row's text (its prompt's padding out) then its image tokens (``mixed.py``)."""
+        from diffrt.engine.pipelines.qwen_image.mixed import forward_rows, row_rotary
+
+        model = self.denoiser(layout)
+        rotary = row_rotary(model, self.image_shapes(layout), embeds.shape[1], layout.longest,
+                            latents.device)
+        keys = torch.cat([extra.to(torch.bool), layout.key_mask(0, latents.device)], dim=1)
+        return forward_rows(model, hidden_states=latents, encoder_hidden_states=embeds,
+                            timestep=timesteps.to(latents.dtype) / 1000, rotary=rotary,
+                            key_mask=keys)
+
+    def encode_image_dist(self, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
         """AutoencoderKLQwenImage encodes video: the image is one frame."""
         return self.vae.encode(pixels.unsqueeze(2), return_dict=False)[0]
 
@@ -230,12 +244,11 @@ class QwenImagePipeline(PackedFamily, FlowMatchPipeline):
         images = self.vae.decode(spatial, return_dict=False)[0][:, :, 0]
         return images.clamp(-1, 1)
 
-    def enable_sequence_parallel(self, groups: Any) -> None:
-        """Each rank runs the transformer blocks on its slice of the image
-        tokens and of their rotary embedding (``pipelines.qwen_image.parallel``);
-        the text (and its mask) whole on every rank; the output gathered."""
-        from diffrt.engine.parallel.sequence import SequenceSplit
+    def sequence_hooks(self, split: SequenceSplit) -> None:
+        """Attention over the sequence group with the text mask, each rank's
+        rows of the rotary table, the output gathered at the last projection
+        (``pipelines.qwen_image.parallel``); the image tokens are sharded in
+        ``transformer_forward``."""
         from diffrt.engine.pipelines.qwen_image.parallel import enable_qwen_sequence_parallel
 
-        self.sequence_split = SequenceSplit(groups.sequence, groups.sequence_attention())
-        enable_qwen_sequence_parallel(self.transformer, self.sequence_split)
+        enable_qwen_sequence_parallel(self.transformer, split)

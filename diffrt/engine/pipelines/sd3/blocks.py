@@ -11,7 +11,7 @@ mixed-size call each size is embedded apart and padded (``embed_patches``;
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,8 +19,11 @@ from diffrt.engine.cache.forward import TransformerBlocks
 from diffrt.engine.pipelines.sd3.patches import unpatchify
 from diffrt.engine.pipelines.segments import RowLayout
 
+if TYPE_CHECKING:
+    from diffusers import SD3Transformer2DModel
 
-def embed_patches(model: Any, latents: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+
+def embed_patches(model: SD3Transformer2DModel, latents: torch.Tensor, layout: RowLayout) -> torch.Tensor:
     """(rows, longest, inner dim): each size's rows through the model's
     ``pos_embed`` (convolution + that size's cropped positions), at the
     start of their rows; the padding zero."""
@@ -41,7 +44,7 @@ def embed_patches(model: Any, latents: torch.Tensor, layout: RowLayout) -> torch
 class SD3Blocks(TransformerBlocks):
     """See the module; ``hidden_states`` are patch tokens (rows, longest, p·p·C)."""
 
-    def __init__(self, model: Any, *, hidden_states: torch.Tensor,
+    def __init__(self, model: SD3Transformer2DModel, *, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor, pooled_projections: torch.Tensor,
                  timestep: torch.Tensor, layout: RowLayout):
         self.model = model
@@ -56,15 +59,5 @@ class SD3Blocks(TransformerBlocks):
         self.encoder = model.context_embedder(encoder_hidden_states)
         self.blocks = list(model.transformer_blocks)
         self.count = len(self.blocks)
-
-    def run(self, start: int, stop: int, hidden: torch.Tensor, encoder: torch.Tensor | None,
-            rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        temb, mask = self.temb, self.mask
-        if rows is not None:
-            temb = temb.index_select(0, rows)
-            mask = None if mask is None else mask.index_select(0, rows)
-        kwargs = None if mask is None else {"attention_mask": mask}
-        for block in self.blocks[start:stop]:
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
-                                    temb=temb, joint_attention_kwargs=kwargs)
-        return hidden, encoder
+        self.row_inputs = {"temb": self.temb, **self.attention_inputs(self.mask)}
+        self.shared_inputs = {} if self.mask is not None else {"joint_attention_kwargs": None}

@@ -29,13 +29,17 @@ Uniform batches keep diffusers' own forward (``SD3Pipeline.transformer_forward``
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from diffrt.engine.pipelines.sd3.joint_attention import joint_outputs, joint_qkv
 from diffrt.engine.pipelines.segments import RowLayout, attention_processor, masked_attention
+
+if TYPE_CHECKING:
+    from diffusers import SD3Transformer2DModel
+    from diffusers.models.attention_processor import Attention
 
 
 class RowsJointAttnProcessor:
@@ -45,9 +49,10 @@ class RowsJointAttnProcessor:
     the image-only attention (``encoder_hidden_states`` None) takes the mask
     as it is."""
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor,
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None) -> Any:
+                 attention_mask: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states,
                                       text_first=False)
         mask = attention_mask
@@ -61,7 +66,7 @@ class RowsJointAttnProcessor:
 _ROWS_PROCESSOR = RowsJointAttnProcessor()
 
 
-def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+def forward_rows(model: SD3Transformer2DModel, *, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                  pooled_projections: torch.Tensor, timestep: torch.Tensor,
                  layout: RowLayout) -> torch.Tensor:
     """``SD3Transformer2DModel.forward`` over rows of several sizes (see the
@@ -79,6 +84,6 @@ def forward_rows(model: Any, *, hidden_states: torch.Tensor, encoder_hidden_stat
         return blocks.run_all()
 
 
-def rows_processor(model: Any) -> AbstractContextManager:
+def rows_processor(model: SD3Transformer2DModel) -> AbstractContextManager:
     """``RowsJointAttnProcessor`` in every attention of ``model`` while it is held."""
     return attention_processor(model, _ROWS_PROCESSOR)

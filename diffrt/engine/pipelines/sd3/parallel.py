@@ -9,22 +9,25 @@ text length is known per call; SD3.5's image-only second attention has none.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffrt.engine.parallel.sequence import SequenceSplit
 from diffrt.engine.pipelines.sd3.joint_attention import joint_outputs, joint_qkv
 
+if TYPE_CHECKING:
+    from diffusers.models.attention_processor import Attention
+
 
 class SequenceParallelJointAttnProcessor:
     def __init__(self, sequence: SequenceSplit) -> None:
         self.sequence = sequence
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor,
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, *args: Any,
-                 **kwargs: Any) -> Any:
+                 **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if attention_mask is not None:
             raise ValueError("sequence-parallel attention does not take an attention mask")
         query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states,

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffrt.engine.parallel.sequence import SequenceSplit
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.flow_match_spec import vae_factor
 from diffrt.engine.pipelines.folder_text import PromptWindow
@@ -25,12 +26,17 @@ from diffrt.engine.pipelines.sd3.patches import PatchLatents, patchify, unpatchi
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from diffusers import StableDiffusion3Pipeline
+
+    from diffrt.engine.pipelines.sd3.blocks import SD3Blocks
+
 
 class SD3Pipeline(FlowMatchPipeline):
     """Text-to-image with a diffusers SD3Transformer2DModel."""
 
     @staticmethod
-    def encode_with_diffusers(pipeline: Any, prompts: list[str],
+    def encode_with_diffusers(pipeline: StableDiffusion3Pipeline, prompts: list[str],
                               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Two CLIPs (penultimate hidden states, pooled) and T5 (256 tokens),
         concatenated as StableDiffusion3Pipeline does."""
@@ -40,7 +46,7 @@ class SD3Pipeline(FlowMatchPipeline):
         return embeds, pooled
 
     @staticmethod
-    def prompt_windows(pipeline: Any) -> list[PromptWindow]:
+    def prompt_windows(pipeline: StableDiffusion3Pipeline) -> list[PromptWindow]:
         """Both CLIPs at ``tokenizer_max_length`` (77) and T5, where the folder
         has one, at the 256 tokens ``encode_with_diffusers`` asks."""
         windows = [PromptWindow("text_encoder", pipeline.tokenizer, pipeline.tokenizer_max_length),
@@ -76,7 +82,7 @@ class SD3Pipeline(FlowMatchPipeline):
     @contextlib.contextmanager
     def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
                            embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
-                           layout: RowLayout) -> Iterator[Any]:
+                           layout: RowLayout) -> Iterator[SD3Blocks]:
         from diffrt.engine.pipelines.sd3.blocks import SD3Blocks
         from diffrt.engine.pipelines.sd3.mixed import rows_processor
 
@@ -85,22 +91,12 @@ class SD3Pipeline(FlowMatchPipeline):
             yield SD3Blocks(model, hidden_states=latents, encoder_hidden_states=embeds,
                             pooled_projections=pooled, timestep=timesteps, layout=layout)
 
-    def transformer_forward(
-        self,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        embeds: torch.Tensor,
-        pooled: torch.Tensor,
-        guidance: torch.Tensor,
-        layout: RowLayout,
-    ) -> torch.Tensor:
-        # timesteps float32 whatever the model dtype, as diffusers passes them
-        if not layout.uniform:  # rows of several sizes: padded tokens, masked keys
-            from diffrt.engine.pipelines.sd3.mixed import forward_rows
-
-            return forward_rows(self.denoiser(layout), hidden_states=latents,
-                                encoder_hidden_states=embeds, pooled_projections=pooled,
-                                timestep=timesteps, layout=layout)
+    def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                            embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                            layout: RowLayout) -> torch.Tensor:
+        """diffusers' own forward over rows of one size (its spatial input
+        from the patch tokens; timesteps float32 whatever the model dtype, as
+        diffusers passes them)."""
         out = self.denoiser(layout)(
             hidden_states=unpatchify(latents, layout.sizes[0], self.patch),
             encoder_hidden_states=embeds,
@@ -110,18 +106,26 @@ class SD3Pipeline(FlowMatchPipeline):
         )[0]
         return patchify(out, self.patch)
 
-    def enable_sequence_parallel(self, groups: Any) -> None:
-        """Each rank runs the transformer blocks on its slice of the image
-        tokens: the patch embedding (which adds the positional embedding, so
-        it sees the whole latent) is followed by the split, the last
-        projection by the gather; the attention goes over the sequence group
-        (``pipelines.sd3.parallel``), text whole on every rank."""
-        from diffrt.engine.parallel.sequence import GatherTokens, SequenceSplit, ShardTokens
+    def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """Rows of several sizes: padded patch tokens, masked keys (``mixed.py``)."""
+        from diffrt.engine.pipelines.sd3.mixed import forward_rows
+
+        return forward_rows(self.denoiser(layout), hidden_states=latents,
+                            encoder_hidden_states=embeds, pooled_projections=pooled,
+                            timestep=timesteps, layout=layout)
+
+    def sequence_hooks(self, split: SequenceSplit) -> None:
+        """The patch embedding (which adds the positional embedding, so it
+        sees the whole latent) is followed by the shard, the last projection
+        by the gather (before diffusers un-patchifies); the attention goes
+        over the sequence group (``pipelines.sd3.parallel``), text whole on
+        every rank."""
+        from diffrt.engine.parallel.sequence import GatherTokens, ShardTokens
         from diffrt.engine.pipelines.sd3.parallel import SequenceParallelJointAttnProcessor
 
-        self.sequence_split = sequence = SequenceSplit(groups.sequence,
-                                                       groups.sequence_attention())
         model = self.transformer
-        model.set_attn_processor(SequenceParallelJointAttnProcessor(sequence))
-        model.pos_embed = ShardTokens(model.pos_embed, sequence)
-        model.proj_out = GatherTokens(model.proj_out, sequence)
+        model.set_attn_processor(SequenceParallelJointAttnProcessor(split))
+        model.pos_embed = ShardTokens(model.pos_embed, split)
+        model.proj_out = GatherTokens(model.proj_out, split)
