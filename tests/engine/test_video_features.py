@@ -1,15 +1,19 @@
 """The features that run on video, through the engine (in-process executor)
 on tiny-wan: step caches (threshold 0 gives the uncached frames, a high
 threshold reuses steps, a cached request step-batched with another decides
-as it does alone)."""
+as it does alone); LoRA per request (equal to diffusers' ``WanPipeline``
+with ``load_lora_weights``, and batched beside a request without one)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from engine_helpers import assert_clean, shared_engine
+from lora_files import make_adapter
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
+from diffrt.engine.models.embedded import embedded_folder
 
 pytest.importorskip("diffusers")
 
@@ -23,11 +27,21 @@ def clip_request(seed: int, **params) -> DiffusionRequest:
                             sampling_params=SamplingParams(seed=seed, **params))
 
 
+#: the tiny text-to-video folder's attention and feed-forward linears
+TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+
+
 @pytest.fixture(scope="module")
-def step():
+def adapter(tmp_path_factory):
+    return make_adapter(embedded_folder("tiny-wan"), "WanPipeline",
+                        tmp_path_factory.mktemp("wan-lora") / "a", targets=TARGETS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def step(adapter):
     with shared_engine(DiffusionEngine.make_engine(EngineConfig(
             model="tiny-wan", executor_backend="inproc", warmup=False, step_execution=True,
-            max_num_seqs=4))) as engine:
+            max_num_seqs=4, lora_modules={"a": adapter}))) as engine:
         yield engine
 
 
@@ -61,4 +75,33 @@ def test_a_cached_clip_step_batched_with_another_decides_as_alone(step, policy, 
     assert together[0].metrics.cache.reused_steps == alone.metrics.cache.reused_steps
     assert np.abs(clip(together[0]) - clip(alone)).max() <= 1
     assert together[1].metrics.cache is None
+    assert_clean(step)
+
+
+def test_a_lora_clip_matches_diffusers_and_batched_each_equals_alone(step, adapter):
+    import diffusers
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny clip, as test_wan_family runs it
+    try:
+        pipe = diffusers.WanPipeline.from_pretrained(embedded_folder("tiny-wan"),
+                                                     local_files_only=True)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.load_lora_weights(adapter, adapter_name="a")
+        want = (pipe(prompt="a red fox 8", num_frames=9, height=64, width=64,
+                     num_inference_steps=4, generator=torch.Generator("cpu").manual_seed(8),
+                     output_type="np").frames[0] * 255).round().astype(np.int16)
+    finally:
+        torch.set_num_threads(threads)
+    styled = clip_request(8, num_inference_steps=4, loras={"a": 1.0})
+    plain = clip_request(8, num_inference_steps=4)
+    alone = [clip(step.generate(r)) for r in (styled, plain)]
+    assert np.abs(alone[0] - want).max() <= 2
+    assert np.abs(alone[0] - alone[1]).mean() > 2  # the adapter shows
+    # a mate of 6 steps: at some steps the two rows fall to different experts
+    mate = clip_request(9, num_inference_steps=6)
+    pair = [alone[0], clip(step.generate(mate))]
+    together = [clip(o) for o in step.generate([styled, mate])]
+    for got, solo in zip(together, pair, strict=True):
+        assert np.abs(got - solo).max() <= 1
     assert_clean(step)

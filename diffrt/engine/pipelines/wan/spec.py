@@ -6,7 +6,7 @@ default: 480 x 832 px, 81 frames (16 fps, Wan's own), 50 steps, CFG when
 padded to 512 tokens. A clip has ``scale_factor_temporal`` x k + 1 frames;
 a side is a multiple of the VAE's factor x the patch (16 px). The features
 not yet made to work on video are refused by the spec, each naming its
-field (docs/families.md): LoRA (``loras``),
+field (docs/families.md):
 weight quantization (``quantization``), every multi-rank split.
 """
 
@@ -30,6 +30,13 @@ WAN_FPS = 16.0
 #: bound it lower for a model with a shorter one)
 MAX_FRAMES = 257
 
+
+#: linear layers of WanTransformer3DModel that LoRA adapters for it target:
+#: each block's self- and cross-attention (the image-to-video layout's image
+#: keys and values too) and feed-forward, as diffusers' Wan LoRA conversions
+#: name them
+LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj",
+                       "ffn.net.0.proj", "ffn.net.2")
 
 #: TeaCache's rescaling polynomials for Wan 2.1 text-to-video, highest power
 #: first, as the TeaCache authors publish them (github.com/ali-vilab/TeaCache,
@@ -81,10 +88,10 @@ def describe(folder: ModelFolder) -> ModelSpec:
                                   guidance_scale=5.0, num_frames=81, fps=WAN_FPS),
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
-        parallel=ParallelSupport(),
+        parallel=ParallelSupport(), lora_target_modules=LORA_TARGET_MODULES,
         cache=CacheSupport(policies=POLICIES, teacache_rescale=teacache_rescale(folder, i2v)),
         transformer_width=attention_width(folder),
         text_tokens=TEXT_TOKENS)
 
 
-__all__ = ["MAX_FRAMES", "WAN_FPS", "describe"]
+__all__ = ["LORA_TARGET_MODULES", "MAX_FRAMES", "WAN_FPS", "describe"]
