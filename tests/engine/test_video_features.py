@@ -105,3 +105,21 @@ def test_a_lora_clip_matches_diffusers_and_batched_each_equals_alone(step, adapt
     for got, solo in zip(together, pair, strict=True):
         assert np.abs(got - solo).max() <= 1
     assert_clean(step)
+
+
+def test_int8_converts_both_experts_within_the_int8_psnr_of_the_float_clip(step):
+    from test_weights import MIN_PSNR, psnr
+
+    want = clip(step.generate(clip_request(10, num_inference_steps=4)))
+    with DiffusionEngine.make_engine(EngineConfig(
+            model="tiny-wan", executor_backend="inproc", warmup=False,
+            quantization="int8")) as engine:
+        got = clip(engine.generate(clip_request(10, num_inference_steps=4)))
+        methods = engine.weight_bytes.methods
+        held = engine.weight_bytes.components
+    floats = step.weight_bytes.components
+    assert methods["transformer"] == methods["transformer_2"] == "int8"
+    for expert in ("transformer", "transformer_2"):  # measured: each expert's linears int8
+        assert held[expert]["cpu"] <= 0.4 * floats[expert]["cpu"]
+    assert 0 < np.abs(got - want).max()  # converted: not the float bits
+    assert psnr(got, want) >= MIN_PSNR["int8"], psnr(got, want)

@@ -6,8 +6,8 @@ default: 480 x 832 px, 81 frames (16 fps, Wan's own), 50 steps, CFG when
 padded to 512 tokens. A clip has ``scale_factor_temporal`` x k + 1 frames;
 a side is a multiple of the VAE's factor x the patch (16 px). The features
 not yet made to work on video are refused by the spec, each naming its
-field (docs/families.md):
-weight quantization (``quantization``), every multi-rank split.
+field (docs/families.md): weight methods other than int8
+(``quantization``), every multi-rank split.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
         parallel=ParallelSupport(), lora_target_modules=LORA_TARGET_MODULES,
+        quantization=("int8",),  # both experts (the pipeline's quantize_weights)
         cache=CacheSupport(policies=POLICIES, teacache_rescale=teacache_rescale(folder, i2v)),
         transformer_width=attention_width(folder),
         text_tokens=TEXT_TOKENS)
