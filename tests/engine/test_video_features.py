@@ -66,19 +66,24 @@ def test_a_cached_clip_at_threshold_zero_is_the_uncached_one_and_a_high_one_reus
 
 
 @pytest.mark.parametrize("policy,threshold", [("first-block", 0.9), ("teacache", 2.0)])
-def test_a_cached_clip_step_batched_with_another_decides_as_alone(step, policy, threshold):
+def test_a_cached_clip_step_batched_with_others_decides_as_alone(step, policy, threshold,
+                                                                 caplog):
     cached = clip_request(6, cache=policy, cache_threshold=threshold)
-    other = clip_request(7, num_frames=5, num_inference_steps=4)
+    # a mate of 4 steps in its call (at its second step the rows fall to
+    # different experts), and one of another frame count
+    others = [clip_request(7, num_inference_steps=4),
+              clip_request(8, num_frames=5, num_inference_steps=4)]
     alone = step.generate(cached)
-    together = step.generate([cached, other])
+    together = step.generate([cached, *others])
     assert alone.metrics.cache.steps_reused > 0
     assert together[0].metrics.cache.reused_steps == alone.metrics.cache.reused_steps
     assert np.abs(clip(together[0]) - clip(alone)).max() <= 1
-    assert together[1].metrics.cache is None
+    assert all(o.ok and o.metrics.cache is None for o in together[1:])
+    assert not [r for r in caplog.records if "one at a time" in r.getMessage()]
     assert_clean(step)
 
 
-def test_a_lora_clip_matches_diffusers_and_batched_each_equals_alone(step, adapter):
+def test_a_lora_clip_matches_diffusers_and_batched_each_equals_alone(step, adapter, caplog):
     import diffusers
 
     threads = torch.get_num_threads()
@@ -104,6 +109,8 @@ def test_a_lora_clip_matches_diffusers_and_batched_each_equals_alone(step, adapt
     together = [clip(o) for o in step.generate([styled, mate])]
     for got, solo in zip(together, pair, strict=True):
         assert np.abs(got - solo).max() <= 1
+    # they shared their steps: no failed call run again a request at a time
+    assert not [r for r in caplog.records if "one at a time" in r.getMessage()]
     assert_clean(step)
 
 
