@@ -232,6 +232,36 @@ def test_rank_actors_inherit_every_vendors_runtime_settings(monkeypatch):
     assert not set(visibility) & set(env)
 
 
+
+def test_serve_replicas_inherit_them_too(monkeypatch):
+    """A Serve replica is an actor as well: Ray starts it from the raylet's
+    environment plus its ``ray_actor_options["runtime_env"]["env_vars"]``
+    (ray/serve/_private/config.py ``_validate_ray_actor_options`` admits
+    ``runtime_env``; ray/serve/_private/utils.py
+    ``override_runtime_envs_except_env_vars`` merges its env_vars with the
+    application's), so without them its engine —
+    and the worker processes or rank actors it starts — never see the
+    settings; visibility stays behind here too."""
+    from diffrt.engine import EngineConfig
+    from diffrt.serve import ServeSettings
+    from diffrt.serve.ray_app import ReplicaSettings
+
+    monkeypatch.setenv("HSA_OVERRIDE_GFX_VERSION", "9.4.2")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/usr/local/Ascend/lib64")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0")
+
+    class Gpu:  # the platform as deployment_options reads it
+        ray_resource = "GPU"
+
+    for backend in ("mp", "ray"):  # the engine's workers, or its own rank actors
+        config = EngineConfig(model="tiny-flux", executor_backend=backend)
+        actor = ReplicaSettings().deployment_options(config, ServeSettings(),
+                                                     Gpu())["ray_actor_options"]
+        env = actor["runtime_env"]["env_vars"]
+        assert env["HSA_OVERRIDE_GFX_VERSION"] == "9.4.2"
+        assert env["LD_LIBRARY_PATH"] == "/usr/local/Ascend/lib64"
+        assert "HIP_VISIBLE_DEVICES" not in env
+
 # -- 7. a vendor backend that breaks `import torch` -----------------------------------------
 def test_a_backend_failing_inside_import_torch_is_named_in_one_line(tmp_path):
     """torch-npu 2.14.0 on this torch, its CANN libraries missing: torch
