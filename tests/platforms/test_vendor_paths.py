@@ -286,6 +286,42 @@ def test_a_backend_failing_inside_import_torch_is_named_in_one_line(tmp_path):
     assert report["versions"]["torch-npu"] == "2.14.0"
 
 
+#: a program that imports diffrt and uses the engine (and the server), not the CLI
+PROGRAM = """
+import diffrt
+from diffrt.vendor_metadata import BackendAutoloadError
+for _ in range(2):  # the second try names the first failure, not torch's retry
+    try:
+        from diffrt.engine import DiffusionEngine
+    except BackendAutoloadError as exc:
+        print(type(exc).__name__, exc)
+try:
+    from diffrt.serve import build_app
+except BackendAutoloadError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_program_importing_diffrt_gets_the_same_named_error(tmp_path):
+    """The same broken torch_npu, met by ``import diffrt`` in a program: the
+    engine's (and the server's) first import of torch raises an exception
+    naming the package, its version, the torch it needs and the variable,
+    instead of torch's bare RuntimeError."""
+    site = broken_install(tmp_path, "torch_npu", "torch-npu", "2.14.0", "torch==2.14.0",
+                          "libhccl.so: cannot open shared object file", entry_point=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    out = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 3, out.stdout
+    for line in lines:
+        assert line.startswith("BackendAutoloadError ")
+        for part in ("torch-npu 2.14.0", "libhccl.so", "requires torch==2.14.0",
+                     f"this is torch {torch.__version__}", "TORCH_DEVICE_BACKEND_AUTOLOAD=0"):
+            assert part in line, (part, line)
+
 def test_ipex_refusal_and_a_failing_xpu_check_are_in_the_report(monkeypatch, fake_installed):
     """IPEX checks torch's major.minor on import (its 2.8.0, a CPU build on
     PyPI); torch.xpu.is_available() can raise where the Level Zero loader
