@@ -43,7 +43,7 @@ def running(app, limits: HttpLimits, client=None, shutdown_timeout_s: float = 30
         server = DrainingServer(config, client, shutdown_timeout_s=shutdown_timeout_s)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    assert wait_until(lambda: server.started, timeout=10)
+    assert wait_until(lambda: server.started, timeout=60)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield server, port
