@@ -165,6 +165,7 @@ schema = _schema()
 
 
 @schema.parametrize()
+@pytest.mark.timeout(900)  # 25 examples, each admitted at about 5 s at most, on a busy machine
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_the_api_holds_up_to_generated_requests(case, costed_server):
