@@ -114,6 +114,15 @@ def test_warm_up_calibrates_the_estimate_from_warm_steps():
             engine.generate(toy_request(size=16, steps=2))
 
 
+def test_the_start_up_requests_are_never_refused_by_the_limit():
+    """The warm-up and calibration requests are the engine's own: a limit no
+    request can meet (as a small one is on a busy machine, whose slow steps
+    the estimate follows) still lets the engine start, then refuses clients."""
+    with toy_engine(max_request_seconds=1e-9) as engine:  # warm-up on
+        assert engine.run_time.calibrated and not engine.starting
+        with pytest.raises(InvalidRequestError, match="max_request_seconds"):
+            engine.generate(toy_request(size=16, steps=2))
+
 
 @pytest.mark.parametrize("step", [False, True])
 def test_both_modes_feed_the_estimate_per_step(step):
