@@ -17,7 +17,9 @@ from leaks import arena_refs
 from server_process import ServerProcess, children
 from waiting import wait_until
 
-pytestmark = pytest.mark.e2e
+#: two LONG requests one after the other ran past pytest's 300 s on a machine
+#: other processes kept busy: bounded, generously
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 GEN = "/v1/images/generations"
 #: a request that runs for a few seconds on a 2-core CPU (tiny-flux)
