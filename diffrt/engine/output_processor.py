@@ -40,7 +40,7 @@ from diffrt.engine.errors import EngineClosedError, EngineDeadError
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.output_streams import FinalSlot, OutputStream
 from diffrt.engine.outputs import DiffusionOutput
-from diffrt.engine.postprocess import PostProcess
+from diffrt.engine.postprocess import PostProcess, encode_clips
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched import AbortOutcome, Finished
@@ -324,7 +324,9 @@ class OutputProcessor:
     def _complete(self, record: RequestRecord, lease: OutputLease,
                   ready_at: float) -> DiffusionOutput:
         """The consumer takes its output: post-process it, free its slot, end it.
-        Runs in the consumer's thread (or the pool, for asyncio consumers)."""
+        Runs in the consumer's thread (or the pool, for asyncio consumers):
+        never on the engine's loop, so an MP4's encoding (output_type "mp4")
+        does not hold up the next step."""
         rid = record.request_id
         params = record.request.sampling_params
         images = value = error = None
@@ -338,6 +340,12 @@ class OutputProcessor:
             error = f"post-processing failed: {type(exc).__name__}: {exc}"
         finally:
             lease.release()
+        if error is None and params.output_type == "mp4" and value is not None:
+            try:  # the slot is free already: encoding holds no output memory
+                value = encode_clips(value, params.fps or 1.0)
+            except Exception as exc:
+                logger.exception("encoding failed for %s", rid)
+                error, value = f"encoding failed: {type(exc).__name__}: {exc}", None
         done = self._clock()
         frames = None
         if params.num_frames is not None:  # a video: its frames per output
