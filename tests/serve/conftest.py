@@ -61,3 +61,15 @@ def real_server():
         yield proc.wait_ready()
     finally:
         assert proc.stop() == 0, proc.output()
+
+
+@pytest.fixture(scope="session")
+def video_server(tmp_path_factory):
+    """One ``diffrt serve --model tiny-wan`` process (its jobs in a folder of
+    the session's) shared by the videos' end-to-end and browser tests."""
+    folder = tmp_path_factory.mktemp("videos")
+    proc = ServerProcess("--model", "tiny-wan", "--api-key", API_KEY, "--video-dir", str(folder))
+    try:
+        yield proc.wait_ready()
+    finally:
+        assert proc.stop() == 0, proc.output()
