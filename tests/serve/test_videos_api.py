@@ -267,3 +267,32 @@ def test_a_first_frame_on_a_text_to_video_model_and_a_bad_upload_are_refused(eng
         assert got.status_code == 400 and got.json()["error"]["param"] == "input_reference"
     assert "text only" in t2v.json()["error"]["message"]
     app.state.videos.close()
+
+
+def test_input_reference_is_the_first_frame_of_an_image_to_video_folder(tmp_path):
+    config = EngineConfig(model="tiny-wan-i2v", executor_backend="inproc", warmup=False,
+                          step_execution=True)
+    png = io.BytesIO()
+    PIL.Image.new("RGB", (64, 64), (9, 99, 200)).save(png, format="PNG")
+    with DiffusionEngine.make_engine(config) as i2v:
+        app = make_app(i2v, tmp_path)
+
+        async def scenario(client: Any, http: httpx.AsyncClient) -> tuple:
+            made = await client.videos.create(
+                prompt=PROMPT, size="64x64", seconds="0.25",
+                input_reference=("first.png", png.getvalue(), "image/png"),
+                extra_body={"seed": 5, "num_inference_steps": 2})
+            done = await until_finished(http, made.id)
+            mp4 = (await client.videos.download_content(made.id)).read()
+            return done, mp4
+
+        done, mp4 = run(app, scenario)
+        assert done["status"] == "completed", done
+        want = i2v.generate(DiffusionRequest(
+            prompt=PROMPT, images=[PIL.Image.open(io.BytesIO(png.getvalue()))],
+            sampling_params=SamplingParams(seed=5, num_inference_steps=2, num_frames=5,
+                                           height=64, width=64, output_type="np")))
+        decoded = decode_mp4(mp4).frames
+        assert decoded.shape == (5, 64, 64, 3)
+        assert min(psnr(d, w) for d, w in zip(decoded, want.output[0], strict=True)) >= 20
+        app.state.videos.close()
