@@ -296,3 +296,29 @@ def test_input_reference_is_the_first_frame_of_an_image_to_video_folder(tmp_path
         assert decoded.shape == (5, 64, 64, 3)
         assert min(psnr(d, w) for d, w in zip(decoded, want.output[0], strict=True)) >= 20
         app.state.videos.close()
+
+
+def test_max_pending_sheds_jobs_with_429_before_they_exist(engine, tmp_path):
+    """Two jobs run (max_num_seqs=2), one may wait (max_pending=1): a fourth
+    is refused with Retry-After and no job is made for it."""
+    app = make_app(engine, tmp_path, max_pending=1)
+
+    async def scenario(client: Any, http: httpx.AsyncClient) -> tuple:
+        body = {"prompt": PROMPT, "size": "32x32", "num_inference_steps": 300}
+        answers = []
+        for _ in range(5):
+            answers.append(await http.post("/v1/videos", json=body))
+            if answers[-1].status_code == 429:
+                break
+        listed = (await http.get("/v1/videos")).json()["data"]
+        for job in listed:
+            await http.delete(f"/v1/videos/{job['id']}")
+        return answers, listed
+
+    answers, listed = run(app, scenario)
+    refused = answers[-1]
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= len(listed) == len(answers) - 1 <= 3  # the refused one made no job
+    assert_clean(engine)
+    app.state.videos.close()
