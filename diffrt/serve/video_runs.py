@@ -51,7 +51,13 @@ class VideoRuns:
         """Run ``job`` on ``opened`` (``EngineClient.open_run``'s) in the background."""
         task = asyncio.create_task(self._run(job.id, *opened), name=f"diffrt-{job.id}")
         self._tasks[job.id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(job.id, None))
+        seat = opened[1]
+
+        def ended(_: asyncio.Task) -> None:
+            self._tasks.pop(job.id, None)
+            seat.release()  # a task cancelled before it began never reached the engine
+
+        task.add_done_callback(ended)
 
     def running(self) -> int:
         return len(self._tasks)
