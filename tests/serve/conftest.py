@@ -81,3 +81,16 @@ def costed_server():
     """The shared server's twin with a cost limit, for schemathesis."""
     with _shared_server("--max-request-seconds", MAX_REQUEST_SECONDS) as proc:
         yield proc
+
+
+@pytest.fixture(scope="session")
+def video_server(tmp_path_factory):
+    """One ``diffrt serve --model tiny-wan`` process (its jobs in a folder of
+    the session's) shared by the videos' end-to-end and browser tests."""
+    folder = tmp_path_factory.mktemp("videos")
+    proc = ServerProcess("--model", "tiny-wan", "--api-key", API_KEY, "--video-dir", str(folder),
+                         "--max-request-seconds", "none")  # as real_server: no load-dependent refusal
+    try:
+        yield proc.wait_ready()
+    finally:
+        assert proc.stop() == 0, proc.output()
