@@ -18,8 +18,8 @@ systems rotating between rounds, the median of the rounds printed:
    ``WanPipeline`` call per clip); clips/s and their ratio (goal >= 1.0).
 2. **step x4**: 4 clips of different frame counts (``--mix``: 33 25 17 9)
    at ``--size``\\ :sup:`2`, submitted together to a step-batch engine
-   (``max_num_seqs=4``: their steps share ticks; Wan runs a call per size,
-   so the 4 clips share each call) against diffusers running the same 4
+   (``max_num_seqs=4``: their steps share ticks; Wan runs a call per latent
+   size, so a tick is 4 calls, one a clip) against diffusers running the same 4
    clips one after another; clips/s and the ratio (goal >= 1.0).
 3. **image under load**: the smallest request the video model takes — one
    frame (``num_frames=1``: a clip is 4k + 1 frames) at ``--image-size``\\ :sup:`2`,
