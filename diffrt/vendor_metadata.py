@@ -7,15 +7,20 @@ torch_npu:_autoload``, ``torch_musa = torch_musa:_autoload``), which torch
 loads inside ``import torch`` and turns any failure into ``RuntimeError:
 Failed to load the backend extension: <name>`` (torch/__init__.py
 ``_import_device_backends``), before diffrt can run a line. The CLI catches
-that error and names the package with this module; the platform layer uses it
-for the torch a package needs.
+that error and names the package with this module, and so do the engine's
+and the server's lazy imports (``import_naming_backend``) for a program that
+imports diffrt; the platform layer uses it for the torch a package needs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.metadata
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 #: torch's entry-point group for out-of-tree device backends
 BACKEND_GROUP = "torch.backends"
@@ -127,5 +132,46 @@ def autoload_failure(exc: BaseException) -> AutoloadFailure | None:
                            error)
 
 
-__all__ = ["AUTOLOAD_VAR", "BACKEND_GROUP", "VENDOR_PACKAGES", "AutoloadFailure", "autoload_failure",
-           "dist_version", "torch_requirement"]
+class BackendAutoloadError(RuntimeError):
+    """``import torch`` failed inside a vendor backend's entry point: what a
+    program using the engine gets instead of torch's bare "Failed to load the
+    backend extension" — the package, its version, the torch it needs and
+    ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (``failure.line()``)."""
+
+    def __init__(self, failure: AutoloadFailure) -> None:
+        super().__init__(failure.line())
+        self.failure = failure
+
+
+#: the failure of this process's ``import torch``: torch cannot be imported
+#: again after one (its extension modules stay half registered: a retry ends
+#: in a segmentation fault), so a later import names the first failure
+_failed: list[AutoloadFailure] = []
+
+
+@contextlib.contextmanager
+def naming_backend_failure() -> Iterator[None]:
+    """Around imports that may be this process's first ``import torch``: a
+    vendor backend failing inside it (now, or at an earlier try) raises
+    BackendAutoloadError naming it. Other errors propagate."""
+    if _failed:  # a second try would run torch's half-registered import again
+        raise BackendAutoloadError(_failed[0])  # (it crashes): name the first failure
+    try:
+        yield
+    except Exception as exc:
+        failure = autoload_failure(exc)
+        if failure is None:
+            raise
+        _failed.append(failure)
+        raise BackendAutoloadError(failure) from exc
+
+
+def import_naming_backend(module: str) -> ModuleType:
+    """``importlib.import_module(module)`` under ``naming_backend_failure``."""
+    with naming_backend_failure():
+        return importlib.import_module(module)
+
+
+__all__ = ["AUTOLOAD_VAR", "BACKEND_GROUP", "VENDOR_PACKAGES", "AutoloadFailure",
+           "BackendAutoloadError", "autoload_failure", "dist_version", "import_naming_backend",
+           "naming_backend_failure", "torch_requirement"]

@@ -15,8 +15,14 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+#: seconds a wait gives its condition unless told otherwise: what the tests
+#: wait for takes well under a second on a quiet machine, and a machine other
+#: processes keep busy may take many times that; a bound only ends a wait
+#: that has failed, so it is generous
+DEFAULT_TIMEOUT_S = 60.0
 
-def wait_until(predicate: Callable[[], T], timeout: float = 15.0, interval: float = 0.01,
+
+def wait_until(predicate: Callable[[], T], timeout: float = DEFAULT_TIMEOUT_S, interval: float = 0.01,
                message: str | Callable[[], Any] | None = None) -> T:
     """Call ``predicate`` every ``interval`` seconds until it returns something true.
 
@@ -42,7 +48,7 @@ def wait_until(predicate: Callable[[], T], timeout: float = 15.0, interval: floa
     return _last_try(predicate, timeout, message)
 
 
-async def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float = 0.01,
+async def wait_for(predicate: Callable[[], T], timeout: float = DEFAULT_TIMEOUT_S, interval: float = 0.01,
                    message: str | Callable[[], Any] | None = None) -> T:
     """``wait_until`` inside a coroutine: polls without blocking the event loop,
     so the loop keeps serving the streams whose progress the predicate watches.

@@ -48,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "lines starting with # are skipped)")
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--output", "-o", default="out.png",
-                   help="image file; with several prompts out.png becomes out-<i>.png (i: the "
+                   help="image file (a video model: .mp4 for the H.264 clip, .png for its "
+                        "frames in one strip); with several prompts out.png becomes out-<i>.png (i: the "
                         "prompt's index), with -n > 1 out[-<i>]-<k>.png (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.add_argument("--image", action="append", default=[], type=Path, metavar="FILE",
@@ -187,9 +188,12 @@ def run(args: argparse.Namespace) -> int:
 
     model, plugins = model_name(args), plugin_modules(args)
     images, mask = read_inputs(args)
+    # a .mp4 path: the engine encodes each clip (output_type "mp4"), off its loop
+    encoded = {"output_type": "mp4"} if str(args.output).lower().endswith(".mp4") else {}
     requests = [DiffusionRequest(prompt=p, negative_prompt=args.negative_prompt,
                                  sampling_params=sampling_params(
-                                     args, seed=None if args.seed is None else args.seed + i),
+                                     args, seed=None if args.seed is None else args.seed + i,
+                                     **encoded),
                                  images=list(images), mask_image=mask)
                 for i, p in enumerate(prompts)]
     _check(model, requests, plugins)
@@ -236,9 +240,15 @@ def _save(prompts: list[str], finals: list[Any], paths: list[list[Path]]) -> int
         for image, path in zip(final.images or [], targets, strict=False):
             image.save(path)
             print(f"wrote {path} ({image.width}x{image.height}{took}) for {prompt!r}")
-        for frames, path in zip(final.frames or [], targets, strict=False):
-            frame_strip(frames).save(path)
+        for k, (frames, path) in enumerate(zip(final.frames or [], targets, strict=False)):
             seconds = len(frames) / final.fps if final.fps else 0.0
+            if path.suffix.lower() == ".mp4":
+                path.write_bytes(final.output[k])
+                print(f"wrote {path} (H.264, {len(frames)} frames of {frames[0].width}x"
+                      f"{frames[0].height}, a {seconds:.2f} s clip at {final.fps:g} fps{took}) "
+                      f"for {prompt!r}")
+                continue
+            frame_strip(frames).save(path)
             print(f"wrote {path} (a strip of {len(frames)} frames of {frames[0].width}x"
                   f"{frames[0].height}, a {seconds:.2f} s clip at {final.fps:g} fps{took}) "
                   f"for {prompt!r}")
@@ -246,8 +256,8 @@ def _save(prompts: list[str], finals: list[Any], paths: list[list[Path]]) -> int
 
 
 def frame_strip(frames: list[Any]) -> Any:
-    """A video's frames side by side in one image, first to last (a PNG
-    strip until an encoded video file can be written)."""
+    """A video's frames side by side in one image, first to last (what a
+    .png path gets; a .mp4 path gets the encoded clip)."""
     from PIL import Image
 
     width, height = frames[0].size

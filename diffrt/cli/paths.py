@@ -8,6 +8,8 @@ from pathlib import Path
 from diffrt.cli.errors import CliError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+#: a video model's encoded clip (an image model refuses it: output_type "mp4")
+VIDEO_SUFFIXES = (".mp4",)
 
 
 def check_writable_file(path: str | os.PathLike, what: str) -> Path:
@@ -41,8 +43,9 @@ def image_paths(output: str, num_prompts: int, per_prompt: int) -> list[list[Pat
     character. Returns one list of paths per prompt, ``per_prompt`` long, every
     one checked by opening it."""
     base = check_writable_file(output, "images")
-    if base.suffix.lower() not in IMAGE_SUFFIXES:
-        raise CliError(f"output {output!r} must end in one of {', '.join(IMAGE_SUFFIXES)}")
+    if base.suffix.lower() not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
+        raise CliError(f"output {output!r} must end in one of "
+                       f"{', '.join(IMAGE_SUFFIXES + VIDEO_SUFFIXES)}")
     if num_prompts == 1 and per_prompt == 1:
         return [[base]]
     paths = []

@@ -79,11 +79,12 @@ def _run(args: argparse.Namespace, serve_settings: Any, limits: Any, sock: Any) 
     serve_logger = logging.getLogger("diffrt.serve")
     serve_logger.setLevel(min(logging.INFO, serve_logger.getEffectiveLevel()))
     spec = model_spec(model_name(args), plugin_modules(args))  # a bad model is refused first
-    if spec.frame_factor:
+    if spec.frame_factor and on_ray(args):
         from diffrt.cli.errors import CliError
 
-        raise CliError(f"--model {spec.name}: a video model is not served over HTTP yet (no "
-                       "video response format); use diffrt generate or DiffusionEngine")
+        raise CliError(f"--replicas: a video model ({spec.name}) is served by one engine "
+                       "without Ray (its jobs live in one server's --video-dir); drop the Ray "
+                       "flags (--replicas, --max-replicas, ...)")
     config = EngineConfig(**engine_settings(args))
     config.model_spec()  # what the model refuses exits 2 here, before an engine starts
     if on_ray(args):

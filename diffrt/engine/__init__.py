@@ -6,17 +6,24 @@ engine = DiffusionEngine.make_engine(EngineConfig())  # diffrt-shapes, the defau
 out = engine.generate(DiffusionRequest(prompt="a red circle on a yellow background in the top left"))
 ```
 
-Heavy modules (torch, the runtime) load on first use of the engine classes,
-so importing the request/sampling types stays cheap.
+Heavy modules (the runtime, the pipelines) load on first use of the engine
+classes. A vendor backend that fails inside this package's first
+``import torch`` (torch_npu or torch_musa built for
+another torch) raises ``diffrt.vendor_metadata.BackendAutoloadError``, naming
+the package, its version, the torch it needs and
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from diffrt.engine.outputs import DiffusionOutput, RequestMetrics, TextEncoderStats
-from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.sampling import InvalidRequestError, SamplingParams
+from diffrt.vendor_metadata import import_naming_backend, naming_backend_failure
+
+with naming_backend_failure():  # the request types' input images import torch
+    from diffrt.engine.outputs import DiffusionOutput, RequestMetrics, TextEncoderStats
+    from diffrt.engine.request import DiffusionRequest
+    from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from diffrt.engine.config import EngineConfig, EngineConfigError, ExecutionMode
@@ -80,6 +87,4 @@ def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+    return getattr(import_naming_backend(module), name)

@@ -108,6 +108,11 @@ class DiffusionEngine:
             raise
         #: the estimate of a request's seconds that max_request_seconds refuses by
         self.run_time = RunTimeModel(self.spec)
+        #: True while the start-up requests run: they are the engine's own and
+        #: are never refused by max_request_seconds (on a busy machine the
+        #: calibration's second request was estimated past a small limit, and
+        #: the engine could not start)
+        self.starting = False
         #: a request's estimated peak memory and the batch budget (None: unbounded)
         self.memory = memory_model(config, self.spec)
         if scheduler is not None and getattr(scheduler, "adapters", False) is None:
@@ -153,6 +158,7 @@ class DiffusionEngine:
             engine._shutdown(grace_s=0.0)
             raise
         if config.model_config.warmup:
+            engine.starting = True
             try:
                 warm_up(engine)
             except BaseException as exc:
@@ -160,6 +166,8 @@ class DiffusionEngine:
                 if isinstance(exc, EngineWarmupError):
                     raise
                 raise EngineWarmupError(f"warm-up failed: {exc}") from exc
+            finally:
+                engine.starting = False
         logger.info("engine ready: model=%s mode=%s max_num_seqs=%d executor=%s",
                     config.model_config.model, engine.mode.value,
                     config.scheduling.max_num_seqs, config.executor.executor_backend)
@@ -374,7 +382,8 @@ class DiffusionEngine:
         now = self._clock()
         try:
             for request in requests:
-                request = accept(request, self.spec, self.config, self.run_time, self.inputs)
+                request = accept(request, self.spec, self.config,
+                                 None if self.starting else self.run_time, self.inputs)
                 record = RequestRecord(request, arrival=now,
                                        metrics=RequestMetrics(arrival_time=now))
                 records.append(record)  # its inputs are stored: freed below if refused

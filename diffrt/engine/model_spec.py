@@ -283,6 +283,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             for field in ("num_frames", "fps"):
                 if getattr(params, field) is not None:
                     raise InvalidRequestError(field, f"{self.name} draws images, not video")
+            if params.output_type == "mp4":
+                raise InvalidRequestError("output_type", f"{self.name} draws images, not video: "
+                                                         "mp4 is a video model's")
             return
         frames, f = filled(params.num_frames), self.frame_factor
         if frames % f != 1 % f or frames > self.max_frames:

@@ -41,7 +41,7 @@ from diffrt.engine.errors import EngineClosedError, EngineDeadError
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.output_streams import FinalSlot, OutputStream
 from diffrt.engine.outputs import DiffusionOutput
-from diffrt.engine.postprocess import PostProcess
+from diffrt.engine.postprocess import PostProcess, encode_clips
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched import AbortOutcome, Finished
@@ -328,7 +328,9 @@ class OutputProcessor:
     def _complete(self, record: RequestRecord, lease: OutputLease,
                   ready_at: float) -> DiffusionOutput:
         """The consumer takes its output: post-process it, free its slot, end it.
-        Runs in the consumer's thread (or the pool, for asyncio consumers)."""
+        Runs in the consumer's thread (or the pool, for asyncio consumers):
+        never on the engine's loop, so an MP4's encoding (output_type "mp4")
+        does not hold up the next step."""
         rid = record.request_id
         params = record.request.sampling_params
         images = value = error = None
@@ -342,12 +344,20 @@ class OutputProcessor:
             error = f"post-processing failed: {type(exc).__name__}: {exc}"
         finally:
             lease.release()
+        encoded: list[bytes] | None = None
+        if error is None and params.output_type == "mp4" and value is not None:
+            try:  # the slot is free already: encoding holds no output memory
+                encoded = encode_clips(value, params.fps or 1.0)
+            except Exception as exc:
+                logger.exception("encoding failed for %s", rid)
+                error, value = f"encoding failed: {type(exc).__name__}: {exc}", None
         done = self._clock()
         frames = None
         if params.num_frames is not None:  # a video: "pil" gives its frames per output
             frames, images = cast("list[list[Image]] | None", images), None
         output = DiffusionOutput(rid, finished=True, error=error,
-                                 images=cast("list[Image] | None", images), output=value,
+                                 images=cast("list[Image] | None", images),
+                                 output=encoded if encoded is not None else value,
                                  step=record.total_steps, total_steps=record.total_steps,
                                  frames=frames, fps=params.fps)
         with self._lock:

@@ -57,8 +57,9 @@ class DiffusionOutput:
     step: int = 0
     total_steps: int = 0
     images: list[Image] | None = None  # PIL images for output_type "pil"
-    #: a torch tensor for output_type "pt" / "latent", a uint8 array for "np"
-    output: torch.Tensor | np.ndarray | None = None
+    #: a torch tensor for output_type "pt" / "latent", a uint8 array for
+    #: "np", each output's MP4 bytes for "mp4"
+    output: torch.Tensor | np.ndarray | list[bytes] | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     #: the seed the request ran with (a random one when it gave none), so any
     #: image can be reproduced by submitting it again with this seed.

@@ -33,21 +33,32 @@ def quantize_images(images: torch.Tensor) -> torch.Tensor:
 def postprocess_output(host_tensor: torch.Tensor, output_type: str
                        ) -> tuple[list[Image] | list[list[Image]] | None, torch.Tensor | np.ndarray | None]:
     """Return (images, output): PIL images for "pil" (a video: a list of
-    frames per output), a uint8 array for "np", the tensor for "pt"/"latent"."""
+    frames per output), a uint8 array for "np", the tensor for "pt"/"latent";
+    "mp4" (a video) the frames and their uint8 array, which the output
+    processor encodes (``encode_clips``)."""
     if output_type == "np":
         return None, _array(host_tensor)
-    if output_type == "pil":
+    if output_type in ("pil", "mp4"):  # mp4: the frames, and the array they encode from
         from PIL import Image
 
         array = _array(host_tensor)
         if array.ndim == 5:  # (N, F, H, W, 3): each output's frames
-            return [[Image.fromarray(np.ascontiguousarray(f)) for f in clip] for clip in array], None
+            clips = [[Image.fromarray(np.ascontiguousarray(f)) for f in clip] for clip in array]
+            return clips, array if output_type == "mp4" else None
         return [Image.fromarray(np.ascontiguousarray(a)) for a in array], None
     return None, host_tensor
 
 
 def _array(host_tensor: torch.Tensor | np.ndarray) -> np.ndarray:
     return host_tensor.numpy() if isinstance(host_tensor, torch.Tensor) else np.asarray(host_tensor)
+
+
+def encode_clips(clips: torch.Tensor | np.ndarray, fps: float) -> list[bytes]:
+    """Each output's frames ((N, F, H, W, 3) uint8) as H.264 MP4 bytes
+    (``video_files.encode_mp4``): output_type "mp4"'s ``output``."""
+    from diffrt.engine.video_files import encode_mp4
+
+    return [encode_mp4(clip, fps) for clip in _array(clips)]
 
 
 #: ModelSpec.postprocess -> its host-side conversion

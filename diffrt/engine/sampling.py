@@ -18,7 +18,7 @@ from diffrt.engine.declarations import DeclaredExtra
 from diffrt.field_error import FieldError
 from diffrt.runtime.types import DeclaredValueError, check_declared
 
-OutputType = Literal["pil", "np", "pt", "latent"]
+OutputType = Literal["pil", "np", "pt", "latent", "mp4"]
 #: what a request may ask of the step cache (``engine.cache``): "off", or a
 #: policy that reuses the transformer's work between denoise steps
 CachePolicyName = Literal["off", "first-block", "teacache"]
@@ -119,7 +119,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         "images for the prompt", http="n", cli=("-n", "--num-images"),
         ge=1, le=MAX_OUTPUTS_PER_PROMPT)] = 1
     output_type: Annotated[OutputType, _about(
-        "pil, np (uint8 array), pt (uint8 tensor) or latent; over HTTP the response_format and "
+        "pil, np (uint8 array), pt (uint8 tensor), latent, or mp4 (a video model: each "
+        "output's H.264 MP4 bytes in output, its frames beside them); over HTTP the response_format and "
         "output_format say what comes back instead", http=None, cli=None)] = "pil"
     loras: Annotated[Annotated[dict[Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME_CHARS)],
                                     Annotated[float, Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)]],

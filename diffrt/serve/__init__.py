@@ -26,7 +26,8 @@ __all__ = ["ServeSettings", "build_app"]
 
 def __getattr__(name: str) -> Any:
     if name == "build_app":
-        from diffrt.serve.app import build_app
+        # torch's first import: a vendor backend failing inside it is named
+        from diffrt.vendor_metadata import import_naming_backend
 
-        return build_app
+        return import_naming_backend("diffrt.serve.app").build_app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

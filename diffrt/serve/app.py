@@ -10,7 +10,8 @@ from yours (Starlette does not run a mounted app's lifespan):
 
 Protocol models (``protocol.py``), routes (``routes.py``: images;
 ``edit_routes.py``: image edits; ``lora_routes.py``: the LoRA adapters;
-``status_routes.py``: models, health, readiness, metrics), the answers and
+``status_routes.py``: models, health, readiness, metrics; ``video_routes.py``:
+the videos API, its jobs in ``video_store.py`` run by ``video_runs.py``), the answers and
 refusals they share (``image_answers.py``, ``error_mapping.py``), the engine
 client, errors, metrics and the request middleware live in their own
 modules; this one only wires them, so another app can mount the result.
@@ -27,13 +28,24 @@ from typing import Any
 from fastapi import FastAPI
 
 from diffrt.engine import DiffusionEngine, EngineConfig
-from diffrt.serve import edit_routes, lora_routes, playground, routes, status_routes
+from diffrt.serve import (
+    edit_routes,
+    lora_routes,
+    playground,
+    routes,
+    status_routes,
+    video_routes,
+)
 from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.errors import install_error_handlers
 from diffrt.serve.images import ImageStore
 from diffrt.serve.metrics import ServerMetrics
 from diffrt.serve.middleware import RequestContext
 from diffrt.serve.settings import ServeSettings
+from diffrt.serve.video_disk import default_video_dir
+from diffrt.serve.video_metrics import VideoMetrics
+from diffrt.serve.video_runs import VideoRuns
+from diffrt.serve.video_store import VideoStore
 
 
 def build_app(config: EngineConfig | None = None, settings: ServeSettings | None = None, *,
@@ -60,6 +72,9 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
         finally:
             await client.drain(settings.shutdown_timeout_s)
             await starting
+            if app.state.video_runs is not None:  # what the drain left: failed at a restart
+                await app.state.video_runs.close()
+                app.state.videos.close()
             await client.close()
 
     # no trailing-slash redirects: their Location would be built from the Host header
@@ -71,16 +86,30 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
                                   max_bytes=settings.url_max_bytes)
     app.state.metrics = ServerMetrics(client.metric_snapshots, replica=replica,
                                       url_store=app.state.images.usage)
+    app.state.videos, app.state.video_runs = _video_jobs(client, settings, app.state.metrics)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.include_router(routes.router)
     app.include_router(status_routes.router)
     app.include_router(edit_routes.router)
     app.include_router(lora_routes.router)
+    app.include_router(video_routes.router)
     app.include_router(playground.router)
     app.add_middleware(RequestContext, settings=settings,
                        on_response=app.state.metrics.count_response)
     return app
+
+
+def _video_jobs(client: Any, settings: ServeSettings, metrics: ServerMetrics
+                ) -> tuple[VideoStore | None, VideoRuns | None]:
+    """A video model's job store (``--video-dir``: locked while this server
+    runs) and the runs of its jobs; an image model opens none."""
+    spec = client.model_spec()
+    if spec is None or not spec.frame_factor:
+        return None, None
+    store = VideoStore(settings.video_dir or default_video_dir(),
+                       max_bytes=settings.video_store_bytes, ttl_s=settings.video_ttl_s)
+    return store, VideoRuns(store, VideoMetrics(metrics.registry, store.usage))
 
 
 def _version() -> str:

@@ -205,6 +205,25 @@ class EngineClient:
         or an EngineError at submission (on the first item). ``on_admitted``:
         see ``DiffusionEngine.take_seat``."""
         engine, seat = self.engine_or_shed(on_admitted)
+        outputs = self._seated(engine, seat, request)
+        try:
+            async for out in outputs:
+                yield out
+        finally:  # a consumer that left: the request is aborted there
+            await outputs.aclose()
+
+    def open_run(self, request: DiffusionRequest, *,
+                 on_admitted: Callable[[], None] | None = None
+                 ) -> tuple[AsyncGenerator[DiffusionOutput, None], Seat]:
+        """``run``, with the shedding (503/429) raised here at once rather than
+        on the first item: a video job is refused before it is created. The
+        caller closes the outputs and then releases the seat (a no-op once the
+        request reached the engine; needed when the outputs never started)."""
+        engine, seat = self.engine_or_shed(on_admitted)
+        return self._seated(engine, seat, request), seat
+
+    async def _seated(self, engine: DiffusionEngine, seat: Seat, request: DiffusionRequest
+                      ) -> AsyncGenerator[DiffusionOutput, None]:
         rid = request.request_id
         self._running[rid] = None
         self._in_flight += 1

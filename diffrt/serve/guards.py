@@ -24,6 +24,7 @@ from diffrt.serve.settings import ServeSettings
 _OPEN_V1 = re.compile(r"/v1/images/[^/]+/content")
 #: the route whose body carries images (``max_edit_body_bytes``)
 EDITS_PATH = "/v1/images/edits"
+VIDEOS_PATH = "/v1/videos"
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -112,6 +113,9 @@ def check_api_key(scope: dict, key: str | None) -> None:
 
 def body_limit(scope: dict, settings: ServeSettings) -> int:
     """The most bytes a request's body may have: an edit's (images) or any other's."""
-    if route_path(scope) == EDITS_PATH:
+    path = route_path(scope)
+    if path == EDITS_PATH:
         return settings.max_edit_body_bytes
+    if path == VIDEOS_PATH:  # its first frame
+        return settings.max_video_body_bytes
     return settings.max_body_bytes

@@ -82,11 +82,19 @@ class ReplicaSettings(ReplicaOptions, kw_only=True, frozen=True):
     def deployment_options(self, config: EngineConfig, settings: ServeSettings,
                            platform: Platform) -> dict[str, Any]:
         """The model deployment's Ray Serve options."""
-        from diffrt.runtime.ray_executor import ray_device_options
+        from diffrt.runtime.ray_executor import rank_environment, ray_device_options
 
         actor: dict[str, Any] = {"num_cpus": self.cpus}
         if config.executor_backend != "ray":  # else the rank actors reserve their devices
             actor.update(ray_device_options(platform, config.ranks))
+        # A replica's actor starts from the raylet's environment, not this
+        # process's: the vendors' runtime settings (and allocator, thread and
+        # hub settings) travel as its runtime_env, as a rank actor's do — its
+        # engine's workers, or its own rank actors, inherit them from there.
+        # worker_env stays with the config: the replica's engine applies it.
+        env = rank_environment({})
+        if env:
+            actor["runtime_env"] = {"env_vars": env}
         options: dict[str, Any] = {
             "ray_actor_options": actor,
             "max_ongoing_requests": config.max_num_seqs,

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from diffrt.engine import DiffusionOutput, DiffusionRequest, InvalidRequestError, SamplingParams
 from diffrt.engine.errors import EngineError
@@ -138,7 +139,7 @@ async def _generate(client: EngineClient, body: ImageBody, engine_request: Diffu
     return response
 
 
-def checked_priority(body: ImageBody, engine_request: DiffusionRequest,
+def checked_priority(body: BaseModel, engine_request: DiffusionRequest,
                      request: Request) -> DiffusionRequest:
     """400 for a priority below the server's ``client_priority_floor``; a
     body that names none gets the floor when the floor is above the default."""

@@ -61,6 +61,9 @@ class ServeSettings(msgspec.Struct, kw_only=True, frozen=True):
     max_edit_body_bytes: Annotated[_Bytes, Meta(extra={"unit": "bytes"}, description=(
         "the largest body of POST /v1/images/edits, its images and mask together; "
         "larger: 413"))] = 32 << 20
+    max_video_body_bytes: Annotated[_Bytes, Meta(extra={"unit": "bytes"}, description=(
+        "the largest body of POST /v1/videos (its first frame, input_reference); larger: "
+        "413"))] = 32 << 20
     max_edit_bytes_in_flight: Annotated[_Bytes, Meta(extra={"unit": "bytes"}, description=(
         "the bytes of edit bodies held at once (being received, or read into the engine's "
         "arrays); an edit whose body finds no room: 429 with Retry-After"))] = 256 << 20

@@ -143,15 +143,14 @@ def test_request_mode_error_mapping_and_worker_death():
         [pid] = engine.executor.worker_pids
         victim = toy_req("block:forever")  # blocks in the worker's forward
         got: list = []
-        t = threading.Thread(target=lambda: got.append(engine.generate(victim, timeout=60)))
+        # a hang would end at the (generous) timeout, saying so, not "died"
+        t = threading.Thread(target=lambda: got.append(engine.generate(victim, timeout=300)))
         t.start()
         # admitted to a batch: its forward is running (or being sent) in the worker
         assert wait_until(lambda: engine.scheduler.num_running == 1)
-        start = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        t.join(30)
+        t.join(300)
         assert got[0].finished and not got[0].ok and "died" in got[0].error
-        assert time.monotonic() - start < 15
         assert wait_until(lambda: not engine.is_healthy())
         with pytest.raises(EngineDeadError):
             engine.generate(toy_req("c"))
@@ -164,32 +163,33 @@ def test_the_watchdog_kills_a_hung_worker_not_a_long_forward():
     """execute_timeout_s bounds the time without progress, not a forward's
     length: a request-mode forward longer than the limit that reports its
     steps runs to its end; a worker stopped mid-forward (SIGSTOP) is declared
-    hung, killed, and its request fails saying so; close() then returns at once."""
+    hung, killed, and its request fails saying so; close() then returns (the
+    error names the watchdog, so no wall-clock bound is asserted; the limit is
+    7 steps' worth, so a busy machine's late heartbeat does not trip it)."""
     engine = DiffusionEngine.make_engine(EngineConfig(
-        model="toy", plugin_modules=["engine_toy"], execute_timeout_s=1.5, warmup=False,
+        model="toy", plugin_modules=["engine_toy"], execute_timeout_s=3.0, warmup=False,
         worker_env={"PYTHONPATH": str(ENGINE_TESTS)}))
     try:
-        long = engine.generate(toy_req("slowsteps", steps=6), timeout=60)  # 2.4 s in all
+        long = engine.generate(toy_req("slowsteps", steps=10), timeout=300)  # 4 s in all
         assert long.ok, long.error
         [pid] = engine.executor.worker_pids
         got: list = []
         t = threading.Thread(target=lambda: got.append(
-            engine.generate(toy_req("slowsteps", steps=20), timeout=60)))
+            engine.generate(toy_req("slowsteps", steps=20), timeout=300)))
         t.start()
         assert wait_until(lambda: engine.scheduler.num_running == 1)
         time.sleep(0.5)
         os.kill(pid, signal.SIGSTOP)  # no more heartbeats, nor anything else
-        start = time.monotonic()
-        t.join(30)
+        t.join(300)
         assert got and not got[0].ok and "worker hung" in got[0].error, got
-        assert "execute_timeout_s=1.5" in got[0].error
-        assert time.monotonic() - start < 10
+        assert "execute_timeout_s=3" in got[0].error
         assert wait_until(lambda: not engine.is_healthy())
         assert wait_until(lambda: not alive(pid))
     finally:
-        start = time.monotonic()
-        engine.close()
-        assert time.monotonic() - start < 10
+        closing = threading.Thread(target=engine.close)
+        closing.start()
+        closing.join(120)
+        assert not closing.is_alive()
 
 
 def test_close_returns_within_its_grace_when_a_worker_is_stopped():
@@ -210,11 +210,13 @@ def test_close_returns_within_its_grace_when_a_worker_is_stopped():
     try:
         assert wait_until(lambda: engine.scheduler.num_running == 1)
         os.kill(pid, signal.SIGSTOP)
-        start = time.monotonic()
-        engine.close()
-        # engine grace 5 s + worker grace 1 s + SIGTERM 2 s + SIGKILL: well under 30 s
-        assert time.monotonic() - start < 30
-        t.join(10)
+        # engine grace 5 s + worker grace 1 s + SIGTERM 2 s + SIGKILL; without
+        # them close() would wait on the stopped worker for ever
+        closing = threading.Thread(target=engine.close)
+        closing.start()
+        closing.join(120)
+        assert not closing.is_alive()
+        t.join(60)
         assert got and not got[0].ok and "closed" in got[0].error, got
         assert not alive(pid)
         assert arena_mappings(os.getpid()) == mapped_before
@@ -241,7 +243,7 @@ def test_restart_workers_replaces_a_dead_worker():
         assert wait_until(lambda: engine.scheduler.num_running == 1
                           and engine.scheduler.num_waiting == 1)
         os.kill(pid, signal.SIGKILL)
-        assert wait_until(lambda: not engine.is_healthy(), timeout=10)
+        assert wait_until(lambda: not engine.is_healthy())
         assert engine.is_restarting()  # a fresh process takes seconds to start
         during = engine.generate(toy_req("during"), timeout=90)
         assert during.ok, during.error

@@ -1,21 +1,39 @@
-"""Test plugin: reading an adapter file whose path contains "slow-lora" takes
-``SLOW_S`` seconds (a seam for "a slow load runs on the loader thread while
-requests keep stepping"); every other file reads as usual."""
+"""Test plugin: reading an adapter file whose path contains "slow-lora" waits
+until the test lets it go (``release``; at most ``HOLD_LIMIT_S``), a seam for
+"a slow load runs on the loader thread while requests keep stepping" that
+does not race a fixed sleep against the steps; every other file reads as usual."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 from diffrt.engine.lora import adapter_file
 
-SLOW_S = 3.0
+#: the longest a held read waits for ``release`` (a test that fails midway
+#: must not leave the loader thread blocked for ever)
+HOLD_LIMIT_S = 120.0
+#: set while a "slow-lora" read is held
+reading = threading.Event()
+_released = threading.Event()
 
 _read = adapter_file.read_adapter
 
 
+def release() -> None:
+    """Let the held read (and any later one) go on."""
+    _released.set()
+
+
+def hold() -> None:
+    """Hold the next "slow-lora" read until ``release``."""
+    _released.clear()
+    reading.clear()
+
+
 def _slow_read(path, *args, **kwargs):
     if "slow-lora" in str(path):
-        time.sleep(SLOW_S)
+        reading.set()
+        _released.wait(HOLD_LIMIT_S)
     return _read(path, *args, **kwargs)
 
 

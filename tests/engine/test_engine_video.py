@@ -114,3 +114,44 @@ def test_np_output_is_a_uint8_array_for_images_and_clips():
         assert array.shape == shape and array.dtype == np.uint8 and (array == level).all()
     [frames], _ = postprocess_output(clip, "pil")
     assert len(frames) == 5 and frames[0].size == (16, 8)
+
+
+def _decode(data: bytes):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # video_decode
+    from video_decode import decode_mp4, psnr
+
+    return decode_mp4(data), psnr
+
+
+def test_mp4_output_is_each_clips_encoded_bytes_beside_its_frames(engines):
+    req, step = engines
+    out = step.generate(clip_request(4, output_type="mp4", fps=24.0))
+    assert out.ok, out.error
+    [data] = out.output
+    decoded, psnr = _decode(data)
+    frames = clip(out).astype(np.uint8)  # the frames come too
+    assert decoded.frames.shape == frames.shape and decoded.fps == 24
+    assert decoded.codec == "h264" and decoded.pix_fmt == "yuv420p"
+    assert min(psnr(d, f) for d, f in zip(decoded.frames, frames, strict=True)) >= 20
+    with pytest.raises(Exception, match="output_type"):  # an image model has no mp4
+        from diffrt.engine.model_spec import ModelSpec  # noqa: F401
+
+        config(model="tiny-sd3").model_spec().check(
+            DiffusionRequest(prompt="x", sampling_params=SamplingParams(output_type="mp4")))
+    assert_clean(step)
+
+
+def test_generate_writes_an_mp4_for_a_mp4_path(tmp_path, capsys):
+    from diffrt.cli import main
+
+    path = tmp_path / "clip.mp4"
+    code = main(["generate", "--model", "tiny-wan", "--prompt", "a red fox", "--num-frames", "5",
+                 "--steps", "2", "--seed", "3", "--executor-backend", "inproc", "--no-progress",
+                 "-o", str(path)])
+    assert code == 0
+    decoded, _ = _decode(path.read_bytes())
+    assert decoded.frames.shape == (5, 64, 64, 3) and decoded.fps == 16
+    assert "(H.264, 5 frames of 64x64, a 0.31 s clip at 16 fps" in capsys.readouterr().out

@@ -114,14 +114,16 @@ def test_the_request_is_copied_at_submission(req_engine1):
 def test_request_timeout_ends_a_running_request_with_the_limit_named(step):
     toy.gate("slow").clear()
     try:
-        with toy_engine(step_execution=step, max_num_seqs=2, request_timeout_s=0.3,
+        # 1 s: the blocked request times out at it; the one after must finish
+        # within it, which a toy request does many times over on a busy machine
+        with toy_engine(step_execution=step, max_num_seqs=2, request_timeout_s=1.0,
                         warmup=False) as engine:
             slow = toy_request("block:slow", steps=2)
-            out = engine.generate(slow, timeout=20)
+            out = engine.generate(slow, timeout=60)
             assert not out.ok and not out.aborted
-            assert "request_timeout_s=0.3" in out.error
+            assert "request_timeout_s=1" in out.error
             toy.gate("slow").set()
-            assert engine.generate(toy_request(seed=4), timeout=20).ok  # the engine goes on
+            assert engine.generate(toy_request(seed=4), timeout=60).ok  # the engine goes on
             assert_clean(engine)
     finally:
         toy.gate("slow").set()
@@ -255,9 +257,10 @@ def test_an_id_still_finishing_is_refused_and_nothing_leaks():
     ends: reusing the id meanwhile is refused, and the rest of the list too."""
     toy.gate("reuse").clear()
     try:
-        with toy_engine(max_num_seqs=1, request_timeout_s=0.2, warmup=False) as engine:
+        # 1 s: the request after the gate opens must finish within it too
+        with toy_engine(max_num_seqs=1, request_timeout_s=1.0, warmup=False) as engine:
             first = toy_request("block:reuse", rid="same")
-            assert "request_timeout_s=0.2" in engine.generate(first, timeout=20).error
+            assert "request_timeout_s=1" in engine.generate(first, timeout=60).error
             with pytest.raises(InvalidRequestError, match="still finishing") as info:
                 engine.generate([toy_request(rid="other"), toy_request(rid="same")])
             assert info.value.field == "request_id"

@@ -294,25 +294,31 @@ def test_files_that_are_not_adapters_for_this_model_are_refused(step_engine, tmp
 
 
 def test_a_slow_adapter_read_does_not_stop_the_steps(files, tmp_path):
-    """The file is read on the worker's loader thread (the plugin makes it
-    take seconds): a request submitted meanwhile runs to its end first."""
+    """The file is read on the worker's loader thread (the plugin holds the
+    read until the test lets it go): a request submitted meanwhile runs to
+    its end first."""
     import shutil
+
+    import plugin_slow_lora
 
     slow = tmp_path / "slow-lora"
     shutil.copytree(files["b"], slow)
     config = EngineConfig(model="tiny-flux", executor_backend="inproc", step_execution=True,
                           max_num_seqs=2, warmup=False, plugin_modules=("plugin_slow_lora",))
-    with DiffusionEngine.make_engine(config) as engine:
-        done: dict[str, float] = {}
-        adder = threading.Thread(target=lambda: (engine.add_lora("slow", str(slow)),
-                                                 done.update(added=time.monotonic())))
-        adder.start()
-        time.sleep(0.3)  # the read is under way
-        out = engine.generate(request("meanwhile", None, steps=4))
-        done["request"] = time.monotonic()
-        adder.join(30)
-        assert out.ok and done["request"] < done["added"]
-        assert engine.generate(request("slow-used", {"slow": 1.0})).ok
+    plugin_slow_lora.hold()
+    try:
+        with DiffusionEngine.make_engine(config) as engine:
+            adder = threading.Thread(target=engine.add_lora, args=("slow", str(slow)))
+            adder.start()
+            assert plugin_slow_lora.reading.wait(60)  # the read is under way
+            out = engine.generate(request("meanwhile", None, steps=4), timeout=120)
+            assert out.ok and adder.is_alive()  # served while the read is still held
+            plugin_slow_lora.release()
+            adder.join(60)
+            assert not adder.is_alive()
+            assert engine.generate(request("slow-used", {"slow": 1.0})).ok
+    finally:
+        plugin_slow_lora.release()
 
 
 def test_fresh_workers_read_the_registered_adapters_again(step_engine):

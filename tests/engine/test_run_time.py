@@ -91,7 +91,7 @@ def test_a_request_estimated_above_the_limit_is_refused_naming_estimate_and_limi
         model = engine.run_time
         model.observe([req(64)], 0.001)  # measured: 1 ms a step at 64 px, 16 ms at 256
         model.observe([req(256)], 0.016)
-        assert engine.generate(toy_request(size=64, steps=4)).ok
+        # judged before any real tick: those follow the machine's momentary load
         big = toy_request(size=256, steps=100, num_outputs_per_prompt=2)  # ~3.2 s
         with pytest.raises(InvalidRequestError, match=r"would run about 3\.\d+ s on this engine "
                            r"\(256x256, 100 steps, n=2\), above max_request_seconds=2") as info:
@@ -110,6 +110,16 @@ def test_warm_up_calibrates_the_estimate_from_warm_steps():
         # nothing measured yet: nothing refused; the first request's ticks calibrate
         assert engine.generate(toy_request(size=16, steps=2)).ok
         assert engine.run_time.calibrated
+        with pytest.raises(InvalidRequestError, match="max_request_seconds"):
+            engine.generate(toy_request(size=16, steps=2))
+
+
+def test_the_start_up_requests_are_never_refused_by_the_limit():
+    """The warm-up and calibration requests are the engine's own: a limit no
+    request can meet (as a small one is on a busy machine, whose slow steps
+    the estimate follows) still lets the engine start, then refuses clients."""
+    with toy_engine(max_request_seconds=1e-9) as engine:  # warm-up on
+        assert engine.run_time.calibrated and not engine.starting
         with pytest.raises(InvalidRequestError, match="max_request_seconds"):
             engine.generate(toy_request(size=16, steps=2))
 

@@ -232,6 +232,36 @@ def test_rank_actors_inherit_every_vendors_runtime_settings(monkeypatch):
     assert not set(visibility) & set(env)
 
 
+
+def test_serve_replicas_inherit_them_too(monkeypatch):
+    """A Serve replica is an actor as well: Ray starts it from the raylet's
+    environment plus its ``ray_actor_options["runtime_env"]["env_vars"]``
+    (ray/serve/_private/config.py ``_validate_ray_actor_options`` admits
+    ``runtime_env``; ray/serve/_private/utils.py
+    ``override_runtime_envs_except_env_vars`` merges its env_vars with the
+    application's), so without them its engine —
+    and the worker processes or rank actors it starts — never see the
+    settings; visibility stays behind here too."""
+    from diffrt.engine import EngineConfig
+    from diffrt.serve import ServeSettings
+    from diffrt.serve.ray_app import ReplicaSettings
+
+    monkeypatch.setenv("HSA_OVERRIDE_GFX_VERSION", "9.4.2")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/usr/local/Ascend/lib64")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0")
+
+    class Gpu:  # the platform as deployment_options reads it
+        ray_resource = "GPU"
+
+    for backend in ("mp", "ray"):  # the engine's workers, or its own rank actors
+        config = EngineConfig(model="tiny-flux", executor_backend=backend)
+        actor = ReplicaSettings().deployment_options(config, ServeSettings(),
+                                                     Gpu())["ray_actor_options"]
+        env = actor["runtime_env"]["env_vars"]
+        assert env["HSA_OVERRIDE_GFX_VERSION"] == "9.4.2"
+        assert env["LD_LIBRARY_PATH"] == "/usr/local/Ascend/lib64"
+        assert "HIP_VISIBLE_DEVICES" not in env
+
 # -- 7. a vendor backend that breaks `import torch` -----------------------------------------
 def test_a_backend_failing_inside_import_torch_is_named_in_one_line(tmp_path):
     """torch-npu 2.14.0 on this torch, its CANN libraries missing: torch
@@ -255,6 +285,42 @@ def test_a_backend_failing_inside_import_torch_is_named_in_one_line(tmp_path):
     assert report["torch_backend_autoload_failure"]["package"] == "torch-npu"
     assert report["versions"]["torch-npu"] == "2.14.0"
 
+
+#: a program that imports diffrt and uses the engine (and the server), not the CLI
+PROGRAM = """
+import diffrt
+from diffrt.vendor_metadata import BackendAutoloadError
+for _ in range(2):  # the second try names the first failure, not torch's retry
+    try:
+        from diffrt.engine import DiffusionEngine
+    except BackendAutoloadError as exc:
+        print(type(exc).__name__, exc)
+try:
+    from diffrt.serve import build_app
+except BackendAutoloadError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_program_importing_diffrt_gets_the_same_named_error(tmp_path):
+    """The same broken torch_npu, met by ``import diffrt`` in a program: the
+    engine's (and the server's) first import of torch raises an exception
+    naming the package, its version, the torch it needs and the variable,
+    instead of torch's bare RuntimeError."""
+    site = broken_install(tmp_path, "torch_npu", "torch-npu", "2.14.0", "torch==2.14.0",
+                          "libhccl.so: cannot open shared object file", entry_point=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    out = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 3, out.stdout
+    for line in lines:
+        assert line.startswith("BackendAutoloadError ")
+        for part in ("torch-npu 2.14.0", "libhccl.so", "requires torch==2.14.0",
+                     f"this is torch {torch.__version__}", "TORCH_DEVICE_BACKEND_AUTOLOAD=0"):
+            assert part in line, (part, line)
 
 def test_ipex_refusal_and_a_failing_xpu_check_are_in_the_report(monkeypatch, fake_installed):
     """IPEX checks torch's major.minor on import (its 2.8.0, a CPU build on

@@ -139,3 +139,30 @@ def test_an_edit_sends_the_dropped_image_and_its_mask_and_shows_the_result(page,
     page.click("#clear")
     assert page.text_content("#generate") == "Generate"
     assert page.locator("#inputs img").count() == 0
+
+
+def test_the_video_tab_shows_progress_and_plays_the_mp4(browser, video_server):
+    """The Video tab on a tiny-wan server: the job's progress moves, then the
+    MP4 plays in a <video> element (its duration read from the file)."""
+    page = browser.new_page(viewport={"width": 1000, "height": 640})
+    try:
+        page.goto(f"{video_server.url}/")
+        page.fill("#apikey", API_KEY)
+        page.click("#tab-video")
+        page.fill("#vprompt", "a red fox runs")
+        page.fill("#vframes", "9")
+        page.fill("#vsize", "64x64")
+        page.fill("#vsteps", "6")
+        with page.expect_request("**/v1/videos") as sent:
+            page.click("#vgenerate")
+        assert "multipart/form-data" in sent.value.headers["content-type"]
+        page.wait_for_function("document.getElementById('vstatus').textContent === 'Done.'",
+                               timeout=60_000)
+        assert page.text_content("#verror") == ""
+        page.wait_for_function("document.getElementById('vresult').readyState >= 1",
+                               timeout=30_000)
+        duration = page.eval_on_selector("#vresult", "v => v.duration")
+        assert 0.5 <= duration <= 0.6, duration  # 9 frames at 16 fps: 0.5625 s
+        assert page.eval_on_selector("#vprogress", "p => p.value") == 100
+    finally:
+        page.close()

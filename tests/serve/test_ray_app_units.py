@@ -4,12 +4,19 @@ replicas' health and of which replica answered, a rank actor's environment."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
 from diffrt.engine import EngineConfig
-from diffrt.runtime.ray_executor import rank_environment, ray_bundle, ray_device_options
+from diffrt.runtime.ray_executor import (
+    FORWARDED_ENV_NAMES,
+    FORWARDED_ENV_PREFIXES,
+    rank_environment,
+    ray_bundle,
+    ray_device_options,
+)
 from diffrt.serve import ServeSettings
 from diffrt.serve.ray_app import ReplicaClient, ReplicaSettings, StatsBoard
 
@@ -19,7 +26,10 @@ class Platform:
         self.ray_resource = resource
 
 
-def test_devices_are_asked_of_ray_under_the_platforms_resource():
+def test_devices_are_asked_of_ray_under_the_platforms_resource(monkeypatch):
+    for name in list(os.environ):  # no forwarded settings: no runtime_env to compare
+        if name.startswith(FORWARDED_ENV_PREFIXES) or name in FORWARDED_ENV_NAMES:
+            monkeypatch.delenv(name)
     assert ray_device_options(Platform(None), 2) == {}
     assert ray_device_options(Platform("GPU"), 2) == {"num_gpus": 2}
     assert ray_device_options(Platform("NPU"), 4) == {"resources": {"NPU": 4}}

@@ -31,7 +31,7 @@ async def _hello(scope, receive, send):
 
 
 @contextlib.contextmanager
-def running(app, limits: HttpLimits, client=None):
+def running(app, limits: HttpLimits, client=None, shutdown_timeout_s: float = 30):
     """``app`` behind diffrt's uvicorn configuration on a free port."""
     import uvicorn
 
@@ -40,10 +40,10 @@ def running(app, limits: HttpLimits, client=None):
         server = uvicorn.Server(config)
         config.lifespan = "off"
     else:
-        server = DrainingServer(config, client, shutdown_timeout_s=30)
+        server = DrainingServer(config, client, shutdown_timeout_s=shutdown_timeout_s)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    assert wait_until(lambda: server.started, timeout=10)
+    assert wait_until(lambda: server.started, timeout=60)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield server, port
@@ -74,13 +74,14 @@ def test_a_head_too_large_is_400_and_a_late_one_is_cut_off():
         silent = socket.create_connection(("127.0.0.1", port))  # opens, sends nothing
         slow = socket.create_connection(("127.0.0.1", port))
         slow.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and never the end of its head
-        started = time.monotonic()
-        assert _closed_within(silent, 3) and _closed_within(slow, 3)
-        assert time.monotonic() - started < 2.5
+        # without the head's timer a head that never ends keeps its connection
+        # for ever (uvicorn stops the idle timer at the first byte): a generous
+        # bound still tells them apart on a busy machine
+        assert _closed_within(silent, 30) and _closed_within(slow, 30)
         with socket.create_connection(("127.0.0.1", port)) as kept:  # answered, then idle
             kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             assert kept.recv(100).startswith(b"HTTP/1.1 200")
-            assert _closed_within(kept, 3)
+            assert _closed_within(kept, 30)
         assert httpx.get(f"http://127.0.0.1:{port}/", timeout=5).status_code == 200
         silent.close()
         slow.close()
@@ -89,13 +90,13 @@ def test_a_head_too_large_is_400_and_a_late_one_is_cut_off():
 def test_connections_beyond_the_limit_get_503():
     with running(_hello, HttpLimits(limit_concurrency=2, header_timeout_s=30)) as (_, port):
         held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
-        time.sleep(0.2)
-        r = httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
-        assert r.status_code == 503
+        # once the server has taken both (no fixed sleep: a busy machine takes longer)
+        assert wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/",
+                                            timeout=30).status_code == 503, timeout=60)
         for sock in held:
             sock.close()
         assert wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/",
-                                            timeout=5).status_code == 200, timeout=5)
+                                            timeout=30).status_code == 200, timeout=60)
 
 
 # -- item 11: the address, before anything loads -----------------------------------------
@@ -142,32 +143,34 @@ def test_a_second_sigterm_ends_the_drain_cleanly(toy_app, caplog):
     app = toy_app()
     engine_toy.gate("held").clear()
     caplog.set_level(logging.INFO)
-    with running(app, HttpLimits(), client=app.state.client) as (server, port):
+    # a drain far longer than the test may wait: the answer can only come from
+    # the second signal, however busy the machine
+    drain_s = 600
+    with running(app, HttpLimits(), client=app.state.client,
+                 shutdown_timeout_s=drain_s) as (server, port):
         result: dict = {}
 
         def post() -> None:
             result["r"] = httpx.post(f"http://127.0.0.1:{port}/v1/images/generations",
-                                     headers=AUTH, timeout=30,
+                                     headers=AUTH, timeout=drain_s,
                                      json={"prompt": "block:held", "size": "16x16",
                                            "num_inference_steps": 2})
 
         poster = threading.Thread(target=post)
         poster.start()
         engine = app.state.client.engine
-        assert wait_until(lambda: engine.stats().requests_running == 1, timeout=10)
+        assert wait_until(lambda: engine.stats().requests_running == 1, timeout=60)
         server.handle_exit(signal.SIGTERM, None)
-        assert wait_until(lambda: app.state.client.state == "draining", timeout=5)
+        assert wait_until(lambda: app.state.client.state == "draining", timeout=60)
         time.sleep(0.3)
         assert poster.is_alive()  # the drain waits for it
-        started = time.monotonic()
         server.handle_exit(signal.SIGTERM, None)
-        poster.join(10)
-    took = time.monotonic() - started
+        poster.join(drain_s / 5)
+        assert not poster.is_alive()  # answered long before the drain would have ended
     engine_toy.gate("held").set()
     response = result["r"]
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "shutting_down"
-    assert took < 5
     assert not server.force_exit
     for record in caplog.records:
         assert record.exc_info is None, record.getMessage()

@@ -17,11 +17,32 @@ from leaks import arena_refs
 from server_process import ServerProcess, children
 from waiting import wait_until
 
-pytestmark = pytest.mark.e2e
+#: two LONG requests one after the other ran past pytest's 300 s on a machine
+#: other processes kept busy: bounded, generously
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 GEN = "/v1/images/generations"
 #: a request that runs for a few seconds on a 2-core CPU (tiny-flux)
 LONG = {"size": "32x32", "num_inference_steps": 800}
+#: every server here admits LONG however busy the machine: the run-time cost
+#: limit (120 s by default) judges a request by an estimate that follows the
+#: momentary step time (a busy machine estimated LONG at 1,380 s)
+NO_COST_LIMIT = ("--max-request-seconds", "none")
+#: seconds a test polls the server for a state it expects within a second or
+#: two: bounded, but generous enough for a machine other processes keep busy
+POLL_S = 120
+
+
+async def _poll(c: httpx.AsyncClient, path: str, done, what: str) -> httpx.Response:
+    """GET ``path`` until ``done(response)``; AssertionError after POLL_S seconds."""
+    give_up = time.monotonic() + POLL_S
+    while True:
+        response = await c.get(path)
+        if done(response):
+            return response
+        if time.monotonic() > give_up:
+            raise AssertionError(f"{what}: not within {POLL_S} s ({response.text[:300]})")
+        await asyncio.sleep(0.05)
 
 
 def _status(url: str, path: str) -> int:
@@ -29,20 +50,17 @@ def _status(url: str, path: str) -> int:
 
 
 def test_overload_then_a_drain_on_sigterm():
+    # a drain long enough for both LONG requests however busy the machine
     server = ServerProcess("--max-num-seqs", "1", "--max-pending", "1",
-                           "--shutdown-timeout-s", "60").wait_ready()
+                           "--shutdown-timeout-s", "600", *NO_COST_LIMIT).wait_ready()
     workers = children(server.proc.pid)
     assert workers, "the server runs its model in worker processes"
     try:
         async def main():
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
                 async def metric_is(name: str, value: float) -> None:
-                    for _ in range(300):
-                        text = (await c.get("/metrics")).text
-                        if f"{name} {value}" in text:
-                            return
-                        await asyncio.sleep(0.05)
-                    raise AssertionError(f"{name} never {value}")
+                    await _poll(c, "/metrics", lambda r: f"{name} {value}" in r.text,
+                                f"{name} {value}")
 
                 running = asyncio.create_task(c.post(GEN, json={"prompt": "one", **LONG}))
                 await metric_is("diffrt_requests_running", 1.0)
@@ -50,11 +68,8 @@ def test_overload_then_a_drain_on_sigterm():
                 await metric_is("diffrt_requests_waiting", 1.0)
                 overloaded = await c.post(GEN, json={"prompt": "three", **LONG})
                 server.signal(signal.SIGTERM)  # both requests in flight
-                for _ in range(100):
-                    if (await c.get("/ready")).status_code == 503:
-                        break
-                    await asyncio.sleep(0.05)
-                ready = (await c.get("/ready")).status_code
+                ready = (await _poll(c, "/ready", lambda r: r.status_code == 503,
+                                     "/ready 503 while draining")).status_code
                 refused = await c.post(GEN, json={"prompt": "late", "size": "32x32"})
                 return overloaded, ready, refused, await running, await waiting
 
@@ -65,7 +80,7 @@ def test_overload_then_a_drain_on_sigterm():
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "shutting_down"
         assert running.status_code == waiting.status_code == 200  # finished within the timeout
-        assert server.proc.wait(60) == 0, server.output()
+        assert server.proc.wait(POLL_S) == 0, server.output()
         assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in workers))
         assert all(arena_refs(pid) == 0 for pid in [server.proc.pid, *workers])
         assert "draining" in server.output()
@@ -74,12 +89,10 @@ def test_overload_then_a_drain_on_sigterm():
 
 
 async def _long_request_running(c: httpx.AsyncClient) -> asyncio.Task:
-    """A LONG request in flight, once the engine runs it (bounded: 10 s)."""
+    """A LONG request in flight, once the engine runs it (bounded: POLL_S)."""
     in_flight = asyncio.create_task(c.post(GEN, json={"prompt": "x", **LONG}))
-    for _ in range(200):
-        if "diffrt_requests_running 1.0" in (await c.get("/metrics")).text:
-            break
-        await asyncio.sleep(0.05)
+    await _poll(c, "/metrics", lambda r: "diffrt_requests_running 1.0" in r.text,
+                "the LONG request running")
     return in_flight
 
 
@@ -87,28 +100,27 @@ def test_a_killed_worker_fails_its_request_and_is_replaced():
     """The request running on a SIGKILLed worker answers 503 (never a hang);
     /health is 503 until fresh workers serve, then 200, and requests succeed
     again (``diffrt serve`` restarts workers by default)."""
-    server = ServerProcess("--max-num-seqs", "2").wait_ready()
+    server = ServerProcess("--max-num-seqs", "2", *NO_COST_LIMIT).wait_ready()
     try:
         [worker] = children(server.proc.pid)
 
         async def main():
-            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            # a hang would end at the client's timeout, with no answer
+            async with httpx.AsyncClient(base_url=server.url, timeout=POLL_S) as c:
                 in_flight = await _long_request_running(c)
                 os.kill(worker, signal.SIGKILL)
-                started = time.monotonic()
-                response = await in_flight
-                return response, time.monotonic() - started
+                return await in_flight
 
-        response, took = asyncio.run(main())
-        assert response.status_code == 503, response.text
+        response = asyncio.run(main())
+        assert response.status_code == 503, response.text  # an error, not a hang
         assert response.json()["error"]["code"] == "engine_down"
-        assert took < 30  # an error, not a hang
         assert _status(server.url, "/health") == 503  # fresh workers are still starting
         assert wait_until(lambda: _status(server.url, "/health") == 200, timeout=120)
         assert _status(server.url, "/ready") == 200
         [fresh] = children(server.proc.pid)
         assert fresh != worker
-        late = httpx.post(f"{server.url}{GEN}", json={"prompt": "x", "size": "32x32"}, timeout=60)
+        late = httpx.post(f"{server.url}{GEN}", json={"prompt": "x", "size": "32x32"},
+                          timeout=POLL_S)
         assert late.status_code == 200, late.text
         assert "diffrt_worker_restarts_total 1.0" in httpx.get(f"{server.url}/metrics").text
     finally:
@@ -119,43 +131,34 @@ def test_a_killed_worker_fails_its_request_and_is_replaced():
 def test_a_stopped_worker_turns_health_503_within_the_stall_bound():
     """SIGSTOP of the worker while a request runs: /health and /ready turn 503
     within seconds (--stall-timeout-s 2, naming the stall), long before the
-    watchdog's execute_timeout_s; after SIGCONT they are 200 again, the request
-    finishes and no worker was replaced."""
-    server = ServerProcess("--max-num-seqs", "1", "--stall-timeout-s", "2").wait_ready()
+    watchdog's execute_timeout_s (--execute-timeout-s, far longer than the
+    test may wait); after SIGCONT they are 200 again, the request finishes
+    and no worker was replaced."""
+    server = ServerProcess("--max-num-seqs", "1", "--stall-timeout-s", "2",
+                           "--execute-timeout-s", str(10 * POLL_S), *NO_COST_LIMIT).wait_ready()
     try:
         [worker] = children(server.proc.pid)
 
         async def main():
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10 * POLL_S) as c:
                 in_flight = await _long_request_running(c)
                 os.kill(worker, signal.SIGSTOP)
-                stopped = time.monotonic()
-                try:
-                    health = None
-                    for _ in range(300):  # bounded: about 15 s
-                        health = await c.get("/health")
-                        if health.status_code == 503:
-                            break
-                        await asyncio.sleep(0.05)
-                    took = time.monotonic() - stopped
+                try:  # POLL_S is well within the watchdog's limit
+                    health = await _poll(c, "/health", lambda r: r.status_code == 503,
+                                         "/health 503 for the stall")
                     ready = await c.get("/ready")
                 finally:
                     os.kill(worker, signal.SIGCONT)
-                healthy_again = None
-                for _ in range(300):
-                    healthy_again = await c.get("/health")
-                    if healthy_again.status_code == 200:
-                        break
-                    await asyncio.sleep(0.05)
-                return health, took, ready, healthy_again, await in_flight
+                healthy_again = await _poll(c, "/health", lambda r: r.status_code == 200,
+                                            "/health 200 after SIGCONT")
+                return health, ready, healthy_again, await in_flight
 
-        health, took, ready, healthy_again, answer = asyncio.run(main())
+        health, ready, healthy_again, answer = asyncio.run(main())
         assert health.status_code == 503, health.text
         assert health.json()["status"] == "stalled"
         reason = re.fullmatch(r"no progress for (\d+) s \(stall_timeout_s=2\)",
                               health.json()["reason"])
         assert reason and int(reason.group(1)) >= 2, health.json()
-        assert took < 15  # the stall bound (counted from the last progress), not 300 s
         assert ready.status_code == 503
         assert healthy_again.status_code == 200, healthy_again.text
         assert answer.status_code == 200, answer.text

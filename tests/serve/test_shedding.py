@@ -68,9 +68,9 @@ def test_a_burst_of_ten_times_the_bound_never_passes_it(toy_app):
                     return (done + stats.requests_running + stats.requests_waiting
                             == burst + before.requests_running + before.requests_waiting)
 
-                await wait_for(settled, timeout=30, message=lambda: engine.stats())
+                await wait_for(settled, timeout=120, message=lambda: engine.stats())
                 # the running batch is in its held step: no admission until the gate opens
-                await wait_for(lambda: engine_toy.calls("step"), timeout=30)
+                await wait_for(lambda: engine_toy.calls("step"), timeout=120)
                 return ([t.result() for t in tasks if t.done()],
                         [t for t in tasks if not t.done()], engine.stats())
 
@@ -80,7 +80,7 @@ def test_a_burst_of_ten_times_the_bound_never_passes_it(toy_app):
             shed2, held2, second = await wave()
             engine_toy.gate("burst").set()
             accepted = await asyncio.gather(*held, *held2)
-            await wait_for(lambda: engine.stats().requests_running == 0, timeout=30)
+            await wait_for(lambda: engine.stats().requests_running == 0, timeout=120)
             stop.set()
             await sampler
             return seen, shed + shed2, accepted, first, second, len(held2)
