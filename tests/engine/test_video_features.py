@@ -130,3 +130,24 @@ def test_int8_converts_both_experts_within_the_int8_psnr_of_the_float_clip(step)
         assert held[expert]["cpu"] <= 0.4 * floats[expert]["cpu"]
     assert 0 < np.abs(got - want).max()  # converted: not the float bits
     assert psnr(got, want) >= MIN_PSNR["int8"], psnr(got, want)
+
+
+def test_teacache_takes_the_published_wan21_polynomial_where_the_folder_is_one():
+    from diffrt.engine.models.family import ModelFolder
+    from diffrt.engine.models.registry import resolve_model_spec
+    from diffrt.engine.pipelines.wan.spec import WAN21_T2V_TEACACHE, teacache_rescale
+
+    def folder(cls: str, layers: int, heads: int, second: list | None = None) -> ModelFolder:
+        return ModelFolder("/nowhere", "wan", {"_class_name": cls,
+                                               "transformer_2": second or [None, None]},
+                           {"num_layers": layers, "num_attention_heads": heads})
+
+    assert teacache_rescale(folder("WanPipeline", 30, 12), False) == WAN21_T2V_TEACACHE[(30, 12)]
+    assert teacache_rescale(folder("WanPipeline", 40, 40), False) == WAN21_T2V_TEACACHE[(40, 40)]
+    # Wan 2.2's experts, image-to-video and other shapes: uncalibrated
+    assert teacache_rescale(folder("WanPipeline", 40, 40, ["diffusers", "x"]), False) == ()
+    assert teacache_rescale(folder("WanImageToVideoPipeline", 40, 40), True) == ()
+    assert teacache_rescale(folder("WanPipeline", 2, 2), False) == ()
+    spec = resolve_model_spec("tiny-wan")
+    assert set(spec.cache.policies) == {"first-block", "teacache"}
+    assert spec.cache.teacache_rescale == ()
