@@ -128,12 +128,13 @@ def use_mixed_rows(pipeline: DiffusionPipeline, m: ModelConfig, platform: Platfo
 def convert_weights(pipeline: DiffusionPipeline, m: ModelConfig, platform: Platform,
                     place: WorkerPlace) -> dict[str, str]:
     """Convert (``quantization``); the handle: the method each component
-    runs with — as configured, or as the folder saved it."""
+    runs with — as configured, or as the folder saved it (a second
+    transformer, Wan 2.2's low-noise expert, converted as the first)."""
     if m.quantization != "none" or m.text_encoder_quantization != "none":
         pipeline.quantize_weights(m.quantization, m.text_encoder_quantization)
     saved = folder_methods(place.spec.folder) if place.spec.folder else {}
     return {name: saved.get(name) or (
-        m.quantization if name == "transformer" else m.text_encoder_quantization
+        m.quantization if name.startswith("transformer") else m.text_encoder_quantization
         if name.startswith("text_encoder") else "none")
         for name in pipeline.weight_modules()}
 

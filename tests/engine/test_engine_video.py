@@ -72,7 +72,7 @@ def test_clips_of_different_frame_counts_and_sizes_share_steps(engines):
 
 
 @pytest.mark.parametrize("field,value,named", [
-    ("offload", "model", "offload"), ("quantization", "int8", "quantization"),
+    ("offload", "model", "offload"), ("quantization", "fp8-storage", "quantization"),
     ("cfg_parallel_size", 2, "world_size")])
 def test_what_does_not_run_on_video_is_refused_naming_its_field(field, value, named):
     from diffrt.platforms import current_platform

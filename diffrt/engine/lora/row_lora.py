@@ -197,6 +197,23 @@ class RowLoras:
         finally:
             self._active = previous
 
+    @contextlib.contextmanager
+    def subset(self, rows: torch.Tensor | None) -> Iterator[None]:
+        """While a call over ``rows`` (positions) of the described call's
+        rows runs alone (a family that sends some rows to another model,
+        such as Wan 2.2's second expert); None: all of them, as described."""
+        previous = self._active
+        if previous is None or rows is None:
+            yield
+            return
+        self._active = _ActiveRows(rows=len(rows), index=previous.index[rows.to(self.device)],
+                                   scale=previous.scale[rows.to(self.device)],
+                                   shared=previous.shared, slots=previous.slots)
+        try:
+            yield
+        finally:
+            self._active = previous
+
     def _hook(self, name: str) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor],
                                            torch.Tensor | None]:
         def add_low_rank(module: torch.nn.Module, args: tuple[torch.Tensor, ...],

@@ -25,7 +25,9 @@ rotary table per batch, a per-row table is not written yet).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,6 +38,7 @@ from diffrt.engine.pipelines.folder_text import PromptWindow
 from diffrt.engine.pipelines.interface import StepRequestState
 from diffrt.engine.pipelines.request_state import Conditioning
 from diffrt.engine.pipelines.segments import RowLayout
+from diffrt.engine.pipelines.wan.blocks import WanBlocks
 from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS, VideoLatents, patchify
 from diffrt.engine.sampling import SamplingParams, filled
 
@@ -77,6 +80,15 @@ class WanPipeline(FlowMatchPipeline):
             self.transformer_2 = place(pipeline.transformer_2, self.device)
             self.boundary = float(ratio) * self.noise_scheduler.config.num_train_timesteps
 
+    def quantize_weights(self, method: str, text_method: str = "none") -> None:
+        """Both experts' weights to ``method`` (the base class converts
+        ``transformer`` only)."""
+        from diffrt.engine.weights.quantize import quantize_module
+
+        super().quantize_weights(method, text_method)
+        if self.transformer_2 is not None:
+            quantize_module(self.transformer_2, method, self.dtype)
+
     def weight_modules(self) -> dict[str, torch.nn.Module]:
         modules = super().weight_modules()
         if self.transformer_2 is not None:
@@ -99,37 +111,70 @@ class WanPipeline(FlowMatchPipeline):
                             (patch[0], patch[1], patch[2]))
 
     # -- transformer call --------------------------------------------------------------
-    def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
-                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
-                            layout: RowLayout) -> torch.Tensor:
-        """diffusers' forward over rows of one size (``by_size``), each row
-        to the expert its timestep falls to; an image-to-video row's
-        condition channels (``extra``) beside its latents."""
+    def call_input(self, latents: torch.Tensor, extra: torch.Tensor,
+                   layout: RowLayout) -> torch.Tensor:
+        """The rows' (N, C, F, h, w) transformer input: their latents, an
+        image-to-video row's condition channels (``extra``) beside them."""
         if not layout.uniform:
             raise ValueError("Wan runs rows of one size per call (mixed_rows=by_size)")
         size = layout.sizes[0]
         x = self.latents.unpack(latents, size)
         if extra.shape[-1]:  # image-to-video: mask and first-frame channels
             x = torch.cat([x, self.latents.unpack(extra, size)], dim=1)
-        high = (torch.ones_like(timesteps, dtype=torch.bool) if self.boundary is None
-                else timesteps >= self.boundary)
+        return x
+
+    def expert_rows(self, timesteps: torch.Tensor, high: Any
+                    ) -> list[tuple[Any, torch.Tensor | None]]:
+        """Each expert with the rows its timestep falls to (None: every row),
+        ``high`` the high-noise expert (``transformer``, or its eager modules)."""
+        if self.boundary is None:
+            return [(high, None)]
+        above = timesteps >= self.boundary
+        out: list[tuple[Any, torch.Tensor | None]] = []
+        for expert, rows in ((high, above), (self.transformer_2, ~above)):
+            if bool(rows.all()):
+                return [(expert, None)]
+            if bool(rows.any()):
+                out.append((expert, rows.nonzero().squeeze(1)))
+        return out
+
+    def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                            layout: RowLayout) -> torch.Tensor:
+        """diffusers' forward over rows of one size (``by_size``), each row
+        to the expert its timestep falls to (``expert_rows``)."""
+        x = self.call_input(latents, extra, layout)
         out: torch.Tensor | None = None
-        for expert, rows in ((self.denoiser(layout), high), (self.transformer_2, ~high)):
-            if not bool(rows.any()):
-                continue
-            index = rows.nonzero().squeeze(1)
-            whole = len(index) == len(rows)
-            pred = expert(hidden_states=x if whole else x[index],
-                          timestep=timesteps if whole else timesteps[index],
-                          encoder_hidden_states=embeds if whole else embeds[index],
-                          return_dict=False)[0]
-            if whole:
+        for expert, index in self.expert_rows(timesteps, self.denoiser(layout)):
+            if index is None:
+                pred = expert(hidden_states=x, timestep=timesteps, encoder_hidden_states=embeds,
+                              return_dict=False)[0]
                 return self.latents.pack(pred)
+            with self.lora_subset(index):
+                pred = expert(hidden_states=x[index], timestep=timesteps[index],
+                              encoder_hidden_states=embeds[index], return_dict=False)[0]
             if out is None:
-                out = pred.new_empty(len(rows), *pred.shape[1:])
+                out = pred.new_empty(len(timesteps), *pred.shape[1:])
             out[index] = pred
         assert out is not None  # a call has rows
         return self.latents.pack(out)
+
+    def lora_subset(self, rows: torch.Tensor | None) -> contextlib.AbstractContextManager:
+        """The rows' adapters narrowed to an expert's ``rows`` of the call
+        (adapters hook ``transformer`` only: as diffusers' ``load_lora_weights``
+        loads a Wan LoRA into it, not into ``transformer_2``)."""
+        if self.row_loras is None:
+            return contextlib.nullcontext()
+        return self.row_loras.subset(rows)
+
+    @contextlib.contextmanager
+    def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                           embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                           layout: RowLayout) -> Iterator[WanBlocks]:
+        """``transformer_forward``'s call cut at its blocks (``blocks.py``)."""
+        x = self.call_input(latents, extra, layout)
+        yield WanBlocks(self.expert_rows(timesteps, self.eager_transformer), x, timesteps, embeds,
+                        self.lora_subset)
 
     # -- image-to-video ----------------------------------------------------------------
     def encode_image_dist(self, pixels: torch.Tensor) -> Any:

@@ -6,13 +6,20 @@ default: 480 x 832 px, 81 frames (16 fps, Wan's own), 50 steps, CFG when
 padded to 512 tokens. A clip has ``scale_factor_temporal`` x k + 1 frames;
 a side is a multiple of the VAE's factor x the patch (16 px). The features
 not yet made to work on video are refused by the spec, each naming its
-field (docs/families.md): step caches (``cache``), LoRA (``loras``),
-weight quantization (``quantization``), every multi-rank split.
+field (docs/families.md): weight methods other than int8
+(``quantization``), every multi-rank split.
 """
 
 from __future__ import annotations
 
-from diffrt.engine.model_spec import CfgRule, ModelSpec, ParallelSupport, SamplingDefaults
+from diffrt.engine.cache.policies import POLICIES
+from diffrt.engine.model_spec import (
+    CacheSupport,
+    CfgRule,
+    ModelSpec,
+    ParallelSupport,
+    SamplingDefaults,
+)
 from diffrt.engine.models.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import attention_width, check_text_encoder
 from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS
@@ -22,6 +29,38 @@ WAN_FPS = 16.0
 #: the most frames a request may ask (the rotary table's frame positions
 #: bound it lower for a model with a shorter one)
 MAX_FRAMES = 257
+
+
+#: linear layers of WanTransformer3DModel that LoRA adapters for it target:
+#: each block's self- and cross-attention (the image-to-video layout's image
+#: keys and values too) and feed-forward, as diffusers' Wan LoRA conversions
+#: name them
+LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj",
+                       "ffn.net.0.proj", "ffn.net.2")
+
+#: TeaCache's rescaling polynomials for Wan 2.1 text-to-video, highest power
+#: first, as the TeaCache authors publish them (github.com/ali-vilab/TeaCache,
+#: TeaCache4Wan2.1/teacache_generate.py at 7c10efc, the default mode: fitted
+#: on the time embedding ``e``, ``blocks.py``'s signal), keyed by the
+#: transformer's (layers, attention heads): T2V-1.3B and T2V-14B
+WAN21_T2V_TEACACHE: dict[tuple[int, int], tuple[float, ...]] = {
+    (30, 12): (2.39676752e+03, -1.31110545e+03, 2.01331979e+02, -8.29855975e+00,
+               1.37887774e-01),
+    (40, 40): (-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429,
+               -13.02252404),
+}
+
+
+def teacache_rescale(folder: ModelFolder, i2v: bool) -> tuple[float, ...]:
+    """The published polynomial of a Wan 2.1 text-to-video folder (one
+    transformer, its layers and heads those of 1.3B or 14B); none for others
+    (Wan 2.2's experts and image-to-video: the distance uncalibrated)."""
+    second = folder.index.get("transformer_2") or (None,)
+    if i2v or second[0] is not None:
+        return ()
+    config = folder.transformer_config
+    key = (int(config.get("num_layers", 0)), int(config.get("num_attention_heads", 0)))
+    return WAN21_T2V_TEACACHE.get(key, ())
 
 
 def describe(folder: ModelFolder) -> ModelSpec:
@@ -49,8 +88,11 @@ def describe(folder: ModelFolder) -> ModelSpec:
                                   guidance_scale=5.0, num_frames=81, fps=WAN_FPS),
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
-        parallel=ParallelSupport(), transformer_width=attention_width(folder),
+        parallel=ParallelSupport(), lora_target_modules=LORA_TARGET_MODULES,
+        quantization=("int8",),  # both experts (the pipeline's quantize_weights)
+        cache=CacheSupport(policies=POLICIES, teacache_rescale=teacache_rescale(folder, i2v)),
+        transformer_width=attention_width(folder),
         text_tokens=TEXT_TOKENS)
 
 
-__all__ = ["MAX_FRAMES", "WAN_FPS", "describe"]
+__all__ = ["LORA_TARGET_MODULES", "MAX_FRAMES", "WAN_FPS", "describe"]
