@@ -35,8 +35,12 @@ def pixels(outs) -> list[np.ndarray]:
 
 
 def ray_engine(**config) -> DiffusionEngine:
+    # no run-time cost limit: its estimate follows the momentary step time, and
+    # a busy machine refused the killed-actor test's long request (1,130 s
+    # estimated against the 120 s default under two CPU burners)
     settings = {"model": "tiny-sd3", "executor_backend": "ray", "max_num_seqs": 2,
-                "worker_env": LOOPBACK, "ray_cpus_per_rank": 0.5, **config}
+                "worker_env": LOOPBACK, "ray_cpus_per_rank": 0.5,
+                "max_request_seconds": None, **config}
     return DiffusionEngine.make_engine(EngineConfig(**settings))
 
 
