@@ -14,6 +14,19 @@ from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny clips run in this process on one torch thread (as the engine's
+    CPU workers run): on a shared 2-core machine two threads made them ten
+    times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
 def req_engine1():
     with shared_engine(toy_engine(max_num_seqs=1)) as e:
         yield e

@@ -23,14 +23,7 @@ FRAMES, SIZE, STEPS = 9, 64, 4  # the tiny folders' defaults
 MAX_DIFF = 2  # of 255 per frame, float32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny clips on one torch thread (as the engine's CPU workers run):
-    on a shared 2-core machine two threads made them ten times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +66,53 @@ def test_text_to_video_alone_batched_and_stepped_matches_diffusers(t2v):
     assert np.abs(expected[0] - expected[1]).mean() > 2  # the prompt shows
 
 
+def block_calls(pipe, rows: list[int]) -> list:
+    """Hooks that note the rows of each call of either expert's first block."""
+    return [getattr(pipe, name).blocks[0].register_forward_pre_hook(
+        lambda _m, args: rows.append(args[0].shape[0])) for name in ("transformer", "transformer_2")]
+
+
 def test_step_batched_with_another_frame_count_and_size_each_equal_alone(t2v):
+    """A 9-frame 64^2 clip and a 5-frame 32 x 48 one: padded, one call of
+    their 4 rows a step (a rotary table per row); by_size, a call per size."""
     _, ours = t2v
     a = request("a red fox", 3)
     b = request("a red fox", 4, num_frames=5, height=32, width=48)
     solo = [stepped(ours, [r])[0] for r in (a, b)]
-    together = stepped(ours, [a, b])
-    assert together[1].shape == (1, 3, 5, 32, 48)
-    for alone, shared in zip(solo, together, strict=True):
-        assert np.abs(frames(alone) - frames(shared)).max() <= 1
+    kept = ours.mixed_rows
+    for arrangement, calls in (("padded", [4] * STEPS), ("by_size", [2] * (2 * STEPS))):
+        rows: list[int] = []
+        hooks = block_calls(ours, rows)
+        ours.use_mixed_rows(arrangement)
+        try:
+            together = stepped(ours, [a, b])
+        finally:
+            ours.use_mixed_rows(kept)
+            for h in hooks:
+                h.remove()
+        assert rows == calls, arrangement
+        assert together[1].shape == (1, 3, 5, 32, 48)
+        for alone, shared in zip(solo, together, strict=True):
+            assert np.abs(frames(alone) - frames(shared)).max() <= 1, arrangement
+
+
+def test_a_cached_clip_padded_beside_another_size_decides_as_alone(t2v):
+    """First-block cache in a padded call: the request's rows narrowed out
+    of the call (their rotary table and key mask with them) decide and
+    compute as they do alone."""
+    _, ours = t2v
+    cached = request("a red fox", 7, num_inference_steps=6, cache="first-block",
+                     cache_threshold=0.9)
+    other = request("a blue square", 8, num_frames=5, height=32, width=48, num_inference_steps=6)
+    def run(requests):
+        videos = stepped(ours, requests)
+        return videos, ours.take_cache_metrics()[cached.request_id].reused_steps
+
+    alone, reused = run([cached])
+    assert ours.mixed_rows == "padded"  # the bare pipeline's arrangement
+    together, shared = run([cached, other])
+    assert shared == reused and reused  # it reused, at the steps it does alone
+    assert np.abs(frames(together[0]) - frames(alone[0])).max() <= 1
 
 
 def test_the_experts_switch_at_the_step_diffusers_switches(t2v):

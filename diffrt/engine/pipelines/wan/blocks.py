@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from diffrt.engine.cache.forward import TransformerBlocks
+from diffrt.engine.pipelines.wan.rows import VideoRows
 
 if TYPE_CHECKING:
     from diffusers import WanTransformer3DModel
@@ -34,29 +35,30 @@ if TYPE_CHECKING:
 
 class WanBlocks(TransformerBlocks):
     """See the module. ``experts`` is each expert with the call's rows it
-    runs (None: every row), in order; ``x`` the (rows, C, F, h, w) input
-    (the i2v condition channels already beside the latents); ``lora_subset``
-    narrows the rows' adapters to an expert's sub-batch."""
+    runs (None: every row), in order; ``video`` the rows' input (each
+    size's (g, C, F, h, w), the i2v condition channels already beside the
+    latents) and rotary table (``rows.py``: per row in a padded call);
+    ``lora_subset`` narrows the rows' adapters to an expert's sub-batch."""
 
     def __init__(self, experts: list[tuple[WanTransformer3DModel, torch.Tensor | None]],
-                 x: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor,
+                 video: VideoRows, timestep: torch.Tensor, embeds: torch.Tensor,
                  lora_subset: Callable[[torch.Tensor | None], AbstractContextManager]):
         self.model = experts[0][0]
         self.experts = [model for model, _ in experts]
         self.blocks = list(self.model.blocks)
         self.count = len(self.blocks)
-        self.rotary = self.model.rope(x)  # no weights: the experts' tables are the same
-        rows = x.shape[0]
+        self.video = video  # its rotary: no weights, the experts' tables are the same
+        rows = video.rows
+        device = timestep.device
         #: each row's expert (its position in ``experts``)
-        self.expert_of = torch.zeros(rows, dtype=torch.long, device=x.device)
+        self.expert_of = torch.zeros(rows, dtype=torch.long, device=device)
         index_of: list[torch.Tensor | None] = []
         parts: list[list[torch.Tensor]] = [[], [], [], []]  # hidden, encoder, temb, proj
         for k, (model, index) in enumerate(experts):
             if index is not None:
                 self.expert_of[index] = k
-            xs, ts, es = ((x, timestep, embeds) if index is None
-                          else (x[index], timestep[index], embeds[index]))
-            hidden = model.patch_embedding(xs).flatten(2).transpose(1, 2).contiguous()
+            ts, es = (timestep, embeds) if index is None else (timestep[index], embeds[index])
+            hidden = video.embed(model, index)
             temb, proj, encoder, _ = model.condition_embedder(ts, es, None, timestep_seq_len=None)
             index_of.append(index)
             for part, value in zip(parts, (hidden, encoder, temb, proj.unflatten(1, (6, -1))),
@@ -85,14 +87,16 @@ class WanBlocks(TransformerBlocks):
         (Wan's blocks take the text and return the image stream only)."""
         assert encoder is not None
         proj = self.proj if rows is None else self.proj.index_select(0, rows)
+        rotary = self.video.rotary_of(rows)
         groups = self._groups(rows, hidden.shape[0])
         out = hidden if len(groups) == 1 else torch.empty_like(hidden)
         for k, at in groups:
-            h, e, p = (hidden, encoder, proj) if at is None else (
-                hidden.index_select(0, at), encoder.index_select(0, at), proj.index_select(0, at))
+            h, e, p, r = (hidden, encoder, proj, rotary) if at is None else (
+                hidden.index_select(0, at), encoder.index_select(0, at), proj.index_select(0, at),
+                rotary if len(rotary) == 2 else tuple(part.index_select(0, at) for part in rotary))
             with self.lora_subset(at):
                 for block in list(self.experts[k].blocks)[start:stop]:
-                    h = block(h, e, p, self.rotary)
+                    h = block(h, e, p, r)
             if at is None:
                 return h, encoder
             out.index_copy_(0, at, h)

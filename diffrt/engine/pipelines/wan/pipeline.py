@@ -18,15 +18,15 @@ given to the transformer beside the noise as 4 mask and 16 latent channels;
 the loop carries those per-row tokens as the rows' second text output
 (``Conditioning.extra``), which t2v leaves empty.
 
-Rows of different sizes or frame counts share a step a call per size
-(``mixed_rows="by_size"``, whatever was asked: diffusers builds one 3-D
-rotary table per batch, a per-row table is not written yet).
+Rows of different sizes or frame counts share a step as the engine's
+``mixed_rows`` says: one padded call with a 3-D rotary table per row where
+diffusers builds one per batch (``rows.py``; ``packed`` runs as padded),
+or a call per size (``by_size``, the CPU default).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -40,9 +40,8 @@ from diffrt.engine.pipelines.request_state import Conditioning
 from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.pipelines.wan.blocks import WanBlocks
 from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS, VideoLatents, patchify
+from diffrt.engine.pipelines.wan.rows import VideoRows, rows_processors
 from diffrt.engine.sampling import SamplingParams, filled
-
-logger = logging.getLogger(__name__)
 
 
 class WanPipeline(FlowMatchPipeline):
@@ -53,8 +52,6 @@ class WanPipeline(FlowMatchPipeline):
     transformer_2: Any = None
     #: the timestep at and above which ``transformer`` runs (None: always)
     boundary: float | None = None
-    #: rows of several sizes: a call per size (see the module)
-    mixed_rows = "by_size"
 
     # -- encoders ------------------------------------------------------------------------
     @staticmethod
@@ -95,13 +92,6 @@ class WanPipeline(FlowMatchPipeline):
             modules["transformer_2"] = self.transformer_2
         return modules
 
-    def use_mixed_rows(self, arrangement: str) -> None:
-        """A call per size (see the module)."""
-        if arrangement != "by_size":
-            logger.info("%s: mixed_rows %s runs as by_size (no per-row 3-D rotary table yet)",
-                        self.name, arrangement)
-        self.mixed_rows = "by_size"
-
     # -- latent layout -----------------------------------------------------------------
     def latent_layout(self, vae_config: dict[str, Any]) -> VideoLatents:
         patch = tuple(int(p) for p in self.transformer.config.patch_size)
@@ -111,17 +101,14 @@ class WanPipeline(FlowMatchPipeline):
                             (patch[0], patch[1], patch[2]))
 
     # -- transformer call --------------------------------------------------------------
-    def call_input(self, latents: torch.Tensor, extra: torch.Tensor,
-                   layout: RowLayout) -> torch.Tensor:
-        """The rows' (N, C, F, h, w) transformer input: their latents, an
-        image-to-video row's condition channels (``extra``) beside them."""
-        if not layout.uniform:
-            raise ValueError("Wan runs rows of one size per call (mixed_rows=by_size)")
-        size = layout.sizes[0]
-        x = self.latents.unpack(latents, size)
-        if extra.shape[-1]:  # image-to-video: mask and first-frame channels
-            x = torch.cat([x, self.latents.unpack(extra, size)], dim=1)
-        return x
+    def video_rows(self, latents: torch.Tensor, extra: torch.Tensor, layout: RowLayout,
+                   expert: Any = None) -> VideoRows:
+        """The rows' transformer input, each row at its own size, an
+        image-to-video row's condition channels (``extra``) beside its
+        latents, and their rotary table (``rows.py``: by ``expert``'s rope,
+        the experts' tables being the same; default ``transformer``'s)."""
+        rope = (expert if expert is not None else self.eager_transformer).rope
+        return VideoRows.of(latents, extra, layout, self.latents, rope)
 
     def expert_rows(self, timesteps: torch.Tensor, high: Any
                     ) -> list[tuple[Any, torch.Tensor | None]]:
@@ -141,9 +128,9 @@ class WanPipeline(FlowMatchPipeline):
     def transformer_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
                             embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
                             layout: RowLayout) -> torch.Tensor:
-        """diffusers' forward over rows of one size (``by_size``), each row
-        to the expert its timestep falls to (``expert_rows``)."""
-        x = self.call_input(latents, extra, layout)
+        """diffusers' forward over rows of one size, each row to the expert
+        its timestep falls to (``expert_rows``)."""
+        (x, _), = self.video_rows(latents, extra, layout).groups
         out: torch.Tensor | None = None
         for expert, index in self.expert_rows(timesteps, self.denoiser(layout)):
             if index is None:
@@ -159,6 +146,15 @@ class WanPipeline(FlowMatchPipeline):
         assert out is not None  # a call has rows
         return self.latents.pack(out)
 
+    def padded_forward(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                       embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
+                       layout: RowLayout) -> torch.Tensor:
+        """Rows of several sizes in one call: a rotary table per row, the
+        padding masked (``rows.py``), every block over every row."""
+        with self.transformer_blocks(latents, timesteps, embeds, extra, guidance,
+                                     layout) as blocks:
+            return blocks.run_all()
+
     def lora_subset(self, rows: torch.Tensor | None) -> contextlib.AbstractContextManager:
         """The rows' adapters narrowed to an expert's ``rows`` of the call
         (adapters hook ``transformer`` only: as diffusers' ``load_lora_weights``
@@ -171,10 +167,12 @@ class WanPipeline(FlowMatchPipeline):
     def transformer_blocks(self, latents: torch.Tensor, timesteps: torch.Tensor,
                            embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,
                            layout: RowLayout) -> Iterator[WanBlocks]:
-        """``transformer_forward``'s call cut at its blocks (``blocks.py``)."""
-        x = self.call_input(latents, extra, layout)
-        yield WanBlocks(self.expert_rows(timesteps, self.eager_transformer), x, timesteps, embeds,
-                        self.lora_subset)
+        """``transformer_forward``'s call cut at its blocks (``blocks.py``),
+        over rows of one size or, padded, of several (``rows.py``)."""
+        experts = self.expert_rows(timesteps, self.eager_transformer)
+        video = self.video_rows(latents, extra, layout, experts[0][0])
+        with rows_processors([model for model, _ in experts], video.padded):
+            yield WanBlocks(experts, video, timesteps, embeds, self.lora_subset)
 
     # -- image-to-video ----------------------------------------------------------------
     def encode_image_dist(self, pixels: torch.Tensor) -> Any:
