@@ -131,14 +131,18 @@ class PipelineRunner(TickRunner):
         managed = model_offload.managed if model_offload is not None else {}
         offloaded = {name: part.host_bytes for name, part in managed.items()}
         on_device = max(offloaded.values(), default=0)
+        if offload is not None:  # the slots, shared by every streamed transformer
+            on_device += offload.device_bytes
         for name, module in modules.items():
             if name in managed:
                 continue
-            if name == "transformer" and offload is not None:
-                offloaded[name] = offload.host_bytes
-                blocks = [block.module for block in offload.blocks]
-                on_device += (resident_bytes(module, skip=blocks).get(kind, 0)
-                              + offload.device_bytes)
+            inside = {id(m) for m in module.modules()}
+            streamed = [] if offload is None else [b for b in offload.blocks
+                                                   if id(b.module) in inside]
+            if streamed:  # its blocks in host memory (Wan 2.2: each expert's)
+                offloaded[name] = sum(block.host.numel() for block in streamed)
+                on_device += resident_bytes(
+                    module, skip=[block.module for block in streamed]).get(kind, 0)
             else:
                 on_device += resident_bytes(module).get(kind, 0)
         return WeightBytes({name: resident_bytes(module) for name, module in modules.items()},

@@ -121,12 +121,18 @@ def check_weights(m: ModelConfig, spec: ModelSpec, platform: Platform) -> None:
                 "int8"))
 
 
+#: the video families whose pipelines offload every transformer they hold
+#: (Wan: both of Wan 2.2's experts, one on the device at a time)
+OFFLOADING_VIDEO_FAMILIES = ("wan",)
+
+
 def check_offload(m: ModelConfig, spec: ModelSpec, platform: Platform) -> None:
-    """Offload moves weights from host to device memory: not where they are one."""
-    if m.offload != "none" and spec.frame_factor:
+    """Offload moves weights from host to device memory: not where they are
+    one; on video, in the families that offload all their transformers."""
+    if m.offload != "none" and spec.frame_factor and spec.family not in OFFLOADING_VIDEO_FAMILIES:
         raise EngineConfigError("offload", (
-            f"{spec.name} is a video model: offload does not run on video yet (Wan 2.2's "
-            "second expert would stay on the device); use offload='none'"))
+            f"{spec.name} is a video model: offload does not run on its family's video yet; "
+            "use offload='none'"))
     if m.offload != "none" and platform.host_is_device:
         what = "blocks" if m.offload == "layerwise" else "components"
         raise EngineConfigError("offload", (

@@ -155,7 +155,8 @@ def offload_models(pipeline: DiffusionPipeline, m: ModelConfig, platform: Platfo
                                      and not platform.host_is_device)):
         return None
     return pipeline.enable_model_offload(
-        platform, kept=() if m.offload == "model" else ("transformer", "vae"),
+        platform, kept=() if m.offload == "model" else tuple(
+            n for n in pipeline.weight_modules() if not n.startswith("text_encoder")),
         device=place.device)
 
 

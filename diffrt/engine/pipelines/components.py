@@ -120,6 +120,13 @@ class ComponentsPipeline(DiffusionPipeline):
                 text_method if name.startswith("text_encoder") else "none")
             quantize_module(module, chosen, self.dtype)
 
+    def offload_blocks(self) -> list[torch.nn.Module]:
+        """The blocks layer-wise offload streams, in the order they run: the
+        transformer's (a family with a second transformer adds its own)."""
+        from diffrt.engine.weights.offload import transformer_blocks
+
+        return transformer_blocks(self.eager_transformer)
+
     def enable_layerwise_offload(self, platform: Platform, prefetch: int = 1, *,
                                  device: torch.device | None = None) -> LayerwiseOffload:
         """The transformer's blocks to host memory, streamed to ``device``
@@ -142,12 +149,13 @@ class ComponentsPipeline(DiffusionPipeline):
     def place_weights(self, device: torch.device, *, on_host: tuple[str, ...] = ()) -> None:
         """Move the components not in ``on_host`` to ``device`` and compute
         there; under layer-wise offload the transformer's blocks stay in their
-        host buffers and only the rest of it moves."""
+        host buffers and only the rest of it moves (of each transformer whose
+        blocks it streams: Wan 2.2's second expert too)."""
         self.device = self.text_encoder.device = torch.device(device)
         for name, module in self.weight_modules().items():
             if name in on_host:
                 continue
-            if name == "transformer" and self.offload is not None:
+            if name.startswith("transformer") and self.offload is not None:
                 self.offload.place_rest(module, self.device)
             else:
                 place(module, self.device)

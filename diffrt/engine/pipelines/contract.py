@@ -63,6 +63,8 @@ class OffloadHost(Protocol):
     @property
     def eager_transformer(self) -> torch.nn.Module: ...
 
+    def offload_blocks(self) -> list[torch.nn.Module]: ...
+
 
 class FlowMatchHost(Protocol):
     """A flow-matching pipeline as its loop's stages use it (see the module)."""

@@ -58,7 +58,7 @@ from diffrt.engine.parallel.attention import JointAttention
 from diffrt.engine.parallel.sequence import SequenceSplit
 from diffrt.engine.pipelines.contract import FlowMatchHost, OffloadHost, SequenceHost
 from diffrt.engine.pipelines.segments import RowLayout
-from diffrt.engine.weights.offload import LayerwiseOffload, transformer_blocks
+from diffrt.engine.weights.offload import LayerwiseOffload
 from diffrt.platforms.interface import Platform
 
 
@@ -243,8 +243,7 @@ class BlockOffload(CallLayer):
     @staticmethod
     def install(host: OffloadHost, platform: Platform, prefetch: int,
                 device: torch.device) -> LayerwiseOffload:
-        offload = LayerwiseOffload(transformer_blocks(host.eager_transformer), platform,
-                                   device, prefetch=prefetch)
+        offload = LayerwiseOffload(host.offload_blocks(), platform, device, prefetch=prefetch)
         host.offload = offload
         return offload
 

@@ -110,7 +110,8 @@ class Component:
 
 
 def components(folder: str) -> dict[str, Component]:
-    """The transformer, the VAE and the text encoders of a diffusers folder."""
+    """The transformers (Wan 2.2's two experts: ``transformer`` and
+    ``transformer_2``), the VAE and the text encoders of a diffusers folder."""
     from diffrt.engine.models.folder_check import model_shapes
     from diffrt.engine.models.gguf_file import gguf_path
     from diffrt.engine.weights.prequantized import folder_method
@@ -118,7 +119,8 @@ def components(folder: str) -> dict[str, Component]:
     return {name: Component(model_shapes(sub), kept_patterns(sub), folder_method(sub),
                             gguf_path(sub))
             for name in sorted(os.listdir(folder))
-            if (name in ("transformer", "vae") or name.startswith("text_encoder"))
+            if (name in ("transformer", "transformer_2", "vae")
+                or name.startswith("text_encoder"))
             and os.path.isdir(sub := os.path.join(folder, name))}
 
 
@@ -151,22 +153,30 @@ def device_bytes(parts: dict[str, Component], value_bytes: int,
                  settings: dict[str, object]) -> int:
     """Estimated weight bytes on the device at their peak under ``settings``
     (``VARIED`` and ``offload_prefetch``): everything; under
-    ``offload="layerwise"`` the transformer's non-block weights and
-    ``offload_prefetch + 1`` of its largest blocks; under ``offload="model"``
-    the largest component; under ``offload_text_encoders`` the others and the
-    largest text encoder (one is on the device while it encodes)."""
+    ``offload="layerwise"`` each transformer's non-block weights and
+    ``offload_prefetch + 1`` of the largest block (the slots every streamed
+    transformer shares: Wan 2.2's two experts); under ``offload="model"``
+    the largest component (one expert at a time); under
+    ``offload_text_encoders`` the others and the largest text encoder (one is
+    on the device while it encodes). ``quantization`` converts every
+    transformer (both experts)."""
     sizes: dict[str, int] = {}
+    largest_block = 0
     for name, part in parts.items():
         text = name.startswith("text_encoder")
+        transformer = name.startswith("transformer")
         method = str(settings["text_encoder_quantization"] if text else
-                     settings["quantization"] if name == "transformer" else "none")
-        if name == "transformer" and settings["offload"] == "layerwise":
+                     settings["quantization"] if transformer else "none")
+        if transformer and settings["offload"] == "layerwise":
             rest, blocks = _block_bytes(part, method, value_bytes)
-            prefetch = settings.get("offload_prefetch", 1)
-            assert isinstance(prefetch, int)  # a declared int setting
-            sizes[name] = rest + (prefetch + 1) * max(blocks, default=0)
+            sizes[name] = rest
+            largest_block = max(largest_block, *blocks, 0)
         else:
             sizes[name] = part.bytes(method, value_bytes)
+    if largest_block:
+        prefetch = settings.get("offload_prefetch", 1)
+        assert isinstance(prefetch, int)  # a declared int setting
+        sizes["transformer"] += (prefetch + 1) * largest_block
     if settings["offload"] == "model":
         return max(sizes.values(), default=0)
     texts = [n for name, n in sizes.items() if name.startswith("text_encoder")]

@@ -87,10 +87,23 @@ class WanPipeline(FlowMatchPipeline):
             quantize_module(self.transformer_2, method, self.dtype)
 
     def weight_modules(self) -> dict[str, torch.nn.Module]:
+        """Both experts (model offload moves each alone: one on the device
+        at a time), the VAE, the text encoder."""
         modules = super().weight_modules()
         if self.transformer_2 is not None:
             modules["transformer_2"] = self.transformer_2
         return modules
+
+    def offload_blocks(self) -> list[torch.nn.Module]:
+        """Layer-wise offload streams both experts' blocks through the same
+        device slots: a step runs one expert's blocks (or each in turn), so
+        the device holds slots for ``prefetch + 1`` blocks of either."""
+        from diffrt.engine.weights.offload import transformer_blocks
+
+        blocks = super().offload_blocks()
+        if self.transformer_2 is not None:
+            blocks += transformer_blocks(self.transformer_2)
+        return blocks
 
     # -- latent layout -----------------------------------------------------------------
     def latent_layout(self, vae_config: dict[str, Any]) -> VideoLatents:
