@@ -15,6 +15,15 @@ linear layer ``A`` (rank, in), ``B`` (out, rank) and PEFT's scaling
 resolved per module by PEFT's own pattern rule). The engine applies them
 unmerged, per row (``row_lora``).
 
+A model with a second transformer (Wan 2.2's low-noise expert,
+``transformer_2``: its linears named ``transformer_2.<name>``) takes an
+adapter for both experts as the folder Wan 2.2 adapters are released in —
+``high_noise_model.safetensors`` for ``transformer`` and
+``low_noise_model.safetensors`` for ``transformer_2`` — each file read as
+diffusers' ``load_lora_weights`` reads it (the second as with
+``load_into_transformer_2=True``); a single file changes ``transformer``
+only, as ``load_lora_weights`` loads it by default.
+
 Refused, naming the file and why: a file diffusers cannot read as a LoRA for
 the family, one carrying text-encoder weights (diffrt keeps one prompt cache
 for all adapters, so an adapter may only change the transformer), DoRA,
@@ -79,16 +88,43 @@ def target_matches(module: str, targets: tuple[str, ...]) -> bool:
     return any(module == t or module.endswith(f".{t}") for t in targets)
 
 
+#: a two-expert adapter's files in its folder (high noise: ``transformer``;
+#: low noise: ``transformer_2``), as Wan 2.2 adapters are released
+EXPERT_FILES = ("high_noise_model.safetensors", "low_noise_model.safetensors")
+#: the second expert's linears' prefix in ``linears``
+SECOND_EXPERT = "transformer_2."
+
+
 def read_adapter(path: str, diffusers_pipeline: str, linears: dict[str, tuple[int, int]],
                  targets: tuple[str, ...]) -> AdapterWeights:
     """Read ``path`` (a file, or a folder holding diffusers'
-    ``pytorch_lora_weights.safetensors``) as an adapter for the transformer of
-    a ``diffusers.<diffusers_pipeline>`` model whose linear layers are
+    ``pytorch_lora_weights.safetensors``, or a two-expert adapter's
+    ``EXPERT_FILES``) as an adapter for the transformer(s) of a
+    ``diffusers.<diffusers_pipeline>`` model whose linear layers are
     ``linears`` (name -> (out, in)); raise ``AdapterFileError`` otherwise."""
-    import diffusers
-
     if not os.path.exists(path):
         raise AdapterFileError(f"{path}: no such file or folder")
+    files = [os.path.join(path, name) for name in EXPERT_FILES]
+    if not (os.path.isdir(path) and all(os.path.isfile(f) for f in files)):
+        return _read_one(path, diffusers_pipeline, linears, targets)
+    second = {name.removeprefix(SECOND_EXPERT): shape for name, shape in linears.items()
+              if name.startswith(SECOND_EXPERT)}
+    if not second:
+        raise AdapterFileError(f"{path}: an adapter for two experts ({', '.join(EXPERT_FILES)}); "
+                               "this model has one transformer")
+    first = {name: shape for name, shape in linears.items()
+             if not name.startswith(SECOND_EXPERT)}
+    high = _read_one(files[0], diffusers_pipeline, first, targets)
+    low = _read_one(files[1], diffusers_pipeline, second, targets)
+    return AdapterWeights(path=path, modules={
+        **high.modules, **{SECOND_EXPERT + name: f for name, f in low.modules.items()}})
+
+
+def _read_one(path: str, diffusers_pipeline: str, linears: dict[str, tuple[int, int]],
+              targets: tuple[str, ...]) -> AdapterWeights:
+    """One file (or diffusers' folder) for the transformer whose linears are ``linears``."""
+    import diffusers
+
     cls = getattr(diffusers, diffusers_pipeline)
     try:
         state, alphas, metadata = _state_dict(cls, path)
@@ -188,5 +224,5 @@ def _factors(path: str, state: dict[str, torch.Tensor], alphas: dict | None,
     return AdapterWeights(path=path, modules=modules)
 
 
-__all__ = ["AdapterFileError", "AdapterWeights", "ModuleFactors", "read_adapter",
+__all__ = ["EXPERT_FILES", "AdapterFileError", "AdapterWeights", "ModuleFactors", "read_adapter",
            "target_matches"]

@@ -72,9 +72,14 @@ class RowLoras:
     """The device slots of one worker's transformer and its hooked layers."""
 
     def __init__(self, model: torch.nn.Module, slots: int, *, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, others: dict[str, torch.nn.Module] | None = None):
+        """``others``: further models an adapter may target (Wan 2.2's second
+        expert), their linears named ``<key>.<name>``."""
         self.linears: dict[str, torch.nn.Linear] = {
             name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        for key, other in (others or {}).items():
+            self.linears.update({f"{key}.{name}": m for name, m in other.named_modules()
+                                 if isinstance(m, torch.nn.Linear)})
         self.num_slots = slots
         self.device, self.dtype = device, dtype
         #: the adapter id and weights in each slot

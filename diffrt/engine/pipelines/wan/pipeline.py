@@ -105,6 +105,17 @@ class WanPipeline(FlowMatchPipeline):
             blocks += transformer_blocks(self.transformer_2)
         return blocks
 
+    def enable_loras(self, slots: int) -> dict[str, tuple[int, int]]:
+        """Adapter slots over both experts' linears, the second's named
+        ``transformer_2.<name>`` (``engine.lora.adapter_file`` reads a Wan 2.2
+        adapter's two files into them)."""
+        from diffrt.engine.lora.row_lora import RowLoras
+
+        others = {} if self.transformer_2 is None else {"transformer_2": self.transformer_2}
+        self.row_loras = RowLoras(self.transformer, slots, device=self.device, dtype=self.dtype,
+                                  others=others)
+        return self.row_loras.shapes()
+
     # -- latent layout -----------------------------------------------------------------
     def latent_layout(self, vae_config: dict[str, Any]) -> VideoLatents:
         patch = tuple(int(p) for p in self.transformer.config.patch_size)
@@ -170,8 +181,8 @@ class WanPipeline(FlowMatchPipeline):
 
     def lora_subset(self, rows: torch.Tensor | None) -> contextlib.AbstractContextManager:
         """The rows' adapters narrowed to an expert's ``rows`` of the call
-        (adapters hook ``transformer`` only: as diffusers' ``load_lora_weights``
-        loads a Wan LoRA into it, not into ``transformer_2``)."""
+        (an adapter's layers of ``transformer_2`` are its second file's:
+        ``enable_loras``)."""
         if self.row_loras is None:
             return contextlib.nullcontext()
         return self.row_loras.subset(rows)

@@ -4,16 +4,18 @@ What diffusers' ``WanPipeline`` / ``WanImageToVideoPipeline`` do by
 default: 480 x 832 px, 81 frames (16 fps, Wan's own), 50 steps, CFG when
 ``guidance_scale`` > 1 (5.0) with an empty negative prompt, UMT5 prompts
 padded to 512 tokens. A clip has ``scale_factor_temporal`` x k + 1 frames;
-a side is a multiple of the VAE's factor x the patch (16 px). The features
-not yet made to work on video are refused by the spec, each naming its
-field (docs/families.md): weight methods other than int8
-(``quantization``), every multi-rank split.
+a side is a multiple of the VAE's factor x the patch (16 px). Every weight
+method converts both of Wan 2.2's experts (``fp8`` where the device
+multiplies float8, as for images); the features not yet made to work on
+video are refused by the spec, each naming its field (docs/families.md):
+every multi-rank split.
 """
 
 from __future__ import annotations
 
 from diffrt.engine.cache.policies import POLICIES
 from diffrt.engine.model_spec import (
+    WEIGHT_METHODS,
     CacheSupport,
     CfgRule,
     ModelSpec,
@@ -89,7 +91,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
         parallel=ParallelSupport(), lora_target_modules=LORA_TARGET_MODULES,
-        quantization=("int8",),  # both experts (the pipeline's quantize_weights)
+        quantization=WEIGHT_METHODS,  # both experts (the pipeline's quantize_weights)
         cache=CacheSupport(policies=POLICIES, teacache_rescale=teacache_rescale(folder, i2v)),
         transformer_width=attention_width(folder),
         text_tokens=TEXT_TOKENS)
