@@ -23,6 +23,12 @@ asserted. Sections:
    R^2 below ``MIN_FIT_R2`` (0.1) is not used (the distance as it is). Printed
    highest power first, ready for ``CacheSupport(teacache_rescale=...)``
    (the registry entries carry them); the TeaCache
+   runs below use them. On Wan (``tiny-wan``, or any Wan folder registered:
+   ``--fit-only MODEL``, this section alone) x is the change of the time
+   embedding ``temb`` (each expert's ``condition_embedder``'s first output,
+   the signal the TeaCache authors fit Wan 2.1 on and diffrt's Wan TeaCache
+   reads) and y of ``proj_out``'s, over both of Wan 2.2's experts as each
+   step runs one; the TeaCache
    runs below use them (the pipeline's ``spec`` replaced by one whose
    ``cache.teacache_rescale`` is the fit: ``msgspec.structs.replace``).
 3. **quality and savings at three thresholds per policy** against uncached,
@@ -87,6 +93,8 @@ MIN_FIT_R2 = 0.1
 POLICY_NAMES = (FB, TC)
 #: the models and the steps they run at (None: the model's own, 12)
 MODELS = {"diffrt-shapes": 12, "tiny-flux": 28, "tiny-sd3": 28}
+#: the steps of the models ``--fit-only`` fits (section 2 alone): those above and Wan's
+FIT_STEPS = {**MODELS, "tiny-wan": 28}
 #: the three thresholds of each policy's table, per model (the policy's default among them)
 THRESHOLDS = {
     "diffrt-shapes": {FB: (0.1, 0.2, 0.3), TC: (0.1, 0.25, 0.5)},
@@ -166,11 +174,11 @@ class Runner:
         from diffrt.engine.models.registry import resolve_model_spec
         from diffrt.engine.pipelines.load import load_pipeline
 
-        self.model, self.steps = model, MODELS[model]
+        self.model, self.steps = model, FIT_STEPS.get(model, 28)
         self.spec = resolve_model_spec(model)
         self.pipe = load_pipeline(self.spec, device=torch.device("cpu"), dtype=torch.float32)
         transformer = self.pipe.eager_transformer
-        self.blocks = [*transformer.transformer_blocks,
+        self.blocks = [*getattr(transformer, "transformer_blocks", transformer.blocks),
                        *getattr(transformer, "single_transformer_blocks", [])]
         self.rescale: tuple[float, ...] = ()
         for cache in (None, FB, TC):  # warm: every path once
@@ -202,7 +210,8 @@ class Runner:
         image = self.pipe.forward(DiffusionRequestBatch([request]))[0][0]
         wall = time.perf_counter() - start
         metrics = self.pipe.take_cache_metrics().get("r")
-        return {"image": to_u8(image), "cache": metrics, "wall": wall,
+        return {"image": to_u8(image) if image.dim() == 3 else image,  # a clip: as it is
+                "cache": metrics, "wall": wall,
                 **{k: stage_timers.TOTALS[k] - before[k] for k in before}}
 
 
@@ -297,8 +306,15 @@ def fit_teacache(runner: Runner, n: int) -> dict[str, Any]:
             seen[key].append((output[0] if isinstance(output, tuple) else output).detach().clone())
         return hook
 
-    handles = [transformer.transformer_blocks[0].norm1.register_forward_hook(keep("x")),
-               transformer.proj_out.register_forward_hook(keep("y"))]
+    if hasattr(transformer, "condition_embedder"):  # Wan: temb, of the expert that runs
+        experts = [transformer, *[e for e in (getattr(runner.pipe, "transformer_2", None),)
+                                  if e is not None]]
+        handles = [h for e in experts for h in (
+            e.condition_embedder.register_forward_hook(keep("x")),
+            e.proj_out.register_forward_hook(keep("y")))]
+    else:
+        handles = [transformer.transformer_blocks[0].norm1.register_forward_hook(keep("x")),
+                   transformer.proj_out.register_forward_hook(keep("y"))]
     xs, ys = [], []
     try:
         for prompt, seed in fit_cases(runner.model, n):
@@ -335,6 +351,7 @@ def bench_fit(runners: dict[str, Runner], args: argparse.Namespace) -> dict[str,
     print(f"\n== 2. TeaCache's rescaling polynomial, fitted per model ({args.fit_requests} "
           f"uncached requests each, prompts and seeds apart from the evaluation's) ==")
     print("x: relative L1 change of transformer_blocks[0].norm1's modulated image input "
+          "(Wan: of the time embedding temb) "
           f"between steps; y: of the transformer's output (proj_out); numpy.polyfit(x, y, "
           f"{FIT_DEGREE}) (TeaCache's authors fit degree 4 over their checkpoints' range; "
           "over these narrow ranges a quartic fits no better and turns negative beyond them, "
@@ -833,6 +850,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1, metavar="N",
                     help="torch threads (default 1; 0: torch's default)")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--fit-only", nargs="+", metavar="MODEL",
+                    help="section 2 alone, for these models (tiny-wan, or any registered "
+                         "model without a published polynomial)")
     args = ap.parse_args(argv)
     args.peer_thresholds = PEER_THRESHOLDS
     if args.quick:
@@ -847,6 +867,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads "
           f"{torch.get_num_threads()}; float32, in process")
     log("loading the pipelines")
+    if args.fit_only:
+        bench_fit({m: Runner(m) for m in args.fit_only}, args)
+        print(f"\n(whole run {time.perf_counter() - start:.0f} s)")
+        return 0
     runners = {m: Runner(m) for m in MODELS}
     skip = set(args.skip)
     if "stages" not in skip:

@@ -7,7 +7,7 @@ Wan 2.2 adapter for both experts equal to diffusers loading its two files
 into ``transformer`` and ``transformer_2``); ``quantization="int8"`` and
 ``"fp8-storage"`` on both of Wan 2.2's experts (within each method's PSNR
 bound of the float clip); the spec's TeaCache polynomial, the TeaCache
-authors' for Wan 2.1 T2V folders."""
+authors' for Wan 2.1 T2V folders, tiny-wan's fitted one."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def test_a_weight_method_converts_both_experts_within_its_psnr_of_the_float_clip
     assert psnr(got, want) >= MIN_PSNR[method], psnr(got, want)
 
 
-def test_teacache_takes_the_published_wan21_polynomial_where_the_folder_is_one():
+def test_teacache_takes_the_published_or_fitted_polynomial(step):
     from diffrt.engine.models.family import ModelFolder
     from diffrt.engine.models.registry import resolve_model_spec
     from diffrt.engine.pipelines.wan.spec import WAN21_T2V_TEACACHE, teacache_rescale
@@ -201,6 +201,12 @@ def test_teacache_takes_the_published_wan21_polynomial_where_the_folder_is_one()
     assert teacache_rescale(folder("WanPipeline", 40, 40, ["diffusers", "x"]), False) == ()
     assert teacache_rescale(folder("WanImageToVideoPipeline", 40, 40), True) == ()
     assert teacache_rescale(folder("WanPipeline", 2, 2), False) == ()
+    from diffrt.engine.models.embedded import TINY_WAN_TEACACHE
+
+    # tiny-wan: the polynomial bench_cache.py fitted on its time embedding
     spec = resolve_model_spec("tiny-wan")
     assert set(spec.cache.policies) == {"first-block", "teacache"}
-    assert spec.cache.teacache_rescale == ()
+    assert spec.cache.teacache_rescale == TINY_WAN_TEACACHE
+    # with it the policy's default threshold reuses a step (uncalibrated: none)
+    out = step.generate(clip_request(5, cache="teacache"))
+    assert out.ok and out.metrics.cache.steps_reused > 0
