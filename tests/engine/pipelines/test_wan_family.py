@@ -165,6 +165,15 @@ def test_image_to_video_from_a_first_frame_matches_diffusers():
     for alone, shared in zip((got, changed), ours.forward(DiffusionRequestBatch([r, other])),
                              strict=True):
         assert np.abs(frames(alone) - frames(shared)).max() <= 1
+    # stepped beside a clip of another frame count and size, one padded call a
+    # step: each row's condition channels at its own size, each as alone
+    small = DiffusionRequest(prompt="a red fox", request_id="i2v-small", images=[first],
+                             sampling_params=SamplingParams(seed=3, num_frames=5, height=32,
+                                                            width=48))
+    assert ours.mixed_rows == "padded"
+    for alone, shared in zip((got, stepped(ours, [small])[0]), stepped(ours, [r, small]),
+                             strict=True):
+        assert np.abs(frames(alone) - frames(shared)).max() <= 1
 
 
 def test_frames_are_checked_at_submission_and_counted_by_the_budget():
