@@ -50,6 +50,11 @@ class Host:
     def packed_forward(self, latents, timesteps, embeds, extra, guidance, layout):
         return self._entry("packed", latents, layout)
 
+    def offload_blocks(self):
+        from diffrt.engine.weights.offload import transformer_blocks
+
+        return transformer_blocks(self.eager_transformer)
+
 
 def call_of(sizes: list[tuple[int, int]], loras: tuple = ()) -> RowsCall:
     layout = RowLayout.join([RowLayout.uniform_rows(size, size[0] * size[1], 1, loras)
