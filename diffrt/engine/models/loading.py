@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
 import re
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -117,6 +118,15 @@ def _diffusers_pipeline_class(name: str) -> type[DiffusersPipeline]:
         transformers_logging.set_verbosity(verbosity)
 
 
+def component_class(library: str, class_name: str) -> Any:
+    """A component's class as ``model_index.json`` names it: a library
+    (``diffusers``, ``transformers``), or — as diffusers reads it — one of
+    diffusers' pipeline packages (LTX-2's ``["ltx2", "LTX2Vocoder"]``)."""
+    if importlib.util.find_spec(library) is None:
+        library = f"diffusers.pipelines.{library}"
+    return getattr(importlib.import_module(library), class_name)
+
+
 def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dtype,
                             preloaded: JsonObject | None = None) -> DiffusersPipeline:
     """``diffusers.<pipeline_class>.from_pretrained(folder)`` offline in
@@ -137,7 +147,7 @@ def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dt
             logger.log(level, "[%d/%d] %s (%s, %s)...", i, len(components), name, class_name,
                        format_bytes(size))
             began = time.monotonic()
-            cls = getattr(importlib.import_module(library), class_name)
+            cls = component_class(library, class_name)
             sub = os.path.join(folder, name)
 
             if gguf_path(sub) is not None:  # quantised blocks, dequantised per layer
