@@ -25,7 +25,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -118,15 +118,6 @@ def _diffusers_pipeline_class(name: str) -> type[DiffusersPipeline]:
         transformers_logging.set_verbosity(verbosity)
 
 
-def component_class(library: str, class_name: str) -> Any:
-    """A component's class as ``model_index.json`` names it: a library
-    (``diffusers``, ``transformers``), or — as diffusers reads it — one of
-    diffusers' pipeline packages (LTX-2's ``["ltx2", "LTX2Vocoder"]``)."""
-    if importlib.util.find_spec(library) is None:
-        library = f"diffusers.pipelines.{library}"
-    return getattr(importlib.import_module(library), class_name)
-
-
 def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dtype,
                             preloaded: JsonObject | None = None) -> DiffusersPipeline:
     """``diffusers.<pipeline_class>.from_pretrained(folder)`` offline in
@@ -147,7 +138,11 @@ def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dt
             logger.log(level, "[%d/%d] %s (%s, %s)...", i, len(components), name, class_name,
                        format_bytes(size))
             began = time.monotonic()
-            cls = component_class(library, class_name)
+            if importlib.util.find_spec(library) is None:
+                # a component of one of diffusers' pipeline packages (LTX-2's
+                # ["ltx2", "LTX2Vocoder"]): from_pretrained resolves it itself
+                continue
+            cls = getattr(importlib.import_module(library), class_name)
             sub = os.path.join(folder, name)
 
             if gguf_path(sub) is not None:  # quantised blocks, dequantised per layer
