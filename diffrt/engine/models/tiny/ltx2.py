@@ -75,7 +75,7 @@ TINY_LTX2_VAE: shared.ComponentConfig = dict(
 SAMPLE_RATE = 16000
 
 TINY_LTX2_AUDIO_VAE: shared.ComponentConfig = dict(
-    base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
+    base_channels=4, output_channels=2, ch_mult=(1, 1, 1), num_res_blocks=1, attn_resolutions=None,
     in_channels=2, resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height",
     dropout=0.0, mid_block_add_attention=False, sample_rate=SAMPLE_RATE, mel_hop_length=160,
     is_causal=True, mel_bins=8,
@@ -110,7 +110,7 @@ PROMPT_BOOST: dict[str, float] = {
 #: audio VAE's decoder reads its latents more strongly; two seeds' waveforms
 #: then differ by about a third of their spread.
 AUDIO_VAE_BOOST: dict[str, float] = {"decoder.conv_in.conv.weight": 4.0}
-VOCODER_BOOST: dict[str, float] = {"bias": 0.0, "conv_in.weight": 300.0}
+VOCODER_BOOST: dict[str, float] = {"bias": 0.0, "conv_in.weight": 100.0}
 
 _SEED_OFFSETS = {**shared._SEED_OFFSETS, "audio_vae": 6, "vocoder": 7, "connectors": 8}
 
@@ -199,10 +199,12 @@ def build_tiny_ltx2_folder(path: str | os.PathLike, *, seed: int = 0, i2v: bool 
                        **TINY_LTX2_AUDIO_VAE)
     shared.save_seeded(path / "vocoder", LTX2Vocoder, seed + _SEED_OFFSETS["vocoder"],
                        boost=VOCODER_BOOST, **TINY_LTX2_VOCODER)
-    # LTX-2's own schedule: the sequence-length shift between 0.95 and 2.05
+    # LTX-2's schedule: the sequence-length shift between 0.95 and 2.05 (no
+    # ``shift_terminal``: with it a one-step schedule, the engine's warm-up,
+    # divides by zero in diffusers' scheduler)
     FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
-        max_image_seq_len=4096, shift_terminal=0.1).save_pretrained(path / "scheduler")
+        max_image_seq_len=4096).save_pretrained(path / "scheduler")
     shared._save(gemma3(seed + _SEED_OFFSETS["text_encoder"], len(vocab)), path / "text_encoder")
     pipeline = "LTX2ImageToVideoPipeline" if i2v else "LTX2Pipeline"
     shared._write_index(path, pipeline, LTX2_COMPONENTS)
