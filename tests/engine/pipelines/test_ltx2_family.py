@@ -150,3 +150,31 @@ def test_bad_values_and_unsupported_features_are_refused_naming_the_field():
             spec.check(request("a fox", 0, **{field: value}))
         assert info.value.field == field
     assert spec.quantization == () and not spec.parallel.multi_rank
+
+
+def test_engine_features_not_run_on_ltx2_are_refused_naming_the_field():
+    from diffrt.engine.errors import EngineConfigError
+    from diffrt.engine.models.registry import resolve_model_spec
+    from diffrt.engine.parallel.degrees import ParallelConfigError, ParallelDegrees
+    from diffrt.engine.settings import ModelConfig
+    from diffrt.engine.setup_checks import check_offload
+    from diffrt.platforms import current_platform
+
+    spec = resolve_model_spec("tiny-ltx2")
+    for degrees, vae_parallel in ((ParallelDegrees(cfg=2), False),
+                                  (ParallelDegrees(ulysses=2), False), (ParallelDegrees(), True)):
+        with pytest.raises(ParallelConfigError, match="one rank only") as info:
+            spec.check_parallel(degrees, vae_parallel)
+        assert info.value.field == "world_size"
+    for offload in ("model", "layerwise"):
+        with pytest.raises(EngineConfigError, match="video model") as err:
+            check_offload(ModelConfig(model="tiny-ltx2", offload=offload), spec, current_platform)
+        assert err.value.field == "offload"
+    from diffrt.engine import EngineConfig
+
+    for settings, field in (({"quantization": "int8"}, "quantization"),
+                            ({"text_encoder_quantization": "int8"}, "text_encoder_quantization"),
+                            ({"cfg_parallel_size": 2}, "world_size")):
+        with pytest.raises(EngineConfigError) as err:
+            EngineConfig(model="tiny-ltx2", **settings).model_spec()
+        assert err.value.field == field
