@@ -242,17 +242,28 @@ def _save(prompts: list[str], finals: list[Any], paths: list[list[Path]]) -> int
             print(f"wrote {path} ({image.width}x{image.height}{took}) for {prompt!r}")
         for k, (frames, path) in enumerate(zip(final.frames or [], targets, strict=False)):
             seconds = len(frames) / final.fps if final.fps else 0.0
+            sound = _sound_note(final)
             if path.suffix.lower() == ".mp4":
                 path.write_bytes(final.output[k])
-                print(f"wrote {path} (H.264, {len(frames)} frames of {frames[0].width}x"
+                print(f"wrote {path} (H.264{sound[0]}, {len(frames)} frames of {frames[0].width}x"
                       f"{frames[0].height}, a {seconds:.2f} s clip at {final.fps:g} fps{took}) "
                       f"for {prompt!r}")
                 continue
             frame_strip(frames).save(path)
             print(f"wrote {path} (a strip of {len(frames)} frames of {frames[0].width}x"
-                  f"{frames[0].height}, a {seconds:.2f} s clip at {final.fps:g} fps{took}) "
-                  f"for {prompt!r}")
+                  f"{frames[0].height}, a {seconds:.2f} s clip at {final.fps:g} fps{took}"
+                  f"{sound[1]}) for {prompt!r}")
     return failed
+
+
+def _sound_note(final: Any) -> tuple[str, str]:
+    """What a clip's line says of its sound (LTX-2 makes one): in an .mp4
+    ("+ AAC sound ...") and beside a strip (where it is not written)."""
+    if final.waveform is None:
+        return "", ""
+    channels = final.waveform.shape[1]
+    what = f"{'stereo' if channels == 2 else f'{channels}-channel'} sound at {final.sample_rate} Hz"
+    return f" + AAC {what}", f"; its {what} is written with an .mp4 path only"
 
 
 def frame_strip(frames: list[Any]) -> Any:

@@ -203,6 +203,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: how a finished output becomes what the request asked for
     #: (``engine.postprocess``): uint8 images -> PIL / tensor, latents as is
     postprocess: Literal["images"] = "images"
+    #: a video model that makes a waveform beside its frames (LTX-2):
+    #: ``DiffusionOutput.waveform``; output_type "latent" is refused (its
+    #: audio latents have no field yet)
+    sound: bool = False
 
     # -- defaults and checks (submission, the CLI, direct pipeline callers) ------------
     def with_defaults(self, request: DiffusionRequest) -> DiffusionRequest:
@@ -261,6 +265,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                     f"must be a positive multiple of {self.size_multiple} no larger than "
                     f"{self.max_size} for {self.name}, got {value}"))
         self.check_frames(params)
+        if self.sound and params.output_type == "latent":
+            raise InvalidRequestError("output_type", (
+                f"{self.name} makes sound beside its frames; 'latent' is not served for it "
+                "yet (its audio latents have no field): use np, pt, pil or mp4"))
         if filled(params.num_inference_steps) > self.max_steps:
             raise InvalidRequestError("num_inference_steps", (
                 f"must be at most {self.max_steps} for {self.name}, "

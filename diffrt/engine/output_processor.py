@@ -41,7 +41,7 @@ from diffrt.engine.errors import EngineClosedError, EngineDeadError
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.output_streams import FinalSlot, OutputStream
 from diffrt.engine.outputs import DiffusionOutput
-from diffrt.engine.postprocess import PostProcess, encode_clips
+from diffrt.engine.postprocess import PostProcess, encode_clips, take_sound
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched import AbortOutcome, Finished
@@ -333,12 +333,13 @@ class OutputProcessor:
         does not hold up the next step."""
         rid = record.request_id
         params = record.request.sampling_params
-        images = value = error = None
+        images = value = error = waveform = sample_rate = None
         start = self._clock()
         try:
             # An owned copy: PIL may keep referencing the buffer it was built
             # from, and the slot is reused as soon as it is released.
-            images, value = self._post(lease.take(), params.output_type)
+            taken, waveform, sample_rate = take_sound(lease.take())
+            images, value = self._post(taken, params.output_type)
         except Exception as exc:
             logger.exception("post-processing failed for %s", rid)
             error = f"post-processing failed: {type(exc).__name__}: {exc}"
@@ -347,7 +348,7 @@ class OutputProcessor:
         encoded: list[bytes] | None = None
         if error is None and params.output_type == "mp4" and value is not None:
             try:  # the slot is free already: encoding holds no output memory
-                encoded = encode_clips(value, params.fps or 1.0)
+                encoded = encode_clips(value, params.fps or 1.0, waveform, sample_rate or 0)
             except Exception as exc:
                 logger.exception("encoding failed for %s", rid)
                 error, value = f"encoding failed: {type(exc).__name__}: {exc}", None
@@ -359,7 +360,8 @@ class OutputProcessor:
                                  images=cast("list[Image] | None", images),
                                  output=encoded if encoded is not None else value,
                                  step=record.total_steps, total_steps=record.total_steps,
-                                 frames=frames, fps=params.fps)
+                                 frames=frames, fps=params.fps, waveform=waveform,
+                                 sample_rate=sample_rate)
         with self._lock:
             record.metrics.output_wait = ready_at - (record.compute_done_at or ready_at)
             record.metrics.postprocess_time = done - start

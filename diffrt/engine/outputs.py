@@ -77,6 +77,11 @@ class DiffusionOutput:
     #: the frame rate they play at
     frames: list[list[Image]] | None = None
     fps: float | None = None
+    #: a video with sound (LTX-2): each output's waveform, (N, channels,
+    #: samples) float32 in [-1, 1], and the samples a second it plays at
+    #: (with output_type "mp4" it is also muxed into each file as AAC)
+    waveform: np.ndarray | None = None
+    sample_rate: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -8,7 +8,7 @@ busy loop, and builds what the caller asked for.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,12 +53,27 @@ def _array(host_tensor: torch.Tensor | np.ndarray) -> np.ndarray:
     return host_tensor.numpy() if isinstance(host_tensor, torch.Tensor) else np.asarray(host_tensor)
 
 
-def encode_clips(clips: torch.Tensor | np.ndarray, fps: float) -> list[bytes]:
+def encode_clips(clips: torch.Tensor | np.ndarray, fps: float,
+                 waveforms: np.ndarray | None = None, sample_rate: int = 0) -> list[bytes]:
     """Each output's frames ((N, F, H, W, 3) uint8) as H.264 MP4 bytes
-    (``video_files.encode_mp4``): output_type "mp4"'s ``output``."""
-    from diffrt.engine.video_files import encode_mp4
+    (``video_files.encode_mp4``): output_type "mp4"'s ``output``; with
+    ``waveforms`` ((N, channels, samples) at ``sample_rate``) each clip's
+    sound muxed as AAC."""
+    from diffrt.engine.video_files import Waveform, encode_mp4
 
-    return [encode_mp4(clip, fps) for clip in _array(clips)]
+    return [encode_mp4(clip, fps, audio=None if waveforms is None
+                       else Waveform(waveforms[i], sample_rate))
+            for i, clip in enumerate(_array(clips))]
+
+
+def take_sound(value: Any) -> tuple[Any, np.ndarray | None, int | None]:
+    """A transferred output -> (its frames' value, its waveform (N, channels,
+    samples) float32 or None, its sample rate or None): a family with sound
+    sends them by key (``pipelines.sound``), every other output is its frames."""
+    if not isinstance(value, dict):
+        return value, None, None
+    frames, waveform, rate = (value[k] for k in ("frames", "waveform", "sample_rate"))
+    return frames, _array(waveform).astype(np.float32, copy=False), int(rate)
 
 
 #: ModelSpec.postprocess -> its host-side conversion

@@ -51,6 +51,15 @@ AAC_RATES = (7350, 8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000,
 _AAC_FRAME = 1024
 
 
+def aac_bit_rate(sample_rate: int, channels: int) -> int:
+    """The AAC stream's bit rate: near the most an AAC frame holds (6144
+    bits a channel per 1024 samples, 6 bits a sample), at most 160 kb/s a
+    channel. FFmpeg's default (128 kb/s) cut a tiny LTX-2 clip's noise-like
+    sound (16 kHz stereo) to a correlation of 0.98 with what was encoded;
+    192 kb/s keeps 0.996."""
+    return channels * min(160_000, 6 * sample_rate)
+
+
 @dataclass(frozen=True)
 class Waveform:
     """Sound to mux beside the frames: ``samples`` float in [-1, 1], shaped
@@ -139,6 +148,8 @@ def write_mp4(path: str, frames: Any, fps: float, *, audio: Waveform | None = No
         layout = "mono" if sound is None or len(sound) == 1 else "stereo"
         sound_stream = None if audio is None else container.add_stream(
             "aac", rate=audio.sample_rate, layout=layout)
+        if sound_stream is not None and sound is not None:
+            sound_stream.bit_rate = aac_bit_rate(sound_stream.sample_rate, len(sound))
         for index, pixels_of_frame in enumerate(pixels):
             frame = av.VideoFrame.from_ndarray(pixels_of_frame, format="rgb24")
             frame.pts = index

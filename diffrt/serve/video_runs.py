@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from diffrt.serve.errors import ApiError
 from diffrt.serve.video_jobs import VideoJob
 from diffrt.serve.video_metrics import VideoMetrics
 from diffrt.serve.video_store import VideoStore
+
+if TYPE_CHECKING:
+    from diffrt.engine.video_files import Waveform
 
 logger = logging.getLogger(__name__)
 
@@ -139,15 +142,21 @@ class VideoRuns:
             return "failed"
         frames = np.stack([np.asarray(f) for f in final.frames[0]])
         fps = final.fps or 16.0
-        files = await asyncio.to_thread(self._encode, frames, fps)
+        sound = None
+        if final.waveform is not None and final.sample_rate:  # LTX-2's: muxed as AAC
+            from diffrt.engine.video_files import Waveform
+
+            sound = Waveform(final.waveform[0], final.sample_rate)
+        files = await asyncio.to_thread(self._encode, frames, fps, sound)
         done = await asyncio.to_thread(self.store.complete, job_id, files)
         return "completed" if done is not None else "deleted"
 
-    def _encode(self, frames: np.ndarray, fps: float) -> dict[str, bytes]:
+    def _encode(self, frames: np.ndarray, fps: float,
+                sound: Waveform | None = None) -> dict[str, bytes]:
         from diffrt.engine.video_files import clip_files
 
         began = time.perf_counter()
-        files = clip_files(frames, fps)
+        files = clip_files(frames, fps, audio=sound)
         self.metrics.encoded(time.perf_counter() - began)
         return files
 

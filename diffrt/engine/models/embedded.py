@@ -122,6 +122,18 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
                                   {"seed": 1, "i2v": True, "two_experts": True},
                                   {"height": 64, "width": 64, "num_inference_steps": 4,
                                    "num_frames": 9}),
+    # LTX-2-style text-to-video with sound: 9 frames of 32 x 32 px and their
+    # waveform (16 kHz stereo), not 121 of 512 x 768; prompts padded to 128
+    "tiny-ltx2": EmbeddedModel("diffrt.engine.models.tiny.ltx2:build_tiny_ltx2_folder",
+                               {"seed": 1},
+                               {"height": 32, "width": 32, "num_inference_steps": 4,
+                                "num_frames": 9}),
+    # its image-to-video layout (LTX2ImageToVideoPipeline): the same weights,
+    # the first frame given
+    "tiny-ltx2-i2v": EmbeddedModel("diffrt.engine.models.tiny.ltx2:build_tiny_ltx2_folder",
+                                   {"seed": 1, "i2v": True},
+                                   {"height": 32, "width": 32, "num_inference_steps": 4,
+                                    "num_frames": 9}),
 }
 
 _VERSIONED = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")

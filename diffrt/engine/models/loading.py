@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
 import re
@@ -137,6 +138,10 @@ def load_diffusers_pipeline(folder: str, pipeline_class: str, *, dtype: torch.dt
             logger.log(level, "[%d/%d] %s (%s, %s)...", i, len(components), name, class_name,
                        format_bytes(size))
             began = time.monotonic()
+            if importlib.util.find_spec(library) is None:
+                # a component of one of diffusers' pipeline packages (LTX-2's
+                # ["ltx2", "LTX2Vocoder"]): from_pretrained resolves it itself
+                continue
             cls = getattr(importlib.import_module(library), class_name)
             sub = os.path.join(folder, name)
 

@@ -361,9 +361,12 @@ class DiffusionPipeline(ABC):
         return {}
 
     # -- output hooks --------------------------------------------------------
-    def to_transfer(self, output: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    def to_transfer(self, output: torch.Tensor,
+                    params: SamplingParams) -> torch.Tensor | dict[str, Any]:
         """Worker side, on the device, before any copy: images become uint8
-        (N, H, W, C) so 4x fewer bytes cross to the host; latents pass as is."""
+        (N, H, W, C) so 4x fewer bytes cross to the host; latents pass as is.
+        A family with sound gives its frames and waveform by key
+        (``pipelines.sound``)."""
         from diffrt.engine.postprocess import quantize_images
 
         return output if params.output_type == "latent" else quantize_images(output)
