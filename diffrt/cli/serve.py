@@ -78,13 +78,7 @@ def _run(args: argparse.Namespace, serve_settings: Any, limits: Any, sock: Any) 
     # the access log (one line per request) and the drain are the server's output
     serve_logger = logging.getLogger("diffrt.serve")
     serve_logger.setLevel(min(logging.INFO, serve_logger.getEffectiveLevel()))
-    spec = model_spec(model_name(args), plugin_modules(args))  # a bad model is refused first
-    if spec.frame_factor and on_ray(args):
-        from diffrt.cli.errors import CliError
-
-        raise CliError(f"--replicas: a video model ({spec.name}) is served by one engine "
-                       "without Ray (its jobs live in one server's --video-dir); drop the Ray "
-                       "flags (--replicas, --max-replicas, ...)")
+    model_spec(model_name(args), plugin_modules(args))  # a bad model is refused first
     config = EngineConfig(**engine_settings(args))
     config.model_spec()  # what the model refuses exits 2 here, before an engine starts
     if on_ray(args):

@@ -110,12 +110,20 @@ def build_serve_settings(args: argparse.Namespace) -> ServeSettings:
     from the environment when no flag gives one, the host names, URL and
     LoRA folder checked as ``diffrt serve`` takes them."""
     values = given(args, ServeSettings)
-    env = _extra(ServeSettings, "api_key")["env"]
-    key = values.get("api_key")
-    values["api_key"] = (os.environ.get(env) if key is None else key) or None
+    values["api_key"] = api_keys(values.get("api_key"))
     values.update(allowed_hosts=allowed_hosts(args), public_url=public_url(args),
                   lora_dir=lora_dir(args))
     return convert_declared(ServeSettings, values)
+
+
+def api_keys(given: list[str] | None) -> tuple[str, ...] | None:
+    """``--api-key`` (repeatable, each a comma list), else ``$DIFFRT_API_KEY``
+    (a comma list too), as the keys accepted; None: no key."""
+    env = _extra(ServeSettings, "api_key")["env"]
+    texts = given if given is not None else [os.environ.get(env, "")]
+    keys = tuple(dict.fromkeys(k.strip() for text in texts for k in text.split(",")
+                               if k.strip()))
+    return keys or None
 
 
 def http_limits(args: argparse.Namespace) -> HttpLimits:
@@ -184,5 +192,5 @@ def lora_dir(args: argparse.Namespace) -> str | None:
 
 
 __all__ = ["DECLARATIONS", "RAY_FLAGS", "SERVE_RENAMED_FLAGS", "ServeCommand", "add_serve_args",
-           "allowed_hosts", "build_serve_settings", "given", "http_limits", "lora_dir",
+           "allowed_hosts", "api_keys", "build_serve_settings", "given", "http_limits", "lora_dir",
            "on_ray", "public_url", "replica_values", "serve_command", "serve_flags"]

@@ -63,7 +63,7 @@ from diffrt.engine.sched import Scheduler
 from diffrt.engine.seats import Seat
 from diffrt.engine.start_up import warm_up
 from diffrt.engine.stats import EngineStats
-from diffrt.engine.submission import accept, timeout_of
+from diffrt.engine.submission import accept, check, timeout_of
 from diffrt.engine.workers import FreshWorkers, count_weights, start_executor
 from diffrt.runtime.executor import Executor
 
@@ -273,6 +273,16 @@ class DiffusionEngine:
             final = out
         assert final is not None
         return final
+
+    def check(self, request: DiffusionRequest) -> None:
+        """Refuse ``request`` as its submission would (``InvalidRequestError``
+        naming the field: its fields, the model's limits, the run-time limit
+        on the current estimate, its adapters), submitting nothing. A server
+        asks before it creates what outlives the call (a video job); the
+        submission checks again (an estimate may move in between)."""
+        checked = check(request, self.spec, self.config,
+                        None if self.starting else self.run_time)
+        self.adapters.check(checked.sampling_params.loras)
 
     def abort(self, request_id: str) -> None:
         """Stop a waiting or running request at the next step boundary and free

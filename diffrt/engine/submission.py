@@ -25,14 +25,12 @@ from diffrt.engine.sampling import InvalidRequestError, filled, random_seed
 from diffrt.runtime.input_arena import InputArena, InputArenaClosedError, InputArenaFullError
 
 
-def accept(request: object, spec: ModelSpec, config: EngineConfig,
-           run_time: RunTimeModel | None = None,
-           inputs: InputArena | None = None) -> DiffusionRequest:
-    """Check one request end to end (``InvalidRequestError`` refuses it);
-    return it as it will run. ``run_time`` estimates its seconds for
-    ``max_request_seconds`` (None: not checked). Its input images are
-    converted and written into ``inputs`` (``input_images``); the returned
-    request holds their handles and ``input_images.release`` frees them."""
+def check(request: object, spec: ModelSpec, config: EngineConfig,
+          run_time: RunTimeModel | None = None) -> DiffusionRequest:
+    """``accept``'s refusals alone (``InvalidRequestError``), storing nothing:
+    ``request`` with the model's defaults filled in. A server asks this
+    before it creates what outlives the request (a video job), so what the
+    engine refuses is answered at once rather than as a failed job."""
     if not isinstance(request, DiffusionRequest):
         raise InvalidRequestError(
             "request", f"must be a DiffusionRequest, got {type(request).__name__}")
@@ -60,6 +58,19 @@ def accept(request: object, spec: ModelSpec, config: EngineConfig,
         raise InvalidRequestError("sampling_params", (
             f"would run about {estimate:.3g} s on this engine ({_size(request)}), "
             f"above max_request_seconds={limit:g}"))
+    return request
+
+
+def accept(request: object, spec: ModelSpec, config: EngineConfig,
+           run_time: RunTimeModel | None = None,
+           inputs: InputArena | None = None) -> DiffusionRequest:
+    """Check one request end to end (``InvalidRequestError`` refuses it);
+    return it as it will run. ``run_time`` estimates its seconds for
+    ``max_request_seconds`` (None: not checked). Its input images are
+    converted and written into ``inputs`` (``input_images``); the returned
+    request holds their handles and ``input_images.release`` frees them."""
+    request = check(request, spec, config, run_time)
+    params = request.sampling_params
     # The engine's own copy (a caller mutating its request later changes
     # nothing), with the seed drawn here when none was given so the output can
     # name it.
@@ -110,7 +121,8 @@ def _splits_rows(config: EngineConfig) -> bool:
 def _size(request: DiffusionRequest) -> str:
     """What the estimate was of, in the request's own terms."""
     params = request.sampling_params
-    return (f"{filled(params.height)}x{filled(params.width)}, "
+    frames = f"{params.num_frames} frames of " if (params.num_frames or 1) > 1 else ""
+    return (f"{frames}{filled(params.height)}x{filled(params.width)}, "
             f"{filled(params.num_inference_steps)} steps, n={params.num_outputs_per_prompt}")
 
 

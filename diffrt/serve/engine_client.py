@@ -212,6 +212,13 @@ class EngineClient:
         finally:  # a consumer that left: the request is aborted there
             await outputs.aclose()
 
+    async def check(self, request: DiffusionRequest) -> None:
+        """What the engine would refuse of ``request`` at submission
+        (``InvalidRequestError``; ``DiffusionEngine.check``), submitting
+        nothing; nothing to say before the engine has started."""
+        if self.engine is not None:
+            self.engine.check(request)
+
     def open_run(self, request: DiffusionRequest, *,
                  on_admitted: Callable[[], None] | None = None
                  ) -> tuple[AsyncGenerator[DiffusionOutput, None], Seat]:

@@ -94,21 +94,27 @@ def key_required(scope: dict) -> bool:
     return path.startswith("/v1/") and _OPEN_V1.fullmatch(path) is None
 
 
-def check_api_key(scope: dict, key: str | None) -> None:
-    """``Authorization: Bearer <key>``, compared as UTF-8 bytes (what curl and
-    browsers send for a non-ASCII key), in constant time."""
-    if not key or not key_required(scope):
-        return
+def check_api_key(scope: dict, keys: tuple[str, ...]) -> str | None:
+    """``Authorization: Bearer <key>`` against each of ``keys``, compared as
+    UTF-8 bytes (what curl and browsers send for a non-ASCII key), each in
+    constant time; the key that matched (None: no key needed here)."""
+    if not keys or not key_required(scope):
+        return None
     value = b""
     for name, header in scope.get("headers", []):
         if name == b"authorization":
             value = header
             break
     scheme, _, token = value.partition(b" ")
-    if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(),
-                                                              key.encode("utf-8")):
+    token = token.strip()
+    matched = None
+    for key in keys:  # every key compared: the time does not tell which one matched
+        if hmac.compare_digest(token, key.encode("utf-8")):
+            matched = key
+    if scheme.lower() != b"bearer" or matched is None:
         raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
+    return matched
 
 
 def body_limit(scope: dict, settings: ServeSettings) -> int:

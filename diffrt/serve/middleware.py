@@ -34,6 +34,7 @@ from diffrt.serve.errors import ApiError, error_body
 from diffrt.serve.guards import EDITS_PATH, HostGuard, body_limit, check_api_key, route_path
 from diffrt.serve.logsafe import escape
 from diffrt.serve.settings import ServeSettings
+from diffrt.serve.video_jobs import owner_of
 
 access_log = logging.getLogger(__name__)
 
@@ -78,7 +79,8 @@ class RequestContext:
         try:
             self._check_request_line(scope)
             await self.hosts.check(scope)
-            check_api_key(scope, self.settings.api_key)
+            # the key's owner digest, when several keys split the video jobs
+            state["owner"] = self._owner(check_api_key(scope, self.settings.api_keys))
             # no reference to the body here: it goes once the app has read it
             await self.app(scope, _replay(await self._read_body(scope, receive, hold), receive),
                            send_with_id)
@@ -103,6 +105,11 @@ class RequestContext:
                 self.on_response(status[0])
             access_log.info("%s %s %s %d %.3fs", request_id, escape(scope.get("method", "")),
                             escape(scope.get("path", "")), status[0], time.monotonic() - start)
+
+    def _owner(self, key: str | None) -> str | None:
+        """Whose video jobs a request sees: one owner per key when several keys
+        are configured (``video_jobs.owner_of``); everyone's (None) otherwise."""
+        return owner_of(key) if key is not None and len(self.settings.api_keys) > 1 else None
 
     def _check_request_line(self, scope: dict) -> None:
         target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")

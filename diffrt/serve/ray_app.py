@@ -12,8 +12,12 @@ Two deployments (``build_application``):
   ``max_ongoing_requests`` is the engine's batch capacity (``max_num_seqs``);
   a request's stream carries ``ADMITTED`` once its engine admitted it.
 - ``Ingress``: the FastAPI app of ``build_app`` (routes, errors, image URLs,
-  metrics) with a ``ReplicaClient`` in place of the local engine client. One
-  replica: it keeps the ``response_format="url"`` images, and holds
+  metrics) with a ``ReplicaClient`` (``replica_client.py``) in place of the
+  local engine client. One replica: it keeps the ``response_format="url"``
+  images and, for a video model, the video jobs (their store, ``--video-dir``
+  on the ingress's node, and their runs, which stream from the model
+  replicas and encode in the ingress: any job is retrieved, listed, fetched
+  and deleted through it, whichever replica made it), and holds
   ``--max-pending`` for the whole application: a seat is taken when it
   accepts a request and given back when a replica admits it or the call ends
   (``ingress_seats.py``); past the bound, 429 with Retry-After. (The handle's
@@ -33,16 +37,20 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from diffrt.engine import DiffusionEngine, DiffusionOutput, DiffusionRequest, EngineConfig
-from diffrt.serve.errors import ApiError
-from diffrt.serve.ingress_seats import WaitingSeats, announce_admission, is_admitted
+from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig
+from diffrt.serve.ingress_seats import announce_admission
 from diffrt.serve.ray_placement import INGRESS_CPUS, cpu_share, torch_threads_for
+from diffrt.serve.replica_client import (
+    PUBLISH_EVERY_S,
+    REPLICA_HEADER,
+    STALE_AFTER_S,
+    ReplicaClient,
+)
 from diffrt.serve.settings import ReplicaOptions, ServeSettings
 
 if TYPE_CHECKING:
@@ -52,10 +60,6 @@ logger = logging.getLogger(__name__)
 
 #: the application's name in Ray Serve (``serve.status()``, ``serve.delete``)
 APP_NAME = "diffrt"
-REPLICA_HEADER = "x-diffrt-replica"
-#: how often a replica publishes its statistics, and when they count as gone
-PUBLISH_EVERY_S = 1.0
-STALE_AFTER_S = 10.0
 
 
 class ReplicaSettings(ReplicaOptions, kw_only=True, frozen=True):
@@ -218,6 +222,12 @@ class ModelReplica:
         async for item in announce_admission(outputs, admitted):
             yield self.name, item
 
+    def check(self, request: DiffusionRequest) -> None:
+        """What this replica's engine would refuse of ``request`` at submission
+        (``DiffusionEngine.check``; every replica runs the same config)."""
+        assert self.engine is not None
+        self.engine.check(request)
+
     def list_loras(self) -> list[Any]:
         """This replica's adapters (every replica registers ``lora_modules`` at start)."""
         assert self.engine is not None
@@ -245,179 +255,6 @@ class ModelReplica:
             logger.debug("removing this replica's statistics failed", exc_info=True)
         if self.engine is not None:
             self.engine.close()
-
-
-class ReplicaClient:
-    """The ingress's engine client: the same interface as ``EngineClient``,
-    answered by the model replicas through a Ray Serve handle."""
-
-    #: each replica has an engine of its own, and a handle reaches one of
-    #: them (and not those autoscaling adds later): adapters are registered
-    #: at start (``lora_modules``) only, and POST/DELETE /v1/loras answer 501
-    runtime_loras = False
-
-    def __init__(self, model: Any, board: Any, settings: ServeSettings, model_name: str,
-                 step_execution: bool) -> None:
-        self.model = model
-        self.board = board
-        self.settings = settings
-        self.model_name = settings.model_name or model_name
-        self.step_execution = step_execution
-        self._model = model_name
-        # ready from the start: Ray deploys the ingress once the model replicas
-        # passed their health checks (and may route to it before the app's
-        # lifespan has run)
-        self.state = "ready"
-        self.failure: str | None = None
-        self._in_flight = 0
-        #: max_pending over every replica: requests accepted, not yet admitted
-        self.seats = WaitingSeats(settings.max_pending)
-        #: request id -> the replica that answered it, until the route reads it
-        #: (bounded: the answers of failed requests are never read)
-        self._served_by: OrderedDict[str, str] = OrderedDict()
-        self._snapshots: list[tuple[str, Any]] = []
-        self._heard_from_replicas = False
-        self._watch: asyncio.Task | None = None
-
-    # -- lifecycle (the app's lifespan) ---------------------------------------------
-    async def start(self) -> None:
-        """Start reading the statistics board (also done by the first request)."""
-        if self._watch is None:
-            self._watch = asyncio.create_task(self._read_board())
-
-    async def _read_board(self) -> None:
-        while True:
-            try:
-                self._snapshots = await self.board.snapshot.remote()
-                self._heard_from_replicas |= bool(self._snapshots)
-            except Exception:  # no board: nothing known about the replicas
-                logger.debug("reading the statistics board failed", exc_info=True)
-                self._snapshots = []
-            await asyncio.sleep(PUBLISH_EVERY_S)
-
-    async def drain(self, timeout_s: float) -> None:
-        """Refuse new work; give requests in flight ``timeout_s`` to finish
-        (the handler of one still running then answers when its replica does)."""
-        if self.state in ("draining", "stopped"):
-            return
-        self.state = "draining"
-        give_up_at = time.monotonic() + timeout_s
-        while self._in_flight and time.monotonic() < give_up_at:
-            await asyncio.sleep(0.05)
-
-    async def close(self) -> None:
-        self.state = "stopped"
-        if self._watch is not None:
-            self._watch.cancel()
-
-    def model_spec(self) -> Any:
-        """The model's description when this node can read its folder (the
-        replicas' node may hold a folder the ingress's does not)."""
-        from diffrt.engine.models.registry import resolve_model_spec
-
-        try:
-            return resolve_model_spec(self._model)
-        except (ValueError, OSError):
-            return None
-
-    def healthy(self) -> bool:
-        """Some replica's engine reported itself healthy within the last
-        ``STALE_AFTER_S`` (before the first report: assumed, since Ray deploys
-        the ingress once the replicas passed their health checks)."""
-        if not self._heard_from_replicas:
-            return True
-        return any(stats.healthy for _, stats in self._snapshots)
-
-    def stall(self) -> str | None:
-        """Why no replica makes progress, when every healthy one reported a
-        stall (``DiffusionEngine.stall``); else None."""
-        live = [stats for _, stats in self._snapshots if stats.healthy]
-        stalls = [getattr(stats, "stall", None) for stats in live]
-        if live and all(stalls):
-            return stalls[0]
-        return None
-
-    def ready(self) -> bool:
-        return self.state == "ready" and self.healthy() and self.stall() is None
-
-    # -- requests -----------------------------------------------------------------------
-    async def run(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:
-        """The request's outputs from whichever replica Ray picks; leaving
-        early cancels the call, which aborts the request in that replica."""
-        from ray.exceptions import RayActorError, RayTaskError
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
-        if self.state != "ready":
-            raise ApiError(503, "the server is shutting down", code="shutting_down")
-        seat = self.seats.take()
-        if seat is None:
-            raise ApiError(429, f"{self.seats.limit} requests are waiting (max_pending="
-                                f"{self.settings.max_pending}); retry later",
-                           code="rate_limit_exceeded",
-                           headers={"Retry-After": str(self.settings.retry_after_s)})
-        self._in_flight += 1
-        finished = False
-        stream = None
-        try:
-            await self.start()
-            stream = self.model.options(stream=True).generate.remote(request)
-            async for replica, out in stream:
-                if is_admitted(out):  # the replica's engine runs it: the seat is free
-                    seat.release()
-                    continue
-                if not self._served_by.get(out.request_id):
-                    self._served_by[out.request_id] = replica
-                    while len(self._served_by) > 4096:
-                        self._served_by.popitem(last=False)
-                finished = out.finished
-                yield out
-        except BackPressureError:
-            raise ApiError(429, f"every replica is busy and {self.settings.max_pending} "
-                                "requests wait (max_pending); retry later",
-                           code="rate_limit_exceeded",
-                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
-        except (RayActorError, DeploymentUnavailableError) as exc:
-            raise ApiError(503, f"the replica serving the request died ({type(exc).__name__})",
-                           code="engine_down") from None
-        except RayTaskError as exc:  # an error of ours, raised in the replica
-            cause = exc.as_instanceof_cause()
-            raise cause from None
-        finally:
-            if stream is not None and not finished:
-                try:  # a call that already failed re-raises its error here
-                    stream.cancel()
-                except Exception:
-                    logger.debug("cancelling the replica call failed", exc_info=True)
-            seat.release()
-            self._in_flight -= 1
-
-    async def list_loras(self) -> list[Any]:
-        """The adapters of one replica, which Ray picks (all register the same
-        ``lora_modules`` at start; ``requests``, ``active`` and ``slot`` are that
-        replica's)."""
-        from ray.exceptions import RayActorError
-        from ray.serve.exceptions import DeploymentUnavailableError
-
-        try:
-            return await self.model.list_loras.remote()
-        except (RayActorError, DeploymentUnavailableError) as exc:
-            raise ApiError(503, f"no replica answered ({type(exc).__name__})",
-                           code="engine_down") from None
-
-    async def add_lora(self, name: str, path: str) -> Any:
-        raise ApiError(501, "adapters are registered at start on Ray Serve (--lora-modules)",
-                       code="not_implemented")
-
-    async def remove_lora(self, name: str) -> None:
-        raise ApiError(501, "adapters are registered at start on Ray Serve (--lora-modules)",
-                       code="not_implemented")
-
-    def metric_snapshots(self) -> list[tuple[dict[str, str], Any]]:
-        return [({"replica": replica}, stats) for replica, stats in self._snapshots]
-
-    def response_headers(self, request_id: str) -> dict[str, str]:
-        replica = self._served_by.pop(request_id, None)
-        return {} if replica is None else {REPLICA_HEADER: replica}
 
 
 class Ingress:

@@ -44,10 +44,13 @@ class ServeSettings(msgspec.Struct, kw_only=True, frozen=True):
     model_name: Annotated[str | None, Meta(extra={"flag": "--served-model-name"}, description=(
         "the model id clients send as model and /v1/models lists; None: the engine's "
         "model (--model)"))] = None
-    api_key: Annotated[str | None, Meta(extra={"env": API_KEY_ENV, "metavar": "KEY"},
-                                        description=(
-        "require 'Authorization: Bearer KEY' on /v1 (/health, /ready and /metrics stay "
-        f"open); diffrt serve's default: ${API_KEY_ENV}; None: no key"))] = None
+    api_key: Annotated[tuple[str, ...] | str | None, Meta(
+        extra={"env": API_KEY_ENV, "metavar": "KEY[,KEY...]"}, description=(
+            "require 'Authorization: Bearer KEY' on /v1 (/health, /ready and /metrics stay "
+            "open); several keys (the flag repeated, or a comma list): any of them is "
+            "accepted, and a video job is seen only with the key that created it; "
+            f"diffrt serve's default: ${API_KEY_ENV} (a comma list too); None: no "
+            "key"))] = None
     max_pending: Annotated[int, Meta(ge=1, description=(
         "requests that may wait to be admitted (accepted, not yet running); past it a new "
         "one gets 429 with Retry-After"))] = 64
@@ -112,6 +115,14 @@ class ServeSettings(msgspec.Struct, kw_only=True, frozen=True):
         "the longest request target (path and query); longer: 414"))] = 8 << 10
     body_timeout_s: Annotated[_Seconds, Meta(extra={"group": "edge"}, description=(
         "seconds to receive a whole request body; then 408"))] = 30.0
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys accepted (``api_key``: one key, or several; empty: none needed)."""
+        key = self.api_key
+        if not key:
+            return ()
+        return (key,) if isinstance(key, str) else tuple(k for k in key if k)
 
 
 class HttpLimits(msgspec.Struct, kw_only=True, frozen=True):

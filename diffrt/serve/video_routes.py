@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from diffrt.engine import DiffusionRequest
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.serve.engine_client import EngineClient
+from diffrt.serve.error_mapping import invalid
 from diffrt.serve.errors import ApiError, echoed
 from diffrt.serve.images import StoreFull
 from diffrt.serve.protocol import ErrorResponse
@@ -38,7 +39,7 @@ from diffrt.serve.video_protocol import (
     VideoRemixRequest,
     read_video_fields,
 )
-from diffrt.serve.video_requests import plan_video
+from diffrt.serve.video_requests import VIDEO_ROUTE, plan_video
 from diffrt.serve.video_runs import VideoRuns, estimate_bytes, settings_of
 from diffrt.serve.video_store import VideoStore
 
@@ -47,9 +48,6 @@ CHUNK = 1 << 16
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 415, 416, 429, 503)}
-#: one owner for every client until several API keys can be configured
-#: (``video_jobs.owner_of``)
-OWNER: str | None = None
 
 router = APIRouter()
 
@@ -63,8 +61,16 @@ def _store(request: Request) -> VideoStore:
     return store
 
 
+def owner(request: Request) -> str | None:
+    """Whose jobs ``request`` sees: its API key's digest when the server has
+    several keys (set by the middleware), everyone's (None) otherwise. To
+    another owner a job does not exist: 404, as OpenAI answers for another
+    organisation's objects."""
+    return getattr(request.state, "owner", None)
+
+
 def _job(request: Request, video_id: str) -> VideoJob:
-    job = _store(request).get(video_id, OWNER) if is_job_id(video_id) else None
+    job = _store(request).get(video_id, owner(request)) if is_job_id(video_id) else None
     if job is None:
         raise ApiError(404, f"video {echoed(video_id)} not found", param="video_id",
                        code="video_not_found")
@@ -115,9 +121,20 @@ async def _start(request: Request, body: VideoCreateRequest, frame: Any, *,
         checked_priority(body, plan.request, request), request)
     opened = client.open_run(engine_request)  # 429/503 before a job exists
     try:
+        # what the engine would refuse at submission (its cost limit, a field
+        # the family refuses, an adapter): a 400 now, not a job that fails
+        await client.check(engine_request)
+    except InvalidRequestError as exc:
+        opened[1].release()
+        raise _refused(exc, body) from None
+    except BaseException:
+        opened[1].release()
+        raise
+    try:
         job = await asyncio.to_thread(
             store.create, model=client.model_name, seconds=plan.seconds, size=plan.size,
-            prompt=body.prompt, owner=OWNER, settings=settings_of(body), remixed_from=remixed_from,
+            prompt=body.prompt, owner=owner(request), settings=settings_of(body),
+            remixed_from=remixed_from,
             reserve_bytes=estimate_bytes(plan.num_frames, plan.height, plan.width))
     except StoreFull as exc:
         opened[1].release()
@@ -135,6 +152,17 @@ async def _start(request: Request, body: VideoCreateRequest, frame: Any, *,
     return job.public()
 
 
+def _refused(exc: InvalidRequestError, body: VideoCreateRequest) -> ApiError:
+    """The 400 of an engine refusal, naming the body's field. The run-time
+    estimate (``max_request_seconds``) is of the whole clip: it names the
+    first of the fields that set its length and cost the body gave."""
+    if exc.field != "sampling_params":
+        return invalid(exc, VIDEO_ROUTE)
+    param = next((name for name in ("seconds", "num_frames", "size", "num_inference_steps")
+                  if getattr(body, name, None) is not None), "seconds")
+    return ApiError(400, f"{param}: the clip {exc.reason}", param=param, code="invalid_value")
+
+
 @router.get("/v1/videos/{video_id}", response_model=VideoObject, responses=_ERRORS)
 async def retrieve_video(video_id: str, request: Request) -> Any:
     return _job(request, video_id).public()
@@ -144,7 +172,7 @@ async def retrieve_video(video_id: str, request: Request) -> Any:
 async def list_videos(request: Request, query: Annotated[VideoListQuery, Depends()]) -> Any:
     """The jobs, newest first by default (OpenAI's cursor: ``after``, ``limit``)."""
     try:
-        page = _store(request).list(OWNER, after=query.after, limit=query.limit,
+        page = _store(request).list(owner(request), after=query.after, limit=query.limit,
                                     order=query.order)
     except KeyError:
         raise ApiError(400, f"after: {echoed(query.after)} is not one of your videos",
@@ -158,7 +186,7 @@ async def delete_video(video_id: str, request: Request) -> Any:
     _job(request, video_id)
     runs: VideoRuns = request.app.state.video_runs
     await runs.abort(video_id)
-    deleted = await asyncio.to_thread(_store(request).delete, video_id, OWNER)
+    deleted = await asyncio.to_thread(_store(request).delete, video_id, owner(request))
     if deleted is None:
         raise ApiError(404, f"video {echoed(video_id)} not found", param="video_id",
                        code="video_not_found")
@@ -171,7 +199,8 @@ async def video_content(video_id: str, request: Request,
     """A completed job's file: the MP4 (Range requests answered 206, for
     seeking), its first frame (``thumbnail``, PNG) or ``spritesheet`` (JPEG)."""
     job = _job(request, video_id)
-    opened = await asyncio.to_thread(_store(request).open_file, video_id, OWNER, query.variant)
+    opened = await asyncio.to_thread(_store(request).open_file, video_id, owner(request),
+                                    query.variant)
     if opened is None:
         raise ApiError(404, f"video {video_id} has no {query.variant} (it is {job.status})",
                        param="variant", code="video_not_ready")
@@ -225,7 +254,7 @@ async def video_events(video_id: str, request: Request) -> StreamingResponse:
     runs: VideoRuns = request.app.state.video_runs
 
     async def events() -> AsyncIterator[bytes]:
-        async for job in runs.watch(video_id, OWNER):
+        async for job in runs.watch(video_id, owner(request)):
             yield (f"event: video.{job.status}\n"
                    f"data: {json.dumps(job.public())}\n\n").encode()
 

@@ -110,15 +110,9 @@ def test_a_setting_the_model_refuses_ends_bench_and_serve_in_one_line(command):
     assert len(stderr.strip().splitlines()) == 1, stderr
 
 
-def test_serve_refuses_a_video_model_on_ray_in_one_line():
-    """A video model's jobs live in one server's folder: `serve` refuses the
-    Ray flags naming --replicas before any engine starts; an image model
-    asked for frames is refused naming the field."""
-    code, stderr = run_main("serve", "--model", "tiny-wan", "--replicas", "2", "--host",
-                            "127.0.0.1", "--port", "0")
-    assert code == 2, stderr
-    assert "--replicas" in stderr and "video model" in stderr and "Traceback" not in stderr
-    assert len(stderr.strip().splitlines()) == 1, stderr
+def test_generate_refuses_frames_of_an_image_model_in_one_line():
+    """An image model asked for frames is refused naming the field. (A video
+    model on Ray is served: tests/ray/test_ray_videos.py.)"""
     code, stderr = run_main("generate", "-p", "x", "--model", "tiny-sd3", "--num-frames", "9",
                             "--executor-backend", "inproc")
     assert code == 2 and "num_frames: tiny-sd3 draws images, not video" in stderr, stderr

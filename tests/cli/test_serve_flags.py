@@ -85,10 +85,26 @@ def test_serve_values_become_the_settings(monkeypatch):
     assert settings.max_body_bytes == 2 << 20 and settings.url_ttl_s == 60.0
     assert settings.allowed_hosts == ("a.example.com", "*.b.example.com", "c")
     assert (settings.model_name, settings.client_priority_floor) == ("m", -2)
-    assert settings.api_key == "from-env" and settings.retry_after_s == 3
+    assert settings.api_keys == ("from-env",) and settings.retry_after_s == 3
     assert http_limits(args).header_timeout_s == 0.5
     assert build_serve_settings(build_parser().parse_args(
-        ["serve", "--api-key", "flag"])).api_key == "flag"
+        ["serve", "--api-key", "flag"])).api_keys == ("flag",)
+
+
+def test_several_api_keys_from_repeated_flags_comma_lists_or_the_environment(monkeypatch):
+    """Each key once, in order; the flag wins over $DIFFRT_API_KEY (a comma
+    list there too); empty items and none at all mean no key."""
+    def keys(*argv: str) -> tuple[str, ...]:
+        return build_serve_settings(build_parser().parse_args(["serve", *argv])).api_keys
+
+    monkeypatch.setenv("DIFFRT_API_KEY", "env-a, env-b")
+    assert keys() == ("env-a", "env-b")
+    assert keys("--api-key", "a,b", "--api-key", "c", "--api-key", "a") == ("a", "b", "c")
+    monkeypatch.setenv("DIFFRT_API_KEY", " , ")
+    assert keys() == () and keys("--api-key", ",") == ()
+    monkeypatch.delenv("DIFFRT_API_KEY")
+    assert keys() == ()
+    assert ServeSettings(api_key="one").api_keys == ("one",)  # a single key in Python
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -6,7 +6,8 @@ give one engine's pixels; /metrics labels every series with its replica;
 overload answers 429; a client that leaves aborts its request in the
 replica; a killed replica fails only its own requests and is replaced; the
 autoscaling flags reach Ray Serve, which adds a replica under load and
-removes it when idle."""
+removes it when idle; last, two SIGTERMs stop the application as `diffrt
+serve --replicas 2` stops it (the second ends the drain: 503)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import os
 import signal
 import socket
 import threading
+from typing import Any
 
 import httpx
 import numpy as np
@@ -34,6 +36,8 @@ CONFIG = EngineConfig(model="tiny-flux", step_execution=True, max_num_seqs=4,
 #: queued beyond the replicas' running requests before 429 (room for every test's
 #: burst: Ray's router may refuse a little early under a burst)
 MAX_PENDING = 64
+#: what the module's application was deployed with (its statistics board)
+DEPLOYED: dict[str, Any] = {}
 
 
 def _free_port() -> int:
@@ -54,10 +58,12 @@ def serve_url(ray_cluster):
     serve.run(build_application(CONFIG, ServeSettings(max_pending=MAX_PENDING),
                                 ReplicaSettings(replicas=2, replica_cpus=0.25), board),
               name=APP_NAME, route_prefix="/")
+    DEPLOYED["board"] = board
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.delete(APP_NAME)
+        if APP_NAME in serve.status().applications:  # the last test deletes it itself
+            serve.delete(APP_NAME)
         serve.shutdown()
 
 
@@ -250,3 +256,43 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(serve_ur
     finally:
         serve.delete("diffrt-auto")
 
+
+
+def test_a_second_sigterm_ends_the_drain_with_the_request_in_flight_answered_503(
+        serve_url, ray_cluster):
+    """Last in this module: it stops the module's application (two replicas)
+    as `diffrt serve --replicas 2` does (``serve_ray.delete_app`` under
+    ``StopSignals``, the handlers installed in this process as the command
+    installs them in its own): a first SIGTERM starts the drain while a
+    long request runs, a second one ends it; the request is answered 503
+    (aborted in its replica), the application is gone and no third signal
+    was needed. The signals themselves, around a fake Ray: test_ray_stop.py."""
+    from ray import serve
+
+    from diffrt.cli.serve_ray import StopSignals, delete_app
+    from diffrt.serve.ray_app import APP_NAME
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with cf.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generate, serve_url, 600, 1000, 600)
+        assert wait_until(lambda: running_total(serve_url) >= 1, timeout=120)
+        try:
+            signals = StopSignals.install()
+            os.kill(os.getpid(), signal.SIGTERM)  # the first: the drain starts
+            assert signals.first.wait(10)
+            # the second, while delete_app waits for the drain (the request is
+            # far from done: 1000 steps, and the drain would wait 30 s for it)
+            second = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+            second.start()
+            delete_app(serve, APP_NAME, DEPLOYED["board"], signals, give_up_s=120)
+            second.join()
+            assert signals.second.wait(10)  # handled before the handlers go back
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+        answer = running.result()
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "shutting_down"
+    assert not signals.third.is_set()  # the drain ended: nobody gave up on Ray
+    gone = serve.status().applications.get(APP_NAME)
+    assert gone is None or str(getattr(gone.status, "value", gone.status)) == "NOT_STARTED"

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # engin
 
 import engine_toy  # noqa: E402,F401  (registers the "toy" models)
 from serve_helpers import API_KEY  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, served  # noqa: E402
 
 from diffrt.engine import DiffusionEngine, EngineConfig  # noqa: E402
 from diffrt.serve import ServeSettings, build_app  # noqa: E402
@@ -48,12 +48,9 @@ def toy_app():
 
 @contextlib.contextmanager
 def _shared_server(*flags: str):
-    proc = ServerProcess("--api-key", API_KEY, "--max-num-seqs", "8", "--max-pending", "64",
-                         *flags)
-    try:
-        yield proc.wait_ready()
-    finally:
-        assert proc.stop() == 0, proc.output()
+    with served(ServerProcess("--api-key", API_KEY, "--max-num-seqs", "8", "--max-pending", "64",
+                              *flags)) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="session")
@@ -88,9 +85,6 @@ def video_server(tmp_path_factory):
     """One ``diffrt serve --model tiny-wan`` process (its jobs in a folder of
     the session's) shared by the videos' end-to-end and browser tests."""
     folder = tmp_path_factory.mktemp("videos")
-    proc = ServerProcess("--model", "tiny-wan", "--api-key", API_KEY, "--video-dir", str(folder),
-                         "--max-request-seconds", "none")  # as real_server: no load-dependent refusal
-    try:
-        yield proc.wait_ready()
-    finally:
-        assert proc.stop() == 0, proc.output()
+    with served(ServerProcess("--model", "tiny-wan", "--api-key", API_KEY, "--video-dir",
+                              str(folder), "--max-request-seconds", "none")) as proc:
+        yield proc  # as real_server: no load-dependent refusal

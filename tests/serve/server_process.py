@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -50,9 +52,17 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [str(script), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=full_env, text=True)
+        #: the output, read once the log file is gone (``stop``)
+        self._output: str | None = None
 
     def output(self) -> str:
-        return Path(self.log.name).read_text()
+        """What the server printed (kept once ``stop`` removed its log file)."""
+        if self._output is not None:
+            return self._output
+        try:
+            return Path(self.log.name).read_text()
+        except FileNotFoundError:  # removed by another stop meanwhile
+            return self._output or ""
 
     def wait_ready(self, timeout: float = 180) -> ServerProcess:
         def ready() -> bool:
@@ -78,6 +88,29 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
+        if self._output is None:  # a second stop (a failed start, then the fixture) is a no-op
+            self.log.close()
+            self._output = Path(self.log.name).read_text()
+            Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def served(proc: ServerProcess, timeout: float = 180) -> Iterator[ServerProcess]:
+    """``proc`` once ready, stopped after the block with exit status 0
+    asserted. A start that failed (the server exited, or never got ready) is
+    reported as it is: the process is stopped and its output kept, not
+    replaced by the stop's own complaint; so is an error of the block."""
+    try:
+        proc.wait_ready(timeout)
+    except BaseException:
+        proc.stop()
+        raise
+    failed = True
+    try:
+        yield proc
+        failed = False
+    finally:
+        code = proc.stop()
+        if not failed:
+            assert code == 0, proc.output()

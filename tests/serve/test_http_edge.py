@@ -91,6 +91,19 @@ def test_a_non_ascii_key_is_compared_as_utf8_bytes(toy_app):
     assert latin1.status_code == 401
 
 
+def test_several_keys_each_serve_the_images_api(toy_app):
+    """``api_key`` as several keys: each one is accepted on every route (an
+    image belongs to no key: only video jobs are split by key), others 401."""
+    app = toy_app(ServeSettings(api_key=("first-key", "second-key")))
+    for key in ("first-key", "second-key"):
+        r = call(app, "POST", GEN, json={"prompt": "x", **SMALL},
+                 headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and r.json()["data"][0]["b64_json"], r.text
+    for wrong in ("first-key,second-key", "second", ""):
+        r = call(app, "GET", "/v1/models", headers={"Authorization": f"Bearer {wrong}"})
+        assert r.status_code == 401, wrong
+
+
 # -- item 6: the body's bounds; item 12: a body cut short ---------------------------------
 def test_a_body_that_does_not_arrive_in_time_is_408(toy_app):
     app = toy_app(ServeSettings(api_key=API_KEY, body_timeout_s=0.3))

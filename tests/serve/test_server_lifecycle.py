@@ -1,7 +1,8 @@
 """A real ``diffrt serve`` process under overload, SIGTERM and a dead worker:
 429 with Retry-After, a drain that lets requests in flight finish and exits 0
 leaving no worker and no arena, and a killed worker answered with an error,
-/health 503 until fresh workers serve — never a hang."""
+/health 503 until fresh workers serve — never a hang. A server that fails
+to start is reported by its own failure (the shared fixtures' ``served``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import httpx
 import pytest
 from leaks import arena_refs
-from server_process import ServerProcess, children
+from server_process import ServerProcess, children, served
 from waiting import wait_until
 
 #: two LONG requests one after the other ran past pytest's 300 s on a machine
@@ -166,3 +167,15 @@ def test_a_stopped_worker_turns_health_503_within_the_stall_bound():
     finally:
         code = server.stop()
     assert code == 0
+
+
+def test_a_server_that_fails_to_start_is_reported_by_its_own_failure():
+    """``served`` (the shared servers' fixtures): a start that fails raises
+    the start's error with the server's output, not the FileNotFoundError of
+    a stop that had already removed the log; a second stop is a no-op."""
+    proc = ServerProcess("--model", "no-such-model")
+    with pytest.raises(AssertionError, match="server exited 2") as failure:
+        with served(proc):
+            raise AssertionError("the block must not run")
+    assert "no-such-model" in str(failure.value)
+    assert proc.stop() == 2 and "no-such-model" in proc.output()

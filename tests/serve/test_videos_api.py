@@ -322,3 +322,90 @@ def test_max_pending_sheds_jobs_with_429_before_they_exist(engine, tmp_path):
     assert 1 <= len(listed) == len(answers) - 1 <= 3  # the refused one made no job
     assert_clean(engine)
     app.state.videos.close()
+
+
+def test_with_several_keys_a_job_is_seen_only_with_the_key_that_made_it(engine, tmp_path):
+    """``api_key`` of two keys: Alice's job is listed, retrieved, downloaded,
+    followed, remixed and deleted with her key only; to Bob it does not
+    exist (404, as OpenAI answers for another organisation's objects) and
+    his list is empty; /v1/models answers both."""
+    app = make_app(engine, tmp_path, api_key=("alice-key", "bob-key"))
+
+    async def scenario(_: Any, http: httpx.AsyncClient) -> dict:
+        alice = {"Authorization": "Bearer alice-key"}
+        bob = {"Authorization": "Bearer bob-key"}
+        made = (await http.post("/v1/videos", headers=alice, json={
+            "prompt": PROMPT, "size": "32x32", "seconds": "0.25",
+            "num_inference_steps": 2})).json()
+        vid = made["id"]
+        for _ in range(600):
+            job = (await http.get(f"/v1/videos/{vid}", headers=alice)).json()
+            if job["status"] in ("completed", "failed"):
+                break
+            await asyncio.sleep(0.05)
+        got: dict[str, Any] = {"job": job}
+        got["bob"] = [await http.get(f"/v1/videos/{vid}", headers=bob),
+                      await http.get(f"/v1/videos/{vid}/content", headers=bob),
+                      await http.get(f"/v1/videos/{vid}/events", headers=bob),
+                      await http.post(f"/v1/videos/{vid}/remix", headers=bob,
+                                      json={"prompt": "mine now"}),
+                      await http.delete(f"/v1/videos/{vid}", headers=bob)]
+        got["bob_list"] = (await http.get("/v1/videos", headers=bob)).json()
+        got["bob_after"] = await http.get("/v1/videos", headers=bob, params={"after": vid})
+        got["models"] = [(await http.get("/v1/models", headers=h)).status_code
+                         for h in (alice, bob)]
+        got["alice_list"] = (await http.get("/v1/videos", headers=alice)).json()
+        got["alice_mp4"] = await http.get(f"/v1/videos/{vid}/content", headers=alice)
+        got["alice_delete"] = await http.delete(f"/v1/videos/{vid}", headers=alice)
+        return got
+
+    got = run(app, scenario)
+    assert got["job"]["status"] == "completed", got["job"]
+    for answer in got["bob"]:
+        assert answer.status_code == 404, (answer.request.url, answer.text)
+        assert answer.json()["error"]["code"] == "video_not_found"
+    assert got["bob_list"]["data"] == [] and got["bob_after"].status_code == 400
+    assert got["models"] == [200, 200]
+    assert [v["id"] for v in got["alice_list"]["data"]] == [got["job"]["id"]]
+    assert got["alice_mp4"].status_code == 200 and decode_mp4(got["alice_mp4"].content)
+    assert got["alice_delete"].json()["deleted"] is True
+    assert_clean(engine)
+    app.state.videos.close()
+
+
+def test_what_the_engine_refuses_at_submission_is_a_400_and_no_job(engine, tmp_path):
+    """An adapter the engine does not have is refused when the job is asked
+    for (400 naming ``loras``), not by a job that then fails."""
+    error = refused_without_a_job(engine, tmp_path, {"loras": {"nope": 1.0}})
+    assert error["param"] == "loras" and "nope" in error["message"]
+
+
+def refused_without_a_job(engine: DiffusionEngine, folder: Path, fields: dict) -> dict:
+    """POST a 32x32 job with ``fields``; its 400 error, once no job was made of it."""
+    app = make_app(engine, folder)
+
+    async def scenario(_: Any, http: httpx.AsyncClient) -> tuple:
+        refused = await http.post("/v1/videos", json={"prompt": PROMPT, "size": "32x32",
+                                                       **fields})
+        return refused, (await http.get("/v1/videos")).json()["data"]
+
+    refused, listed = run(app, scenario)
+    app.state.videos.close()
+    assert refused.status_code == 400, refused.text
+    assert listed == []
+    assert_clean(engine)
+    return refused.json()["error"]
+
+
+def test_a_clip_past_max_request_seconds_is_a_400_naming_seconds(tmp_path):
+    """The engine's run-time limit, on its estimate (measured from a first
+    run; a limit no clip meets): a 400 naming the body's ``seconds``, and
+    no job."""
+    config = EngineConfig(model="tiny-wan", executor_backend="inproc", warmup=False,
+                          step_execution=True, max_request_seconds=1e-6)
+    with DiffusionEngine.make_engine(config) as tight:
+        # the first run is measured (no estimate before it: admitted)
+        assert tight.generate(DiffusionRequest(prompt=PROMPT, sampling_params=SamplingParams(
+            num_frames=5, height=32, width=32, num_inference_steps=1))).ok
+        error = refused_without_a_job(tight, tmp_path, {"seconds": "0.25"})
+    assert error["param"] == "seconds" and "max_request_seconds" in error["message"]
