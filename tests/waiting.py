@@ -21,6 +21,13 @@ T = TypeVar("T")
 #: that has failed, so it is generous
 DEFAULT_TIMEOUT_S = 60.0
 
+#: seconds a whole subprocess (a CLI run, a server start) may take before a
+#: test gives up on it: a guard against a hang, never a measure of speed. A
+#: 40 s CLI run took 11 minutes with the machine 17 times oversubscribed, so
+#: the guard is far above any speed the suite can meet; CI's own limit ends a
+#: true hang anyway
+HANG_GUARD_S = 1200.0
+
 
 def wait_until(predicate: Callable[[], T], timeout: float = DEFAULT_TIMEOUT_S, interval: float = 0.01,
                message: str | Callable[[], Any] | None = None) -> T:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from waiting import HANG_GUARD_S
 
 HERE = Path(__file__).resolve().parent
 
@@ -34,7 +35,7 @@ def diffrt_script() -> str:
 
 
 def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None,
-            timeout: float = 240) -> subprocess.CompletedProcess:
+            timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env.pop("DIFFRT_TRACE_DIR", None)
     return subprocess.run([diffrt_script(), *args], cwd=cwd, env=full_env, capture_output=True,

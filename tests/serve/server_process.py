@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from waiting import wait_until
+from waiting import HANG_GUARD_S, wait_until
 
 
 def free_port() -> int:
@@ -64,7 +64,7 @@ class ServerProcess:
         except FileNotFoundError:  # removed by another stop meanwhile
             return self._output or ""
 
-    def wait_ready(self, timeout: float = 180) -> ServerProcess:
+    def wait_ready(self, timeout: float = HANG_GUARD_S) -> ServerProcess:
         def ready() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited {self.proc.returncode}:\n{self.output()}")
@@ -96,7 +96,7 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def served(proc: ServerProcess, timeout: float = 180) -> Iterator[ServerProcess]:
+def served(proc: ServerProcess, timeout: float = HANG_GUARD_S) -> Iterator[ServerProcess]:
     """``proc`` once ready, stopped after the block with exit status 0
     asserted. A start that failed (the server exited, or never got ready) is
     reported as it is: the process is stopped and its output kept, not
