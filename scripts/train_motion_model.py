@@ -77,6 +77,9 @@ SHAPE_WEIGHT = 4.0
 #: sampling of the evaluation and of diffrt's defaults for the model
 EVAL = dict(num_frames=motion.FRAMES, height=64, width=64, num_inference_steps=12,
             guidance_scale=3.0)
+#: arguments a resumed run may change (how it runs, not what it trains)
+RUN_ONLY = ("out", "resume", "minutes", "threads", "checkpoint_every", "eval_count",
+            "evaluate_only")
 #: frames of a VAE training clip (the first, then one group of 4)
 VAE_FRAMES = 5
 
@@ -180,6 +183,10 @@ class Run:
 
     def restore(self) -> None:
         state = torch.load(self.work / "checkpoint.pt", weights_only=False)
+        changed = {k: (v, vars(self.args).get(k)) for k, v in state["args"].items()
+                   if k not in RUN_ONLY and vars(self.args).get(k) != v}
+        if changed:  # another run's steps: the schedule and the data would not continue
+            raise SystemExit(f"--resume with other training arguments (checkpoint, now): {changed}")
         for k, m in self.models.items():
             m.load_state_dict(state["models"][k])
         self.vae_opt.load_state_dict(state["vae_opt"])

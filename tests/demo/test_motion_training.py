@@ -20,7 +20,11 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_motion_model.p
 
 @pytest.fixture()
 def train(monkeypatch):
-    """The script as a module, its components at a toy size."""
+    """The script as a module, its components at a toy size, on one torch
+    thread (as its ``--threads 1``; on a shared 2-core machine two threads
+    made the toy steps ten times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     spec = importlib.util.spec_from_file_location("train_motion_model", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -31,13 +35,17 @@ def train(monkeypatch):
     monkeypatch.setattr(module, "TRANSFORMER", {
         **module.TRANSFORMER, "num_attention_heads": 2, "attention_head_dim": 12,
         "text_dim": 16, "freq_dim": 16, "ffn_dim": 24, "num_layers": 1})
-    return module
+    yield module
+    torch.set_num_threads(threads)
+
+
+def toy_argv(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--out", str(tmp_path / "m"), "--vae-steps", "2", "--steps", "3", "--vae-batch", "2",
+            "--batch", "2", "--cache-clips", "2", "--variants", "1", "--threads", "1", *extra]
 
 
 def toy_args(train, tmp_path: Path, *extra: str):
-    return train.parse(["--out", str(tmp_path / "m"), "--vae-steps", "2", "--steps", "3",
-                        "--vae-batch", "2", "--batch", "2", "--cache-clips", "2",
-                        "--variants", "1", "--threads", "1", *extra])
+    return train.parse(toy_argv(tmp_path, *extra))
 
 
 def steps(run, loss_of, optimiser, count: int = 4) -> list[float]:
@@ -92,3 +100,36 @@ def test_a_resumed_run_takes_the_steps_of_one_never_stopped(train, tmp_path):
         for (key, a), b in zip(module.state_dict().items(),
                                resumed.models[name].state_dict().values(), strict=True):
             assert torch.equal(a, b), (name, key)
+
+
+def test_the_written_folder_is_a_wan_folder_diffusers_and_diffrt_draw_alike(train, tmp_path):
+    """The whole script at a toy size (2 VAE and 3 transformer steps): the
+    folder, its evaluation and model card; diffusers' WanPipeline and diffrt
+    load it and draw the same clip within 2/255 (the model is untrained: its
+    content is not judged)."""
+    import diffusers
+
+    from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
+    from diffrt.engine.postprocess import quantize_images
+    from diffrt.engine.request import DiffusionRequest
+    from diffrt.engine.sampling import SamplingParams
+
+    assert train.main(toy_argv(tmp_path, "--eval-count", "1")) == 0
+    folder = tmp_path / "m"
+    table = (folder / "evaluation.json").read_text(encoding="utf-8")
+    assert '"accuracy"' in table and '"loss_curve"' in table
+    card = (folder / "README.md").read_text(encoding="utf-8")
+    assert "diffusers.WanPipeline.from_pretrained" in card and "| direction | colour |" in card
+    pipe = diffusers.WanPipeline.from_pretrained(folder, local_files_only=True,
+                                                 torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.transformer.dtype == torch.float32  # stored in float16, loaded as asked
+    prompt = motion.EVALUATION[0].prompt
+    want = pipe(prompt, negative_prompt="", output_type="np",
+                generator=torch.Generator().manual_seed(0), **train.EVAL).frames[0]
+    ours = load_pipeline(str(folder))
+    video = ours.forward(DiffusionRequestBatch([DiffusionRequest(
+        prompt=prompt, request_id="toy", sampling_params=SamplingParams(seed=0, **train.EVAL))]))[0]
+    got = quantize_images(video)[0].numpy().astype(np.int16)
+    assert got.shape == (motion.FRAMES, 64, 64, 3)
+    assert np.abs(got - (want * 255).round().astype(np.int16)).max() <= 2
