@@ -128,6 +128,14 @@ def build_tiny_wan_folder(path: str | os.PathLike, *, seed: int = 0, i2v: bool =
                        **TINY_WAN_VAE)
     FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER).save_pretrained(path / "scheduler")
     shared._save(umt5(seed + _SEED_OFFSETS["text_encoder"], len(tokenizer)), path / "text_encoder")
+    write_wan_index(path, i2v=i2v, two_experts=two_experts)
+    return path
+
+
+def write_wan_index(path: Path, *, i2v: bool = False, two_experts: bool = False) -> None:
+    """A Wan folder's ``model_index.json``: its components and the pipeline's
+    own config (``boundary_ratio``, ``expand_timesteps``), as diffusers saves
+    it (also written by ``scripts/train_motion_model.py``)."""
     pipeline = "WanImageToVideoPipeline" if i2v else "WanPipeline"
     shared._write_index(path, pipeline, wan_components(i2v, two_experts))
     index_path = path / "model_index.json"
@@ -136,9 +144,8 @@ def build_tiny_wan_folder(path: str | os.PathLike, *, seed: int = 0, i2v: bool =
     index["boundary_ratio"] = BOUNDARY_RATIO["i2v" if i2v else "t2v"] if two_experts else None
     index["expand_timesteps"] = False
     index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    return path
 
 
 __all__ = ["BOUNDARY_RATIO", "I2V_IN_CHANNELS", "PROMPT_BOOST", "TINY_UMT5", "TINY_WAN_TRANSFORMER",
            "TINY_WAN_VAE", "WAN_MAX_LENGTH", "WAN_SCHEDULER", "build_tiny_wan_folder",
-           "umt5", "wan_components"]
+           "umt5", "wan_components", "write_wan_index"]
