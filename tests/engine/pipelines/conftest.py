@@ -26,3 +26,15 @@ def qwen_folder(tmp_path_factory) -> str:
     from diffrt.engine.models.tiny.qwen_image import build_tiny_qwen_image_folder
 
     return str(build_tiny_qwen_image_folder(tmp_path_factory.mktemp("qwen") / "qwen", seed=0))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """A module's tiny clips on one torch thread (as the engine's CPU workers
+    run): on a shared 2-core machine two threads made them ten times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

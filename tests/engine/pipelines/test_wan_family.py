@@ -18,19 +18,10 @@ from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 
 diffusers = pytest.importorskip("diffusers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FRAMES, SIZE, STEPS = 9, 64, 4  # the tiny folders' defaults
 MAX_DIFF = 2  # of 255 per frame, float32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny clips on one torch thread (as the engine's CPU workers run):
-    on a shared 2-core machine two threads made them ten times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
