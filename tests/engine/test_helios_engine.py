@@ -107,3 +107,16 @@ def test_an_input_image_is_refused(engines):
     with pytest.raises(InvalidRequestError) as info:
         step.generate(DiffusionRequest(prompt="a fox", images=[Image.new("RGB", (32, 32))]))
     assert info.value.field == "images"
+
+
+def test_a_folder_with_another_helios_schedule_is_refused_at_load(tmp_path):
+    import json
+
+    from diffrt.engine.models.family import ModelFolder
+    from diffrt.engine.models.folder_check import ModelLoadError
+    from diffrt.engine.pipelines.helios.spec import check_scheduler
+
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps({"stages": 3}))
+    with pytest.raises(ModelLoadError, match="3-stage unipc"):
+        check_scheduler(ModelFolder(str(tmp_path), "pyramid", {}))

@@ -80,3 +80,17 @@ def test_each_finished_chunk_is_an_event_before_completed(engine, tmp_path: Path
         other = np.abs(frames - clip[(1 - k) * WINDOW:(2 - k) * WINDOW]).mean()
         assert own < other  # the chunk's own frames, not another's
     assert [n for n, _ in events_of(late)].count("video.chunk") == 2
+
+
+def test_seconds_whole_chunks_do_not_give_are_a_400_naming_them(engine, tmp_path: Path):
+    app = build_app(settings=ServeSettings(video_dir=str(tmp_path)), engine=engine)
+
+    async def scenario() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.post("/v1/videos", json={"prompt": PROMPT, "seconds": "0.25"})
+
+    answer = asyncio.run(scenario())
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == "seconds"
+    assert "whole chunks" in error["message"] and "0.5" in error["message"]

@@ -10,13 +10,18 @@ at 24). A request asks a frame count whole chunks give
 run is refused by the spec, each naming its field (docs/families.md): input
 images (``images``), LoRA (``loras``: no target modules), step caches
 (``cache``), lower-precision weights (``quantization``), every multi-rank
-split, and ``partial_images`` (the chunks are the previews).
+split, and ``partial_images`` (the chunks are the previews). A folder
+whose scheduler is not Helios-Base's one-stage UniPC (the pyramid and
+distilled variants) is refused at load.
 """
 
 from __future__ import annotations
 
+import os
+
 from diffrt.engine.model_spec import CfgRule, ModelSpec, ParallelSupport, SamplingDefaults
 from diffrt.engine.models.family import ModelFolder
+from diffrt.engine.models.folder_check import ModelLoadError, read_json_object
 from diffrt.engine.pipelines.flow_match_spec import attention_width
 from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS
 from diffrt.engine.pipelines.wan.spec import video_geometry
@@ -34,8 +39,20 @@ HISTORY_SIZES = (16, 2, 1)
 HISTORY_TOKEN_FRAMES = 3
 
 
+def check_scheduler(folder: ModelFolder) -> None:
+    """Helios-Base's one-stage UniPC schedule only: a pyramid (``stages`` >
+    1) or distilled (``dmd``) folder's schedule is not run yet."""
+    path = os.path.join(folder.path, "scheduler", "scheduler_config.json")
+    config = read_json_object(path) if os.path.isfile(path) else {}
+    stages, kind = config.get("stages", 1), config.get("scheduler_type", "unipc")
+    if stages != 1 or kind != "unipc":
+        raise ModelLoadError(f"{path}: {folder.name} has a {stages}-stage {kind} HeliosScheduler; "
+                             "the helios family runs Helios-Base's 1-stage unipc one only")
+
+
 def describe(folder: ModelFolder) -> ModelSpec:
     """HeliosPipeline's semantics; see the module."""
+    check_scheduler(folder)
     _, temporal, multiple = video_geometry(folder)
     return ModelSpec(
         name=folder.name, family="helios",
