@@ -227,7 +227,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                 resolved, num_frames=params.num_frames or self.defaults.num_frames,
                 fps=params.fps or self.defaults.fps)
         if self.chunk_latent_frames:
-            chunks = chunks_of(self, filled(resolved.num_frames))
+            chunks = chunks_of(filled(resolved.num_frames), self.chunk_latent_frames,
+                               self.frame_factor)
             if resolved.chunks != chunks:
                 resolved = msgspec.structs.replace(resolved, chunks=chunks)
         if resolved is params:
@@ -298,7 +299,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             return
         frames, f = filled(params.num_frames), self.frame_factor
         if self.chunk_latent_frames:
-            return check_chunked(self, params)
+            return check_chunked(params, self.chunk_latent_frames, self.frame_factor,
+                                 self.max_frames, self.name)
         if params.chunks != 1:
             raise InvalidRequestError("chunks", f"{self.name} denoises a clip whole (1 chunk)")
         if frames % f != 1 % f or frames > self.max_frames:

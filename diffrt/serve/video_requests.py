@@ -71,12 +71,14 @@ def plan_video(body: VideoCreateRequest, request_id: str, spec: ModelSpec, *,
 
 
 def _bad_seconds(seconds: str, fps: float, spec: ModelSpec) -> ApiError:
+    f = spec.frame_factor
     if spec.chunk_latent_frames:  # a chunked model's: what whole chunks give
-        allowed = ", ".join(f"{(chunked_frames(spec, k) - 1) / fps:g}" for k in range(1, 4))
+        allowed = ", ".join(f"{(chunked_frames(k, spec.chunk_latent_frames, f) - 1) / fps:g}"
+                            for k in range(1, 4))
         return ApiError(400, f"seconds: {spec.name} makes clips of whole chunks at {fps:g} fps "
                              f"({allowed}, ...; or give num_frames), got {seconds!r}",
                         param="seconds", code="invalid_value")
-    step = spec.frame_factor / fps
+    step = f / fps
     longest = (spec.max_frames - 1) / fps
     return ApiError(400, f"seconds: {spec.name} makes clips of a multiple of {step:g} s at "
                          f"{fps:g} fps ({step:g}, {2 * step:g}, ... up to {longest:g}), "

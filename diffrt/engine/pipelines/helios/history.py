@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffrt.engine.pipelines.helios.spec import HISTORY_SIZES
-
+#: HeliosPipeline's ``history_sizes`` default: latent frames of earlier
+#: chunks in its long, mid and short history (newest last)
+HISTORY_SIZES = (16, 2, 1)
 #: latent frames of a call's history input: long, mid, then the prefix and the short one
 HISTORY_FRAMES = sum(HISTORY_SIZES) + 1
 #: how ``HISTORY_FRAMES`` split into the transformer's three inputs
@@ -81,4 +82,4 @@ def frame_indices(chunk: int) -> dict[str, torch.Tensor]:
             "indices_latents_history_long": long[None]}
 
 
-__all__ = ["HISTORY_FRAMES", "ChunkState", "frame_indices", "history_inputs"]
+__all__ = ["HISTORY_FRAMES", "HISTORY_SIZES", "ChunkState", "frame_indices", "history_inputs"]

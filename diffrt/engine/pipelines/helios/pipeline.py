@@ -45,11 +45,11 @@ import torch
 
 from diffrt.engine.pipelines.denoise import check_compatible, prepared
 from diffrt.engine.pipelines.helios.history import (
+    HISTORY_SIZES,
     ChunkState,
     frame_indices,
     history_inputs,
 )
-from diffrt.engine.pipelines.helios.spec import HISTORY_SIZES
 from diffrt.engine.pipelines.interface import DiffusionRequestBatch, StepRequestState
 from diffrt.engine.pipelines.latents import LatentSize
 from diffrt.engine.pipelines.request_state import Conditioning

@@ -29,10 +29,9 @@ from diffrt.engine.sampling import MAX_FRAMES
 
 #: Helios' frame rate (diffusers' example exports its clips at 24 fps)
 HELIOS_FPS = 24.0
-#: HeliosPipeline's ``num_latent_frames_per_chunk`` and ``history_sizes``
-#: defaults (long, mid, short: latent frames of earlier chunks, newest last)
+#: HeliosPipeline's ``num_latent_frames_per_chunk`` default (its
+#: ``history_sizes``: ``history.HISTORY_SIZES``)
 CHUNK_LATENT_FRAMES = 9
-HISTORY_SIZES = (16, 2, 1)
 #: what the history adds to a call's tokens, in latent frames' worth: the
 #: short history and its prefix at full resolution (2), the mid 2 frames
 #: patched 2x finer in time and space (2 / 8) and the long 16 at 4x (16 / 64)
@@ -70,4 +69,4 @@ def describe(folder: ModelFolder) -> ModelSpec:
         transformer_width=attention_width(folder), text_tokens=TEXT_TOKENS)
 
 
-__all__ = ["CHUNK_LATENT_FRAMES", "HELIOS_FPS", "HISTORY_SIZES", "describe"]
+__all__ = ["CHUNK_LATENT_FRAMES", "HELIOS_FPS", "check_scheduler", "describe"]
