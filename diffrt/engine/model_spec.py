@@ -35,6 +35,7 @@ from diffrt.engine.sampling import (
     filled,
 )
 from diffrt.engine.settings import QuantizationMethod
+from diffrt.engine.video_chunks import check_chunked, chunks_of
 
 #: what a model can be asked to do: draw from text, redraw an input image
 #: from a later step (``strength``), repaint a masked part of it, or edit it
@@ -165,6 +166,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: 0 for an image model
     frame_factor: int = 0
     max_frames: int = 0
+    #: a chunked video model (Helios, ``engine.video_chunks``): a chunk's latent
+    #: frames, and the latent frames' worth of history tokens a call adds; else 0
+    chunk_latent_frames: int = 0
+    history_latent_frames: int = 0
     max_steps: int = MAX_STEPS
     defaults: SamplingDefaults
     #: the negative prompt of a request that names none (None: the request has
@@ -225,6 +230,11 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
             resolved = msgspec.structs.replace(
                 resolved, num_frames=params.num_frames or self.defaults.num_frames,
                 fps=params.fps or self.defaults.fps)
+        if self.chunk_latent_frames:
+            chunks = chunks_of(filled(resolved.num_frames), self.chunk_latent_frames,
+                               self.frame_factor)
+            if resolved.chunks != chunks:
+                resolved = msgspec.structs.replace(resolved, chunks=chunks)
         if resolved is params:
             return request
         return msgspec.structs.replace(request, sampling_params=resolved)
@@ -296,13 +306,21 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                                                          "mp4 is a video model's")
             return
         frames, f = filled(params.num_frames), self.frame_factor
+        if self.chunk_latent_frames:
+            return check_chunked(params, self.chunk_latent_frames, self.frame_factor,
+                                 self.max_frames, self.name)
+        if params.chunks != 1:
+            raise InvalidRequestError("chunks", f"{self.name} denoises a clip whole (1 chunk)")
         if frames % f != 1 % f or frames > self.max_frames:
             raise InvalidRequestError("num_frames", (
                 f"must be {f}k + 1 (1, {f + 1}, {2 * f + 1}, ...) and at most {self.max_frames} "
                 f"for {self.name}, got {frames}"))
 
     def latent_frames(self, params: SamplingParams) -> int:
-        """Latent frames of a request's clip (1 for an image)."""
+        """Latent frames of a request's clip (1 for an image; a chunked
+        model's: those one call attends, a chunk and its history)."""
+        if self.chunk_latent_frames:
+            return self.chunk_latent_frames + self.history_latent_frames
         if not self.frame_factor or params.num_frames is None:
             return 1
         return (params.num_frames - 1) // self.frame_factor + 1

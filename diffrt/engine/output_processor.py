@@ -318,7 +318,7 @@ class OutputProcessor:
             return DiffusionOutput(rid, step=params.preview_steps()[index],
                                    total_steps=record.total_steps,
                                    preview=images if images is not None else value,
-                                   preview_index=index)
+                                   preview_index=index, fps=params.fps)
         except Exception:
             logger.exception("preview %d of %s failed", index, rid)
             return None

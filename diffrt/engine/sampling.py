@@ -177,6 +177,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         http=None)] = None
     fps: Annotated[Annotated[float, Meta(gt=0, le=MAX_FPS)] | None, _about(
         "video models: the clip's frames per second (default: the model's)", http=None)] = None
+    #: a chunked video model's (Helios): the latent chunks the clip is
+    #: denoised in, one after another, each over ``num_inference_steps`` steps;
+    #: the model sets it from ``num_frames`` when it accepts the request
+    #: (``ModelSpec.with_defaults``), every other model leaves it at 1
+    chunks: Annotated[int, _about(
+        "chunked video models (Helios): the chunks the clip is denoised in, set by the model "
+        "from num_frames", http=None, cli=None, ge=1, le=MAX_FRAMES)] = 1
 
     #: the scheduling class (``scheduling_policy="slo"`` orders by it first;
     #: the other policies ignore it); lower runs first
@@ -202,12 +209,18 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def denoise_steps(self) -> int:
         """The denoise steps this request runs: the schedule's steps from
-        ``start_step`` on (all of them for text-to-image)."""
-        return filled(self.num_inference_steps) - self.start_step()
+        ``start_step`` on (all of them for text-to-image), once per chunk of
+        a chunked video model's clip (``chunks``)."""
+        return (filled(self.num_inference_steps) - self.start_step()) * self.chunks
 
     def preview_steps(self) -> list[int]:
         """The step counts after which a preview is decoded, in order: distinct
-        and before the last step (the final image comes then)."""
+        and before the last step (the final image comes then). A chunked
+        clip's are its chunks' ends but the last: each finished chunk's
+        frames are its previews (``partial_images`` does not apply)."""
+        if self.chunks > 1:
+            per = self.denoise_steps() // self.chunks
+            return [k * per for k in range(1, self.chunks)]
         n, total = self.partial_images, self.denoise_steps()
         steps = sorted({-(-k * total // (n + 1)) for k in range(1, n + 1)})
         return [s for s in steps if 0 < s < total]

@@ -13,6 +13,7 @@ from typing import Any
 
 from diffrt.engine import DiffusionRequest, InvalidRequestError, SamplingParams
 from diffrt.engine.model_spec import ModelSpec
+from diffrt.engine.video_chunks import chunked_frames
 from diffrt.serve.error_mapping import ImageRoute, invalid
 from diffrt.serve.errors import ApiError
 from diffrt.serve.video_protocol import VIDEO_FIELDS, VideoCreateRequest
@@ -70,7 +71,14 @@ def plan_video(body: VideoCreateRequest, request_id: str, spec: ModelSpec, *,
 
 
 def _bad_seconds(seconds: str, fps: float, spec: ModelSpec) -> ApiError:
-    step = spec.frame_factor / fps
+    f = spec.frame_factor
+    if spec.chunk_latent_frames:  # a chunked model's: what whole chunks give
+        allowed = ", ".join(f"{(chunked_frames(k, spec.chunk_latent_frames, f) - 1) / fps:g}"
+                            for k in range(1, 4))
+        return ApiError(400, f"seconds: {spec.name} makes clips of whole chunks at {fps:g} fps "
+                             f"({allowed}, ...; or give num_frames), got {seconds!r}",
+                        param="seconds", code="invalid_value")
+    step = f / fps
     longest = (spec.max_frames - 1) / fps
     return ApiError(400, f"seconds: {spec.name} makes clips of a multiple of {step:g} s at "
                          f"{fps:g} fps ({step:g}, {2 * step:g}, ... up to {longest:g}), "

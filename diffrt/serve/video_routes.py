@@ -249,14 +249,15 @@ async def _read(handle: Any, start: int, length: int) -> AsyncIterator[bytes]:
 async def video_events(video_id: str, request: Request) -> StreamingResponse:
     """The job's states as server-sent events: ``video.in_progress`` (with
     ``progress``) as the steps run, then ``video.completed`` or
-    ``video.failed``; each event's data is the job object."""
+    ``video.failed``, each event's data the job object; a chunked model's
+    (Helios) ``video.chunk`` events between them, each a finished chunk's
+    frames as a base64 animated WebP (docs/videos.md)."""
     _job(request, video_id)
     runs: VideoRuns = request.app.state.video_runs
 
     async def events() -> AsyncIterator[bytes]:
-        async for job in runs.watch(video_id, owner(request)):
-            yield (f"event: video.{job.status}\n"
-                   f"data: {json.dumps(job.public())}\n\n").encode()
+        async for name, data in runs.watch(video_id, owner(request)):
+            yield f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})

@@ -9,12 +9,17 @@ seat among the waiting was taken when the route created the job, so
 MP4, thumbnail, spritesheet) and writes them to the store, both in a thread:
 never on the event loop, never in the engine's loop. ``abort`` cancels a run,
 which aborts its request in the engine (``EngineClient.run``'s ``finally``).
-``watch`` gives a job's states as they change (the ``/events`` stream).
+``watch`` gives a job's states as they change (the ``/events`` stream),
+and, for a chunked model (Helios), each finished chunk's frames as soon as
+the engine streams them (``video.chunk``: a small animated WebP, base64,
+encoded in a thread; kept for the run and ``CHUNK_KEEP_S`` after it, so a
+watcher that joins late still gets them before ``video.completed``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import time
@@ -26,6 +31,7 @@ import numpy as np
 from diffrt.engine import DiffusionOutput, InvalidRequestError
 from diffrt.engine.errors import EngineError
 from diffrt.engine.seats import Seat
+from diffrt.engine.video_files import preview_webp
 from diffrt.serve.errors import ApiError
 from diffrt.serve.video_jobs import VideoJob
 from diffrt.serve.video_metrics import VideoMetrics
@@ -39,6 +45,10 @@ logger = logging.getLogger(__name__)
 #: how often a watcher looks again when nothing told it of a change (a
 #: deletion, an expiry)
 WATCH_POLL_S = 1.0
+#: seconds a finished run's chunk events stay for watchers that come late
+CHUNK_KEEP_S = 60.0
+#: the largest side of a chunk event's WebP (the MP4 has the full frames)
+CHUNK_PREVIEW_SIDE = 256
 
 
 class VideoRuns:
@@ -48,6 +58,8 @@ class VideoRuns:
         self.store, self.metrics = store, metrics
         self._tasks: dict[str, asyncio.Task] = {}
         self._changed: dict[str, asyncio.Event] = {}
+        #: job id -> its chunk events so far (a chunked model's)
+        self._chunks: dict[str, list[dict[str, Any]]] = {}
 
     def start(self, job: VideoJob, opened: tuple[AsyncGenerator[DiffusionOutput, None], Seat]
               ) -> None:
@@ -78,19 +90,27 @@ class VideoRuns:
         for job_id in list(self._tasks):
             await self.abort(job_id)
 
-    async def watch(self, job_id: str, owner: str | None) -> AsyncIterator[VideoJob]:
-        """The job's states as they change, ending with a finished one (or
-        when it is gone)."""
+    async def watch(self, job_id: str, owner: str | None
+                    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The job's events as (name, data): its states as they change
+        (``video.<status>``, the job object), each streamed chunk
+        (``video.chunk``) before the state that follows it, ending with a
+        finished state (or when the job is gone)."""
         last: tuple[str, int] | None = None
+        sent = 0
         while True:
             event = self._changed.setdefault(job_id, asyncio.Event())
             event.clear()
             job = self.store.get(job_id, owner)
             if job is None:
                 return
+            chunks = self._chunks.get(job_id, [])
+            for chunk in chunks[sent:]:
+                yield "video.chunk", chunk
+            sent = max(sent, len(chunks))
             if (job.status, job.progress) != last:
                 last = (job.status, job.progress)
-                yield job
+                yield f"video.{job.status}", job.public()
             if job.finished:
                 return
             with contextlib.suppress(asyncio.TimeoutError):
@@ -111,7 +131,10 @@ class VideoRuns:
             async for out in outputs:
                 if out.finished:
                     final = out
-                elif out.total_steps:
+                    continue
+                if out.preview is not None:  # a chunked model's finished chunk
+                    await self._chunk(job_id, out)
+                if out.total_steps:
                     self.store.set_progress(job_id, 100 * out.step / out.total_steps)
                     self._tell(job_id)
             outcome = await self._finish(job_id, final)
@@ -132,6 +155,23 @@ class VideoRuns:
             self.metrics.count(outcome)
             self._tell(job_id)
             self._changed.pop(job_id, None)
+            asyncio.get_running_loop().call_later(CHUNK_KEEP_S, self._chunks.pop, job_id, None)
+
+    async def _chunk(self, job_id: str, out: DiffusionOutput) -> None:
+        """A streamed chunk (``out.preview``: the one output's frames) as a
+        ``video.chunk`` event for the watchers."""
+        chunks = self._chunks.setdefault(job_id, [])
+        clip: Any = out.preview  # each output's frames: PIL images, or an (N, F, H, W, 3) array
+        frames = np.stack([np.asarray(f) for f in clip[0]])
+        fps = 24.0 if out.fps is None else out.fps
+        webp = await asyncio.to_thread(preview_webp, frames, fps, max_side=CHUNK_PREVIEW_SIDE)
+        first = sum(c["frames"] for c in chunks)
+        chunks.append({"id": job_id, "object": "video.chunk", "chunk_index": len(chunks),
+                       "first_frame": first, "frames": len(frames),
+                       "step": out.step, "total_steps": out.total_steps,
+                       "media_type": "image/webp",
+                       "b64_webp": base64.b64encode(webp).decode("ascii")})
+        self._tell(job_id)
 
     async def _finish(self, job_id: str, final: DiffusionOutput | None) -> str:
         if final is None or not final.ok or not final.frames:

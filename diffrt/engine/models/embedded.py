@@ -134,6 +134,13 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
                                    {"seed": 1, "i2v": True},
                                    {"height": 32, "width": 32, "num_inference_steps": 4,
                                     "num_frames": 9}),
+    # Helios-style long video in chunks: chunks of 2 latent frames (5 frames,
+    # not 9 and 33), 2 steps each; 9 frames of 32 x 32 px are 2 chunks
+    "tiny-helios": EmbeddedModel("diffrt.engine.models.tiny.helios:build_tiny_helios_folder",
+                                 {"seed": 1},
+                                 {"height": 32, "width": 32, "num_inference_steps": 2,
+                                  "num_frames": 9},
+                                 {"chunk_latent_frames": 2}),
 }
 
 _VERSIONED = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")

@@ -18,12 +18,10 @@ from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sampling import SamplingParams
 
 diffusers = pytest.importorskip("diffusers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FRAMES, SIZE, STEPS = 9, 64, 4  # the tiny folders' defaults
 MAX_DIFF = 2  # of 255 per frame, float32
-
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

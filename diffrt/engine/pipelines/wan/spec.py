@@ -65,18 +65,23 @@ def teacache_rescale(folder: ModelFolder, i2v: bool) -> tuple[float, ...]:
     return WAN21_T2V_TEACACHE.get(key, ())
 
 
+def video_geometry(folder: ModelFolder) -> tuple[int, int, int]:
+    """A Wan-VAE video folder's (spatial, temporal) VAE factors and its
+    side's multiple (the spatial factor x the patch), its text encoder checked."""
+    check_text_encoder(folder)
+    patch = folder.transformer_config.get("patch_size", (1, 2, 2))
+    assert isinstance(patch, list | tuple)
+    spatial = int(folder.vae_config.get("scale_factor_spatial", 8))
+    return spatial, int(folder.vae_config.get("scale_factor_temporal", 4)), spatial * int(patch[1])
+
+
 def describe(folder: ModelFolder) -> ModelSpec:
     """WanPipeline's (or, for an image-to-video folder, WanImageToVideoPipeline's)
     semantics; see the module."""
-    check_text_encoder(folder)
-    config, vae = folder.transformer_config, folder.vae_config
-    spatial = int(vae.get("scale_factor_spatial", 8))
-    temporal = int(vae.get("scale_factor_temporal", 4))
-    patch = config.get("patch_size", (1, 2, 2))
-    assert isinstance(patch, list | tuple)
+    config = folder.transformer_config
+    _, temporal, multiple = video_geometry(folder)
     rope = int(config.get("rope_max_seq_len", 1024))  # positions per axis
     i2v = folder.index.get("_class_name") == "WanImageToVideoPipeline"
-    multiple = spatial * int(patch[1])
     return ModelSpec(
         name=folder.name, family="wan", pipeline="diffrt.engine.pipelines.wan.pipeline:WanPipeline",
         diffusers_pipeline="WanImageToVideoPipeline" if i2v else "WanPipeline",
@@ -97,4 +102,4 @@ def describe(folder: ModelFolder) -> ModelSpec:
         text_tokens=TEXT_TOKENS)
 
 
-__all__ = ["LORA_TARGET_MODULES", "MAX_FRAMES", "WAN_FPS", "describe"]
+__all__ = ["LORA_TARGET_MODULES", "MAX_FRAMES", "WAN_FPS", "describe", "video_geometry"]
