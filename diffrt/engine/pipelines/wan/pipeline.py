@@ -29,7 +29,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,12 @@ from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.engine.pipelines.wan.blocks import WanBlocks
 from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS, VideoLatents, patchify
 from diffrt.engine.sampling import SamplingParams, filled
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from diffrt.engine.parallel.sequence import SequenceSplit
+    from diffrt.engine.parallel.vae import Bands
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +126,10 @@ class WanPipeline(FlowMatchPipeline):
         size = layout.sizes[0]
         x = self.latents.unpack(latents, size)
         if extra.shape[-1]:  # image-to-video: mask and first-frame channels
-            x = torch.cat([x, self.latents.unpack(extra, size)], dim=1)
+            # (a step's rows of several frame counts carry them zero-padded to
+            # the longest row's: a call of one size takes its own tokens)
+            tokens = extra[:, :self.latents.tokens(size)]
+            x = torch.cat([x, self.latents.unpack(tokens, size)], dim=1)
         return x
 
     def expert_rows(self, timesteps: torch.Tensor, high: Any
@@ -176,6 +185,31 @@ class WanPipeline(FlowMatchPipeline):
         yield WanBlocks(self.expert_rows(timesteps, self.eager_transformer), x, timesteps, embeds,
                         self.lora_subset)
 
+    # -- parallelism -------------------------------------------------------------------
+    def sequence_hooks(self, split: SequenceSplit) -> None:
+        """Each expert's video tokens split over the sequence group
+        (``wan/parallel.py``); the call layer begins and ends each split."""
+        from diffrt.engine.pipelines.wan.parallel import shard_experts
+
+        second = [] if self.transformer_2 is None else [self.transformer_2]
+        shard_experts([self.eager_transformer, *second], split)
+
+    def band_decoder(self, group: dist.ProcessGroup | None) -> Bands:
+        """``AutoencoderKLWan``'s decoder in bands of every frame's rows
+        (``parallel.video_vae``)."""
+        from diffrt.engine.parallel.video_vae import convert_video_decoder
+
+        return convert_video_decoder(self.vae.decoder, group)
+
+    def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
+        """(N, C, F, h, w) VAE latents -> frames: in bands over the ranks under
+        ``vae_parallel``, else diffusers' decode (tiled under ``vae_tiling``)."""
+        if self.vae_bands is not None:
+            from diffrt.engine.parallel.vae import parallel_decode
+
+            return parallel_decode(self.vae, latents, self.vae_bands)
+        return self.vae.decode(latents, return_dict=False)[0]
+
     # -- image-to-video ----------------------------------------------------------------
     def encode_image_dist(self, pixels: torch.Tensor) -> Any:
         """The first frame's pixels as they are: Wan encodes it with the
@@ -230,7 +264,7 @@ class WanPipeline(FlowMatchPipeline):
         """Tokens -> frames in [-1, 1], (N, 3, frames, H, W)."""
         spatial = self.latents.unpack(latents, self.latents.size(params)).to(self.dtype)
         mean, inv_std = self.latent_stats(spatial)
-        video = self.vae.decode(spatial / inv_std + mean, return_dict=False)[0]
+        video = self.decode_video(spatial / inv_std + mean)
         return video.clamp(-1, 1)
 
 

@@ -7,7 +7,8 @@ padded to 512 tokens. A clip has ``scale_factor_temporal`` x k + 1 frames;
 a side is a multiple of the VAE's factor x the patch (16 px). The features
 not yet made to work on video are refused by the spec, each naming its
 field (docs/families.md): weight methods other than int8
-(``quantization``), every multi-rank split.
+(``quantization``). CFG parallel, Ulysses and ring split a clip as an
+image's (``wan/parallel.py`` for the video tokens).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from diffrt.engine.model_spec import (
     CacheSupport,
     CfgRule,
     ModelSpec,
-    ParallelSupport,
     SamplingDefaults,
 )
 from diffrt.engine.models.family import ModelFolder
-from diffrt.engine.pipelines.flow_match_spec import attention_width, check_text_encoder
+from diffrt.engine.pipelines.flow_match_spec import (
+    attention_width,
+    check_text_encoder,
+    sequence_parallel_support,
+)
 from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS
 
 #: Wan's frame rate (its released clips play at 16 fps)
@@ -88,7 +92,8 @@ def describe(folder: ModelFolder) -> ModelSpec:
                                   guidance_scale=5.0, num_frames=81, fps=WAN_FPS),
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
-        parallel=ParallelSupport(), lora_target_modules=LORA_TARGET_MODULES,
+        parallel=sequence_parallel_support(folder, "AutoencoderKLWan"),
+        lora_target_modules=LORA_TARGET_MODULES,
         quantization=("int8",),  # both experts (the pipeline's quantize_weights)
         cache=CacheSupport(policies=POLICIES, teacache_rescale=teacache_rescale(folder, i2v)),
         transformer_width=attention_width(folder),
