@@ -1,33 +1,31 @@
-"""Wan over several worker ranks, gloo on loopback: CFG parallel (text- and
-image-to-video, Wan 2.2's two experts: 2 steps run one on each) with the
-decode in bands of every frame's rows (``vae_parallel``), and Ulysses over
-the video tokens; each clip's frames equal one rank's within 1/255. Ring
-attention over the tokens and the banded decode's edge cases run in the
-shared gloo group of tests/engine/test_parallel_layers.py."""
+"""Wan through the engine over two worker ranks, gloo on loopback: CFG
+parallel (Wan 2.2's two experts: 2 steps run one on each) with the decode in
+bands of every frame's rows (``vae_parallel``), and Ulysses over the video
+tokens; each clip's frames equal one rank's within 1/255. Ring attention
+over the tokens, the banded decode's edge cases and image-to-video under
+CFG parallel run in the shared gloo groups of
+tests/engine/test_parallel_layers.py (no engine each)."""
 
 from __future__ import annotations
 
 import numpy as np
-import PIL.Image
 import pytest
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 
 LOOPBACK = {"worker_env": {"GLOO_SOCKET_IFNAME": "lo"}}
-FIRST = PIL.Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8))
 
 
-def clips(tag: str, *, i2v: bool = False) -> list[DiffusionRequest]:
+def clips(tag: str) -> list[DiffusionRequest]:
     """A clip, and one of other frames and size (a step batch runs it in its
     own call); 2 steps: the first on the high-noise expert, the second on the
-    low-noise one. Image-to-video: the first frame given, at 64² each."""
-    images = [FIRST] if i2v else []
+    low-noise one."""
     return [DiffusionRequest(prompt=f"a lighthouse {i}", request_id=f"{tag}-{i}",
-                             negative_prompt="blurry", images=images,
+                             negative_prompt="blurry",
                              sampling_params=SamplingParams(num_frames=frames, height=size,
                                                             width=size, seed=i,
                                                             num_inference_steps=2))
-            for i, frames, size in ((1, 9, 64), (2, 5, 64 if i2v else 48))]
+            for i, frames, size in ((1, 9, 64), (2, 5, 48))]
 
 
 def frames(outs) -> list[np.ndarray]:
@@ -49,23 +47,20 @@ def generate(batch: list[DiffusionRequest], **config) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def one_rank():
-    """Each model's clips from one rank, in-process."""
-    return {model: generate(clips("ref", i2v=model == "tiny-wan-i2v"), model=model,
-                            executor_backend="inproc")
-            for model in ("tiny-wan", "tiny-wan-i2v")}
+    """The clips from one rank, in-process."""
+    return generate(clips("ref"), model="tiny-wan", executor_backend="inproc")
 
 
-@pytest.mark.parametrize("model", ["tiny-wan", "tiny-wan-i2v"])
-def test_cfg_parallel_with_banded_decode_matches_one_rank(model, one_rank):
+def test_cfg_parallel_with_banded_decode_matches_one_rank(one_rank):
     """Two ranks, step mode: each computes one guidance branch of every step
     (both experts), then decodes a band of each frame's rows."""
-    got = generate(clips("cfg", i2v=model == "tiny-wan-i2v"), model=model, cfg_parallel_size=2,
-                   vae_parallel=True, step_execution=True, **LOOPBACK)
-    assert_close(got, one_rank[model])
+    got = generate(clips("cfg"), model="tiny-wan", cfg_parallel_size=2, vae_parallel=True,
+                   step_execution=True, **LOOPBACK)
+    assert_close(got, one_rank)
 
 
 def test_ulysses_over_video_tokens_matches_one_rank(one_rank):
     """Two ranks, request mode: each holds half of every clip's frames x
     tokens, the attention heads exchanged for them (2 heads: 1 each)."""
     got = generate(clips("ulysses"), model="tiny-wan", ulysses_degree=2, **LOOPBACK)
-    assert_close(got, one_rank["tiny-wan"])
+    assert_close(got, one_rank)

@@ -79,6 +79,8 @@ def run_checks(rank: int, world: int, init_method: str) -> None:
         _check_vae_decode(world)
         _check_wan_video_vae_decode(world)
         _check_wan_video_tokens(world)
+        if world == 2:  # a pipeline per rank: the 2-rank group only, to keep it short
+            _check_wan_image_to_video_split()
     finally:
         dist.destroy_process_group()
 
@@ -216,3 +218,30 @@ def _check_wan_video_tokens(world: int) -> None:
                 got = split.end(split_model(x, timestep, text, return_dict=False)[0], 1)
             err = (got - want).abs().max().item()
             assert err < 1e-4, f"Wan tokens over {name} ({frames}x{side}^2) differ by {err}"
+
+
+def _check_wan_image_to_video_split() -> None:
+    """tiny-wan-i2v's pipeline (a first frame, CFG, 2 steps: both of Wan
+    2.2's experts) on this rank alone, then with CFG parallel over the two
+    ranks and the decode in bands over both; the frames within 1/255."""
+    import numpy as np
+    import PIL.Image
+
+    from diffrt.engine.parallel import ParallelDegrees
+    from diffrt.engine.parallel.groups import build_groups
+    from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
+    from diffrt.engine.postprocess import quantize_images
+    from diffrt.engine.request import DiffusionRequest
+    from diffrt.engine.sampling import SamplingParams
+
+    pipe = load_pipeline("tiny-wan-i2v")
+    first = PIL.Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255)
+                                .astype(np.uint8))
+    batch = DiffusionRequestBatch([DiffusionRequest(
+        prompt="a red fox", negative_prompt="blurry", images=[first],
+        sampling_params=SamplingParams(seed=2, num_inference_steps=2))])
+    want = quantize_images(pipe.forward(batch)[0]).numpy().astype(np.int16)
+    pipe.enable_parallel(build_groups(ParallelDegrees(cfg=2)), vae_parallel=True)
+    got = quantize_images(pipe.forward(batch)[0]).numpy().astype(np.int16)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1, \
+        f"image-to-video under CFG parallel differs by {np.abs(got - want).max()}/255"
