@@ -105,6 +105,11 @@ class CacheSupport(msgspec.Struct, frozen=True, kw_only=True):
     teacache_rescale: tuple[float, ...] = ()
 
 
+#: the VAEs whose decoder splits in bands of rows (``engine.parallel.vae``,
+#: ``engine.parallel.video_vae``)
+BANDED_VAES = ("AutoencoderKL", "AutoencoderKLWan")
+
+
 class ParallelSupport(msgspec.Struct, frozen=True, kw_only=True):
     """How a model may be split over ranks (``check_parallel``)."""
 
@@ -469,8 +474,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                 "ulysses_degree" if degrees.ulysses > 1 else "ring_degree",
                 f"{self.name}: its transformer has no sequence parallelism")
         check_heads(caps.attention_heads, degrees.ulysses)
-        if vae_parallel and caps.vae_class != "AutoencoderKL":
-            raise ParallelConfigError("vae_parallel", f"splits an AutoencoderKL's decoder; "
+        if vae_parallel and caps.vae_class not in BANDED_VAES:
+            raise ParallelConfigError("vae_parallel", f"splits the decoder of an "
+                                                      f"{' or '.join(BANDED_VAES)}; "
                                                       f"{self.name} has a {caps.vae_class}")
 
     def largest_output_bytes(self) -> int:

@@ -77,6 +77,10 @@ def run_checks(rank: int, world: int, init_method: str) -> None:
         if world == 4:
             _check_usp(rank)
         _check_vae_decode(world)
+        _check_wan_video_vae_decode(world)
+        _check_wan_video_tokens(world)
+        if world == 2:  # a pipeline per rank: the 2-rank group only, to keep it short
+            _check_wan_image_to_video_split()
     finally:
         dist.destroy_process_group()
 
@@ -118,6 +122,13 @@ def _check_usp(rank: int) -> None:
         groups.ulysses)
 
 
+def _perturb(decoder: torch.nn.Module) -> None:
+    """Random weights added: the norms and convolutions get real work."""
+    with torch.no_grad():
+        for p in decoder.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+
+
 def _check_vae_decode(world: int) -> None:
     """A seeded AutoencoderKL (with its mid-block attention) decoded in bands
     over the ranks equals its untiled decode: bands of unequal height
@@ -132,9 +143,7 @@ def _check_vae_decode(world: int) -> None:
     vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
                         up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4,
                         norm_num_groups=4, layers_per_block=1).eval()
-    with torch.no_grad():  # random weights give the norms and convolutions real work
-        for p in vae.decoder.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    _perturb(vae.decoder)
     split = copy.deepcopy(vae)
     bands = convert_decoder(split.decoder, dist.group.WORLD)
     for rows in (5, 2 * world, max(1, world - 1)):
@@ -145,3 +154,94 @@ def _check_vae_decode(world: int) -> None:
         assert got.shape == want.shape, (got.shape, want.shape)
         err = (got - want).abs().max().item()
         assert err < 1e-4, f"parallel VAE decode ({rows} latent rows) differs by {err}"
+
+
+def _check_wan_video_vae_decode(world: int) -> None:
+    """A seeded ``AutoencoderKLWan`` (the tiny folders' shape: causal 3-D
+    convolutions, a temporal upsampler, the mid-block attention) decoded in
+    bands of every frame's rows equals its untiled decode: 3 latent frames,
+    bands of unequal height (5 latent rows), and fewer rows than ranks."""
+    import copy
+
+    from diffusers import AutoencoderKLWan
+
+    from diffrt.engine.models.tiny.wan import TINY_WAN_VAE
+    from diffrt.engine.parallel.vae import parallel_decode
+    from diffrt.engine.parallel.video_vae import convert_video_decoder
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**TINY_WAN_VAE).eval()
+    _perturb(vae.decoder)
+    split = copy.deepcopy(vae)
+    bands = convert_video_decoder(split.decoder, dist.group.WORLD)
+    for rows in (5, max(1, world - 1)):
+        z = _full(rows, (1, 16, 3, rows, 4))
+        with torch.no_grad():
+            want = vae.decode(z, return_dict=False)[0]
+            got = parallel_decode(split, z, bands)
+        assert got.shape == want.shape, (got.shape, want.shape)
+        err = (got - want).abs().max().item()
+        assert err < 1e-4, f"parallel Wan VAE decode ({rows} latent rows) differs by {err}"
+
+
+def _check_wan_video_tokens(world: int) -> None:
+    """A seeded tiny ``WanTransformer3DModel`` with its video tokens split
+    over the ranks (``pipelines.wan.parallel``), by ring attention and, where
+    its 2 heads divide, Ulysses: each rank's output equals the whole forward;
+    a clip whose tokens do not divide runs whole."""
+    import copy
+    import functools
+
+    from diffusers import WanTransformer3DModel
+
+    from diffrt.engine.models.tiny.wan import TINY_WAN_TRANSFORMER
+    from diffrt.engine.parallel.attention import joint_ring_attention, joint_ulysses_attention
+    from diffrt.engine.parallel.sequence import SequenceSplit
+    from diffrt.engine.pipelines.wan.parallel import shard_model
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**TINY_WAN_TRANSFORMER).eval()
+    text = _full(20, (2, 7, TINY_WAN_TRANSFORMER["text_dim"]))
+    timestep = torch.tensor([900.0, 300.0])
+    attends = {"ring": functools.partial(joint_ring_attention, group=None)}
+    if 2 % world == 0:
+        attends["ulysses"] = functools.partial(joint_ulysses_attention, group=None)
+    for name, attend in attends.items():
+        split_model = copy.deepcopy(model)
+        split = SequenceSplit(None, attend)
+        shard_model(split_model, split)
+        for frames, side in ((3, 8), (1, 6)):  # 48 tokens, then 9 (whole on 2 and 4 ranks)
+            x = _full(frames, (2, 16, frames, side, side))
+            with torch.no_grad():
+                want = model(x, timestep, text, return_dict=False)[0]
+                split.begin(frames * (side // 2) ** 2)
+                got = split.end(split_model(x, timestep, text, return_dict=False)[0], 1)
+            err = (got - want).abs().max().item()
+            assert err < 1e-4, f"Wan tokens over {name} ({frames}x{side}^2) differ by {err}"
+
+
+def _check_wan_image_to_video_split() -> None:
+    """tiny-wan-i2v's pipeline (a first frame, CFG, 2 steps: both of Wan
+    2.2's experts) on this rank alone, then with CFG parallel over the two
+    ranks and the decode in bands over both; the frames within 1/255."""
+    import numpy as np
+    import PIL.Image
+
+    from diffrt.engine.parallel import ParallelDegrees
+    from diffrt.engine.parallel.groups import build_groups
+    from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
+    from diffrt.engine.postprocess import quantize_images
+    from diffrt.engine.request import DiffusionRequest
+    from diffrt.engine.sampling import SamplingParams
+
+    pipe = load_pipeline("tiny-wan-i2v")
+    first = PIL.Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255)
+                                .astype(np.uint8))
+    batch = DiffusionRequestBatch([DiffusionRequest(
+        prompt="a red fox", negative_prompt="blurry", images=[first],
+        sampling_params=SamplingParams(seed=2, num_inference_steps=2))])
+    want = quantize_images(pipe.forward(batch)[0]).numpy().astype(np.int16)
+    pipe.enable_parallel(build_groups(ParallelDegrees(cfg=2)), vae_parallel=True)
+    got = quantize_images(pipe.forward(batch)[0]).numpy().astype(np.int16)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1, \
+        f"image-to-video under CFG parallel differs by {np.abs(got - want).max()}/255"

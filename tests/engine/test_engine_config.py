@@ -49,6 +49,7 @@ def test_bad_field_is_named(kw, field):
     ("tiny-flux", {"ulysses_degree": 3}, "ulysses_degree", "2 attention heads"),
     ("tiny-sd3", {"ulysses_degree": 4, "ring_degree": 2}, "ulysses_degree", "2 attention heads"),
     ("toy", {"cfg_parallel_size": 2}, "world_size", "one rank only"),
+    ("tiny-wan", {"ulysses_degree": 4}, "ulysses_degree", "2 attention heads"),
 ])
 def test_parallel_configurations_the_model_cannot_run_are_refused(model, kw, field, reason):
     """Refused when the model is resolved (``model_spec()``, which the engine

@@ -40,7 +40,7 @@ from torch import nn
 from diffrt.engine.parallel.collectives import gather_uneven, share, shares
 
 if TYPE_CHECKING:
-    from diffusers import AutoencoderKL
+    from diffusers import AutoencoderKL, AutoencoderKLWan
     from diffusers.models.attention_processor import Attention
 
 
@@ -224,18 +224,23 @@ def convert_decoder(decoder: nn.Module, group: dist.ProcessGroup | None) -> Band
     return bands
 
 
-def parallel_decode(vae: AutoencoderKL, latents: torch.Tensor, bands: Bands) -> torch.Tensor:
-    """``vae.decode(latents)`` by a decoder converted by ``convert_decoder``:
-    this rank's band decoded, the bands all-gathered. An image with fewer
-    latent rows than ranks is decoded whole on every rank."""
+def parallel_decode(vae: AutoencoderKL | AutoencoderKLWan, latents: torch.Tensor,
+                    bands: Bands) -> torch.Tensor:
+    """``vae.decode(latents)`` by a decoder converted by ``convert_decoder``
+    (or, for a video VAE, ``video_vae.convert_video_decoder``): this rank's
+    band of rows (the second-to-last dimension: an image's (B, C, h, w), each
+    frame's of a clip's (B, C, F, h, w)) decoded, the bands all-gathered. A
+    picture with fewer latent rows than ranks is decoded whole on every rank."""
     group = bands.group
-    rows, world = latents.shape[2], dist.get_world_size(group)
+    dim = latents.dim() - 2
+    rows, world = latents.shape[dim], dist.get_world_size(group)
     if rows < world:
         return vae.decode(latents, return_dict=False)[0]
     bands.split, bands.latent_rows = True, shares(rows, world)
     try:
-        image = vae.decode(latents[:, :, share(rows, group)], return_dict=False)[0]
-        return gather_uneven(image, 2, group, bands.lengths(image.shape[2], 1))
+        here = (slice(None),) * dim + (share(rows, group),)
+        image = vae.decode(latents[here], return_dict=False)[0]
+        return gather_uneven(image, dim, group, bands.lengths(image.shape[dim], 1))
     finally:
         bands.split = False
 

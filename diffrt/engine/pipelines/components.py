@@ -25,6 +25,7 @@ from diffrt.engine.pipelines.segments import RowLayout
 from diffrt.platforms.interface import Platform
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
     from diffusers import AutoencoderKL, AutoencoderKLQwenImage, ModelMixin
 
     from diffrt.engine.parallel.groups import ParallelGroups
@@ -175,9 +176,14 @@ class ComponentsPipeline(DiffusionPipeline):
 
             SequenceShard.install(self, groups.sequence, groups.sequence_attention())
         if vae_parallel:
-            from diffrt.engine.parallel.vae import convert_decoder
+            self.vae_bands = self.band_decoder(groups.all_ranks)
 
-            self.vae_bands = convert_decoder(self.vae.decoder, groups.all_ranks)
+    def band_decoder(self, group: dist.ProcessGroup | None) -> Bands:
+        """The VAE's decoder converted to decode in bands over ``group``
+        (an AutoencoderKL's; a family with another VAE converts its own)."""
+        from diffrt.engine.parallel.vae import convert_decoder
+
+        return convert_decoder(self.vae.decoder, group)
 
     def sequence_hooks(self, split: SequenceSplit) -> None:
         """The family's model hooks that shard each call's image tokens and

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,12 @@ from diffrt.engine.pipelines.wan.blocks import WanBlocks
 from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS, VideoLatents, patchify
 from diffrt.engine.pipelines.wan.rows import VideoRows, rows_processors
 from diffrt.engine.sampling import SamplingParams, filled
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from diffrt.engine.parallel.sequence import SequenceSplit
+    from diffrt.engine.parallel.vae import Bands
 
 
 class WanPipeline(FlowMatchPipeline):
@@ -198,6 +204,31 @@ class WanPipeline(FlowMatchPipeline):
         with rows_processors([model for model, _ in experts], video.padded):
             yield WanBlocks(experts, video, timesteps, embeds, self.lora_subset)
 
+    # -- parallelism -------------------------------------------------------------------
+    def sequence_hooks(self, split: SequenceSplit) -> None:
+        """Each expert's video tokens split over the sequence group
+        (``wan/parallel.py``); the call layer begins and ends each split."""
+        from diffrt.engine.pipelines.wan.parallel import shard_experts
+
+        second = [] if self.transformer_2 is None else [self.transformer_2]
+        shard_experts([self.eager_transformer, *second], split)
+
+    def band_decoder(self, group: dist.ProcessGroup | None) -> Bands:
+        """``AutoencoderKLWan``'s decoder in bands of every frame's rows
+        (``parallel.video_vae``)."""
+        from diffrt.engine.parallel.video_vae import convert_video_decoder
+
+        return convert_video_decoder(self.vae.decoder, group)
+
+    def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
+        """(N, C, F, h, w) VAE latents -> frames: in bands over the ranks under
+        ``vae_parallel``, else diffusers' decode (tiled under ``vae_tiling``)."""
+        if self.vae_bands is not None:
+            from diffrt.engine.parallel.vae import parallel_decode
+
+            return parallel_decode(self.vae, latents, self.vae_bands)
+        return self.vae.decode(latents, return_dict=False)[0]
+
     # -- image-to-video ----------------------------------------------------------------
     def encode_image_dist(self, pixels: torch.Tensor) -> Any:
         """The first frame's pixels as they are: Wan encodes it with the
@@ -252,7 +283,7 @@ class WanPipeline(FlowMatchPipeline):
         """Tokens -> frames in [-1, 1], (N, 3, frames, H, W)."""
         spatial = self.latents.unpack(latents, self.latents.size(params)).to(self.dtype)
         mean, inv_std = self.latent_stats(spatial)
-        video = self.vae.decode(spatial / inv_std + mean, return_dict=False)[0]
+        video = self.decode_video(spatial / inv_std + mean)
         return video.clamp(-1, 1)
 
 

@@ -6,9 +6,8 @@ default: 480 x 832 px, 81 frames (16 fps, Wan's own), 50 steps, CFG when
 padded to 512 tokens. A clip has ``scale_factor_temporal`` x k + 1 frames;
 a side is a multiple of the VAE's factor x the patch (16 px). Every weight
 method converts both of Wan 2.2's experts (``fp8`` where the device
-multiplies float8, as for images); the features not yet made to work on
-video are refused by the spec, each naming its field (docs/families.md):
-every multi-rank split.
+multiplies float8, as for images). CFG parallel, Ulysses and ring split a
+clip as an image's (``wan/parallel.py`` for the video tokens).
 """
 
 from __future__ import annotations
@@ -19,11 +18,14 @@ from diffrt.engine.model_spec import (
     CacheSupport,
     CfgRule,
     ModelSpec,
-    ParallelSupport,
     SamplingDefaults,
 )
 from diffrt.engine.models.family import ModelFolder
-from diffrt.engine.pipelines.flow_match_spec import attention_width, check_text_encoder
+from diffrt.engine.pipelines.flow_match_spec import (
+    attention_width,
+    check_text_encoder,
+    sequence_parallel_support,
+)
 from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS
 
 #: Wan's frame rate (its released clips play at 16 fps)
@@ -95,7 +97,8 @@ def describe(folder: ModelFolder) -> ModelSpec:
                                   guidance_scale=5.0, num_frames=81, fps=WAN_FPS),
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
-        parallel=ParallelSupport(), lora_target_modules=LORA_TARGET_MODULES,
+        parallel=sequence_parallel_support(folder, "AutoencoderKLWan"),
+        lora_target_modules=LORA_TARGET_MODULES,
         quantization=WEIGHT_METHODS,  # both experts (the pipeline's quantize_weights)
         cache=CacheSupport(policies=POLICIES, teacache_rescale=teacache_rescale(folder, i2v)),
         transformer_width=attention_width(folder),
