@@ -2,8 +2,8 @@
 output is each output's frames (PIL) with the clip's frame rate, "np" and
 "pt" are (N, F, H, W, 3) uint8, "latent" the VAE's (N, C, F, h, w); both
 execution modes give the same frames; requests of different frame counts
-and sizes share steps and each equals its run alone; what does not run on
-video is refused naming its field."""
+and sizes share steps and each equals its run alone (the video families'
+refusals are tested with each family: test_ltx2_family, test_helios_engine)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 from engine_helpers import assert_clean, shared_engine
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
-from diffrt.engine.config import EngineConfigError
 
 pytest.importorskip("diffusers")
 
@@ -69,17 +68,6 @@ def test_clips_of_different_frame_counts_and_sizes_share_steps(engines):
         assert np.abs(got - want).max() <= 1
     assert after.count - before.count == 4  # their 4 steps ran together
     assert_clean(step)
-
-
-@pytest.mark.parametrize("field,value,named", [
-    ("cfg_parallel_size", 2, "world_size")])
-def test_what_does_not_run_on_video_is_refused_naming_its_field(field, value, named):
-    from diffrt.platforms import current_platform
-
-    with pytest.raises(EngineConfigError) as info:
-        config(**{field: value, "executor_backend": "mp"}).executor_config(
-            platform=current_platform)
-    assert info.value.field == named
 
 
 def test_a_preview_is_the_frames_of_the_current_prediction(engines):

@@ -20,7 +20,8 @@ How such a request fits a loop that advances requests one step at a time:
   chunk's end), which the loop batches, repeats for CFG and cuts per size
   like any per-row conditioning; the frame indices are the same for every
   row. Rows of one size share one transformer call; rows of several sizes
-  a call per size (``by_size``, as Wan).
+  a call per size (``by_size``: Wan's padded call does not carry the
+  history inputs).
 - **Each finished chunk is a streamed output.** ``SamplingParams.preview_steps``
   are a chunked request's chunk ends, so the worker stops a multi-step tick
   there and sends the chunk's frames (``decode_preview``: the frames
@@ -94,8 +95,13 @@ class HeliosPipeline(WanPipeline):
         self.indices = {k: v.to(self.device)
                         for k, v in frame_indices(self.spec.chunk_latent_frames).items()}
 
+    #: rows of several sizes run a call per size whatever was asked: Wan's
+    #: padded call (a 3-D rotary table per row, ``wan/rows.py``) does not
+    #: carry the history inputs of Helios' forward
+    mixed_rows = "by_size"
+
     def use_mixed_rows(self, arrangement: str) -> None:
-        self.mixed_rows = "by_size"  # one rotary table per call, as Wan
+        self.mixed_rows = "by_size"
 
     # -- schedule --------------------------------------------------------------------
     def prepare_timesteps(self, params: SamplingParams) -> tuple[Any, torch.Tensor]:
