@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, cast
 from diffrt.engine.errors import EngineClosedError, EngineDeadError
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.output_streams import FinalSlot, OutputStream
-from diffrt.engine.outputs import DiffusionOutput
+from diffrt.engine.outputs import DiffusionOutput, Rollout
 from diffrt.engine.postprocess import PostProcess, encode_clips
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
@@ -334,11 +334,16 @@ class OutputProcessor:
         rid = record.request_id
         params = record.request.sampling_params
         images = value = error = None
+        rollout: Rollout | None = None
         start = self._clock()
         try:
             # An owned copy: PIL may keep referencing the buffer it was built
             # from, and the slot is reused as soon as it is released.
-            images, value = self._post(lease.take(), params.output_type)
+            taken = lease.take()
+            if isinstance(taken, dict):  # images with their rollout beside them
+                rollout = Rollout(**taken["rollout"])
+                taken = taken["images"]
+            images, value = self._post(taken, params.output_type)
         except Exception as exc:
             logger.exception("post-processing failed for %s", rid)
             error = f"post-processing failed: {type(exc).__name__}: {exc}"
@@ -359,7 +364,7 @@ class OutputProcessor:
                                  images=cast("list[Image] | None", images),
                                  output=encoded if encoded is not None else value,
                                  step=record.total_steps, total_steps=record.total_steps,
-                                 frames=frames, fps=params.fps)
+                                 frames=frames, fps=params.fps, rollout=rollout)
         with self._lock:
             record.metrics.output_wait = ready_at - (record.compute_done_at or ready_at)
             record.metrics.postprocess_time = done - start
@@ -417,6 +422,7 @@ class OutputProcessor:
         record.metrics.finished_time = self._clock()
         output.metrics = record.metrics
         output.seed = record.request.sampling_params.seed
+        output.seeds = record.request.sampling_params.seeds
         if record.abort_reason is not None and output.aborted:  # a limit ended it
             output.aborted, output.error, timed_out = False, record.abort_reason, True
         output.timed_out = timed_out

@@ -42,6 +42,34 @@ class RequestMetrics:
 
 
 @dataclass
+class Rollout:
+    """What a request recorded of its steps, for a trainer (docs/rollouts.md):
+    host tensors, owned by the caller. Step k of T took ``latents[:, k]`` to
+    ``latents[:, k + 1]`` at ``timesteps[k]`` (schedule sigmas ``sigmas[k]``
+    -> ``sigmas[k + 1]``); the last latents decode to the returned images."""
+
+    #: (T,) the steps' timesteps and (T + 1,) their sigmas, float32
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor
+    #: (n, T) float32: each step's transition log-prob per output (flow-sde,
+    #: ``return_log_probs``; the per-element mean, as Flow-GRPO's); else None
+    log_probs: torch.Tensor | None = None
+    #: (n, T + 1, C, h, w) in the model's dtype, the VAE's latent layout
+    #: (``return_trajectory``); else None
+    latents: torch.Tensor | None = None
+
+    @property
+    def latents_before(self) -> torch.Tensor | None:
+        """(n, T, ...): the latents each step started from."""
+        return None if self.latents is None else self.latents[:, :-1]
+
+    @property
+    def latents_after(self) -> torch.Tensor | None:
+        """(n, T, ...): the latents each step gave."""
+        return None if self.latents is None else self.latents[:, 1:]
+
+
+@dataclass
 class DiffusionOutput:
     """One item of a request's output stream.
 
@@ -77,6 +105,11 @@ class DiffusionOutput:
     #: the frame rate they play at
     frames: list[list[Image]] | None = None
     fps: float | None = None
+    #: what it recorded of its steps when it asked (``return_log_probs``,
+    #: ``return_trajectory``), through shared memory like the images
+    rollout: Rollout | None = None
+    #: each output's seed when the request gave ``seeds``
+    seeds: list[int] | None = None
 
     @property
     def ok(self) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -54,7 +54,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 #: request id -> its output tensor of this tick
-Outputs = dict[str, torch.Tensor]
+Outputs = dict[str, Any]
 
 
 class _OfRequest(Protocol):

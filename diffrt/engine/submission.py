@@ -63,7 +63,8 @@ def accept(request: object, spec: ModelSpec, config: EngineConfig,
     # The engine's own copy (a caller mutating its request later changes
     # nothing), with the seed drawn here when none was given so the output can
     # name it.
-    seed = random_seed() if params.seed is None else params.seed
+    seed = random_seed() if params.seed is None and params.seeds is None else params.seed
+    _check_rollout_bytes(request, spec)
     request = msgspec.structs.replace(
         request, sampling_params=msgspec.structs.replace(params, seed=seed))
     if request.images:
@@ -99,6 +100,23 @@ def _stored_inputs(request: DiffusionRequest, spec: ModelSpec,
         raise InputsFullError(str(exc)) from None
     except InputArenaClosedError:
         raise EngineClosedError("engine closed") from None
+
+
+def _check_rollout_bytes(request: DiffusionRequest, spec: ModelSpec) -> None:
+    """A trajectory travels with the images through the output arena, sized
+    for the model's largest output (``ModelSpec.largest_output_bytes``): one
+    that would not fit there is refused, naming the field."""
+    params = request.sampling_params
+    if not params.return_trajectory:
+        return
+    latents = spec.output_bytes_per_pixel * filled(params.height) * filled(params.width) \
+        * params.num_outputs_per_prompt * (params.denoise_steps() + 1)
+    if latents > spec.largest_output_bytes():
+        raise InvalidRequestError("return_trajectory", (
+            f"{params.denoise_steps() + 1} latents of {params.num_outputs_per_prompt} output(s) "
+            f"at {params.height}x{params.width} take about {latents / 2**20:.0f} MiB, more "
+            f"than one output may ({spec.largest_output_bytes() / 2**20:.0f} MiB): fewer "
+            "steps, outputs or pixels"))
 
 
 def _splits_rows(config: EngineConfig) -> bool:
