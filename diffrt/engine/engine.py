@@ -56,6 +56,7 @@ from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
 from diffrt.engine.postprocess import output_postprocessor
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.rollout_control import RolloutControl
 from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.runner_messages import WeightBytes
 from diffrt.engine.sampling import InvalidRequestError
@@ -76,8 +77,9 @@ __all__ = ["DiffusionEngine", "EngineClosedError", "EngineDeadError", "EngineErr
            "EngineRestartingError", "EngineWarmupError"]
 
 
-class DiffusionEngine:
-    """Serves one model; see the module docstring for the request path."""
+class DiffusionEngine(RolloutControl):
+    """Serves one model; see the module docstring for the request path (weight
+    updates, sleep and wake: ``rollout_control.py``)."""
 
     def __init__(
         self,
@@ -433,6 +435,7 @@ class DiffusionEngine:
         self.output_processor.fail_all("engine closed", dead=False)
         self._core.stop(grace_s)
         self.output_processor.close()
+        self.remove_update_files()
         if self.inputs is not None:
             self._fresh_executor.close()
             self.inputs.close()

@@ -200,9 +200,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     text_tokens: int = 0
     #: the step caches it serves and their calibration
     cache: CacheSupport = CacheSupport()
-    #: its denoise loop serves rollouts (docs/rollouts.md): sampler
-    #: "flow-sde" with per-step log-probs, trajectories (the flow-matching
-    #: image families; False: only the default sampler and no trajectory)
+    #: its denoise loop serves rollouts (``rollout_checks``, docs/rollouts.md)
     rollouts: bool = False
     #: how a finished output becomes what the request asked for
     #: (``engine.postprocess``): uint8 images -> PIL / tensor, latents as is
@@ -265,7 +263,6 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                     f"must be a positive multiple of {self.size_multiple} no larger than "
                     f"{self.max_size} for {self.name}, got {value}"))
         self.check_frames(params)
-        self.check_rollout(request)
         if filled(params.num_inference_steps) > self.max_steps:
             raise InvalidRequestError("num_inference_steps", (
                 f"must be at most {self.max_steps} for {self.name}, "
@@ -280,28 +277,6 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                 and self.cache.default is None:
             raise InvalidRequestError("cache_threshold", (
                 f"{self.name} has no default step cache: name a policy in cache"))
-
-    def check_rollout(self, request: DiffusionRequest) -> None:
-        """The rollout fields (``sampler``, ``return_log_probs``,
-        ``return_trajectory``, ``seeds``) on this model: its loop serves them,
-        for text-to-image."""
-        params = request.sampling_params
-        asked = [name for name, on in (("sampler", params.sampler != "default"),
-                                       ("return_trajectory", params.return_trajectory),
-                                       ("seeds", params.seeds is not None)) if on]
-        if not asked:
-            return
-        if not self.rollouts:
-            raise InvalidRequestError(asked[0], f"{self.name}'s denoise loop serves no "
-                                                "rollouts (the flow-matching image families do)")
-        if request.images:
-            raise InvalidRequestError(asked[0], "applies to text-to-image requests (no input "
-                                                "images)")
-        if params.cache not in (None, "off") or (params.cache is None and self.cache.default):
-            if params.sampler != "default" or params.return_trajectory:
-                raise InvalidRequestError("cache", (
-                    'a rollout runs every step: set cache="off" (a reused step has no '
-                    "transition of its own to log)"))
 
     def check_frames(self, params: SamplingParams) -> None:
         """A video model's clip is ``frame_factor`` x k + 1 frames, at most

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, cast
 from diffrt.engine.errors import EngineClosedError, EngineDeadError
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.output_streams import FinalSlot, OutputStream
-from diffrt.engine.outputs import DiffusionOutput, Rollout
+from diffrt.engine.outputs import DiffusionOutput, Rollout, split_rollout
 from diffrt.engine.postprocess import PostProcess, encode_clips
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
@@ -339,10 +339,7 @@ class OutputProcessor:
         try:
             # An owned copy: PIL may keep referencing the buffer it was built
             # from, and the slot is reused as soon as it is released.
-            taken = lease.take()
-            if isinstance(taken, dict):  # images with their rollout beside them
-                rollout = Rollout(**taken["rollout"])
-                taken = taken["images"]
+            taken, rollout = split_rollout(lease.take())
             images, value = self._post(taken, params.output_type)
         except Exception as exc:
             logger.exception("post-processing failed for %s", rid)
@@ -423,6 +420,7 @@ class OutputProcessor:
         output.metrics = record.metrics
         output.seed = record.request.sampling_params.seed
         output.seeds = record.request.sampling_params.seeds
+        output.weights_version, output.lora_versions = record.weights_version, record.lora_versions
         if record.abort_reason is not None and output.aborted:  # a limit ended it
             output.aborted, output.error, timed_out = False, record.abort_reason, True
         output.timed_out = timed_out
@@ -447,6 +445,10 @@ class OutputProcessor:
         """The record of an active request (None: unknown or ended)."""
         with self._lock:
             return self._records.get(request_id)
+
+    def active_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._records)
 
     def num_active(self) -> int:
         with self._lock:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -110,10 +110,22 @@ class DiffusionOutput:
     rollout: Rollout | None = None
     #: each output's seed when the request gave ``seeds``
     seeds: list[int] | None = None
+    #: the transformer weights' version it ran on (``update_weights``), and
+    #: its LoRA adapters' versions by name (``update_lora``)
+    weights_version: int | str = 0
+    lora_versions: dict[str, int | str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return self.finished and self.error is None and not self.aborted
+
+
+def split_rollout(value: Any) -> tuple[Any, Rollout | None]:
+    """A worker's output as it arrived: (its images, its ``Rollout`` when it
+    carries one beside them)."""
+    if isinstance(value, dict):
+        return value["images"], Rollout(**value["rollout"])
+    return value, None
 
 
 class CacheMetrics(msgspec.Struct, frozen=True):

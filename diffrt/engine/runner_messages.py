@@ -86,8 +86,24 @@ class CountWeights(msgspec.Struct, tag="count_weights"):
     """The bytes the worker's loaded weights hold (``WeightBytes``)."""
 
 
+class StageWeights(msgspec.Struct, tag="stage_weights"):
+    """Read the transformer's new tensors from ``path`` (a safetensors file
+    or folder) beside the live ones and answer their checksum
+    (``WeightsStaged``); nothing changes until ``CommitWeights``."""
+
+    path: str
+
+
+class CommitWeights(msgspec.Struct, tag="commit_weights"):
+    """Copy the staged tensors into the transformer (sent between ticks)."""
+
+
+class DiscardWeights(msgspec.Struct, tag="discard_weights"):
+    """Forget the staged tensors: the old weights stay."""
+
+
 RunnerRequest = (ExecuteBatch | ExecuteStep | CountStepStates | LoadAdapter | AdapterStatus
-                 | DropAdapters | CountWeights)
+                 | DropAdapters | CountWeights | StageWeights | CommitWeights | DiscardWeights)
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -167,7 +183,18 @@ class WeightBytes(msgspec.Struct, tag="weight_bytes"):
     on_device: int = 0
 
 
-RunnerReply = TickReport | StepStateCount | AdapterState | WeightBytes
+class WeightsStaged(msgspec.Struct, tag="weights_staged"):
+    """A rank's answer to ``StageWeights`` (and to commit / discard): the
+    checksum of what it read (``weights.update.checksum``), or why it could
+    not read it."""
+
+    checksum: str = ""
+    tensors: int = 0
+    nbytes: int = 0
+    error: str | None = None
+
+
+RunnerReply = TickReport | StepStateCount | AdapterState | WeightBytes | WeightsStaged
 
 PIPELINE_PROTOCOL = RunnerProtocol(settings=RunnerSettings, requests=RunnerRequest,
                                    replies=RunnerReply)

@@ -20,6 +20,7 @@ from diffrt.engine.errors import EngineClosedError, InputsFullError
 from diffrt.engine.input_images import release, store, to_arrays
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.rollout_checks import check_rollout
 from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.sampling import InvalidRequestError, filled, random_seed
 from diffrt.runtime.input_arena import InputArena, InputArenaClosedError, InputArenaFullError
@@ -39,6 +40,7 @@ def accept(request: object, spec: ModelSpec, config: EngineConfig,
     request.validate()
     request = spec.with_defaults(request)  # the model's, for fields left at None
     spec.check(request)
+    check_rollout(spec, request)
     params = request.sampling_params
     if params.cache not in (None, "off") and _splits_rows(config):
         raise InvalidRequestError("cache", (
@@ -64,7 +66,6 @@ def accept(request: object, spec: ModelSpec, config: EngineConfig,
     # nothing), with the seed drawn here when none was given so the output can
     # name it.
     seed = random_seed() if params.seed is None and params.seeds is None else params.seed
-    _check_rollout_bytes(request, spec)
     request = msgspec.structs.replace(
         request, sampling_params=msgspec.structs.replace(params, seed=seed))
     if request.images:
@@ -100,23 +101,6 @@ def _stored_inputs(request: DiffusionRequest, spec: ModelSpec,
         raise InputsFullError(str(exc)) from None
     except InputArenaClosedError:
         raise EngineClosedError("engine closed") from None
-
-
-def _check_rollout_bytes(request: DiffusionRequest, spec: ModelSpec) -> None:
-    """A trajectory travels with the images through the output arena, sized
-    for the model's largest output (``ModelSpec.largest_output_bytes``): one
-    that would not fit there is refused, naming the field."""
-    params = request.sampling_params
-    if not params.return_trajectory:
-        return
-    latents = spec.output_bytes_per_pixel * filled(params.height) * filled(params.width) \
-        * params.num_outputs_per_prompt * (params.denoise_steps() + 1)
-    if latents > spec.largest_output_bytes():
-        raise InvalidRequestError("return_trajectory", (
-            f"{params.denoise_steps() + 1} latents of {params.num_outputs_per_prompt} output(s) "
-            f"at {params.height}x{params.width} take about {latents / 2**20:.0f} MiB, more "
-            f"than one output may ({spec.largest_output_bytes() / 2**20:.0f} MiB): fewer "
-            "steps, outputs or pixels"))
 
 
 def _splits_rows(config: EngineConfig) -> bool:

@@ -230,8 +230,9 @@ def test_refusals_name_the_field(flux, fields, named):
 
 def test_a_family_without_rollouts_refuses_them():
     from diffrt.engine.models.registry import resolve_model_spec
+    from diffrt.engine.rollout_checks import check_rollout
 
     spec = resolve_model_spec("tiny-wan")
     with pytest.raises(InvalidRequestError) as caught:
-        spec.check(rollout_request(n=1))
+        check_rollout(spec, spec.with_defaults(rollout_request(n=1)))
     assert caught.value.field == "sampler"
