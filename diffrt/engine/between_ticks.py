@@ -46,14 +46,16 @@ class JobQueue:
 
     def __init__(self) -> None:
         self._jobs: deque[BetweenTicks] = deque()
+        #: the workers sleep (``DiffusionEngine.sleep``): nothing is admitted until they wake
+        self.asleep = False
 
     def add(self, job: BetweenTicks, scheduler: Scheduler) -> None:
         self._jobs.append(job)
         self.hold(scheduler)
 
     def hold(self, scheduler: Scheduler) -> None:
-        """No new admission while a draining job waits."""
-        scheduler.holding = any(job.drain for job in self._jobs)
+        """No new admission while a draining job waits or the workers sleep."""
+        scheduler.holding = self.asleep or any(job.drain for job in self._jobs)
 
     def next_ready(self, scheduler: Scheduler) -> BetweenTicks | None:
         """The first job, taken, when it may run now."""

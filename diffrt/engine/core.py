@@ -124,7 +124,7 @@ class EngineCore:
         self.seats = Seats(self._cond)
         #: work between ticks (``between_ticks.py``), and the weights' version
         #: the requests admitted now run on (a weight update's job sets it)
-        self._jobs = JobQueue()
+        self.jobs = JobQueue()
         self.weights_version: int | str = 0
         self._thread = threading.Thread(target=self._loop, name="diffrt-engine-loop", daemon=True)
         self._timer = threading.Thread(target=self._watch, name="diffrt-engine-timer",
@@ -202,9 +202,9 @@ class EngineCore:
     def between_ticks(self, job: BetweenTicks) -> None:
         """Queue ``job`` for the loop's thread between two ticks (``between_ticks.py``)."""
         with self._cond:
-            self._jobs.add(job, self.scheduler)
+            self.jobs.add(job, self.scheduler)
             if self._stopped or self.dead_reason is not None:
-                self._jobs.fail_all(self.dead_reason or "engine closed", self.scheduler)
+                self.jobs.fail_all(self.dead_reason or "engine closed", self.scheduler)
             self._cond.notify_all()
 
     def running(self, request_ids: list[str]) -> list[str]:
@@ -266,7 +266,7 @@ class EngineCore:
         with self._cond:
             self._stopped = True
             self.scheduler.fail_all("engine closed")
-            self._jobs.fail_all("engine closed", self.scheduler)
+            self.jobs.fail_all("engine closed", self.scheduler)
             self._cond.notify_all()
         self.restart_gate.wake()
         self._timer_stop.set()
@@ -289,7 +289,7 @@ class EngineCore:
                 if isinstance(tick, BetweenTicks):
                     tick.run(self.executor)
                     with self._cond:
-                        self._jobs.hold(self.scheduler)
+                        self.jobs.hold(self.scheduler)
                     continue
                 if not isinstance(tick, SchedulerOutput):  # _RESTART
                     if not self._restart_workers():
@@ -315,7 +315,7 @@ class EngineCore:
                     return None
                 if self._restart.enabled and not self.executor.is_healthy():
                     return _RESTART
-                if (job := self._jobs.next_ready(self.scheduler)) is not None:
+                if (job := self.jobs.next_ready(self.scheduler)) is not None:
                     return job
                 if not self.scheduler.has_work():
                     # with restarts on, look at the workers' health now and then
@@ -490,7 +490,7 @@ class EngineCore:
             if self.dead_reason is None and not self._stopped:
                 self.dead_reason = reason
             self.scheduler.fail_all(reason)
-            self._jobs.fail_all(reason, self.scheduler)
+            self.jobs.fail_all(reason, self.scheduler)
             self._cond.notify_all()
         self._on_dead(reason)
         self.restart_gate.wake()

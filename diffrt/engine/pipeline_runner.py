@@ -48,15 +48,19 @@ from diffrt.engine.runner_messages import (
     RunnerReply,
     RunnerRequest,
     RunnerSettings,
+    SleepReport,
+    SleepWorkers,
     StageWeights,
     StepStateCount,
     TickReport,
+    WakeWorkers,
     WeightBytes,
     WeightsStaged,
 )
 from diffrt.engine.runner_steps import TickRunner, describe_error, is_out_of_memory
 from diffrt.engine.setup_checks import resolve_dtype
 from diffrt.engine.weights.resident import resident_bytes
+from diffrt.engine.weights.sleep import SleepingWeights
 from diffrt.engine.weights.update import StagedUpdate, WeightUpdateError
 from diffrt.engine.worker_setup import WorkerPlace, apply_plan, loads_on_host
 from diffrt.runtime.types import RunnerResult
@@ -114,6 +118,8 @@ class PipelineRunner(TickRunner):
         self.memory = MemoryTrimmer(platform)
         #: a weight update read and checked, waiting for the engine's commit
         self.staged: StagedUpdate | None = None
+        #: the weights put away while the engine sleeps
+        self.asleep: SleepingWeights | None = None
         logger.info("rank %d: runner ready for %s on %s", rank, settings.spec.name, device)
 
     # -- what the plan's steps left ------------------------------------------------------
@@ -197,6 +203,18 @@ class PipelineRunner(TickRunner):
                 return AdapterState("dropped")
             case StageWeights() | CommitWeights() | DiscardWeights():
                 return self._weight_update(request)
+            case SleepWorkers(level=level):
+                if self.asleep is None:
+                    self.asleep = SleepingWeights(self.pipeline.weight_modules(), self.platform,
+                                                  self.pipeline.device, level,
+                                                  self.pipeline.spec.folder)
+                return SleepReport(self.asleep.freed_bytes, self.asleep.pinned_bytes)
+            case WakeWorkers():
+                asleep, self.asleep = self.asleep, None
+                if asleep is None:
+                    return SleepReport()
+                reloaded = asleep.reloads
+                return SleepReport(restored_bytes=asleep.wake(), reloaded=reloaded)
             case _:
                 raise TypeError(f"PipelineRunner cannot handle {type(request).__name__}")
 

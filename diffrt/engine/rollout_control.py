@@ -1,5 +1,6 @@
 """What a trainer asks of a running engine between rollouts (docs/rollouts.md):
-weight updates of the transformer and of LoRA adapters, versioned. A part of
+weight updates of the transformer and of LoRA adapters, versioned; sleep and
+wake. A part of
 ``DiffusionEngine`` (its base), kept apart so the facade stays small.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from diffrt.engine.between_ticks import BetweenTicks
 from diffrt.engine.lora.registration import update
 from diffrt.engine.lora.registry import AdapterRegistry, LoraInfo
+from diffrt.engine.runner_messages import SleepReport, SleepWorkers, WakeWorkers
 from diffrt.engine.weight_sync import (
     SHARED_PREFIX,
     StagedSource,
@@ -79,11 +81,7 @@ class RolloutControl:
         """
         if policy not in ("wait", "abort"):
             raise WeightUpdateError(f"policy must be 'wait' or 'abort', got {policy!r}")
-        model = self.config.model_config
-        if model.quantization != "none" or model.offload != "none":
-            raise WeightUpdateError(
-                "update_weights copies into the transformer's parameters as loaded: not with "
-                f"quantization={model.quantization!r} or offload={model.offload!r}")
+        self._check_plain_weights("update_weights")
         new = next_version(self._core.weights_version, version)
         staged = StagedSource(source)
         try:
@@ -103,6 +101,58 @@ class RolloutControl:
             staged.remove()
         logger.info("transformer weights updated to version %r (%s)", applied, staged.checksum)
         return applied
+
+    @property
+    def sleeping(self) -> bool:
+        """The workers sleep (``sleep``): requests wait until ``wake``."""
+        return self._core.jobs.asleep
+
+    def sleep(self, level: int = 1, *, timeout: float | None = None) -> SleepReport:
+        """Put the workers' weights away once the running requests finish
+        (new ones wait meanwhile, and until ``wake``): level 1 moves every
+        component's weights to page-locked host memory and gives the
+        device's cache back; level 2 also drops the transformer's weights
+        (``wake`` reads them from the model's folder again: version 0).
+        Returns rank 0's counts (``SleepReport``: bytes freed on the device).
+        On the CPU, whose device is the host, it frees nothing: accepted, a
+        no-op for memory (requests still wait until ``wake``)."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self._check_plain_weights("sleep")
+
+        def work(executor: Executor) -> SleepReport:
+            replies = executor.collective_rpc(SleepWorkers(level))
+            self._core.jobs.asleep = True
+            return replies[0]
+
+        return self._between_ticks(work, drain=True, what="sleep", timeout=timeout)
+
+    def wake(self, *, timeout: float | None = None) -> SleepReport:
+        """Bring the weights back (bit for bit, or from the folder after a
+        level-2 sleep) and admit the waiting requests again."""
+        def work(executor: Executor) -> SleepReport:
+            replies = executor.collective_rpc(WakeWorkers())
+            if replies[0].reloaded:
+                self._core.weights_version = 0
+            self._core.jobs.asleep = False
+            return replies[0]
+
+        return self._between_ticks(work, drain=False, what="wake", timeout=timeout)
+
+    def _between_ticks(self, work: Callable[[Executor], SleepReport], *, drain: bool,
+                       what: str, timeout: float | None) -> SleepReport:
+        job = BetweenTicks(work, drain=drain, what=what)
+        self._core.between_ticks(job)
+        report: SleepReport = job.future.result(timeout)
+        return report
+
+    def _check_plain_weights(self, what: str) -> None:
+        """Weight updates and sleep work on the parameters as loaded."""
+        model = self.config.model_config
+        if model.quantization != "none" or model.offload != "none":
+            raise WeightUpdateError(
+                f"{what} works on the transformer's parameters as loaded: not with "
+                f"quantization={model.quantization!r} or offload={model.offload!r}")
 
     def update_lora(self, name: str, source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
                     *, version: Version | None = None) -> LoraInfo:

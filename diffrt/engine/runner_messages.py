@@ -102,8 +102,20 @@ class DiscardWeights(msgspec.Struct, tag="discard_weights"):
     """Forget the staged tensors: the old weights stay."""
 
 
+class SleepWorkers(msgspec.Struct, tag="sleep_workers"):
+    """Put the weights away (``weights.sleep``): level 1 to page-locked host
+    memory, level 2 the transformer's dropped too (sent between ticks)."""
+
+    level: int = 1
+
+
+class WakeWorkers(msgspec.Struct, tag="wake_workers"):
+    """Bring the weights back to the device."""
+
+
 RunnerRequest = (ExecuteBatch | ExecuteStep | CountStepStates | LoadAdapter | AdapterStatus
-                 | DropAdapters | CountWeights | StageWeights | CommitWeights | DiscardWeights)
+                 | DropAdapters | CountWeights | StageWeights | CommitWeights | DiscardWeights
+                 | SleepWorkers | WakeWorkers)
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -194,7 +206,19 @@ class WeightsStaged(msgspec.Struct, tag="weights_staged"):
     error: str | None = None
 
 
-RunnerReply = TickReport | StepStateCount | AdapterState | WeightBytes | WeightsStaged
+class SleepReport(msgspec.Struct, tag="sleep_report"):
+    """A rank's answer to ``SleepWorkers`` / ``WakeWorkers``: the bytes the
+    device gave up (and those kept in page-locked memory), or got back;
+    whether waking read the transformer from its folder again (level 2)."""
+
+    freed_bytes: int = 0
+    pinned_bytes: int = 0
+    restored_bytes: int = 0
+    reloaded: bool = False
+
+
+RunnerReply = (TickReport | StepStateCount | AdapterState | WeightBytes | WeightsStaged
+               | SleepReport)
 
 PIPELINE_PROTOCOL = RunnerProtocol(settings=RunnerSettings, requests=RunnerRequest,
                                    replies=RunnerReply)

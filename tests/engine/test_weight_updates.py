@@ -176,3 +176,25 @@ def test_update_lora_gives_what_registering_the_factors_gives(engine, folders):
     back = engine.generate(request(loras={"a": 1.0}))
     assert back.lora_versions == {"a": "original"}
     assert np.array_equal(pixels(back), pixels(with_a))
+
+
+def test_requests_wait_while_the_engine_sleeps(engine, before):
+    """CPU: sleep frees nothing (the host is the device) but is accepted; a
+    request submitted meanwhile waits, unadmitted, until ``wake``, then
+    draws what it drew before."""
+    report = engine.sleep(level=1)
+    assert engine.sleeping and report.freed_bytes == 0
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", engine.generate(request())))
+    thread.start()
+    try:
+        wait_until(lambda: engine.stats().requests_waiting == 1, message="never queued")
+        assert engine.stats().requests_running == 0 and "out" not in result
+        engine.wake()
+        thread.join()
+    finally:
+        if engine.sleeping:
+            engine.wake()
+        thread.join()
+    assert not engine.sleeping
+    assert np.array_equal(pixels(result["out"]), before)
