@@ -221,6 +221,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                             "from its own, so seeds=[s] alone reproduces that output; instead "
                             "of seed", cli=None)] = None
 
+    #: batch invariance: its text encoding, each denoise step's transformer
+    #: call and its decode run on its rows alone, so its images (and
+    #: log-probs) are bit-identical whatever it is batched with
+    deterministic: Annotated[bool, _about(
+        "bit-identical images and log-probs whatever the request is batched with: its "
+        "rows get transformer calls (and text encoding, decode) of their own, at the cost "
+        "of the batching they would share (docs/rollouts.md)")] = False
+
     def start_step(self) -> int:
         """The schedule step an image-to-image request starts at, as
         diffusers' ``get_timesteps`` computes it (0 without ``strength``)."""

@@ -236,3 +236,24 @@ def test_a_family_without_rollouts_refuses_them():
     with pytest.raises(InvalidRequestError) as caught:
         check_rollout(spec, spec.with_defaults(rollout_request(n=1)))
     assert caught.value.field == "sampler"
+
+
+def test_deterministic_alone_equals_it_in_a_mixed_batch_of_eight(flux):
+    """deterministic=True: a rollout alone and in a batch of 8 (other sizes,
+    adapters, samplers, output counts) is bit-identical, images and
+    log-probs; its mates still share their steps."""
+    mine = rollout_request("a purple triangle", seed=21, loras={"a": 0.7}, deterministic=True)
+    alone = flux.generate(msgspec_copy(mine))
+    mates = [rollout_request(f"mate {i}", seed=30 + i, size=(64, 96, 128)[i % 3],
+                             n=1 + i % 2, steps=3 + i % 2,
+                             loras={"a": 1.0} if i % 2 else None,
+                             sampler="flow-sde" if i % 3 else "default",
+                             return_log_probs=bool(i % 3))
+             for i in range(7)]
+    together = flux.generate([msgspec_copy(mine), *[msgspec_copy(m) for m in mates]])
+    assert all(o.ok for o in together), [o.error for o in together]
+    got = together[0]
+    assert torch.equal(got.rollout.log_probs, alone.rollout.log_probs)
+    assert torch.equal(got.rollout.latents, alone.rollout.latents)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(got.images, alone.images, strict=True))

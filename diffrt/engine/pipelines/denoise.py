@@ -105,6 +105,7 @@ class DenoiseLoop:
         params = batch.sampling_params
         check_compatible(batch.requests, host.spec.request_batch_key)
         if batch.requests[0].images or any(r.sampling_params.keeps_row_noise
+                                           or r.sampling_params.deterministic
                                            for r in batch.requests) or (self.caches_here and any(
                 host.spec.cache_plan(r.sampling_params) for r in batch.requests)):
             # equal tasks all from their input images, requests with a step
@@ -210,6 +211,25 @@ class DenoiseLoop:
 
     # -- STEP_BATCH: step ------------------------------------------------------------
     def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
+        """``denoise_rows`` for ``states``, except that a request asking for
+        batch invariance (``SamplingParams.deterministic``) gets a call of
+        its own: the same call it would get alone, so the same bits. The
+        predictions are padded to the longest, as one call's are."""
+        alone = [s for s in states if s.request.sampling_params.deterministic]
+        if not alone or len(states) == 1:
+            return self.denoise_rows(states)
+        rest = [s for s in states if not s.request.sampling_params.deterministic]
+        parts: dict[int, torch.Tensor] = {}
+        for group in [[s] for s in alone] + ([rest] if rest else []):
+            pred = self.denoise_rows(group)
+            parts.update({id(s): p for s, p in zip(
+                group, self.split_predictions(pred, group), strict=True)})
+        ordered = [parts[id(s)] for s in states]
+        if len({p.shape[1:] for p in ordered}) == 1:
+            return torch.cat(ordered)
+        return pad_tokens(ordered, max(p.shape[1] for p in ordered))
+
+    def denoise_rows(self, states: list[StepRequestState]) -> torch.Tensor:
         """One transformer call for every row of ``states``; rows of different
         sizes (``ModelSpec.mixed_sizes``) zero-padded to the longest
         (``segments``), their predictions cut back by ``split_predictions``."""
@@ -380,7 +400,9 @@ class DenoiseLoop:
         groups: dict[tuple, list[int]] = {}  # decoded together: same size and output
         for i, s in enumerate(states):
             params = s.request.sampling_params
-            groups.setdefault((self.host.latents.size(params), params.output_type), []).append(i)
+            alone = i if params.deterministic else None  # batch invariance: decoded alone
+            groups.setdefault((self.host.latents.size(params), params.output_type, alone),
+                              []).append(i)
         out: dict[int, torch.Tensor] = {}
         for members in groups.values():
             if len(members) == 1:
