@@ -313,6 +313,7 @@ def engine_overhead(opts: CheckOptions) -> dict[str, Any]:
 
         def bare(i: int) -> None:
             [image] = pipeline.forward(DiffusionRequestBatch([request(i, "bare")]))
+            assert isinstance(image, torch.Tensor)  # no rollout asked: the images alone
             image.cpu()
 
         def via_engine(i: int) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from diffrt.vendor_metadata import import_naming_backend, naming_backend_failure
 
 with naming_backend_failure():  # the request types' input images import torch
-    from diffrt.engine.outputs import DiffusionOutput, RequestMetrics, TextEncoderStats
+    from diffrt.engine.outputs import DiffusionOutput, RequestMetrics, Rollout, TextEncoderStats
     from diffrt.engine.request import DiffusionRequest
     from diffrt.engine.sampling import InvalidRequestError, SamplingParams
 
@@ -78,6 +78,7 @@ __all__ = [
     "LoraExistsError",
     "LoraInfo",
     "RequestMetrics",
+    "Rollout",
     "SamplingParams",
     "TextEncoderStats",
 ]

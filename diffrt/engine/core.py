@@ -40,6 +40,7 @@ import weakref
 from collections.abc import Callable
 
 from diffrt import tracing
+from diffrt.engine.between_ticks import BetweenTicks, JobQueue
 from diffrt.engine.config import ExecutionMode
 from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.lora.tick_adapters import TickAdapters
@@ -121,6 +122,10 @@ class EngineCore:
         self._timer_stop = threading.Event()
         #: seats taken whose request has not reached the scheduler (``seats.py``)
         self.seats = Seats(self._cond)
+        #: work between ticks (``between_ticks.py``), and the weights' version
+        #: the requests admitted now run on (a weight update's job sets it)
+        self.jobs = JobQueue()
+        self.weights_version: int | str = 0
         self._thread = threading.Thread(target=self._loop, name="diffrt-engine-loop", daemon=True)
         self._timer = threading.Thread(target=self._watch, name="diffrt-engine-timer",
                                        daemon=True)
@@ -194,6 +199,20 @@ class EngineCore:
                                                      record)]))
         self.loras.drop_unused(self.executor)  # it may have held a removed adapter's last claim
 
+    def between_ticks(self, job: BetweenTicks) -> None:
+        """Queue ``job`` for the loop's thread between two ticks (``between_ticks.py``)."""
+        with self._cond:
+            self.jobs.add(job, self.scheduler)
+            if self._stopped or self.dead_reason is not None:
+                self.jobs.fail_all(self.dead_reason or "engine closed", self.scheduler)
+            self._cond.notify_all()
+
+    def running(self, request_ids: list[str]) -> list[str]:
+        """Those of ``request_ids`` running or paused now (a weight update's abort policy)."""
+        with self._cond:
+            return [rid for rid in request_ids if (r := self.scheduler.record(rid)) is not None
+                    and r.status in (RequestStatus.RUNNING, RequestStatus.PAUSED)]
+
     def queue_sizes(self) -> tuple[int, int]:
         """(waiting, running) requests: waiting counts the scheduler's queue and
         the seats whose request has not reached it yet."""
@@ -247,6 +266,7 @@ class EngineCore:
         with self._cond:
             self._stopped = True
             self.scheduler.fail_all("engine closed")
+            self.jobs.fail_all("engine closed", self.scheduler)
             self._cond.notify_all()
         self.restart_gate.wake()
         self._timer_stop.set()
@@ -266,6 +286,11 @@ class EngineCore:
         tracing.process_name(tracing.ENGINE_PROCESS)
         try:
             while (tick := self._schedule()) is not None:
+                if isinstance(tick, BetweenTicks):
+                    tick.run(self.executor)
+                    with self._cond:
+                        self.jobs.hold(self.scheduler)
+                    continue
                 if not isinstance(tick, SchedulerOutput):  # _RESTART
                     if not self._restart_workers():
                         return
@@ -290,6 +315,8 @@ class EngineCore:
                     return None
                 if self._restart.enabled and not self.executor.is_healthy():
                     return _RESTART
+                if (job := self.jobs.next_ready(self.scheduler)) is not None:
+                    return job
                 if not self.scheduler.has_work():
                     # with restarts on, look at the workers' health now and then
                     self._cond.wait(RESTART_CHECK_S if self._restart.enabled else None)
@@ -300,6 +327,8 @@ class EngineCore:
                     tick = self.scheduler.schedule(now)
                     if tick is not None:
                         admitted = [self.scheduler.record(r.request_id) for r in tick.new]
+                        for record in filter(None, admitted):
+                            record.weights_version = self.weights_version
                         self.seats.note_admitted(admitted)
                         self.loras.attach(tick, self.scheduler.record)
                         return tick
@@ -413,6 +442,7 @@ class EngineCore:
                     return False
                 self.executor = new
                 self.loras.workers_replaced()
+                self.weights_version = 0  # fresh workers load the folder's weights
                 return True
 
         return self._restart.run(self.executor, fail_running=fail_running,
@@ -460,6 +490,7 @@ class EngineCore:
             if self.dead_reason is None and not self._stopped:
                 self.dead_reason = reason
             self.scheduler.fail_all(reason)
+            self.jobs.fail_all(reason, self.scheduler)
             self._cond.notify_all()
         self._on_dead(reason)
         self.restart_gate.wake()

@@ -28,6 +28,7 @@ model (``assembly.py``), the workers and the fresh ones of a restart
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -56,6 +57,7 @@ from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
 from diffrt.engine.postprocess import output_postprocessor
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.rollout_control import RolloutControl
 from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.runner_messages import WeightBytes
 from diffrt.engine.sampling import InvalidRequestError
@@ -76,8 +78,9 @@ __all__ = ["DiffusionEngine", "EngineClosedError", "EngineDeadError", "EngineErr
            "EngineRestartingError", "EngineWarmupError"]
 
 
-class DiffusionEngine:
-    """Serves one model; see the module docstring for the request path."""
+class DiffusionEngine(RolloutControl):
+    """Serves one model; see the module docstring for the request path (weight
+    updates, sleep and wake: ``rollout_control.py``)."""
 
     def __init__(
         self,
@@ -372,13 +375,14 @@ class DiffusionEngine:
         """Queue gauges now, plus counters and histograms since start (``stats.py``)."""
         waiting, running = self._core.queue_sizes()
         idle = self.executor.seconds_without_progress()
-        return self.output_processor.stats.snapshot(
+        snapshot = self.output_processor.stats.snapshot(
             waiting=waiting, running=running,
             pending_output_bytes=self.output_processor.unread_bytes(),
             healthy=self.is_healthy(), worker_restarts=self._core.restarts,
             seconds_without_progress=idle, stall=self.stall(idle),
             loras=self.adapters.snapshot(), lora_requests=self.adapters.requests_by_name(),
             paused=self._core.paused())
+        return dataclasses.replace(snapshot, sleeping=self.sleeping)
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,
@@ -443,6 +447,7 @@ class DiffusionEngine:
         self.output_processor.fail_all("engine closed", dead=False)
         self._core.stop(grace_s)
         self.output_processor.close()
+        self.remove_update_files()
         if self.inputs is not None:
             self._fresh_executor.close()
             self.inputs.close()

@@ -210,6 +210,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     text_tokens: int = 0
     #: the step caches it serves and their calibration
     cache: CacheSupport = CacheSupport()
+    #: its denoise loop serves rollouts (``rollout_checks``, docs/rollouts.md)
+    rollouts: bool = False
     #: how a finished output becomes what the request asked for
     #: (``engine.postprocess``): uint8 images -> PIL / tensor, latents as is
     postprocess: Literal["images"] = "images"

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, cast
 from diffrt.engine.errors import EngineClosedError, EngineDeadError
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.output_streams import FinalSlot, OutputStream
-from diffrt.engine.outputs import DiffusionOutput
+from diffrt.engine.outputs import DiffusionOutput, Rollout, split_rollout
 from diffrt.engine.postprocess import PostProcess, encode_clips, take_sound
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.sampling import InvalidRequestError
@@ -334,11 +334,13 @@ class OutputProcessor:
         rid = record.request_id
         params = record.request.sampling_params
         images = value = error = waveform = sample_rate = None
+        rollout: Rollout | None = None
         start = self._clock()
         try:
             # An owned copy: PIL may keep referencing the buffer it was built
             # from, and the slot is reused as soon as it is released.
-            taken, waveform, sample_rate = take_sound(lease.take())
+            taken, rollout = split_rollout(lease.take())
+            taken, waveform, sample_rate = take_sound(taken)
             images, value = self._post(taken, params.output_type)
         except Exception as exc:
             logger.exception("post-processing failed for %s", rid)
@@ -361,7 +363,7 @@ class OutputProcessor:
                                  output=encoded if encoded is not None else value,
                                  step=record.total_steps, total_steps=record.total_steps,
                                  frames=frames, fps=params.fps, waveform=waveform,
-                                 sample_rate=sample_rate)
+                                 sample_rate=sample_rate, rollout=rollout)
         with self._lock:
             record.metrics.output_wait = ready_at - (record.compute_done_at or ready_at)
             record.metrics.postprocess_time = done - start
@@ -419,6 +421,8 @@ class OutputProcessor:
         record.metrics.finished_time = self._clock()
         output.metrics = record.metrics
         output.seed = record.request.sampling_params.seed
+        output.seeds = record.request.sampling_params.seeds
+        output.weights_version, output.lora_versions = record.weights_version, record.lora_versions
         if record.abort_reason is not None and output.aborted:  # a limit ended it
             output.aborted, output.error, timed_out = False, record.abort_reason, True
         output.timed_out = timed_out
@@ -443,6 +447,10 @@ class OutputProcessor:
         """The record of an active request (None: unknown or ended)."""
         with self._lock:
             return self._records.get(request_id)
+
+    def active_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._records)
 
     def num_active(self) -> int:
         with self._lock:

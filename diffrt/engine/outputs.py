@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -39,6 +39,34 @@ class RequestMetrics:
     deadline_met: bool | None = None
     #: how often it was paused for a more urgent request (``slo``)
     preemptions: int = 0
+
+
+@dataclass
+class Rollout:
+    """What a request recorded of its steps, for a trainer (docs/rollouts.md):
+    host tensors, owned by the caller. Step k of T took ``latents[:, k]`` to
+    ``latents[:, k + 1]`` at ``timesteps[k]`` (schedule sigmas ``sigmas[k]``
+    -> ``sigmas[k + 1]``); the last latents decode to the returned images."""
+
+    #: (T,) the steps' timesteps and (T + 1,) their sigmas, float32
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor
+    #: (n, T) float32: each step's transition log-prob per output (flow-sde,
+    #: ``return_log_probs``; the per-element mean, as Flow-GRPO's); else None
+    log_probs: torch.Tensor | None = None
+    #: (n, T + 1, C, h, w) in the model's dtype, the VAE's latent layout
+    #: (``return_trajectory``); else None
+    latents: torch.Tensor | None = None
+
+    @property
+    def latents_before(self) -> torch.Tensor | None:
+        """(n, T, ...): the latents each step started from."""
+        return None if self.latents is None else self.latents[:, :-1]
+
+    @property
+    def latents_after(self) -> torch.Tensor | None:
+        """(n, T, ...): the latents each step gave."""
+        return None if self.latents is None else self.latents[:, 1:]
 
 
 @dataclass
@@ -82,10 +110,27 @@ class DiffusionOutput:
     #: (with output_type "mp4" it is also muxed into each file as AAC)
     waveform: np.ndarray | None = None
     sample_rate: int | None = None
+    #: what it recorded of its steps when it asked (``return_log_probs``,
+    #: ``return_trajectory``), through shared memory like the images
+    rollout: Rollout | None = None
+    #: each output's seed when the request gave ``seeds``
+    seeds: list[int] | None = None
+    #: the transformer weights' version it ran on (``update_weights``), and
+    #: its LoRA adapters' versions by name (``update_lora``)
+    weights_version: int | str = 0
+    lora_versions: dict[str, int | str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return self.finished and self.error is None and not self.aborted
+
+
+def split_rollout(value: Any) -> tuple[Any, Rollout | None]:
+    """A worker's output as it arrived: (its images, its ``Rollout`` when it
+    carries one beside them)."""
+    if isinstance(value, dict) and "rollout" in value:
+        return value["images"], Rollout(**value["rollout"])
+    return value, None
 
 
 class CacheMetrics(msgspec.Struct, frozen=True):

@@ -37,8 +37,10 @@ from diffrt.engine.runner_messages import (
     PIPELINE_PROTOCOL,
     AdapterState,
     AdapterStatus,
+    CommitWeights,
     CountStepStates,
     CountWeights,
+    DiscardWeights,
     DropAdapters,
     ExecuteBatch,
     ExecuteStep,
@@ -46,13 +48,20 @@ from diffrt.engine.runner_messages import (
     RunnerReply,
     RunnerRequest,
     RunnerSettings,
+    SleepReport,
+    SleepWorkers,
+    StageWeights,
     StepStateCount,
     TickReport,
+    WakeWorkers,
     WeightBytes,
+    WeightsStaged,
 )
 from diffrt.engine.runner_steps import TickRunner, describe_error, is_out_of_memory
 from diffrt.engine.setup_checks import resolve_dtype
 from diffrt.engine.weights.resident import resident_bytes
+from diffrt.engine.weights.sleep import SleepingWeights
+from diffrt.engine.weights.update import StagedUpdate, WeightUpdateError
 from diffrt.engine.worker_setup import WorkerPlace, apply_plan, loads_on_host
 from diffrt.runtime.types import RunnerResult
 
@@ -107,6 +116,10 @@ class PipelineRunner(TickRunner):
         self.states: dict[str, StepRequestState] = {}
         #: gives memory back after an execute that ended requests far above the baseline
         self.memory = MemoryTrimmer(platform)
+        #: a weight update read and checked, waiting for the engine's commit
+        self.staged: StagedUpdate | None = None
+        #: the weights put away while the engine sleeps
+        self.asleep: SleepingWeights | None = None
         logger.info("rank %d: runner ready for %s on %s", rank, settings.spec.name, device)
 
     # -- what the plan's steps left ------------------------------------------------------
@@ -192,8 +205,44 @@ class PipelineRunner(TickRunner):
                     if slot is not None:
                         self.pipeline.row_loras.clear(slot)
                 return AdapterState("dropped")
+            case StageWeights() | CommitWeights() | DiscardWeights():
+                return self._weight_update(request)
+            case SleepWorkers(level=level):
+                if self.asleep is None:
+                    self.asleep = SleepingWeights(self.pipeline.weight_modules(), self.platform,
+                                                  self.pipeline.device, level,
+                                                  self.pipeline.spec.folder)
+                return SleepReport(self.asleep.freed_bytes, self.asleep.pinned_bytes)
+            case WakeWorkers():
+                asleep, self.asleep = self.asleep, None
+                if asleep is None:
+                    return SleepReport()
+                reloaded = asleep.reloads
+                return SleepReport(restored_bytes=asleep.wake(), reloaded=reloaded)
             case _:
                 raise TypeError(f"PipelineRunner cannot handle {type(request).__name__}")
+
+    def _weight_update(self, request: StageWeights | CommitWeights | DiscardWeights
+                       ) -> WeightsStaged:
+        """The two phases of a weight update (``weights.update``)."""
+        staged, self.staged = self.staged, None
+        match request:
+            case StageWeights(path=path):
+                transformer = getattr(self.pipeline, "transformer", None)
+                if not isinstance(transformer, torch.nn.Module):
+                    return WeightsStaged(error=f"{self.pipeline.name} has no transformer to update")
+                try:
+                    self.staged = StagedUpdate(transformer, path)
+                except (WeightUpdateError, OSError, RuntimeError) as exc:
+                    return WeightsStaged(error=f"{type(exc).__name__}: {exc}")
+                return WeightsStaged(self.staged.checksum, len(self.staged.tensors),
+                                     self.staged.nbytes)
+            case CommitWeights():
+                if staged is None:
+                    return WeightsStaged(error="no weights staged")
+                staged.commit()
+                self.platform.synchronize()
+        return WeightsStaged()
 
     def _loader(self) -> AdapterLoader:
         if self.adapters is None:

@@ -87,6 +87,11 @@ class RequestRecord(OfRequest):
     abort_reason: str | None = None
 
     # -- the output processor's (written under its lock) ----------------------------
+    #: the transformer weights' version it ran on, set by the core when it is
+    #: admitted (a weight update waits for the running ones: never two)
+    weights_version: int | str = 0
+    #: the versions of its LoRA adapters, by name, as it was accepted with them
+    lora_versions: dict[str, int | str] = field(default_factory=dict)
     #: the output being moved off the device for it (after COMPUTE_DONE).
     output: OutputRef | None = None
     compute_done_at: float | None = None

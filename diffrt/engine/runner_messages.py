@@ -86,8 +86,36 @@ class CountWeights(msgspec.Struct, tag="count_weights"):
     """The bytes the worker's loaded weights hold (``WeightBytes``)."""
 
 
+class StageWeights(msgspec.Struct, tag="stage_weights"):
+    """Read the transformer's new tensors from ``path`` (a safetensors file
+    or folder) beside the live ones and answer their checksum
+    (``WeightsStaged``); nothing changes until ``CommitWeights``."""
+
+    path: str
+
+
+class CommitWeights(msgspec.Struct, tag="commit_weights"):
+    """Copy the staged tensors into the transformer (sent between ticks)."""
+
+
+class DiscardWeights(msgspec.Struct, tag="discard_weights"):
+    """Forget the staged tensors: the old weights stay."""
+
+
+class SleepWorkers(msgspec.Struct, tag="sleep_workers"):
+    """Put the weights away (``weights.sleep``): level 1 to page-locked host
+    memory, level 2 the transformer's dropped too (sent between ticks)."""
+
+    level: int = 1
+
+
+class WakeWorkers(msgspec.Struct, tag="wake_workers"):
+    """Bring the weights back to the device."""
+
+
 RunnerRequest = (ExecuteBatch | ExecuteStep | CountStepStates | LoadAdapter | AdapterStatus
-                 | DropAdapters | CountWeights)
+                 | DropAdapters | CountWeights | StageWeights | CommitWeights | DiscardWeights
+                 | SleepWorkers | WakeWorkers)
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -167,7 +195,30 @@ class WeightBytes(msgspec.Struct, tag="weight_bytes"):
     on_device: int = 0
 
 
-RunnerReply = TickReport | StepStateCount | AdapterState | WeightBytes
+class WeightsStaged(msgspec.Struct, tag="weights_staged"):
+    """A rank's answer to ``StageWeights`` (and to commit / discard): the
+    checksum of what it read (``weights.update.checksum``), or why it could
+    not read it."""
+
+    checksum: str = ""
+    tensors: int = 0
+    nbytes: int = 0
+    error: str | None = None
+
+
+class SleepReport(msgspec.Struct, tag="sleep_report"):
+    """A rank's answer to ``SleepWorkers`` / ``WakeWorkers``: the bytes the
+    device gave up (and those kept in page-locked memory), or got back;
+    whether waking read the transformer from its folder again (level 2)."""
+
+    freed_bytes: int = 0
+    pinned_bytes: int = 0
+    restored_bytes: int = 0
+    reloaded: bool = False
+
+
+RunnerReply = (TickReport | StepStateCount | AdapterState | WeightBytes | WeightsStaged
+               | SleepReport)
 
 PIPELINE_PROTOCOL = RunnerProtocol(settings=RunnerSettings, requests=RunnerRequest,
                                    replies=RunnerReply)

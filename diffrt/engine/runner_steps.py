@@ -54,7 +54,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 #: request id -> its output tensor of this tick
-Outputs = dict[str, torch.Tensor | dict[str, Any]]
+Outputs = dict[str, Any]
 
 
 class _OfRequest(Protocol):

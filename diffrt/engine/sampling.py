@@ -44,6 +44,14 @@ MAX_LORA_SCALE = 100.0
 MAX_PARTIAL_IMAGES = 3
 #: the priorities a request may give (lower runs first, vLLM's convention)
 MIN_PRIORITY, MAX_PRIORITY = -10, 10
+#: how a request's latents are stepped: "default" — the model's own noise
+#: scheduler (an ODE for the flow-matching families); "flow-sde" — Flow-GRPO's
+#: SDE step, which draws fresh noise each step and so has a log-prob
+#: (``pipelines/flow_sde.py``, docs/rollouts.md)
+SamplerName = Literal["default", "flow-sde"]
+#: Flow-GRPO's default noise level (its ``noise_level``, the paper's a)
+DEFAULT_NOISE_LEVEL = 0.7
+MAX_NOISE_LEVEL = 10.0
 
 
 def random_seed() -> int:
@@ -198,6 +206,36 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         "latency target in seconds from arrival, a scheduling target only (slo orders by "
         "slack; it never ends the request: timeout_s does)", http="deadline_ms")] = None
 
+    #: rollouts for reinforcement learning (docs/rollouts.md): the sampler,
+    #: its noise level, and what comes back beside the images
+    sampler: Annotated[SamplerName, _about(
+        "default (the model's noise scheduler) or flow-sde (Flow-GRPO's SDE step: fresh "
+        "noise each step, a log-prob per step; flow-matching families)")] = "default"
+    noise_level: Annotated[Annotated[float, Meta(gt=0, le=MAX_NOISE_LEVEL)] | None, _about(
+        f"flow-sde's noise level (Flow-GRPO's a; default {DEFAULT_NOISE_LEVEL})")] = None
+    return_log_probs: Annotated[bool, _about(
+        "flow-sde: each step's transition log-prob per output, (n, steps) float32 in "
+        "DiffusionOutput.rollout", http=None, cli=None)] = False
+    return_trajectory: Annotated[bool, _about(
+        "the latents before and after each step, (n, steps + 1, C, h, w), with the "
+        "timesteps and sigmas, in DiffusionOutput.rollout", http=None, cli=None)] = False
+    #: each output's own seed (``n`` of them): output i draws its noise (the
+    #: first latents, and flow-sde's at each step) from its own generator,
+    #: so a request with ``seeds=[s]`` reproduces it alone
+    seeds: Annotated[Annotated[list[Annotated[int, Meta(ge=SEED_MIN)]],
+                               Meta(min_length=1, max_length=MAX_OUTPUTS_PER_PROMPT)] | None,
+                     _about("one seed per output (as many as n): each output's noise is drawn "
+                            "from its own, so seeds=[s] alone reproduces that output; instead "
+                            "of seed", cli=None)] = None
+
+    #: batch invariance: its text encoding, each denoise step's transformer
+    #: call and its decode run on its rows alone, so its images (and
+    #: log-probs) are bit-identical whatever it is batched with
+    deterministic: Annotated[bool, _about(
+        "bit-identical images and log-probs whatever the request is batched with: its "
+        "rows get transformer calls (and text encoding, decode) of their own, at the cost "
+        "of the batching they would share (docs/rollouts.md)")] = False
+
     def start_step(self) -> int:
         """The schedule step an image-to-image request starts at, as
         diffusers' ``get_timesteps`` computes it (0 without ``strength``)."""
@@ -256,10 +294,45 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 "which would end it first"))
         if self.cache_threshold is not None and self.cache == "off":
             raise InvalidRequestError("cache_threshold", 'applies to a step cache, not to cache="off"')
+        self._validate_rollout()
         if self.strength is not None and self.denoise_steps() < 1:
             raise InvalidRequestError("strength", (
                 f"{self.strength:g} of {self.num_inference_steps} steps leaves no step to run "
                 "(diffusers runs int(steps * strength)); raise strength or num_inference_steps"))
+
+    def _validate_rollout(self) -> None:
+        """The rollout fields' rules among themselves (the model's support:
+        ``ModelSpec.check``)."""
+        if self.noise_level is not None and self.sampler != "flow-sde":
+            raise InvalidRequestError("noise_level", 'applies to sampler="flow-sde"')
+        if self.return_log_probs and self.sampler != "flow-sde":
+            raise InvalidRequestError("return_log_probs", (
+                'needs sampler="flow-sde" (the default sampler\'s steps are deterministic: '
+                "they have no log-prob)"))
+        if self.seeds is None:
+            return
+        if len(self.seeds) != self.num_outputs_per_prompt:
+            raise InvalidRequestError("seeds", (
+                f"gives {len(self.seeds)} seed(s) for {self.num_outputs_per_prompt} output(s) "
+                "(num_outputs_per_prompt): one per output"))
+        if self.seed is not None:
+            raise InvalidRequestError("seeds", "gives each output's seed: leave seed unset")
+        for seed in self.seeds:
+            if seed > SEED_MAX:
+                raise InvalidRequestError("seeds", f"each must be <= {SEED_MAX}, got {seed}")
+
+    @property
+    def effective_noise_level(self) -> float:
+        """flow-sde's noise level (the default when the request gave none)."""
+        return DEFAULT_NOISE_LEVEL if self.noise_level is None else self.noise_level
+
+    @property
+    def keeps_row_noise(self) -> bool:
+        """Its outputs keep noise state between steps (flow-sde's draws, their
+        own seeds) or record them (log-probs, a trajectory): a fused
+        REQUEST_BATCH forward runs it through the step protocol."""
+        return (self.sampler != "default" or self.return_log_probs or self.return_trajectory
+                or self.seeds is not None)
 
     def request_batch_key(self) -> tuple:
         """Parameter fields that must match for two requests to share one fused

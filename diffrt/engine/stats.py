@@ -108,6 +108,8 @@ class EngineStats:
     preemptions_total: int = 0
     requests_paused: int = 0
     paused_state_bytes: int = 0
+    #: the workers sleep (``DiffusionEngine.sleep``): requests wait for ``wake``
+    sleeping: bool = False
 
 
 def classify(output: DiffusionOutput) -> str:

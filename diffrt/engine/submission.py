@@ -20,6 +20,7 @@ from diffrt.engine.errors import EngineClosedError, InputsFullError
 from diffrt.engine.input_images import release, store, to_arrays
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
+from diffrt.engine.rollout_checks import check_rollout
 from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.sampling import InvalidRequestError, filled, random_seed
 from diffrt.runtime.input_arena import InputArena, InputArenaClosedError, InputArenaFullError
@@ -37,6 +38,7 @@ def check(request: object, spec: ModelSpec, config: EngineConfig,
     request.validate()
     request = spec.with_defaults(request)  # the model's, for fields left at None
     spec.check(request)
+    check_rollout(spec, request)
     params = request.sampling_params
     if params.cache not in (None, "off") and _splits_rows(config):
         raise InvalidRequestError("cache", (
@@ -74,7 +76,7 @@ def accept(request: object, spec: ModelSpec, config: EngineConfig,
     # The engine's own copy (a caller mutating its request later changes
     # nothing), with the seed drawn here when none was given so the output can
     # name it.
-    seed = random_seed() if params.seed is None else params.seed
+    seed = random_seed() if params.seed is None and params.seeds is None else params.seed
     request = msgspec.structs.replace(
         request, sampling_params=msgspec.structs.replace(params, seed=seed))
     if request.images:

@@ -10,6 +10,7 @@ from yours (Starlette does not run a mounted app's lifespan):
 
 Protocol models (``protocol.py``), routes (``routes.py``: images;
 ``edit_routes.py``: image edits; ``lora_routes.py``: the LoRA adapters;
+``rollout_routes.py``: sleep and wake;
 ``status_routes.py``: models, health, readiness, metrics; ``video_routes.py``:
 the videos API, its jobs in ``video_store.py`` run by ``video_runs.py``), the answers and
 refusals they share (``image_answers.py``, ``error_mapping.py``), the engine
@@ -32,6 +33,7 @@ from diffrt.serve import (
     edit_routes,
     lora_routes,
     playground,
+    rollout_routes,
     routes,
     status_routes,
     video_routes,
@@ -93,6 +95,7 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
     app.include_router(status_routes.router)
     app.include_router(edit_routes.router)
     app.include_router(lora_routes.router)
+    app.include_router(rollout_routes.router)
     app.include_router(video_routes.router)
     app.include_router(playground.router)
     app.add_middleware(RequestContext, settings=settings,

@@ -188,6 +188,10 @@ class EngineClient:
             reason = self.failure or "the engine is not healthy"
             raise ApiError(503, f"the engine is down: {reason}", code="engine_down")
         assert self.engine is not None
+        if self.engine.sleeping and self.settings.sleep_requests == "refuse":
+            raise ApiError(503, "the engine sleeps (POST /wake_up wakes it); retry later",
+                           code="sleeping",
+                           headers={"Retry-After": str(self.settings.sleep_retry_after_s)})
         seat = self.engine.take_seat(self.settings.max_pending, on_admitted=on_admitted)
         if not seat.taken:
             raise ApiError(429, f"{seat.waiting} requests are waiting (max_pending="
@@ -266,7 +270,7 @@ class EngineClient:
                 self._in_flight -= 1
 
     # -- LoRA adapters (routes: lora_routes.py) ----------------------------------------
-    def _engine_for_adapters(self) -> DiffusionEngine:
+    def running_engine(self) -> DiffusionEngine:
         """The engine, once it has started (adapters live in its workers)."""
         if self.state == "starting":
             raise ApiError(503, "the model is still loading; retry shortly",
@@ -277,18 +281,18 @@ class EngineClient:
         return self.engine
 
     async def list_loras(self) -> list[LoraInfo]:
-        return self._engine_for_adapters().list_loras()
+        return self.running_engine().list_loras()
 
     async def add_lora(self, name: str, path: str) -> LoraInfo:
         """Register an adapter. ``DiffusionEngine.add_lora`` waits until every
         worker has read the file (seconds for a large one), so it runs on a
         thread: the event loop serves other requests meanwhile."""
-        engine = self._engine_for_adapters()
+        engine = self.running_engine()
         return await asyncio.to_thread(engine.add_lora, name, path)
 
     async def remove_lora(self, name: str) -> None:
         """Unregister an adapter (a call to the workers when none holds it: on a thread)."""
-        engine = self._engine_for_adapters()
+        engine = self.running_engine()
         await asyncio.to_thread(engine.remove_lora, name)
 
     def metric_snapshots(self) -> list[tuple[dict[str, str], Any]]:

@@ -88,10 +88,15 @@ def route_path(scope: dict) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
+#: routes outside /v1 that change the engine (``rollout_routes.py``): keyed too
+KEYED_ROUTES = frozenset({"/sleep", "/wake_up"})
+
+
 def key_required(scope: dict) -> bool:
-    """``/v1/*`` needs the key, except an image's content URL."""
+    """``/v1/*`` needs the key, except an image's content URL; so do
+    ``/sleep`` and ``/wake_up``."""
     path = route_path(scope)
-    return path.startswith("/v1/") and _OPEN_V1.fullmatch(path) is None
+    return path in KEYED_ROUTES or (path.startswith("/v1/") and _OPEN_V1.fullmatch(path) is None)
 
 
 def check_api_key(scope: dict, keys: tuple[str, ...]) -> str | None:

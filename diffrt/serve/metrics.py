@@ -77,6 +77,8 @@ class EngineCollector(Collector):
                 family.add_metric(values(labels), read(stats))
             return family
 
+        yield gauge("diffrt_sleeping", "1 while the engine sleeps (POST /sleep; requests wait)",
+                    lambda s: float(s.sleeping))
         yield gauge("diffrt_requests_running", "Requests in a batch now",
                     lambda s: s.requests_running)
         yield gauge("diffrt_requests_waiting", "Requests accepted but not yet admitted to a batch",

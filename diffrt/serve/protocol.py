@@ -92,9 +92,10 @@ def _python_type(declared: Declared) -> Any:
     values, so pydantic refuses another value naming the field."""
     if declared.kind == "choice":
         return Literal[declared.choices]  # Literal[("a", "b")] is Literal["a", "b"]
-    # the one mapping among the sampling fields is ``loras``: adapter name -> scale
+    # the one mapping among the sampling fields is ``loras``: adapter name -> scale;
+    # the one sequence ``seeds``: ints
     return {"int": int, "float": float, "str": str, "bool": bool,
-            "mapping": dict[str, float]}[declared.kind]
+            "mapping": dict[str, float], "sequence": list[int]}[declared.kind]
 
 
 def _body_field(declared: Declared, name: str) -> tuple[Any, Any]:

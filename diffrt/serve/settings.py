@@ -21,7 +21,7 @@ one line naming the field).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -56,6 +56,12 @@ class ServeSettings(msgspec.Struct, kw_only=True, frozen=True):
         "one gets 429 with Retry-After"))] = 64
     retry_after_s: Annotated[int, Meta(ge=1, description=(
         "the Retry-After, in seconds, that a 429 for a full server suggests"))] = 1
+    sleep_requests: Annotated[Literal["wait", "refuse"], Meta(description=(
+        "requests that arrive while the engine sleeps (POST /sleep): wait for POST /wake_up, "
+        "or are refused with 503 and Retry-After: sleep_retry_after_s"))] = "wait"
+    sleep_retry_after_s: Annotated[int, Meta(ge=1, description=(
+        "the Retry-After, in seconds, of a 503 for a sleeping engine (sleep_requests "
+        "refuse)"))] = 5
     shutdown_timeout_s: Annotated[float, Meta(ge=0, description=(
         "seconds requests in flight may take to finish after SIGTERM/SIGINT before they "
         "are aborted"))] = 30.0

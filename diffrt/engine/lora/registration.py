@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from diffrt.engine.lora.adapter_file import AdapterFileError
 from diffrt.engine.lora.loader import LOADING, READY
-from diffrt.engine.lora.registry import AdapterRegistry, LoraInfo
+from diffrt.engine.lora.registry import Adapter, AdapterRegistry, LoraInfo
 from diffrt.engine.runner_messages import AdapterState, AdapterStatus, DropAdapters, LoadAdapter
 from diffrt.runtime.executor import Executor
 
@@ -43,6 +43,18 @@ def load_on_workers(executor: Executor, adapter_id: int, path: str,
         time.sleep(POLL_S)
 
 
+def _read(registry: AdapterRegistry, executor: Executor, adapter: Adapter,
+          timeout_s: float) -> AdapterState:
+    """The workers read ``adapter``'s file; a failure gives its name back."""
+    try:
+        state = load_on_workers(executor, adapter.id, adapter.path, timeout_s)
+    except BaseException:
+        registry.abandon(adapter)
+        raise
+    adapter.rank, adapter.modules, adapter.nbytes = state.rank, state.modules, state.nbytes
+    return state
+
+
 def register(registry: AdapterRegistry, executor_now: Callable[[], Executor], name: str,
              path: str, timeout_s: float) -> LoraInfo:
     """``DiffusionEngine.add_lora``: reserve ``name``, have the workers read
@@ -50,12 +62,7 @@ def register(registry: AdapterRegistry, executor_now: Callable[[], Executor], na
     (``executor_now()`` another executor) read it too."""
     adapter = registry.reserve(name, os.path.abspath(path))
     executor = executor_now()
-    try:
-        state = load_on_workers(executor, adapter.id, adapter.path, timeout_s)
-    except BaseException:
-        registry.abandon(adapter)
-        raise
-    adapter.rank, adapter.modules, adapter.nbytes = state.rank, state.modules, state.nbytes
+    state = _read(registry, executor, adapter, timeout_s)
     registry.confirm(adapter)
     if executor_now() is not executor:  # fresh workers started meanwhile: they read it too
         try:
@@ -66,6 +73,22 @@ def register(registry: AdapterRegistry, executor_now: Callable[[], Executor], na
                                    f"it: {exc}") from exc
     logger.info("LoRA adapter %r registered: %s (rank %d, %d layers, %d KiB)", name,
                 adapter.path, state.rank, state.modules, state.nbytes >> 10)
+    return next(info for info in registry.infos() if info.name == name)
+
+
+def update(registry: AdapterRegistry, executor_now: Callable[[], Executor], name: str,
+           path: str, version: int | str, timeout_s: float) -> LoraInfo:
+    """``DiffusionEngine.update_lora``: the workers read the new factors as
+    a new adapter, which then takes the name (``AdapterRegistry.swap``);
+    the old one leaves the workers when the last request holding it ends."""
+    adapter = registry.reserve_update(name, os.path.abspath(path))
+    adapter.version = version
+    executor = executor_now()
+    _read(registry, executor, adapter, timeout_s)
+    ids = registry.swap(adapter)
+    if ids:
+        executor.collective_rpc(DropAdapters(ids))
+    logger.info("LoRA adapter %r updated to version %r", name, version)
     return next(info for info in registry.infos() if info.name == name)
 
 
@@ -81,4 +104,4 @@ def unregister(registry: AdapterRegistry, executor: Executor, name: str) -> None
             logger.warning("dropping LoRA adapter %r in the workers failed: %s", name, exc)
 
 
-__all__ = ["load_on_workers", "register", "unregister"]
+__all__ = ["load_on_workers", "register", "unregister", "update"]

@@ -50,6 +50,8 @@ class LoraInfo(msgspec.Struct, frozen=True, kw_only=True):
     active: int
     #: its device slot now (None: on the host only)
     slot: int | None
+    #: the version its factors carry (0 as registered; ``update_lora`` names the next)
+    version: int | str = 0
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Adapter:
     #: requests queued or running with it
     pins: int = 0
     requests: int = 0
+    version: int | str = 0
 
 
 class AdapterRegistry:
@@ -106,6 +109,32 @@ class AdapterRegistry:
             self._by_name[adapter.name] = adapter
             self._by_id[adapter.id] = adapter
 
+    def reserve_update(self, name: str, path: str) -> Adapter:
+        """A new adapter id for new factors of the registered ``name``
+        (``update_lora``; KeyError when it is not registered)."""
+        with self._lock:
+            current = self._by_name.get(name)
+            if current is None:
+                raise KeyError(f"no LoRA adapter named {name!r}")
+            if name in self._pending:
+                raise LoraExistsError(f"LoRA adapter {name!r}: another update is under way")
+            self._pending.add(name)
+            return Adapter(next(self._ids), name, path, version=current.version)
+
+    def swap(self, adapter: Adapter) -> list[int]:
+        """``adapter`` takes its name: requests accepted from now on get it,
+        those holding the old one keep it until they end; the ids to drop in
+        the workers now (the old one, when nobody holds it)."""
+        with self._lock:
+            self._pending.discard(adapter.name)
+            old = self._by_name.get(adapter.name)
+            self._by_name[adapter.name] = adapter
+            self._by_id[adapter.id] = adapter
+            if old is None:
+                return []
+            old.removed = True
+            return self._drop_if_unused(old)
+
     def abandon(self, adapter: Adapter) -> None:
         with self._lock:
             self._pending.discard(adapter.name)
@@ -130,7 +159,7 @@ class AdapterRegistry:
         with self._lock:
             return [LoraInfo(name=a.name, path=a.path, rank=a.rank, modules=a.modules,
                              nbytes=a.nbytes, requests=a.requests, active=a.pins,
-                             slot=self.slots.slot_of(a.id))
+                             slot=self.slots.slot_of(a.id), version=a.version)
                     for a in sorted(self._by_name.values(), key=lambda a: a.name)]
 
     def names(self) -> list[str]:
@@ -175,6 +204,7 @@ class AdapterRegistry:
                 self._requests_by_name[adapter.name] = self._requests_by_name.get(
                     adapter.name, 0) + 1
             record.adapters = tuple((a.id, scale) for a, scale in adapters)
+            record.lora_versions = {a.name: a.version for a, _ in adapters}
 
     # -- the scheduler's (BatchAdapters) -----------------------------------------------------
     def admit(self, record: RequestRecord, *, blocked: bool) -> bool:

@@ -68,8 +68,12 @@ class Conditioner:
             requests), strict=True)) if host.text_sees_images and pixels is not None
             and host.spec.task_of(r) == "editing"}
         rest = [i for i in range(len(requests)) if i not in seen]
-        texts = iter(self._encode_texts([requests[i] for i in rest]) if rest else [])
-        return [host.encode_with_images(requests[i], seen[i]) if i in seen else next(texts)
+        alone = [i for i in rest if requests[i].sampling_params.deterministic]  # batch invariant
+        shared = [i for i in rest if i not in alone]
+        texts = dict(zip(shared, self._encode_texts([requests[i] for i in shared]) if shared
+                         else [], strict=True))
+        texts.update({i: self._encode_texts([requests[i]])[0] for i in alone})
+        return [host.encode_with_images(requests[i], seen[i]) if i in seen else texts[i]
                 for i in range(len(requests))]
 
     def _encode_texts(self, requests: list[DiffusionRequest]) -> list[Conditioning]:

@@ -31,7 +31,7 @@ from diffrt.engine.input_images import InputPixels
 from diffrt.engine.lora.row_lora import RowLoras
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.parallel.sequence import SequenceSplit
-from diffrt.engine.pipelines.interface import StepRequestState
+from diffrt.engine.pipelines.interface import RequestOutput, StepRequestState
 from diffrt.engine.pipelines.latents import SpatialLatents
 from diffrt.engine.pipelines.prompt_cache import TextEncoder
 from diffrt.engine.pipelines.request_state import Conditioning
@@ -135,7 +135,7 @@ class FlowMatchHost(Protocol):
 
     def apply_step(self, state: StepRequestState, noise_pred: torch.Tensor) -> None: ...
 
-    def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]: ...
+    def post_decode_batch(self, states: list[StepRequestState]) -> list[RequestOutput]: ...
 
     def run_transformer(self, latents: torch.Tensor, timesteps: torch.Tensor,
                         embeds: torch.Tensor, extra: torch.Tensor, guidance: torch.Tensor,

@@ -32,7 +32,12 @@ from diffrt.engine.cache.state import DEFAULT_CACHE_STATE_BYTES, CacheBudget, Re
 from diffrt.engine.outputs import CacheMetrics
 from diffrt.engine.pipelines.conditioning import Conditioner, resolve_seed
 from diffrt.engine.pipelines.contract import FlowMatchHost
-from diffrt.engine.pipelines.interface import DiffusionRequestBatch, StepRequestState
+from diffrt.engine.pipelines.flow_sde import RowNoise, draw_noise
+from diffrt.engine.pipelines.interface import (
+    DiffusionRequestBatch,
+    RequestOutput,
+    StepRequestState,
+)
 from diffrt.engine.pipelines.prompt_cache import cat_rows
 from diffrt.engine.pipelines.request_state import Conditioning
 from diffrt.engine.pipelines.segments import RowLayout, pad_tokens
@@ -91,7 +96,7 @@ class DenoiseLoop:
         return latents if state.edit is None else torch.cat([latents, state.edit.tokens], dim=1)
 
     # -- REQUEST_BATCH ---------------------------------------------------------------
-    def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
+    def forward(self, batch: DiffusionRequestBatch) -> list[RequestOutput]:
         host = self.host
         # The engine accepts requests with their defaults filled in; a caller
         # using the pipeline directly may leave them at None.
@@ -99,10 +104,13 @@ class DenoiseLoop:
                                       batch.inputs)
         params = batch.sampling_params
         check_compatible(batch.requests, host.spec.request_batch_key)
-        if batch.requests[0].images or (self.caches_here and any(
+        if batch.requests[0].images or any(r.sampling_params.keeps_row_noise
+                                           or r.sampling_params.deterministic
+                                           for r in batch.requests) or (self.caches_here and any(
                 host.spec.cache_plan(r.sampling_params) for r in batch.requests)):
-            # equal tasks all from their input images, or requests with a step
-            # cache: each keeps its own state between steps
+            # equal tasks all from their input images, requests with a step
+            # cache or with noise of their own (rollouts, seeds per output):
+            # each keeps its own state between steps
             return self.forward_in_steps(batch)
         n = params.num_outputs_per_prompt
         latents = torch.cat([self.first_latents(params, resolve_seed(r.sampling_params.seed))
@@ -123,7 +131,7 @@ class DenoiseLoop:
         # shared or pickled, ship) the whole batch's bytes.
         return [p.clone() for p in parts] if len(parts) > 1 else list(parts)
 
-    def forward_in_steps(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
+    def forward_in_steps(self, batch: DiffusionRequestBatch) -> list[RequestOutput]:
         """A fused forward of requests that start from input images or have a
         step cache: the step protocol over all of them at once (each keeps its
         own noise scheduler, begun at its start step, and its own cache; equal
@@ -171,6 +179,9 @@ class DenoiseLoop:
         state.noise_scheduler, state.timesteps = host.prepare_timesteps(params)
         state.step = 0
         state.cache = self.new_cache(state)
+        if params.keeps_row_noise:  # a rollout: text-to-image (ModelSpec.check_rollout)
+            self.prepare_rollout(state)
+            return
         if image_latents is None or edit:  # an edit starts from noise, conditioned on its image
             state.latents = self.first_latents(params, state.seed)
             if image_latents is not None:
@@ -178,8 +189,47 @@ class DenoiseLoop:
             return
         self.conditioner.start_from_image(state, image_latents[0], generator)
 
+    def prepare_rollout(self, state: StepRequestState) -> None:
+        """A request with noise of its own (``flow_sde.RowNoise``): its first
+        latents from its generators (one per output with ``seeds``), its
+        schedule and first latents recorded."""
+        host = self.host
+        params = state.request.sampling_params
+        rollout = state.rollout = RowNoise.of(params, prepared(state.seed))
+        noise = draw_noise(host.latents, params, rollout.generators)
+        state.latents = host.latents.pack(noise.to(device=host.device, dtype=host.dtype))
+        steps = state.total_steps
+        rollout.timesteps = prepared(state.timesteps)[:steps]
+        sigmas = prepared(state.noise_scheduler).sigmas
+        rollout.sigmas = sigmas[state.start_step:state.start_step + steps + 1]
+        rollout.record(state.latents, self.unpacker(params))
+
+    def unpacker(self, params: SamplingParams) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Transformer-layout latents of a request -> the VAE's layout."""
+        layout, size = self.host.latents, self.host.latents.size(params)
+        return lambda latents: layout.unpack(latents, size)
+
     # -- STEP_BATCH: step ------------------------------------------------------------
     def denoise_step(self, states: list[StepRequestState]) -> torch.Tensor:
+        """``denoise_rows`` for ``states``, except that a request asking for
+        batch invariance (``SamplingParams.deterministic``) gets a call of
+        its own: the same call it would get alone, so the same bits. The
+        predictions are padded to the longest, as one call's are."""
+        alone = [s for s in states if s.request.sampling_params.deterministic]
+        if not alone or len(states) == 1:
+            return self.denoise_rows(states)
+        rest = [s for s in states if not s.request.sampling_params.deterministic]
+        parts: dict[int, torch.Tensor] = {}
+        for group in [[s] for s in alone] + ([rest] if rest else []):
+            pred = self.denoise_rows(group)
+            parts.update({id(s): p for s, p in zip(
+                group, self.split_predictions(pred, group), strict=True)})
+        ordered = [parts[id(s)] for s in states]
+        if len({p.shape[1:] for p in ordered}) == 1:
+            return torch.cat(ordered)
+        return pad_tokens(ordered, max(p.shape[1] for p in ordered))
+
+    def denoise_rows(self, states: list[StepRequestState]) -> torch.Tensor:
         """One transformer call for every row of ``states``; rows of different
         sizes (``ModelSpec.mixed_sizes``) zero-padded to the longest
         (``segments``), their predictions cut back by ``split_predictions``."""
@@ -226,7 +276,15 @@ class DenoiseLoop:
             if inpaint is not None:  # outside the mask the image is kept
                 x0 = inpaint.keep_outside(x0, inpaint.image_latents)
             state.x0 = x0
-        state.latents = noise_scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        rollout = state.rollout
+        if rollout is not None and rollout.noise_level is not None:  # flow-sde
+            state.latents = rollout.step(self.host.latents, state.request.sampling_params,
+                                         noise_scheduler.sigmas, state.start_step + state.step,
+                                         latents, noise_pred)
+        else:
+            state.latents = noise_scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if rollout is not None:
+            rollout.record(state.latents, self.unpacker(state.request.sampling_params))
         if inpaint is not None:
             self.conditioner.blend_masked(state, inpaint)
         if state.cache is not None:  # its decision of this step becomes its own
@@ -326,17 +384,25 @@ class DenoiseLoop:
 
     def post_decode_batch(self, states: list[StepRequestState],
                           post_decode: Callable[[StepRequestState], torch.Tensor]
-                          ) -> list[torch.Tensor]:
+                          ) -> list[RequestOutput]:
         """One VAE decode for requests finishing in the same tick (as forward
         does); ``post_decode`` (the pipeline's) decodes a request alone."""
         for state in states:
             self.end_cache(state)
+        return [with_rollout(state, out) for state, out in
+                zip(states, self.decode_all(states, post_decode), strict=True)]
+
+    def decode_all(self, states: list[StepRequestState],
+                   post_decode: Callable[[StepRequestState], torch.Tensor]
+                   ) -> list[torch.Tensor]:
         if len(states) == 1:
             return [post_decode(states[0])]
         groups: dict[tuple, list[int]] = {}  # decoded together: same size and output
         for i, s in enumerate(states):
             params = s.request.sampling_params
-            groups.setdefault((self.host.latents.size(params), params.output_type), []).append(i)
+            alone = i if params.deterministic else None  # batch invariance: decoded alone
+            groups.setdefault((self.host.latents.size(params), params.output_type, alone),
+                              []).append(i)
         out: dict[int, torch.Tensor] = {}
         for members in groups.values():
             if len(members) == 1:
@@ -352,4 +418,13 @@ class DenoiseLoop:
         return [out[i] for i in range(len(states))]
 
 
-__all__ = ["DenoiseLoop", "check_compatible", "prepared"]
+def with_rollout(state: StepRequestState, out: torch.Tensor) -> RequestOutput:
+    """A finished request's output: its images, and beside them what it
+    recorded of its steps when it asked (``flow_sde.RowNoise.result``)."""
+    rollout = state.rollout
+    if rollout is None or not rollout.wanted:
+        return out
+    return {"images": out, "rollout": rollout.result()}
+
+
+__all__ = ["DenoiseLoop", "check_compatible", "prepared", "with_rollout"]

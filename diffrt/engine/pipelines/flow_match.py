@@ -38,7 +38,11 @@ from diffrt.engine.pipelines.conditioning import (
 from diffrt.engine.pipelines.denoise import DenoiseLoop
 from diffrt.engine.pipelines.flow_match_spec import vae_factor
 from diffrt.engine.pipelines.folder_text import PromptWindow
-from diffrt.engine.pipelines.interface import DiffusionRequestBatch, StepRequestState
+from diffrt.engine.pipelines.interface import (
+    DiffusionRequestBatch,
+    RequestOutput,
+    StepRequestState,
+)
 from diffrt.engine.pipelines.latents import SpatialLatents
 from diffrt.engine.pipelines.request_state import Conditioning
 from diffrt.engine.pipelines.segments import RowLayout
@@ -275,7 +279,7 @@ class FlowMatchPipeline(ComponentsPipeline):
 
     # -- the runner's: both execution modes (``denoise.DenoiseLoop``) -----------------------
     @torch.no_grad()
-    def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
+    def forward(self, batch: DiffusionRequestBatch) -> list[RequestOutput]:
         return self.loop.forward(batch)
 
     @torch.no_grad()
@@ -310,7 +314,7 @@ class FlowMatchPipeline(ComponentsPipeline):
         return self.loop.post_decode(state)
 
     @torch.no_grad()
-    def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]:
+    def post_decode_batch(self, states: list[StepRequestState]) -> list[RequestOutput]:
         """One VAE decode for requests finishing in the same tick (as forward does)."""
         return self.loop.post_decode_batch(states, self.post_decode)
 

@@ -45,12 +45,19 @@ if TYPE_CHECKING:
     from diffrt.engine.cache.state import CacheBudget
     from diffrt.engine.outputs import CacheMetrics
     from diffrt.engine.parallel.groups import ParallelGroups
+    from diffrt.engine.pipelines.flow_sde import RowNoise
     from diffrt.engine.weights.model_offload import ModelOffload
     from diffrt.engine.weights.offload import LayerwiseOffload
     from diffrt.platforms.interface import Platform
 
 if TYPE_CHECKING:
     from diffrt.engine.outputs import TextEncoderStats
+
+
+#: what a pipeline returns for one request: the device tensor of its images
+#: (or latents), or, when it asked for its rollout (``flow_sde``),
+#: ``{"images": that tensor, "rollout": {name: tensor}}``
+RequestOutput = torch.Tensor | dict[str, Any]
 
 
 @dataclass
@@ -118,6 +125,9 @@ class StepRequestState(OfRequest):
     #: and the clean-image prediction of the last such step, until decoded
     preview_steps: tuple[int, ...] | None = None
     x0: torch.Tensor | None = None
+    #: its outputs' own noise state and what it records of its steps (a
+    #: rollout: ``flow_sde.RowNoise``; None: the default sampler, one seed)
+    rollout: RowNoise | None = None
     #: a family's own per-request struct, where it needs one (its tensors
     #: are counted by ``nbytes`` like the rest)
     family_state: Any = None
@@ -144,6 +154,7 @@ class StepRequestState(OfRequest):
         its noise scheduler's tensors and its step cache (each view once)."""
         seen: set[tuple[int, int, int]] = set()
         values = [self.latents, self.timesteps, self.cond, self.guidance, self.cfg_scale,
+                  self.rollout,
                   self.inpaint, self.overlay, self.edit, self.x0, self.family_state,
                   self.inputs,
                   vars(self.noise_scheduler) if hasattr(self.noise_scheduler, "__dict__") else None]
@@ -224,8 +235,9 @@ class DiffusionPipeline(ABC):
 
     # -- REQUEST_BATCH -------------------------------------------------------
     @abstractmethod
-    def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
-        """Run whole requests; return one device tensor per request, in order."""
+    def forward(self, batch: DiffusionRequestBatch) -> list[RequestOutput]:
+        """Run whole requests; return one output (a device tensor, or one with
+        its rollout) per request, in order."""
 
     # -- STEP_BATCH ----------------------------------------------------------
     def prepare_encode(self, state: StepRequestState) -> None:
@@ -255,9 +267,9 @@ class DiffusionPipeline(ABC):
         """Decode a finished request; same result as the tail of ``forward``."""
         raise NotImplementedError(f"{type(self).__name__} does not support step execution")
 
-    def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]:
+    def post_decode_batch(self, states: list[StepRequestState]) -> list[RequestOutput]:
         """Decode several finished requests of one step batch (their step batch
-        keys agree); one tensor per state, in order. The default decodes them
+        keys agree); one output per state, in order. The default decodes them
         one by one; override to decode them in one call (the engine's runner
         uses this when requests finish in the same tick)."""
         return [self.post_decode(state) for state in states]
@@ -361,14 +373,14 @@ class DiffusionPipeline(ABC):
         return {}
 
     # -- output hooks --------------------------------------------------------
-    def to_transfer(self, output: torch.Tensor,
-                    params: SamplingParams) -> torch.Tensor | dict[str, Any]:
+    def to_transfer(self, output: RequestOutput, params: SamplingParams) -> Any:
         """Worker side, on the device, before any copy: images become uint8
-        (N, H, W, C) so 4x fewer bytes cross to the host; latents pass as is.
-        A family with sound gives its frames and waveform by key
-        (``pipelines.sound``)."""
+        (N, H, W, C) so 4x fewer bytes cross to the host; latents pass as is
+        (and a rollout's tensors beside them)."""
         from diffrt.engine.postprocess import quantize_images
 
+        if isinstance(output, dict):
+            return {**output, "images": self.to_transfer(output["images"], params)}
         return output if params.output_type == "latent" else quantize_images(output)
 
     # -- set by the worker's set-up plan (``engine.worker_setup``) ---------------

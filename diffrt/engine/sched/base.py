@@ -210,6 +210,8 @@ class BaseScheduler(Scheduler):
         (within the budgets and LoRA slots) into the running set. A resumed
         paused request keeps its first ``admitted_at``."""
         candidates = [*self._waiting, *self._paused] if self._paused else self._waiting
+        if self.holding:  # a job between ticks waits for the running ones: none joins
+            candidates = list(self._paused)
         if self._urgency_limit is not None:  # this tick's steps are kept short for a deadline
             candidates = [r for r in candidates if self.policy.urgency(r) <= self._urgency_limit]
         chosen = self._with_slots(self._within_budget(

@@ -125,6 +125,10 @@ class Scheduler(ABC):
     #: where a scheduler has it, the device slots its admitted requests' adapters
     #: take (``BaseScheduler``'s); one given to the engine with None gets the engine's
     adapters: BatchAdapters | None
+    #: a job between ticks waits for the running requests to finish (a weight
+    #: update, sleep: ``engine.between_ticks``): admit no new request
+    #: meanwhile (a paused one may resume and finish)
+    holding: bool = False
 
     @abstractmethod
     def add(self, record: RequestRecord) -> None:

@@ -153,7 +153,7 @@ class StepScheduler(BaseScheduler):
         for; one of another batch key pauses the batch only when it is more
         urgent than every request planned for it, and otherwise keeps the
         less urgent ones from joining (``SloPolicy.select``)."""
-        if not self._running or not (self._waiting or self._paused):
+        if not self._running or not (self._waiting or self._paused) or self.holding:
             return []
         policy, urgency = self.policy, self.policy.urgency
         batch = list(self._running)  # the next step's rows as planned

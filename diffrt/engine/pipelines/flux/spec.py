@@ -82,7 +82,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
     return ModelSpec(
         name=folder.name, family="flux", pipeline="diffrt.engine.pipelines.flux.pipeline:FluxPipeline",
         diffusers_pipeline="FluxKontextPipeline" if kontext else "FluxPipeline",
-        folder=folder.path, max_input_images=1, tasks=tasks,
+        folder=folder.path, max_input_images=1, tasks=tasks, rollouts=True,
         edit_resolutions=KONTEXT_RESOLUTIONS if kontext else (),
         parallel=ParallelSupport() if kontext else sequence_parallel_support(folder,
                                                                              "AutoencoderKL"),

@@ -64,7 +64,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         name=folder.name, family="qwen-image",
         pipeline="diffrt.engine.pipelines.qwen_image.pipeline:QwenImagePipeline",
         diffusers_pipeline=pipeline_class if edit else "QwenImagePipeline", folder=folder.path,
-        tasks=("editing",) if edit else TEXT_TO_IMAGE_TASKS,
+        tasks=("editing",) if edit else TEXT_TO_IMAGE_TASKS, rollouts=True,
         max_input_images=PLUS_MAX_IMAGES if plus else 1, edit_resize="area",
         # Plus: the VAE at 1024 x 1024 px (VAE_IMAGE_SIZE), Qwen2.5-VL at 384 x
         # 384 (CONDITION_IMAGE_SIZE), the default size from the last image

@@ -49,7 +49,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
     return ModelSpec(
         name=folder.name, family="sd3", pipeline="diffrt.engine.pipelines.sd3.pipeline:SD3Pipeline",
         diffusers_pipeline="StableDiffusion3Pipeline", folder=folder.path,
-        tasks=TEXT_TO_IMAGE_TASKS, max_input_images=1,
+        tasks=TEXT_TO_IMAGE_TASKS, max_input_images=1, rollouts=True,
         size_multiple=factor * patch,
         max_size=int(grid) * patch * factor if grid else scaled_max_size(factor),
         defaults=SamplingDefaults(height=size, width=size, num_inference_steps=28,
