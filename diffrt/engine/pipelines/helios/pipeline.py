@@ -51,7 +51,11 @@ from diffrt.engine.pipelines.helios.history import (
     frame_indices,
     history_inputs,
 )
-from diffrt.engine.pipelines.interface import DiffusionRequestBatch, StepRequestState
+from diffrt.engine.pipelines.interface import (
+    DiffusionRequestBatch,
+    RequestOutput,
+    StepRequestState,
+)
 from diffrt.engine.pipelines.latents import LatentSize
 from diffrt.engine.pipelines.request_state import Conditioning
 from diffrt.engine.pipelines.segments import RowLayout
@@ -136,7 +140,7 @@ class HeliosPipeline(WanPipeline):
 
     # -- the step protocol -----------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: DiffusionRequestBatch) -> list[torch.Tensor]:
+    def forward(self, batch: DiffusionRequestBatch) -> list[RequestOutput]:
         """A whole batch through the step protocol (each request its own
         chunks' state; equal batch keys: they finish together)."""
         batch = DiffusionRequestBatch([self.prepared(r) for r in batch.requests], batch.loras,
@@ -205,7 +209,7 @@ class HeliosPipeline(WanPipeline):
         return clip if params.output_type == "latent" else clip[:, :, :filled(params.num_frames)]
 
     @torch.no_grad()
-    def post_decode_batch(self, states: list[StepRequestState]) -> list[torch.Tensor]:
+    def post_decode_batch(self, states: list[StepRequestState]) -> list[RequestOutput]:
         return [self.post_decode(state) for state in states]
 
 

@@ -38,7 +38,7 @@ import torch
 
 from diffrt.engine.pipelines.flow_match import FlowMatchPipeline
 from diffrt.engine.pipelines.folder_text import PromptWindow
-from diffrt.engine.pipelines.interface import StepRequestState
+from diffrt.engine.pipelines.interface import RequestOutput, StepRequestState
 from diffrt.engine.pipelines.ltx2.latents import AudioVideoLatents, pack_video
 from diffrt.engine.pipelines.request_state import Conditioning
 from diffrt.engine.pipelines.segments import RowLayout
@@ -263,11 +263,11 @@ class LTX2Pipeline(FlowMatchPipeline):
         return split_sound(joined, state.request.sampling_params,
                            int(self.vocoder.config.out_channels))[0]
 
-    def to_transfer(self, output: torch.Tensor,
-                    params: SamplingParams) -> torch.Tensor | dict[str, Any]:
+    def to_transfer(self, output: RequestOutput, params: SamplingParams) -> Any:
         """Frames as uint8 (the base's), the waveform float32 and its rate
-        (``sound.SOUND_KEYS``); a preview's frames alone."""
-        if output.dim() != 2:  # a preview's frames
+        (``sound.SOUND_KEYS``); a preview's frames alone (LTX-2 makes no
+        rollout: its outputs are never the rollout's dict)."""
+        if not isinstance(output, torch.Tensor) or output.dim() != 2:  # a preview's frames
             return super().to_transfer(output, params)
         frames, waveform = split_sound(output, params, int(self.vocoder.config.out_channels))
         return sound_transfer(quantize_images(frames), waveform, self.sample_rate)
