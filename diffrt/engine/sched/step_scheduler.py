@@ -42,7 +42,7 @@ out or loses its worker is dropped there like a running one.
 
 Deadlines also size the step (``SloPolicy.on_time``): while a request with
 a deadline it can still meet would miss it at the planned batch's step time
-(the step-time model's ``o + k * units``), the least urgent rows of less
+(the step-cost model's per-step overhead plus its rows' work), the least urgent rows of less
 urgent classes are paused (within the same byte bound), and no request less
 urgent than it is admitted in that tick.
 """
