@@ -22,6 +22,7 @@ from diffrt.engine.pipelines.segments import resolve_mixed_rows
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.sched import RequestScheduler, Scheduler, StepScheduler, make_policy
+from diffrt.engine.sched.share import ShareDecider
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,14 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, run_time: RunTimeModel
     policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass,
                          aging_ticks=c.slo_aging_ticks, cost=run_time)
     if config.mode is ExecutionMode.STEP_BATCH:
+        key = step_batch_key(config, spec)
+        share = None
+        if c.share_steps == "cost" and key is not spec.step_batch_key:
+            # kinds: what one call shares (size, adapters, step cache)
+            share = ShareDecider(run_time, _kind(spec), max_bypass=c.scheduling_max_bypass)
         return StepScheduler(c.max_num_seqs, policy,
                              max_wait_s=_seconds(c.step_batch_max_wait_ms),
-                             key=step_batch_key(config, spec),
+                             key=key, share=share,
                              max_steps_per_tick=c.max_steps_per_tick, memory=memory,
                              tokens=lambda r: (spec.rows(r), spec.row_tokens(r)),
                              token_budget=c.max_num_batched_tokens or None,
@@ -75,6 +81,16 @@ def run_time_model(config: EngineConfig, spec: ModelSpec) -> tuple[RunTimeModel,
     model = RunTimeModel(spec, arrangement=arrangement, steps_per_tick=steps,
                          persisted=cost_store.load(key))
     return model, key
+
+
+def _kind(spec: ModelSpec) -> Callable[[DiffusionRequest], tuple]:
+    """What makes two requests' rows different kinds of work in a step: their
+    size (the model's own key), their adapters, their step cache."""
+    def kind(request: DiffusionRequest) -> tuple:
+        params = request.sampling_params
+        return (spec.step_batch_key(request), tuple(sorted((params.loras or {}).items())),
+                params.cache)
+    return kind
 
 
 def step_batch_key(config: EngineConfig, spec: ModelSpec) -> Callable[[DiffusionRequest], tuple]:

@@ -156,6 +156,12 @@ class RunTimeModel:
         fit = self.online.coefficients
         return None if fit is None else fit["call"] + fit["tick"] / self.steps_per_tick
 
+    @property
+    def tick_seconds(self) -> float | None:
+        """A step's share of a tick's fixed cost (online); None before any fit."""
+        fit = self.online.coefficients
+        return None if fit is None else fit["tick"] / self.steps_per_tick
+
     def work_seconds(self, request: DiffusionRequest) -> float:
         """Seconds of a step that ``request``'s rows add (online; 0 before any fit)."""
         fit = self.online.coefficients

@@ -151,6 +151,12 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
         "STEP_BATCH: requests of different sizes, output counts and output types share a "
         "denoise step (a model whose spec has mixed_sizes; not with ulysses/ring); False: "
         "only requests of one size do"))] = True
+    share_steps: Annotated[Literal["cost", "always"], Meta(description=(
+        "STEP_BATCH with mixed_size_batching: cost (a request of another size, adapter set "
+        "or step cache joins a step only when the step-cost model predicts sharing finishes "
+        "the requests sooner and pushes none past its deadline; on a CPU, where a call per "
+        "size saves nothing, that is about never) or always (whenever the key allows)"
+        ))] = "cost"
     scheduling_policy: Annotated[Policy, Meta(description=(
         "fifo (strict arrival order, head-of-line blocking), skip_ahead (compatible "
         "younger requests may pass an incompatible one, at most scheduling_max_bypass "
