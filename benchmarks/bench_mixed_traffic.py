@@ -277,6 +277,7 @@ def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, 
                               concurrency=CONCURRENCY if rate is None else len(requests),
                               rate=rate, seed=spec["seed"])
         steps = {k: n - steps_before.get(k, 0) for k, n in engine.stats().cache_steps_total.items()}
+        _note_costs(spec, engine)
     finally:
         engine.close()
     failed = [s.error for s in samples if not s.ok]
@@ -286,6 +287,21 @@ def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, 
     reused = sum(n for (_, outcome), n in steps.items() if outcome == "reused")
     return ([s.latency if s.ok else None for s in samples], wall,
             {k: after[k] - before[k] for k in after}, [reused, sum(steps.values())])
+
+
+def _note_costs(spec: dict[str, Any], engine: Any) -> None:
+    """Append the step-cost model's recent prediction error and the share
+    decisions to ``$DIFFRT_BENCH_COSTS`` (a JSON line a run), when set."""
+    path = os.environ.get("DIFFRT_BENCH_COSTS")
+    if not path:
+        return
+    share = getattr(engine.scheduler, "share", None)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({
+            "system": spec["system"], "rate": spec.get("rate"),
+            "error": engine.run_time.online.error(), "coefficients": engine.run_time.coefficients,
+            "shared": share.shared if share else None, "split": share.split if share else None,
+        }) + "\n")
 
 
 #: diffusers' First-Block Cache head-block decisions (True: compute), counted

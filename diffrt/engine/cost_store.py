@@ -103,4 +103,25 @@ def save(key: str, models: Mapping[str, Mapping[str, float] | None],
         logger.warning("step-cost model not saved to %s: %s", path, exc)
 
 
-__all__ = ["FORMAT", "folder_digest", "load", "save", "store_key", "store_path"]
+def persisted(root: str | None = None) -> list[dict[str, object]]:
+    """Every persisted model in the cache (what ``diffrt env --check`` shows):
+    its key, model name, coefficients and last recent prediction error."""
+    folder = os.path.join(root or cache_dir(), "step_cost")
+    found: list[dict[str, object]] = []
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    except OSError:
+        return found
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            found.append({"key": name[:-5], **{k: data.get(k) for k in
+                                               ("model", "idle", "latest", "error")}})
+    return found
+
+
+__all__ = ["FORMAT", "folder_digest", "load", "persisted", "save", "store_key", "store_path"]

@@ -28,6 +28,7 @@ model (``assembly.py``), the workers and the fresh ones of a restart
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -369,13 +370,20 @@ class DiffusionEngine:
         """Queue gauges now, plus counters and histograms since start (``stats.py``)."""
         waiting, running = self._core.queue_sizes()
         idle = self.executor.seconds_without_progress()
-        return self.output_processor.stats.snapshot(
+        snapshot = self.output_processor.stats.snapshot(
             waiting=waiting, running=running,
             pending_output_bytes=self.output_processor.unread_bytes(),
             healthy=self.is_healthy(), worker_restarts=self._core.restarts,
             seconds_without_progress=idle, stall=self.stall(idle),
             loras=self.adapters.snapshot(), lora_requests=self.adapters.requests_by_name(),
             paused=self._core.paused())
+        share = getattr(self.scheduler, "share", None)
+        return dataclasses.replace(
+            snapshot, step_cost=self.run_time.coefficients or {},
+            step_cost_idle=dict(self.run_time.idle or {}),
+            step_cost_error=self.run_time.online.error(),
+            steps_shared_total=share.shared if share is not None else 0,
+            steps_split_total=share.split if share is not None else 0)
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,

@@ -10,7 +10,7 @@ from engine_helpers import toy_engine, toy_request
 
 from diffrt.engine import InvalidRequestError
 from diffrt.engine.model_spec import ModelSpec, SamplingDefaults
-from diffrt.engine.run_time import RunTimeModel
+from diffrt.engine.run_time import FEATURES, RunTimeModel
 
 
 def spec(width: int = 64, text_tokens: int = 0) -> ModelSpec:
@@ -146,6 +146,29 @@ def test_a_restart_starts_calibrated_from_the_persisted_model(monkeypatch, tmp_p
         assert engine.run_time.online.coefficients is not None  # seeded: calibrated before a tick
     with toy_engine(warmup=False, mixed_rows="padded") as engine:
         assert engine.run_time.idle is None  # another arrangement: another model
+
+
+def test_the_model_shows_in_stats_metrics_and_the_env_check_listing(monkeypatch, tmp_path):
+    """``stats()`` and ``/metrics`` carry the coefficients (online and idle)
+    and the recent prediction error; ``cost_store.persisted`` (what ``diffrt
+    env --check`` prints) lists the model saved."""
+    from prometheus_client import generate_latest
+
+    from diffrt.engine import cost_store
+    from diffrt.serve.metrics import ServerMetrics
+
+    isolated(monkeypatch, tmp_path)
+    with toy_engine() as engine:
+        assert engine.generate(toy_request(size=64, steps=4)).ok
+        stats = engine.stats()
+        assert set(stats.step_cost) == set(stats.step_cost_idle) == set(FEATURES)
+        assert stats.step_cost_error is not None and 0 <= stats.step_cost_error[0]
+        text = generate_latest(ServerMetrics(lambda: [({}, stats)]).registry).decode()
+        assert 'diffrt_step_cost_coefficient{model="idle",term="token"}' in text
+        assert 'diffrt_step_cost_error{quantile="0.9"}' in text
+    (listed,) = cost_store.persisted()
+    assert listed["key"] == engine.cost_key and listed["model"] == "toy"
+    assert listed["idle"] == stats.step_cost_idle
 
 
 def test_the_start_up_requests_are_never_refused_by_the_limit(monkeypatch, tmp_path):
