@@ -27,6 +27,14 @@ diffrt runs its default multiprocess executor (one CPU worker, the threads
 it chooses); diffusers runs in the measuring process with torch's default
 threads.
 
+Per-call overhead (``DIFFRT_CALL_OVERHEAD_MS=N`` in the environment; issue
+50): diffrt's workers sleep N ms before each transformer call
+(``call_overhead.py``, a plugin module), standing in for a device's kernel
+launches, and both diffrt systems run ``mixed_rows="packed"`` (one call for
+every row of a step), so the step-cost model can find sharing worth it.
+With ``$DIFFRT_BENCH_COSTS`` set, each diffrt run appends its prediction
+error and share/split counts there as a JSON line.
+
 Adapter traffic (``--lora-share S``): a share S of the requests (seeded,
 drawn apart from the shapes, so the shapes stay those above) names one of
 three rank-8 LoRA adapters A, B, C (``bench_lora.py``'s, made offline on
@@ -208,11 +216,15 @@ def _engine(system: str, timers: str, adapters: dict[str, str], threads: int = 0
         extra |= {"lora_modules": adapters, "max_loras": len(adapters) + 1}
     if threads:
         extra["torch_threads"] = threads
+    overhead = os.environ.get("DIFFRT_CALL_OVERHEAD_MS", "")
+    if overhead:  # the per-call overhead knob (call_overhead.py): one call for every row
+        extra.setdefault("mixed_rows", "packed")
     path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
     return DiffusionEngine.make_engine(EngineConfig(
         model=model, step_execution=True, max_num_seqs=MAX_NUM_SEQS,
-        plugin_modules=("stage_timers",),
-        worker_env={"PYTHONPATH": path, "DIFFRT_STAGE_TIMERS": timers}, **extra))
+        plugin_modules=("stage_timers", "call_overhead"),
+        worker_env={"PYTHONPATH": path, "DIFFRT_STAGE_TIMERS": timers,
+                    "DIFFRT_CALL_OVERHEAD_MS": overhead}, **extra))
 
 
 def _request(i: int, height: int, width: int, steps: int, tag: str,
