@@ -72,9 +72,9 @@ def start_up_images(spec: ModelSpec, side: int) -> list:
 
 def calibration_requests(spec: ModelSpec, run_time: RunTimeModel,
                          max_steps_per_tick: int) -> list[DiffusionRequest]:
-    """The run-time estimate's first measurements, on warm kernels, at two
+    """The step-cost model's first measurements, on warm kernels, at two
     sizes far enough apart in work to tell a step's overhead from its
-    per-unit cost (``run_time.MIN_SPREAD``): the warm-up's side, and the
+    per-token cost: the warm-up's side, and the
     smallest side (within the model's limits) with at least
     ``CALIBRATION_WORK_RATIO`` times its work — text tokens dominate a small
     image's row, so twice the side is not always enough. Each runs two worker
