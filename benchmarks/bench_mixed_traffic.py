@@ -27,6 +27,14 @@ diffrt runs its default multiprocess executor (one CPU worker, the threads
 it chooses); diffusers runs in the measuring process with torch's default
 threads.
 
+Per-call overhead (``DIFFRT_CALL_OVERHEAD_MS=N`` in the environment; issue
+50): diffrt's workers sleep N ms before each transformer call
+(``call_overhead.py``, a plugin module), standing in for a device's kernel
+launches, and both diffrt systems run ``mixed_rows="packed"`` (one call for
+every row of a step), so the step-cost model can find sharing worth it.
+With ``$DIFFRT_BENCH_COSTS`` set, each diffrt run appends its prediction
+error and share/split counts there as a JSON line.
+
 Adapter traffic (``--lora-share S``): a share S of the requests (seeded,
 drawn apart from the shapes, so the shapes stay those above) names one of
 three rank-8 LoRA adapters A, B, C (``bench_lora.py``'s, made offline on
@@ -208,11 +216,15 @@ def _engine(system: str, timers: str, adapters: dict[str, str], threads: int = 0
         extra |= {"lora_modules": adapters, "max_loras": len(adapters) + 1}
     if threads:
         extra["torch_threads"] = threads
+    overhead = os.environ.get("DIFFRT_CALL_OVERHEAD_MS", "")
+    if overhead:  # the per-call overhead knob (call_overhead.py): one call for every row
+        extra.setdefault("mixed_rows", "packed")
     path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
     return DiffusionEngine.make_engine(EngineConfig(
         model=model, step_execution=True, max_num_seqs=MAX_NUM_SEQS,
-        plugin_modules=("stage_timers",),
-        worker_env={"PYTHONPATH": path, "DIFFRT_STAGE_TIMERS": timers}, **extra))
+        plugin_modules=("stage_timers", "call_overhead"),
+        worker_env={"PYTHONPATH": path, "DIFFRT_STAGE_TIMERS": timers,
+                    "DIFFRT_CALL_OVERHEAD_MS": overhead}, **extra))
 
 
 def _request(i: int, height: int, width: int, steps: int, tag: str,
@@ -277,6 +289,7 @@ def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, 
                               concurrency=CONCURRENCY if rate is None else len(requests),
                               rate=rate, seed=spec["seed"])
         steps = {k: n - steps_before.get(k, 0) for k, n in engine.stats().cache_steps_total.items()}
+        _note_costs(spec, engine)
     finally:
         engine.close()
     failed = [s.error for s in samples if not s.ok]
@@ -286,6 +299,21 @@ def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, 
     reused = sum(n for (_, outcome), n in steps.items() if outcome == "reused")
     return ([s.latency if s.ok else None for s in samples], wall,
             {k: after[k] - before[k] for k in after}, [reused, sum(steps.values())])
+
+
+def _note_costs(spec: dict[str, Any], engine: Any) -> None:
+    """Append the step-cost model's recent prediction error and the share
+    decisions to ``$DIFFRT_BENCH_COSTS`` (a JSON line a run), when set."""
+    path = os.environ.get("DIFFRT_BENCH_COSTS")
+    if not path:
+        return
+    share = getattr(engine.scheduler, "share", None)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({
+            "system": spec["system"], "rate": spec.get("rate"),
+            "error": engine.run_time.online.error(), "coefficients": engine.run_time.coefficients,
+            "shared": share.shared if share else None, "split": share.split if share else None,
+        }) + "\n")
 
 
 #: diffusers' First-Block Cache head-block decisions (True: compute), counted

@@ -31,10 +31,12 @@ def pytest_unconfigure(config):
 def flux_step_engine():
     """tiny-flux in step mode on the in-process executor, shared by the tests
     of every folder that only submit requests to it (each measures what it
-    checks as a difference, or uses prompts of its own)."""
+    checks as a difference, or uses prompts of its own). Sizes share steps
+    whenever the key allows (``share_steps="always"``), as these tests assume;
+    the cost model's decision is ``test_share_steps``'s."""
     from diffrt.engine import DiffusionEngine, EngineConfig
 
     with DiffusionEngine.make_engine(EngineConfig(
             model="tiny-flux", executor_backend="inproc", step_execution=True,
-            max_num_seqs=4)) as engine:
+            max_num_seqs=4, share_steps="always")) as engine:
         yield engine

@@ -96,6 +96,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--http-timeout-s", type=positive_float, default=300.0, metavar="S",
                    help="with --base-url: a request unanswered after S seconds fails; after "
                         "3 in a row the rest are not sent (default: %(default)s)")
+    p.add_argument("--explain", action="store_true",
+                   help="print why requests of different sizes (adapters, caches) shared a "
+                        "step or ran apart (the step-cost model's decisions), and its "
+                        "prediction error")
     add_trace_args(p)
     p.set_defaults(func=run)
 
@@ -248,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{tag}: starting the engine", file=sys.stderr, flush=True)
                     engine, engine_key = make_engine(settings), key
                 stats = _run_config(engine, label, opts, args, tw)
+                if args.explain:
+                    _explain(engine, tag)
                 results.append({"label": label, "engine": settings,
                                 "load": {k: opts[k] for k in _LOAD_SHOWN}, **stats})
                 print(f"{tag}: {stats['throughput_rps'] or 0:.2f} req/s, "
@@ -257,6 +263,22 @@ def run(args: argparse.Namespace) -> int:
                 engine.close()
         _report(results, args)  # before the trace summary
     return EXIT_FAILURE if any(r["failed"] for r in results) else 0
+
+
+def _explain(engine: Any, tag: str) -> None:
+    """The share/split decisions of the run so far and the step-cost model's fit."""
+    share = getattr(engine.scheduler, "share", None)
+    run_time = engine.run_time
+    error = run_time.online.error()
+    print(f"{tag}: step-cost model {run_time.coefficients}; prediction error "
+          + ("none yet" if error is None else f"median {error[0]:.1%}, p90 {error[1]:.1%}"))
+    if share is None:
+        print(f"{tag}: no share decisions (share_steps=always, or sizes keyed apart)")
+        return
+    print(f"{tag}: {share.shared} shared, {share.split} split")
+    for decision in share.log:
+        print(f"  {decision.explain()}")
+    share.log.clear()
 
 
 def _run_http(args: argparse.Namespace, configs: list[tuple[str, dict[str, Any]]]) -> int:

@@ -355,6 +355,7 @@ def _forward_id(p: Any) -> str:
 def run_check(opts: CheckOptions) -> tuple[dict[str, Any], bool]:
     """All parts in order; returns (the JSON object, whether everything passed)."""
     from diffrt.cli import gpu_checks, weights_check
+    from diffrt.engine import cost_store
     from diffrt.platforms import current_platform as platform
     from diffrt.platforms.report import platform_report
 
@@ -372,6 +373,8 @@ def run_check(opts: CheckOptions) -> tuple[dict[str, Any], bool]:
             timeout_s=REQUEST_TIMEOUT_S)),
         ("host_register_error", lambda: gpu_checks.host_register_error(platform)),
         ("rank_devices", lambda: gpu_checks.rank_devices(platform)),
+        # after engine_overhead and weights: their engines persisted what they measured
+        ("step_cost", lambda: {"models": cost_store.persisted()}),
     ]
     for name, part in parts:
         t0 = time.perf_counter()

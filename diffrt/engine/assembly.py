@@ -1,11 +1,13 @@
-"""The engine's scheduler and its batch memory model, built from the config
-and the model's spec (``DiffusionEngine`` builds them once, at its start)."""
+"""The engine's scheduler, its batch memory model and its step-cost model,
+built from the config and the model's spec (``DiffusionEngine`` builds them
+once, at its start)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 
+from diffrt.engine import cost_store
 from diffrt.engine.config import EngineConfig, ExecutionMode
 from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.memory_estimate import (
@@ -20,6 +22,7 @@ from diffrt.engine.pipelines.segments import resolve_mixed_rows
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.sched import RequestScheduler, Scheduler, StepScheduler, make_policy
+from diffrt.engine.sched.share import ShareDecider
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +37,14 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, run_time: RunTimeModel
     policy = make_policy(c.scheduling_policy, max_bypass=c.scheduling_max_bypass,
                          aging_ticks=c.slo_aging_ticks, cost=run_time)
     if config.mode is ExecutionMode.STEP_BATCH:
+        key = step_batch_key(config, spec)
+        share = None
+        if c.share_steps == "cost" and key is not spec.step_batch_key:
+            # kinds: what one call shares (size, adapters, step cache)
+            share = ShareDecider(run_time, _kind(spec), max_bypass=c.scheduling_max_bypass)
         return StepScheduler(c.max_num_seqs, policy,
                              max_wait_s=_seconds(c.step_batch_max_wait_ms),
-                             key=step_batch_key(config, spec),
+                             key=key, share=share,
                              max_steps_per_tick=c.max_steps_per_tick, memory=memory,
                              tokens=lambda r: (spec.rows(r), spec.row_tokens(r)),
                              token_budget=c.max_num_batched_tokens or None,
@@ -46,6 +54,43 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, run_time: RunTimeModel
     wait_ms = c.request_batch_max_wait_ms if spec.supports_request_batch else 0.0
     return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),
                             key=spec.request_batch_key, memory=memory, adapters=adapters)
+
+
+def run_time_model(config: EngineConfig, spec: ModelSpec) -> tuple[RunTimeModel, str]:
+    """The step-cost model, seeded from what an earlier run of the same model,
+    device, dtype and cost-changing settings persisted, and its store key."""
+    from diffrt.platforms import current_platform
+
+    m, p = config.model_config, config.parallel
+    arrangement = resolve_mixed_rows(m.mixed_rows, current_platform)
+    try:
+        device = current_platform.device_name(0)
+    except Exception:  # a platform that cannot name its device: its type
+        device = current_platform.device_type
+    settings = {
+        "mode": config.mode.name, "arrangement": arrangement, "compile": m.compile,
+        "compile_backend": m.compile_backend, "quantization": m.quantization,
+        "offload": m.offload, "vae_tiling": m.vae_tiling, "torch_threads": m.torch_threads,
+        "plugin_modules": m.plugin_modules,
+        "degrees": (p.cfg_parallel_size, p.ulysses_degree, p.ring_degree, p.world_size),
+    }
+    key = cost_store.store_key(f"{current_platform.device_type}:{device}", spec.folder,
+                               str(m.dtype), settings)
+    steps = (config.scheduling.max_steps_per_tick if config.mode is ExecutionMode.STEP_BATCH
+             else 1 << 30)  # a request-batch call runs every step of its requests
+    model = RunTimeModel(spec, arrangement=arrangement, steps_per_tick=steps,
+                         persisted=cost_store.load(key))
+    return model, key
+
+
+def _kind(spec: ModelSpec) -> Callable[[DiffusionRequest], tuple]:
+    """What makes two requests' rows different kinds of work in a step: their
+    size (the model's own key), their adapters, their step cache."""
+    def kind(request: DiffusionRequest) -> tuple:
+        params = request.sampling_params
+        return (spec.step_batch_key(request), tuple(sorted((params.loras or {}).items())),
+                params.cache)
+    return kind
 
 
 def step_batch_key(config: EngineConfig, spec: ModelSpec) -> Callable[[DiffusionRequest], tuple]:
@@ -90,4 +135,4 @@ def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000.0
 
 
-__all__ = ["make_scheduler", "memory_model", "step_batch_key"]
+__all__ = ["make_scheduler", "memory_model", "run_time_model", "step_batch_key"]

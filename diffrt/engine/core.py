@@ -383,7 +383,8 @@ class EngineCore:
                           steps=ran.steps_run if self.mode is ExecutionMode.STEP_BATCH else 1,
                           text_encoding=report.text_encoding,
                           prompt_tokens_dropped=dict(report.prompt_tokens_dropped),
-                          cache=dict(report.cache), step_rows=rows, step_tokens=tokens)
+                          cache=dict(report.cache), step_rows=rows, step_tokens=tokens,
+                          predicted_s=ran.predicted_s)
 
     def _observe(self, tick: SchedulerOutput, ran: Executed,
                  step_seconds: float | None) -> tuple[int, int]:
@@ -391,7 +392,15 @@ class EngineCore:
         run-time and memory estimates learn from the tick; its (rows, tokens)."""
         requests = self._ran(tick)
         if self._run_time is not None and step_seconds is not None:
-            self._run_time.observe(requests, step_seconds)
+            ran.predicted_s = self._run_time.observe_tick(
+                requests, ran.steps_run if self.mode is ExecutionMode.STEP_BATCH
+                else requests[0].sampling_params.denoise_steps(), ran.elapsed,
+                new=len(tick.new), decoded_tokens=sum(
+                    self._run_time.decoded_tokens(r) for r in requests
+                    if r.request_id in ran.output_ids))
+            tracing.instant(tracing.ENGINE_LOOP_TRACK, "step cost", measured_s=ran.elapsed,
+                            predicted_s=ran.predicted_s, steps=ran.steps_run,
+                            requests=len(requests))
         report = ran.report
         if self._memory is not None and (report.peak_memory_bytes is not None
                                          or report.free_memory_bytes is not None):

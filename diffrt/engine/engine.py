@@ -36,7 +36,8 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import overload
 
-from diffrt.engine.assembly import make_scheduler, memory_model
+from diffrt.engine import cost_store
+from diffrt.engine.assembly import make_scheduler, memory_model, run_time_model
 from diffrt.engine.config import EngineConfig
 from diffrt.engine.core import EngineCore
 from diffrt.engine.errors import (
@@ -58,7 +59,6 @@ from diffrt.engine.postprocess import output_postprocessor
 from diffrt.engine.record import RequestRecord
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.rollout_control import RolloutControl
-from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.runner_messages import WeightBytes
 from diffrt.engine.sampling import InvalidRequestError
 from diffrt.engine.sched import Scheduler
@@ -109,8 +109,9 @@ class DiffusionEngine(RolloutControl):
             if self.inputs is not None:
                 self.inputs.close()  # the executor's own hold closes with it
             raise
-        #: the estimate of a request's seconds that max_request_seconds refuses by
-        self.run_time = RunTimeModel(self.spec)
+        #: the step-cost model: what steps and requests cost (``run_time.py``);
+        #: persisted under ``cost_key`` (``cost_store``)
+        self.run_time, self.cost_key = run_time_model(config, self.spec)
         #: True while the start-up requests run: they are the engine's own and
         #: are never refused by max_request_seconds (on a busy machine the
         #: calibration's second request was estimated past a small limit, and
@@ -349,6 +350,12 @@ class DiffusionEngine(RolloutControl):
             return None
         return f"no progress for {idle:.0f} s (stall_timeout_s={limit:g})"
 
+    def save_costs(self) -> None:
+        """Persist the step-cost model (``cost_store``; never raises)."""
+        if self.run_time.calibrated:
+            cost_store.save(self.cost_key, self.run_time.models(),
+                            {"model": self.spec.name, "error": self.run_time.online.error()})
+
     def close(self) -> None:
         """Refuse new work, send an error output to every open stream, stop the
         executor (idempotent)."""
@@ -382,7 +389,13 @@ class DiffusionEngine(RolloutControl):
             seconds_without_progress=idle, stall=self.stall(idle),
             loras=self.adapters.snapshot(), lora_requests=self.adapters.requests_by_name(),
             paused=self._core.paused())
-        return dataclasses.replace(snapshot, sleeping=self.sleeping)
+        share = getattr(self.scheduler, "share", None)
+        return dataclasses.replace(
+            snapshot, sleeping=self.sleeping, step_cost=self.run_time.coefficients or {},
+            step_cost_idle=dict(self.run_time.idle or {}),
+            step_cost_error=self.run_time.online.error(),
+            steps_shared_total=share.shared if share is not None else 0,
+            steps_split_total=share.split if share is not None else 0)
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,
@@ -446,6 +459,7 @@ class DiffusionEngine(RolloutControl):
         # and frees whatever it produced.
         self.output_processor.fail_all("engine closed", dead=False)
         self._core.stop(grace_s)
+        self.save_costs()
         self.output_processor.close()
         self.remove_update_files()
         if self.inputs is not None:

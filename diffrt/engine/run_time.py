@@ -1,142 +1,205 @@
-"""How long a request will hold this engine: the estimate ``max_request_seconds`` refuses by.
+"""How long a request will hold this engine, from the step-cost model.
 
-One denoise step of a batch costs, in seconds,
+The engine's ``RunTimeModel`` prices requests and steps with two
+``step_cost`` models of the same form:
 
-    o + k * sum over the batch's rows of W(T),    W(T) = T * (1 + T / (6 * width))
+- ``online``: fitted from every tick (``observe_tick``, from the engine core:
+  the requests it ran, its steps, its seconds, the prompts it encoded and the
+  outputs it decoded), seeded by the persisted model of an earlier run
+  (``cost_store``) and by the warm-up's calibration. It follows the
+  machine's momentary speed: the ``slo`` policy's remaining work and step
+  sizing, admission estimates and the bench trace's predictions use it.
+- ``idle``: the calibrated speed, fixed for the run: the fastest of the
+  warm-up's calibration and the persisted idle model (compared on the
+  calibration's own steps, ``reference_seconds``). Cost limits
+  (``max_request_seconds``, ``estimate``) and the derived token budget are
+  judged by it, so a request admissible on an idle machine is not refused
+  on a loaded one, and the budget is the same at every start (momentary
+  load is backpressure's to answer, not the limit's).
 
-where a *row* is one output's pass through the transformer (a request has
-``num_outputs_per_prompt`` rows, twice that when CFG runs) and ``T`` is a row's
-tokens: its image tokens (height x width / size_multiple^2, the packed latent
-patches) plus the model's text tokens. ``W`` counts one transformer layer's
-work in units of one token through its linear layers: those (Q, K, V, the
-output projection and a 4x MLP, 24 x width^2 flops a token) grow with T;
-attention's two products (4 x width x T flops a token) grow with T^2 — the
-quadratic term that makes a 512 x 512 request many times the cost of four
-256 x 256 ones. ``width`` is the transformer's attention width
-(``ModelSpec.transformer_width``; 0 when a spec does not say: linear only).
+A request's estimate is its run alone::
 
-``o`` (per-step overhead: launches, the Python around the forward) and ``k``
-(seconds per unit) are fitted by least squares over the measured ticks
-(``observe``, from the engine core: every tick's seconds per step and the
-requests it ran), grouped by their work in bins a quarter of an octave wide:
-each bin keeps its latest ticks and counts once in the fit, with their
-median, so a thousand-step request of one size does not crowd out what the
-other sizes measured, a tick that also encoded prompts or decoded images
-does not pull its size's time up, and a bin follows its size's time as load
-changes. The
-engine calibrates at warm-up with a short request
-larger than the warm-up's, so the estimate exists before the first client
-request; traffic then refines it. While the measured ticks all have about the
-same work, the two terms cannot be told apart and the fit goes through the
-origin (o = 0): for requests larger than any measured, that over-estimates
-(the overhead is charged per unit), so a refusal errs on the side of the
-engine's other clients. A request's estimate is
+    steps x step(rows) + ceil(steps / steps a tick) x c_tick + c_encode
+    + c_decode x its outputs' tokens
 
-    steps x (o + k x rows x W(T))
-
-— its run alone; batched with others it shares its steps, so this is an upper
-bound on the engine time it takes from them.
+— batched with others it shares its steps, so this bounds the engine time it
+takes from them. ``units`` (a step's work in tokens through a layer,
+attention's quadratic term counted by flops: ``W(T) = T (1 + T / (6
+width))``) sizes the calibration requests before any fit.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import threading
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.request import DiffusionRequest
-
-#: bins per octave of work: ticks within a bin are one size to the fit
-BINS_PER_OCTAVE = 4
-#: the latest ticks a bin keeps (their median is its size's seconds per step)
-TICKS_PER_BIN = 15
-#: the spread of work (coefficient of variation) below which o and k are not
-#: told apart and the fit goes through the origin
-MIN_SPREAD = 0.25
+from diffrt.engine.sampling import filled
+from diffrt.engine.step_cost import (
+    FEATURES,
+    Row,
+    StepCostModel,
+    StepShape,
+    reference_seconds,
+    step_shape,
+    tick_features,
+)
 
 
 class RunTimeModel:
-    """Estimates a request's seconds on this engine from measured ticks (see the module).
+    """Seconds of steps and requests on this engine (see the module)."""
 
-    ``observe`` runs on the engine core's thread, ``estimate`` on submitting
-    threads; the bins are refitted under a lock when next read."""
-
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, *, arrangement: str = "by_size",
+                 steps_per_tick: int = 1, persisted: Mapping[str, Mapping[str, float]] | None = None):
         self.spec = spec
-        #: bin -> its latest ticks, (units, seconds per step)
-        self._bins: dict[int, deque[tuple[float, float]]] = {}
+        #: how a step's rows of several sizes reach the transformer (``mixed_rows`` resolved)
+        self.arrangement = arrangement
+        self.steps_per_tick = max(1, steps_per_tick)
+        persisted = persisted or {}
+        #: fitted from every tick; seeded by the last run's online fit
+        self.online = StepCostModel(prior=persisted.get("latest") or persisted.get("idle"))
+        #: the calibrated idle speed (None until calibrated; see the module)
+        self.idle: dict[str, float] | None = (dict(persisted["idle"]) if "idle" in persisted
+                                              else None)
+        #: whether ``idle`` came from an earlier run
+        self.restored = self.idle is not None
         self._lock = threading.Lock()
-        self._fit: tuple[float, float] | None = None  # (o, k)
-        self._stale = False
 
     # -- the work of a request -----------------------------------------------------------
     def units(self, request: DiffusionRequest) -> float:
-        """The work one denoise step of ``request`` does, in W units."""
+        """The flops-weighted work one denoise step of ``request`` does, in
+        tokens through a layer (sizes the calibration before any fit)."""
         tokens = float(self.spec.row_tokens(request))
         width = self.spec.transformer_width
         per_row = tokens * (1 + tokens / (6 * width)) if width else tokens
         return self.spec.rows(request) * per_row
 
+    def row(self, request: DiffusionRequest) -> Row:
+        return Row(self.spec.rows(request), self.spec.row_tokens(request),
+                   bool(request.sampling_params.loras))
+
+    def shape(self, requests: Iterable[DiffusionRequest], arrangement: str | None = None
+              ) -> StepShape:
+        """One step of ``requests`` together (in this engine's arrangement
+        unless another is named)."""
+        return step_shape([self.row(r) for r in requests], arrangement or self.arrangement)
+
+    def decoded_tokens(self, request: DiffusionRequest) -> float:
+        """The image tokens its outputs decode (one per output, no CFG branch)."""
+        return float(filled(request.sampling_params.num_outputs_per_prompt)
+                     * (self.spec.row_tokens(request) - self.spec.text_tokens))
+
     # -- measuring -------------------------------------------------------------------------
-    def observe(self, requests: Iterable[DiffusionRequest], step_seconds: float) -> None:
-        """One tick ran ``requests`` together at ``step_seconds`` a denoise step."""
-        units = sum(self.units(r) for r in requests)
-        if units <= 0 or not step_seconds > 0:
-            return
-        key = round(math.log2(units) * BINS_PER_OCTAVE)
-        with self._lock:
-            self._bins.setdefault(key, deque(maxlen=TICKS_PER_BIN)).append((units, step_seconds))
-            self._stale = True  # refitted when next read: ticks outnumber submissions
+    def observe_tick(self, requests: Sequence[DiffusionRequest], steps: int, seconds: float,
+                     new: int = 0, decoded_tokens: float = 0.0) -> float | None:
+        """One tick ran ``steps`` steps of ``requests`` in ``seconds``, encoding
+        ``new`` prompts and decoding outputs of ``decoded_tokens``; returns
+        the online model's prediction for it (None before any fit)."""
+        if not requests or steps < 1:
+            return None
+        features = tick_features(self.shape(requests), steps, new, decoded_tokens)
+        return self.online.observe(features, seconds)
+
+    def observe(self, requests: Sequence[DiffusionRequest], step_seconds: float) -> None:
+        """A tick of one step of ``requests`` took ``step_seconds``."""
+        self.observe_tick(list(requests), 1, step_seconds)
 
     def reset(self) -> None:
-        """Forget every measurement (the cold warm-up request says little)."""
-        with self._lock:
-            self._bins.clear()
-            self._fit, self._stale = None, False
+        """Forget the ticks measured (the cold warm-up request says little)."""
+        self.online.reset()
 
+    def finish_calibration(self) -> None:
+        """The warm-up's calibration ran: the idle model becomes the faster of
+        the online fit and the persisted idle model, on the calibration's
+        steps (``calibration_shapes``)."""
+        fit = self.online.coefficients
+        if fit is None:
+            return
+        with self._lock:
+            if self.idle is None or (reference_seconds(fit, self.calibration_shapes())
+                                     < reference_seconds(self.idle, self.calibration_shapes())):
+                self.idle = fit
+                self.restored = False
+
+    def reference(self, *, idle: bool = True) -> float | None:
+        """Seconds of the calibration's steps (``calibration_shapes``) by the
+        idle (or online) model: one number to compare speeds by."""
+        fit = self.idle if idle else self.online.coefficients
+        return None if fit is None else reference_seconds(fit, self.calibration_shapes())
+
+    def calibration_shapes(self) -> list[StepShape]:
+        """The steps two models are compared on: one row of the model's
+        warm-up side and one of twice its side."""
+        side = self.spec.warmup_size()
+        shapes = []
+        for s in (side, 2 * side):
+            tokens = (s // self.spec.size_multiple) ** 2 + self.spec.text_tokens
+            shapes.append(step_shape([Row(1, tokens)], self.arrangement))
+        return shapes
+
+    # -- the fit ------------------------------------------------------------------------------
     @property
     def calibrated(self) -> bool:
-        return self.coefficients is not None
+        return self.idle is not None or self.online.coefficients is not None
 
     @property
-    def coefficients(self) -> tuple[float, float] | None:
-        """(seconds of overhead per step, seconds per W unit), None before a measurement."""
-        with self._lock:
-            if self._stale:
-                self._fit = _fit([(statistics.fmean(u for u, _ in ticks),
-                                   statistics.median(s for _, s in ticks))
-                                  for ticks in self._bins.values()])
-                self._stale = False
-            return self._fit
+    def coefficients(self) -> dict[str, float] | None:
+        """The online fit's coefficients by name (``step_cost.FEATURES``)."""
+        return self.online.coefficients
 
-    # -- estimating ------------------------------------------------------------------------
-    def estimate(self, request: DiffusionRequest) -> float | None:
-        """Seconds ``request`` (defaults filled in) would run alone; None before
-        the first measured tick."""
-        fit = self.coefficients
+    @property
+    def step_overhead(self) -> float | None:
+        """Seconds a step costs whatever its rows (a call and its share of a
+        tick's fixed cost), online; None before any fit."""
+        fit = self.online.coefficients
+        return None if fit is None else fit["call"] + fit["tick"] / self.steps_per_tick
+
+    @property
+    def tick_seconds(self) -> float | None:
+        """A step's share of a tick's fixed cost (online); None before any fit."""
+        fit = self.online.coefficients
+        return None if fit is None else fit["tick"] / self.steps_per_tick
+
+    def work_seconds(self, request: DiffusionRequest) -> float:
+        """Seconds of a step that ``request``'s rows add (online; 0 before any fit)."""
+        fit = self.online.coefficients
+        if fit is None:
+            return 0.0
+        return _apply(fit, self.shape([request])) - fit["call"]
+
+    def step_seconds(self, requests: Sequence[DiffusionRequest], *, arrangement: str | None = None,
+                     idle: bool = False) -> float | None:
+        """Predicted seconds of one step of ``requests`` (without the tick's
+        fixed cost); None before any fit."""
+        fit = self.idle if idle else self.online.coefficients
         if fit is None:
             return None
-        overhead, per_unit = fit
+        return _apply(fit, self.shape(requests, arrangement))
+
+    # -- estimating ------------------------------------------------------------------------
+    def estimate(self, request: DiffusionRequest, *, idle: bool = True) -> float | None:
+        """Seconds ``request`` (defaults filled in) would run alone, at the
+        calibrated idle speed (``idle=False``: the momentary one); None
+        before any calibration."""
+        fit = self.idle if idle and self.idle is not None else self.online.coefficients
+        if fit is None:
+            return None
         steps = request.sampling_params.denoise_steps()
-        return steps * (overhead + per_unit * self.units(request))
+        ticks = math.ceil(steps / self.steps_per_tick)
+        return (steps * _apply(fit, self.shape([request])) + ticks * fit["tick"]
+                + fit["encode"] + fit["decode"] * self.decoded_tokens(request))
+
+    def models(self) -> dict[str, dict[str, float] | None]:
+        """What ``cost_store`` persists."""
+        return {"idle": self.idle, "latest": self.online.coefficients}
 
 
-def _fit(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares of seconds = o + k x units with o, k >= 0; through the
-    origin when the work barely varies (or the free fit says o or k < 0)."""
-    n = len(samples)
-    su = sum(u for u, _ in samples)
-    ss = sum(s for _, s in samples)
-    suu = sum(u * u for u, _ in samples)
-    sus = sum(u * s for u, s in samples)
-    mean_u, mean_s = su / n, ss / n
-    var_u = suu / n - mean_u * mean_u
-    if n >= 2 and var_u > (MIN_SPREAD * mean_u) ** 2:
-        k = (sus / n - mean_u * mean_s) / var_u
-        o = mean_s - k * mean_u
-        if k > 0 and o >= 0:
-            return o, k
-    return 0.0, sus / suu
+def _apply(fit: Mapping[str, float], shape: StepShape) -> float:
+    """One step's seconds by ``fit`` (no tick, encode or decode cost)."""
+    return (fit["call"] * shape.calls + fit["token"] * shape.tokens
+            + fit["attention"] * shape.attention + fit["adapter_token"] * shape.adapter_tokens)
+
+
+__all__ = ["FEATURES", "RunTimeModel"]

@@ -145,12 +145,18 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, frozen=True):
         "STEP_BATCH: the tokens one denoise step may compute: each row's (outputs, twice "
         "with CFG) text + image tokens, summed; with mixed_rows padded every row counts the "
         "longest row's; a request that would pass it waits "
-        "for a later step (alone it always runs); None: derived at warm-up from the "
-        "measured step times; 0: no bound"))] = None
+        "for a later step (alone it always runs); None: derived from the step-cost model's "
+        "calibrated idle speed (persisted: the same at every start); 0: no bound"))] = None
     mixed_size_batching: Annotated[bool, Meta(description=(
         "STEP_BATCH: requests of different sizes, output counts and output types share a "
         "denoise step (a model whose spec has mixed_sizes; not with ulysses/ring); False: "
         "only requests of one size do"))] = True
+    share_steps: Annotated[Literal["cost", "always"], Meta(description=(
+        "STEP_BATCH with mixed_size_batching: cost (a request of another size, adapter set "
+        "or step cache joins a step only when the step-cost model predicts sharing finishes "
+        "the requests sooner and pushes none past its deadline; on a CPU, where a call per "
+        "size saves nothing, that is about never) or always (whenever the key allows)"
+        ))] = "cost"
     scheduling_policy: Annotated[Policy, Meta(description=(
         "fifo (strict arrival order, head-of-line blocking), skip_ahead (compatible "
         "younger requests may pass an incompatible one, at most scheduling_max_bypass "
@@ -208,10 +214,11 @@ class LimitsConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     max_request_seconds: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description=(
         "the longest a request may be estimated to run on this engine, alone, in seconds "
-        "(engine.run_time: per-step overhead plus work in tokens, attention's quadratic "
-        "term included, fitted from measured steps and calibrated at warm-up); a longer "
-        "one is refused naming the estimate; None: no limit. Without warm-up nothing is "
-        "refused until the first tick is measured"))] = 120.0
+        "at the calibrated idle speed (engine.run_time: the step-cost model's fastest "
+        "calibration, persisted across starts; a loaded machine's slower steps do not "
+        "change the verdict); a longer one is refused naming the estimate; None: no limit. "
+        "Without warm-up or a persisted model nothing is refused until the first tick is "
+        "measured"))] = 120.0
     request_timeout_s: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description=(
         "seconds from submission to the final output after which a request ends with an "
         "error (SamplingParams.timeout_s may lower it); None: no limit"))] = 600.0

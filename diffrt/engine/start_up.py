@@ -2,9 +2,10 @@
 
 The warm-up request (cold: it loads kernels, allocates buffers) runs first
 and is no measure of a warm tick; the calibration requests that follow are
-the run-time estimate's first measurements (``run_time.py``) and, in
-STEP_BATCH, what the default token budget is derived from
-(``token_budget.py``). A model that only edits (Qwen-Image-Edit draws
+the step-cost model's first measurements (``run_time.py``): they set its
+idle speed unless a faster one was persisted by an earlier run
+(``cost_store``), and, in STEP_BATCH, the default token budget is derived
+from that idle model (``token_budget.py``), so it is the same at every start. A model that only edits (Qwen-Image-Edit draws
 nothing from text alone) gets a plain picture as input.
 """
 
@@ -46,6 +47,8 @@ class StartingEngine(Protocol):
     def generate(self, requests: DiffusionRequest, *,
                  timeout: float | None = None) -> DiffusionOutput: ...
 
+    def save_costs(self) -> None: ...
+
 
 def warmup_request(spec: ModelSpec) -> DiffusionRequest:
     """A one-step request of about 64 px: loads kernels, allocates buffers."""
@@ -69,9 +72,9 @@ def start_up_images(spec: ModelSpec, side: int) -> list:
 
 def calibration_requests(spec: ModelSpec, run_time: RunTimeModel,
                          max_steps_per_tick: int) -> list[DiffusionRequest]:
-    """The run-time estimate's first measurements, on warm kernels, at two
+    """The step-cost model's first measurements, on warm kernels, at two
     sizes far enough apart in work to tell a step's overhead from its
-    per-unit cost (``run_time.MIN_SPREAD``): the warm-up's side, and the
+    per-token cost: the warm-up's side, and the
     smallest side (within the model's limits) with at least
     ``CALIBRATION_WORK_RATIO`` times its work — text tokens dominate a small
     image's row, so twice the side is not always enough. Each runs two worker
@@ -123,14 +126,17 @@ def warm_up(engine: StartingEngine) -> None:
     for request in calibration:
         _run(engine, request)
     engine.output_processor.stats.reset()  # stats() describes served requests only
+    run_time.finish_calibration()
+    engine.save_costs()
     scheduler = engine.scheduler
     scheduler.forget_run_times()  # a cold one-step request sizes no window
     if (isinstance(scheduler, StepScheduler)
             and engine.config.scheduling.max_num_batched_tokens is None):
-        smallest = run_time.units(spec.with_defaults(calibration[0]))
-        scheduler.token_budget = derived_token_budget(run_time.coefficients, smallest)
-        logger.info("max_num_batched_tokens: %s (derived from the warm-up's step times)",
-                    scheduler.token_budget or "no bound")
+        scheduler.token_budget = derived_token_budget(
+            run_time.idle, run_time.calibration_shapes()[0], run_time.steps_per_tick)
+        logger.info("max_num_batched_tokens: %s (derived from the %s step-cost model)",
+                    scheduler.token_budget or "no bound",
+                    "persisted" if run_time.restored else "calibrated")
     logger.info("warm-up done in %.2f s", time.monotonic() - start)
 
 

@@ -110,6 +110,17 @@ class EngineStats:
     paused_state_bytes: int = 0
     #: the workers sleep (``DiffusionEngine.sleep``): requests wait for ``wake``
     sleeping: bool = False
+    #: the step-cost model (``run_time.py``): its online coefficients by term
+    #: (seconds a call, a token, ...; empty before a fit), the idle ones the
+    #: limits are judged by, and its recent |measured - predicted| / measured
+    #: of a tick (median, p90; None before a prediction)
+    step_cost: dict[str, float] = field(default_factory=dict)
+    step_cost_idle: dict[str, float] = field(default_factory=dict)
+    step_cost_error: tuple[float, float] | None = None
+    #: share/split decisions (``sched/share.py``): requests of another kind
+    #: that joined a step, and those kept apart
+    steps_shared_total: int = 0
+    steps_split_total: int = 0
 
 
 def classify(output: DiffusionOutput) -> str:

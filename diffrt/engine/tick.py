@@ -66,6 +66,8 @@ class TickResult:
     #: (``StepScheduler.step_tokens``); 0 when not counted
     step_rows: int = 0
     step_tokens: int = 0
+    #: the step-cost model's prediction of ``elapsed`` before it ran (None: none yet)
+    predicted_s: float | None = None
     #: request id -> text encoder -> prompt tokens it cut (``TickReport``)
     prompt_tokens_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
     #: request id -> what its step cache did, for requests that finished with one
@@ -88,6 +90,8 @@ class Executed:
     failed_all: str | None = None
     #: the executor died under it (restarts on: the restart fails its requests)
     dead: bool = False
+    #: the step-cost model's prediction of ``elapsed`` (set when the tick is observed)
+    predicted_s: float | None = None
 
     @property
     def steps_run(self) -> int:

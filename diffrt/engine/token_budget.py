@@ -1,46 +1,48 @@
 """The default ``max_num_batched_tokens``: where a larger step stops paying.
 
-A denoise step costs ``o + k x W`` seconds (``engine.run_time``): a fixed
-overhead ``o`` (launches, the Python around the forward) plus work that grows
-with its tokens. Batching more tokens into one step amortises ``o`` and
-nothing else, while every token added makes each request in the step wait
-longer. So the default budget is the step at which the overhead is
-``OVERHEAD_SHARE`` of the step's time: ``k x W = o (1 - share) / share``,
-counted in tokens through the linear term (``W`` ~ tokens; attention's
-quadratic term only makes a step reach that point sooner, so the budget
-errs large). Past it a step gains at most that share in throughput and
-costs its requests' latency in full.
+By the step-cost model (``step_cost``), a step costs a fixed ``o`` (its
+transformer call and its share of the tick's round trip: ``c_call +
+c_tick / steps a tick``) plus ``c_token`` a token (and attention's quadratic
+term). Batching more tokens into one step amortises ``o`` and nothing else,
+while every token added makes each request in the step wait longer. So the
+default budget is the step at which the overhead is ``OVERHEAD_SHARE`` of
+the step's time: ``c_token x T = o (1 - share) / share`` (the quadratic term
+only makes a step reach that point sooner, so the budget errs large). Past
+it a step gains at most that share in throughput and costs its requests'
+latency in full. Where ``o`` is less than that share of even the smallest
+calibration step (a compute-bound step, as every tiny model's on this CPU)
+a larger step gains nothing and there is no bound.
 
-It is derived once, at warm-up, from the calibration requests of two sizes
-(the fit needs two, far enough apart in work, to tell ``o`` from ``k``;
-``DiffusionEngine._calibration_requests``). Their ticks also carry the
-requests' prompt encoding and decode, which the fit reads as overhead: the
-derived budget errs large. Where ``o`` is less than a tenth of even the
-smallest calibration step — a compute-bound step, as every tiny model's on
-this CPU, where a fitted ``o`` swung between 0 and a few ms from run to run —
-a larger step gains nothing and there is no bound (at that point the rule
-would give about one small row, and the fit's noise would decide).
+It is derived from the engine's *idle* model (``RunTimeModel.idle``: the
+fastest calibration measured, persisted across starts), not from the
+momentary speed of the warm-up, so it is the same at every start on one
+machine (the warm-up's own fit swung it from 1,503 to 280,443 tokens between
+two runs).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+
+from diffrt.engine.step_cost import StepShape
 
 #: the overhead's share of a step at the default budget
 OVERHEAD_SHARE = 0.1
 
 
-def derived_token_budget(coefficients: tuple[float, float] | None,
-                         smallest: float) -> int | None:
-    """Tokens a step may take by default, from the run-time fit ``(o, k)``
-    (seconds of overhead a step, seconds a work unit — about a token while
-    attention's quadratic term is small); ``smallest``: the work of the
-    smallest calibration step. None (no bound) where the overhead is less
-    than ``OVERHEAD_SHARE`` of even that step: a fit's overhead that small is
-    its noise, and no step would gain from more tokens."""
+def derived_token_budget(coefficients: Mapping[str, float] | None, smallest: StepShape,
+                         steps_per_tick: int = 1) -> int | None:
+    """Tokens a step may take by default, from the step-cost coefficients
+    (``step_cost.FEATURES``); ``smallest``: one step of the smallest
+    calibration request. None (no bound) where the overhead is less than
+    ``OVERHEAD_SHARE`` of even that step."""
     if coefficients is None:
         return None
-    overhead, per_unit = coefficients
-    if overhead <= 0 or per_unit <= 0:
+    overhead = coefficients["call"] + coefficients["tick"] / max(1, steps_per_tick)
+    per_token = coefficients["token"]
+    if overhead <= 0 or per_token <= 0:
         return None
-    if overhead < OVERHEAD_SHARE * (overhead + per_unit * smallest):
+    work = per_token * smallest.tokens + coefficients["attention"] * smallest.attention
+    if overhead < OVERHEAD_SHARE * (overhead + work):
         return None
-    return max(1, round(overhead * (1 - OVERHEAD_SHARE) / OVERHEAD_SHARE / per_unit))
+    return max(1, round(overhead * (1 - OVERHEAD_SHARE) / OVERHEAD_SHARE / per_token))

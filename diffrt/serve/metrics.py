@@ -156,6 +156,7 @@ class EngineCollector(Collector):
                     "the workers", lambda s: s.requests_paused)
         yield gauge("diffrt_paused_state_bytes", "Bytes of step state the paused requests "
                     "keep in the workers", lambda s: s.paused_state_bytes)
+        yield from _step_cost(snapshots, names, values, counter)
 
     @staticmethod
     def _loras(snapshots: list[tuple[dict[str, str], Any]], names: list[str],
@@ -180,6 +181,33 @@ class EngineCollector(Collector):
             for adapter, count in sorted(stats.lora_requests_total.items()):
                 per_adapter.add_metric([*values(labels), adapter], count)
         yield per_adapter
+
+
+def _step_cost(snapshots: list[tuple[dict[str, str], Any]], names: list[str],
+               values: Callable[[dict[str, str]], list[str]],
+               counter: Callable[..., Metric]) -> Iterator[Metric]:
+    """The step-cost model: its coefficients per term (online and idle), its
+    recent relative prediction error (median, p90) and the share decisions."""
+    coefficients = GaugeMetricFamily("diffrt_step_cost_coefficient", "The step-cost model's "
+                                     "seconds per unit of each term (online: fitted from "
+                                     "ticks; idle: what limits are judged by)",
+                                     labels=[*names, "model", "term"])
+    error = GaugeMetricFamily("diffrt_step_cost_error", "Recent |measured - predicted| / "
+                              "measured of a tick", labels=[*names, "quantile"])
+    for labels, stats in snapshots:
+        for model, fit in (("online", stats.step_cost), ("idle", stats.step_cost_idle)):
+            for term, value in sorted(fit.items()):
+                coefficients.add_metric([*values(labels), model, term], value)
+        if stats.step_cost_error is not None:
+            for quantile, value in zip(("0.5", "0.9"), stats.step_cost_error, strict=True):
+                error.add_metric([*values(labels), quantile], value)
+    yield coefficients
+    yield error
+    yield counter("diffrt_steps_shared", "Requests of another size, adapters or cache that "
+                  "joined a running step (the step-cost model's decision)",
+                  lambda s: s.steps_shared_total)
+    yield counter("diffrt_steps_split", "Requests of another kind kept apart from a running "
+                  "step (the step-cost model's decision)", lambda s: s.steps_split_total)
 
 
 #: (name, usage key, help) of the url image store's gauges

@@ -91,7 +91,7 @@ def test_cfg_parallel_shares_out_a_padded_mixed_step(one_rank):
     out, each rank's share as long as its own longest row."""
     with_cfg, without = on_ranks(
         [requests("mixcfg", model="tiny-flux"), requests("mix", model="tiny-flux", cfg=False)],
-        model="tiny-flux", cfg_parallel_size=2, step_execution=True, mixed_rows="padded")
+        model="tiny-flux", cfg_parallel_size=2, step_execution=True, mixed_rows="padded", share_steps="always")
     assert_close(with_cfg, one_rank["tiny-flux", True])
     assert_close(without, one_rank["tiny-flux", False])
 

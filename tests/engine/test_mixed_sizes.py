@@ -49,6 +49,10 @@ def assert_same(got, want, tolerance: float = 1) -> None:
 
 
 def engine_config(**kw) -> EngineConfig:
+    """Sizes share whenever the key allows (``share_steps="always"``): these
+    tests check what a shared step computes; whether to share is the cost
+    model's (``test_share_steps.py``)."""
+    kw.setdefault("share_steps", "always")
     return EngineConfig(model="tiny-flux", executor_backend="inproc", step_execution=True,
                         max_num_seqs=8, warmup=False, **kw)
 

@@ -1,6 +1,7 @@
 """The run-time estimate and ``max_request_seconds``: a request's cost is the
-seconds it would hold this engine, measured, attention's quadratic term
-included; one estimated to run too long is refused naming the estimate."""
+seconds it would hold this engine by the step-cost model, attention's
+quadratic term included; one estimated to run too long at the calibrated
+idle speed is refused naming the estimate; the model persists across starts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from engine_helpers import toy_engine, toy_request
 
 from diffrt.engine import InvalidRequestError
 from diffrt.engine.model_spec import ModelSpec, SamplingDefaults
-from diffrt.engine.run_time import RunTimeModel
+from diffrt.engine.run_time import FEATURES, RunTimeModel
 
 
 def spec(width: int = 64, text_tokens: int = 0) -> ModelSpec:
@@ -38,74 +39,94 @@ def test_work_grows_with_attention_quadratic_term_rows_and_text():
     assert with_text.spec.row_tokens(req(256)) == (256 // 16) ** 2 + 77
 
 
-def test_the_fit_recovers_overhead_and_rate_from_two_sizes():
-    model = RunTimeModel(spec())
+COEFFICIENTS = {"call": 0.004, "token": 2e-6, "attention": 1e-9, "adapter_token": 0.0,
+                "tick": 0.002, "encode": 0.01, "decode": 1e-6}
+
+
+def test_a_request_estimate_is_its_steps_ticks_encoding_and_decode():
+    model = RunTimeModel(spec(), steps_per_tick=4)
     assert model.estimate(req(256)) is None and not model.calibrated
-    overhead, per_unit = 0.004, 2e-6
-    for size in (128, 256, 512, 128, 512):
-        model.observe([req(size)], overhead + per_unit * model.units(req(size)))
-    o, k = model.coefficients
-    assert o == pytest.approx(overhead) and k == pytest.approx(per_unit)
-    assert model.estimate(req(384, steps=30)) == pytest.approx(
-        30 * (overhead + per_unit * model.units(req(384))))
-    # a tick of two requests is their summed work
-    model.observe([req(256), req(256)], overhead + per_unit * 2 * model.units(req(256)))
-    assert model.coefficients[1] == pytest.approx(per_unit)
+    model.idle = dict(COEFFICIENTS)
+    tokens = (256 // 16) ** 2
+    step = 0.004 + 2e-6 * tokens + 1e-9 * tokens**2
+    assert model.estimate(req(256, steps=10)) == pytest.approx(
+        10 * step + 3 * 0.002 + 0.01 + 1e-6 * tokens)  # 3 ticks of up to 4 steps
+    assert model.estimate(req(256, steps=10, n=2)) > model.estimate(req(256, steps=10))
+
+
+def test_the_fit_recovers_known_coefficients_from_ticks():
+    model = RunTimeModel(spec(), steps_per_tick=4)
+    truth = RunTimeModel(spec(), steps_per_tick=4)
+    truth.idle = dict(COEFFICIENTS)
+    for i in range(60):
+        size = (128, 256, 512)[i % 3]
+        batch = [req(size)] * (1 + i % 2) + ([req(384)] if i % 5 == 0 else [])
+        steps = 1 + i % 4
+        seconds = (steps * truth.step_seconds(batch, idle=True) + COEFFICIENTS["tick"]
+                   + COEFFICIENTS["encode"] * (i % 3 == 0))
+        model.observe_tick(batch, steps, seconds, new=int(i % 3 == 0))
+    for size in (128, 384, 512):
+        assert model.estimate(req(size, steps=30), idle=False) == pytest.approx(
+            truth.estimate(req(size, steps=30)), rel=0.05)
+    assert model.online.error()[0] < 0.05
     model.reset()
     assert model.estimate(req(256)) is None
 
 
-def test_one_size_measured_overestimates_larger_requests():
-    """Overhead and rate cannot be told apart from one size: the fit goes
-    through the origin, charging the overhead per unit (never too little
-    for a larger request: a refusal errs on the side of the others)."""
-    model = RunTimeModel(spec())
-    overhead, per_unit = 0.01, 1e-6
-    true = lambda size: overhead + per_unit * model.units(req(size))  # noqa: E731
-    for _ in range(3):
-        model.observe([req(128)], true(128))
-    assert model.coefficients[0] == 0.0
-    for size in (256, 1024, 2048):
-        assert model.estimate(req(size, steps=1)) >= true(size)
+def isolated(monkeypatch, tmp_path):
+    """A cache of this test's own: no step-cost model persisted by another."""
+    monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path))
 
 
-def test_a_tick_that_also_encoded_prompts_does_not_move_its_size():
-    model = RunTimeModel(spec())
-    for seconds in (0.010, 0.011, 0.5, 0.010, 0.012):  # 0.5: the tick that encoded
-        model.observe([req(256)], seconds)
-    for _ in range(3):
-        model.observe([req(512)], 0.04)
-    assert model.estimate(req(256, steps=1)) < 0.02
-
-
-def test_many_ticks_of_one_size_do_not_crowd_out_the_others():
-    model = RunTimeModel(spec())
-    model.observe([req(512)], 0.1)
-    for _ in range(1000):
-        model.observe([req(128)], 0.005)
-    assert model.estimate(req(512, steps=1)) == pytest.approx(0.1, rel=0.05)
-
-
-def test_a_request_estimated_above_the_limit_is_refused_naming_estimate_and_limit():
+def test_a_request_estimated_above_the_limit_is_refused_naming_estimate_and_limit(
+        monkeypatch, tmp_path):
+    isolated(monkeypatch, tmp_path)
     with toy_engine(max_request_seconds=2.0, warmup=False) as engine:
         model = engine.run_time
-        model.observe([req(64)], 0.001)  # measured: 1 ms a step at 64 px, 16 ms at 256
-        model.observe([req(256)], 0.016)
-        # judged before any real tick: those follow the machine's momentary load
-        big = toy_request(size=256, steps=100, num_outputs_per_prompt=2)  # ~3.2 s
-        with pytest.raises(InvalidRequestError, match=r"would run about 3\.\d+ s on this engine "
+        model.idle = {**dict.fromkeys(COEFFICIENTS, 0.0), "token": 1e-5}
+        big = toy_request(size=256, steps=100, num_outputs_per_prompt=2)
+        with pytest.raises(InvalidRequestError, match=r"would run about \d\.\d+ s on this engine "
                            r"\(256x256, 100 steps, n=2\), above max_request_seconds=2") as info:
             engine.generate(big)
         assert info.value.field == "sampling_params"
         assert engine.is_healthy() and engine.generate(toy_request(size=64, steps=4)).ok
 
 
-def test_warm_up_calibrates_the_estimate_from_warm_steps():
+def test_the_limit_is_judged_at_the_idle_speed_not_under_load(monkeypatch, tmp_path):
+    """Ticks measured on a loaded machine (injected: ten times the idle
+    step times) move the online fit, not the limit's verdict: the request
+    admitted idle is admitted loaded (the online estimate would refuse it),
+    and the one refused idle is refused loaded."""
+    isolated(monkeypatch, tmp_path)
+    admitted = lambda: toy_request(size=64, steps=100)  # noqa: E731
+    refused = lambda: toy_request(size=64, steps=1000)  # noqa: E731
+    with toy_engine() as engine:  # warm-up calibrates the idle model, persisted
+        idle = engine.run_time.estimate(engine.spec.with_defaults(admitted()))
+        limit = engine.run_time.estimate(engine.spec.with_defaults(refused())) / 2
+    assert idle < limit / 4
+    with toy_engine(max_request_seconds=limit, warmup=False) as engine:
+        model, spec = engine.run_time, engine.spec
+        assert model.restored and model.estimate(spec.with_defaults(admitted())) == idle
+        for i in range(200):  # a loaded machine: every tick ten times the idle speed's
+            batch = [spec.with_defaults(toy_request(size=(64, 128)[i % 2], steps=4))]
+            model.observe_tick(batch, 1 + i % 4, 10 * (
+                (1 + i % 4) * model.step_seconds(batch, idle=True) + model.idle["tick"]))
+        assert model.estimate(spec.with_defaults(admitted()), idle=False) > limit
+        assert model.estimate(spec.with_defaults(admitted())) == idle
+        assert engine.generate(admitted()).ok
+        with pytest.raises(InvalidRequestError, match="max_request_seconds"):
+            engine.generate(refused())
+
+
+def test_warm_up_calibrates_the_estimate_from_warm_steps(monkeypatch, tmp_path):
+    isolated(monkeypatch, tmp_path)
     with toy_engine() as engine:  # warm-up on
-        assert engine.run_time.calibrated
+        assert engine.run_time.calibrated and engine.run_time.idle is not None
         estimate = lambda size: engine.run_time.estimate(  # noqa: E731
             engine.spec.with_defaults(toy_request(size=size, steps=1000)))
-        assert estimate(512) > estimate(64) > 0
+        # the toy's steps barely grow with size: the fit may charge them per step
+        assert estimate(512) >= estimate(64) > 0
+    monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path / "other"))
     with toy_engine(warmup=False, max_request_seconds=1e-9) as engine:
         # nothing measured yet: nothing refused; the first request's ticks calibrate
         assert engine.generate(toy_request(size=16, steps=2)).ok
@@ -114,10 +135,46 @@ def test_warm_up_calibrates_the_estimate_from_warm_steps():
             engine.generate(toy_request(size=16, steps=2))
 
 
-def test_the_start_up_requests_are_never_refused_by_the_limit():
+def test_a_restart_starts_calibrated_from_the_persisted_model(monkeypatch, tmp_path):
+    """The idle model persists per (device, model folder, dtype, settings):
+    a restart reads it before any tick; other settings do not."""
+    isolated(monkeypatch, tmp_path)
+    with toy_engine() as engine:
+        idle = dict(engine.run_time.idle)
+    with toy_engine(warmup=False) as engine:
+        assert engine.run_time.restored and engine.run_time.idle == idle
+        assert engine.run_time.online.coefficients is not None  # seeded: calibrated before a tick
+    with toy_engine(warmup=False, mixed_rows="padded") as engine:
+        assert engine.run_time.idle is None  # another arrangement: another model
+
+
+def test_the_model_shows_in_stats_metrics_and_the_env_check_listing(monkeypatch, tmp_path):
+    """``stats()`` and ``/metrics`` carry the coefficients (online and idle)
+    and the recent prediction error; ``cost_store.persisted`` (what ``diffrt
+    env --check`` prints) lists the model saved."""
+    from prometheus_client import generate_latest
+
+    from diffrt.engine import cost_store
+    from diffrt.serve.metrics import ServerMetrics
+
+    isolated(monkeypatch, tmp_path)
+    with toy_engine() as engine:
+        assert engine.generate(toy_request(size=64, steps=4)).ok
+        stats = engine.stats()
+        assert set(stats.step_cost) == set(stats.step_cost_idle) == set(FEATURES)
+        assert stats.step_cost_error is not None and 0 <= stats.step_cost_error[0]
+        text = generate_latest(ServerMetrics(lambda: [({}, stats)]).registry).decode()
+        assert 'diffrt_step_cost_coefficient{model="idle",term="token"}' in text
+        assert 'diffrt_step_cost_error{quantile="0.9"}' in text
+    (listed,) = cost_store.persisted()
+    assert listed["key"] == engine.cost_key and listed["model"] == "toy"
+    assert listed["idle"] == stats.step_cost_idle
+
+
+def test_the_start_up_requests_are_never_refused_by_the_limit(monkeypatch, tmp_path):
     """The warm-up and calibration requests are the engine's own: a limit no
-    request can meet (as a small one is on a busy machine, whose slow steps
-    the estimate follows) still lets the engine start, then refuses clients."""
+    request can meet still lets the engine start, then refuses clients."""
+    isolated(monkeypatch, tmp_path)
     with toy_engine(max_request_seconds=1e-9) as engine:  # warm-up on
         assert engine.run_time.calibrated and not engine.starting
         with pytest.raises(InvalidRequestError, match="max_request_seconds"):
@@ -129,5 +186,4 @@ def test_both_modes_feed_the_estimate_per_step(step):
     with toy_engine(step_execution=step, max_num_seqs=2, warmup=False) as engine:
         outs = engine.generate([toy_request(size=64, steps=3), toy_request(size=64, steps=3)])
         assert all(out.ok for out in outs)
-        overhead, per_unit = engine.run_time.coefficients
-        assert overhead == 0.0 and per_unit > 0  # one size seen
+        assert engine.run_time.online.ticks > 0 and engine.run_time.coefficients["token"] >= 0

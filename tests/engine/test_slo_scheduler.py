@@ -25,10 +25,11 @@ class Cost:
     unless given (a request's units are its height, as in ``shape``)."""
 
     def __init__(self, per_unit: float = 0.001, overhead: float = 0.0):
-        self.coefficients: tuple[float, float] | None = (overhead, per_unit)
+        self.step_overhead: float | None = overhead
+        self.per_unit = per_unit
 
-    def units(self, request) -> float:
-        return float(request.sampling_params.height)
+    def work_seconds(self, request) -> float:
+        return self.per_unit * request.sampling_params.height
 
 
 def shape(request) -> tuple[int, int]:
@@ -274,7 +275,7 @@ def test_lateness_counts_the_running_and_the_queue_ranked_ahead():
     fifo = StepScheduler(2, make_policy("fifo"), key=lambda r: ())
     assert fifo.lateness(me, 0.0) is None
     unmeasured = step_scheduler(cost=Cost())
-    unmeasured.policy.cost.coefficients = None  # type: ignore[attr-defined]
+    unmeasured.policy.cost.step_overhead = None  # type: ignore[attr-defined]
     assert unmeasured.lateness(me, 0.0) is None
 
 

@@ -64,7 +64,8 @@ def stepped(flux_step_engine):
 def padded():
     """Rows of several sizes padded into one call; no warm-up, so no run-time
     limit from its estimate (the abort test runs a long request)."""
-    with shared_engine(DiffusionEngine.make_engine(config(mixed_rows="padded"))) as engine:
+    with shared_engine(DiffusionEngine.make_engine(
+            config(mixed_rows="padded", share_steps="always"))) as engine:
         yield engine
 
 

@@ -10,6 +10,7 @@ from sched_helpers import req
 
 from diffrt.engine import EngineConfig, EngineConfigError
 from diffrt.engine.sched import ExecutionResult, StepScheduler, make_policy
+from diffrt.engine.step_cost import StepShape
 from diffrt.engine.token_budget import OVERHEAD_SHARE, derived_token_budget
 
 
@@ -82,16 +83,25 @@ def test_skip_ahead_keeps_the_budget_and_its_order():
     assert s.schedule(now=0.0).scheduled_ids == ["running"] and s.num_waiting == 2
 
 
+def coefficients(call: float, token: float, tick: float = 0.0) -> dict[str, float]:
+    return {"call": call, "token": token, "attention": 0.0, "adapter_token": 0.0,
+            "tick": tick, "encode": 0.0, "decode": 0.0}
+
+
 def test_the_default_is_where_the_overhead_is_a_tenth_of_a_step():
-    overhead, per_unit = 0.02, 1e-5
-    budget = derived_token_budget((overhead, per_unit), smallest=500)
-    assert budget == round(overhead * 9 / per_unit)
-    assert overhead / (overhead + per_unit * budget) == pytest.approx(OVERHEAD_SHARE)
-    assert derived_token_budget((0.0, 1e-5), 500) is None  # no overhead: nothing to amortise
-    assert derived_token_budget(None, 500) is None
+    overhead, per_token = 0.02, 1e-5
+    smallest = StepShape(calls=1, tokens=500)
+    budget = derived_token_budget(coefficients(overhead, per_token), smallest)
+    assert budget == round(overhead * 9 / per_token)
+    assert overhead / (overhead + per_token * budget) == pytest.approx(OVERHEAD_SHARE)
+    assert derived_token_budget(coefficients(0.0, 1e-5), smallest) is None  # nothing to amortise
+    assert derived_token_budget(None, smallest) is None
     # an overhead under a tenth of the smallest measured step is the fit's noise
-    assert derived_token_budget((0.0004, 1e-5), smallest=500) is None
-    assert derived_token_budget((0.0006, 1e-5), smallest=500) == 540
+    assert derived_token_budget(coefficients(0.0004, 1e-5), smallest) is None
+    assert derived_token_budget(coefficients(0.0006, 1e-5), smallest) == 540
+    # a tick's fixed cost is shared by the steps it carries
+    assert derived_token_budget(coefficients(0.0002, 1e-5, tick=0.0016), smallest,
+                                steps_per_tick=4) == 540
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, "many"])
@@ -100,27 +110,24 @@ def test_a_bad_budget_is_refused_naming_the_field(value):
         EngineConfig(max_num_batched_tokens=value)
 
 
-def test_the_engine_derives_its_budget_at_warm_up():
-    """Two calibration sizes at warm-up, far enough apart in work, give the
-    fit its overhead, and the budget follows from it (None where it measured
-    none: on this CPU every tiny model's step is compute-bound)."""
+def test_the_engine_derives_its_budget_from_the_idle_model_the_same_at_every_start(
+        tmp_path, monkeypatch):
+    """The budget comes from the idle step-cost model, which the first start
+    calibrates and persists: later starts read it back (a slower calibration
+    never replaces it) and derive the same budget."""
     from diffrt.engine import DiffusionEngine
-    from diffrt.engine.run_time import MIN_SPREAD
-    from diffrt.engine.start_up import CALIBRATION_WORK_RATIO, calibration_requests
 
+    monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path))
     with DiffusionEngine.make_engine(EngineConfig(
             executor_backend="inproc", step_execution=True, max_num_seqs=4)) as engine:
-        fit = engine.run_time.coefficients
-        assert fit is not None
-        smallest = engine.run_time.units(engine.spec.with_defaults(
-            calibration_requests(engine.spec, engine.run_time, engine.config.max_steps_per_tick)[0]))
-        assert engine.scheduler.token_budget == derived_token_budget(fit, smallest)
-        # the two calibration sizes differ enough in work for the fit to tell o from k
-        small, large = (engine.run_time.units(engine.spec.with_defaults(r))
-                        for r in calibration_requests(engine.spec, engine.run_time, engine.config.max_steps_per_tick))
-        assert large >= CALIBRATION_WORK_RATIO * small
-        assert (large - small) / (large + small) >= MIN_SPREAD
+        run_time = engine.run_time
+        assert run_time.idle is not None and not run_time.restored
+        assert engine.scheduler.token_budget == derived_token_budget(
+            run_time.idle, run_time.calibration_shapes()[0], run_time.steps_per_tick)
+        first = run_time.reference()
     with DiffusionEngine.make_engine(EngineConfig(
             executor_backend="inproc", step_execution=True, max_num_seqs=4,
             max_num_batched_tokens=0)) as engine:
         assert engine.scheduler.token_budget is None  # 0: no bound, nothing derived
+        # calibrated from the start, and never slower than the persisted idle speed
+        assert engine.run_time.reference() <= first

@@ -22,9 +22,9 @@ Every request ranks by ``(urgency, lost, slack, seq)``, smallest first:
 * ``slack`` is ``deadline - now - remaining work``: the seconds it could
   still wait and meet its ``deadline_s`` (counted from its arrival). The
   remaining work is its remaining denoise steps times its step time alone
-  from the engine's measured step-time model (``StepCost``: the
-  ``RunTimeModel``'s overhead plus per-unit cost of its rows and tokens, CFG
-  doubling its rows); before a measured tick it is the time to the deadline.
+  from the engine's step-cost model (``StepCost``: the ``RunTimeModel``'s
+  per-step overhead plus its rows' work, CFG doubling its rows); before a
+  fit it is the time to the deadline.
 * ``seq`` (arrival order) breaks ties.
 
 ``urgency`` also decides preemption (``StepScheduler``): a running request is
@@ -46,14 +46,14 @@ from diffrt.engine.sched.policy import AdmissionPolicy
 
 
 class StepCost(Protocol):
-    """What ``slo`` needs of the step-time model (``engine.run_time.RunTimeModel``):
-    its fit ``(seconds of overhead per step, seconds per unit)``, None before a
-    measured tick, and the units one denoise step of a request does."""
+    """What ``slo`` needs of the step-cost model (``engine.run_time.RunTimeModel``):
+    the seconds a step costs whatever its rows (None before a fit), and the
+    seconds a request's rows add to a step."""
 
     @property
-    def coefficients(self) -> tuple[float, float] | None: ...
+    def step_overhead(self) -> float | None: ...
 
-    def units(self, request: DiffusionRequest) -> float: ...
+    def work_seconds(self, request: DiffusionRequest) -> float: ...
 
 
 def remaining_steps(record: RequestRecord) -> int:
@@ -79,11 +79,10 @@ class SloPolicy(AdmissionPolicy):
         measured a tick); ``overhead=False``: its own work only, without the
         per-step overhead a batch pays once."""
         cost = self.cost
-        fit = cost.coefficients if cost is not None else None
-        if cost is None or fit is None:
+        o = cost.step_overhead if cost is not None else None
+        if cost is None or o is None:
             return 0.0
-        o, k = fit
-        per_step = (o if overhead else 0.0) + k * cost.units(record.request)
+        per_step = (o if overhead else 0.0) + cost.work_seconds(record.request)
         return remaining_steps(record) * per_step
 
     def slack(self, record: RequestRecord, now: float) -> float:
@@ -142,19 +141,17 @@ class SloPolicy(AdmissionPolicy):
         """``batch`` less the least urgent rows that make its steps too slow
         for a more urgent request's deadline, and the urgency of the requests
         so protected (None: nothing dropped). A step of the batch takes
-        ``o + k * units``; a request with a deadline that can still meet it
-        alone (a lost one is not protected: the others would lose for
-        nothing) allows ``(time left / steps left - o) / k`` units a step.
+        ``o + sum of its rows' work``; a request with a deadline that can
+        still meet it alone (a lost one is not protected: the others would
+        lose for nothing) allows ``time left / steps left - o`` seconds of
+        rows' work a step.
         Class by class, most urgent first, rows of less urgent classes go,
         least urgent first, until the step fits what the class allows."""
         cost = self.cost
-        fit = cost.coefficients if cost is not None else None
-        if cost is None or fit is None or not batch:
+        o = cost.step_overhead if cost is not None else None
+        if cost is None or o is None or not batch:
             return list(batch), None
-        o, k = fit
-        if k <= 0:
-            return list(batch), None
-        units = {id(r): cost.units(r.request) for r in batch}
+        work = {id(r): cost.work_seconds(r.request) for r in batch}
         kept = self.ordered(batch, now)
         protected = None
         for level in sorted({self.urgency(r) for r in kept})[:-1]:
@@ -164,12 +161,12 @@ class SloPolicy(AdmissionPolicy):
                 if self.urgency(r) > level or deadline is None or steps == 0:
                     continue
                 per_step = (r.arrival + deadline - now) / steps
-                if per_step >= o + k * units[id(r)]:  # it can still make it
-                    allowed.append((per_step - o) / k)
+                if per_step >= o + work[id(r)]:  # it can still make it
+                    allowed.append(per_step - o)
             if not allowed:
                 continue
             cap = min(allowed)
-            while sum(units[id(r)] for r in kept) > cap and self.urgency(kept[-1]) > level:
+            while sum(work[id(r)] for r in kept) > cap and self.urgency(kept[-1]) > level:
                 kept.pop()
                 protected = level
         return kept, protected
@@ -197,9 +194,9 @@ class SloPolicy(AdmissionPolicy):
         their own remaining work and its, plus one per-step overhead for each
         of the steps the longest of them has left (a batch pays it once a
         step). None before the model has measured a tick."""
-        if self.cost is None or self.cost.coefficients is None:
+        o = self.cost.step_overhead if self.cost is not None else None
+        if o is None:
             return None
-        o, _ = self.cost.coefficients
         everyone = [*ahead, record]
         work = sum(self.remaining_s(r, overhead=False) for r in everyone)
         return now + work + o * max(remaining_steps(r) for r in everyone)

@@ -42,7 +42,7 @@ out or loses its worker is dropped there like a running one.
 
 Deadlines also size the step (``SloPolicy.on_time``): while a request with
 a deadline it can still meet would miss it at the planned batch's step time
-(the step-time model's ``o + k * units``), the least urgent rows of less
+(the step-cost model's per-step overhead plus its rows' work), the least urgent rows of less
 urgent classes are paused (within the same byte bound), and no request less
 urgent than it is admitted in that tick.
 """
@@ -63,6 +63,7 @@ from diffrt.engine.sched.interface import (
     UpdateResult,
 )
 from diffrt.engine.sched.policy import AdmissionPolicy
+from diffrt.engine.sched.share import ShareDecider
 
 
 class StepScheduler(BaseScheduler):
@@ -73,7 +74,8 @@ class StepScheduler(BaseScheduler):
                  memory: BatchMemory | None = None,
                  tokens: Callable[[DiffusionRequest], tuple[int, int]] | None = None,
                  token_budget: int | None = None, padded: bool = False,
-                 adapters: BatchAdapters | None = None, max_paused_bytes: int = 0):
+                 adapters: BatchAdapters | None = None, max_paused_bytes: int = 0,
+                 share: ShareDecider | None = None):
         super().__init__(max_num_seqs, policy, max_wait_s=max_wait_s, stable_s=stable_s, key=key,
                          memory=memory, adapters=adapters)
         #: a request's (rows, tokens a row) in a step; with ``token_budget``
@@ -84,6 +86,10 @@ class StepScheduler(BaseScheduler):
             raise ValueError(f"max_steps_per_tick must be >= 1, got {max_steps_per_tick}")
         self.max_steps_per_tick = max_steps_per_tick
         self.max_paused_bytes = max_paused_bytes
+        #: decides whether a request of another kind shares the batch's steps
+        #: (None: whenever the key allows)
+        self.share = share
+        self._now = 0.0
         #: running requests paused for more urgent ones, since start
         self.preemptions = 0
         self._pending_drops: list[str] = []
@@ -106,6 +112,7 @@ class StepScheduler(BaseScheduler):
         if self._in_flight:
             return None  # the previous tick has not been updated yet
         self._urgency_limit = None
+        self._now = now
         victims = self._preempt(now) if self.preempting else []
         paused = {id(record) for record in self._paused}
         admitted = self._admit(self.running_key, self.max_num_seqs - len(self._running), now)
@@ -255,6 +262,8 @@ class StepScheduler(BaseScheduler):
         """The memory budget's prefix, then the prefix that keeps the step within
         ``token_budget`` (see the module)."""
         chosen = super()._within_budget(chosen)
+        if self.share is not None and chosen:
+            chosen = self._sharing(chosen)
         if not self.token_budget or self._tokens is None or not chosen:
             return chosen
         shapes = [self._tokens(record.request) for record in self._running]
@@ -265,6 +274,29 @@ class StepScheduler(BaseScheduler):
                 break
             kept.append(record)
             shapes.append(shape)
+        return kept
+
+    def _sharing(self, chosen: list[RequestRecord]) -> list[RequestRecord]:
+        """Those of ``chosen`` the share decision lets into the batch
+        (``sched/share.py``): one of a kind already in it always joins; one of
+        another kind when sharing is predicted to pay. A refused one is
+        passed at most ``max_bypass`` times, then blocks those after it."""
+        share = self.share
+        assert share is not None
+        batch, kept, refused = list(self._running), [], []
+        for record in chosen:
+            if not batch or share.same_kind(record, batch) or share.decide(
+                    batch, record, self._now).shared:
+                kept.append(record)
+                batch.append(record)
+                continue
+            if record.bypassed >= share.max_bypass:
+                break  # aged: it waits for the batch to drain, and so do those after it
+            refused.append(record)
+        if kept:
+            for record in refused:
+                if any(r.seq > record.seq for r in kept):
+                    record.bypassed += 1
         return kept
 
     def _steps_for_tick(self, drops: list[str]) -> int:

@@ -32,7 +32,7 @@ def folder(qwen_folder):
 def mixed(folder):
     with shared_engine(DiffusionEngine.make_engine(EngineConfig(
             model=folder, executor_backend="inproc", step_execution=True, max_num_seqs=8,
-            warmup=False, mixed_rows="padded"))) as engine:
+            warmup=False, mixed_rows="padded", share_steps="always"))) as engine:
         yield engine
 
 

@@ -46,7 +46,7 @@ def outputs(out) -> list[np.ndarray]:
 def engine():
     with shared_engine(DiffusionEngine.make_engine(EngineConfig(
             model="tiny-sd3", executor_backend="inproc", step_execution=True,
-            max_num_seqs=8, warmup=False, mixed_rows="padded"))) as engine:
+            max_num_seqs=8, warmup=False, mixed_rows="padded", share_steps="always"))) as engine:
         yield engine
 
 

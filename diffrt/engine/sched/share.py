@@ -1,0 +1,142 @@
+"""Whether rows of different kinds share a step: decided by the step-cost model.
+
+With ``mixed_size_batching`` requests of different sizes, adapters or step
+caches *may* share a denoise step; whether they *should* depends on what a
+shared step costs on this machine. A shared step of a batch ``B`` and a
+candidate ``c`` of another kind (its ``kind`` key differs from every row of
+the batch's: another size, say) costs ``S``; apart, a step of ``B`` costs
+``A`` and one of ``c`` costs ``C``, plus a tick's fixed cost ``t`` each
+(the step-cost model's ``step_seconds`` and ``tick_seconds``). Apart, ``c``
+runs after ``B`` drains (the keyed engine's order); shared, every request
+of both advances at ``S`` a step while both run. ``c`` joins only when
+sharing
+
+- gives a lower sum of the requests' completion times than apart, by
+  ``MARGIN`` of it (so the model's noise does not decide: mixing must never
+  be the cause of a worse latency), and
+- pushes no request of ``B`` that would meet its deadline apart past it.
+
+By ``by_size`` (a call per size, the CPU's arrangement) ``S`` is about
+``A + C``: sharing saves only a tick's fixed cost and makes the small rows
+wait for the large ones' calls, so between requests of about equal length
+it stays off (a request far shorter than the batch's still joins: apart it
+would wait for the whole batch to drain); with one call over all rows
+(``padded``, ``packed``) and a large per-call cost (launches), ``S`` is well
+under ``A + C`` and it turns on. A request refused is passed by at most
+``max_bypass`` admission rounds of the running kind, then waits only for the
+running batch to drain (no starvation). Every decision is kept (``log``) for
+``diffrt bench --explain``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from diffrt.engine.record import RequestRecord
+from diffrt.engine.request import DiffusionRequest
+
+#: the share of the apart plan's summed completion times sharing must save
+MARGIN = 0.05
+#: decisions kept for ``--explain``
+LOG_SIZE = 1000
+
+
+class ShareCost(Protocol):
+    """What the decision needs of the step-cost model (``RunTimeModel``)."""
+
+    def step_seconds(self, requests: Sequence[DiffusionRequest]) -> float | None: ...
+
+    @property
+    def tick_seconds(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One share/split decision and the figures it came from."""
+
+    candidate: str
+    batch: tuple[str, ...]
+    shared: bool
+    reason: str
+    shared_step_s: float = 0.0
+    batch_step_s: float = 0.0
+    alone_step_s: float = 0.0
+
+    def explain(self) -> str:
+        verdict = "shared" if self.shared else "split"
+        return (f"{self.candidate} with [{', '.join(self.batch)}]: {verdict} ({self.reason}; "
+                f"step together {self.shared_step_s * 1e3:.2f} ms, apart "
+                f"{self.batch_step_s * 1e3:.2f} + {self.alone_step_s * 1e3:.2f} ms)")
+
+
+def _left(record: RequestRecord) -> int:
+    return max(1, record.total_steps - record.step)
+
+
+class ShareDecider:
+    """Decides, per candidate, whether it shares the batch's steps (see the module)."""
+
+    def __init__(self, cost: ShareCost, kind: Callable[[DiffusionRequest], tuple], *,
+                 max_bypass: int = 4, margin: float = MARGIN):
+        self.cost = cost
+        self.kind = kind
+        self.max_bypass = max_bypass
+        self.margin = margin
+        self.log: deque[Decision] = deque(maxlen=LOG_SIZE)
+        self.shared = 0
+        self.split = 0
+
+    def same_kind(self, record: RequestRecord, batch: Sequence[RequestRecord]) -> bool:
+        kind = self.kind(record.request)
+        return any(self.kind(r.request) == kind for r in batch)
+
+    def decide(self, batch: Sequence[RequestRecord], candidate: RequestRecord,
+               now: float) -> Decision:
+        """Whether ``candidate`` (of a kind none of ``batch`` is) shares its steps."""
+        ids = tuple(r.request_id for r in batch)
+        requests = [r.request for r in batch]
+        s = self.cost.step_seconds([*requests, candidate.request])
+        a = self.cost.step_seconds(requests)
+        c = self.cost.step_seconds([candidate.request])
+        t = self.cost.tick_seconds or 0.0
+        if s is None or a is None or c is None:
+            return self._note(Decision(candidate.request_id, ids, False,
+                                       "no step-cost model yet: apart"))
+        a, c, s = a + t, c + t, s + t
+        apart, together = 0.0, 0.0
+        drain = max(_left(r) for r in batch) * a
+        n = _left(candidate)
+        for record in batch:
+            m = _left(record)
+            apart += m * a
+            finish = min(m, n) * s + max(0, m - n) * a
+            together += finish
+            deadline = record.request.sampling_params.deadline_s
+            if deadline is not None:
+                due = record.arrival + deadline
+                if now + m * a <= due < now + finish:
+                    return self._note(Decision(
+                        candidate.request_id, ids, False,
+                        f"{record.request_id} would miss its deadline", s, a, c))
+        apart += drain + n * c
+        longest = max(_left(r) for r in batch)
+        together += min(n, longest) * s + max(0, n - longest) * c
+        shared = together < (1.0 - self.margin) * apart
+        reason = (f"summed completion {together:.3g} s together vs {apart:.3g} s apart"
+                  if math.isfinite(together) else "no estimate")
+        return self._note(Decision(candidate.request_id, ids, shared, reason, s, a, c))
+
+    def _note(self, decision: Decision) -> Decision:
+        self.log.append(decision)
+        if decision.shared:
+            self.shared += 1
+        else:
+            self.split += 1
+        return decision
+
+
+__all__ = ["Decision", "MARGIN", "ShareCost", "ShareDecider"]

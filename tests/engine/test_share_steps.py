@@ -1,0 +1,120 @@
+"""The share/split decision (``sched/share.py``): rows of another size join
+a step only when the step-cost model, fitted from ticks, predicts sharing
+finishes the requests sooner and pushes none past its deadline. A per-call
+overhead injected into the measured ticks (standing in for kernel launches)
+turns sharing on where one call takes every row (``packed``, ``padded``); with
+none, or a call per size (``by_size``, the CPU's), it stays off; a refused
+request is passed at most ``max_bypass`` times."""
+
+from __future__ import annotations
+
+import pytest
+from sched_helpers import req as plain
+
+from diffrt.engine.model_spec import ModelSpec, SamplingDefaults
+from diffrt.engine.record import RequestRecord
+from diffrt.engine.run_time import RunTimeModel
+from diffrt.engine.sched import ExecutionResult, StepScheduler, make_policy
+from diffrt.engine.sched.share import ShareDecider
+
+#: a CPU-like machine: seconds a token and a token squared, a small tick cost
+WORK = {"call": 0.0, "token": 2e-5, "attention": 2e-9, "adapter_token": 0.0,
+        "tick": 5e-4, "encode": 0.0, "decode": 0.0}
+
+
+def req(rid: str, size: int, steps: int = 8, **kw):
+    """A request as the engine holds it (the model's defaults filled in)."""
+    return spec().with_defaults(plain(rid, size=size, steps=steps, **kw))
+
+
+def spec() -> ModelSpec:
+    return ModelSpec(name="m", family="f", pipeline="m:P", size_multiple=16, max_size=2048,
+                     defaults=SamplingDefaults(height=256, width=256, num_inference_steps=8,
+                                               guidance_scale=1.0),
+                     transformer_width=64)
+
+
+def fitted(arrangement: str, per_call_s: float) -> RunTimeModel:
+    """A model fitted from ticks of a machine with ``WORK`` plus
+    ``per_call_s`` a transformer call (the injected overhead)."""
+    truth = RunTimeModel(spec(), arrangement=arrangement)
+    truth.idle = {**WORK, "call": per_call_s}
+    model = RunTimeModel(spec(), arrangement=arrangement)
+    sizes = (128, 256, 512)
+    for i in range(120):
+        batch = [req(f"r{i}", size=sizes[i % 3])] * (1 + i % 2)
+        if i % 4 == 0:
+            batch.append(req(f"o{i}", size=sizes[(i + 1) % 3]))
+        steps = 1 + i % 3
+        model.observe_tick(batch, steps, steps * truth.step_seconds(batch, idle=True)
+                           + truth.idle["tick"])
+    return model
+
+
+def record(rid: str, size: int, steps: int = 8, seq: int = 0, **kw) -> RequestRecord:
+    return RequestRecord(req(rid, size=size, steps=steps, **kw), arrival=0.0, seq=seq)
+
+
+def decider(model: RunTimeModel, max_bypass: int = 2) -> ShareDecider:
+    return ShareDecider(model, lambda r: (r.sampling_params.height,), max_bypass=max_bypass)
+
+
+@pytest.mark.parametrize("arrangement", ["by_size", "packed", "padded"])
+def test_without_a_per_call_overhead_sizes_run_apart(arrangement):
+    share = decider(fitted(arrangement, per_call_s=0.0))
+    for running, joining in ((512, 128), (128, 512), (256, 256 + 16)):
+        decision = share.decide([record("b", running)], record("c", joining), now=0.0)
+        assert not decision.shared, decision.explain()
+
+
+@pytest.mark.parametrize("arrangement", ["packed", "padded"])
+def test_a_per_call_overhead_turns_sharing_on_where_one_call_takes_every_row(arrangement):
+    share = decider(fitted(arrangement, per_call_s=0.010))
+    decision = share.decide([record("b", 128), record("b2", 128)], record("c", 64), now=0.0)
+    assert decision.shared, decision.explain()
+    assert "together" in decision.explain() and share.shared == 1
+
+
+def test_a_call_per_size_gains_nothing_from_a_per_call_overhead():
+    share = decider(fitted("by_size", per_call_s=0.010))
+    assert not share.decide([record("b", 128)], record("c", 64), now=0.0).shared
+
+
+def test_sharing_never_pushes_a_request_past_its_deadline():
+    model = fitted("packed", per_call_s=0.010)
+    share = decider(model)
+    batch = [record("b", 128)]
+    alone = model.step_seconds([batch[0].request]) + model.tick_seconds
+    # due just after its run alone: the shared step's extra time would make it late
+    tight = record("t", 128, deadline_s=8 * alone * 1.001)
+    decision = share.decide([tight], record("c", 64), now=0.0)
+    assert not decision.shared and "deadline" in decision.reason
+    assert share.decide(batch, record("c", 64), now=0.0).shared
+
+
+def test_the_scheduler_keeps_a_refused_size_waiting_at_most_max_bypass_rounds():
+    share = decider(fitted("by_size", per_call_s=0.0), max_bypass=2)
+    s = StepScheduler(8, make_policy("skip_ahead"), key=lambda r: (), share=share)
+    s.add_request(req("big", size=512, steps=20), now=0.0)
+    out = s.schedule(now=0.0)
+    assert out.scheduled_ids == ["big"]
+    s.add_request(req("small", size=64, steps=20), now=0.0)  # as long: apart is sooner
+    ids = ["big"]
+    for round_ in range(3):  # a same-size request arrives behind it each round
+        s.add_request(req(f"big{round_}", size=512, steps=20), now=0.0)
+        s.update_from_output(out, ExecutionResult(steps={rid: 1 for rid in out.scheduled_ids}))
+        out = s.schedule(now=0.0)
+        ids = out.scheduled_ids
+        if round_ < 2:
+            assert "small" not in ids and f"big{round_}" in ids  # split: it waits
+    # passed twice: it now blocks the third, which waits with it for the batch to drain
+    assert "big2" not in ids and "small" not in ids
+    assert share.split >= 3 and any("small" in d.explain() for d in share.log)
+
+
+def test_a_short_request_beside_a_long_one_shares_even_by_size():
+    """Apart, a 2-step request waits for a 20-step batch to drain; sharing
+    finishes it 18 steps sooner at the price of 2 slower steps of the batch."""
+    share = decider(fitted("by_size", per_call_s=0.0))
+    assert share.decide([record("long", 512, steps=20)], record("short", 64, steps=2),
+                        now=0.0).shared
