@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from diffrt.engine import cost_store
 from diffrt.engine.config import EngineConfig, ExecutionMode
@@ -83,6 +84,25 @@ def run_time_model(config: EngineConfig, spec: ModelSpec) -> tuple[RunTimeModel,
     return model, key
 
 
+def save_step_costs(run_time: RunTimeModel, key: str, model_name: str) -> None:
+    """Persist the step-cost model under ``key`` (``cost_store``; never
+    raises), once it has been fitted."""
+    if run_time.calibrated:
+        cost_store.save(key, run_time.models(),
+                        {"model": model_name, "error": run_time.online.error()})
+
+
+def cost_stats(run_time: RunTimeModel, scheduler: Scheduler) -> dict[str, Any]:
+    """``EngineStats``' step-cost fields: the online and idle coefficients,
+    the recent prediction error and the share/split counts."""
+    share = getattr(scheduler, "share", None)
+    return {"step_cost": run_time.coefficients or {},
+            "step_cost_idle": dict(run_time.idle or {}),
+            "step_cost_error": run_time.online.error(),
+            "steps_shared_total": share.shared if share is not None else 0,
+            "steps_split_total": share.split if share is not None else 0}
+
+
 def _kind(spec: ModelSpec) -> Callable[[DiffusionRequest], tuple]:
     """What makes two requests' rows different kinds of work in a step: their
     size (the model's own key), their adapters, their step cache."""
@@ -135,4 +155,5 @@ def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000.0
 
 
-__all__ = ["make_scheduler", "memory_model", "run_time_model", "step_batch_key"]
+__all__ = ["cost_stats", "make_scheduler", "memory_model", "run_time_model", "save_step_costs",
+           "step_batch_key"]

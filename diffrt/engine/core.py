@@ -46,7 +46,6 @@ from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.lora.tick_adapters import TickAdapters
 from diffrt.engine.memory_estimate import MemoryModel
 from diffrt.engine.record import RequestRecord, RequestStatus
-from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.restart import (
     RESTART_ATTEMPTS,
     RESTART_CHECK_S,
@@ -64,8 +63,10 @@ from diffrt.engine.tick import (
     Executed,
     TickResult,
     execution_result,
+    ran_requests,
     read_report,
     route_outputs,
+    seconds_per_step,
     tick_request,
 )
 from diffrt.runtime.executor import Executor
@@ -370,7 +371,7 @@ class EngineCore:
         if ran.dead:
             return TickResult(scheduled_ids=[], started_at=ran.started_at, elapsed=ran.elapsed)
         report = ran.report
-        step_seconds = None if ran.failed_all else self._step_seconds(tick, ran)
+        step_seconds = None if ran.failed_all else seconds_per_step(self.mode, tick, ran)
         with self._cond:
             rows, tokens = self._observe(tick, ran, step_seconds)
             update = self.scheduler.update_from_output(tick, execution_result(tick, ran))
@@ -390,7 +391,7 @@ class EngineCore:
                  step_seconds: float | None) -> tuple[int, int]:
         """Under the lock, before the scheduler lets finished requests go: the
         run-time and memory estimates learn from the tick; its (rows, tokens)."""
-        requests = self._ran(tick)
+        requests = ran_requests(self.mode, tick, self.scheduler)
         if self._run_time is not None and step_seconds is not None:
             ran.predicted_s = self._run_time.observe_tick(
                 requests, ran.steps_run if self.mode is ExecutionMode.STEP_BATCH
@@ -414,23 +415,6 @@ class EngineCore:
         for event in update.finished:
             if event.status is RequestStatus.FINISHED and event.admitted_at is not None:
                 self.scheduler.observe_run_time(done_at - event.admitted_at)
-
-    def _ran(self, tick: SchedulerOutput) -> list[DiffusionRequest]:
-        """The requests a tick ran (under the lock, before the scheduler lets
-        finished ones go)."""
-        if self.mode is not ExecutionMode.STEP_BATCH:
-            return tick.new
-        records = (self.scheduler.record(rid) for rid in tick.scheduled_ids)
-        return [record.request for record in records if record is not None]
-
-    def _step_seconds(self, tick: SchedulerOutput, ran: Executed) -> float | None:
-        """A step-batch tick ran ``steps_run`` denoise steps; a request-batch tick runs its
-        batch's whole step count (one count per batch: it is in the batch key)."""
-        if not tick.scheduled_ids:
-            return None
-        if self.mode is ExecutionMode.STEP_BATCH:
-            return ran.elapsed / max(1, ran.steps_run)  # a tick may carry several steps
-        return ran.elapsed / max(1, tick.new[0].sampling_params.denoise_steps())
 
     # -- fresh workers ------------------------------------------------------------------
     def _restart_workers(self) -> bool:

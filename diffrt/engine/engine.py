@@ -36,8 +36,13 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import overload
 
-from diffrt.engine import cost_store
-from diffrt.engine.assembly import make_scheduler, memory_model, run_time_model
+from diffrt.engine.assembly import (
+    cost_stats,
+    make_scheduler,
+    memory_model,
+    run_time_model,
+    save_step_costs,
+)
 from diffrt.engine.config import EngineConfig
 from diffrt.engine.core import EngineCore
 from diffrt.engine.errors import (
@@ -50,8 +55,7 @@ from diffrt.engine.errors import (
 )
 from diffrt.engine.holds import Hold, RestartHolds
 from diffrt.engine.input_images import release
-from diffrt.engine.lora.registration import register, unregister
-from diffrt.engine.lora.registry import AdapterRegistry, LoraInfo
+from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.output_processor import OutputProcessor
 from diffrt.engine.output_streams import FinalSlot, OutputStream, resolve
 from diffrt.engine.outputs import DiffusionOutput, RequestMetrics
@@ -297,26 +301,6 @@ class DiffusionEngine(RolloutControl):
             self._core.abort(request_id, None, record)
             self._core.restart_gate.wake()  # a submitter held for a restart returns
 
-    # -- LoRA adapters ---------------------------------------------------------------------
-    def add_lora(self, name: str, path: str) -> LoraInfo:
-        """Register the adapter file (or folder) ``path`` as ``name``; every
-        worker reads it on its loader thread while requests keep running, and
-        this call returns once they all have it. ``LoraExistsError`` for a
-        name registered already, ``AdapterFileError`` naming the file and why
-        it is not an adapter this model can serve (the engine serves on)."""
-        return register(self.adapters, lambda: self.executor, name, path,
-                        self.config.model_config.lora_load_timeout_s)
-
-    def remove_lora(self, name: str) -> None:
-        """Refuse ``name`` in new requests (``KeyError`` when not registered);
-        the requests accepted with it are served, and its weights leave the
-        workers when the last of them ends."""
-        unregister(self.adapters, self.executor, name)
-
-    def list_loras(self) -> list[LoraInfo]:
-        """The registered adapters, by name."""
-        return self.adapters.infos()
-
     def take_seat(self, limit: int, *, on_admitted: Callable[[], None] | None = None) -> Seat:
         """A place among the waiting requests for one about to be submitted,
         taken at once under the core's lock; refused (``seat.taken`` False)
@@ -352,9 +336,7 @@ class DiffusionEngine(RolloutControl):
 
     def save_costs(self) -> None:
         """Persist the step-cost model (``cost_store``; never raises)."""
-        if self.run_time.calibrated:
-            cost_store.save(self.cost_key, self.run_time.models(),
-                            {"model": self.spec.name, "error": self.run_time.online.error()})
+        save_step_costs(self.run_time, self.cost_key, self.spec.name)
 
     def close(self) -> None:
         """Refuse new work, send an error output to every open stream, stop the
@@ -389,13 +371,8 @@ class DiffusionEngine(RolloutControl):
             seconds_without_progress=idle, stall=self.stall(idle),
             loras=self.adapters.snapshot(), lora_requests=self.adapters.requests_by_name(),
             paused=self._core.paused())
-        share = getattr(self.scheduler, "share", None)
-        return dataclasses.replace(
-            snapshot, sleeping=self.sleeping, step_cost=self.run_time.coefficients or {},
-            step_cost_idle=dict(self.run_time.idle or {}),
-            step_cost_error=self.run_time.online.error(),
-            steps_shared_total=share.shared if share is not None else 0,
-            steps_split_total=share.split if share is not None else 0)
+        return dataclasses.replace(snapshot, sleeping=self.sleeping,
+                                   **cost_stats(self.run_time, self.scheduler))
 
     # -- internals ---------------------------------------------------------------------
     def _submit(self, requests: list[DiffusionRequest], loop: asyncio.AbstractEventLoop | None,

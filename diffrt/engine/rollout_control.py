@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from diffrt.engine.between_ticks import BetweenTicks
+from diffrt.engine.lora.control import LoraControl
 from diffrt.engine.lora.registration import update
 from diffrt.engine.lora.registry import AdapterRegistry, LoraInfo
 from diffrt.engine.runner_messages import SleepReport, SleepWorkers, WakeWorkers
@@ -46,7 +47,7 @@ UpdatePolicy = Literal["wait", "abort"]
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
-class RolloutControl:
+class RolloutControl(LoraControl):
     """Weight updates for ``DiffusionEngine`` (see the module)."""
 
     config: EngineConfig

@@ -12,12 +12,14 @@ from diffrt.engine.config import ExecutionMode
 from diffrt.engine.output_ref import OutputRef
 from diffrt.engine.outputs import CacheMetrics, TextEncoderStats
 from diffrt.engine.record import RequestRecord
+from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.runner_messages import ExecuteBatch, ExecuteStep, TickReport
 from diffrt.engine.sched import (
     AbortOutcome,
     ExecutionResult,
     Finished,
     Progress,
+    Scheduler,
     SchedulerOutput,
     UpdateResult,
 )
@@ -109,6 +111,27 @@ def tick_request(mode: ExecutionMode, tick: SchedulerOutput, *,
                         request_adapters=tick.request_adapters)
 
 
+def ran_requests(mode: ExecutionMode, tick: SchedulerOutput,
+                 scheduler: Scheduler) -> list[DiffusionRequest]:
+    """The requests ``tick`` ran (under the core's lock, before the scheduler
+    lets finished ones go)."""
+    if mode is not ExecutionMode.STEP_BATCH:
+        return tick.new
+    records = (scheduler.record(rid) for rid in tick.scheduled_ids)
+    return [record.request for record in records if record is not None]
+
+
+def seconds_per_step(mode: ExecutionMode, tick: SchedulerOutput, ran: Executed) -> float | None:
+    """Seconds a denoise step took in ``tick``: a step-batch tick ran
+    ``steps_run`` steps (a tick may carry several); a request-batch tick runs
+    its batch's whole step count (one count per batch: it is in the batch key)."""
+    if not tick.scheduled_ids:
+        return None
+    if mode is ExecutionMode.STEP_BATCH:
+        return ran.elapsed / max(1, ran.steps_run)
+    return ran.elapsed / max(1, tick.new[0].sampling_params.denoise_steps())
+
+
 def read_report(reply: object) -> TickReport:
     """The runner's reply to an execute; TypeError for anything else."""
     if not isinstance(reply, TickReport):
@@ -152,5 +175,5 @@ def route_outputs(update: UpdateResult, ran: Executed
     return kept, previews
 
 
-__all__ = ["AbortNotice", "Executed", "TickResult", "execution_result", "read_report",
-           "route_outputs", "tick_request"]
+__all__ = ["AbortNotice", "Executed", "TickResult", "execution_result", "ran_requests",
+           "read_report", "route_outputs", "seconds_per_step", "tick_request"]
