@@ -28,9 +28,11 @@ def config(**kw) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def engines():
+    # share_steps="always": clips of any size share a step whatever the cost
+    # model predicts, since what a shared step computes is what is tested
+    step_config = config(step_execution=True, max_num_seqs=4, share_steps="always")
     with shared_engine(DiffusionEngine.make_engine(config(max_num_seqs=2))) as req, \
-            shared_engine(DiffusionEngine.make_engine(config(step_execution=True,
-                                                             max_num_seqs=4))) as step:
+            shared_engine(DiffusionEngine.make_engine(step_config)) as step:
         yield req, step
 
 
