@@ -51,6 +51,7 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     from diffrt.serve.ray_app import APP_NAME, StatsBoard, build_application
+    from diffrt.serve.ray_patience import lengthen_proxy_checks, start_serve
 
     replicas = replica_settings(args)
     address = config.executor.ray_address
@@ -60,6 +61,7 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
                             "log_to_driver": False}
     if local:
         init["include_dashboard"] = False
+        lengthen_proxy_checks()  # a busy machine's proxy starts slowly (ray_patience.py)
         if args.host in ("127.0.0.1", "localhost"):
             init["_node_ip_address"] = "127.0.0.1"
     ray.init(**init)
@@ -75,7 +77,7 @@ def serve_on_ray(args: argparse.Namespace, config: Any, settings: Any) -> int:
         except PlacementError as exc:
             print(f"diffrt serve: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        serve.start(http_options={"host": args.host, "port": args.port})
+        start_serve(serve, {"host": args.host, "port": args.port})
         started = True
         board = ray.remote(StatsBoard).options(num_cpus=0).remote()
         print(f"diffrt serve: deploying {config.model} on Ray ({_describe(replicas)})",

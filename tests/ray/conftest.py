@@ -27,6 +27,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def ray_cluster():
     ray = pytest.importorskip("ray", reason="the ray extra is part of the test install")
+    from diffrt.serve.ray_patience import lengthen_proxy_checks
+
+    lengthen_proxy_checks()  # as diffrt serve does: Serve's proxy starts slowly when busy
     ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
              object_store_memory=256 << 20, log_to_driver=False,
              runtime_env={"env_vars": LOOPBACK_ENV})

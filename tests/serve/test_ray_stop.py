@@ -45,10 +45,13 @@ class FakeServe:
         self.deleting = threading.Event()
         self.let_go = threading.Event()  # the drain is over: the application goes
         self.shut_down = False
+        self.starts = 0
         self.RunTarget = lambda target, name, route_prefix: (target, name)
 
     def start(self, http_options: dict) -> None:
-        pass
+        self.starts += 1
+        if self.starts == 1:  # as Ray Serve when its proxy takes over 60 s
+            raise TimeoutError("HTTP proxies not available after 60s.")
 
     def run_many(self, targets: list, **kw: Any) -> list:
         self.state = "DEPLOYING"
@@ -93,6 +96,7 @@ class FakeRay(types.ModuleType):
         self.is_shut_down = False
 
     def init(self, **kw: Any) -> None:
+        self.environ_at_init = dict(os.environ)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
 
     def cluster_resources(self) -> dict[str, float]:
@@ -109,6 +113,9 @@ class FakeRay(types.ModuleType):
 
 @pytest.fixture
 def fake_ray(monkeypatch):
+    for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        monkeypatch.setenv(name, "")  # undone after the test (serve_ray sets them)...
+        monkeypatch.delenv(name)  # ...and absent during it
     serve = FakeServe()
     ray = FakeRay(serve)
     monkeypatch.setitem(sys.modules, "ray", ray)
@@ -145,6 +152,12 @@ def test_sigterm_while_the_application_deploys_drains_it_and_exits_0(fake_ray, c
     assert main(ARGS) == 0
     assert serve.state == "GONE" and serve.shut_down and fake_ray.is_shut_down
     assert "draining the replicas" in capsys.readouterr().err
+    assert serve.starts == 2  # a slow proxy's TimeoutError waited out
+    # the local instance's Serve proxy gets minutes, not Ray's 5 s checks
+    from diffrt.serve.ray_patience import PROXY_CHECKS_S
+
+    for name, seconds in PROXY_CHECKS_S.items():
+        assert fake_ray.environ_at_init[name] == seconds
 
 
 def test_a_second_sigterm_ends_the_drain_through_the_replicas_and_exits_0(fake_ray, capsys):
