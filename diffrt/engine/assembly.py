@@ -40,7 +40,9 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, run_time: RunTimeModel
     if config.mode is ExecutionMode.STEP_BATCH:
         key = step_batch_key(config, spec)
         share = None
-        if c.share_steps == "cost" and key is not spec.step_batch_key:
+        # ``!=``: a bound method is a new object at each access, equal to
+        # another of the same function and instance
+        if c.share_steps == "cost" and key != spec.step_batch_key:
             # kinds: what one call shares (size, adapters, step cache)
             share = ShareDecider(run_time, _kind(spec), max_bypass=c.scheduling_max_bypass)
         return StepScheduler(c.max_num_seqs, policy,
@@ -74,6 +76,7 @@ def run_time_model(config: EngineConfig, spec: ModelSpec) -> tuple[RunTimeModel,
         "offload": m.offload, "vae_tiling": m.vae_tiling, "torch_threads": m.torch_threads,
         "plugin_modules": m.plugin_modules,
         "degrees": (p.cfg_parallel_size, p.ulysses_degree, p.ring_degree, p.world_size),
+        "vae_parallel": p.vae_parallel,
     }
     key = cost_store.store_key(f"{current_platform.device_type}:{device}", spec.folder,
                                str(m.dtype), settings)

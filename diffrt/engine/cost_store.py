@@ -2,8 +2,8 @@
 
 A model's coefficients hold for one device, one model's weights, one dtype
 and the settings that change what a step costs (the rows' arrangement,
-compilation, quantisation, offload, attention backend, parallel degrees,
-CPU threads). They are written, as JSON, to
+compilation, quantisation, offload, VAE tiling and its parallel decode,
+parallel degrees, CPU threads). They are written, as JSON, to
 ``<cache dir>/step_cost/<key>.json`` where ``key`` hashes all of those
 (``store_key``); the model folder is hashed by its files' names and sizes
 and its JSON files' contents (weights are not read: cheap at every start).

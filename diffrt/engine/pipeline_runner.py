@@ -231,6 +231,12 @@ class PipelineRunner(TickRunner):
                 transformer = getattr(self.pipeline, "transformer", None)
                 if not isinstance(transformer, torch.nn.Module):
                     return WeightsStaged(error=f"{self.pipeline.name} has no transformer to update")
+                if getattr(self.pipeline, "transformer_2", None) is not None:
+                    # Wan 2.2's low-noise expert would keep its weights: a
+                    # version naming half of the model's weights is refused
+                    return WeightsStaged(error=(
+                        f"{self.pipeline.name} has a second expert (transformer_2) that "
+                        "update_weights does not update"))
                 try:
                     self.staged = StagedUpdate(transformer, path)
                 except (WeightUpdateError, OSError, RuntimeError) as exc:

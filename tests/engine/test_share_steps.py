@@ -118,3 +118,21 @@ def test_a_short_request_beside_a_long_one_shares_even_by_size():
     share = decider(fitted("by_size", per_call_s=0.0))
     assert share.decide([record("long", 512, steps=20)], record("short", 64, steps=2),
                         now=0.0).shared
+
+
+def test_an_engine_that_keeps_sizes_apart_decides_no_sharing():
+    """``share_steps="cost"`` decides only where sizes may mix: a keyed
+    engine (``mixed_size_batching=False``) gets no decider, so rows that
+    differ only in adapters or caches still share its steps."""
+    from diffrt.engine.assembly import make_scheduler, run_time_model
+    from diffrt.engine.config import EngineConfig
+    from diffrt.engine.lora.registry import AdapterRegistry
+    from diffrt.engine.models.registry import resolve_model_spec
+
+    spec = resolve_model_spec("tiny-flux")
+    for mixing, decides in ((True, True), (False, False)):
+        config = EngineConfig(model="tiny-flux", step_execution=True,
+                              mixed_size_batching=mixing)
+        scheduler = make_scheduler(config, spec, run_time_model(config, spec)[0], None,
+                                   AdapterRegistry(1, accepts_adapters=True, model=spec.name))
+        assert (scheduler.share is not None) is decides

@@ -64,7 +64,10 @@ def both(tmp_path_factory):
 def step(adapter, both):
     with shared_engine(DiffusionEngine.make_engine(EngineConfig(
             model="tiny-wan", executor_backend="inproc", warmup=False, step_execution=True,
-            max_num_seqs=4, lora_modules={"a": adapter, "both": both}))) as engine:
+            # rows with other adapters or caches share a step whatever the
+            # cost model predicts: what a shared step computes is tested
+            max_num_seqs=4, share_steps="always",
+            lora_modules={"a": adapter, "both": both}))) as engine:
         yield engine
 
 

@@ -178,3 +178,20 @@ def test_engine_features_not_run_on_ltx2_are_refused_naming_the_field():
         with pytest.raises(EngineConfigError) as err:
             EngineConfig(model="tiny-ltx2", **settings).model_spec()
         assert err.value.field == field
+
+
+def test_clips_of_other_frame_rates_never_share_a_batched_forward():
+    """fps sets a clip's audio length and positions; one request-batch
+    forward takes them from its first request, so fps is in the batch key
+    (in step batching the latent size, which counts the audio, keeps them
+    apart)."""
+    from diffrt.engine.models.registry import resolve_model_spec
+
+    spec = resolve_model_spec("tiny-ltx2")
+
+    def key(fps: float) -> tuple:
+        return spec.request_batch_key(spec.with_defaults(DiffusionRequest(
+            "a", sampling_params=SamplingParams(fps=fps))))
+
+    assert key(24.0) == key(24.0)
+    assert key(24.0) != key(12.0)

@@ -14,14 +14,14 @@ guidance rescale, a separate ``audio_guidance_scale``; diffrt's request has
 no field for them, so nothing a request asks is dropped. The features not
 yet made to work on LTX-2 are refused, each naming its field (the spec
 declares none of them): step caches (``cache``), LoRA (``loras``),
-``quantization``, ``offload`` (refused for every video model), every
+``quantization``, ``offload``, every
 multi-rank split (``world_size``), ``output_type="latent"`` (the audio
 latents have no field yet).
 """
 
 from __future__ import annotations
 
-from diffrt.engine.model_spec import CfgRule, ModelSpec, SamplingDefaults
+from diffrt.engine.model_spec import REQUEST_BATCH_FIELDS, CfgRule, ModelSpec, SamplingDefaults
 from diffrt.engine.models.family import ModelFolder
 from diffrt.engine.pipelines.flow_match_spec import (
     attention_width,
@@ -74,6 +74,9 @@ def describe(folder: ModelFolder) -> ModelSpec:
                                   guidance_scale=3.0, num_frames=121, fps=LTX2_FPS),
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
+        # a clip's fps sets its audio's length and its positions: one batched
+        # forward takes every row's from the first request, so fps is in the key
+        request_batch_fields=(*REQUEST_BATCH_FIELDS, "fps"),
         transformer_width=attention_width(folder), text_tokens=text_tokens(folder), sound=True)
 
 
