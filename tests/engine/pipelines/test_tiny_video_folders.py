@@ -92,3 +92,21 @@ def test_diffusers_helios_pipeline_runs_the_folder_chunk_by_chunk(tmp_path):
     frames = out.frames[0]
     assert frames.shape[1:] == (64, 64, 3) and np.isfinite(frames).all()
     assert len(calls) == 3 * 2 * 2 and set(calls) == {2}
+
+
+def test_a_ti2v_folder_is_refused_at_load_naming_expand_timesteps(tmp_path, wan_folders):
+    """Wan 2.2 TI2V-5B (``expand_timesteps``: per-token timesteps) is not run
+    by the wan family: resolving it is refused, naming the setting."""
+    import json
+    import shutil
+
+    from diffrt.engine.models.folder_check import ModelLoadError
+    from diffrt.engine.models.registry import resolve_model_spec
+
+    folder = tmp_path / "ti2v"
+    shutil.copytree(wan_folders["t2v"], folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    assert resolve_model_spec(str(wan_folders["t2v"])).family == "wan"
+    with pytest.raises(ModelLoadError, match="expand_timesteps"):
+        resolve_model_spec(str(folder))

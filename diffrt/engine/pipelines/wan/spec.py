@@ -21,6 +21,7 @@ from diffrt.engine.model_spec import (
     SamplingDefaults,
 )
 from diffrt.engine.models.family import ModelFolder
+from diffrt.engine.models.folder_check import ModelLoadError
 from diffrt.engine.pipelines.flow_match_spec import (
     attention_width,
     check_text_encoder,
@@ -80,6 +81,11 @@ def video_geometry(folder: ModelFolder) -> tuple[int, int, int]:
 def describe(folder: ModelFolder) -> ModelSpec:
     """WanPipeline's (or, for an image-to-video folder, WanImageToVideoPipeline's)
     semantics; see the module."""
+    if folder.index.get("expand_timesteps"):
+        # Wan 2.2 TI2V-5B: one folder for both tasks, the first frame's
+        # tokens held at timestep 0 by a per-token timestep; not run here
+        raise ModelLoadError(f"{folder.path}: {folder.name} sets expand_timesteps (Wan 2.2 "
+                             "TI2V-5B's per-token timesteps), which the wan family does not run")
     config = folder.transformer_config
     _, temporal, multiple = video_geometry(folder)
     rope = int(config.get("rope_max_seq_len", 1024))  # positions per axis
