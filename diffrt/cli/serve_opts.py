@@ -38,7 +38,9 @@ class ServeCommand(msgspec.Struct, kw_only=True, frozen=True):
     placement_timeout_s: Annotated[float, Meta(gt=0, extra={"group": "ray", "metavar": "S"},
                                                description=(
         "seconds the Ray Serve application may take to be placed and start before the "
-        "command gives up, naming what Ray reported"))] = 60.0
+        "command gives up, naming what Ray reported (what the cluster cannot hold is "
+        "refused at once; on a busy 2-CPU machine placing and loading two tiny replicas "
+        "took over 90 s)"))] = 300.0
 
 
 #: each declaration of serve's flags and the --help group its fields sit in

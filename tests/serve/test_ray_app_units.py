@@ -186,7 +186,7 @@ def test_the_placement_timeout_is_a_flag():
 
     args = build_parser().parse_args(["serve", "--replicas", "2", "--placement-timeout-s", "3"])
     assert args.placement_timeout_s == 3.0
-    assert build_parser().parse_args(["serve"]).placement_timeout_s == 60.0
+    assert build_parser().parse_args(["serve"]).placement_timeout_s == 300.0
 
 
 # -- issue 27 item 1: the single ingress holds max_pending ---------------------------------
