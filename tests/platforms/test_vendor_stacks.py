@@ -382,6 +382,7 @@ def test_health_names_a_broken_vendor_package(monkeypatch):
 
     class Engine:  # what /health asks of the engine
         config = EngineConfig(model="tiny-flux")
+        sleeping = False
 
         def is_healthy(self) -> bool:
             return True
