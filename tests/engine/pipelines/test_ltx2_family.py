@@ -32,13 +32,8 @@ DIFFUSERS_SETTINGS = dict(audio_guidance_scale=None, stg_scale=0.0, audio_stg_sc
                           audio_guidance_rescale=None, max_sequence_length=128)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny clips on one torch thread (as the engine's CPU workers run)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+#: the tiny clips on one torch thread (tests/engine/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
