@@ -2,7 +2,10 @@
 
 The embedded models are written on first use into ``$DIFFRT_CACHE_DIR``; the
 tests use a cache of their own (inherited by every worker and console script
-they start), so they neither read nor fill the developer's cache.
+they start), so they neither read nor fill the developer's cache. Each test
+gets a step-cost store of its own (``$DIFFRT_STEP_COST_DIR``): an engine
+started in one test is not priced by the calibration another test's engine
+persisted (the engine's own store would otherwise carry it across tests).
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ def pytest_configure(config):
     global _CACHE
     _CACHE = tempfile.mkdtemp(prefix="diffrt-test-cache-")
     os.environ["DIFFRT_CACHE_DIR"] = _CACHE
+
+
+@pytest.fixture(autouse=True)
+def step_cost_store(request, monkeypatch):
+    """A fresh, empty step-cost store for each test (see the module)."""
+    assert _CACHE is not None
+    folder = os.path.join(_CACHE, "step-cost-stores", request.node.nodeid.replace("/", "_"))
+    monkeypatch.setenv("DIFFRT_STEP_COST_DIR", folder)
+    return folder
 
 
 def pytest_unconfigure(config):

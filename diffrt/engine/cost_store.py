@@ -4,7 +4,7 @@ A model's coefficients hold for one device, one model's weights, one dtype
 and the settings that change what a step costs (the rows' arrangement,
 compilation, quantisation, offload, VAE tiling and its parallel decode,
 parallel degrees, CPU threads). They are written, as JSON, to
-``<cache dir>/step_cost/<key>.json`` where ``key`` hashes all of those
+``<cache dir>/step_cost/<key>.json`` (``store_folder``) where ``key`` hashes all of those
 (``store_key``); the model folder is hashed by its files' names and sizes
 and its JSON files' contents (weights are not read: cheap at every start).
 A file that cannot be read or parsed is ignored (the engine calibrates as
@@ -31,7 +31,7 @@ from diffrt.engine.models.folder_check import cache_dir
 logger = logging.getLogger(__name__)
 
 #: bump when the features change: an older file then describes other coefficients
-FORMAT = 1
+FORMAT = 2
 
 
 def folder_digest(folder: str | None) -> str:
@@ -63,8 +63,18 @@ def store_key(device: str, folder: str | None, dtype: str,
     return hashlib.sha256(what.encode()).hexdigest()[:24]
 
 
+def store_folder(root: str | None = None) -> str:
+    """Where the models are written: ``<root>/step_cost``, else
+    ``$DIFFRT_STEP_COST_DIR``, else ``<cache dir>/step_cost`` (a folder of
+    its own lets a deployment keep it apart from the model cache; the tests
+    give each test one, so no test is priced by another's runs)."""
+    if root is not None:
+        return os.path.join(root, "step_cost")
+    return os.environ.get("DIFFRT_STEP_COST_DIR") or os.path.join(cache_dir(), "step_cost")
+
+
 def store_path(key: str, root: str | None = None) -> str:
-    return os.path.join(root or cache_dir(), "step_cost", f"{key}.json")
+    return os.path.join(store_folder(root), f"{key}.json")
 
 
 def load(key: str, root: str | None = None) -> dict[str, dict[str, float]]:
@@ -106,7 +116,7 @@ def save(key: str, models: Mapping[str, Mapping[str, float] | None],
 def persisted(root: str | None = None) -> list[dict[str, object]]:
     """Every persisted model in the cache (what ``diffrt env --check`` shows):
     its key, model name, coefficients and last recent prediction error."""
-    folder = os.path.join(root or cache_dir(), "step_cost")
+    folder = store_folder(root)
     found: list[dict[str, object]] = []
     try:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
@@ -124,4 +134,4 @@ def persisted(root: str | None = None) -> list[dict[str, object]]:
     return found
 
 
-__all__ = ["FORMAT", "folder_digest", "load", "persisted", "save", "store_key", "store_path"]
+__all__ = ["FORMAT", "folder_digest", "load", "persisted", "save", "store_folder", "store_key", "store_path"]

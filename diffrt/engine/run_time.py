@@ -47,6 +47,11 @@ from diffrt.engine.step_cost import (
     tick_features,
 )
 
+#: the largest calibration request's row has this many tokens per unit of
+#: attention width: attention then does a third of the step's flops (``units``)
+ATTENTION_TOKENS_PER_WIDTH = 3
+
+
 
 class RunTimeModel:
     """Seconds of steps and requests on this engine (see the module)."""
@@ -59,7 +64,9 @@ class RunTimeModel:
         self.steps_per_tick = max(1, steps_per_tick)
         persisted = persisted or {}
         #: fitted from every tick; seeded by the last run's online fit
-        self.online = StepCostModel(prior=persisted.get("latest") or persisted.get("idle"))
+        width = spec.transformer_width
+        self.online = StepCostModel(prior=persisted.get("latest") or persisted.get("idle"),
+                                    attention_per_token=1 / (6 * width) if width else None)
         #: the calibrated idle speed (None until calibrated; see the module)
         self.idle: dict[str, float] | None = (dict(persisted["idle"]) if "idle" in persisted
                                               else None)
@@ -131,13 +138,15 @@ class RunTimeModel:
 
     def calibration_shapes(self) -> list[StepShape]:
         """The steps two models are compared on: one row of the model's
-        warm-up side and one of twice its side."""
+        warm-up side, one of twice its side and, where the attention width
+        is known, one of ``ATTENTION_TOKENS_PER_WIDTH`` x the width in tokens
+        (the calibration's largest: attention's term counts)."""
         side = self.spec.warmup_size()
-        shapes = []
-        for s in (side, 2 * side):
-            tokens = (s // self.spec.size_multiple) ** 2 + self.spec.text_tokens
-            shapes.append(step_shape([Row(1, tokens)], self.arrangement))
-        return shapes
+        tokens = [(s // self.spec.size_multiple) ** 2 + self.spec.text_tokens
+                  for s in (side, 2 * side)]
+        if self.spec.transformer_width:
+            tokens.append(max(tokens[-1], ATTENTION_TOKENS_PER_WIDTH * self.spec.transformer_width))
+        return [step_shape([Row(1, t)], self.arrangement) for t in tokens]
 
     # -- the fit ------------------------------------------------------------------------------
     @property
@@ -202,4 +211,4 @@ def _apply(fit: Mapping[str, float], shape: StepShape) -> float:
             + fit["attention"] * shape.attention + fit["adapter_token"] * shape.adapter_tokens)
 
 
-__all__ = ["FEATURES", "RunTimeModel"]
+__all__ = ["ATTENTION_TOKENS_PER_WIDTH", "FEATURES", "RunTimeModel"]

@@ -120,9 +120,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         "seconds registering one LoRA adapter (reading and checking its file in every "
         "worker) may take"))] = 300.0
     warmup: Annotated[bool, Meta(description=(
-        "run one tiny request at start-up, then a two-step one that calibrates the run-time "
-        "estimate (max_request_seconds); fails and cleans up if one does not finish in "
-        "warmup_timeout_s"))] = True
+        "run one tiny request at start-up, then three of growing sizes that calibrate the "
+        "step-cost model (max_request_seconds, the token budget); fails and cleans up if one "
+        "does not finish in warmup_timeout_s"))] = True
     warmup_timeout_s: Annotated[float, Meta(gt=0, description=(
         "seconds each start-up request (warm-up, calibration) may take"))] = 300.0
 

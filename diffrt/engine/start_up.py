@@ -5,8 +5,9 @@ and is no measure of a warm tick; the calibration requests that follow are
 the step-cost model's first measurements (``run_time.py``): they set its
 idle speed unless a faster one was persisted by an earlier run
 (``cost_store``), and, in STEP_BATCH, the default token budget is derived
-from that idle model (``token_budget.py``), so it is the same at every start. A model that only edits (Qwen-Image-Edit draws
-nothing from text alone) gets a plain picture as input.
+from that idle model (``token_budget.py``), so it is the same at every
+start. A model that only edits (Qwen-Image-Edit draws nothing from text
+alone) gets a plain picture as input.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Protocol
 
 from diffrt.engine.config import EngineConfig
@@ -22,7 +24,7 @@ from diffrt.engine.model_spec import ModelSpec
 from diffrt.engine.output_processor import OutputProcessor
 from diffrt.engine.outputs import DiffusionOutput
 from diffrt.engine.request import DiffusionRequest
-from diffrt.engine.run_time import RunTimeModel
+from diffrt.engine.run_time import ATTENTION_TOKENS_PER_WIDTH, RunTimeModel
 from diffrt.engine.sampling import SamplingParams
 from diffrt.engine.sched import Scheduler, StepScheduler
 from diffrt.engine.token_budget import derived_token_budget
@@ -31,6 +33,12 @@ logger = logging.getLogger(__name__)
 
 #: the second calibration request has at least this many times the first's work
 CALIBRATION_WORK_RATIO = 2.0
+#: the third has this many times the second's: its work outweighs a step's
+#: fixed cost, so the slope is measured over a wide span, not within noise
+LARGEST_WORK_RATIO = 4.0
+#: worker calls each calibration request runs: the fit has seven terms, and
+#: one slow tick (another process) among few would set one of them alone
+CALIBRATION_TICKS = 2
 
 
 class StartingEngine(Protocol):
@@ -72,15 +80,21 @@ def start_up_images(spec: ModelSpec, side: int) -> list:
 
 def calibration_requests(spec: ModelSpec, run_time: RunTimeModel,
                          max_steps_per_tick: int) -> list[DiffusionRequest]:
-    """The step-cost model's first measurements, on warm kernels, at two
-    sizes far enough apart in work to tell a step's overhead from its
-    per-token cost: the warm-up's side, and the
-    smallest side (within the model's limits) with at least
-    ``CALIBRATION_WORK_RATIO`` times its work — text tokens dominate a small
-    image's row, so twice the side is not always enough. Each runs two worker
-    calls' worth of steps (so prompt encoding and the decode weigh on few of
-    them), with a prompt of its own (the prompt cache would spare the second
-    its encoding)."""
+    """The step-cost model's first measurements, on warm kernels, at three
+    sizes: a step's fixed cost, its per-token cost and attention's quadratic
+    term are three unknowns, and two sizes tell only one slope from the
+    fixed cost (the split between the linear and the quadratic term would be
+    noise's, and a fit that puts none on attention prices a large request
+    far too low). The sizes: the warm-up's side; the smallest side (within
+    the model's limits) with ``CALIBRATION_WORK_RATIO`` times its work (text
+    tokens dominate a small image's row, so twice the side is not always
+    enough); and the smallest side with ``LARGEST_WORK_RATIO`` times the
+    second's work whose row has ``ATTENTION_TOKENS_PER_WIDTH`` x the
+    attention width in tokens, where attention is a third of a step's flops
+    (or the largest side). Each runs ``CALIBRATION_TICKS`` worker calls' worth
+    of steps (so prompt encoding and the decode weigh on few of them), with a
+    prompt of its own (the prompt cache would spare the others their
+    encoding)."""
     multiple = spec.size_multiple
     largest = spec.max_size // multiple * multiple
 
@@ -90,16 +104,29 @@ def calibration_requests(spec: ModelSpec, run_time: RunTimeModel,
             images=start_up_images(spec, side),
             sampling_params=SamplingParams(
                 height=side, width=side, seed=0, guidance_scale=1.0,
-                num_inference_steps=2 * max_steps_per_tick))
+                num_inference_steps=CALIBRATION_TICKS * max_steps_per_tick))
 
-    first = request(0, spec.warmup_size())
-    side, work = spec.warmup_size(), run_time.units(spec.with_defaults(first))
-    while side + multiple <= largest:
-        side += multiple
-        if run_time.units(spec.with_defaults(request(1, side))) >= (
-                CALIBRATION_WORK_RATIO * work):
-            break
-    return [first] if side == spec.warmup_size() else [first, request(1, side)]
+    def work(side: int) -> float:
+        return run_time.units(spec.with_defaults(request(0, side)))
+
+    def next_side(side: int, enough: Callable[[int], bool]) -> int:
+        """The smallest side past ``side`` that is ``enough`` (or the largest)."""
+        while side + multiple <= largest:
+            side += multiple
+            if enough(side):
+                break
+        return side
+
+    sides = [spec.warmup_size()]
+    second = next_side(sides[0], lambda s: work(s) >= CALIBRATION_WORK_RATIO * work(sides[0]))
+    attention_tokens = ATTENTION_TOKENS_PER_WIDTH * spec.transformer_width
+    third = next_side(second, lambda s: (
+        work(s) >= LARGEST_WORK_RATIO * work(second)
+        and spec.row_tokens(spec.with_defaults(request(0, s))) >= attention_tokens))
+    for side in (second, third):
+        if side > sides[-1]:
+            sides.append(side)
+    return [request(i, side) for i, side in enumerate(sides)]
 
 
 def _run(engine: StartingEngine, request: DiffusionRequest) -> None:
@@ -140,5 +167,5 @@ def warm_up(engine: StartingEngine) -> None:
     logger.info("warm-up done in %.2f s", time.monotonic() - start)
 
 
-__all__ = ["CALIBRATION_WORK_RATIO", "calibration_requests", "start_up_images", "warm_up",
+__all__ = ["CALIBRATION_TICKS", "CALIBRATION_WORK_RATIO", "LARGEST_WORK_RATIO", "calibration_requests", "start_up_images", "warm_up",
            "warmup_request"]

@@ -29,7 +29,15 @@ with all coefficients non-negative:
   the persisted model of an earlier run: ``cost_store``) with the weight of
   ``PRIOR_TICKS`` ticks, so a coefficient that traffic does not tell apart
   (every tick of one size says nothing of ``c_call``) keeps the calibrated
-  value instead of wandering with noise.
+  value instead of wandering with noise;
+- *split by flops*: given ``attention_per_token`` (attention's flops per
+  token pair over a layer's flops per token, ``1 / (6 width)``), the fit is
+  drawn, with the weight of ``SPLIT_TICKS`` ticks, towards ``c_attention =
+  attention_per_token x c_token``. Over the few sizes a calibration measures, the linear and the
+  quadratic term are nearly collinear: unheld, noise alone split the slope
+  between them (one run put it all on tokens, the next all on attention,
+  which differ tenfold at four times the calibrated tokens). Where the ticks
+  do tell them apart, they outweigh the pull.
 
 The model also keeps its recent relative prediction error (``error``), what
 ``/metrics``, ``diffrt env --check`` and the bench trace show.
@@ -54,6 +62,8 @@ DECAY = 0.995
 HUBER = 0.25
 #: the prior's weight, in ticks
 PRIOR_TICKS = 3.0
+#: the flops ratio's pull on the attention term, in ticks (``attention_per_token``)
+SPLIT_TICKS = 1.0
 #: ticks whose prediction error is kept for ``error``
 ERROR_WINDOW = 200
 #: ridge on the scaled normal equations (numerical only)
@@ -107,9 +117,12 @@ class StepCostModel:
     ``observe`` runs on the engine core's thread, ``predict`` anywhere; the
     fit is recomputed under a lock when next read after new evidence."""
 
-    def __init__(self, prior: Mapping[str, float] | None = None, *, decay: float = DECAY):
+    def __init__(self, prior: Mapping[str, float] | None = None, *, decay: float = DECAY,
+                 attention_per_token: float | None = None):
         n = len(FEATURES)
         self.decay = decay
+        #: the flops ratio the attention term is drawn to (see the module); None: free
+        self.attention_per_token = attention_per_token
         self._lock = threading.Lock()
         self._xtx = np.zeros((n, n))
         self._xty = np.zeros(n)
@@ -213,6 +226,7 @@ class StepCostModel:
             strength = PRIOR_TICKS * np.diag(np.diag(a) / max(self._weight, 1e-9) + _RIDGE)
             a = a + strength
             b = b + strength @ (self._prior * scale)
+        a = a + self._split_pull(a)
         free = np.ones(len(FEATURES), dtype=bool)
         unknown = ~self._seen if self._prior is None else np.zeros_like(free)
         free &= ~unknown  # a feature never measured has no coefficient to fit
@@ -225,6 +239,19 @@ class StepCostModel:
                 break
             free[idx[np.argmin(sub)]] = False
         return solution / scale
+
+    def _split_pull(self, a: np.ndarray) -> np.ndarray:
+        """The normal equations' term drawing ``c_attention`` towards
+        ``attention_per_token x c_token`` with ``SPLIT_TICKS`` ticks of the
+        attention feature's weight (in the scaled units of ``_solve``)."""
+        ratio = self.attention_per_token
+        tok, att = FEATURES.index("token"), FEATURES.index("attention")
+        if not ratio or not (self._seen[tok] and self._seen[att]) or self._weight <= 0:
+            return np.zeros_like(a)
+        # (c_att - ratio c_tok) in scaled coordinates x = c x scale, per unit of c_att's scale
+        u = np.zeros(len(FEATURES))
+        u[att], u[tok] = 1.0, -ratio * self._scale[att] / self._scale[tok]
+        return SPLIT_TICKS * a[att, att] / self._weight * np.outer(u, u)
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict[str, object]:
@@ -239,5 +266,5 @@ def reference_seconds(coefficients: Mapping[str, float], shapes: Sequence[StepSh
                      @ tick_features(shape, 1)) for shape in shapes)
 
 
-__all__ = ["DECAY", "FEATURES", "HUBER", "PRIOR_TICKS", "Row", "StepCostModel", "StepShape",
-           "reference_seconds", "step_shape", "tick_features"]
+__all__ = ["DECAY", "FEATURES", "HUBER", "PRIOR_TICKS", "SPLIT_TICKS", "Row", "StepCostModel",
+           "StepShape", "reference_seconds", "step_shape", "tick_features"]

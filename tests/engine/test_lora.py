@@ -65,7 +65,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def step_engine(files):
     config = EngineConfig(model="tiny-flux", executor_backend="inproc", step_execution=True,
-                          max_num_seqs=4, max_steps_per_tick=1,
+                          max_num_seqs=4, max_steps_per_tick=1, share_steps="always",
                           lora_modules={n: files[n] for n in ("a", "b", "k", "x")})
     with DiffusionEngine.make_engine(config) as engine:
         yield engine

@@ -73,14 +73,8 @@ def test_the_fit_recovers_known_coefficients_from_ticks():
     assert model.estimate(req(256)) is None
 
 
-def isolated(monkeypatch, tmp_path):
-    """A cache of this test's own: no step-cost model persisted by another."""
-    monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path))
-
-
 def test_a_request_estimated_above_the_limit_is_refused_naming_estimate_and_limit(
         monkeypatch, tmp_path):
-    isolated(monkeypatch, tmp_path)
     with toy_engine(max_request_seconds=2.0, warmup=False) as engine:
         model = engine.run_time
         model.idle = {**dict.fromkeys(COEFFICIENTS, 0.0), "token": 1e-5}
@@ -97,7 +91,6 @@ def test_the_limit_is_judged_at_the_idle_speed_not_under_load(monkeypatch, tmp_p
     step times) move the online fit, not the limit's verdict: the request
     admitted idle is admitted loaded (the online estimate would refuse it),
     and the one refused idle is refused loaded."""
-    isolated(monkeypatch, tmp_path)
     admitted = lambda: toy_request(size=64, steps=100)  # noqa: E731
     refused = lambda: toy_request(size=64, steps=1000)  # noqa: E731
     with toy_engine() as engine:  # warm-up calibrates the idle model, persisted
@@ -119,14 +112,13 @@ def test_the_limit_is_judged_at_the_idle_speed_not_under_load(monkeypatch, tmp_p
 
 
 def test_warm_up_calibrates_the_estimate_from_warm_steps(monkeypatch, tmp_path):
-    isolated(monkeypatch, tmp_path)
     with toy_engine() as engine:  # warm-up on
         assert engine.run_time.calibrated and engine.run_time.idle is not None
         estimate = lambda size: engine.run_time.estimate(  # noqa: E731
             engine.spec.with_defaults(toy_request(size=size, steps=1000)))
         # the toy's steps barely grow with size: the fit may charge them per step
         assert estimate(512) >= estimate(64) > 0
-    monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path / "other"))
+    monkeypatch.setenv("DIFFRT_STEP_COST_DIR", str(tmp_path / "other"))
     with toy_engine(warmup=False, max_request_seconds=1e-9) as engine:
         # nothing measured yet: nothing refused; the first request's ticks calibrate
         assert engine.generate(toy_request(size=16, steps=2)).ok
@@ -138,7 +130,6 @@ def test_warm_up_calibrates_the_estimate_from_warm_steps(monkeypatch, tmp_path):
 def test_a_restart_starts_calibrated_from_the_persisted_model(monkeypatch, tmp_path):
     """The idle model persists per (device, model folder, dtype, settings):
     a restart reads it before any tick; other settings do not."""
-    isolated(monkeypatch, tmp_path)
     with toy_engine() as engine:
         idle = dict(engine.run_time.idle)
     with toy_engine(warmup=False) as engine:
@@ -157,7 +148,6 @@ def test_the_model_shows_in_stats_metrics_and_the_env_check_listing(monkeypatch,
     from diffrt.engine import cost_store
     from diffrt.serve.metrics import ServerMetrics
 
-    isolated(monkeypatch, tmp_path)
     with toy_engine() as engine:
         assert engine.generate(toy_request(size=64, steps=4)).ok
         stats = engine.stats()
@@ -174,7 +164,6 @@ def test_the_model_shows_in_stats_metrics_and_the_env_check_listing(monkeypatch,
 def test_the_start_up_requests_are_never_refused_by_the_limit(monkeypatch, tmp_path):
     """The warm-up and calibration requests are the engine's own: a limit no
     request can meet still lets the engine start, then refuses clients."""
-    isolated(monkeypatch, tmp_path)
     with toy_engine(max_request_seconds=1e-9) as engine:  # warm-up on
         assert engine.run_time.calibrated and not engine.starting
         with pytest.raises(InvalidRequestError, match="max_request_seconds"):
@@ -187,3 +176,33 @@ def test_both_modes_feed_the_estimate_per_step(step):
         outs = engine.generate([toy_request(size=64, steps=3), toy_request(size=64, steps=3)])
         assert all(out.ok for out in outs)
         assert engine.run_time.online.ticks > 0 and engine.run_time.coefficients["token"] >= 0
+
+
+def test_the_calibration_measures_three_sizes_far_enough_apart():
+    """Three sizes (a fixed cost, a per-token and an attention term): the
+    second with twice the first's work, the third with four times the
+    second's and attention a third of its flops; fewer where the model's
+    largest size comes first."""
+    from diffrt.engine.run_time import ATTENTION_TOKENS_PER_WIDTH
+    from diffrt.engine.start_up import (
+        CALIBRATION_TICKS,
+        CALIBRATION_WORK_RATIO,
+        LARGEST_WORK_RATIO,
+        calibration_requests,
+    )
+
+    m = spec(width=32, text_tokens=512)
+    model = RunTimeModel(m)
+    requests = [m.with_defaults(r) for r in calibration_requests(m, model, max_steps_per_tick=4)]
+    sides = [r.sampling_params.height for r in requests]
+    assert sides[0] == m.warmup_size() and sides == sorted(set(sides)) and len(sides) == 3
+    work = [model.units(r) for r in requests]
+    assert work[1] >= CALIBRATION_WORK_RATIO * work[0]
+    assert work[2] >= LARGEST_WORK_RATIO * work[1]
+    assert m.row_tokens(requests[2]) >= ATTENTION_TOKENS_PER_WIDTH * 32
+    assert {r.sampling_params.num_inference_steps for r in requests} == {CALIBRATION_TICKS * 4}
+    assert len({r.prompt for r in requests}) == 3  # no prompt cache hit spares an encoding
+    small = ModelSpec(name="m", family="f", pipeline="m:P", size_multiple=16, max_size=96,
+                      defaults=m.defaults, transformer_width=32)
+    assert [r.sampling_params.height for r in calibration_requests(
+        small, RunTimeModel(small), 1)] == [64, 96]  # capped: the largest side, once

@@ -17,8 +17,9 @@ from diffrt.engine.run_time import RunTimeModel
 from diffrt.engine.sched import ExecutionResult, StepScheduler, make_policy
 from diffrt.engine.sched.share import ShareDecider
 
-#: a CPU-like machine: seconds a token and a token squared, a small tick cost
-WORK = {"call": 0.0, "token": 2e-5, "attention": 2e-9, "adapter_token": 0.0,
+#: a CPU-like machine: seconds a token and a token squared (attention at its
+#: flops ratio to the layers for the spec's width, 1 / (6 x 64)), a small tick cost
+WORK = {"call": 0.0, "token": 2e-5, "attention": 2e-5 / (6 * 64), "adapter_token": 0.0,
         "tick": 5e-4, "encode": 0.0, "decode": 0.0}
 
 

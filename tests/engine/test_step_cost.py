@@ -88,3 +88,38 @@ def test_reference_seconds_compare_two_models():
     shapes = [step_shape([Row(1, 80)], "by_size"), step_shape([Row(2, 1040)], "by_size")]
     slower = {name: 2 * value for name, value in TRUE.items()}
     assert reference_seconds(slower, shapes) == pytest.approx(2 * reference_seconds(TRUE, shapes))
+
+
+def test_the_flops_ratio_splits_a_slope_the_ticks_cannot():
+    """Two sizes tell a step's fixed cost from one slope, not the linear term
+    from the quadratic one: free, noise splits the slope by chance; held by
+    the flops ratio, the split is the ratio's whatever the noise."""
+    ratio = 1 / (6 * 32)
+    truth = {**TRUE, "attention": TRUE["token"] * ratio}
+    vector = np.array([truth[f] for f in FEATURES])
+    splits: dict[float | None, list[float]] = {None: [], ratio: []}
+    for seed in range(10):
+        for pull, found in splits.items():
+            rng, model = np.random.default_rng(seed), StepCostModel(attention_per_token=pull)
+            for tokens in (528, 801):
+                for new, decoded in ((1, 0.0), (0, float(tokens))):
+                    features = tick_features(step_shape([Row(1, tokens)], "by_size"), 4, new,
+                                             decoded)
+                    model.observe(features, float(vector @ features) * rng.normal(1.0, 0.03))
+            fitted = model.coefficients
+            found.append(fitted["attention"] / fitted["token"] / ratio)
+    assert max(splits[None]) - min(splits[None]) > 0.5  # by chance
+    assert splits[ratio] == pytest.approx([1.0] * 10, rel=0.02)
+
+def test_ticks_that_tell_the_terms_apart_outweigh_the_flops_ratio():
+    """Where the ticks span sizes enough to measure attention's term, the fit
+    follows them, not the ratio (a device where attention costs more, or
+    less, per flop than the layers)."""
+    truth = {**TRUE, "attention": 10 * TRUE["token"] / (6 * 32)}  # ten times the ratio
+    model = StepCostModel(attention_per_token=1 / (6 * 32))
+    vector = np.array([truth[f] for f in FEATURES])
+    for _ in range(20):
+        for tokens in (80, 1040, 4096, 16384):
+            features = tick_features(step_shape([Row(1, tokens)], "by_size"), 2)
+            model.observe(features, float(vector @ features))
+    assert model.coefficients["attention"] == pytest.approx(truth["attention"], rel=0.1)

@@ -117,7 +117,6 @@ def test_the_engine_derives_its_budget_from_the_idle_model_the_same_at_every_sta
     never replaces it) and derive the same budget."""
     from diffrt.engine import DiffusionEngine
 
-    monkeypatch.setenv("DIFFRT_CACHE_DIR", str(tmp_path))
     with DiffusionEngine.make_engine(EngineConfig(
             executor_backend="inproc", step_execution=True, max_num_seqs=4)) as engine:
         run_time = engine.run_time
