@@ -94,7 +94,10 @@ class RunTimeModel:
         return step_shape([self.row(r) for r in requests], arrangement or self.arrangement)
 
     def decoded_tokens(self, request: DiffusionRequest) -> float:
-        """The image tokens its outputs decode (one per output, no CFG branch)."""
+        """The image tokens its outputs decode (one per output, no CFG branch;
+        none for latents, which are not decoded)."""
+        if request.sampling_params.output_type == "latent":
+            return 0.0
         return float(filled(request.sampling_params.num_outputs_per_prompt)
                      * (self.spec.row_tokens(request) - self.spec.text_tokens))
 
@@ -119,8 +122,10 @@ class RunTimeModel:
 
     def finish_calibration(self) -> None:
         """The warm-up's calibration ran: the idle model becomes the faster of
-        the online fit and the persisted idle model, on the calibration's
-        steps (``calibration_shapes``)."""
+        the online fit (refitted robustly from the calibration's ticks:
+        ``StepCostModel.refit``) and the persisted idle model, on the
+        calibration's steps (``calibration_shapes``)."""
+        self.online.refit()
         fit = self.online.coefficients
         if fit is None:
             return
@@ -129,6 +134,13 @@ class RunTimeModel:
                                      < reference_seconds(self.idle, self.calibration_shapes())):
                 self.idle = fit
                 self.restored = False
+
+    def prices_work(self) -> bool:
+        """Whether the online fit makes a larger step cost more (a per-token
+        or an attention term): one that puts all of a step on its fixed cost
+        would price any size like the smallest."""
+        fit = self.online.coefficients
+        return fit is not None and (fit["token"] > 0 or fit["attention"] > 0)
 
     def reference(self, *, idle: bool = True) -> float | None:
         """Seconds of the calibration's steps (``calibration_shapes``) by the

@@ -25,7 +25,7 @@ from diffrt.engine.output_processor import OutputProcessor
 from diffrt.engine.outputs import DiffusionOutput
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.run_time import ATTENTION_TOKENS_PER_WIDTH, RunTimeModel
-from diffrt.engine.sampling import SamplingParams
+from diffrt.engine.sampling import OutputType, SamplingParams
 from diffrt.engine.sched import Scheduler, StepScheduler
 from diffrt.engine.token_budget import derived_token_budget
 
@@ -39,6 +39,14 @@ LARGEST_WORK_RATIO = 4.0
 #: worker calls each calibration request runs: the fit has seven terms, and
 #: one slow tick (another process) among few would set one of them alone
 CALIBRATION_TICKS = 2
+#: ... and the third, undecoded and so cheap, this many: the slope rests on
+#: its steps, and a machine busy with other processes times few steps badly
+LARGEST_TICKS = 4
+#: times the calibration requests run at most: again while the fit of their
+#: ticks prices no step's size (a stall on a busy machine can set the slope
+#: to 0 however the ticks are weighed; a model whose steps do not grow with
+#: size, as the tests' toy, runs them twice)
+CALIBRATION_ROUNDS = 2
 
 
 class StartingEngine(Protocol):
@@ -79,7 +87,7 @@ def start_up_images(spec: ModelSpec, side: int) -> list:
 
 
 def calibration_requests(spec: ModelSpec, run_time: RunTimeModel,
-                         max_steps_per_tick: int) -> list[DiffusionRequest]:
+                         max_steps_per_tick: int, round_: int = 0) -> list[DiffusionRequest]:
     """The step-cost model's first measurements, on warm kernels, at three
     sizes: a step's fixed cost, its per-token cost and attention's quadratic
     term are three unknowns, and two sizes tell only one slope from the
@@ -94,17 +102,21 @@ def calibration_requests(spec: ModelSpec, run_time: RunTimeModel,
     (or the largest side). Each runs ``CALIBRATION_TICKS`` worker calls' worth
     of steps (so prompt encoding and the decode weigh on few of them), with a
     prompt of its own (the prompt cache would spare the others their
-    encoding)."""
+    encoding). The third is not decoded (``latent``): the first two measure
+    the decode, and a large clip's decode would cost the start more than its
+    steps; a model that serves no latents (LTX-2's sound) calibrates on the
+    first two (its third, decoded, took 30 of a 36 s start on tiny-ltx2)."""
     multiple = spec.size_multiple
     largest = spec.max_size // multiple * multiple
 
-    def request(i: int, side: int) -> DiffusionRequest:
+    def request(i: int, side: int, output_type: OutputType = "np",
+                ticks: int = CALIBRATION_TICKS) -> DiffusionRequest:
         return DiffusionRequest(
-            prompt=f"calibration {i}", request_id=f"calibrate-{uuid.uuid4().hex[:8]}",
+            prompt=f"calibration {round_}.{i}", request_id=f"calibrate-{uuid.uuid4().hex[:8]}",
             images=start_up_images(spec, side),
             sampling_params=SamplingParams(
-                height=side, width=side, seed=0, guidance_scale=1.0,
-                num_inference_steps=CALIBRATION_TICKS * max_steps_per_tick))
+                height=side, width=side, seed=0, guidance_scale=1.0, output_type=output_type,
+                num_inference_steps=ticks * max_steps_per_tick))
 
     def work(side: int) -> float:
         return run_time.units(spec.with_defaults(request(0, side)))
@@ -117,16 +129,18 @@ def calibration_requests(spec: ModelSpec, run_time: RunTimeModel,
                 break
         return side
 
-    sides = [spec.warmup_size()]
-    second = next_side(sides[0], lambda s: work(s) >= CALIBRATION_WORK_RATIO * work(sides[0]))
+    first = spec.warmup_size()
+    second = next_side(first, lambda s: work(s) >= CALIBRATION_WORK_RATIO * work(first))
     attention_tokens = ATTENTION_TOKENS_PER_WIDTH * spec.transformer_width
     third = next_side(second, lambda s: (
         work(s) >= LARGEST_WORK_RATIO * work(second)
         and spec.row_tokens(spec.with_defaults(request(0, s))) >= attention_tokens))
-    for side in (second, third):
-        if side > sides[-1]:
-            sides.append(side)
-    return [request(i, side) for i, side in enumerate(sides)]
+    requests = [request(0, first)]
+    if second > first:
+        requests.append(request(1, second))
+    if third > second and not spec.sound:
+        requests.append(request(2, third, "latent", LARGEST_TICKS))
+    return requests
 
 
 def _run(engine: StartingEngine, request: DiffusionRequest) -> None:
@@ -148,10 +162,16 @@ def warm_up(engine: StartingEngine) -> None:
     spec, run_time = engine.spec, engine.run_time
     _run(engine, warmup_request(spec))
     run_time.reset()  # a cold tick is no measure of a warm one
-    calibration = calibration_requests(spec, run_time,
-                                       engine.config.scheduling.max_steps_per_tick)
-    for request in calibration:
-        _run(engine, request)
+    for round_ in range(CALIBRATION_ROUNDS):
+        for request in calibration_requests(spec, run_time,
+                                            engine.config.scheduling.max_steps_per_tick, round_):
+            _run(engine, request)
+        run_time.online.refit()
+        if run_time.prices_work():
+            break
+        logger.info("the calibration's steps did not tell sizes apart (a stalled tick on a "
+                    "busy machine?)%s", "" if round_ + 1 == CALIBRATION_ROUNDS
+                    else ": measuring them again")
     engine.output_processor.stats.reset()  # stats() describes served requests only
     run_time.finish_calibration()
     engine.save_costs()
@@ -167,5 +187,6 @@ def warm_up(engine: StartingEngine) -> None:
     logger.info("warm-up done in %.2f s", time.monotonic() - start)
 
 
-__all__ = ["CALIBRATION_TICKS", "CALIBRATION_WORK_RATIO", "LARGEST_WORK_RATIO", "calibration_requests", "start_up_images", "warm_up",
+__all__ = ["CALIBRATION_ROUNDS", "CALIBRATION_TICKS", "CALIBRATION_WORK_RATIO", "LARGEST_TICKS",
+           "LARGEST_WORK_RATIO", "calibration_requests", "start_up_images", "warm_up",
            "warmup_request"]

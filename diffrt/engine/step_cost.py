@@ -24,7 +24,12 @@ with all coefficients non-negative:
   so the fit follows the machine (about ``1 / (1 - DECAY)`` ticks of memory);
 - *robust*: a tick whose time is far from the prediction (a page fault, a
   garbage collection, another process) counts less the further it is off:
-  past ``HUBER`` (relative) its weight is ``(HUBER / error)^2``;
+  past ``HUBER`` (relative) its weight is ``(HUBER / error)^2``. Online,
+  the prediction is the fit before the tick; from a few ticks (a
+  calibration's) that fit is no yardstick (noise set the slope near 0, and
+  the large size's ticks that would correct it looked like outliers), so
+  ``refit`` weighs the kept ticks again against the fit of them all,
+  round after round (iteratively reweighted least squares);
 - *seeded*: the fit is drawn towards a prior (the warm-up calibration, or
   the persisted model of an earlier run: ``cost_store``) with the weight of
   ``PRIOR_TICKS`` ticks, so a coefficient that traffic does not tell apart
@@ -60,6 +65,10 @@ FEATURES = ("call", "token", "attention", "adapter_token", "tick", "encode", "de
 DECAY = 0.995
 #: relative residual past which a tick's weight falls as 1 / residual
 HUBER = 0.25
+#: ticks kept as measured, for ``refit`` (a calibration's, and more)
+KEPT_TICKS = 64
+#: ``refit``'s reweighting rounds
+REFIT_ROUNDS = 6
 #: the prior's weight, in ticks
 PRIOR_TICKS = 3.0
 #: the flops ratio's pull on the attention term, in ticks (``attention_per_token``)
@@ -134,6 +143,7 @@ class StepCostModel:
         self.ticks = 0
         self._weight = 0.0  # the evidence's decayed weight, in ticks
         self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self._kept: deque[tuple[np.ndarray, float]] = deque(maxlen=KEPT_TICKS)
         if prior is not None:
             self.set_prior(prior)
 
@@ -167,6 +177,7 @@ class StepCostModel:
             grow = present & ~self._seen
             self._scale[grow] = features[grow]  # a feature's scale: its first size
             self._seen |= present
+            self._kept.append((features.copy(), seconds))
             self._xtx *= self.decay
             self._xty *= self.decay
             self._xtx += weight * np.outer(features, features)
@@ -185,6 +196,35 @@ class StepCostModel:
             self._fit, self._stale, self.ticks = None, self._prior is not None, 0
             self._weight = 0.0
             self._errors.clear()
+            self._kept.clear()
+
+    def refit(self) -> None:
+        """Weigh the kept ticks again by their distance from the fit of them
+        all (``HUBER``, past the median distance where that is larger: a
+        loaded machine's usual noise is no outlier), ``REFIT_ROUNDS`` times,
+        and make that the evidence (the engine calls it when its
+        calibration has run: see the module)."""
+        with self._lock:
+            kept = list(self._kept)
+        if len(kept) < 2:
+            return
+        x = np.array([f for f, _ in kept])
+        y = np.array([t for _, t in kept])
+        weights = np.ones(len(kept))
+        for _ in range(REFIT_ROUNDS):
+            with self._lock:
+                self._xtx = (x * weights[:, None]).T @ x
+                self._xty = (x * weights[:, None]).T @ y
+                self._weight = float(weights.sum())
+                fit = self._solve()
+            if fit is None:
+                return
+            predicted = np.maximum(x @ fit, 1e-12)
+            error = np.abs(y - predicted) / predicted
+            bound = max(HUBER, 1.5 * float(np.median(error)))
+            weights = np.where(error <= bound, 1.0, (bound / np.maximum(error, 1e-12)) ** 2)
+        with self._lock:
+            self._stale = True
 
     # -- the fit --------------------------------------------------------------------------
     @property
@@ -266,5 +306,5 @@ def reference_seconds(coefficients: Mapping[str, float], shapes: Sequence[StepSh
                      @ tick_features(shape, 1)) for shape in shapes)
 
 
-__all__ = ["DECAY", "FEATURES", "HUBER", "PRIOR_TICKS", "SPLIT_TICKS", "Row", "StepCostModel",
+__all__ = ["DECAY", "FEATURES", "HUBER", "KEPT_TICKS", "PRIOR_TICKS", "SPLIT_TICKS", "Row", "StepCostModel",
            "StepShape", "reference_seconds", "step_shape", "tick_features"]

@@ -93,7 +93,10 @@ def test_the_limit_is_judged_at_the_idle_speed_not_under_load(monkeypatch, tmp_p
     and the one refused idle is refused loaded."""
     admitted = lambda: toy_request(size=64, steps=100)  # noqa: E731
     refused = lambda: toy_request(size=64, steps=1000)  # noqa: E731
-    with toy_engine() as engine:  # warm-up calibrates the idle model, persisted
+    with toy_engine(warmup=False) as engine:
+        # the toy's steps cost nothing to speak of: an idle model of known steps, persisted
+        engine.run_time.idle = dict(COEFFICIENTS)
+        engine.save_costs()
         idle = engine.run_time.estimate(engine.spec.with_defaults(admitted()))
         limit = engine.run_time.estimate(engine.spec.with_defaults(refused())) / 2
     assert idle < limit / 4
@@ -181,12 +184,13 @@ def test_both_modes_feed_the_estimate_per_step(step):
 def test_the_calibration_measures_three_sizes_far_enough_apart():
     """Three sizes (a fixed cost, a per-token and an attention term): the
     second with twice the first's work, the third with four times the
-    second's and attention a third of its flops; fewer where the model's
-    largest size comes first."""
+    second's and attention a third of its flops, left undecoded; fewer where
+    the model's largest size comes first or it serves no latents."""
     from diffrt.engine.run_time import ATTENTION_TOKENS_PER_WIDTH
     from diffrt.engine.start_up import (
         CALIBRATION_TICKS,
         CALIBRATION_WORK_RATIO,
+        LARGEST_TICKS,
         LARGEST_WORK_RATIO,
         calibration_requests,
     )
@@ -200,9 +204,35 @@ def test_the_calibration_measures_three_sizes_far_enough_apart():
     assert work[1] >= CALIBRATION_WORK_RATIO * work[0]
     assert work[2] >= LARGEST_WORK_RATIO * work[1]
     assert m.row_tokens(requests[2]) >= ATTENTION_TOKENS_PER_WIDTH * 32
-    assert {r.sampling_params.num_inference_steps for r in requests} == {CALIBRATION_TICKS * 4}
+    assert [r.sampling_params.num_inference_steps for r in requests] == [
+        CALIBRATION_TICKS * 4, CALIBRATION_TICKS * 4, LARGEST_TICKS * 4]
     assert len({r.prompt for r in requests}) == 3  # no prompt cache hit spares an encoding
+    # the largest is not decoded (its decode would cost more than its steps): no decode counted
+    assert [r.sampling_params.output_type for r in requests] == ["np", "np", "latent"]
+    assert model.decoded_tokens(requests[2]) == 0 < model.decoded_tokens(requests[1])
+    with_sound = ModelSpec(name="m", family="f", pipeline="m:P", size_multiple=16,
+                           max_size=2048, defaults=m.defaults, transformer_width=32, sound=True)
+    assert len(calibration_requests(with_sound, RunTimeModel(with_sound), 1)) == 2  # no latents
     small = ModelSpec(name="m", family="f", pipeline="m:P", size_multiple=16, max_size=96,
                       defaults=m.defaults, transformer_width=32)
     assert [r.sampling_params.height for r in calibration_requests(
         small, RunTimeModel(small), 1)] == [64, 96]  # capped: the largest side, once
+
+
+@pytest.mark.parametrize("prices", [True, False])
+def test_a_calibration_whose_fit_prices_no_size_is_measured_again(monkeypatch, prices):
+    """A stalled tick on a busy machine can leave the calibration's fit with
+    no slope (every size priced like the smallest): its requests run once
+    more (``CALIBRATION_ROUNDS`` in all), each with a prompt of its own."""
+    import engine_toy
+
+    from diffrt.engine.start_up import CALIBRATION_ROUNDS, calibration_requests
+
+    monkeypatch.setattr(RunTimeModel, "prices_work", lambda self: prices)
+    engine_toy.reset()
+    with toy_engine() as engine:  # warm-up on
+        ran = {i for kind in ("forward", "step") for call in engine_toy.calls(kind)
+               for i in call if i.startswith("calibrate-")}
+        per_round = len(calibration_requests(engine.spec, engine.run_time,
+                                             engine.config.scheduling.max_steps_per_tick))
+    assert len(ran) == per_round * (1 if prices else CALIBRATION_ROUNDS)

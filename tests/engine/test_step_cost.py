@@ -123,3 +123,27 @@ def test_ticks_that_tell_the_terms_apart_outweigh_the_flops_ratio():
             features = tick_features(step_shape([Row(1, tokens)], "by_size"), 2)
             model.observe(features, float(vector @ features))
     assert model.coefficients["attention"] == pytest.approx(truth["attention"], rel=0.1)
+
+
+def test_a_refit_weighs_a_calibrations_ticks_against_the_fit_of_them_all():
+    """Ticks of a calibration (three sizes) on a busy machine: the first
+    one stalled ten times over. Weighed online, against fits of the ticks
+    before each, the large size's ticks were discounted as outliers and the
+    slope came out near 0 (a 2048² request priced like a small one);
+    ``refit`` weighs them all against the fit of them all and finds it."""
+    ratio = 1 / (6 * 32)
+    truth = {**TRUE, "attention": TRUE["token"] * ratio}
+    vector = np.array([truth[f] for f in FEATURES])
+    far = tick_features(step_shape([Row(1, 16896)], "by_size"), 1)
+    rng = np.random.default_rng(3)
+    model = StepCostModel(attention_per_token=ratio)
+    for i, (tokens, ticks) in enumerate(((528, 2), (801, 2), (1737, 6))):
+        for tick in range(ticks):
+            features = tick_features(step_shape([Row(1, tokens)], "by_size"), 4,
+                                     int(tick == 0), float(tokens) * (tick == ticks - 1))
+            stall = 10.0 if (i, tick) == (0, 0) else 1.0
+            model.observe(features, float(vector @ features) * stall * rng.normal(1.0, 0.1))
+    truth_far = float(vector @ far)
+    assert model.predict(far) < 0.5 * truth_far  # online: the slope lost
+    model.refit()
+    assert model.predict(far) == pytest.approx(truth_far, rel=0.2)
