@@ -48,8 +48,11 @@ def toy_req(prompt: str, steps: int = 2) -> DiffusionRequest:
 
 
 def make_step_engine() -> DiffusionEngine:
+    """Sizes share steps whenever the key allows (``share_steps="always"``):
+    the test checks what a shared step computes across processes."""
     return DiffusionEngine.make_engine(EngineConfig(
-        model="tiny-flux", step_execution=True, max_num_seqs=4, async_output=True))
+        model="tiny-flux", step_execution=True, max_num_seqs=4, async_output=True,
+        share_steps="always"))
 
 
 def test_step_mode_streams_across_processes_and_close_leaves_nothing(flux_step_engine,
