@@ -52,7 +52,6 @@ from diffrt.engine.step_cost import (
 ATTENTION_TOKENS_PER_WIDTH = 3
 
 
-
 class RunTimeModel:
     """Seconds of steps and requests on this engine (see the module)."""
 
@@ -121,11 +120,9 @@ class RunTimeModel:
         self.online.reset()
 
     def finish_calibration(self) -> None:
-        """The warm-up's calibration ran: the idle model becomes the faster of
-        the online fit (refitted robustly from the calibration's ticks:
-        ``StepCostModel.refit``) and the persisted idle model, on the
-        calibration's steps (``calibration_shapes``)."""
-        self.online.refit()
+        """The warm-up's calibration ran (and was refitted: ``refit``): the
+        idle model becomes the faster of the online fit and the persisted idle
+        model, on the calibration's steps (``calibration_shapes``)."""
         fit = self.online.coefficients
         if fit is None:
             return
@@ -135,10 +132,13 @@ class RunTimeModel:
                 self.idle = fit
                 self.restored = False
 
-    def prices_work(self) -> bool:
-        """Whether the online fit makes a larger step cost more (a per-token
-        or an attention term): one that puts all of a step on its fixed cost
-        would price any size like the smallest."""
+    def refit(self) -> bool:
+        """Refit the online model robustly from its kept ticks (the
+        calibration's: ``StepCostModel.refit``); whether it now prices work,
+        i.e. makes a larger step cost more (a per-token or an attention
+        term): one that puts all of a step on its fixed cost would price any
+        size like the smallest."""
+        self.online.refit()
         fit = self.online.coefficients
         return fit is not None and (fit["token"] > 0 or fit["attention"] > 0)
 

@@ -166,8 +166,7 @@ def warm_up(engine: StartingEngine) -> None:
         for request in calibration_requests(spec, run_time,
                                             engine.config.scheduling.max_steps_per_tick, round_):
             _run(engine, request)
-        run_time.online.refit()
-        if run_time.prices_work():
+        if run_time.refit():
             break
         logger.info("the calibration's steps did not tell sizes apart (a stalled tick on a "
                     "busy machine?)%s", "" if round_ + 1 == CALIBRATION_ROUNDS

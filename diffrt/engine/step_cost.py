@@ -38,11 +38,12 @@ with all coefficients non-negative:
 - *split by flops*: given ``attention_per_token`` (attention's flops per
   token pair over a layer's flops per token, ``1 / (6 width)``), the fit is
   drawn, with the weight of ``SPLIT_TICKS`` ticks, towards ``c_attention =
-  attention_per_token x c_token``. Over the few sizes a calibration measures, the linear and the
-  quadratic term are nearly collinear: unheld, noise alone split the slope
-  between them (one run put it all on tokens, the next all on attention,
-  which differ tenfold at four times the calibrated tokens). Where the ticks
-  do tell them apart, they outweigh the pull.
+  attention_per_token x c_token``. Over the few sizes a calibration
+  measures, the linear and the quadratic term are nearly collinear: unheld,
+  noise alone split the slope between them (one run put it all on tokens,
+  the next all on attention, which differ tenfold at four times the
+  calibrated tokens). Where the ticks do tell them apart, they outweigh the
+  pull.
 
 The model also keeps its recent relative prediction error (``error``), what
 ``/metrics``, ``diffrt env --check`` and the bench trace show.

@@ -228,7 +228,7 @@ def test_a_calibration_whose_fit_prices_no_size_is_measured_again(monkeypatch, p
 
     from diffrt.engine.start_up import CALIBRATION_ROUNDS, calibration_requests
 
-    monkeypatch.setattr(RunTimeModel, "prices_work", lambda self: prices)
+    monkeypatch.setattr(RunTimeModel, "refit", lambda self: prices)
     engine_toy.reset()
     with toy_engine() as engine:  # warm-up on
         ran = {i for kind in ("forward", "step") for call in engine_toy.calls(kind)
