@@ -44,7 +44,8 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, run_time: RunTimeModel
         # another of the same function and instance
         if c.share_steps == "cost" and key != spec.step_batch_key:
             # kinds: what one call shares (size, adapters, step cache)
-            share = ShareDecider(run_time, _kind(spec), max_bypass=c.scheduling_max_bypass)
+            share = ShareDecider(run_time, _kind(spec), max_bypass=c.scheduling_max_bypass,
+                                 urgency=policy.urgency)
         return StepScheduler(c.max_num_seqs, policy,
                              max_wait_s=_seconds(c.step_batch_max_wait_ms),
                              key=key, share=share,

@@ -137,3 +137,53 @@ def test_an_engine_that_keeps_sizes_apart_decides_no_sharing():
         scheduler = make_scheduler(config, spec, run_time_model(config, spec)[0], None,
                                    AdapterRegistry(1, accepts_adapters=True, model=spec.name))
         assert (scheduler.share is not None) is decides
+
+
+def classed(model: RunTimeModel) -> ShareDecider:
+    """A decider that knows the requests' classes (their priority, the
+    ``slo`` policy's without aging)."""
+    return ShareDecider(model, lambda r: (r.sampling_params.height,),
+                        urgency=lambda record: record.request.sampling_params.priority)
+
+
+def test_a_lower_class_never_slows_a_higher_ones_steps():
+    """Where sharing pays in the sum (one call over every row, 10 ms a
+    call), an urgent request still runs apart: joined by less urgent rows,
+    or joining them where the scheduler would pause them for it."""
+    model = fitted("packed", per_call_s=0.010)
+    batch = [record("b", 128, priority=5), record("b2", 128, priority=5)]
+    urgent = record("c", 64, priority=0)
+    assert decider(model).decide(batch, urgent, now=0.0).shared  # classes unknown: shared
+    share = classed(model)
+    joining = share.decide(batch, urgent, now=0.0, preempting=True)
+    assert not joining.shared and "ranks above the batch" in joining.reason
+    joined = share.decide([urgent], record("b", 128, priority=5), now=0.0)
+    assert not joined.shared and "c ranks above it" in joined.reason
+    # one class: the sum decides, as without classes
+    assert share.decide(batch, record("c", 64, priority=5), now=0.0, preempting=True).shared
+
+
+def test_an_urgent_request_of_another_size_pauses_the_batch_and_runs_alone():
+    """On a machine where sizes share steps (``packed``, 10 ms a call), an
+    urgent small request does not join running large ones: they are paused
+    at the step boundary, it runs alone, and they rejoin after it."""
+    share = classed(fitted("packed", per_call_s=0.010))
+    s = StepScheduler(4, make_policy("slo", aging_ticks=1000), key=lambda r: (), share=share,
+                      max_paused_bytes=1 << 30)
+    for i in range(3):
+        s.add_request(req(f"clip{i}", size=512, steps=20, priority=5), now=0.0)
+    out = s.schedule(now=0.0)
+    assert sorted(out.scheduled_ids) == ["clip0", "clip1", "clip2"]
+    s.add_request(req("image", size=64, steps=3, priority=0), now=0.0)
+    ran = []
+    for _ in range(6):
+        s.update_from_output(out, ExecutionResult(
+            steps={rid: s.record(rid).step + 1 for rid in out.scheduled_ids},
+            finished=[rid for rid in out.scheduled_ids if s.record(rid).step + 1 == 20
+                      or rid == "image" and s.record(rid).step + 1 == 3],
+            state_bytes={rid: 100 for rid in out.scheduled_ids}))
+        out = s.schedule(now=0.0)
+        ran.append(sorted(out.scheduled_ids))
+    assert ran[:3] == [["image"]] * 3 and s.preemptions == 3
+    assert ran[3] == ["clip0", "clip1", "clip2"]  # back, from the step they had reached
+    assert any("ranks above" in d.reason for d in share.log)

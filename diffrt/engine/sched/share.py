@@ -14,7 +14,17 @@ sharing
 - gives a lower sum of the requests' completion times than apart, by
   ``MARGIN`` of it (so the model's noise does not decide: mixing must never
   be the cause of a worse latency), and
-- pushes no request of ``B`` that would meet its deadline apart past it.
+- pushes no request of ``B`` that would meet its deadline apart past it,
+  and
+- makes no request finish later (by more than ``MARGIN``) than apart when
+  it ranks above another of the step (``urgency``, smaller first: the
+  ``slo`` policy's priority classes): rows of a lower class may not slow a
+  higher one's steps. Apart, a candidate more urgent than every row of
+  ``B`` runs first where the scheduler preempts (``B`` is paused for it,
+  ``preempting``) and after ``B`` drains otherwise. So a one-frame image
+  request (priority 0) does not share the steps of running clips (priority
+  5): they are paused at the step boundary and it runs alone; nor does a
+  paused clip rejoin before the image is done.
 
 By ``by_size`` (a call per size, the CPU's arrangement) ``S`` is about
 ``A + C``: sharing saves only a tick's fixed cost and makes the small rows
@@ -81,9 +91,12 @@ class ShareDecider:
     """Decides, per candidate, whether it shares the batch's steps (see the module)."""
 
     def __init__(self, cost: ShareCost, kind: Callable[[DiffusionRequest], tuple], *,
-                 max_bypass: int = 4, margin: float = MARGIN):
+                 max_bypass: int = 4, margin: float = MARGIN,
+                 urgency: Callable[[RequestRecord], int] | None = None):
         self.cost = cost
         self.kind = kind
+        #: the policy's classes (smaller: more urgent); None: all alike
+        self.urgency = urgency or (lambda record: 0)
         self.max_bypass = max_bypass
         self.margin = margin
         self.log: deque[Decision] = deque(maxlen=LOG_SIZE)
@@ -94,9 +107,13 @@ class ShareDecider:
         kind = self.kind(record.request)
         return any(self.kind(r.request) == kind for r in batch)
 
-    def decide(self, batch: Sequence[RequestRecord], candidate: RequestRecord,
-               now: float) -> Decision:
-        """Whether ``candidate`` (of a kind none of ``batch`` is) shares its steps."""
+    def decide(self, batch: Sequence[RequestRecord], candidate: RequestRecord, now: float,
+               *, preempting: bool = False, log: bool = True) -> Decision:
+        """Whether ``candidate`` (of a kind none of ``batch`` is) shares its
+        steps; ``preempting``: the scheduler would pause ``batch`` for a
+        candidate more urgent than all of it; ``log=False``: a look ahead
+        (preemption's), not kept for ``--explain``."""
+        note = self._note if log else (lambda decision: decision)
         ids = tuple(r.request_id for r in batch)
         requests = [r.request for r in batch]
         s = self.cost.step_seconds([*requests, candidate.request])
@@ -104,31 +121,42 @@ class ShareDecider:
         c = self.cost.step_seconds([candidate.request])
         t = self.cost.tick_seconds or 0.0
         if s is None or a is None or c is None:
-            return self._note(Decision(candidate.request_id, ids, False,
-                                       "no step-cost model yet: apart"))
+            return note(Decision(candidate.request_id, ids, False,
+                                 "no step-cost model yet: apart"))
         a, c, s = a + t, c + t, s + t
-        apart, together = 0.0, 0.0
-        drain = max(_left(r) for r in batch) * a
-        n = _left(candidate)
+        urgency = self.urgency
+        mine = urgency(candidate)
+        n, longest = _left(candidate), max(_left(r) for r in batch)
+        first = preempting and all(mine < urgency(r) for r in batch)
+        # apart: the candidate runs alone first (the batch paused for it) or after the batch
+        mine_apart = n * c if first else longest * a + n * c
+        mine_together = min(n, longest) * s + max(0, n - longest) * c
+        behind = n * c if first else 0.0  # what the batch waits apart
+        slower = 1.0 + self.margin
+        apart, together = mine_apart, mine_together
         for record in batch:
             m = _left(record)
-            apart += m * a
+            finish_apart = behind + m * a
             finish = min(m, n) * s + max(0, m - n) * a
+            apart += finish_apart
             together += finish
             deadline = record.request.sampling_params.deadline_s
             if deadline is not None:
                 due = record.arrival + deadline
-                if now + m * a <= due < now + finish:
-                    return self._note(Decision(
-                        candidate.request_id, ids, False,
-                        f"{record.request_id} would miss its deadline", s, a, c))
-        apart += drain + n * c
-        longest = max(_left(r) for r in batch)
-        together += min(n, longest) * s + max(0, n - longest) * c
+                if now + finish_apart <= due < now + finish:
+                    return note(Decision(candidate.request_id, ids, False,
+                                         f"{record.request_id} would miss its deadline", s, a, c))
+            if urgency(record) < mine and finish > slower * finish_apart:
+                return note(Decision(candidate.request_id, ids, False,
+                                     f"{record.request_id} ranks above it and would finish later",
+                                     s, a, c))
+        if any(mine < urgency(r) for r in batch) and mine_together > slower * mine_apart:
+            return note(Decision(candidate.request_id, ids, False,
+                                 "it ranks above the batch and would finish later", s, a, c))
         shared = together < (1.0 - self.margin) * apart
         reason = (f"summed completion {together:.3g} s together vs {apart:.3g} s apart"
                   if math.isfinite(together) else "no estimate")
-        return self._note(Decision(candidate.request_id, ids, shared, reason, s, a, c))
+        return note(Decision(candidate.request_id, ids, shared, reason, s, a, c))
 
     def _note(self, decision: Decision) -> Decision:
         self.log.append(decision)

@@ -157,9 +157,11 @@ class StepScheduler(BaseScheduler):
         module); the requests paused. Mirrors admission: a candidate that
         cannot be made room for blocks those after it, as it blocks them in
         ``_within_budget``; one whose adapters find no slot is not made room
-        for; one of another batch key pauses the batch only when it is more
-        urgent than every request planned for it, and otherwise keeps the
-        less urgent ones from joining (``SloPolicy.select``)."""
+        for; one of another batch key, or one the share decision keeps out of
+        the batch's steps (a lower class may not slow a higher one's:
+        ``sched/share.py``), pauses the batch only when it is more urgent
+        than every request planned for it, and otherwise keeps the less
+        urgent ones from joining (``SloPolicy.select``)."""
         if not self._running or not (self._waiting or self._paused) or self.holding:
             return []
         policy, urgency = self.policy, self.policy.urgency
@@ -171,7 +173,8 @@ class StepScheduler(BaseScheduler):
             taken: list[RequestRecord]
             if self.adapters is not None and not self.adapters.could_admit(candidate):
                 continue
-            if candidate.key != key:
+            if candidate.key != key or not self._shares(candidate, batch, now, log=False):
+                # it cannot, or should not, share the batch's steps
                 if all(urgency(candidate) < urgency(r) for r in batch):
                     taken = [r for r in batch if r in self._running]
                 else:
@@ -191,8 +194,8 @@ class StepScheduler(BaseScheduler):
             paused_bytes += cost
             victims += taken
             batch = [r for r in batch if r not in taken] + [candidate]
-            if candidate.key != key:
-                break  # the next batch is this one's
+            if not any(r in batch for r in self._running):
+                break  # the whole batch paused for it: the next batch is this one's
         kept, protected = policy.on_time(batch, now)
         if protected is not None:  # steps too slow for a deadline: the less urgent make way
             self._urgency_limit = protected
@@ -285,8 +288,7 @@ class StepScheduler(BaseScheduler):
         assert share is not None
         batch, kept, refused = list(self._running), [], []
         for record in chosen:
-            if not batch or share.same_kind(record, batch) or share.decide(
-                    batch, record, self._now).shared:
+            if self._shares(record, batch, self._now):
                 kept.append(record)
                 batch.append(record)
                 continue
@@ -298,6 +300,18 @@ class StepScheduler(BaseScheduler):
                 if any(r.seq > record.seq for r in kept):
                     record.bypassed += 1
         return kept
+
+    def _shares(self, record: RequestRecord, batch: list[RequestRecord], now: float, *,
+                log: bool = True) -> bool:
+        """Whether ``record`` may share the steps of ``batch`` (of its key):
+        always without a share decision, into an empty batch or beside a row
+        of its own kind; otherwise when the decision predicts it pays
+        (``sched/share.py``, which also keeps a lower priority class from
+        slowing a higher one's steps)."""
+        share = self.share
+        if share is None or not batch or share.same_kind(record, batch):
+            return True
+        return share.decide(batch, record, now, preempting=self.preempting, log=log).shared
 
     def _steps_for_tick(self, drops: list[str]) -> int:
         """Several steps unless worker state is to be dropped; never past the
