@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from diffrt import tracing
 from diffrt.engine.between_ticks import BetweenTicks, JobQueue
@@ -46,6 +46,7 @@ from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.lora.tick_adapters import TickAdapters
 from diffrt.engine.memory_estimate import MemoryModel
 from diffrt.engine.record import RequestRecord, RequestStatus
+from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.restart import (
     RESTART_ATTEMPTS,
     RESTART_CHECK_S,
@@ -221,8 +222,24 @@ class EngineCore:
             return self.seats.held + self.scheduler.num_waiting, self.scheduler.num_running
 
     def take_seat(self, limit: int, on_admitted: Callable[[], None] | None = None) -> Seat:
-        """A seat among the waiting, or a refused one when ``limit`` wait (``seats.py``)."""
-        return self.seats.take(limit, lambda: self.scheduler.num_waiting, on_admitted)
+        """A seat among the waiting, or a refused one when ``limit`` wait
+        (``seats.py``); a refused seat carries the predicted seconds until
+        the next admission frees one (``Seat.retry_after_s``)."""
+        seat = self.seats.take(limit, lambda: self.scheduler.num_waiting, on_admitted)
+        if not seat.taken:
+            with self._cond:
+                seat.retry_after_s = self.scheduler.next_admission_s(self._clock(),
+                                                                     self._step_seconds)
+        return seat
+
+    def _step_seconds(self, requests: Sequence[DiffusionRequest]) -> float | None:
+        """A step of ``requests`` with its share of a tick's fixed cost, at
+        the momentary speed (the step-cost model's online fit)."""
+        model = self._run_time
+        step = model.step_seconds(requests) if model is not None else None
+        if model is None or step is None:
+            return None
+        return step + (model.tick_seconds or 0.0)
 
     def is_alive(self) -> bool:
         return self.dead_reason is None and self._thread.is_alive()

@@ -60,6 +60,9 @@ class Seat:
     def __init__(self, waiting: int, give_back: Callable[[Seat], None] | None = None,
                  on_admitted: Callable[[], None] | None = None):
         self.waiting = waiting
+        #: refused: the predicted seconds until a waiting request is next
+        #: admitted (the engine's step-cost model), None without a prediction
+        self.retry_after_s: float | None = None
         self.state = SeatState.HELD if give_back is not None else SeatState.REFUSED
         self._give_back = give_back
         #: called once, on the engine loop's thread with no lock held, when the

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -47,6 +48,18 @@ logger = logging.getLogger(__name__)
 ABORT_GRACE_S = 10.0
 #: how often the drain looks at the requests in flight
 IDLE_POLL_S = 0.05
+#: the longest Retry-After a shed request is told
+MAX_RETRY_AFTER_S = 3600
+
+
+def retry_after(predicted_s: float | None, floor_s: int) -> int:
+    """Retry-After, in whole seconds, of a 429 for a full queue: the engine's
+    prediction of its next admission (``Seat.retry_after_s``), at least
+    ``floor_s`` (``--retry-after-s``, also what is said without a
+    prediction) and at most an hour."""
+    if predicted_s is None:
+        return floor_s
+    return max(floor_s, min(MAX_RETRY_AFTER_S, math.ceil(predicted_s)))
 
 
 class EngineClient:
@@ -194,10 +207,10 @@ class EngineClient:
                            headers={"Retry-After": str(self.settings.sleep_retry_after_s)})
         seat = self.engine.take_seat(self.settings.max_pending, on_admitted=on_admitted)
         if not seat.taken:
+            retry = retry_after(seat.retry_after_s, self.settings.retry_after_s)
             raise ApiError(429, f"{seat.waiting} requests are waiting (max_pending="
-                                f"{self.settings.max_pending}); retry later",
-                           code="rate_limit_exceeded",
-                           headers={"Retry-After": str(self.settings.retry_after_s)})
+                                f"{self.settings.max_pending}); retry in {retry} s",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
         return self.engine, seat
 
     async def run(self, request: DiffusionRequest, *,

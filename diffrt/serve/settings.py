@@ -55,7 +55,9 @@ class ServeSettings(msgspec.Struct, kw_only=True, frozen=True):
         "requests that may wait to be admitted (accepted, not yet running); past it a new "
         "one gets 429 with Retry-After"))] = 64
     retry_after_s: Annotated[int, Meta(ge=1, description=(
-        "the Retry-After, in seconds, that a 429 for a full server suggests"))] = 1
+        "the least Retry-After, in seconds, that a 429 for a full server suggests (it "
+        "suggests the engine's predicted time to its next admission when longer; this "
+        "before the step-cost model's first fit)"))] = 1
     sleep_requests: Annotated[Literal["wait", "refuse"], Meta(description=(
         "requests that arrive while the engine sleeps (POST /sleep): wait for POST /wake_up, "
         "or are refused with 503 and Retry-After: sleep_retry_after_s"))] = "wait"

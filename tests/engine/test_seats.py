@@ -79,3 +79,57 @@ def test_a_seat_whose_request_is_refused_at_submission_is_the_callers(step_engin
     assert step_engine1.stats().requests_waiting == 1  # not submitted: still held
     seat.release()
     assert step_engine1.stats().requests_waiting == 0
+
+
+def test_a_refused_seat_carries_the_predicted_time_to_the_next_admission(step_engine1,
+                                                                       monkeypatch):
+    """What a server sheds with (Retry-After): the running request's steps
+    left at the step-cost model's momentary step time (a step plus its
+    share of a tick's fixed cost); without a prediction, None."""
+    from diffrt.engine.run_time import RunTimeModel
+
+    engine = step_engine1
+    model = engine._core._run_time
+    monkeypatch.setattr(model, "step_seconds", lambda requests, **kw: 0.2 * len(requests))
+    monkeypatch.setattr(RunTimeModel, "tick_seconds", property(lambda self: 0.05))
+    gate = engine_toy.gate("retry")
+    gate.clear()
+
+    async def main():
+        blocker = asyncio.ensure_future(engine.generate_async(toy_request("block:retry",
+                                                                          steps=9)))
+        await wait_for(lambda: engine.stats().requests_running == 1)
+        refused = engine.take_seat(0)
+        step = engine.scheduler.record(engine.scheduler._running[0].request_id).step
+        monkeypatch.setattr(model, "step_seconds", lambda requests, **kw: None)
+        unknown = engine.take_seat(0)
+        gate.set()
+        await blocker
+        return refused, step, unknown
+
+    refused, step, unknown = asyncio.run(main())
+    assert not refused.taken and refused.retry_after_s == pytest.approx((9 - step) * 0.25)
+    assert not unknown.taken and unknown.retry_after_s is None
+
+
+def test_the_next_admission_is_the_soonest_end_in_step_mode_and_the_waves_end_in_request_mode():
+    from sched_helpers import req
+
+    from diffrt.engine.record import RequestRecord
+    from diffrt.engine.sched import RequestScheduler, StepScheduler
+
+    def per_step(requests):
+        return 0.5
+
+    step = StepScheduler(4)
+    assert step.next_admission_s(0.0, per_step) is None  # nothing runs: no wait to predict
+    for rid, steps in (("a", 3), ("b", 7)):
+        step.add(RequestRecord(req(rid, steps=steps), arrival=0.0))
+    step.schedule(now=0.0)
+    assert step.next_admission_s(0.0, per_step) == 1.5
+    assert step.next_admission_s(0.0, lambda requests: None) is None
+    wave = RequestScheduler(4)  # a wave's requests run the same steps (its key)
+    for rid in ("a", "b"):
+        wave.add(RequestRecord(req(rid, steps=7), arrival=0.0))
+    wave.schedule(now=10.0)
+    assert wave.next_admission_s(11.0, per_step) == 2.5  # 7 steps of 0.5 s, 1 s of them run

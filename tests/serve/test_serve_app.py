@@ -283,7 +283,7 @@ def test_overload_is_429_with_retry_after(toy_app):
     refused, refused_stream, running, waiting = asyncio.run(main())
     for response in (refused, refused_stream):  # a stream too: a status, not an event
         error = _error(response, 429, None)
-        assert response.headers["retry-after"] == "3"
+        assert int(response.headers["retry-after"]) >= 3  # --retry-after-s, the least said
         assert error["code"] == "rate_limit_exceeded"
     assert running.status_code == waiting.status_code == 200
 

@@ -75,7 +75,7 @@ def test_overload_then_a_drain_on_sigterm():
                 return overloaded, ready, refused, await running, await waiting
 
         overloaded, ready, refused, running, waiting = asyncio.run(main())
-        assert overloaded.status_code == 429 and overloaded.headers["retry-after"] == "1"
+        assert overloaded.status_code == 429 and int(overloaded.headers["retry-after"]) >= 1
         assert overloaded.json()["error"]["code"] == "rate_limit_exceeded"
         assert ready == 503
         assert refused.status_code == 503

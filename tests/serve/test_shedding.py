@@ -101,7 +101,9 @@ def test_a_burst_of_ten_times_the_bound_never_passes_it(toy_app):
         assert r.status_code == 429, r.text
         # shed while the bound was full, never with room left
         assert f"{max_pending} requests are waiting" in r.json()["error"]["message"]
-        assert r.headers["retry-after"] == "1"
+        # the engine's predicted time to its next admission, at least --retry-after-s
+        retry = r.headers["retry-after"]
+        assert int(retry) >= 1 and f"retry in {retry} s" in r.json()["error"]["message"]
     final = engine.stats()
     assert final.requests_waiting == final.requests_running == 0
 
@@ -181,3 +183,12 @@ def test_a_request_counts_as_waiting_from_its_acceptance(toy_app):
     assert shed.status == 429
     assert engine.stats().requests_waiting == 0
     assert wait_until(lambda: engine.num_active_requests() == 0)
+
+
+def test_retry_after_is_the_predicted_admission_within_its_floor_and_an_hour():
+    from diffrt.serve.engine_client import MAX_RETRY_AFTER_S, retry_after
+
+    assert retry_after(None, 1) == 1  # no prediction yet: the setting
+    assert retry_after(0.2, 1) == 1 and retry_after(0.2, 3) == 3  # never under the setting
+    assert retry_after(7.01, 1) == 8  # whole seconds, rounded up: not too early
+    assert retry_after(1e6, 1) == MAX_RETRY_AFTER_S

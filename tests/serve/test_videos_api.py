@@ -317,7 +317,7 @@ def test_max_pending_sheds_jobs_with_429_before_they_exist(engine, tmp_path):
 
     answers, listed = run(app, scenario)
     refused = answers[-1]
-    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert 1 <= len(listed) == len(answers) - 1 <= 3  # the refused one made no job
     assert_clean(engine)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -199,6 +200,15 @@ class Scheduler(ABC):
     @abstractmethod
     def record(self, request_id: str) -> RequestRecord | None:
         """The record of ``request_id`` while it is queued or running here."""
+
+    def next_admission_s(self, now: float, step_seconds: Callable[
+            [Sequence[DiffusionRequest]], float | None]) -> float | None:
+        """Predicted seconds until a waiting request is next admitted (a seat
+        among the waiting frees), with ``step_seconds`` the predicted time of
+        a step of the given requests (the step-cost model's, momentary);
+        None when nothing runs or there is no prediction yet. What a server
+        shedding for a full queue suggests as Retry-After."""
+        return None
 
     def admission_wait_s(self, now: float) -> float:
         """Seconds the engine should still hold back the next schedule()."""

@@ -9,6 +9,8 @@ gather.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.sched.base import BaseScheduler
@@ -34,6 +36,18 @@ class RequestScheduler(BaseScheduler):
         ids = [record.request_id for record in wave]
         self._in_flight.update(ids)
         return SchedulerOutput(new=[record.request for record in wave], scheduled_ids=ids)
+
+    def next_admission_s(self, now: float, step_seconds: Callable[
+            [Sequence[DiffusionRequest]], float | None]) -> float | None:
+        """The wave ends together: its longest request's steps at the wave's
+        step time, less what it has run since its admission."""
+        if not self._running:
+            return None
+        step = step_seconds([record.request for record in self._running])
+        if step is None:
+            return None
+        started = min(r.admitted_at if r.admitted_at is not None else now for r in self._running)
+        return max(0.0, max(r.total_steps for r in self._running) * step - (now - started))
 
     def _update_request(self, record: RequestRecord, result: ExecutionResult, produced: bool,
                         update: UpdateResult) -> None:

@@ -49,7 +49,7 @@ urgent than it is admitted in that tick.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from diffrt.engine.record import RequestRecord, RequestStatus
 from diffrt.engine.request import DiffusionRequest
@@ -150,6 +150,17 @@ class StepScheduler(BaseScheduler):
         if self.padded:
             return rows, rows * max((t for _, t in shapes), default=0)
         return rows, sum(n * t for n, t in shapes)
+
+    def next_admission_s(self, now: float, step_seconds: Callable[
+            [Sequence[DiffusionRequest]], float | None]) -> float | None:
+        """The running request with the fewest steps left frees its seat
+        first, at the running batch's step time."""
+        if not self._running:
+            return None
+        step = step_seconds([record.request for record in self._running])
+        if step is None:
+            return None
+        return min(max(0, r.total_steps - r.step) for r in self._running) * step
 
     # -- preemption -----------------------------------------------------------------------
     def _preempt(self, now: float) -> list[RequestRecord]:
