@@ -74,6 +74,7 @@ def run_time_model(config: EngineConfig, spec: ModelSpec) -> tuple[RunTimeModel,
     settings = {
         "mode": config.mode.name, "arrangement": arrangement, "compile": m.compile,
         "compile_backend": m.compile_backend, "quantization": m.quantization,
+        "batch_invariant": m.batch_invariant,
         "offload": m.offload, "vae_tiling": m.vae_tiling, "torch_threads": m.torch_threads,
         "plugin_modules": m.plugin_modules,
         "degrees": (p.cfg_parallel_size, p.ulysses_degree, p.ring_degree, p.world_size),

@@ -62,6 +62,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
         "and once more when a shape first changes (mind execute_timeout_s)"))] = False
     compile_backend: Annotated[str, Meta(min_length=1, description=(
         "the torch.compile backend (with compile)"))] = "inductor"
+    batch_invariant: Annotated[bool, Meta(description=(
+        "every request runs as with SamplingParams.deterministic=True: its images and "
+        "log-probs bit-identical whatever it is batched with, at the cost of the batching "
+        "its rows give up (docs/rollouts.md; the request field's name on a command line, "
+        "which takes both, is --deterministic)"))] = False
     prompt_cache_bytes: Annotated[int, Meta(ge=0, description=(
         "prompt embeddings each worker keeps (LRU by bytes, keyed by prompt text per text "
         "encoder); 0 disables the cache"))] = 64 << 20

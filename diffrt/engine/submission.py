@@ -37,6 +37,9 @@ def check(request: object, spec: ModelSpec, config: EngineConfig,
             "request", f"must be a DiffusionRequest, got {type(request).__name__}")
     request.validate()
     request = spec.with_defaults(request)  # the model's, for fields left at None
+    if config.model_config.batch_invariant and not request.sampling_params.deterministic:
+        request = msgspec.structs.replace(request, sampling_params=msgspec.structs.replace(
+            request.sampling_params, deterministic=True))
     spec.check(request)
     check_rollout(spec, request)
     params = request.sampling_params

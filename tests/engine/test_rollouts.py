@@ -259,3 +259,22 @@ def test_deterministic_alone_equals_it_in_a_mixed_batch_of_eight(flux):
     assert torch.equal(got.rollout.latents, alone.rollout.latents)
     assert all(np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(got.images, alone.images, strict=True))
+
+
+def test_an_engine_wide_batch_invariance_makes_every_request_deterministic():
+    """``EngineConfig(batch_invariant=True)``: requests that do not ask for
+    ``deterministic`` get it, so one alone and beside mates of its size is
+    bit-identical, log-probs included (without the setting the batched
+    calls change the last bits)."""
+    with engine("tiny-flux", step_execution=True, max_num_seqs=8, share_steps="always",
+                batch_invariant=True) as e:
+        mine = rollout_request("a teal square", seed=5, steps=3)
+        alone = e.generate(msgspec_copy(mine))
+        # of its size, so a batched engine would compute their rows in its calls
+        mates = [rollout_request(f"mate {i}", seed=40 + i, steps=3, n=1 + i % 2)
+                 for i in range(5)]
+        got = e.generate([msgspec_copy(mine), *mates])[0]
+    assert got.ok and alone.ok, (got.error, alone.error)
+    assert torch.equal(got.rollout.log_probs, alone.rollout.log_probs)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(got.images, alone.images, strict=True))
