@@ -639,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="--slo: requests a load point")
     ap.add_argument("--slo-rounds", type=int, default=1, metavar="R",
                     help="--slo: rounds (the policies' order rotates; medians over rounds)")
+    ap.add_argument("--slo-mix", choices=("images", "video"), default="images",
+                    help="--slo: tiny-flux interactive and batch images (default), or tiny-wan "
+                         "one-frame images (priority 0) beside clips (priority 5)")
     ap.add_argument("--slo-child", metavar="SPEC", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the table's figures here")
     ap.add_argument("--child-timeout", type=float, default=1200)
