@@ -18,14 +18,14 @@ from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, Sampl
 
 pytest.importorskip("diffusers")
 
-CLIP_STEPS = 10
+CLIP_STEPS = 20
 
 
 @pytest.fixture(scope="module")
 def engine():
     config = EngineConfig(model="tiny-wan", executor_backend="inproc", step_execution=True,
-                          max_num_seqs=4, scheduling_policy="slo", slo_aging_ticks=1000,
-                          max_request_seconds=None)
+                          max_num_seqs=4, max_steps_per_tick=1, scheduling_policy="slo",
+                          slo_aging_ticks=1000, max_request_seconds=None)
     with shared_engine(DiffusionEngine.make_engine(config)) as engine:
         yield engine
 
