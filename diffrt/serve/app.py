@@ -91,7 +91,8 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
     app.state.rollouts = RolloutStore(ttl_s=settings.rollout_ttl_s,
                                       max_bytes=settings.rollout_max_bytes)
     app.state.metrics = ServerMetrics(client.metric_snapshots, replica=replica,
-                                      url_store=app.state.images.usage)
+                                      url_store=app.state.images.usage,
+                                      rollout_store=app.state.rollouts.usage)
     app.state.videos, app.state.video_runs = _video_jobs(client, settings, app.state.metrics)
     app.state.started_at = int(time.time())
     install_error_handlers(app)

@@ -135,10 +135,19 @@ def _tensors(data: bytes) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _bodies(model: type[BaseModel]) -> dict[str, Any]:
+    """The route's request bodies for the OpenAPI schema (it reads its body
+    itself): JSON as ``model``, or a form with the file part instead of ``path``."""
+    schema = model.model_json_schema()
+    form = {"type": "object", "properties": {
+        **{k: v for k, v in schema["properties"].items() if k != "path"},
+        FILE_PART: {"type": "string", "format": "binary"}}, "required": [FILE_PART]}
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": schema}, "multipart/form-data": {"schema": form}}}}
+
+
 @router.post("/v1/weights", response_model=WeightsUpdated, responses=_ERRORS,
-             openapi_extra={"requestBody": {"content": {
-                 "application/json": {"schema": WeightsUpdateBody.model_json_schema()},
-                 "multipart/form-data": {}}}})
+             openapi_extra=_bodies(WeightsUpdateBody))
 async def update_weights(request: Request) -> WeightsUpdated:
     """Replace (some of) the transformer's weights without a restart, at a
     step boundary: answers the new version and the checksums once every
@@ -176,9 +185,7 @@ async def update_weights(request: Request) -> WeightsUpdated:
 
 
 @router.put("/v1/loras/{name:path}", response_model=LoraCard, responses=_ERRORS,
-            openapi_extra={"requestBody": {"content": {
-                "application/json": {"schema": LoraUpdateBody.model_json_schema()},
-                "multipart/form-data": {}}}})
+            openapi_extra=_bodies(LoraUpdateBody))
 async def update_lora(name: str, request: Request) -> LoraCard:
     """Give the registered adapter ``name`` new factors: requests accepted
     from now on run with them, those accepted before keep the old ones.

@@ -183,7 +183,10 @@ def test_the_rollout_fields_refusals_and_a_full_store(engine):
     other.release()
     kept = call(small, "POST", GEN, json={**PLAIN, **ROLLOUT})
     assert kept.status_code == 200, kept.text
-    assert small.state.rollouts.usage()["bytes"] == kept.json()["diffrt"]["rollout"]["bytes"]
+    size = kept.json()["diffrt"]["rollout"]["bytes"]
+    metrics = call(small, "GET", "/metrics").text
+    assert f"diffrt_rollout_bytes {float(size)}" in metrics and "diffrt_rollouts 1.0" in metrics
+    assert "diffrt_rollout_bytes_reserved 0.0" in metrics
     plain = call(small, "POST", GEN, json=PLAIN).json()["diffrt"]  # no rollout asked: none
     assert "rollout" not in plain and plain["weights_version"] == 0
 
