@@ -91,7 +91,7 @@ def estimate_bytes(spec: ModelSpec | None, request: DiffusionRequest,
     ``latent_bytes_per_pixel`` (as measured; None: the model's
     ``output_bytes_per_pixel``, an upper bound), its log-probs, the
     schedule, the prompt and the header."""
-    if spec is not None:
+    if spec is not None and not request.images:  # an edit's rollout: refused by the engine
         request = spec.with_defaults(request)
     params = request.sampling_params
     n = params.num_outputs_per_prompt

@@ -176,6 +176,13 @@ def test_the_rollout_fields_refusals_and_a_full_store(engine):
            400, "return_trajectory", "--rollout-max-bytes")
     _error(call(small, "POST", GEN, json={**PLAIN, "return_log_probs": True}),
            400, "return_log_probs", "flow-sde")
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(png, format="PNG")
+    edit = call(small, "POST", "/v1/images/edits", files={"image": ("a.png", png.getvalue())},
+                data={"prompt": "x", "size": "32x32", "sampler": "flow-sde",
+                      "return_log_probs": "true"})
+    _error(edit, 400, "sampler", "text-to-image")  # rollouts are text-to-image
+    assert small.state.rollouts.usage()["reserved_bytes"] == 0  # its room given back
     other = small.state.rollouts.reserve(1, 30_000)  # another request's room, in flight
     full = call(small, "POST", GEN, json={**PLAIN, **ROLLOUT})
     assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
