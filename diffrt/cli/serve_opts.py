@@ -110,11 +110,11 @@ def serve_command(args: argparse.Namespace) -> ServeCommand:
 def build_serve_settings(args: argparse.Namespace) -> ServeSettings:
     """The ServeSettings of the command line: the values given, the API key
     from the environment when no flag gives one, the host names, URL and
-    LoRA folder checked as ``diffrt serve`` takes them."""
+    LoRA and weights folders checked as ``diffrt serve`` takes them."""
     values = given(args, ServeSettings)
     values["api_key"] = api_keys(values.get("api_key"))
     values.update(allowed_hosts=allowed_hosts(args), public_url=public_url(args),
-                  lora_dir=lora_dir(args))
+                  lora_dir=lora_dir(args), weights_dir=weights_dir(args))
     return convert_declared(ServeSettings, values)
 
 
@@ -187,12 +187,28 @@ def lora_dir(args: argparse.Namespace) -> str | None:
         raise CliError("--lora-dir: adapters cannot be registered at run time on Ray Serve "
                        "replicas (each has an engine of its own); give them with "
                        "--lora-modules NAME=PATH")
-    real = os.path.realpath(args.lora_dir)
+    return _folder(args.lora_dir, "--lora-dir")
+
+
+def weights_dir(args: argparse.Namespace) -> str | None:
+    """``--weights-dir`` as its real path: an existing folder, one engine
+    (an update across Ray Serve replicas is not built)."""
+    if args.weights_dir is None:
+        return None
+    if on_ray(args):
+        raise CliError("--weights-dir: the weights cannot be updated at run time on Ray Serve "
+                       "replicas (each has an engine of its own)")
+    return _folder(args.weights_dir, "--weights-dir")
+
+
+def _folder(path: str, flag: str) -> str:
+    real = os.path.realpath(path)
     if not os.path.isdir(real):
-        raise CliError(f"--lora-dir {args.lora_dir!r}: not an existing folder")
+        raise CliError(f"{flag} {path!r}: not an existing folder")
     return real
 
 
 __all__ = ["DECLARATIONS", "RAY_FLAGS", "SERVE_RENAMED_FLAGS", "ServeCommand", "add_serve_args",
            "allowed_hosts", "api_keys", "build_serve_settings", "given", "http_limits", "lora_dir",
-           "on_ray", "public_url", "replica_values", "serve_command", "serve_flags"]
+           "on_ray", "public_url", "replica_values", "serve_command", "serve_flags",
+           "weights_dir"]

@@ -24,6 +24,7 @@ from diffrt.engine.weight_sync import (
     StagedSource,
     Version,
     WeightSource,
+    WeightsUpdate,
     apply_update,
     next_version,
     shared_dir,
@@ -80,16 +81,25 @@ class RolloutControl(LoraControl):
         cannot take (unknown names, other shapes); ``TimeoutError`` when it
         was not applied within ``timeout`` seconds (it may still apply).
         """
+        return self.update_weights_report(source, version=version, policy=policy,
+                                          timeout=timeout).version
+
+    def update_weights_report(self, source: WeightSource, *, version: Version | None = None,
+                              policy: UpdatePolicy = "wait",
+                              timeout: float | None = None) -> WeightsUpdate:
+        """``update_weights``, answering the checksums beside the version
+        (the source's and each rank's: what ``POST /v1/weights`` shows)."""
         if policy not in ("wait", "abort"):
             raise WeightUpdateError(f"policy must be 'wait' or 'abort', got {policy!r}")
         self._check_plain_weights("update_weights")
         new = next_version(self._core.weights_version, version)
         staged = StagedSource(source)
         try:
-            def work(executor: Executor) -> Version:
-                apply_update(executor, staged)
+            def work(executor: Executor) -> WeightsUpdate:
+                ranks = apply_update(executor, staged)
                 self._core.weights_version = new
-                return new
+                return WeightsUpdate(version=new, checksum=staged.checksum,
+                                     rank_checksums=ranks)
 
             job = BetweenTicks(work, drain=True, what="update_weights")
             self._core.between_ticks(job)
@@ -97,10 +107,11 @@ class RolloutControl(LoraControl):
                 ids = self._core.running(self.output_processor.active_ids())
                 for rid in ids:
                     self.abort(rid)
-            applied: Version = job.future.result(timeout)
+            applied: WeightsUpdate = job.future.result(timeout)
         finally:
             staged.remove()
-        logger.info("transformer weights updated to version %r (%s)", applied, staged.checksum)
+        logger.info("transformer weights updated to version %r (%s)", applied.version,
+                    staged.checksum)
         return applied
 
     @property

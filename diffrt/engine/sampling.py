@@ -215,10 +215,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         f"flow-sde's noise level (Flow-GRPO's a; default {DEFAULT_NOISE_LEVEL})")] = None
     return_log_probs: Annotated[bool, _about(
         "flow-sde: each step's transition log-prob per output, (n, steps) float32 in "
-        "DiffusionOutput.rollout", http=None, cli=None)] = False
+        "DiffusionOutput.rollout (over HTTP: a safetensors download, diffrt.rollout)",
+        cli=None)] = False
     return_trajectory: Annotated[bool, _about(
         "the latents before and after each step, (n, steps + 1, C, h, w), with the "
-        "timesteps and sigmas, in DiffusionOutput.rollout", http=None, cli=None)] = False
+        "timesteps and sigmas, in DiffusionOutput.rollout (over HTTP: a safetensors "
+        "download, diffrt.rollout)", cli=None)] = False
     #: each output's own seed (``n`` of them): output i draws its noise (the
     #: first latents, and flow-sde's at each step) from its own generator,
     #: so a request with ``seeds=[s]`` reproduces it alone

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 
+import msgspec
 import torch
 
 from diffrt.engine.runner_messages import CommitWeights, DiscardWeights, StageWeights
@@ -40,6 +41,16 @@ logger = logging.getLogger(__name__)
 WeightSource = str | os.PathLike[str] | Mapping[str, torch.Tensor]
 #: a weights version: what the caller names it (an int by default, counting up)
 Version = int | str
+
+
+class WeightsUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """An applied update (``update_weights_report``): the new version, the
+    source's checksum and the one each rank reported (all equal to it: an
+    update whose ranks disagree is refused), for a caller to log or show."""
+
+    version: Version
+    checksum: str
+    rank_checksums: list[str]
 
 
 class WeightsMismatchError(RuntimeError):
@@ -96,8 +107,9 @@ class StagedSource:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def apply_update(executor: Executor, source: StagedSource) -> None:
-    """Stage on every rank, compare, then commit or discard (see the module)."""
+def apply_update(executor: Executor, source: StagedSource) -> list[str]:
+    """Stage on every rank, compare, then commit or discard (see the module);
+    the ranks' checksums of what they committed."""
     replies = executor.collective_rpc(StageWeights(source.path))
     errors = [(rank, r.error) for rank, r in enumerate(replies) if r.error]
     wrong = [(rank, r.checksum) for rank, r in enumerate(replies)
@@ -112,6 +124,7 @@ def apply_update(executor: Executor, source: StagedSource) -> None:
             f"rank {rank} read checksum {got}, the source's is {source.checksum}: the update "
             "is refused and every rank keeps its old weights")
     executor.collective_rpc(CommitWeights())
+    return [r.checksum for r in replies]
 
 
 def next_version(current: Version, version: Version | None) -> Version:
@@ -125,5 +138,5 @@ def next_version(current: Version, version: Version | None) -> Version:
     raise WeightUpdateError(f"the current version {current!r} is not a number: name the new one")
 
 
-__all__ = ["SHARED_PREFIX", "StagedSource", "Version", "WeightSource", "WeightsMismatchError", "apply_update",
-           "next_version", "shared_dir", "write_tensors"]
+__all__ = ["SHARED_PREFIX", "StagedSource", "Version", "WeightSource", "WeightsMismatchError",
+           "WeightsUpdate", "apply_update", "next_version", "shared_dir", "write_tensors"]

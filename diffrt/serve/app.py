@@ -37,12 +37,14 @@ from diffrt.serve import (
     routes,
     status_routes,
     video_routes,
+    weight_routes,
 )
 from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.errors import install_error_handlers
 from diffrt.serve.images import ImageStore
 from diffrt.serve.metrics import ServerMetrics
 from diffrt.serve.middleware import RequestContext
+from diffrt.serve.rollout_store import RolloutStore
 from diffrt.serve.settings import ServeSettings
 from diffrt.serve.video_disk import default_video_dir
 from diffrt.serve.video_metrics import VideoMetrics
@@ -86,8 +88,11 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
     app.state.settings = settings
     app.state.images = ImageStore(ttl_s=settings.url_ttl_s, max_images=settings.url_max_images,
                                   max_bytes=settings.url_max_bytes)
+    app.state.rollouts = RolloutStore(ttl_s=settings.rollout_ttl_s,
+                                      max_bytes=settings.rollout_max_bytes)
     app.state.metrics = ServerMetrics(client.metric_snapshots, replica=replica,
-                                      url_store=app.state.images.usage)
+                                      url_store=app.state.images.usage,
+                                      rollout_store=app.state.rollouts.usage)
     app.state.videos, app.state.video_runs = _video_jobs(client, settings, app.state.metrics)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
@@ -96,6 +101,7 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
     app.include_router(edit_routes.router)
     app.include_router(lora_routes.router)
     app.include_router(rollout_routes.router)
+    app.include_router(weight_routes.router)
     app.include_router(video_routes.router)
     app.include_router(playground.router)
     app.add_middleware(RequestContext, settings=settings,

@@ -25,6 +25,9 @@ _OPEN_V1 = re.compile(r"/v1/images/[^/]+/content")
 #: the route whose body carries images (``max_edit_body_bytes``)
 EDITS_PATH = "/v1/images/edits"
 VIDEOS_PATH = "/v1/videos"
+#: the routes whose body may carry a safetensors file (``max_upload_body_bytes``)
+WEIGHTS_PATH = "/v1/weights"
+LORAS_PATH = "/v1/loras"
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -122,11 +125,23 @@ def check_api_key(scope: dict, keys: tuple[str, ...]) -> str | None:
     return matched
 
 
+def is_upload(scope: dict) -> bool:
+    """A route whose body may carry a safetensors file (``weight_routes.py``):
+    ``POST /v1/weights``, ``PUT /v1/loras/{name}``."""
+    path = route_path(scope)
+    method = scope.get("method", "")
+    return ((method == "POST" and path == WEIGHTS_PATH)
+            or (method == "PUT" and path.startswith(LORAS_PATH + "/")))
+
+
 def body_limit(scope: dict, settings: ServeSettings) -> int:
-    """The most bytes a request's body may have: an edit's (images) or any other's."""
+    """The most bytes a request's body may have: an edit's (images), a weight
+    upload's, or any other's."""
     path = route_path(scope)
     if path == EDITS_PATH:
         return settings.max_edit_body_bytes
     if path == VIDEOS_PATH:  # its first frame
         return settings.max_video_body_bytes
+    if is_upload(scope):
+        return settings.max_upload_body_bytes
     return settings.max_body_bytes

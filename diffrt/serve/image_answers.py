@@ -10,18 +10,19 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
 
 from diffrt.engine import DiffusionOutput, InvalidRequestError
 from diffrt.engine.errors import EngineError
 from diffrt.serve.engine_client import EngineClient
 from diffrt.serve.error_mapping import ImageRoute, engine_error, invalid, raise_for_final
 from diffrt.serve.errors import ApiError
-from diffrt.serve.images import MEDIA_TYPES, Reservation, b64, encode_image
+from diffrt.serve.images import MEDIA_TYPES, Reservation, b64, encode_image, served_url
 from diffrt.serve.protocol import (
     CacheInfo,
     DiffrtInfo,
@@ -30,17 +31,14 @@ from diffrt.serve.protocol import (
     ImagesResponse,
     Timings,
 )
+from diffrt.serve.rollout_store import RolloutRoom
 
 logger = logging.getLogger(__name__)
 
 
 def image_url(request: Request, image_id: str) -> str:
-    """The URL of a stored image: under ``public_url`` when the server has one,
-    else relative to this server (never built from the client's Host)."""
-    path = request.scope.get("root_path", "") + request.app.url_path_for(
-        "image_content", image_id=image_id)
-    public = request.app.state.settings.public_url
-    return f"{public.rstrip('/')}{path}" if public else path
+    """The URL of a stored image (``images.served_url``)."""
+    return served_url(request, "image_content", image_id=image_id)
 
 
 def _timings(out: DiffusionOutput) -> Timings:
@@ -56,14 +54,19 @@ def _cache(out: DiffusionOutput) -> CacheInfo | None:
     return None if cache is None else CacheInfo(**msgspec.structs.asdict(cache))
 
 
-def _info(out: DiffusionOutput) -> DiffrtInfo:
+async def _info(out: DiffusionOutput, rollout: RolloutRoom | None) -> DiffrtInfo:
+    """diffrt's extension of an answer; a rollout asked for is kept now
+    (``rollout_store.py``) and the answer says where."""
     return DiffrtInfo(request_id=out.request_id, seed=out.seed,
                       num_inference_steps=out.total_steps, timings=_timings(out),
-                      cache=_cache(out))
+                      cache=_cache(out), weights_version=out.weights_version, seeds=out.seeds,
+                      lora_versions=out.lora_versions or None,
+                      rollout=None if rollout is None else await rollout.keep(out))
 
 
 async def image_response(out: DiffusionOutput, body: ImageBody, request: Request,
-                    created: int, room: Reservation | None) -> Response:
+                         created: int, room: Reservation | None,
+                         rollout: RolloutRoom | None = None) -> Response:
     """The ``ImagesResponse``, encoded off the event loop: PNG/JPEG/WebP, base64
     and JSON are the CPU work of an answer (megabytes for n=10 at 1024 px). It
     is returned as a ready Response, so FastAPI does not validate and
@@ -77,7 +80,7 @@ async def image_response(out: DiffusionOutput, body: ImageBody, request: Request
         media = MEDIA_TYPES[body.output_format]
         urls = [image_url(request, room.put(blob, media)) for blob in encoded]
     width, height = images[0].size if images else (0, 0)
-    info = _info(out)
+    info = await _info(out, rollout)
 
     def build() -> bytes:
         if urls is not None:
@@ -98,10 +101,11 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 async def image_events(client: EngineClient, outputs: AsyncGenerator[DiffusionOutput, None],
-                  first: DiffusionOutput, body: ImageBody, route: ImageRoute
-                  ) -> AsyncIterator[bytes]:
+                       first: DiffusionOutput, body: ImageBody, route: ImageRoute,
+                       rollout: RolloutRoom | None = None) -> AsyncIterator[bytes]:
     """Server-sent events as OpenAI streams them, from ``first`` on
-    (``image_generation.*`` or ``image_edit.*``, as ``route`` names them). A
+    (``image_generation.*`` or ``image_edit.*``, as ``route`` names them; the
+    completed event's ``diffrt`` says where a rollout asked for waits). A
     client that disconnects cancels this generator, and ``client.run``
     aborts the request."""
     partial, completed = f"{route.events}.partial_image", f"{route.events}.completed"
@@ -139,7 +143,7 @@ async def image_events(client: EngineClient, outputs: AsyncGenerator[DiffusionOu
                     "size": f"{image.size[0]}x{image.size[1]}",
                     "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
                               "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
-                    "diffrt": _info(out).model_dump(), **common})
+                    "diffrt": (await _info(out, rollout)).model_dump(), **common})
     except ApiError as exc:
         yield _error_event(exc)
     except InvalidRequestError as exc:
@@ -153,6 +157,24 @@ async def image_events(client: EngineClient, outputs: AsyncGenerator[DiffusionOu
         await outputs.aclose()
 
 
+class ReleasingStream(StreamingResponse):
+    """A stream that runs ``on_close`` once it is over, sent or not (a client
+    gone before the first event never starts the generator, whose own
+    ``finally`` then never runs): a stream's rollout room is given back here."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None,
+                 **kw: Any):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+
+
 def _b64_image(image: Any, output_format: str, compression: int | None) -> str:
     """An image as base64 of its encoded bytes (run off the event loop)."""
     return b64(encode_image(image, output_format, compression))
@@ -162,4 +184,4 @@ def _error_event(error: ApiError) -> bytes:
     return _sse("error", {"type": "error", "status": error.status, **error.body()})
 
 
-__all__ = ["image_events", "image_response", "image_url"]
+__all__ = ["ReleasingStream", "image_events", "image_response", "image_url"]

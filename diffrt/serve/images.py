@@ -29,6 +29,15 @@ def encode_image(image: Any, output_format: str, compression: int | None) -> byt
     return buffer.getvalue()
 
 
+def served_url(request: Any, route: str, **params: str) -> str:
+    """The URL of a stored item's route (``route``: its name): under
+    ``public_url`` when the server has one, else relative to this server
+    (never built from the client's Host)."""
+    path = request.scope.get("root_path", "") + request.app.url_path_for(route, **params)
+    public = request.app.state.settings.public_url
+    return f"{public.rstrip('/')}{path}" if public else path
+
+
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -43,10 +52,13 @@ class StoreFull(Exception):
 
 class Reservation:
     """Room taken in an ``ImageStore`` at submission for one request's images,
-    filled by ``put`` and given back by ``release`` (what was not filled)."""
+    filled by ``put`` and given back by ``release`` (what was not filled).
+    ``owner``: who may ``get`` what is put (None: anyone with the id)."""
 
-    def __init__(self, store: ImageStore, count: int, bytes_each: int):
+    def __init__(self, store: ImageStore, count: int, bytes_each: int,
+                 owner: str | None = None):
         self.store, self.count, self.bytes_each = store, count, bytes_each
+        self.owner = owner
 
     def put(self, data: bytes, media_type: str) -> str:
         return self.store._fill(self, data, media_type)
@@ -63,7 +75,11 @@ class ImageStore:
     at submission (``reserve``: its count, and for each its estimated size),
     and one that does not fit is refused there (``StoreFull``, with the
     seconds until the oldest image expires); the room is filled with the
-    encoded images (their real sizes replace the estimates) or given back."""
+    encoded images (their real sizes replace the estimates) or given back.
+
+    Items may have an owner (``reserve(owner=...)``): ``get`` with another
+    one finds nothing (the rollout store's, ``rollout_store.py``; an image's
+    owner is None, its random id the credential)."""
 
     def __init__(self, *, ttl_s: float, max_images: int,
                  max_bytes: int = ServeSettings().url_max_bytes,
@@ -73,32 +89,37 @@ class ImageStore:
         self.max_bytes = max_bytes
         self._clock = clock
         self._lock = threading.Lock()
-        self._items: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
+        #: id -> (expiry, data, media type, owner)
+        self._items: OrderedDict[str, tuple[float, bytes, str, str | None]] = OrderedDict()
         self._bytes = 0
         self._reserved_images = 0
         self._reserved_bytes = 0
 
-    def reserve(self, count: int, bytes_each: int) -> Reservation:
+    def reserve(self, count: int, bytes_each: int, owner: str | None = None) -> Reservation:
         """Room for ``count`` images of about ``bytes_each`` bytes; StoreFull
         while others hold the room, ValueError when even an empty store is
         too small (waiting would not help)."""
         if count > self.max_images or count * bytes_each > self.max_bytes:
-            raise ValueError(f"{count} images of about {bytes_each} bytes do not fit in the url "
-                             f"image store (at most {self.max_images} images, {self.max_bytes} "
-                             'bytes); use response_format="b64_json"')
+            raise ValueError(self._too_large_message(count, bytes_each))
         with self._lock:
             self._expire_locked()
             images = len(self._items) + self._reserved_images + count
             size = self._bytes + self._reserved_bytes + count * bytes_each
             if images > self.max_images or size > self.max_bytes:
-                raise StoreFull(
-                    f"the url image store is full ({len(self._items)} images, {self._bytes} "
-                    f"bytes kept, {self._reserved_images} being made; at most "
-                    f"{self.max_images} images and {self.max_bytes} bytes); retry later or "
-                    'use response_format="b64_json"', self._retry_after_locked())
+                raise StoreFull(self._full_message_locked(), self._retry_after_locked())
             self._reserved_images += count
             self._reserved_bytes += count * bytes_each
-        return Reservation(self, count, bytes_each)
+        return Reservation(self, count, bytes_each, owner)
+
+    def _too_large_message(self, count: int, bytes_each: int) -> str:
+        return (f"{count} images of about {bytes_each} bytes do not fit in the url image store "
+                f"(at most {self.max_images} images, {self.max_bytes} bytes); use "
+                'response_format="b64_json"')
+
+    def _full_message_locked(self) -> str:
+        return (f"the url image store is full ({len(self._items)} images, {self._bytes} bytes "
+                f"kept, {self._reserved_images} being made; at most {self.max_images} images "
+                f'and {self.max_bytes} bytes); retry later or use response_format="b64_json"')
 
     def _fill(self, reservation: Reservation, data: bytes, media_type: str) -> str:
         if reservation.count <= 0:
@@ -108,7 +129,8 @@ class ImageStore:
             reservation.count -= 1
             self._reserved_images -= 1
             self._reserved_bytes -= reservation.bytes_each
-            self._items[image_id] = (self._clock() + self.ttl_s, data, media_type)
+            self._items[image_id] = (self._clock() + self.ttl_s, data, media_type,
+                                     reservation.owner)
             self._bytes += len(data)
         return image_id
 
@@ -122,11 +144,23 @@ class ImageStore:
         """Keep one image (a reservation of one, filled at once)."""
         return self.reserve(1, len(data)).put(data, media_type)
 
-    def get(self, image_id: str) -> tuple[bytes, str] | None:
+    def get(self, image_id: str, owner: str | None = None) -> tuple[bytes, str] | None:
+        """An unexpired item's data and media type (None: unknown, expired,
+        or another owner's)."""
         with self._lock:
             self._expire_locked()
             item = self._items.get(image_id)
-        return None if item is None else (item[1], item[2])
+        return None if item is None or item[3] != owner else (item[1], item[2])
+
+    def delete(self, item_id: str, owner: str | None = None) -> bool:
+        """Drop an item before it expires (False: none such of ``owner``'s)."""
+        with self._lock:
+            item = self._items.get(item_id)
+            if item is None or item[3] != owner:
+                return False
+            del self._items[item_id]
+            self._bytes -= len(item[1])
+            return True
 
     def usage(self) -> dict[str, float]:
         """What /metrics shows: images and bytes kept and reserved, and the bounds."""
@@ -153,5 +187,5 @@ class ImageStore:
     def _expire_locked(self) -> None:
         now = self._clock()
         while self._items and next(iter(self._items.values()))[0] <= now:
-            _, (_, data, _) = self._items.popitem(last=False)
+            _, (_, data, _, _) = self._items.popitem(last=False)
             self._bytes -= len(data)

@@ -1,5 +1,6 @@
 """The LoRA adapters' routes: ``GET /v1/loras`` (the registered adapters),
-``POST /v1/loras`` (register one), ``DELETE /v1/loras/{name}``. The API key
+``POST /v1/loras`` (register one), ``DELETE /v1/loras/{name}``; new factors
+for one are ``PUT /v1/loras/{name}`` (``weight_routes.py``). The API key
 of /v1 applies (``guards.py``); requests name adapters in their ``loras``
 field (``routes.py`` passes it to the engine with the other sampling fields).
 
@@ -45,7 +46,14 @@ def confined_path(path: str, lora_dir: str | None) -> str:
                             "start it with --lora-dir DIR to allow adapters inside DIR "
                             "(or give them at start with --lora-modules NAME=PATH)",
                        param="path", code="lora_registration_disabled")
-    root = os.path.realpath(lora_dir)
+    return inside_folder(path, lora_dir, "--lora-dir")
+
+
+def inside_folder(path: str, folder: str, flag: str) -> str:
+    """``path``'s real path (a relative one taken inside ``folder``) when it
+    and, for a folder, every file in it lie inside ``folder``'s real path;
+    else 403 naming ``flag``, the server option that set the folder."""
+    root = os.path.realpath(folder)
     try:
         real = os.path.realpath(os.path.join(root, path))
     except ValueError as exc:  # e.g. an embedded NUL
@@ -54,22 +62,22 @@ def confined_path(path: str, lora_dir: str | None) -> str:
     if os.path.isdir(real):  # diffusers opens a file in it: each must stay inside too
         inside += [os.path.realpath(os.path.join(real, f)) for f in os.listdir(real)]
     if any(os.path.commonpath([root, p]) != root for p in inside):
-        raise ApiError(403, f"path: {echoed(path)} is outside the server's --lora-dir, or a folder "
+        raise ApiError(403, f"path: {echoed(path)} is outside the server's {flag}, or a folder "
                             "with a link leading out of it (real paths, symlinks resolved, "
                             "must lie inside it)",
-                       param="path", code="path_outside_lora_dir")
+                       param="path", code=f"path_outside_{flag.strip('-').replace('-', '_')}")
     return real
 
 
-def _card(info: LoraInfo) -> LoraCard:
+def card(info: LoraInfo) -> LoraCard:
     return LoraCard(**msgspec.structs.asdict(info))
 
 
-def _check_changes_allowed(client: Any) -> None:
+def check_changes_allowed(client: Any) -> None:
     """Run-time changes need one engine behind the server (``runtime_loras``)."""
     if not client.runtime_loras:
-        raise ApiError(501, "adapters cannot be registered or removed at run time on this "
-                            "server (each Ray Serve replica has an engine of its own); give "
+        raise ApiError(501, "adapters cannot be registered, updated or removed at run time on "
+                            "this server (each Ray Serve replica has an engine of its own); give "
                             "them at start with --lora-modules NAME=PATH",
                        code="not_implemented")
 
@@ -78,7 +86,7 @@ def _check_changes_allowed(client: Any) -> None:
 async def list_loras(request: Request) -> LoraList:
     """The registered LoRA adapters, by name."""
     infos = await request.app.state.client.list_loras()
-    return LoraList(data=[_card(info) for info in infos])
+    return LoraList(data=[card(info) for info in infos])
 
 
 @router.post("/v1/loras", status_code=201, response_model=LoraCard, responses=_ERRORS)
@@ -86,7 +94,7 @@ async def add_lora(body: LoraRegistration, request: Request) -> LoraCard:
     """Register a LoRA adapter file (or folder) inside the server's
     ``--lora-dir`` under ``name``; answers once every worker has read it."""
     client = request.app.state.client
-    _check_changes_allowed(client)
+    check_changes_allowed(client)
     path = confined_path(body.path, request.app.state.settings.lora_dir)
     try:
         info = await client.add_lora(body.name, path)
@@ -100,7 +108,7 @@ async def add_lora(body: LoraRegistration, request: Request) -> LoraCard:
         raise ApiError(504, str(exc), param="path", code="timeout") from None
     except EngineError as exc:
         raise engine_error(exc) from None
-    return _card(info)
+    return card(info)
 
 
 @router.delete("/v1/loras/{name:path}", responses=_ERRORS)
@@ -108,7 +116,7 @@ async def remove_lora(name: str, request: Request) -> dict[str, Any]:
     """Unregister a LoRA adapter: new requests naming it are refused (400),
     those accepted with it are served."""
     client = request.app.state.client
-    _check_changes_allowed(client)
+    check_changes_allowed(client)
     try:
         await client.remove_lora(name)
     except KeyError:

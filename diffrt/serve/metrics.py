@@ -224,32 +224,51 @@ URL_STORE_GAUGES = (
 )
 
 
-class UrlStoreCollector(Collector):
-    """The url image store's use and bounds (``ImageStore.usage``)."""
+#: the same of the rollout store's (``rollout_store.py``)
+ROLLOUT_STORE_GAUGES = (
+    ("diffrt_rollouts", "images", "Rollout downloads kept (GET /v1/rollouts/{id})"),
+    ("diffrt_rollout_bytes", "bytes", "Bytes of the rollout downloads kept"),
+    ("diffrt_rollouts_reserved", "reserved_images",
+     "Rollouts of requests in flight (room taken at submission)"),
+    ("diffrt_rollout_bytes_reserved", "reserved_bytes",
+     "Estimated bytes of the rollouts of requests in flight"),
+    ("diffrt_rollout_bytes_max", "max_bytes", "The most bytes of rollouts kept"),
+    ("diffrt_rollout_ttl_seconds", "ttl_seconds", "Seconds a rollout is kept"),
+)
 
-    def __init__(self, usage: Callable[[], dict[str, float]], labels: dict[str, str]):
-        self._usage, self._labels = usage, labels
+
+class UrlStoreCollector(Collector):
+    """A store's use and bounds (``ImageStore.usage``) as ``gauges`` name
+    them: the url image store's, or the rollout store's."""
+
+    def __init__(self, usage: Callable[[], dict[str, float]], labels: dict[str, str],
+                 gauges: tuple[tuple[str, str, str], ...] = URL_STORE_GAUGES):
+        self._usage, self._labels, self._gauges = usage, labels, gauges
 
     def collect(self) -> Iterator[Metric]:
         usage = self._usage()
-        for name, key, help_text in URL_STORE_GAUGES:
+        for name, key, help_text in self._gauges:
             family = GaugeMetricFamily(name, help_text, labels=list(self._labels))
             family.add_metric(list(self._labels.values()), usage[key])
             yield family
 
 
 class ServerMetrics:
-    """The registry /metrics exposes: the engines' metrics, the url image store
-    and the HTTP answers (labelled with the serving process's ``replica`` when
+    """The registry /metrics exposes: the engines' metrics, the url image and
+    rollout stores and the HTTP answers (labelled with the serving process's ``replica`` when
     it is one of several)."""
 
     def __init__(self, snapshots: Snapshots, replica: str | None = None,
-                 url_store: Callable[[], dict[str, float]] | None = None):
+                 url_store: Callable[[], dict[str, float]] | None = None,
+                 rollout_store: Callable[[], dict[str, float]] | None = None):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(snapshots))
+        store_labels = {} if replica is None else {"replica": replica}
         if url_store is not None:
-            store_labels = {} if replica is None else {"replica": replica}
             self.registry.register(UrlStoreCollector(url_store, store_labels))
+        if rollout_store is not None:
+            self.registry.register(UrlStoreCollector(rollout_store, store_labels,
+                                                     ROLLOUT_STORE_GAUGES))
         label_names = ["code"] if replica is None else ["code", "replica"]
         counter = Counter("diffrt_http_responses", "HTTP responses by status code", label_names,
                           registry=self.registry)

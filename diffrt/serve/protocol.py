@@ -211,6 +211,22 @@ class CacheInfo(BaseModel):
         "would not fit the server's cache_state_bytes); null: it did not"))
 
 
+class RolloutRef(BaseModel):
+    """Where a request's log-probs and trajectory wait (``return_log_probs``,
+    ``return_trajectory``): a safetensors file at ``url`` (``GET
+    /v1/rollouts/{id}``, with the API key that made it) until ``expires_at``."""
+
+    id: str
+    object: Literal["rollout"] = "rollout"
+    url: str
+    bytes: int = Field(description="the file's size")
+    weights_version: int | str = Field(description="the transformer weights it ran on")
+    tensors: list[str] = Field(description=(
+        "the file's tensors: log_probs (n, T) float32, latents (n, T + 1, C, h, w), "
+        "timesteps (T,), sigmas (T + 1,); row i is the response's data[i]"))
+    expires_at: int = Field(description="Unix seconds after which it is gone (404)")
+
+
 class DiffrtInfo(BaseModel):
     """diffrt's extension of the response."""
 
@@ -220,6 +236,14 @@ class DiffrtInfo(BaseModel):
     timings: Timings
     #: absent (null in a stream's event) when the request ran without a step cache
     cache: CacheInfo | None = None
+    #: the transformer weights' version it ran on (``POST /v1/weights``)
+    weights_version: int | str = 0
+    #: each output's seed, when the request gave ``seeds``
+    seeds: list[int] | None = None
+    #: its adapters' versions by name (``PUT /v1/loras/{name}``), when it named any
+    lora_versions: dict[str, int | str] | None = None
+    #: its log-probs and trajectory's download, when it asked for them
+    rollout: RolloutRef | None = None
 
 
 class ImagesResponse(BaseModel):
@@ -280,6 +304,44 @@ class LoraCard(BaseModel):
     requests: int = Field(description="requests accepted with it since it was registered")
     active: int = Field(description="requests holding it now (queued or running)")
     slot: int | None = Field(description="its device slot now (null: on the host only)")
+    version: int | str = Field(0, description=(
+        "its factors' version: 0 as registered, then PUT /v1/loras/{name}'s"))
+
+
+class LoraUpdateBody(BaseModel):
+    """PUT /v1/loras/{name}: the adapter's new factors. As JSON, ``path``: an
+    adapter file (or folder) inside the server's ``--lora-dir``; as
+    multipart/form-data, a ``file`` part (a safetensors file of PEFT's names,
+    as diffusers saves an adapter) and these text fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    version: int | str | None = Field(None, description=(
+        "the new version's name (default: the current one plus one; in a form, ASCII "
+        "digits are a number)"))
+
+
+class WeightsUpdateBody(LoraUpdateBody):
+    """POST /v1/weights: the transformer's new weights. As JSON, ``path``: a
+    safetensors file or a folder of them inside the server's ``--weights-dir``;
+    as multipart/form-data, a ``file`` part (a safetensors file of the
+    transformer's parameter names) and these text fields."""
+
+    policy: Literal["wait", "abort"] = Field("wait", description=(
+        "the requests running when it arrives: wait (they finish on their weights, new ones "
+        "wait) or abort (they are aborted at their next step)"))
+
+
+class WeightsUpdated(BaseModel):
+    """POST /v1/weights' answer: the version new requests run on, and the
+    checksums (CRC-32 of names, dtypes, shapes and bytes) of the source and
+    of what each rank loaded (equal: a rank that read otherwise refuses it)."""
+
+    object: Literal["weights"] = "weights"
+    version: int | str
+    checksum: str
+    rank_checksums: list[str]
 
 
 class LoraList(BaseModel):

@@ -3,6 +3,11 @@ and ``POST /wake_up``, as vLLM names them. They need the API key like /v1
 (``guards.KEYED_ROUTES``) and one engine behind the server (Ray Serve's
 replicas each have their own: 501). While the engine sleeps, requests wait
 or get 503 (``ServeSettings.sleep_requests``); /health and /metrics say so.
+
+``GET /v1/rollouts/{id}``: a request's log-probs and trajectory as the
+safetensors file ``rollout_store.py`` kept (keyed, and only for the key that
+made it); ``DELETE`` frees its room before it expires. The weight updates'
+routes are ``weight_routes.py``.
 """
 
 from __future__ import annotations
@@ -10,15 +15,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from diffrt.engine.errors import EngineError
 from diffrt.serve.error_mapping import engine_error
-from diffrt.serve.errors import ApiError
+from diffrt.serve.errors import ApiError, echoed
 from diffrt.serve.protocol import ErrorResponse
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 501, 503)}
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 501, 503)}
 
 router = APIRouter()
 
@@ -58,3 +63,37 @@ async def wake_up(request: Request) -> dict[str, Any]:
         raise engine_error(exc) from None
     return {"sleeping": False, "restored_bytes": report.restored_bytes,
             "weights_version": engine.weights_version}
+
+
+def _owner(request: Request) -> str | None:
+    return getattr(request.state, "owner", None)
+
+
+def _not_found(rollout_id: str) -> ApiError:
+    return ApiError(404, f"rollout {echoed(rollout_id)} not found (expired, deleted, made "
+                         "with another API key, or never made)", param="rollout_id",
+                    code="rollout_not_found")
+
+
+@router.get("/v1/rollouts/{rollout_id}", name="rollout_content", responses={
+    **_ERRORS, 200: {"content": {"application/octet-stream": {}},
+                     "description": "the rollout as a safetensors file"}})
+async def rollout_content(rollout_id: str, request: Request) -> Response:
+    """A request's log-probs and trajectory (``return_log_probs``,
+    ``return_trajectory``) as a safetensors file: ``log_probs``, ``latents``,
+    ``timesteps``, ``sigmas`` (what it asked for), with the weights version,
+    seeds and prompt in its metadata. Kept for ``--rollout-ttl-s``."""
+    item = request.app.state.rollouts.get(rollout_id, _owner(request))
+    if item is None:
+        raise _not_found(rollout_id)
+    data, media_type = item
+    return Response(content=data, media_type=media_type, headers={
+        "Content-Disposition": f'attachment; filename="rollout-{rollout_id}.safetensors"'})
+
+
+@router.delete("/v1/rollouts/{rollout_id}", responses=_ERRORS)
+async def delete_rollout(rollout_id: str, request: Request) -> dict[str, Any]:
+    """Drop a rollout once downloaded: its room is free for the next ones."""
+    if not request.app.state.rollouts.delete(rollout_id, _owner(request)):
+        raise _not_found(rollout_id)
+    return {"id": rollout_id, "object": "rollout", "deleted": True}

@@ -28,7 +28,6 @@ from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from diffrt.engine import DiffusionOutput, DiffusionRequest, InvalidRequestError, SamplingParams
@@ -42,7 +41,7 @@ from diffrt.serve.error_mapping import (
     raise_for_final,
 )
 from diffrt.serve.errors import ApiError, echoed
-from diffrt.serve.image_answers import image_events, image_response
+from diffrt.serve.image_answers import ReleasingStream, image_events, image_response
 from diffrt.serve.images import ImageStore, Reservation, StoreFull
 from diffrt.serve.json_body import StrictJsonRoute
 from diffrt.serve.protocol import (
@@ -53,6 +52,7 @@ from diffrt.serve.protocol import (
     ImageGenerationRequest,
     ImagesResponse,
 )
+from diffrt.serve.rollout_store import RolloutRoom, reserve_rollout
 
 #: how often a waiting request checks that its client is still there
 DISCONNECT_POLL_S = 0.1
@@ -105,15 +105,26 @@ async def serve_images(client: EngineClient, body: ImageBody, engine_request: Di
                                           request)
     room = _reserve_urls(body, engine_request, request) if body.response_format == "url" else None
     try:
-        return await _generate(client, body, engine_request, request, created, room, route)
+        rollout = reserve_rollout(request, engine_request, client.model_spec())
+    except ApiError:
+        if room is not None:
+            room.release()
+        raise
+    response = None
+    try:
+        response = await _generate(client, body, engine_request, request, created, room, route,
+                                   rollout)
+        return response
     finally:
         if room is not None:
             room.release()
+        if rollout is not None and not isinstance(response, ReleasingStream):
+            rollout.release()  # a stream's is given back once it has been sent
 
 
 async def _generate(client: EngineClient, body: ImageBody, engine_request: DiffusionRequest,
                     request: Request, created: int, room: Reservation | None,
-                    route: ImageRoute) -> Any:
+                    route: ImageRoute, rollout: RolloutRoom | None) -> Any:
     # capacity (429/503) and the engine's checks (400) answer on the first
     # output, which both paths below await before any response goes out
     outputs = client.run(engine_request)
@@ -126,15 +137,16 @@ async def _generate(client: EngineClient, body: ImageBody, engine_request: Diffu
             return Response(status_code=499)
         if first.finished:
             raise_for_final(first, client)
-        return StreamingResponse(image_events(client, outputs, first, body, route),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache",
-                                          **client.response_headers(first.request_id)})
+        return ReleasingStream(image_events(client, outputs, first, body, route, rollout),
+                               None if rollout is None else rollout.release,
+                               media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache",
+                                        **client.response_headers(first.request_id)})
     final = await _until_done_or_gone(_last(outputs), request, route)
     if final is None:  # the client left: nobody reads an answer
         return Response(status_code=499)
     raise_for_final(final, client)
-    response = await image_response(final, body, request, created, room)
+    response = await image_response(final, body, request, created, room, rollout)
     response.headers.update(client.response_headers(final.request_id))
     return response
 

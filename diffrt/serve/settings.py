@@ -85,6 +85,21 @@ class ServeSettings(msgspec.Struct, kw_only=True, frozen=True):
         "the most response_format=\"url\" images kept at once"))] = 256
     url_max_bytes: Annotated[_Bytes, Meta(extra={"unit": "bytes"}, description=(
         "the most bytes of response_format=\"url\" images kept at once"))] = 256 << 20
+    rollout_ttl_s: Annotated[_Seconds, Meta(description=(
+        "seconds a request's rollout download (return_log_probs, return_trajectory: GET "
+        "/v1/rollouts/{id}) is kept; an unexpired one is never evicted: a rollout request "
+        "that does not fit is refused (429)"))] = 600.0
+    rollout_max_bytes: Annotated[_Bytes, Meta(extra={"unit": "bytes"}, description=(
+        "the most bytes of rollout downloads kept at once (a request's room is taken at "
+        "submission, at its file's largest size: a trajectory at the output arena's bytes a "
+        "pixel until the server has measured one)"))] = 1 << 30
+    weights_dir: Annotated[str | None, Meta(extra={"metavar": "DIR"}, description=(
+        "the folder POST /v1/weights may read transformer weights from (a path is accepted "
+        "when its real path, symlinks resolved, lies inside it, as --lora-dir); None: "
+        "POST /v1/weights takes uploaded files only"))] = None
+    max_upload_body_bytes: Annotated[_Bytes, Meta(extra={"unit": "bytes"}, description=(
+        "the largest body of POST /v1/weights and PUT /v1/loras/{name} (an uploaded "
+        "safetensors file, held in memory while it is read); larger: 413"))] = 256 << 20
     video_dir: Annotated[str | None, Meta(extra={"metavar": "DIR"}, description=(
         "the folder the video jobs and their files are kept in (made with mode 0700; one "
         "server at a time: it is locked while open); a restart lists its finished videos "
