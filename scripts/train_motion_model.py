@@ -16,9 +16,13 @@ pieces gives the same folder as one in a go (same torch build and threads).
    never seen.
 2. VAE: a small diffusers ``AutoencoderKLWan`` (4x in space and in time,
    8 latent channels: a clip is 3 latent frames of 16x16), trained on
-   reconstruction (L1 + MSE, a tiny KL) of 5-frame clips — its encoder and
-   decoder are causal and chunked (the first frame, then groups of 4), so
-   5 frames train every operation a 9-frame clip runs at half the cost.
+   reconstruction (L1 + MSE, a tiny KL) of whole 9-frame clips. Its encoder
+   and decoder are causal and chunked (the first frame, then groups of 4),
+   each group reading the causal cache the one before left: a VAE trained on
+   5-frame clips (one group) decoded a 9-frame clip's second group with its
+   colours drifting (per-frame error 11-17 levels in the first group, 48-106
+   in the second), so the clips it trains on are as long as the ones it
+   serves.
    Trained, not fixed: Wan's VAE normalises features with RMS norms and
    gates them with SiLU, so no setting of its weights is a plain
    downsampling, and a folder diffusers' ``WanPipeline`` loads must hold
@@ -82,8 +86,8 @@ EVAL = dict(num_frames=motion.FRAMES, height=64, width=64, num_inference_steps=1
 #: arguments a resumed run may change (how it runs, not what it trains)
 RUN_ONLY = ("out", "resume", "minutes", "threads", "checkpoint_every", "eval_count",
             "evaluate_only")
-#: frames of a VAE training clip (the first, then one group of 4)
-VAE_FRAMES = 5
+#: frames of a VAE training clip: a served clip's (the first, then two groups of 4)
+VAE_FRAMES = motion.FRAMES
 
 
 def words() -> tuple[str, ...]:
@@ -355,11 +359,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="go on from <out>.work/checkpoint.pt")
     ap.add_argument("--minutes", type=float, default=0.0,
                     help="stop (checkpointed) after this long; 0: run to the end")
-    ap.add_argument("--vae-steps", type=int, default=600)
+    ap.add_argument("--vae-steps", type=int, default=1200)
     ap.add_argument("--steps", type=int, default=3000, help="transformer steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--vae-batch", type=int, default=8)
+    ap.add_argument("--vae-batch", type=int, default=4)
     ap.add_argument("--vae-lr", type=float, default=2e-3)
     ap.add_argument("--batch", type=int, default=16, help="transformer batch")
     ap.add_argument("--lr", type=float, default=1e-3, help="transformer peak learning rate")
