@@ -290,11 +290,12 @@ def train(policy: Policy, optimizer: torch.optim.Optimizer, rolls: Rollouts,
 
 # -- outputs: the curve and the pictures -----------------------------------------------------
 def plot(history: list[dict[str, Any]], path: str) -> str:
-    """The mean reward per iteration (a band of one group std): matplotlib
+    """The mean reward per iteration (a band of the mean within-group std)
+    and each prompt's: matplotlib
     where installed, else Pillow. Returns which drew it."""
     xs = [h["iteration"] for h in history]
     ys = [h["reward"] for h in history]
-    sd = [h["reward_std"] for h in history]
+    sd = [h["reward_group_std"] for h in history]
     try:
         import matplotlib
 
@@ -303,10 +304,15 @@ def plot(history: list[dict[str, Any]], path: str) -> str:
     except ImportError:
         return _plot_pillow(xs, ys, path)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    per_prompt = list(zip(*(h["reward_per_prompt"] for h in history), strict=True))
+    for i, rewards in enumerate(per_prompt):
+        ax.plot(xs, rewards, color="gray", linewidth=0.6, alpha=0.6,
+                label="per prompt" if i == 0 else None)
     ax.plot(xs, ys, marker=".", color="teal", label="mean reward")
     ax.fill_between(xs, [y - s for y, s in zip(ys, sd, strict=True)],
                     [y + s for y, s in zip(ys, sd, strict=True)], color="teal", alpha=0.15,
-                    label="± std over samples")
+                    label="± std within a group")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward (shape's closeness to teal)")
     ax.set_title("GRPO on diffrt-shapes with a LoRA: rollouts from diffrt")
@@ -361,7 +367,8 @@ def iteration(engine: DiffusionEngine, policy: Policy, optimizer: torch.optim.Op
                   clip_range=args.clip_range, generator=shuffle)
     trained = time.perf_counter()
     version = engine.update_lora(ADAPTER, policy.factors()).version
-    return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+    return {"reward": float(rewards.mean()),
+            "reward_group_std": float(rewards.std(dim=1).mean()),
             "reward_per_prompt": [float(r) for r in rewards.mean(dim=1)],
             "match_gap": stats.match_gap, "clipfrac": stats.clipfrac,
             "approx_kl": stats.approx_kl, "loss": stats.loss, "rolled_on": sent,
@@ -413,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                 record.update(iteration=it, elapsed_s=time.perf_counter() - start)
                 history.append(record)
                 last_s = record["rollout_s"] + record["train_s"] + record["update_s"]
-                print(f"iter {it:3d}  reward {record['reward']:.4f} ± {record['reward_std']:.4f}"
+                print(f"iter {it:3d}  reward {record['reward']:.4f} (group std "
+                      f"{record['reward_group_std']:.4f})"
                       f"  match {record['match_gap']:.1e}  clipfrac {record['clipfrac']:.2f}  "
                       f"rollout {record['rollout_s']:.1f} s  train {record['train_s']:.1f} s",
                       flush=True)
