@@ -396,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--clip-range", type=float, default=1e-3)
     args = ap.parse_args(argv)
+    if args.iterations < 1 or args.group < 2:
+        ap.error("--iterations must be at least 1 and --group at least 2 (a group's "
+                 "advantages are relative)")
     start = time.perf_counter()
     prompts = PROMPTS[:args.prompts]
     os.makedirs(args.out, exist_ok=True)
