@@ -391,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-steps", type=int, default=8,
                     help="train on the first K steps of each trajectory (where the colour "
                          "is decided)")
-    ap.add_argument("--minibatches", type=int, default=2)
+    ap.add_argument("--minibatches", type=int, default=4,
+                    help="optimizer steps per iteration, each on a share of the samples (the "
+                         "later shares' ratios drift from 1: the clip bounds them)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--clip-range", type=float, default=1e-3)
