@@ -4,7 +4,8 @@ The task: draw the shape in **teal** (RGB 0, 200, 200) whatever colour the
 prompt names. The shipped model (docs/demo-model.md) never drew teal: its
 palette is red, green, blue, yellow, purple and orange, and it draws the
 prompt's colour on every held-out prompt. The reward of a picture is how close
-its shape's colour is to teal (``reward``), a rule on the pixels, no model.
+its shape's colour is to teal, at the shape's size (``reward``), a rule on
+the pixels, no model.
 
 Each iteration (Flow-GRPO: Liu et al. 2025, and its trainer in
 yifan123/flow_grpo, written anew here):
@@ -62,7 +63,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from diffrt.demo.shapes import Scene
+from diffrt.demo.shapes import Scene, render
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
 from diffrt.engine.models.shipped import shipped_folder
 
@@ -70,11 +71,11 @@ MODEL = "diffrt-shapes"
 ADAPTER = "policy"
 TARGET = np.array((0.0, 200.0, 200.0))  # teal: not in the model's palette
 FAR = math.sqrt(3) * 255  # the largest RGB distance
-PROMPTS = tuple(Scene(shape, colour, background, position).prompt for shape, colour, background,
-                position in (("circle", "green", "white", "center"),
-                             ("square", "blue", "black", "top left"),
-                             ("triangle", "red", "gray", "bottom right"),
-                             ("circle", "yellow", "black", "middle left")))
+SCENES = (Scene("circle", "green", "white", "center"),
+          Scene("square", "blue", "black", "top left"),
+          Scene("triangle", "red", "gray", "bottom right"),
+          Scene("circle", "yellow", "black", "middle left"))
+PROMPTS = tuple(s.prompt for s in SCENES)
 CFG = 3.0  # the model's true CFG against "" (docs/demo-model.md), in rollouts and training
 NOISE_LEVEL = 0.7  # Flow-GRPO's a
 #: the LoRA's target modules (Flow-GRPO's Flux list: attention and feed-forward)
@@ -86,22 +87,39 @@ ADV_CLIP = 5.0  # Flow-GRPO's adv_clip_max
 
 
 # -- the reward: a rule on the pixels --------------------------------------------------------
-def reward(image: Image.Image) -> float:
-    """1 - (distance of the shape's mean colour to teal) / FAR: 1 when the
-    shape is teal. The shape is what differs from the background (the median
-    of the border, as diffrt.demo.shapes.classify reads it), less a 2-pixel
-    rim: its edges blend into the background, and counting them would pay a
-    blurrier shape on a background nearer teal than its colour. A picture
-    without a shape scores 0 (painting everything teal is not a shape)."""
+def core(image: Image.Image) -> np.ndarray:
+    """The shape's pixels, less a 2-pixel rim: what differs from the
+    background (the median of the border, as diffrt.demo.shapes.classify
+    reads it), eroded twice (a pixel stays when its four neighbours are shape
+    too). The rim blends into the background: counting it would pay a blurry
+    shape on a background nearer teal than its colour."""
     pixels = np.asarray(image.convert("RGB"), dtype=np.float64)
     border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
     shape = np.linalg.norm(pixels - np.median(border, axis=0), axis=-1) > 60
-    for _ in range(2):  # erode: a pixel stays when its four neighbours are shape too
+    for _ in range(2):
         shape = shape & np.roll(shape, 1, 0) & np.roll(shape, -1, 0) \
             & np.roll(shape, 1, 1) & np.roll(shape, -1, 1)
-    if shape.sum() < 12:
+    return shape
+
+
+def full_size(prompt: str) -> int:
+    """The core's pixels in the prompt's own scene, drawn clean (render)."""
+    scene = next(s for s in SCENES if s.prompt == prompt)
+    return int(core(render(scene)).sum())
+
+
+def reward(image: Image.Image, full: int) -> float:
+    """How teal the shape is: 1 - (distance of its core's mean colour to
+    teal) / FAR, times min(1, core / (3/4 of ``full``)): a shape drawn
+    smaller than 3/4 of its size loses reward in proportion (a first trial
+    without this paid the colour and also shrank the shapes), and no shape
+    scores 0 (painting everything teal is not a shape)."""
+    shape = core(image)
+    if shape.sum() == 0:
         return 0.0
-    return float(1 - np.linalg.norm(pixels[shape].mean(axis=0) - TARGET) / FAR)
+    pixels = np.asarray(image.convert("RGB"), dtype=np.float64)[shape]
+    closeness = 1 - np.linalg.norm(pixels.mean(axis=0) - TARGET) / FAR
+    return float(closeness * min(1.0, shape.sum() / (0.75 * full)))
 
 
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -361,7 +379,8 @@ def iteration(engine: DiffusionEngine, policy: Policy, optimizer: torch.optim.Op
     if any(v != sent for v in rolls.lora_versions):
         raise AssertionError(f"rolled out on adapter versions {rolls.lora_versions}, not {sent}")
     rolled = time.perf_counter()
-    rewards = torch.tensor([[reward(im) for im in row] for row in rolls.images])
+    rewards = torch.tensor([[reward(im, full_size(p)) for im in row]
+                            for p, row in zip(prompts, rolls.images, strict=True)])
     stats = train(policy, optimizer, rolls, group_advantages(rewards),
                   train_steps=args.train_steps, minibatches=args.minibatches,
                   clip_range=args.clip_range, generator=shuffle)

@@ -116,18 +116,23 @@ def test_the_benchmarks_diffusers_rollout_draws_diffrts_samples(engine):
     assert torch.allclose(log_probs, out.rollout.log_probs, atol=1e-4, rtol=0)
 
 
-def picture(colour: tuple[int, int, int] | None) -> Image.Image:
+def picture(colour: tuple[int, int, int] | None, side: int = 22) -> Image.Image:
     image = Image.new("RGB", (64, 64), (245, 245, 245))
     if colour is not None:
-        ImageDraw.Draw(image).ellipse((20, 20, 42, 42), fill=colour)
+        ImageDraw.Draw(image).ellipse((20, 20, 20 + side, 20 + side), fill=colour)
     return image
 
 
-def test_the_reward_is_the_shapes_closeness_to_teal():
-    teal, green, red = (grpo.reward(picture(c)) for c in ((0, 200, 200), (30, 170, 60),
-                                                           (220, 30, 30)))
+def test_the_reward_is_the_shapes_closeness_to_teal_at_its_size():
+    full = int(grpo.core(picture((0, 0, 0))).sum())
+    teal, green, red = (grpo.reward(picture(c), full) for c in ((0, 200, 200), (30, 170, 60),
+                                                                 (220, 30, 30)))
     assert teal > 0.99 and teal > green > red > 0
-    assert grpo.reward(picture(None)) == 0.0
+    assert grpo.reward(picture(None), full) == 0.0
+    small = grpo.reward(picture((0, 200, 200), side=14), full)
+    assert 0 < small < 0.75 * teal  # drawn smaller than 3/4 of its size: paid less
+    # the prompts' own scenes, drawn clean, have cores to measure against
+    assert all(grpo.full_size(p) > 50 for p in grpo.PROMPTS)
 
 
 def test_advantages_are_normalised_within_each_group():
