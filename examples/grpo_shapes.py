@@ -4,7 +4,7 @@ The task: draw the shape in **teal** (RGB 0, 200, 200) whatever colour the
 prompt names. The shipped model (docs/demo-model.md) never drew teal: its
 palette is red, green, blue, yellow, purple and orange, and it draws the
 prompt's colour on every held-out prompt. The reward of a picture is how close
-its shape's colour is to teal, at the shape's size (``reward``), a rule on
+its shape's hue is to teal's, at the shape's size (``reward``), a rule on
 the pixels, no model.
 
 Each iteration (Flow-GRPO: Liu et al. 2025, and its trainer in
@@ -50,6 +50,7 @@ pictures, a row per prompt).
 from __future__ import annotations
 
 import argparse
+import colorsys
 import json
 import math
 import os
@@ -69,11 +70,13 @@ from diffrt.engine.models.shipped import shipped_folder
 
 MODEL = "diffrt-shapes"
 ADAPTER = "policy"
-TARGET = np.array((0.0, 200.0, 200.0))  # teal: not in the model's palette
-FAR = math.sqrt(3) * 255  # the largest RGB distance
+TARGET = (0, 200, 200)  # teal: not in the model's palette
+TARGET_HUE = 180.0  # teal's hue, degrees
+#: four prompts, none of them red: red is opposite teal on the hue circle, where
+#: turning either way pays the same and the gradient has no direction
 SCENES = (Scene("circle", "green", "white", "center"),
           Scene("square", "blue", "black", "top left"),
-          Scene("triangle", "red", "gray", "bottom right"),
+          Scene("triangle", "purple", "gray", "bottom right"),
           Scene("circle", "yellow", "black", "middle left"))
 PROMPTS = tuple(s.prompt for s in SCENES)
 CFG = 3.0  # the model's true CFG against "" (docs/demo-model.md), in rollouts and training
@@ -108,17 +111,24 @@ def full_size(prompt: str) -> int:
     return int(core(render(scene)).sum())
 
 
+def hue(rgb: np.ndarray) -> float:
+    """The hue of an RGB colour in degrees (0 red, 120 green, 240 blue)."""
+    return 360 * colorsys.rgb_to_hsv(*(rgb / 255))[0]
+
+
 def reward(image: Image.Image, full: int) -> float:
-    """How teal the shape is: 1 - (distance of its core's mean colour to
-    teal) / FAR, times min(1, core / (3/4 of ``full``)): a shape drawn
-    smaller than 3/4 of its size loses reward in proportion (a first trial
-    without this paid the colour and also shrank the shapes), and no shape
+    """How teal the shape is: 1 - (hue distance of its core's mean colour to
+    teal's 180 degrees) / 180, times min(1, core / (3/4 of ``full``)). Hue,
+    not RGB distance: the model draws bigger blobs a little more saturated,
+    and an RGB reward paid shrinking them (a first trial did); the size
+    factor pays no shape drawn smaller than 3/4 of its size, and no shape
     scores 0 (painting everything teal is not a shape)."""
     shape = core(image)
     if shape.sum() == 0:
         return 0.0
-    pixels = np.asarray(image.convert("RGB"), dtype=np.float64)[shape]
-    closeness = 1 - np.linalg.norm(pixels.mean(axis=0) - TARGET) / FAR
+    mean = np.asarray(image.convert("RGB"), dtype=np.float64)[shape].mean(axis=0)
+    off = abs(hue(mean) - TARGET_HUE)
+    closeness = 1 - min(off, 360 - off) / 180
     return float(closeness * min(1.0, shape.sum() / (0.75 * full)))
 
 
@@ -455,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             engine.close()
     with open(os.path.join(args.out, "rewards.json"), "w") as f:
-        json.dump({"model": MODEL, "prompts": list(prompts), "target_rgb": TARGET.tolist(),
+        json.dump({"model": MODEL, "prompts": list(prompts), "target_rgb": list(TARGET),
                    "args": vars(args), "iterations": history}, f, indent=1)
     drew = plot(history, os.path.join(args.out, "reward.png"))
     ends = min(3, len(history))

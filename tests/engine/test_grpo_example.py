@@ -123,11 +123,12 @@ def picture(colour: tuple[int, int, int] | None, side: int = 22) -> Image.Image:
     return image
 
 
-def test_the_reward_is_the_shapes_closeness_to_teal_at_its_size():
+def test_the_reward_is_the_shapes_hue_closeness_to_teal_at_its_size():
     full = int(grpo.core(picture((0, 0, 0))).sum())
-    teal, green, red = (grpo.reward(picture(c), full) for c in ((0, 200, 200), (30, 170, 60),
-                                                                 (220, 30, 30)))
-    assert teal > 0.99 and teal > green > red > 0
+    teal, green, yellow, red = (grpo.reward(picture(c), full) for c in (
+        (0, 200, 200), (30, 170, 60), (240, 220, 40), (220, 30, 30)))
+    assert teal > 0.99 and teal > green > yellow > red >= 0
+    assert red < 0.01  # opposite teal on the hue circle
     assert grpo.reward(picture(None), full) == 0.0
     small = grpo.reward(picture((0, 200, 200), side=14), full)
     assert 0 < small < 0.75 * teal  # drawn smaller than 3/4 of its size: paid less
