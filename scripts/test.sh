@@ -15,6 +15,6 @@ if [ -z "${DIFFRT_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
     $APT install -y -qq --no-install-recommends chromium >/dev/null \
         || { $APT update -qq && $APT install -y -qq --no-install-recommends chromium >/dev/null; }
 fi
-.venv/bin/ruff check diffrt tests benchmarks
+.venv/bin/ruff check diffrt tests benchmarks examples
 .venv/bin/mypy diffrt
 .venv/bin/python -m pytest -q --durations=30 "$@"
