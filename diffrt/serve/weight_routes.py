@@ -1,9 +1,9 @@
 """Weight updates over HTTP (docs/rollouts.md): ``POST /v1/weights`` (the
 transformer's, ``DiffusionEngine.update_weights``) and ``PUT
 /v1/loras/{name}`` (an adapter's factors, ``update_lora``). Both need the API
-key (they are under /v1) and one engine behind the server: Ray Serve's
-replicas each have their own, and an update must reach all of them
-atomically, which is not built (501, as ``/sleep``).
+key (they are under /v1). Under Ray Serve the transformer's update goes to
+every model replica, all or none (``ReplicaClient.update_weights``,
+``ray_weights.py``); an adapter's is not built there (501, as ``/sleep``).
 
 Either takes its source two ways:
 
@@ -147,6 +147,7 @@ def _bodies(model: type[BaseModel]) -> dict[str, Any]:
 
 
 @router.post("/v1/weights", response_model=WeightsUpdated, responses=_ERRORS,
+             response_model_exclude_none=True,
              openapi_extra=_bodies(WeightsUpdateBody))
 async def update_weights(request: Request) -> WeightsUpdated:
     """Replace (some of) the transformer's weights without a restart, at a
@@ -154,7 +155,6 @@ async def update_weights(request: Request) -> WeightsUpdated:
     rank has loaded them (``policy``: the running requests finish on their
     weights first, or are aborted)."""
     client = request.app.state.client
-    _one_engine(client, "the transformer's weights")
     folder = request.app.state.settings.weights_dir
     source = await read_source(request, WeightsUpdateBody, folder, (
         "updating the weights from a path on the server is off: start it with "
@@ -163,8 +163,12 @@ async def update_weights(request: Request) -> WeightsUpdated:
     if isinstance(source.value, str):
         assert folder is not None
         source.value = inside_folder(source.value, folder, "--weights-dir")
-    engine = client.running_engine()
     body = source.body
+    if not client.runtime_loras:  # Ray Serve: every replica, in two phases
+        answer: WeightsUpdated = await client.update_weights(
+            source.value, version=body.version, policy=body.policy, param=source.param)
+        return answer
+    engine = client.running_engine()
     try:
         next_version(engine.weights_version, body.version)  # a refusal of its own: 400 version
     except WeightUpdateError as exc:

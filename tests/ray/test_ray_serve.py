@@ -2,7 +2,9 @@
 on the session's local Ray instance, Serve's HTTP on loopback.
 
 Concurrent requests through the openai client spread over both replicas and
-give one engine's pixels; /metrics labels every series with its replica;
+give one engine's pixels; a weight update reaches both replicas or neither
+(a test seam, ``weight_seam.py``, makes one read other bytes); /metrics
+labels every series with its replica;
 overload answers 429; a client that leaves aborts its request in the
 replica; a killed replica fails only its own requests and is replaced; the
 autoscaling flags reach Ray Serve, which adds a replica under load and
@@ -23,10 +25,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
+import weight_seam
 from PIL import Image
 from waiting import wait_until
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
+from diffrt.engine.models.embedded import embedded_folder
+from diffrt.engine.weights.update import checksum
 from diffrt.serve import ServeSettings
 
 #: no run-time cost limit: its estimate follows the momentary step time, and a
@@ -50,11 +56,12 @@ def _free_port() -> int:
 def serve_url(ray_cluster):
     from ray import serve
 
-    from diffrt.serve.ray_app import APP_NAME, ReplicaSettings, StatsBoard, build_application
+    from diffrt.serve.ray_app import APP_NAME, ReplicaSettings, build_application
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    board = ray_cluster.remote(StatsBoard).options(num_cpus=0).remote()
+    ray_cluster.cloudpickle.register_pickle_by_value(weight_seam)
+    board = ray_cluster.remote(weight_seam.SeamBoard).options(num_cpus=0).remote()
     serve.run(build_application(CONFIG, ServeSettings(max_pending=MAX_PENDING),
                                 ReplicaSettings(replicas=2, replica_cpus=0.25), board),
               name=APP_NAME, route_prefix="/")
@@ -99,6 +106,69 @@ def test_two_replicas_serve_concurrent_requests_as_one_engine_would(serve_url):
     for (_, got), ref in zip(answers, want, strict=True):
         # other batch mates than here: float reassociation, at most one level
         assert np.abs(got - np.asarray(ref.images[0]).astype(np.int16)).max() <= 1
+
+
+def upload(tensors: dict[str, torch.Tensor], **fields: str) -> dict[str, Any]:
+    from safetensors.torch import save
+
+    return {"files": {"file": ("w.safetensors", save(tensors), "application/octet-stream")},
+            "data": fields}
+
+
+def from_both_replicas(url: str) -> dict[str, list[dict]]:
+    """One request (the same prompt and seed), sent one at a time until both
+    replicas answered it: each replica's answers."""
+    seen: dict[str, list[dict]] = {}
+    for _ in range(24):
+        r = generate(url, 7)
+        r.raise_for_status()
+        seen.setdefault(r.headers["x-diffrt-replica"], []).append(r.json())
+        if len(seen) == 2 and sum(map(len, seen.values())) >= 4:
+            break
+    assert len(seen) == 2, seen.keys()
+    return seen
+
+
+def test_a_weight_update_reaches_both_replicas_or_neither(serve_url, ray_cluster):
+    """POST /v1/weights (an upload): first with one replica reading other bytes
+    (the board's test seam): 409 and both keep version 0; then for real: the
+    version and each replica's checksum, and both replicas answer on it, bit
+    for bit alike, as one engine updated in process draws it."""
+    from safetensors.torch import load_file
+
+    original = load_file(f"{embedded_folder('tiny-flux')}/transformer/"
+                         "diffusion_pytorch_model.safetensors")
+    generator = torch.Generator().manual_seed(7)
+    perturbed = {k: t + 0.05 * torch.randn(t.shape, generator=generator).to(t.dtype)
+                 for k, t in original.items()}
+    other = [ray_cluster.put({k: 2 * t for k, t in perturbed.items()})]
+    ray_cluster.get(DEPLOYED["board"].arm.remote(other))
+    r = httpx.post(f"{serve_url}/v1/weights", timeout=120, **upload(perturbed, version="5"))
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["code"] == "weights_checksum_mismatch"
+    before = from_both_replicas(serve_url)
+    assert {a["diffrt"]["weights_version"] for got in before.values() for a in got} == {0}
+
+    r = httpx.post(f"{serve_url}/v1/weights", timeout=120, **upload(perturbed, version="7"))
+    assert r.status_code == 200, r.text
+    doc, want = r.json(), checksum(perturbed)
+    assert doc["version"] == 7 and doc["checksum"] == want
+    assert list(doc["replica_checksums"].values()) == [want, want]
+    after = from_both_replicas(serve_url)
+    assert set(doc["replica_checksums"]) == set(after)
+    pixels = [png_pixels(a["data"][0]["b64_json"]) for got in after.values() for a in got]
+    assert {a["diffrt"]["weights_version"] for got in after.values() for a in got} == {7}
+    assert all(np.array_equal(p, pixels[0]) for p in pixels)  # both replicas alike
+    old = png_pixels(next(iter(before.values()))[0]["data"][0]["b64_json"])
+    assert np.abs(pixels[0] - old).max() > 8
+    with DiffusionEngine.make_engine(EngineConfig(model="tiny-flux", executor_backend="inproc",
+                                                  max_num_seqs=4)) as engine:
+        engine.update_weights(perturbed, version=7)
+        ref = engine.generate([DiffusionRequest(prompt="a red fox 7", sampling_params=(
+            SamplingParams(height=64, width=64, num_inference_steps=2, seed=7)))])[0]
+    assert ref.weights_version == 7
+    # another process's thread count: float reassociation, at most one level
+    assert np.abs(pixels[0] - np.asarray(ref.images[0]).astype(np.int16)).max() <= 1
 
 
 def test_metrics_label_every_series_with_its_replica(serve_url):

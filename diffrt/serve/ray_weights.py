@@ -1,0 +1,302 @@
+"""``POST /v1/weights`` across Ray Serve's model replicas (docs/scale-out.md):
+every live replica ends on the new version, or every one keeps the old weights.
+
+A Serve handle reaches whichever replica its router picks, so the rounds go
+through the ``StatsBoard`` actor the replicas already publish to (its
+``WeightRounds`` part): the ingress posts a round for the replicas the board
+heard from within ``STALE_AFTER_S`` and waits for each one's reply; every
+replica long-polls the board for its next round (``ReplicaWeights``, a
+thread of its own beside the statistics').
+
+1. ``check``: each replica reads the source (a path inside ``--weights-dir``
+   on its node, or the uploaded tensors, put once into Ray's object store by
+   the ingress), keeps what it read and answers its checksum (the one the
+   engine's update reports) and its current version, changing nothing. Any
+   failure, a replica that does not answer, or checksums that differ (from
+   each other, or from the upload's) refuse the update: 400 / 503 / 409, as
+   the single-server route, and each replica drops what it read.
+2. ``apply``: each replica hands the tensors it read to its engine's
+   ``update_weights_report`` (its own ranks' check, its step boundary and
+   ``policy``), under the one version the ingress chose.
+
+A replica that fails in phase 2 while others applied is not rolled back (its
+engine's weights live in its workers; the old ones are not kept): the answer
+is 503 ``weights_partially_updated`` naming each replica's version and
+error, and the caller updates again (with a new version) or restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgspec
+import torch
+
+from diffrt.engine.weight_sync import (
+    Version,
+    WeightsMismatchError,
+    next_version,
+    source_checksum,
+)
+from diffrt.engine.weights.update import WeightUpdateError, read_tensors
+from diffrt.serve.errors import ApiError
+from diffrt.serve.protocol import WeightsUpdated
+
+logger = logging.getLogger(__name__)
+
+#: how long the ingress waits for every replica's check, and for its apply
+#: (which first lets the running requests finish, under policy "wait")
+CHECK_TIMEOUT_S = 60.0
+APPLY_TIMEOUT_S = 600.0
+#: how long one poll of the board waits for a round
+POLL_S = 5.0
+
+
+class WeightsRound(msgspec.Struct, frozen=True, kw_only=True):
+    """One phase of one update, as the board hands it to a replica.
+    ``source``: a path, or ``[ObjectRef]`` of the uploaded tensors."""
+
+    update: str
+    phase: Literal["check", "apply", "discard"]
+    source: Any = None
+    version: Version | None = None
+    policy: str = "wait"
+
+
+class RoundReply(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica's answer: its checksum(s) and version, or its error
+    (``invalid``: the source; ``mismatch``: its ranks disagreed; ``failed``)."""
+
+    version: Version | None = None
+    checksum: str | None = None
+    rank_checksums: list[str] = []
+    error: str | None = None
+    message: str = ""
+
+
+class WeightRounds:
+    """The board's part: rounds posted by the ingress, polled by replicas."""
+
+    _rounds: dict[str, tuple[int, WeightsRound]]
+    _replies: dict[int, dict[str, RoundReply]]
+
+    def _round_state(self) -> None:
+        if not hasattr(self, "_rounds"):
+            self._rounds, self._replies, self._count = {}, {}, 0
+
+    async def next_round(self, replica: str, seen: int,
+                         wait_s: float = POLL_S) -> tuple[int, WeightsRound] | None:
+        """The round posted for ``replica`` after round ``seen``, waiting up to ``wait_s``."""
+        self._round_state()
+        end = time.monotonic() + wait_s
+        while True:
+            got = self._rounds.get(replica)
+            if got is not None and got[0] > seen:
+                return got
+            if time.monotonic() >= end:
+                return None
+            await asyncio.sleep(0.02)
+
+    def answer(self, replica: str, round_id: int, reply: RoundReply) -> None:
+        self._round_state()
+        replies = self._replies.get(round_id)
+        if replies is not None:
+            replies[replica] = reply
+
+    async def run_round(self, task: WeightsRound, replicas: list[str],
+                        timeout_s: float) -> dict[str, RoundReply]:
+        """Post ``task`` to ``replicas``; their replies once all answered (or
+        those in by ``timeout_s``)."""
+        self._round_state()
+        self._count += 1
+        rid = self._count
+        replies = self._replies[rid] = {}
+        for replica in replicas:
+            self._rounds[replica] = (rid, task)
+        end = time.monotonic() + timeout_s
+        try:
+            while len(replies) < len(replicas) and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            return dict(replies)
+        finally:
+            del self._replies[rid]
+            for replica in replicas:
+                if self._rounds.get(replica, (0,))[0] == rid:
+                    del self._rounds[replica]
+
+
+class ReplicaWeights:
+    """A model replica's side: poll the board, check and apply updates."""
+
+    def __init__(self, name: str, board: Any, engine: Any, stop: threading.Event) -> None:
+        self.name, self.board, self.engine, self._stop = name, board, engine, stop
+        #: what phase 1 read, by update id, for phase 2 to apply
+        self._read: tuple[str, dict[str, torch.Tensor]] | None = None
+        self.thread = threading.Thread(target=self._watch, name="diffrt-weights", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import ray
+
+        seen = 0
+        while not self._stop.is_set():
+            try:
+                got = ray.get(self.board.next_round.remote(self.name, seen),
+                              timeout=POLL_S * 6)
+            except Exception:  # the board may be gone while the app shuts down
+                logger.debug("polling the board for weight updates failed", exc_info=True)
+                self._stop.wait(1.0)
+                continue
+            if got is None:
+                continue
+            seen, task = got
+            reply = self.handle(task)
+            try:
+                ray.get(self.board.answer.remote(self.name, seen, reply), timeout=POLL_S * 6)
+            except Exception:
+                logger.warning("answering weight update round %d failed", seen, exc_info=True)
+
+    def handle(self, task: WeightsRound) -> RoundReply:
+        if task.phase == "discard":
+            self._read = None
+            return RoundReply(version=self.engine.weights_version)
+        if task.phase == "check":
+            self._read = None
+            try:
+                tensors = read_source(task.source)
+                self._read = (task.update, tensors)
+                return RoundReply(version=self.engine.weights_version,
+                                  checksum=source_checksum(tensors))
+            except (WeightUpdateError, OSError, ValueError) as exc:  # safetensors' too
+                return RoundReply(error="invalid", message=str(exc))
+            except Exception as exc:
+                logger.exception("checking a weight update failed")
+                return RoundReply(error="failed", message=f"{type(exc).__name__}: {exc}")
+        read, self._read = self._read, None
+        if read is None or read[0] != task.update:
+            return RoundReply(version=self.engine.weights_version, error="failed",
+                              message="this replica did not check this update")
+        try:
+            done = self.engine.update_weights_report(read[1], version=task.version,
+                                                     policy=task.policy)
+        except WeightsMismatchError as exc:
+            error, message = "mismatch", str(exc)
+        except (WeightUpdateError, OSError, ValueError) as exc:
+            error, message = "invalid", str(exc)
+        except Exception as exc:
+            logger.exception("applying a weight update failed")
+            error, message = "failed", f"{type(exc).__name__}: {exc}"
+        else:
+            return RoundReply(version=done.version, checksum=done.checksum,
+                              rank_checksums=list(done.rank_checksums))
+        return RoundReply(version=self.engine.weights_version, error=error, message=message)
+
+
+def read_source(source: Any) -> dict[str, torch.Tensor]:
+    """A round's tensors: a path's safetensors, or the uploaded ones from
+    Ray's object store."""
+    if isinstance(source, str):
+        return read_tensors(source)
+    import ray
+
+    tensors: dict[str, torch.Tensor] = ray.get(source[0])
+    return tensors
+
+
+async def update_everywhere(board: Any, source: str | Mapping[str, torch.Tensor],
+                            version: Version | None, policy: str, param: str) -> WeightsUpdated:
+    """The ingress's side of ``POST /v1/weights`` (see the module); raises
+    ``ApiError`` for a refusal."""
+    import ray
+
+    live = [name for name, _ in await board.snapshot.remote()]
+    if not live:
+        raise ApiError(503, "no model replica reported within the last seconds",
+                       code="engine_down")
+    expected = None
+    wire: Any = source
+    if isinstance(source, Mapping):
+        expected = await asyncio.to_thread(source_checksum, source)
+        wire = [ray.put(dict(source))]
+    update = uuid.uuid4().hex
+    checks = await board.run_round.remote(
+        WeightsRound(update=update, phase="check", source=wire), live, CHECK_TIMEOUT_S)
+    try:
+        new = _agreed(checks, live, expected, version, param)
+    except BaseException:
+        await board.run_round.remote(WeightsRound(update=update, phase="discard"),
+                                     sorted(checks), CHECK_TIMEOUT_S)
+        raise
+    applied: dict[str, RoundReply] = await board.run_round.remote(
+        WeightsRound(update=update, phase="apply", version=new, policy=policy), live,
+        APPLY_TIMEOUT_S)
+    done = {r: a for r, a in applied.items() if a.error is None}
+    agreed = checks[live[0]].checksum
+    if len(done) == len(live) and all(a.checksum == agreed for a in done.values()):
+        logger.info("weights version %r applied on %d replica(s) (%s)", new, len(live), agreed)
+        return WeightsUpdated(
+            version=new, checksum=str(agreed),
+            rank_checksums=[c for r in live for c in done[r].rank_checksums],
+            replica_checksums={r: str(done[r].checksum) for r in live})
+    if not done and len(applied) == len(live):  # every replica refused: none changed
+        _refuse(applied, param)
+    states = "; ".join(
+        f"{r}: " + (f"version {applied[r].version!r} (updated, checksum {applied[r].checksum})"
+                    if r in done else
+                    f"version {applied[r].version!r} ({applied[r].error}: "
+                    f"{applied[r].message})" if r in applied else "no answer")
+        for r in live)
+    raise ApiError(503, f"the update to version {new!r} did not reach every replica, which "
+                        f"now differ (not rolled back; update again or restart): {states}",
+                   code="weights_partially_updated")
+
+
+def _agreed(checks: dict[str, RoundReply], live: list[str], expected: str | None,
+            version: Version | None, param: str) -> Version:
+    """The new version, once every replica's check agrees; else the refusal."""
+    missing = [r for r in live if r not in checks]
+    if missing:
+        raise ApiError(503, f"replica(s) {', '.join(missing)} did not check the update: "
+                            "refused, nothing changed", code="engine_down")
+    if any(c.error for c in checks.values()):
+        _refuse(checks, param)
+    sums = {r: checks[r].checksum for r in live}
+    if len(set(sums.values())) > 1 or (expected is not None and sums[live[0]] != expected):
+        said = ", ".join(f"{r}: {s}" for r, s in sums.items())
+        source = "" if expected is None else f" (the upload's: {expected})"
+        raise ApiError(409, f"{param}: the replicas read different bytes{source}: {said}; "
+                            "the update is refused and every replica keeps its old weights",
+                       param=param, code="weights_checksum_mismatch")
+    versions = [checks[r].version for r in live]
+    current = versions[0] if len(set(map(repr, versions))) == 1 else (
+        max(v for v in versions if isinstance(v, int))
+        if all(isinstance(v, int) for v in versions) else "mixed")
+    try:
+        assert current is not None
+        return next_version(current, version)
+    except WeightUpdateError as exc:
+        raise ApiError(400, f"version: {exc}", param="version", code="invalid_value") from None
+
+
+def _refuse(replies: dict[str, RoundReply], param: str) -> None:
+    """Every replica's refusal as the single-server route answers it."""
+    replica, reply = next((r, a) for r, a in sorted(replies.items()) if a.error)
+    message = f"{param}: {reply.message} (replica {replica})"
+    if reply.error == "mismatch":
+        raise ApiError(409, message, param=param, code="weights_checksum_mismatch")
+    if reply.error == "invalid":
+        raise ApiError(400, message, param=param, code="invalid_weights")
+    raise ApiError(503, f"the update failed on replica {replica}: {reply.message}; nothing "
+                        "changed", code="engine_down")
+
+
+__all__ = ["ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound", "read_source",
+           "update_everywhere"]
