@@ -189,11 +189,13 @@ class ModelReplica:
             changes["torch_threads"] = torch_threads_for(cpus, config.ranks)
         self.engine = DiffusionEngine.make_engine(config.replace(**changes))
         self.client = EngineClient(None, settings, engine=self.engine)
+        #: POST /v1/weights' rounds, from the board (``ray_weights.py``); first
+        #: the updates the others applied, before it serves or is counted live
+        self.weights = ReplicaWeights(self.name, board, self.engine, self._stop)
+        self.weights.catch_up()
         self._publisher = threading.Thread(target=self._publish, name="diffrt-stats",
                                            daemon=True)
         self._publisher.start()
-        #: POST /v1/weights' rounds, from the board (``ray_weights.py``)
-        self.weights = ReplicaWeights(self.name, board, self.engine, self._stop)
         self.weights.start()
 
     def _publish(self) -> None:

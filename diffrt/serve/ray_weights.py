@@ -23,6 +23,10 @@ A replica that fails in phase 2 while others applied is not rolled back (its
 engine's weights live in its workers; the old ones are not kept): the answer
 is 503 ``weights_partially_updated`` naming each replica's version and
 error, and the caller updates again (with a new version) or restarts.
+
+The board keeps the updates every replica applied (``Committed``; one that
+a later update covers name for name goes): a replica Ray starts later (a
+replacement, autoscaling) applies them before it serves (``catch_up``).
 """
 
 from __future__ import annotations
@@ -76,8 +80,20 @@ class RoundReply(msgspec.Struct, frozen=True, kw_only=True):
     version: Version | None = None
     checksum: str | None = None
     rank_checksums: list[str] = []
+    #: the check's tensor names (which earlier updates a later one covers)
+    names: list[str] = []
     error: str | None = None
     message: str = ""
+
+
+class Committed(msgspec.Struct, frozen=True, kw_only=True):
+    """An update every replica applied, kept on the board for the replicas
+    Ray starts later (a replacement, autoscaling): they apply it at start."""
+
+    names: list[str]
+    source: Any
+    version: Version
+    checksum: str
 
 
 class WeightRounds:
@@ -89,6 +105,19 @@ class WeightRounds:
     def _round_state(self) -> None:
         if not hasattr(self, "_rounds"):
             self._rounds, self._replies, self._count = {}, {}, 0
+            self._committed: list[Committed] = []
+
+    def commit(self, entry: Committed) -> None:
+        """Record an applied update; those whose every tensor it replaces go."""
+        self._round_state()
+        covered = set(entry.names)
+        self._committed = [e for e in self._committed if not set(e.names) <= covered]
+        self._committed.append(entry)
+
+    def committed(self) -> list[Committed]:
+        """The updates a replica starting now applies, oldest first."""
+        self._round_state()
+        return list(self._committed)
 
     async def next_round(self, replica: str, seen: int,
                          wait_s: float = POLL_S) -> tuple[int, WeightsRound] | None:
@@ -143,6 +172,27 @@ class ReplicaWeights:
     def start(self) -> None:
         self.thread.start()
 
+    def catch_up(self) -> None:
+        """Apply the updates the other replicas applied before this one
+        started (``Committed``), before it serves: it reads each source again
+        and refuses to start (``RuntimeError``) when it reads other bytes."""
+        import ray
+
+        try:
+            entries: list[Committed] = ray.get(self.board.committed.remote(), timeout=60)
+        except Exception:  # no board: no update was made through it
+            logger.warning("reading the applied weight updates failed", exc_info=True)
+            return
+        for entry in entries:
+            tensors = read_source(entry.source)
+            got = source_checksum(tensors)
+            if got != entry.checksum:
+                raise RuntimeError(
+                    f"weights version {entry.version!r}: this replica read checksum {got}, the "
+                    f"other replicas applied {entry.checksum} (the file changed?)")
+            self.engine.update_weights_report(tensors, version=entry.version)
+            logger.info("caught up with weights version %r (%s)", entry.version, got)
+
     def _watch(self) -> None:
         import ray
 
@@ -174,7 +224,7 @@ class ReplicaWeights:
                 tensors = read_source(task.source)
                 self._read = (task.update, tensors)
                 return RoundReply(version=self.engine.weights_version,
-                                  checksum=source_checksum(tensors))
+                                  checksum=source_checksum(tensors), names=sorted(tensors))
             except (WeightUpdateError, OSError, ValueError) as exc:  # safetensors' too
                 return RoundReply(error="invalid", message=str(exc))
             except Exception as exc:
@@ -242,6 +292,8 @@ async def update_everywhere(board: Any, source: str | Mapping[str, torch.Tensor]
     agreed = checks[live[0]].checksum
     if len(done) == len(live) and all(a.checksum == agreed for a in done.values()):
         logger.info("weights version %r applied on %d replica(s) (%s)", new, len(live), agreed)
+        await board.commit.remote(Committed(names=checks[live[0]].names, source=wire,
+                                            version=new, checksum=str(agreed)))
         return WeightsUpdated(
             version=new, checksum=str(agreed),
             rank_checksums=[c for r in live for c in done[r].rank_checksums],
@@ -298,5 +350,5 @@ def _refuse(replies: dict[str, RoundReply], param: str) -> None:
                         "changed", code="engine_down")
 
 
-__all__ = ["ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound", "read_source",
+__all__ = ["Committed", "ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound", "read_source",
            "update_everywhere"]

@@ -6,7 +6,8 @@ give one engine's pixels; a weight update reaches both replicas or neither
 (a test seam, ``weight_seam.py``, makes one read other bytes); /metrics
 labels every series with its replica;
 overload answers 429; a client that leaves aborts its request in the
-replica; a killed replica fails only its own requests and is replaced; the
+replica; a killed replica fails only its own requests and is replaced (by
+one that applies the weight update first); the
 autoscaling flags reach Ray Serve, which adds a replica under load and
 removes it when idle; last, two SIGTERMs stop the application as `diffrt
 serve --replicas 2` stops it (the second ends the drain: 503)."""
@@ -274,8 +275,11 @@ def test_a_killed_replica_fails_its_own_requests_and_is_replaced(serve_url, ray_
     assert all(c == 200 or c >= 500 for c in codes)
 
     def two_fresh_replicas() -> bool:
-        seen = {generate(serve_url, 400 + i).headers.get("x-diffrt-replica") for i in range(6)}
-        return len(seen) == 2
+        answers = [generate(serve_url, 400 + i) for i in range(6)]
+        # the replacement applied the update the module's weights test made first
+        assert {a.json()["diffrt"]["weights_version"] for a in answers
+                if a.status_code == 200} <= {7}
+        return len({a.headers.get("x-diffrt-replica") for a in answers}) == 2
     assert wait_until(two_fresh_replicas, timeout=90, interval=1.0)
     new_pids = {handle.pid.remote().result(timeout_s=30) for _ in range(20)}
     assert victim not in new_pids

@@ -155,3 +155,13 @@ def test_a_replica_applies_only_what_it_checked():
     weights = ReplicaWeights("a", None, Engine(), threading.Event())
     reply = weights.handle(ray_weights.WeightsRound(update="u", phase="apply", version=1))
     assert reply.error == "failed" and "did not check" in reply.message
+
+
+def test_the_board_keeps_the_updates_a_later_replica_applies():
+    board = StatsBoard()
+    entry = ray_weights.Committed
+    board.commit(entry(names=["a", "b"], source="1", version=1, checksum="x"))
+    board.commit(entry(names=["c"], source="2", version=2, checksum="y"))
+    assert [e.version for e in board.committed()] == [1, 2]
+    board.commit(entry(names=["a", "b", "d"], source="3", version=3, checksum="z"))
+    assert [e.version for e in board.committed()] == [2, 3]  # 1's tensors all replaced
