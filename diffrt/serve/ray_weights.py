@@ -1,5 +1,6 @@
-"""``POST /v1/weights`` across Ray Serve's model replicas (docs/scale-out.md):
-every live replica ends on the new version, or every one keeps the old weights.
+"""``POST /v1/weights`` and ``PUT /v1/loras/{name}`` across Ray Serve's model
+replicas (docs/scale-out.md): every live replica ends on the new version, or
+every one keeps the old weights (or adapter factors).
 
 A Serve handle reaches whichever replica its router picks, so the rounds go
 through the ``StatsBoard`` actor the replicas already publish to (its
@@ -17,7 +18,8 @@ thread of its own beside the statistics').
    the single-server route, and each replica drops what it read.
 2. ``apply``: each replica hands the tensors it read to its engine's
    ``update_weights_report`` (its own ranks' check, its step boundary and
-   ``policy``), under the one version the ingress chose.
+   ``policy``), under the one version the ingress chose; an adapter's to
+   ``update_lora`` (a replica without the adapter refuses it in phase 1: 404).
 
 A replica that fails in phase 2 while others applied is not rolled back (its
 engine's weights live in its workers; the old ones are not kept): the answer
@@ -69,6 +71,9 @@ class WeightsRound(msgspec.Struct, frozen=True, kw_only=True):
     update: str
     phase: Literal["check", "apply", "discard"]
     source: Any = None
+    #: the adapter whose factors it replaces (``PUT /v1/loras/{name}``); None:
+    #: the transformer's weights
+    lora: str | None = None
     version: Version | None = None
     policy: str = "wait"
 
@@ -82,6 +87,8 @@ class RoundReply(msgspec.Struct, frozen=True, kw_only=True):
     rank_checksums: list[str] = []
     #: the check's tensor names (which earlier updates a later one covers)
     names: list[str] = []
+    #: an adapter's update: its ``LoraInfo`` as this replica holds it now
+    info: Any = None
     error: str | None = None
     message: str = ""
 
@@ -94,6 +101,7 @@ class Committed(msgspec.Struct, frozen=True, kw_only=True):
     source: Any
     version: Version
     checksum: str
+    lora: str | None = None
 
 
 class WeightRounds:
@@ -111,7 +119,8 @@ class WeightRounds:
         """Record an applied update; those whose every tensor it replaces go."""
         self._round_state()
         covered = set(entry.names)
-        self._committed = [e for e in self._committed if not set(e.names) <= covered]
+        self._committed = [e for e in self._committed
+                           if e.lora != entry.lora or not set(e.names) <= covered]
         self._committed.append(entry)
 
     def committed(self) -> list[Committed]:
@@ -190,8 +199,9 @@ class ReplicaWeights:
                 raise RuntimeError(
                     f"weights version {entry.version!r}: this replica read checksum {got}, the "
                     f"other replicas applied {entry.checksum} (the file changed?)")
-            self.engine.update_weights_report(tensors, version=entry.version)
-            logger.info("caught up with weights version %r (%s)", entry.version, got)
+            self._apply(entry.lora, tensors, entry.version, "wait")
+            logger.info("caught up with %s version %r (%s)", entry.lora or "weights",
+                        entry.version, got)
 
     def _watch(self) -> None:
         import ray
@@ -214,40 +224,57 @@ class ReplicaWeights:
             except Exception:
                 logger.warning("answering weight update round %d failed", seen, exc_info=True)
 
-    def handle(self, task: WeightsRound) -> RoundReply:
-        if task.phase == "discard":
-            self._read = None
-            return RoundReply(version=self.engine.weights_version)
-        if task.phase == "check":
-            self._read = None
-            try:
-                tensors = read_source(task.source)
-                self._read = (task.update, tensors)
-                return RoundReply(version=self.engine.weights_version,
-                                  checksum=source_checksum(tensors), names=sorted(tensors))
-            except (WeightUpdateError, OSError, ValueError) as exc:  # safetensors' too
-                return RoundReply(error="invalid", message=str(exc))
-            except Exception as exc:
-                logger.exception("checking a weight update failed")
-                return RoundReply(error="failed", message=f"{type(exc).__name__}: {exc}")
-        read, self._read = self._read, None
-        if read is None or read[0] != task.update:
-            return RoundReply(version=self.engine.weights_version, error="failed",
-                              message="this replica did not check this update")
-        try:
-            done = self.engine.update_weights_report(read[1], version=task.version,
-                                                     policy=task.policy)
-        except WeightsMismatchError as exc:
-            error, message = "mismatch", str(exc)
-        except (WeightUpdateError, OSError, ValueError) as exc:
-            error, message = "invalid", str(exc)
-        except Exception as exc:
-            logger.exception("applying a weight update failed")
-            error, message = "failed", f"{type(exc).__name__}: {exc}"
-        else:
+    def _version(self, lora: str | None) -> Version:
+        """The current version of what ``lora`` names (``KeyError``: no such adapter)."""
+        if lora is None:
+            version: Version = self.engine.weights_version
+            return version
+        info = next((i for i in self.engine.list_loras() if i.name == lora), None)
+        if info is None:
+            raise KeyError(lora)
+        return info.version
+
+    def _apply(self, lora: str | None, tensors: dict[str, torch.Tensor], version: Version | None,
+               policy: str) -> RoundReply:
+        if lora is None:
+            done = self.engine.update_weights_report(tensors, version=version, policy=policy)
             return RoundReply(version=done.version, checksum=done.checksum,
                               rank_checksums=list(done.rank_checksums))
-        return RoundReply(version=self.engine.weights_version, error=error, message=message)
+        info = self.engine.update_lora(lora, tensors, version=version)
+        return RoundReply(version=info.version, checksum=source_checksum(tensors), info=info)
+
+    def handle(self, task: WeightsRound) -> RoundReply:
+        """One round's work: the phase's reply, or the error that refuses it."""
+        if task.phase != "apply":
+            self._read = None
+        try:
+            if task.phase == "discard":
+                return RoundReply(version=self._version(task.lora))
+            if task.phase == "check":
+                version = self._version(task.lora)
+                tensors = read_source(task.source)
+                self._read = (task.update, tensors)
+                return RoundReply(version=version, checksum=source_checksum(tensors),
+                                  names=sorted(tensors))
+            read, self._read = self._read, None
+            if read is None or read[0] != task.update:
+                return RoundReply(version=self._version(task.lora), error="failed",
+                                  message="this replica did not check this update")
+            return self._apply(task.lora, read[1], task.version, task.policy)
+        except KeyError:
+            return RoundReply(error="not_found", message=f"no LoRA adapter named {task.lora!r}")
+        except WeightsMismatchError as exc:
+            error, message = "mismatch", str(exc)
+        except (WeightUpdateError, OSError, ValueError) as exc:  # files, names, shapes
+            error, message = "invalid", str(exc)
+        except Exception as exc:
+            logger.exception("a weight update's %s failed", task.phase)
+            error, message = "failed", f"{type(exc).__name__}: {exc}"
+        try:
+            now: Version | None = self._version(task.lora)
+        except KeyError:
+            now = None
+        return RoundReply(version=now, error=error, message=message)
 
 
 def read_source(source: Any) -> dict[str, torch.Tensor]:
@@ -265,6 +292,27 @@ async def update_everywhere(board: Any, source: str | Mapping[str, torch.Tensor]
                             version: Version | None, policy: str, param: str) -> WeightsUpdated:
     """The ingress's side of ``POST /v1/weights`` (see the module); raises
     ``ApiError`` for a refusal."""
+    new, agreed, done = await _two_phases(board, source, version, policy, param, None)
+    live = list(done)
+    return WeightsUpdated(version=new, checksum=agreed,
+                          rank_checksums=[c for r in live for c in done[r].rank_checksums],
+                          replica_checksums={r: str(done[r].checksum) for r in live})
+
+
+async def update_lora_everywhere(board: Any, name: str,
+                                 source: str | Mapping[str, torch.Tensor],
+                                 version: Version | None, param: str) -> Any:
+    """The ingress's side of ``PUT /v1/loras/{name}``, as ``update_everywhere``;
+    answers the adapter's ``LoraInfo`` as the first replica holds it."""
+    _, _, done = await _two_phases(board, source, version, "wait", param, name)
+    return next(iter(done.values())).info
+
+
+async def _two_phases(board: Any, source: str | Mapping[str, torch.Tensor],
+                      version: Version | None, policy: str, param: str, lora: str | None
+                      ) -> tuple[Version, str, dict[str, RoundReply]]:
+    """Check on every live replica, then apply (see the module): the new
+    version, the agreed checksum and each replica's reply, in ``live``'s order."""
     import ray
 
     live = [name for name, _ in await board.snapshot.remote()]
@@ -278,28 +326,27 @@ async def update_everywhere(board: Any, source: str | Mapping[str, torch.Tensor]
         wire = [ray.put(dict(source))]
     update = uuid.uuid4().hex
     checks = await board.run_round.remote(
-        WeightsRound(update=update, phase="check", source=wire), live, CHECK_TIMEOUT_S)
+        WeightsRound(update=update, phase="check", source=wire, lora=lora), live,
+        CHECK_TIMEOUT_S)
     try:
-        new = _agreed(checks, live, expected, version, param)
+        new = _agreed(checks, live, expected, version, param, lora)
     except BaseException:
-        await board.run_round.remote(WeightsRound(update=update, phase="discard"),
+        await board.run_round.remote(WeightsRound(update=update, phase="discard", lora=lora),
                                      sorted(checks), CHECK_TIMEOUT_S)
         raise
     applied: dict[str, RoundReply] = await board.run_round.remote(
-        WeightsRound(update=update, phase="apply", version=new, policy=policy), live,
-        APPLY_TIMEOUT_S)
-    done = {r: a for r, a in applied.items() if a.error is None}
-    agreed = checks[live[0]].checksum
+        WeightsRound(update=update, phase="apply", version=new, policy=policy, lora=lora),
+        live, APPLY_TIMEOUT_S)
+    done = {r: applied[r] for r in live if r in applied and applied[r].error is None}
+    agreed = str(checks[live[0]].checksum)
     if len(done) == len(live) and all(a.checksum == agreed for a in done.values()):
-        logger.info("weights version %r applied on %d replica(s) (%s)", new, len(live), agreed)
+        logger.info("%s version %r applied on %d replica(s) (%s)", lora or "weights", new,
+                    len(live), agreed)
         await board.commit.remote(Committed(names=checks[live[0]].names, source=wire,
-                                            version=new, checksum=str(agreed)))
-        return WeightsUpdated(
-            version=new, checksum=str(agreed),
-            rank_checksums=[c for r in live for c in done[r].rank_checksums],
-            replica_checksums={r: str(done[r].checksum) for r in live})
+                                            version=new, checksum=agreed, lora=lora))
+        return new, agreed, done
     if not done and len(applied) == len(live):  # every replica refused: none changed
-        _refuse(applied, param)
+        _refuse(applied, param, lora)
     states = "; ".join(
         f"{r}: " + (f"version {applied[r].version!r} (updated, checksum {applied[r].checksum})"
                     if r in done else
@@ -312,14 +359,14 @@ async def update_everywhere(board: Any, source: str | Mapping[str, torch.Tensor]
 
 
 def _agreed(checks: dict[str, RoundReply], live: list[str], expected: str | None,
-            version: Version | None, param: str) -> Version:
+            version: Version | None, param: str, lora: str | None) -> Version:
     """The new version, once every replica's check agrees; else the refusal."""
     missing = [r for r in live if r not in checks]
     if missing:
         raise ApiError(503, f"replica(s) {', '.join(missing)} did not check the update: "
                             "refused, nothing changed", code="engine_down")
     if any(c.error for c in checks.values()):
-        _refuse(checks, param)
+        _refuse(checks, param, lora)
     sums = {r: checks[r].checksum for r in live}
     if len(set(sums.values())) > 1 or (expected is not None and sums[live[0]] != expected):
         said = ", ".join(f"{r}: {s}" for r, s in sums.items())
@@ -338,17 +385,20 @@ def _agreed(checks: dict[str, RoundReply], live: list[str], expected: str | None
         raise ApiError(400, f"version: {exc}", param="version", code="invalid_value") from None
 
 
-def _refuse(replies: dict[str, RoundReply], param: str) -> None:
+def _refuse(replies: dict[str, RoundReply], param: str, lora: str | None) -> None:
     """Every replica's refusal as the single-server route answers it."""
     replica, reply = next((r, a) for r, a in sorted(replies.items()) if a.error)
     message = f"{param}: {reply.message} (replica {replica})"
+    if reply.error == "not_found":
+        raise ApiError(404, reply.message, param="name", code="lora_not_found")
     if reply.error == "mismatch":
         raise ApiError(409, message, param=param, code="weights_checksum_mismatch")
     if reply.error == "invalid":
-        raise ApiError(400, message, param=param, code="invalid_weights")
+        raise ApiError(400, message, param=param,
+                       code="invalid_weights" if lora is None else "invalid_lora_file")
     raise ApiError(503, f"the update failed on replica {replica}: {reply.message}; nothing "
                         "changed", code="engine_down")
 
 
-__all__ = ["Committed", "ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound", "read_source",
-           "update_everywhere"]
+__all__ = ["Committed", "ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound",
+           "read_source", "update_everywhere", "update_lora_everywhere"]

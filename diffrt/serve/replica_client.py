@@ -41,7 +41,7 @@ class ReplicaClient:
     #: each replica has an engine of its own, and a handle reaches one of
     #: them (and not those autoscaling adds later): adapters are registered
     #: at start (``lora_modules``) only, and POST/DELETE /v1/loras answer 501;
-    #: the transformer's weights go to every replica (``update_weights``)
+    #: updates go to every replica (``update_weights``, ``update_lora``)
     runtime_loras = False
 
     def __init__(self, model: Any, board: Any, settings: ServeSettings, model_name: str,
@@ -232,6 +232,14 @@ class ReplicaClient:
 
         async with self._updating:
             return await update_everywhere(self.board, source, version, policy, param)
+
+    async def update_lora(self, name: str, source: str | Mapping[str, Any], *, version: Any,
+                          param: str) -> Any:
+        """``PUT /v1/loras/{name}`` on every live replica, as ``update_weights``."""
+        from diffrt.serve.ray_weights import update_lora_everywhere
+
+        async with self._updating:
+            return await update_lora_everywhere(self.board, name, source, version, param)
 
     async def add_lora(self, name: str, path: str) -> Any:
         raise ApiError(501, "adapters are registered at start on Ray Serve (--lora-modules)",

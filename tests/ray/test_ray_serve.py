@@ -3,7 +3,8 @@ on the session's local Ray instance, Serve's HTTP on loopback.
 
 Concurrent requests through the openai client spread over both replicas and
 give one engine's pixels; a weight update reaches both replicas or neither
-(a test seam, ``weight_seam.py``, makes one read other bytes); /metrics
+(a test seam, ``weight_seam.py``, makes one read other bytes), and so does
+an adapter's new factors; /metrics
 labels every series with its replica;
 overload answers 429; a client that leaves aborts its request in the
 replica; a killed replica fails only its own requests and is replaced (by
@@ -54,7 +55,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def serve_url(ray_cluster):
+def serve_url(ray_cluster, tmp_path_factory):
+    from lora_files import make_adapter
     from ray import serve
 
     from diffrt.serve.ray_app import APP_NAME, ReplicaSettings, build_application
@@ -63,7 +65,12 @@ def serve_url(ray_cluster):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     ray_cluster.cloudpickle.register_pickle_by_value(weight_seam)
     board = ray_cluster.remote(weight_seam.SeamBoard).options(num_cpus=0).remote()
-    serve.run(build_application(CONFIG, ServeSettings(max_pending=MAX_PENDING),
+    style = make_adapter(embedded_folder("tiny-flux"), "FluxPipeline",
+                         tmp_path_factory.mktemp("loras") / "style", rank=4, seed=1,
+                         targets=("to_q", "to_k", "to_v", "proj_mlp"))
+    DEPLOYED["style"] = style
+    serve.run(build_application(CONFIG.replace(lora_modules={"style": style}),
+                                ServeSettings(max_pending=MAX_PENDING),
                                 ReplicaSettings(replicas=2, replica_cpus=0.25), board),
               name=APP_NAME, route_prefix="/")
     DEPLOYED["board"] = board
@@ -79,10 +86,11 @@ def png_pixels(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64)))).astype(np.int16)
 
 
-def generate(url: str, i: int, steps: int = 2, timeout: float = 120) -> httpx.Response:
+def generate(url: str, i: int, steps: int = 2, timeout: float = 120,
+             **extra: Any) -> httpx.Response:
     return httpx.post(f"{url}/v1/images/generations", timeout=timeout, json={
         "prompt": f"a red fox {i}", "size": "64x64", "seed": i,
-        "num_inference_steps": steps})
+        "num_inference_steps": steps, **extra})
 
 
 def test_two_replicas_serve_concurrent_requests_as_one_engine_would(serve_url):
@@ -116,12 +124,12 @@ def upload(tensors: dict[str, torch.Tensor], **fields: str) -> dict[str, Any]:
             "data": fields}
 
 
-def from_both_replicas(url: str) -> dict[str, list[dict]]:
+def from_both_replicas(url: str, **extra: Any) -> dict[str, list[dict]]:
     """One request (the same prompt and seed), sent one at a time until both
     replicas answered it: each replica's answers."""
     seen: dict[str, list[dict]] = {}
     for _ in range(24):
-        r = generate(url, 7)
+        r = generate(url, 7, **extra)
         r.raise_for_status()
         seen.setdefault(r.headers["x-diffrt-replica"], []).append(r.json())
         if len(seen) == 2 and sum(map(len, seen.values())) >= 4:
@@ -170,6 +178,29 @@ def test_a_weight_update_reaches_both_replicas_or_neither(serve_url, ray_cluster
     assert ref.weights_version == 7
     # another process's thread count: float reassociation, at most one level
     assert np.abs(pixels[0] - np.asarray(ref.images[0]).astype(np.int16)).max() <= 1
+
+
+def test_an_adapter_update_reaches_both_replicas(serve_url):
+    """PUT /v1/loras/style (an upload, the factors scaled): both replicas
+    answer with the adapter's new version, bit for bit alike, and differ
+    from before."""
+    from safetensors.torch import load_file
+
+    factors = load_file(f"{DEPLOYED['style']}/pytorch_lora_weights.safetensors")
+    styled = {"loras": {"style": 1.0}}
+    before = from_both_replicas(serve_url, **styled)
+    r = httpx.put(f"{serve_url}/v1/loras/style", timeout=120,
+                  **upload({k: 1.5 * t for k, t in factors.items()}, version="3"))
+    assert r.status_code == 200 and r.json()["version"] == 3, r.text
+    after = from_both_replicas(serve_url, **styled)
+    assert {str(a["diffrt"]["lora_versions"]) for got in after.values() for a in got} == {
+        str({"style": 3})}
+    pixels = [png_pixels(a["data"][0]["b64_json"]) for got in after.values() for a in got]
+    assert all(np.array_equal(p, pixels[0]) for p in pixels)
+    old = png_pixels(next(iter(before.values()))[0]["data"][0]["b64_json"])
+    assert np.abs(pixels[0] - old).max() > 8
+    r = httpx.put(f"{serve_url}/v1/loras/nope", timeout=120, **upload(factors))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found", r.text
 
 
 def test_metrics_label_every_series_with_its_replica(serve_url):

@@ -12,10 +12,12 @@ import inspect
 import threading
 
 import httpx
+import msgspec
 import torch
 from safetensors.torch import save_file
 from serve_helpers import AUTH
 
+from diffrt.engine import LoraInfo
 from diffrt.engine.weight_sync import WeightsMismatchError, WeightsUpdate
 from diffrt.engine.weights.update import WeightUpdateError, checksum
 from diffrt.serve import ServeSettings, build_app, ray_weights
@@ -32,6 +34,17 @@ class Engine:
         self.weights_version = version
         self.fail = fail
         self.applied: list[dict] = []
+        self.lora = LoraInfo(name="style", path="/a/style", rank=4, modules=1, nbytes=24,
+                             requests=0, active=0, slot=0)
+
+    def list_loras(self):
+        return [self.lora]
+
+    def update_lora(self, name, tensors, *, version):
+        assert name == self.lora.name
+        self.applied.append(dict(tensors))
+        self.lora = msgspec.structs.replace(self.lora, version=version)
+        return self.lora
 
     def update_weights_report(self, tensors, *, version, policy):
         if self.fail is not None:
@@ -75,15 +88,16 @@ async def replica(board: StatsBoard, weights: ReplicaWeights) -> None:
             board.answer(weights.name, seen, weights.handle(task))
 
 
-def post(tmp_path, engines: dict[str, Engine], body: dict, silent: tuple[str, ...] = ()
-         ) -> httpx.Response:
-    """``POST /v1/weights`` with ``body`` to an ingress whose board heard from
-    ``engines``' replicas (and the ``silent`` ones, which never answer)."""
+def post(tmp_path, engines: dict[str, Engine], body: dict, silent: tuple[str, ...] = (),
+         route: tuple[str, str] = ("POST", "/v1/weights")) -> httpx.Response:
+    """``POST /v1/weights`` (or ``route``) with ``body`` to an ingress whose
+    board heard from ``engines``' replicas (and the ``silent`` ones, which
+    never answer)."""
     save_file(TENSORS, tmp_path / "w.safetensors")
     board = StatsBoard()
     for name in [*engines, *silent]:
         board.put(name, Stats())
-    settings = ServeSettings(weights_dir=str(tmp_path))
+    settings = ServeSettings(weights_dir=str(tmp_path), lora_dir=str(tmp_path))
 
     async def main() -> httpx.Response:
         tasks = [asyncio.create_task(replica(board, ReplicaWeights(
@@ -93,7 +107,7 @@ def post(tmp_path, engines: dict[str, Engine], body: dict, silent: tuple[str, ..
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://testserver") as c:
-                return await c.post("/v1/weights", json=body, headers=AUTH)
+                return await c.request(*route, json=body, headers=AUTH)
         finally:
             for task in tasks:
                 task.cancel()
@@ -165,3 +179,16 @@ def test_the_board_keeps_the_updates_a_later_replica_applies():
     assert [e.version for e in board.committed()] == [1, 2]
     board.commit(entry(names=["a", "b", "d"], source="3", version=3, checksum="z"))
     assert [e.version for e in board.committed()] == [2, 3]  # 1's tensors all replaced
+
+
+def test_an_adapter_update_reaches_every_replica_or_none(tmp_path):
+    engines = {"a": Engine(), "b": Engine()}
+    r = post(tmp_path, engines, {"path": "w.safetensors", "version": 4},
+             route=("PUT", "/v1/loras/style"))
+    assert r.status_code == 200 and r.json()["version"] == 4, r.text
+    assert [e.lora.version for e in engines.values()] == [4, 4]
+    assert all(torch.equal(e.applied[0]["proj.weight"], TENSORS["proj.weight"])
+               for e in engines.values())
+    r = post(tmp_path, engines, {"path": "w.safetensors"}, route=("PUT", "/v1/loras/other"))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found", r.text
+    assert [len(e.applied) for e in engines.values()] == [1, 1]
