@@ -27,8 +27,9 @@ Every model replica publishes its engine's statistics once a second to a
 ``StatsBoard`` actor (created by whoever deploys the application and handed
 to both deployments); the ingress reads it for ``/metrics`` (every series
 labelled ``replica``) and for ``/health``. Each answer names the replica that
-served it in an ``x-diffrt-replica`` header. ``POST /v1/weights`` reaches
-every replica through the board too, in two phases (``ray_weights.py``).
+served it in an ``x-diffrt-replica`` header. ``POST /v1/weights`` and ``PUT
+/v1/loras/{name}`` reach every replica through the board too, in two phases
+(``ray_weights.py``).
 """
 
 from __future__ import annotations
