@@ -28,7 +28,9 @@ error, and the caller updates again (with a new version) or restarts.
 
 The board keeps the updates every replica applied (``Committed``; one that
 a later update covers name for name goes): a replica Ray starts later (a
-replacement, autoscaling) applies them before it serves (``catch_up``).
+replacement, autoscaling) applies them before it serves (``catch_up``), and
+between rounds each replica applies any it missed (one that started while
+an update was between its phases).
 """
 
 from __future__ import annotations
@@ -176,6 +178,8 @@ class ReplicaWeights:
         self.name, self.board, self.engine, self._stop = name, board, engine, stop
         #: what phase 1 read, by update id, for phase 2 to apply
         self._read: tuple[str, dict[str, torch.Tensor]] | None = None
+        #: the updates applied here (``_key``), to tell which committed ones it missed
+        self._applied: set[tuple[str | None, str, str]] = set()
         self.thread = threading.Thread(target=self._watch, name="diffrt-weights", daemon=True)
 
     def start(self) -> None:
@@ -192,7 +196,15 @@ class ReplicaWeights:
         except Exception:  # no board: no update was made through it
             logger.warning("reading the applied weight updates failed", exc_info=True)
             return
-        for entry in entries:
+        self.apply_committed(entries)
+
+    def apply_committed(self, entries: list[Committed]) -> int:
+        """From the first of ``entries`` this replica has not applied on,
+        apply them in order (a replica that started while an update was
+        between its phases missed it, and may have applied later ones since:
+        those go again after it); how many it applied."""
+        first = next((i for i, e in enumerate(entries) if _key(e) not in self._applied), None)
+        for entry in entries[first:] if first is not None else []:
             tensors = read_source(entry.source)
             got = source_checksum(tensors)
             if got != entry.checksum:
@@ -202,6 +214,16 @@ class ReplicaWeights:
             self._apply(entry.lora, tensors, entry.version, "wait")
             logger.info("caught up with %s version %r (%s)", entry.lora or "weights",
                         entry.version, got)
+        return 0 if first is None else len(entries) - first
+
+    def _check_committed(self) -> None:
+        """Between rounds: catch up with any update this replica missed."""
+        import ray
+
+        try:
+            self.apply_committed(ray.get(self.board.committed.remote(), timeout=POLL_S * 6))
+        except Exception:
+            logger.exception("catching up with the applied weight updates failed")
 
     def _watch(self) -> None:
         import ray
@@ -216,6 +238,7 @@ class ReplicaWeights:
                 self._stop.wait(1.0)
                 continue
             if got is None:
+                self._check_committed()
                 continue
             seen, task = got
             reply = self.handle(task)
@@ -238,10 +261,14 @@ class ReplicaWeights:
                policy: str) -> RoundReply:
         if lora is None:
             done = self.engine.update_weights_report(tensors, version=version, policy=policy)
-            return RoundReply(version=done.version, checksum=done.checksum,
-                              rank_checksums=list(done.rank_checksums))
-        info = self.engine.update_lora(lora, tensors, version=version)
-        return RoundReply(version=info.version, checksum=source_checksum(tensors), info=info)
+            reply = RoundReply(version=done.version, checksum=done.checksum,
+                               rank_checksums=list(done.rank_checksums))
+        else:
+            info = self.engine.update_lora(lora, tensors, version=version)
+            reply = RoundReply(version=info.version, checksum=source_checksum(tensors),
+                               info=info)
+        self._applied.add((lora, repr(reply.version), str(reply.checksum)))
+        return reply
 
     def handle(self, task: WeightsRound) -> RoundReply:
         """One round's work: the phase's reply, or the error that refuses it."""
@@ -275,6 +302,10 @@ class ReplicaWeights:
         except KeyError:
             now = None
         return RoundReply(version=now, error=error, message=message)
+
+
+def _key(entry: Committed) -> tuple[str | None, str, str]:
+    return entry.lora, repr(entry.version), entry.checksum
 
 
 def read_source(source: Any) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import threading
 
 import httpx
 import msgspec
+import pytest
 import torch
 from safetensors.torch import save_file
 from serve_helpers import AUTH
@@ -192,3 +193,21 @@ def test_an_adapter_update_reaches_every_replica_or_none(tmp_path):
     r = post(tmp_path, engines, {"path": "w.safetensors"}, route=("PUT", "/v1/loras/other"))
     assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found", r.text
     assert [len(e.applied) for e in engines.values()] == [1, 1]
+
+
+def test_a_replica_applies_the_committed_updates_it_missed_in_order(tmp_path):
+    """One that started while an update was between its phases missed it and
+    may have applied a later one since: both go again, in order."""
+    save_file(TENSORS, tmp_path / "w.safetensors")
+    path, want = str(tmp_path / "w.safetensors"), checksum(TENSORS)
+    entries = [ray_weights.Committed(names=["proj.weight"], source=path, version=v, checksum=want)
+               for v in (1, 2)]
+    engine = Engine()
+    weights = ReplicaWeights("late", None, engine, threading.Event())
+    weights._apply(None, TENSORS, 2, "wait")  # update 2 came by its round
+    assert weights.apply_committed(entries) == 2 and engine.weights_version == 2
+    assert weights.apply_committed(entries) == 0 and len(engine.applied) == 3
+    entries[1] = msgspec.structs.replace(entries[1], checksum="other")
+    weights = ReplicaWeights("new", None, Engine(), threading.Event())
+    with pytest.raises(RuntimeError, match="read checksum"):
+        weights.apply_committed(entries)
