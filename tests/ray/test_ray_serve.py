@@ -19,6 +19,7 @@ import base64
 import concurrent.futures as cf
 import io
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -44,6 +45,7 @@ CONFIG = EngineConfig(model="tiny-flux", step_execution=True, max_num_seqs=4,
 #: queued beyond the replicas' running requests before 429 (room for every test's
 #: burst: Ray's router may refuse a little early under a burst)
 MAX_PENDING = 64
+TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
 #: what the module's application was deployed with (its statistics board)
 DEPLOYED: dict[str, Any] = {}
 
@@ -69,8 +71,10 @@ def serve_url(ray_cluster, tmp_path_factory):
                          tmp_path_factory.mktemp("loras") / "style", rank=4, seed=1,
                          targets=("to_q", "to_k", "to_v", "proj_mlp"))
     DEPLOYED["style"] = style
+    weights = tmp_path_factory.mktemp("weights")  # --weights-dir: the original transformer
+    shutil.copy(f"{embedded_folder('tiny-flux')}/{TRANSFORMER}", weights / "original.safetensors")
     serve.run(build_application(CONFIG.replace(lora_modules={"style": style}),
-                                ServeSettings(max_pending=MAX_PENDING),
+                                ServeSettings(max_pending=MAX_PENDING, weights_dir=str(weights)),
                                 ReplicaSettings(replicas=2, replica_cpus=0.25), board),
               name=APP_NAME, route_prefix="/")
     DEPLOYED["board"] = board
@@ -142,11 +146,11 @@ def test_a_weight_update_reaches_both_replicas_or_neither(serve_url, ray_cluster
     """POST /v1/weights (an upload): first with one replica reading other bytes
     (the board's test seam): 409 and both keep version 0; then for real: the
     version and each replica's checksum, and both replicas answer on it, bit
-    for bit alike, as one engine updated in process draws it."""
+    for bit alike, as one engine updated in process draws it; last, back to
+    the original weights by path (inside --weights-dir)."""
     from safetensors.torch import load_file
 
-    original = load_file(f"{embedded_folder('tiny-flux')}/transformer/"
-                         "diffusion_pytorch_model.safetensors")
+    original = load_file(f"{embedded_folder('tiny-flux')}/{TRANSFORMER}")
     generator = torch.Generator().manual_seed(7)
     perturbed = {k: t + 0.05 * torch.randn(t.shape, generator=generator).to(t.dtype)
                  for k, t in original.items()}
@@ -178,6 +182,16 @@ def test_a_weight_update_reaches_both_replicas_or_neither(serve_url, ray_cluster
     assert ref.weights_version == 7
     # another process's thread count: float reassociation, at most one level
     assert np.abs(pixels[0] - np.asarray(ref.images[0]).astype(np.int16)).max() <= 1
+
+    # back by path (inside --weights-dir): both replicas draw as before, bit for bit
+    r = httpx.post(f"{serve_url}/v1/weights", timeout=120,
+                   json={"path": "original.safetensors", "version": "restored"})
+    assert r.status_code == 200, r.text
+    assert set(r.json()["replica_checksums"].values()) == {checksum(original)}
+    back = from_both_replicas(serve_url)
+    assert {a["diffrt"]["weights_version"] for got in back.values() for a in got} == {"restored"}
+    assert all(np.array_equal(png_pixels(a["data"][0]["b64_json"]), old)
+               for got in back.values() for a in got)
 
 
 def test_an_adapter_update_reaches_both_replicas(serve_url):
@@ -307,9 +321,9 @@ def test_a_killed_replica_fails_its_own_requests_and_is_replaced(serve_url, ray_
 
     def two_fresh_replicas() -> bool:
         answers = [generate(serve_url, 400 + i) for i in range(6)]
-        # the replacement applied the update the module's weights test made first
+        # the replacement applied the updates the module's weights test made first
         assert {a.json()["diffrt"]["weights_version"] for a in answers
-                if a.status_code == 200} <= {7}
+                if a.status_code == 200} <= {"restored"}
         return len({a.headers.get("x-diffrt-replica") for a in answers}) == 2
     assert wait_until(two_fresh_replicas, timeout=90, interval=1.0)
     new_pids = {handle.pid.remote().result(timeout_s=30) for _ in range(20)}
