@@ -191,13 +191,10 @@ def lora_dir(args: argparse.Namespace) -> str | None:
 
 
 def weights_dir(args: argparse.Namespace) -> str | None:
-    """``--weights-dir`` as its real path: an existing folder, one engine
-    (an update across Ray Serve replicas is not built)."""
+    """``--weights-dir`` as its real path: an existing folder (on Ray Serve
+    every replica reads a path in it: the same folder on every node)."""
     if args.weights_dir is None:
         return None
-    if on_ray(args):
-        raise CliError("--weights-dir: the weights cannot be updated at run time on Ray Serve "
-                       "replicas (each has an engine of its own)")
     return _folder(args.weights_dir, "--weights-dir")
 
 

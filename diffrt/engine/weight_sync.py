@@ -83,6 +83,14 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], folder: str, file: str,
     return path
 
 
+def source_checksum(source: WeightSource) -> str:
+    """The checksum an update of ``source`` reports (``WeightsUpdate.checksum``),
+    computed without applying it (Ray Serve's replicas compare theirs first)."""
+    if isinstance(source, Mapping):
+        return checksum(source)
+    return checksum(read_tensors(os.path.abspath(os.fspath(source))))
+
+
 class StagedSource:
     """A source made ready for the workers: the path they read, its checksum,
     and the shared-memory folder to remove afterwards (None: the caller's)."""
@@ -96,11 +104,11 @@ class StagedSource:
             except BaseException:
                 self.remove()
                 raise
-            self.checksum = checksum(source)
+            self.checksum = source_checksum(source)
         else:
             self.path = os.path.abspath(os.fspath(source))
             safetensors_files(self.path)  # refuses a path with no safetensors file
-            self.checksum = checksum(read_tensors(self.path))
+            self.checksum = source_checksum(self.path)
 
     def remove(self) -> None:
         if self.folder is not None:
@@ -139,4 +147,5 @@ def next_version(current: Version, version: Version | None) -> Version:
 
 
 __all__ = ["SHARED_PREFIX", "StagedSource", "Version", "WeightSource", "WeightsMismatchError",
-           "WeightsUpdate", "apply_update", "next_version", "shared_dir", "write_tensors"]
+           "WeightsUpdate", "apply_update", "next_version", "shared_dir", "source_checksum",
+           "write_tensors"]

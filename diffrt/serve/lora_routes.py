@@ -76,7 +76,7 @@ def card(info: LoraInfo) -> LoraCard:
 def check_changes_allowed(client: Any) -> None:
     """Run-time changes need one engine behind the server (``runtime_loras``)."""
     if not client.runtime_loras:
-        raise ApiError(501, "adapters cannot be registered, updated or removed at run time on "
+        raise ApiError(501, "adapters cannot be registered or removed at run time on "
                             "this server (each Ray Serve replica has an engine of its own); give "
                             "them at start with --lora-modules NAME=PATH",
                        code="not_implemented")

@@ -342,6 +342,8 @@ class WeightsUpdated(BaseModel):
     version: int | str
     checksum: str
     rank_checksums: list[str]
+    #: Ray Serve: each model replica's checksum of what it applied, by replica
+    replica_checksums: dict[str, str] | None = None
 
 
 class LoraList(BaseModel):

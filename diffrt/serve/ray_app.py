@@ -27,7 +27,9 @@ Every model replica publishes its engine's statistics once a second to a
 ``StatsBoard`` actor (created by whoever deploys the application and handed
 to both deployments); the ingress reads it for ``/metrics`` (every series
 labelled ``replica``) and for ``/health``. Each answer names the replica that
-served it in an ``x-diffrt-replica`` header.
+served it in an ``x-diffrt-replica`` header. ``POST /v1/weights`` and ``PUT
+/v1/loras/{name}`` reach every replica through the board too, in two phases
+(``ray_weights.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import msgspec
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig
 from diffrt.serve.ingress_seats import announce_admission
 from diffrt.serve.ray_placement import INGRESS_CPUS, cpu_share, torch_threads_for
+from diffrt.serve.ray_weights import ReplicaWeights, WeightRounds
 from diffrt.serve.replica_client import (
     PUBLISH_EVERY_S,
     REPLICA_HEADER,
@@ -126,8 +129,9 @@ class ReplicaSettings(ReplicaOptions, kw_only=True, frozen=True):
         return options
 
 
-class StatsBoard:
-    """The latest engine statistics of every model replica (a Ray actor)."""
+class StatsBoard(WeightRounds):
+    """The latest engine statistics of every model replica (a Ray actor), and
+    the weight updates' rounds (``WeightRounds``, ``ray_weights.py``)."""
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[float, Any]] = {}
@@ -186,9 +190,14 @@ class ModelReplica:
             changes["torch_threads"] = torch_threads_for(cpus, config.ranks)
         self.engine = DiffusionEngine.make_engine(config.replace(**changes))
         self.client = EngineClient(None, settings, engine=self.engine)
+        #: POST /v1/weights' rounds, from the board (``ray_weights.py``); first
+        #: the updates the others applied, before it serves or is counted live
+        self.weights = ReplicaWeights(self.name, board, self.engine, self._stop)
+        self.weights.catch_up()
         self._publisher = threading.Thread(target=self._publish, name="diffrt-stats",
                                            daemon=True)
         self._publisher.start()
+        self.weights.start()
 
     def _publish(self) -> None:
         engine = self.engine

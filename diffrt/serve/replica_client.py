@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 from diffrt.engine import DiffusionOutput, DiffusionRequest
@@ -40,7 +40,8 @@ class ReplicaClient:
 
     #: each replica has an engine of its own, and a handle reaches one of
     #: them (and not those autoscaling adds later): adapters are registered
-    #: at start (``lora_modules``) only, and POST/DELETE /v1/loras answer 501
+    #: at start (``lora_modules``) only, and POST/DELETE /v1/loras answer 501;
+    #: updates go to every replica (``update_weights``, ``update_lora``)
     runtime_loras = False
 
     def __init__(self, model: Any, board: Any, settings: ServeSettings, model_name: str,
@@ -65,6 +66,7 @@ class ReplicaClient:
         self._snapshots: list[tuple[str, Any]] = []
         self._heard_from_replicas = False
         self._watch: asyncio.Task | None = None
+        self._updating = asyncio.Lock()
 
     # -- lifecycle (the app's lifespan) ---------------------------------------------
     async def start(self) -> None:
@@ -221,6 +223,23 @@ class ReplicaClient:
         except (RayActorError, DeploymentUnavailableError) as exc:
             raise ApiError(503, f"no replica answered ({type(exc).__name__})",
                            code="engine_down") from None
+
+    async def update_weights(self, source: str | Mapping[str, Any], *, version: Any,
+                             policy: str, param: str) -> Any:
+        """``POST /v1/weights`` on every live replica, all or none
+        (``ray_weights.py``); one update at a time."""
+        from diffrt.serve.ray_weights import update_everywhere
+
+        async with self._updating:
+            return await update_everywhere(self.board, source, version, policy, param)
+
+    async def update_lora(self, name: str, source: str | Mapping[str, Any], *, version: Any,
+                          param: str) -> Any:
+        """``PUT /v1/loras/{name}`` on every live replica, as ``update_weights``."""
+        from diffrt.serve.ray_weights import update_lora_everywhere
+
+        async with self._updating:
+            return await update_lora_everywhere(self.board, name, source, version, param)
 
     async def add_lora(self, name: str, path: str) -> Any:
         raise ApiError(501, "adapters are registered at start on Ray Serve (--lora-modules)",

@@ -1,9 +1,9 @@
 """Weight updates over HTTP (docs/rollouts.md): ``POST /v1/weights`` (the
 transformer's, ``DiffusionEngine.update_weights``) and ``PUT
 /v1/loras/{name}`` (an adapter's factors, ``update_lora``). Both need the API
-key (they are under /v1) and one engine behind the server: Ray Serve's
-replicas each have their own, and an update must reach all of them
-atomically, which is not built (501, as ``/sleep``).
+key (they are under /v1). Under Ray Serve either goes to every model
+replica, all or none (``ReplicaClient.update_weights`` / ``update_lora``,
+``ray_weights.py``; no ``--lora-dir`` there, so an adapter's is an upload).
 
 Either takes its source two ways:
 
@@ -46,7 +46,7 @@ from diffrt.engine.weights.update import WeightUpdateError
 from diffrt.serve.error_mapping import engine_error
 from diffrt.serve.errors import ApiError, echoed
 from diffrt.serve.form_parts import add_text_field, bad, json_body, read_form_or_json
-from diffrt.serve.lora_routes import card, check_changes_allowed, confined_path, inside_folder
+from diffrt.serve.lora_routes import card, confined_path, inside_folder
 from diffrt.serve.protocol import (
     ErrorResponse,
     LoraCard,
@@ -147,6 +147,7 @@ def _bodies(model: type[BaseModel]) -> dict[str, Any]:
 
 
 @router.post("/v1/weights", response_model=WeightsUpdated, responses=_ERRORS,
+             response_model_exclude_none=True,
              openapi_extra=_bodies(WeightsUpdateBody))
 async def update_weights(request: Request) -> WeightsUpdated:
     """Replace (some of) the transformer's weights without a restart, at a
@@ -154,7 +155,6 @@ async def update_weights(request: Request) -> WeightsUpdated:
     rank has loaded them (``policy``: the running requests finish on their
     weights first, or are aborted)."""
     client = request.app.state.client
-    _one_engine(client, "the transformer's weights")
     folder = request.app.state.settings.weights_dir
     source = await read_source(request, WeightsUpdateBody, folder, (
         "updating the weights from a path on the server is off: start it with "
@@ -163,8 +163,12 @@ async def update_weights(request: Request) -> WeightsUpdated:
     if isinstance(source.value, str):
         assert folder is not None
         source.value = inside_folder(source.value, folder, "--weights-dir")
-    engine = client.running_engine()
     body = source.body
+    if not client.runtime_loras:  # Ray Serve: every replica, in two phases
+        answer: WeightsUpdated = await client.update_weights(
+            source.value, version=body.version, policy=body.policy, param=source.param)
+        return answer
+    engine = client.running_engine()
     try:
         next_version(engine.weights_version, body.version)  # a refusal of its own: 400 version
     except WeightUpdateError as exc:
@@ -191,15 +195,17 @@ async def update_lora(name: str, request: Request) -> LoraCard:
     from now on run with them, those accepted before keep the old ones.
     Answers its object, with the new ``version``."""
     client = request.app.state.client
-    check_changes_allowed(client)
     lora_dir = request.app.state.settings.lora_dir
     source = await read_source(request, LoraUpdateBody, lora_dir, (
         "reading adapter files on the server is off: start it with --lora-dir DIR, or upload "
         f"the factors (multipart/form-data, part {FILE_PART!r})"))
     if isinstance(source.value, str):
         source.value = confined_path(source.value, lora_dir)
-    engine = client.running_engine()
     version = source.body.version
+    if not client.runtime_loras:  # Ray Serve: every replica, in two phases
+        return card(await client.update_lora(name, source.value, version=version,
+                                             param=source.param))
+    engine = client.running_engine()
     current = next((i for i in engine.list_loras() if i.name == name), None)
     if current is None:
         raise ApiError(404, f"no LoRA adapter named {echoed(name)}", param="name",
@@ -223,14 +229,6 @@ async def update_lora(name: str, request: Request) -> LoraCard:
     except EngineError as exc:
         raise engine_error(exc) from None
     return card(info)
-
-
-def _one_engine(client: Any, what: str) -> None:
-    """Updates need one engine behind the server (Ray Serve's replicas: 501)."""
-    if not client.runtime_loras:  # the same rule as the adapters' and /sleep's
-        raise ApiError(501, f"{what} cannot be updated on this server: each Ray Serve replica "
-                            "has an engine of its own, and an update across them is not built",
-                       code="not_implemented")
 
 
 __all__ = ["FILE_PART", "Source", "read_source", "router"]

@@ -395,6 +395,10 @@ def test_serve_lora_dir_must_be_a_folder_and_one_engine(tmp_path, capsys):
         assert main(["serve", "--port", "0", *argv]) == 2
         err = capsys.readouterr().err
         assert "--lora-dir" in err and needle in err and len(err.strip().splitlines()) == 1
+    # --weights-dir is taken on Ray Serve replicas too (every replica reads its paths)
+    args = build_parser().parse_args(["serve", "--weights-dir", str(tmp_path / "link"),
+                                      "--replicas", "2"])
+    assert build_serve_settings(args).weights_dir == str((tmp_path / "real").resolve())
 
 
 def test_cache_flags_reach_the_request_and_the_engine_and_are_refused_in_one_line(capsys):

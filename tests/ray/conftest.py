@@ -8,11 +8,13 @@ CPUs so several fit.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "engine"))  # lora_files
 
 #: what every Ray worker of these tests needs: gloo on loopback, the test plugins
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo"}

@@ -2,9 +2,13 @@
 on the session's local Ray instance, Serve's HTTP on loopback.
 
 Concurrent requests through the openai client spread over both replicas and
-give one engine's pixels; /metrics labels every series with its replica;
+give one engine's pixels; a weight update reaches both replicas or neither
+(a test seam, ``weight_seam.py``, makes one read other bytes), and so does
+an adapter's new factors; /metrics
+labels every series with its replica;
 overload answers 429; a client that leaves aborts its request in the
-replica; a killed replica fails only its own requests and is replaced; the
+replica; a killed replica fails only its own requests and is replaced (by
+one that applies the weight update first); the
 autoscaling flags reach Ray Serve, which adds a replica under load and
 removes it when idle; last, two SIGTERMs stop the application as `diffrt
 serve --replicas 2` stops it (the second ends the drain: 503)."""
@@ -15,6 +19,7 @@ import base64
 import concurrent.futures as cf
 import io
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -23,10 +28,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
+import weight_seam
 from PIL import Image
 from waiting import wait_until
 
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig, SamplingParams
+from diffrt.engine.models.embedded import embedded_folder
+from diffrt.engine.weights.update import checksum
 from diffrt.serve import ServeSettings
 
 #: no run-time cost limit: its estimate follows the momentary step time, and a
@@ -36,6 +45,7 @@ CONFIG = EngineConfig(model="tiny-flux", step_execution=True, max_num_seqs=4,
 #: queued beyond the replicas' running requests before 429 (room for every test's
 #: burst: Ray's router may refuse a little early under a burst)
 MAX_PENDING = 64
+TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
 #: what the module's application was deployed with (its statistics board)
 DEPLOYED: dict[str, Any] = {}
 
@@ -47,15 +57,24 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def serve_url(ray_cluster):
+def serve_url(ray_cluster, tmp_path_factory):
+    from lora_files import make_adapter
     from ray import serve
 
-    from diffrt.serve.ray_app import APP_NAME, ReplicaSettings, StatsBoard, build_application
+    from diffrt.serve.ray_app import APP_NAME, ReplicaSettings, build_application
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    board = ray_cluster.remote(StatsBoard).options(num_cpus=0).remote()
-    serve.run(build_application(CONFIG, ServeSettings(max_pending=MAX_PENDING),
+    ray_cluster.cloudpickle.register_pickle_by_value(weight_seam)
+    board = ray_cluster.remote(weight_seam.SeamBoard).options(num_cpus=0).remote()
+    style = make_adapter(embedded_folder("tiny-flux"), "FluxPipeline",
+                         tmp_path_factory.mktemp("loras") / "style", rank=4, seed=1,
+                         targets=("to_q", "to_k", "to_v", "proj_mlp"))
+    DEPLOYED["style"] = style
+    weights = tmp_path_factory.mktemp("weights")  # --weights-dir: the original transformer
+    shutil.copy(f"{embedded_folder('tiny-flux')}/{TRANSFORMER}", weights / "original.safetensors")
+    serve.run(build_application(CONFIG.replace(lora_modules={"style": style}),
+                                ServeSettings(max_pending=MAX_PENDING, weights_dir=str(weights)),
                                 ReplicaSettings(replicas=2, replica_cpus=0.25), board),
               name=APP_NAME, route_prefix="/")
     DEPLOYED["board"] = board
@@ -71,10 +90,11 @@ def png_pixels(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64)))).astype(np.int16)
 
 
-def generate(url: str, i: int, steps: int = 2, timeout: float = 120) -> httpx.Response:
+def generate(url: str, i: int, steps: int = 2, timeout: float = 120,
+             **extra: Any) -> httpx.Response:
     return httpx.post(f"{url}/v1/images/generations", timeout=timeout, json={
         "prompt": f"a red fox {i}", "size": "64x64", "seed": i,
-        "num_inference_steps": steps})
+        "num_inference_steps": steps, **extra})
 
 
 def test_two_replicas_serve_concurrent_requests_as_one_engine_would(serve_url):
@@ -99,6 +119,102 @@ def test_two_replicas_serve_concurrent_requests_as_one_engine_would(serve_url):
     for (_, got), ref in zip(answers, want, strict=True):
         # other batch mates than here: float reassociation, at most one level
         assert np.abs(got - np.asarray(ref.images[0]).astype(np.int16)).max() <= 1
+
+
+def upload(tensors: dict[str, torch.Tensor], **fields: str) -> dict[str, Any]:
+    from safetensors.torch import save
+
+    return {"files": {"file": ("w.safetensors", save(tensors), "application/octet-stream")},
+            "data": fields}
+
+
+def from_both_replicas(url: str, **extra: Any) -> dict[str, list[dict]]:
+    """One request (the same prompt and seed), sent one at a time until both
+    replicas answered it: each replica's answers."""
+    seen: dict[str, list[dict]] = {}
+    for _ in range(24):
+        r = generate(url, 7, **extra)
+        r.raise_for_status()
+        seen.setdefault(r.headers["x-diffrt-replica"], []).append(r.json())
+        if len(seen) == 2 and sum(map(len, seen.values())) >= 4:
+            break
+    assert len(seen) == 2, seen.keys()
+    return seen
+
+
+def test_a_weight_update_reaches_both_replicas_or_neither(serve_url, ray_cluster):
+    """POST /v1/weights (an upload): first with one replica reading other bytes
+    (the board's test seam): 409 and both keep version 0; then for real: the
+    version and each replica's checksum, and both replicas answer on it, bit
+    for bit alike, as one engine updated in process draws it; last, back to
+    the original weights by path (inside --weights-dir)."""
+    from safetensors.torch import load_file
+
+    original = load_file(f"{embedded_folder('tiny-flux')}/{TRANSFORMER}")
+    generator = torch.Generator().manual_seed(7)
+    perturbed = {k: t + 0.05 * torch.randn(t.shape, generator=generator).to(t.dtype)
+                 for k, t in original.items()}
+    other = [ray_cluster.put({k: 2 * t for k, t in perturbed.items()})]
+    ray_cluster.get(DEPLOYED["board"].arm.remote(other))
+    r = httpx.post(f"{serve_url}/v1/weights", timeout=120, **upload(perturbed, version="5"))
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["code"] == "weights_checksum_mismatch"
+    before = from_both_replicas(serve_url)
+    assert {a["diffrt"]["weights_version"] for got in before.values() for a in got} == {0}
+
+    r = httpx.post(f"{serve_url}/v1/weights", timeout=120, **upload(perturbed, version="7"))
+    assert r.status_code == 200, r.text
+    doc, want = r.json(), checksum(perturbed)
+    assert doc["version"] == 7 and doc["checksum"] == want
+    assert list(doc["replica_checksums"].values()) == [want, want]
+    after = from_both_replicas(serve_url)
+    assert set(doc["replica_checksums"]) == set(after)
+    pixels = [png_pixels(a["data"][0]["b64_json"]) for got in after.values() for a in got]
+    assert {a["diffrt"]["weights_version"] for got in after.values() for a in got} == {7}
+    assert all(np.array_equal(p, pixels[0]) for p in pixels)  # both replicas alike
+    old = png_pixels(next(iter(before.values()))[0]["data"][0]["b64_json"])
+    assert np.abs(pixels[0] - old).max() > 8
+    with DiffusionEngine.make_engine(EngineConfig(model="tiny-flux", executor_backend="inproc",
+                                                  max_num_seqs=4)) as engine:
+        engine.update_weights(perturbed, version=7)
+        ref = engine.generate([DiffusionRequest(prompt="a red fox 7", sampling_params=(
+            SamplingParams(height=64, width=64, num_inference_steps=2, seed=7)))])[0]
+    assert ref.weights_version == 7
+    # another process's thread count: float reassociation, at most one level
+    assert np.abs(pixels[0] - np.asarray(ref.images[0]).astype(np.int16)).max() <= 1
+
+    # back by path (inside --weights-dir): both replicas draw as before, bit for bit
+    r = httpx.post(f"{serve_url}/v1/weights", timeout=120,
+                   json={"path": "original.safetensors", "version": "restored"})
+    assert r.status_code == 200, r.text
+    assert set(r.json()["replica_checksums"].values()) == {checksum(original)}
+    back = from_both_replicas(serve_url)
+    assert {a["diffrt"]["weights_version"] for got in back.values() for a in got} == {"restored"}
+    assert all(np.array_equal(png_pixels(a["data"][0]["b64_json"]), old)
+               for got in back.values() for a in got)
+
+
+def test_an_adapter_update_reaches_both_replicas(serve_url):
+    """PUT /v1/loras/style (an upload, the factors scaled): both replicas
+    answer with the adapter's new version, bit for bit alike, and differ
+    from before."""
+    from safetensors.torch import load_file
+
+    factors = load_file(f"{DEPLOYED['style']}/pytorch_lora_weights.safetensors")
+    styled = {"loras": {"style": 1.0}}
+    before = from_both_replicas(serve_url, **styled)
+    r = httpx.put(f"{serve_url}/v1/loras/style", timeout=120,
+                  **upload({k: 1.5 * t for k, t in factors.items()}, version="3"))
+    assert r.status_code == 200 and r.json()["version"] == 3, r.text
+    after = from_both_replicas(serve_url, **styled)
+    assert {str(a["diffrt"]["lora_versions"]) for got in after.values() for a in got} == {
+        str({"style": 3})}
+    pixels = [png_pixels(a["data"][0]["b64_json"]) for got in after.values() for a in got]
+    assert all(np.array_equal(p, pixels[0]) for p in pixels)
+    old = png_pixels(next(iter(before.values()))[0]["data"][0]["b64_json"])
+    assert np.abs(pixels[0] - old).max() > 8
+    r = httpx.put(f"{serve_url}/v1/loras/nope", timeout=120, **upload(factors))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found", r.text
 
 
 def test_metrics_label_every_series_with_its_replica(serve_url):
@@ -204,8 +320,11 @@ def test_a_killed_replica_fails_its_own_requests_and_is_replaced(serve_url, ray_
     assert all(c == 200 or c >= 500 for c in codes)
 
     def two_fresh_replicas() -> bool:
-        seen = {generate(serve_url, 400 + i).headers.get("x-diffrt-replica") for i in range(6)}
-        return len(seen) == 2
+        answers = [generate(serve_url, 400 + i) for i in range(6)]
+        # the replacement applied the updates the module's weights test made first
+        assert {a.json()["diffrt"]["weights_version"] for a in answers
+                if a.status_code == 200} <= {"restored"}
+        return len({a.headers.get("x-diffrt-replica") for a in answers}) == 2
     assert wait_until(two_fresh_replicas, timeout=90, interval=1.0)
     new_pids = {handle.pid.remote().result(timeout_s=30) for _ in range(20)}
     assert victim not in new_pids

@@ -1,0 +1,435 @@
+"""``POST /v1/weights`` and ``PUT /v1/loras/{name}`` across Ray Serve's model
+replicas (docs/scale-out.md): every live replica ends on the new version, or
+every one keeps the old weights (or adapter factors).
+
+A Serve handle reaches whichever replica its router picks, so the rounds go
+through the ``StatsBoard`` actor the replicas already publish to (its
+``WeightRounds`` part): the ingress posts a round for the replicas the board
+heard from within ``STALE_AFTER_S`` and waits for each one's reply; every
+replica long-polls the board for its next round (``ReplicaWeights``, a
+thread of its own beside the statistics').
+
+1. ``check``: each replica reads the source (a path inside ``--weights-dir``
+   on its node, or the uploaded tensors, put once into Ray's object store by
+   the ingress), keeps what it read and answers its checksum (the one the
+   engine's update reports) and its current version, changing nothing. Any
+   failure, a replica that does not answer, or checksums that differ (from
+   each other, or from the upload's) refuse the update: 400 / 503 / 409, as
+   the single-server route, and each replica drops what it read.
+2. ``apply``: each replica hands the tensors it read to its engine's
+   ``update_weights_report`` (its own ranks' check, its step boundary and
+   ``policy``), under the one version the ingress chose; an adapter's to
+   ``update_lora`` (a replica without the adapter refuses it in phase 1: 404).
+
+A replica that fails in phase 2 while others applied is not rolled back (its
+engine's weights live in its workers; the old ones are not kept): the answer
+is 503 ``weights_partially_updated`` naming each replica's version and
+error, and the caller updates again (with a new version) or restarts.
+
+The board keeps the updates every replica applied (``Committed``; one that
+a later update covers name for name goes): a replica Ray starts later (a
+replacement, autoscaling) applies them before it serves (``catch_up``), and
+between rounds each replica applies any it missed (one that started while
+an update was between its phases).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgspec
+import torch
+
+from diffrt.engine.weight_sync import (
+    Version,
+    WeightsMismatchError,
+    next_version,
+    source_checksum,
+)
+from diffrt.engine.weights.update import WeightUpdateError, read_tensors
+from diffrt.serve.errors import ApiError
+from diffrt.serve.protocol import WeightsUpdated
+
+logger = logging.getLogger(__name__)
+
+#: how long the ingress waits for every replica's check, and for its apply
+#: (which first lets the running requests finish, under policy "wait")
+CHECK_TIMEOUT_S = 60.0
+APPLY_TIMEOUT_S = 600.0
+#: how long one poll of the board waits for a round
+POLL_S = 5.0
+
+
+class WeightsRound(msgspec.Struct, frozen=True, kw_only=True):
+    """One phase of one update, as the board hands it to a replica.
+    ``source``: a path, or ``[ObjectRef]`` of the uploaded tensors."""
+
+    update: str
+    phase: Literal["check", "apply", "discard"]
+    source: Any = None
+    #: the adapter whose factors it replaces (``PUT /v1/loras/{name}``); None:
+    #: the transformer's weights
+    lora: str | None = None
+    version: Version | None = None
+    policy: str = "wait"
+
+
+class RoundReply(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica's answer: its checksum(s) and version, or its error
+    (``invalid``: the source; ``mismatch``: its ranks disagreed; ``failed``)."""
+
+    version: Version | None = None
+    checksum: str | None = None
+    rank_checksums: list[str] = []
+    #: the check's tensor names (which earlier updates a later one covers)
+    names: list[str] = []
+    #: an adapter's update: its ``LoraInfo`` as this replica holds it now
+    info: Any = None
+    error: str | None = None
+    message: str = ""
+
+
+class Committed(msgspec.Struct, frozen=True, kw_only=True):
+    """An update every replica applied, kept on the board for the replicas
+    Ray starts later (a replacement, autoscaling): they apply it at start."""
+
+    names: list[str]
+    source: Any
+    version: Version
+    checksum: str
+    lora: str | None = None
+
+
+class WeightRounds:
+    """The board's part: rounds posted by the ingress, polled by replicas."""
+
+    _rounds: dict[str, tuple[int, WeightsRound]]
+    _replies: dict[int, dict[str, RoundReply]]
+
+    def _round_state(self) -> None:
+        if not hasattr(self, "_rounds"):
+            self._rounds, self._replies, self._count = {}, {}, 0
+            self._committed: list[Committed] = []
+
+    def commit(self, entry: Committed) -> None:
+        """Record an applied update; those whose every tensor it replaces go."""
+        self._round_state()
+        covered = set(entry.names)
+        self._committed = [e for e in self._committed
+                           if e.lora != entry.lora or not set(e.names) <= covered]
+        self._committed.append(entry)
+
+    def committed(self) -> list[Committed]:
+        """The updates a replica starting now applies, oldest first."""
+        self._round_state()
+        return list(self._committed)
+
+    async def next_round(self, replica: str, seen: int,
+                         wait_s: float = POLL_S) -> tuple[int, WeightsRound] | None:
+        """The round posted for ``replica`` after round ``seen``, waiting up to ``wait_s``."""
+        self._round_state()
+        end = time.monotonic() + wait_s
+        while True:
+            got = self._rounds.get(replica)
+            if got is not None and got[0] > seen:
+                return got
+            if time.monotonic() >= end:
+                return None
+            await asyncio.sleep(0.02)
+
+    def answer(self, replica: str, round_id: int, reply: RoundReply) -> None:
+        self._round_state()
+        replies = self._replies.get(round_id)
+        if replies is not None:
+            replies[replica] = reply
+
+    async def run_round(self, task: WeightsRound, replicas: list[str],
+                        timeout_s: float) -> dict[str, RoundReply]:
+        """Post ``task`` to ``replicas``; their replies once all answered (or
+        those in by ``timeout_s``)."""
+        self._round_state()
+        self._count += 1
+        rid = self._count
+        replies = self._replies[rid] = {}
+        for replica in replicas:
+            self._rounds[replica] = (rid, task)
+        end = time.monotonic() + timeout_s
+        try:
+            while len(replies) < len(replicas) and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            return dict(replies)
+        finally:
+            del self._replies[rid]
+            for replica in replicas:
+                if self._rounds.get(replica, (0,))[0] == rid:
+                    del self._rounds[replica]
+
+
+class ReplicaWeights:
+    """A model replica's side: poll the board, check and apply updates."""
+
+    def __init__(self, name: str, board: Any, engine: Any, stop: threading.Event) -> None:
+        self.name, self.board, self.engine, self._stop = name, board, engine, stop
+        #: what phase 1 read, by update id, for phase 2 to apply
+        self._read: tuple[str, dict[str, torch.Tensor]] | None = None
+        #: the updates applied here (``_key``), to tell which committed ones it missed
+        self._applied: set[tuple[str | None, str, str]] = set()
+        self.thread = threading.Thread(target=self._watch, name="diffrt-weights", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def catch_up(self) -> None:
+        """Apply the updates the other replicas applied before this one
+        started (``Committed``), before it serves: it reads each source again
+        and refuses to start (``RuntimeError``) when it reads other bytes."""
+        import ray
+
+        try:
+            entries: list[Committed] = ray.get(self.board.committed.remote(), timeout=60)
+        except Exception:  # no board: no update was made through it
+            logger.warning("reading the applied weight updates failed", exc_info=True)
+            return
+        self.apply_committed(entries)
+
+    def apply_committed(self, entries: list[Committed]) -> int:
+        """From the first of ``entries`` this replica has not applied on,
+        apply them in order (a replica that started while an update was
+        between its phases missed it, and may have applied later ones since:
+        those go again after it); how many it applied."""
+        first = next((i for i, e in enumerate(entries) if _key(e) not in self._applied), None)
+        for entry in entries[first:] if first is not None else []:
+            tensors = read_source(entry.source)
+            got = source_checksum(tensors)
+            if got != entry.checksum:
+                raise RuntimeError(
+                    f"weights version {entry.version!r}: this replica read checksum {got}, the "
+                    f"other replicas applied {entry.checksum} (the file changed?)")
+            self._apply(entry.lora, tensors, entry.version, "wait")
+            logger.info("caught up with %s version %r (%s)", entry.lora or "weights",
+                        entry.version, got)
+        return 0 if first is None else len(entries) - first
+
+    def _check_committed(self) -> None:
+        """Between rounds: catch up with any update this replica missed."""
+        import ray
+
+        try:
+            self.apply_committed(ray.get(self.board.committed.remote(), timeout=POLL_S * 6))
+        except Exception:
+            logger.exception("catching up with the applied weight updates failed")
+
+    def _watch(self) -> None:
+        import ray
+
+        seen = 0
+        while not self._stop.is_set():
+            try:
+                got = ray.get(self.board.next_round.remote(self.name, seen),
+                              timeout=POLL_S * 6)
+            except Exception:  # the board may be gone while the app shuts down
+                logger.debug("polling the board for weight updates failed", exc_info=True)
+                self._stop.wait(1.0)
+                continue
+            if got is None:
+                self._check_committed()
+                continue
+            seen, task = got
+            reply = self.handle(task)
+            try:
+                ray.get(self.board.answer.remote(self.name, seen, reply), timeout=POLL_S * 6)
+            except Exception:
+                logger.warning("answering weight update round %d failed", seen, exc_info=True)
+
+    def _version(self, lora: str | None) -> Version:
+        """The current version of what ``lora`` names (``KeyError``: no such adapter)."""
+        if lora is None:
+            version: Version = self.engine.weights_version
+            return version
+        info = next((i for i in self.engine.list_loras() if i.name == lora), None)
+        if info is None:
+            raise KeyError(lora)
+        return info.version
+
+    def _apply(self, lora: str | None, tensors: dict[str, torch.Tensor], version: Version | None,
+               policy: str) -> RoundReply:
+        if lora is None:
+            done = self.engine.update_weights_report(tensors, version=version, policy=policy)
+            reply = RoundReply(version=done.version, checksum=done.checksum,
+                               rank_checksums=list(done.rank_checksums))
+        else:
+            info = self.engine.update_lora(lora, tensors, version=version)
+            reply = RoundReply(version=info.version, checksum=source_checksum(tensors),
+                               info=info)
+        self._applied.add((lora, repr(reply.version), str(reply.checksum)))
+        return reply
+
+    def handle(self, task: WeightsRound) -> RoundReply:
+        """One round's work: the phase's reply, or the error that refuses it."""
+        if task.phase != "apply":
+            self._read = None
+        try:
+            if task.phase == "discard":
+                return RoundReply(version=self._version(task.lora))
+            if task.phase == "check":
+                version = self._version(task.lora)
+                tensors = read_source(task.source)
+                self._read = (task.update, tensors)
+                return RoundReply(version=version, checksum=source_checksum(tensors),
+                                  names=sorted(tensors))
+            read, self._read = self._read, None
+            if read is None or read[0] != task.update:
+                return RoundReply(version=self._version(task.lora), error="failed",
+                                  message="this replica did not check this update")
+            return self._apply(task.lora, read[1], task.version, task.policy)
+        except KeyError:
+            return RoundReply(error="not_found", message=f"no LoRA adapter named {task.lora!r}")
+        except WeightsMismatchError as exc:
+            error, message = "mismatch", str(exc)
+        except (WeightUpdateError, OSError, ValueError) as exc:  # files, names, shapes
+            error, message = "invalid", str(exc)
+        except Exception as exc:
+            logger.exception("a weight update's %s failed", task.phase)
+            error, message = "failed", f"{type(exc).__name__}: {exc}"
+        try:
+            now: Version | None = self._version(task.lora)
+        except KeyError:
+            now = None
+        return RoundReply(version=now, error=error, message=message)
+
+
+def _key(entry: Committed) -> tuple[str | None, str, str]:
+    return entry.lora, repr(entry.version), entry.checksum
+
+
+def read_source(source: Any) -> dict[str, torch.Tensor]:
+    """A round's tensors: a path's safetensors, or the uploaded ones from
+    Ray's object store."""
+    if isinstance(source, str):
+        return read_tensors(source)
+    import ray
+
+    tensors: dict[str, torch.Tensor] = ray.get(source[0])
+    return tensors
+
+
+async def update_everywhere(board: Any, source: str | Mapping[str, torch.Tensor],
+                            version: Version | None, policy: str, param: str) -> WeightsUpdated:
+    """The ingress's side of ``POST /v1/weights`` (see the module); raises
+    ``ApiError`` for a refusal."""
+    new, agreed, done = await _two_phases(board, source, version, policy, param, None)
+    live = list(done)
+    return WeightsUpdated(version=new, checksum=agreed,
+                          rank_checksums=[c for r in live for c in done[r].rank_checksums],
+                          replica_checksums={r: str(done[r].checksum) for r in live})
+
+
+async def update_lora_everywhere(board: Any, name: str,
+                                 source: str | Mapping[str, torch.Tensor],
+                                 version: Version | None, param: str) -> Any:
+    """The ingress's side of ``PUT /v1/loras/{name}``, as ``update_everywhere``;
+    answers the adapter's ``LoraInfo`` as the first replica holds it."""
+    _, _, done = await _two_phases(board, source, version, "wait", param, name)
+    return next(iter(done.values())).info
+
+
+async def _two_phases(board: Any, source: str | Mapping[str, torch.Tensor],
+                      version: Version | None, policy: str, param: str, lora: str | None
+                      ) -> tuple[Version, str, dict[str, RoundReply]]:
+    """Check on every live replica, then apply (see the module): the new
+    version, the agreed checksum and each replica's reply, in ``live``'s order."""
+    import ray
+
+    live = [name for name, _ in await board.snapshot.remote()]
+    if not live:
+        raise ApiError(503, "no model replica reported within the last seconds",
+                       code="engine_down")
+    expected = None
+    wire: Any = source
+    if isinstance(source, Mapping):
+        expected = await asyncio.to_thread(source_checksum, source)
+        wire = [ray.put(dict(source))]
+    update = uuid.uuid4().hex
+    checks = await board.run_round.remote(
+        WeightsRound(update=update, phase="check", source=wire, lora=lora), live,
+        CHECK_TIMEOUT_S)
+    try:
+        new = _agreed(checks, live, expected, version, param, lora)
+    except BaseException:
+        await board.run_round.remote(WeightsRound(update=update, phase="discard", lora=lora),
+                                     sorted(checks), CHECK_TIMEOUT_S)
+        raise
+    applied: dict[str, RoundReply] = await board.run_round.remote(
+        WeightsRound(update=update, phase="apply", version=new, policy=policy, lora=lora),
+        live, APPLY_TIMEOUT_S)
+    done = {r: applied[r] for r in live if r in applied and applied[r].error is None}
+    agreed = str(checks[live[0]].checksum)
+    if len(done) == len(live) and all(a.checksum == agreed for a in done.values()):
+        logger.info("%s version %r applied on %d replica(s) (%s)", lora or "weights", new,
+                    len(live), agreed)
+        await board.commit.remote(Committed(names=checks[live[0]].names, source=wire,
+                                            version=new, checksum=agreed, lora=lora))
+        return new, agreed, done
+    if not done and len(applied) == len(live):  # every replica refused: none changed
+        _refuse(applied, param, lora)
+    states = "; ".join(
+        f"{r}: " + (f"version {applied[r].version!r} (updated, checksum {applied[r].checksum})"
+                    if r in done else
+                    f"version {applied[r].version!r} ({applied[r].error}: "
+                    f"{applied[r].message})" if r in applied else "no answer")
+        for r in live)
+    raise ApiError(503, f"the update to version {new!r} did not reach every replica, which "
+                        f"now differ (not rolled back; update again or restart): {states}",
+                   code="weights_partially_updated")
+
+
+def _agreed(checks: dict[str, RoundReply], live: list[str], expected: str | None,
+            version: Version | None, param: str, lora: str | None) -> Version:
+    """The new version, once every replica's check agrees; else the refusal."""
+    missing = [r for r in live if r not in checks]
+    if missing:
+        raise ApiError(503, f"replica(s) {', '.join(missing)} did not check the update: "
+                            "refused, nothing changed", code="engine_down")
+    if any(c.error for c in checks.values()):
+        _refuse(checks, param, lora)
+    sums = {r: checks[r].checksum for r in live}
+    if len(set(sums.values())) > 1 or (expected is not None and sums[live[0]] != expected):
+        said = ", ".join(f"{r}: {s}" for r, s in sums.items())
+        source = "" if expected is None else f" (the upload's: {expected})"
+        raise ApiError(409, f"{param}: the replicas read different bytes{source}: {said}; "
+                            "the update is refused and every replica keeps its old weights",
+                       param=param, code="weights_checksum_mismatch")
+    versions = [checks[r].version for r in live]
+    current = versions[0] if len(set(map(repr, versions))) == 1 else (
+        max(v for v in versions if isinstance(v, int))
+        if all(isinstance(v, int) for v in versions) else "mixed")
+    try:
+        assert current is not None
+        return next_version(current, version)
+    except WeightUpdateError as exc:
+        raise ApiError(400, f"version: {exc}", param="version", code="invalid_value") from None
+
+
+def _refuse(replies: dict[str, RoundReply], param: str, lora: str | None) -> None:
+    """Every replica's refusal as the single-server route answers it."""
+    replica, reply = next((r, a) for r, a in sorted(replies.items()) if a.error)
+    message = f"{param}: {reply.message} (replica {replica})"
+    if reply.error == "not_found":
+        raise ApiError(404, reply.message, param="name", code="lora_not_found")
+    if reply.error == "mismatch":
+        raise ApiError(409, message, param=param, code="weights_checksum_mismatch")
+    if reply.error == "invalid":
+        raise ApiError(400, message, param=param,
+                       code="invalid_weights" if lora is None else "invalid_lora_file")
+    raise ApiError(503, f"the update failed on replica {replica}: {reply.message}; nothing "
+                        "changed", code="engine_down")
+
+
+__all__ = ["Committed", "ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound",
+           "read_source", "update_everywhere", "update_lora_everywhere"]

@@ -1,0 +1,213 @@
+"""``POST /v1/weights`` across Ray Serve replicas without a cluster: the
+ingress's route and ``ReplicaClient`` over the real ``StatsBoard`` rounds,
+in process, with replicas whose engines are stand-ins (``ray_weights.py``).
+Checked: all-or-none (a refusal in either phase leaves every replica on its
+version), the 503 that names each replica's state when phase 2 splits them,
+and a replica that never answers. The cluster test is tests/ray/test_ray_serve.py."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+
+import httpx
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+from serve_helpers import AUTH
+
+from diffrt.engine import LoraInfo
+from diffrt.engine.weight_sync import WeightsMismatchError, WeightsUpdate
+from diffrt.engine.weights.update import WeightUpdateError, checksum
+from diffrt.serve import ServeSettings, build_app, ray_weights
+from diffrt.serve.ray_app import ReplicaClient, StatsBoard
+from diffrt.serve.ray_weights import ReplicaWeights
+
+TENSORS = {"proj.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+
+
+class Engine:
+    """A replica's engine, as far as an update goes."""
+
+    def __init__(self, fail: Exception | None = None, version: int | str = 0):
+        self.weights_version = version
+        self.fail = fail
+        self.applied: list[dict] = []
+        self.lora = LoraInfo(name="style", path="/a/style", rank=4, modules=1, nbytes=24,
+                             requests=0, active=0, slot=0)
+
+    def list_loras(self):
+        return [self.lora]
+
+    def update_lora(self, name, tensors, *, version):
+        assert name == self.lora.name
+        self.applied.append(dict(tensors))
+        self.lora = msgspec.structs.replace(self.lora, version=version)
+        return self.lora
+
+    def update_weights_report(self, tensors, *, version, policy):
+        if self.fail is not None:
+            raise self.fail
+        self.weights_version = version
+        self.applied.append(dict(tensors))
+        got = checksum(tensors)
+        return WeightsUpdate(version=version, checksum=got, rank_checksums=[got, got])
+
+
+class Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def remote(self, *args):
+        got = self.fn(*args)
+        return await got if inspect.isawaitable(got) else got
+
+
+class LocalBoard:
+    """The board as the ingress calls it (``board.method.remote(...)``), in process."""
+
+    def __init__(self, board: StatsBoard):
+        self.board = board
+
+    def __getattr__(self, name):
+        return Method(getattr(self.board, name))
+
+
+class Stats:
+    healthy = True
+
+
+async def replica(board: StatsBoard, weights: ReplicaWeights) -> None:
+    """``ReplicaWeights._watch`` without Ray: poll, handle, answer."""
+    seen = 0
+    while True:
+        got = await board.next_round(weights.name, seen, 0.05)
+        if got is not None:
+            seen, task = got
+            board.answer(weights.name, seen, weights.handle(task))
+
+
+def post(tmp_path, engines: dict[str, Engine], body: dict, silent: tuple[str, ...] = (),
+         route: tuple[str, str] = ("POST", "/v1/weights")) -> httpx.Response:
+    """``POST /v1/weights`` (or ``route``) with ``body`` to an ingress whose
+    board heard from ``engines``' replicas (and the ``silent`` ones, which
+    never answer)."""
+    save_file(TENSORS, tmp_path / "w.safetensors")
+    board = StatsBoard()
+    for name in [*engines, *silent]:
+        board.put(name, Stats())
+    settings = ServeSettings(weights_dir=str(tmp_path), lora_dir=str(tmp_path))
+
+    async def main() -> httpx.Response:
+        tasks = [asyncio.create_task(replica(board, ReplicaWeights(
+            name, None, engine, threading.Event()))) for name, engine in engines.items()]
+        client = ReplicaClient(None, LocalBoard(board), settings, "tiny-flux", True)
+        app = build_app(settings=settings, client=client)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://testserver") as c:
+                return await c.request(*route, json=body, headers=AUTH)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    return asyncio.run(main())
+
+
+def test_an_update_reaches_every_replica_with_one_version(tmp_path):
+    engines = {"a": Engine(), "b": Engine()}
+    r = post(tmp_path, engines, {"path": "w.safetensors"})
+    assert r.status_code == 200, r.text
+    want = checksum(TENSORS)
+    assert r.json() == {"object": "weights", "version": 1, "checksum": want,
+                        "rank_checksums": [want] * 4,
+                        "replica_checksums": {"a": want, "b": want}}
+    for engine in engines.values():
+        assert engine.weights_version == 1
+        assert torch.equal(engine.applied[0]["proj.weight"], TENSORS["proj.weight"])
+
+
+def test_a_refusal_in_either_phase_leaves_every_replica_on_its_version(tmp_path):
+    engines = {"a": Engine(), "b": Engine()}
+    r = post(tmp_path, engines, {"path": "no-such.safetensors"})  # phase 1: unreadable
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
+    for fail, status, code in ((WeightUpdateError("shape [2, 3], the model's is [3]"), 400,
+                                "invalid_weights"),
+                               (WeightsMismatchError("rank 1 read checksum 0"), 409,
+                                "weights_checksum_mismatch")):
+        engines = {"a": Engine(fail), "b": Engine(fail)}  # phase 2: every engine refuses
+        r = post(tmp_path, engines, {"path": "w.safetensors", "version": 3})
+        assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+        assert [e.weights_version for e in engines.values()] == [0, 0]
+    # replicas on different versions, none named: which one follows is the caller's to say
+    engines = {"a": Engine(version="x"), "b": Engine()}
+    r = post(tmp_path, engines, {"path": "w.safetensors"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
+    assert not engines["b"].applied
+
+
+def test_a_replica_failing_to_apply_is_reported_with_every_replicas_state(tmp_path):
+    engines = {"a": Engine(), "b": Engine(RuntimeError("the worker died"))}
+    r = post(tmp_path, engines, {"path": "w.safetensors", "version": "v2"})
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["code"] == "weights_partially_updated"
+    assert "a: version 'v2' (updated" in error["message"]
+    assert "b: version 0 (failed: RuntimeError: the worker died)" in error["message"]
+
+
+def test_a_replica_that_does_not_answer_refuses_the_update(tmp_path, monkeypatch):
+    monkeypatch.setattr(ray_weights, "CHECK_TIMEOUT_S", 0.3)
+    engines = {"a": Engine()}
+    r = post(tmp_path, engines, {"path": "w.safetensors"}, silent=("gone",))
+    assert r.status_code == 503 and "gone" in r.json()["error"]["message"], r.text
+    assert engines["a"].weights_version == 0 and not engines["a"].applied
+
+
+def test_a_replica_applies_only_what_it_checked():
+    weights = ReplicaWeights("a", None, Engine(), threading.Event())
+    reply = weights.handle(ray_weights.WeightsRound(update="u", phase="apply", version=1))
+    assert reply.error == "failed" and "did not check" in reply.message
+
+
+def test_the_board_keeps_the_updates_a_later_replica_applies():
+    board = StatsBoard()
+    entry = ray_weights.Committed
+    board.commit(entry(names=["a", "b"], source="1", version=1, checksum="x"))
+    board.commit(entry(names=["c"], source="2", version=2, checksum="y"))
+    assert [e.version for e in board.committed()] == [1, 2]
+    board.commit(entry(names=["a", "b", "d"], source="3", version=3, checksum="z"))
+    assert [e.version for e in board.committed()] == [2, 3]  # 1's tensors all replaced
+
+
+def test_an_adapter_update_reaches_every_replica_or_none(tmp_path):
+    engines = {"a": Engine(), "b": Engine()}
+    r = post(tmp_path, engines, {"path": "w.safetensors", "version": 4},
+             route=("PUT", "/v1/loras/style"))
+    assert r.status_code == 200 and r.json()["version"] == 4, r.text
+    assert [e.lora.version for e in engines.values()] == [4, 4]
+    assert all(torch.equal(e.applied[0]["proj.weight"], TENSORS["proj.weight"])
+               for e in engines.values())
+    r = post(tmp_path, engines, {"path": "w.safetensors"}, route=("PUT", "/v1/loras/other"))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found", r.text
+    assert [len(e.applied) for e in engines.values()] == [1, 1]
+
+
+def test_a_replica_applies_the_committed_updates_it_missed_in_order(tmp_path):
+    """One that started while an update was between its phases missed it and
+    may have applied a later one since: both go again, in order."""
+    save_file(TENSORS, tmp_path / "w.safetensors")
+    path, want = str(tmp_path / "w.safetensors"), checksum(TENSORS)
+    entries = [ray_weights.Committed(names=["proj.weight"], source=path, version=v, checksum=want)
+               for v in (1, 2)]
+    engine = Engine()
+    weights = ReplicaWeights("late", None, engine, threading.Event())
+    weights._apply(None, TENSORS, 2, "wait")  # update 2 came by its round
+    assert weights.apply_committed(entries) == 2 and engine.weights_version == 2
+    assert weights.apply_committed(entries) == 0 and len(engine.applied) == 3
+    entries[1] = msgspec.structs.replace(entries[1], checksum="other")
+    weights = ReplicaWeights("new", None, Engine(), threading.Event())
+    with pytest.raises(RuntimeError, match="read checksum"):
+        weights.apply_committed(entries)
