@@ -182,6 +182,31 @@ def test_a_replica_follows_the_deployments_state():
     assert not engine.sleeping and engine.calls == ["sleep 2", "wake"]
 
 
+def test_a_replica_started_while_the_deployment_sleeps_sleeps_before_it_serves(monkeypatch):
+    """``ReplicaWeights.catch_up`` (in ``ModelReplica.__init__``) reads the
+    board's state after its kept updates; between rounds the replica reads
+    it again (``ray.get`` of an in-process board here)."""
+    import ray
+    from ray_board_helpers import LocalBoard
+
+    monkeypatch.setattr(ray, "get", lambda got, timeout=None: got)
+
+    class Board(LocalBoard):  # the board's methods answer at once
+        def __getattr__(self, name):
+            method = getattr(self.board, name)
+            return type("Remote", (), {"remote": staticmethod(method)})
+
+    board = StatsBoard()
+    board.set_sleep_level(1)
+    engine = Engine()
+    weights = ray_weights.ReplicaWeights("late", Board(board), engine, None)
+    weights.catch_up()
+    assert engine.sleeping and engine.level == 1
+    board.set_sleep_level(None)  # a wake round it missed
+    weights._check_committed()
+    assert not engine.sleeping and engine.calls == ["sleep 1", "wake"]
+
+
 def test_a_level_2_wake_forgets_the_transformer_updates_kept_for_later_replicas():
     board = StatsBoard()
     entry = ray_weights.Committed
