@@ -62,6 +62,13 @@ def retry_after(predicted_s: float | None, floor_s: int) -> int:
     return max(floor_s, min(MAX_RETRY_AFTER_S, math.ceil(predicted_s)))
 
 
+def sleeping_refusal(settings: ServeSettings) -> ApiError:
+    """The 503 of a request that arrives while the engine (on Ray Serve: the
+    deployment) sleeps, with ``sleep_requests="refuse"``."""
+    return ApiError(503, "the engine sleeps (POST /wake_up wakes it); retry later",
+                    code="sleeping", headers={"Retry-After": str(settings.sleep_retry_after_s)})
+
+
 class EngineClient:
     #: adapters may be registered and removed while serving (one engine here)
     runtime_loras = True
@@ -187,6 +194,10 @@ class EngineClient:
     def ready(self) -> bool:
         return self.state == "ready" and self.healthy() and self.stall() is None
 
+    def sleeping(self) -> bool:
+        """The engine sleeps (``POST /sleep``): /health says so."""
+        return self.engine is not None and self.engine.sleeping
+
     # -- requests ------------------------------------------------------------------------
     def engine_or_shed(self, on_admitted: Callable[[], None] | None = None
                        ) -> tuple[DiffusionEngine, Seat]:
@@ -202,9 +213,7 @@ class EngineClient:
             raise ApiError(503, f"the engine is down: {reason}", code="engine_down")
         assert self.engine is not None
         if self.engine.sleeping and self.settings.sleep_requests == "refuse":
-            raise ApiError(503, "the engine sleeps (POST /wake_up wakes it); retry later",
-                           code="sleeping",
-                           headers={"Retry-After": str(self.settings.sleep_retry_after_s)})
+            raise sleeping_refusal(self.settings)
         seat = self.engine.take_seat(self.settings.max_pending, on_admitted=on_admitted)
         if not seat.taken:
             retry = retry_after(seat.retry_after_s, self.settings.retry_after_s)

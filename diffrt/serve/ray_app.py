@@ -29,7 +29,9 @@ to both deployments); the ingress reads it for ``/metrics`` (every series
 labelled ``replica``) and for ``/health``. Each answer names the replica that
 served it in an ``x-diffrt-replica`` header. ``POST /v1/weights`` and ``PUT
 /v1/loras/{name}`` reach every replica through the board too, in two phases
-(``ray_weights.py``).
+(``ray_weights.py``), and so do ``POST /sleep`` and ``POST /wake_up``
+(``ray_sleep.py``: a replica that starts while the deployment sleeps goes
+to sleep before it serves).
 """
 
 from __future__ import annotations
@@ -130,8 +132,9 @@ class ReplicaSettings(ReplicaOptions, kw_only=True, frozen=True):
 
 
 class StatsBoard(WeightRounds):
-    """The latest engine statistics of every model replica (a Ray actor), and
-    the weight updates' rounds (``WeightRounds``, ``ray_weights.py``)."""
+    """The latest engine statistics of every model replica (a Ray actor), the
+    weight updates' and sleep's rounds and whether the deployment sleeps
+    (``WeightRounds``, ``ray_weights.py``)."""
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[float, Any]] = {}
@@ -190,8 +193,9 @@ class ModelReplica:
             changes["torch_threads"] = torch_threads_for(cpus, config.ranks)
         self.engine = DiffusionEngine.make_engine(config.replace(**changes))
         self.client = EngineClient(None, settings, engine=self.engine)
-        #: POST /v1/weights' rounds, from the board (``ray_weights.py``); first
-        #: the updates the others applied, before it serves or is counted live
+        #: POST /v1/weights' and /sleep's rounds, from the board (``ray_weights.py``);
+        #: first the updates the others applied, and sleep if the deployment
+        #: sleeps, before it serves or is counted live
         self.weights = ReplicaWeights(self.name, board, self.engine, self._stop)
         self.weights.catch_up()
         self._publisher = threading.Thread(target=self._publish, name="diffrt-stats",

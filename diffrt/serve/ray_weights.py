@@ -4,10 +4,12 @@ every one keeps the old weights (or adapter factors).
 
 A Serve handle reaches whichever replica its router picks, so the rounds go
 through the ``StatsBoard`` actor the replicas already publish to (its
-``WeightRounds`` part): the ingress posts a round for the replicas the board
-heard from within ``STALE_AFTER_S`` and waits for each one's reply; every
-replica long-polls the board for its next round (``ReplicaWeights``, a
-thread of its own beside the statistics').
+``WeightRounds`` part; the rounds themselves are ``ray_rounds.py``): the
+ingress posts a round for the replicas the board heard from within
+``STALE_AFTER_S`` and waits for each one's reply; every replica long-polls
+the board for its next round (``ReplicaWeights``, a thread of its own beside
+the statistics', which also takes ``POST /sleep``'s and ``POST /wake_up``'s
+rounds: ``ray_sleep.py``).
 
 1. ``check``: each replica reads the source (a path inside ``--weights-dir``
    on its node, or the uploaded tensors, put once into Ray's object store by
@@ -38,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -53,8 +54,10 @@ from diffrt.engine.weight_sync import (
     source_checksum,
 )
 from diffrt.engine.weights.update import WeightUpdateError, read_tensors
+from diffrt.serve import ray_sleep
 from diffrt.serve.errors import ApiError
 from diffrt.serve.protocol import WeightsUpdated
+from diffrt.serve.ray_rounds import POLL_S, BoardRounds, RoundReply, live_replicas, replica_states
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +65,6 @@ logger = logging.getLogger(__name__)
 #: (which first lets the running requests finish, under policy "wait")
 CHECK_TIMEOUT_S = 60.0
 APPLY_TIMEOUT_S = 600.0
-#: how long one poll of the board waits for a round
-POLL_S = 5.0
 
 
 class WeightsRound(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,21 +81,6 @@ class WeightsRound(msgspec.Struct, frozen=True, kw_only=True):
     policy: str = "wait"
 
 
-class RoundReply(msgspec.Struct, frozen=True, kw_only=True):
-    """A replica's answer: its checksum(s) and version, or its error
-    (``invalid``: the source; ``mismatch``: its ranks disagreed; ``failed``)."""
-
-    version: Version | None = None
-    checksum: str | None = None
-    rank_checksums: list[str] = []
-    #: the check's tensor names (which earlier updates a later one covers)
-    names: list[str] = []
-    #: an adapter's update: its ``LoraInfo`` as this replica holds it now
-    info: Any = None
-    error: str | None = None
-    message: str = ""
-
-
 class Committed(msgspec.Struct, frozen=True, kw_only=True):
     """An update every replica applied, kept on the board for the replicas
     Ray starts later (a replacement, autoscaling): they apply it at start."""
@@ -106,73 +92,38 @@ class Committed(msgspec.Struct, frozen=True, kw_only=True):
     lora: str | None = None
 
 
-class WeightRounds:
-    """The board's part: rounds posted by the ingress, polled by replicas."""
+class WeightRounds(BoardRounds, ray_sleep.SleepState):
+    """The board's part: the rounds (``BoardRounds``), the updates every
+    replica applied (``Committed``) and whether the deployment sleeps."""
 
-    _rounds: dict[str, tuple[int, WeightsRound]]
-    _replies: dict[int, dict[str, RoundReply]]
+    _committed: list[Committed]
 
-    def _round_state(self) -> None:
-        if not hasattr(self, "_rounds"):
-            self._rounds, self._replies, self._count = {}, {}, 0
-            self._committed: list[Committed] = []
+    def _committed_state(self) -> list[Committed]:
+        if not hasattr(self, "_committed"):
+            self._committed = []
+        return self._committed
 
     def commit(self, entry: Committed) -> None:
         """Record an applied update; those whose every tensor it replaces go."""
-        self._round_state()
         covered = set(entry.names)
-        self._committed = [e for e in self._committed
+        self._committed = [e for e in self._committed_state()
                            if e.lora != entry.lora or not set(e.names) <= covered]
         self._committed.append(entry)
 
     def committed(self) -> list[Committed]:
         """The updates a replica starting now applies, oldest first."""
-        self._round_state()
-        return list(self._committed)
+        return list(self._committed_state())
 
-    async def next_round(self, replica: str, seen: int,
-                         wait_s: float = POLL_S) -> tuple[int, WeightsRound] | None:
-        """The round posted for ``replica`` after round ``seen``, waiting up to ``wait_s``."""
-        self._round_state()
-        end = time.monotonic() + wait_s
-        while True:
-            got = self._rounds.get(replica)
-            if got is not None and got[0] > seen:
-                return got
-            if time.monotonic() >= end:
-                return None
-            await asyncio.sleep(0.02)
-
-    def answer(self, replica: str, round_id: int, reply: RoundReply) -> None:
-        self._round_state()
-        replies = self._replies.get(round_id)
-        if replies is not None:
-            replies[replica] = reply
-
-    async def run_round(self, task: WeightsRound, replicas: list[str],
-                        timeout_s: float) -> dict[str, RoundReply]:
-        """Post ``task`` to ``replicas``; their replies once all answered (or
-        those in by ``timeout_s``)."""
-        self._round_state()
-        self._count += 1
-        rid = self._count
-        replies = self._replies[rid] = {}
-        for replica in replicas:
-            self._rounds[replica] = (rid, task)
-        end = time.monotonic() + timeout_s
-        try:
-            while len(replies) < len(replicas) and time.monotonic() < end:
-                await asyncio.sleep(0.02)
-            return dict(replies)
-        finally:
-            del self._replies[rid]
-            for replica in replicas:
-                if self._rounds.get(replica, (0,))[0] == rid:
-                    del self._rounds[replica]
+    def forget_weights(self) -> None:
+        """A level-2 sleep: every replica wakes on the model folder's
+        transformer (version 0), so a replica starting now applies no
+        transformer update (the adapters' stay)."""
+        self._committed = [e for e in self._committed_state() if e.lora is not None]
 
 
 class ReplicaWeights:
-    """A model replica's side: poll the board, check and apply updates."""
+    """A model replica's side: poll the board, check and apply updates, and
+    sleep or wake as the deployment does (``ray_sleep.py``)."""
 
     def __init__(self, name: str, board: Any, engine: Any, stop: threading.Event) -> None:
         self.name, self.board, self.engine, self._stop = name, board, engine, stop
@@ -193,10 +144,12 @@ class ReplicaWeights:
 
         try:
             entries: list[Committed] = ray.get(self.board.committed.remote(), timeout=60)
+            level: int | None = ray.get(self.board.sleep_level.remote(), timeout=60)
         except Exception:  # no board: no update was made through it
             logger.warning("reading the applied weight updates failed", exc_info=True)
             return
         self.apply_committed(entries)
+        ray_sleep.follow(self.engine, level)  # the deployment sleeps: so does this one
 
     def apply_committed(self, entries: list[Committed]) -> int:
         """From the first of ``entries`` this replica has not applied on,
@@ -217,11 +170,14 @@ class ReplicaWeights:
         return 0 if first is None else len(entries) - first
 
     def _check_committed(self) -> None:
-        """Between rounds: catch up with any update this replica missed."""
+        """Between rounds: catch up with any update this replica missed, and
+        sleep or wake as the deployment does (a round it missed)."""
         import ray
 
         try:
             self.apply_committed(ray.get(self.board.committed.remote(), timeout=POLL_S * 6))
+            ray_sleep.follow(self.engine, ray.get(self.board.sleep_level.remote(),
+                                                  timeout=POLL_S * 6))
         except Exception:
             logger.exception("catching up with the applied weight updates failed")
 
@@ -270,8 +226,10 @@ class ReplicaWeights:
         self._applied.add((lora, repr(reply.version), str(reply.checksum)))
         return reply
 
-    def handle(self, task: WeightsRound) -> RoundReply:
+    def handle(self, task: WeightsRound | ray_sleep.SleepRound) -> RoundReply:
         """One round's work: the phase's reply, or the error that refuses it."""
+        if isinstance(task, ray_sleep.SleepRound):
+            return ray_sleep.handle(self.engine, task)
         if task.phase != "apply":
             self._read = None
         try:
@@ -346,10 +304,7 @@ async def _two_phases(board: Any, source: str | Mapping[str, torch.Tensor],
     version, the agreed checksum and each replica's reply, in ``live``'s order."""
     import ray
 
-    live = [name for name, _ in await board.snapshot.remote()]
-    if not live:
-        raise ApiError(503, "no model replica reported within the last seconds",
-                       code="engine_down")
+    live = await live_replicas(board)
     expected = None
     wire: Any = source
     if isinstance(source, Mapping):
@@ -378,12 +333,7 @@ async def _two_phases(board: Any, source: str | Mapping[str, torch.Tensor],
         return new, agreed, done
     if not done and len(applied) == len(live):  # every replica refused: none changed
         _refuse(applied, param, lora)
-    states = "; ".join(
-        f"{r}: " + (f"version {applied[r].version!r} (updated, checksum {applied[r].checksum})"
-                    if r in done else
-                    f"version {applied[r].version!r} ({applied[r].error}: "
-                    f"{applied[r].message})" if r in applied else "no answer")
-        for r in live)
+    states = replica_states(applied, live, lambda a: f"updated, checksum {a.checksum}")
     raise ApiError(503, f"the update to version {new!r} did not reach every replica, which "
                         f"now differ (not rolled back; update again or restart): {states}",
                    code="weights_partially_updated")
@@ -431,5 +381,5 @@ def _refuse(replies: dict[str, RoundReply], param: str, lora: str | None) -> Non
                         "changed", code="engine_down")
 
 
-__all__ = ["Committed", "ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound",
+__all__ = ["POLL_S", "Committed", "ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound",
            "read_source", "update_everywhere", "update_lora_everywhere"]

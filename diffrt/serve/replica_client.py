@@ -6,7 +6,9 @@ A request's outputs stream from whichever replica Ray's router picks;
 leaving early cancels the call, which aborts the request there. The
 ingress holds ``--max-pending`` over every replica (``ingress_seats.py``).
 The replicas' statistics come from the ``StatsBoard`` actor they publish to
-(for ``/metrics`` and ``/health``). A video job's run goes through
+(for ``/metrics`` and ``/health``), and so does whether the deployment
+sleeps (``ray_sleep.py``: ``POST /sleep`` and ``POST /wake_up`` reach every
+replica through the board's rounds). A video job's run goes through
 ``open_run`` like any request: its job lives in the ingress's store
 (``app.state.videos``), so every replica's work is listed, fetched and
 deleted through the one ingress (docs/scale-out.md).
@@ -22,6 +24,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 from diffrt.engine import DiffusionOutput, DiffusionRequest
+from diffrt.serve.engine_client import sleeping_refusal
 from diffrt.serve.errors import ApiError
 from diffrt.serve.ingress_seats import IngressSeat, WaitingSeats, is_admitted
 from diffrt.serve.settings import ServeSettings
@@ -65,6 +68,8 @@ class ReplicaClient:
         self._served_by: OrderedDict[str, str] = OrderedDict()
         self._snapshots: list[tuple[str, Any]] = []
         self._heard_from_replicas = False
+        #: the level the deployment sleeps at (the board's ``sleep_level``), or None
+        self._sleep_level: int | None = None
         self._watch: asyncio.Task | None = None
         self._updating = asyncio.Lock()
 
@@ -76,13 +81,19 @@ class ReplicaClient:
 
     async def _read_board(self) -> None:
         while True:
-            try:
-                self._snapshots = await self.board.snapshot.remote()
-                self._heard_from_replicas |= bool(self._snapshots)
-            except Exception:  # no board: nothing known about the replicas
-                logger.debug("reading the statistics board failed", exc_info=True)
-                self._snapshots = []
+            await self.read_board_once()
             await asyncio.sleep(PUBLISH_EVERY_S)
+
+    async def read_board_once(self) -> None:
+        """Read the replicas' statistics and whether the deployment sleeps."""
+        try:
+            self._snapshots = await self.board.snapshot.remote()
+            self._heard_from_replicas |= bool(self._snapshots)
+            if not self._updating.locked():  # a round's answer sets it meanwhile
+                self._sleep_level = await self.board.sleep_level.remote()
+        except Exception:  # no board: nothing known about the replicas
+            logger.debug("reading the statistics board failed", exc_info=True)
+            self._snapshots = []
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work; give requests in flight ``timeout_s`` to finish
@@ -129,6 +140,10 @@ class ReplicaClient:
     def ready(self) -> bool:
         return self.state == "ready" and self.healthy() and self.stall() is None
 
+    def sleeping(self) -> bool:
+        """The deployment sleeps (``POST /sleep``, until ``POST /wake_up``)."""
+        return self._sleep_level is not None
+
     # -- requests -----------------------------------------------------------------------
     async def run(self, request: DiffusionRequest) -> AsyncIterator[DiffusionOutput]:
         """The request's outputs from whichever replica Ray picks; leaving
@@ -148,6 +163,8 @@ class ReplicaClient:
         the outputs never started)."""
         if self.state != "ready":
             raise ApiError(503, "the server is shutting down", code="shutting_down")
+        if self.sleeping() and self.settings.sleep_requests == "refuse":
+            raise sleeping_refusal(self.settings)  # "wait": in the replica's engine
         seat = self.seats.take()
         if seat is None:
             raise ApiError(429, f"{self.seats.limit} requests are waiting (max_pending="
@@ -240,6 +257,29 @@ class ReplicaClient:
 
         async with self._updating:
             return await update_lora_everywhere(self.board, name, source, version, param)
+
+    async def sleep(self, level: int) -> dict[str, Any]:
+        """``POST /sleep`` on every live replica (``ray_sleep.py``); one round
+        at a time, weight updates' included."""
+        from diffrt.serve.ray_sleep import sleep_everywhere
+
+        async with self._updating:
+            self._sleep_level = level  # the board says so too, from now on
+            try:
+                return await sleep_everywhere(self.board, level)
+            finally:
+                self._sleep_level = await self.board.sleep_level.remote()
+
+    async def wake(self) -> dict[str, Any]:
+        """``POST /wake_up`` on every live replica, as ``sleep``."""
+        from diffrt.serve.ray_sleep import wake_everywhere
+
+        async with self._updating:
+            self._sleep_level = None
+            try:
+                return await wake_everywhere(self.board)
+            finally:
+                self._sleep_level = await self.board.sleep_level.remote()
 
     async def add_lora(self, name: str, path: str) -> Any:
         raise ApiError(501, "adapters are registered at start on Ray Serve (--lora-modules)",

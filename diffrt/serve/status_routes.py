@@ -51,8 +51,7 @@ async def health(request: Request) -> JSONResponse:
                             "state": client.state}
     if stall is not None:
         body["reason"] = stall
-    engine = getattr(client, "engine", None)  # one engine (not Ray Serve's replicas)
-    if engine is not None and engine.sleeping:
+    if client.sleeping():  # on Ray Serve: the deployment (every replica)
         body["sleeping"] = True  # alive: requests wait (or get 503) until POST /wake_up
     broken = import_failures()  # e.g. a torch_musa built for another torch: served on CPU
     if broken:

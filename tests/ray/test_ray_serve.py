@@ -5,7 +5,8 @@ Concurrent requests through the openai client spread over both replicas and
 give one engine's pixels; a weight update reaches both replicas or neither
 (a test seam, ``weight_seam.py``, makes one read other bytes), and so does
 an adapter's new factors; /metrics
-labels every series with its replica;
+labels every series with its replica; POST /sleep and POST /wake_up reach
+both replicas (a request sent meanwhile waits, and both draw as before);
 overload answers 429; a client that leaves aborts its request in the
 replica; a killed replica fails only its own requests and is replaced (by
 one that applies the weight update first); the
@@ -233,6 +234,43 @@ def test_metrics_label_every_series_with_its_replica(serve_url):
             assert 'replica="' in line, line
     assert httpx.get(f"{serve_url}/health").status_code == 200
     assert httpx.get(f"{serve_url}/ready").status_code == 200
+
+
+def test_sleep_and_wake_reach_both_replicas_which_then_draw_as_before(serve_url):
+    """POST /sleep (level 1) puts both replicas' engines to sleep: /health on
+    the ingress says so, /metrics says each replica sleeps, and a request
+    sent meanwhile waits in a replica; after POST /wake_up it is served, and
+    so is a new one, bit for bit as before the sleep."""
+    before = generate(serve_url, 11)
+    before.raise_for_status()
+    r = httpx.post(f"{serve_url}/sleep", params={"level": 1}, timeout=120)
+    assert r.status_code == 200, r.text
+    with cf.ThreadPoolExecutor(1) as pool:
+        try:
+            assert len(r.json()["replicas"]) == 2 and r.json()["level"] == 1
+            health = httpx.get(f"{serve_url}/health")
+            assert health.status_code == 200 and health.json()["sleeping"] is True
+            waiting = pool.submit(generate, serve_url, 11)
+
+            def asleep_with_a_request_waiting() -> bool:
+                text = httpx.get(f"{serve_url}/metrics").text
+                lines = text.splitlines()
+                return (sum(line.startswith("diffrt_sleeping{") and line.endswith(" 1.0")
+                            for line in lines) == 2
+                        and sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                                if line.startswith("diffrt_requests_waiting{")) >= 1)
+
+            assert wait_until(asleep_with_a_request_waiting, timeout=60, interval=0.2)
+            assert not waiting.done()
+        finally:
+            woke = httpx.post(f"{serve_url}/wake_up", timeout=120)
+        assert woke.status_code == 200 and woke.json()["sleeping"] is False, woke.text
+        assert "sleeping" not in httpx.get(f"{serve_url}/health").json()
+        answers = [waiting.result(timeout=120), generate(serve_url, 11)]
+    want = png_pixels(before.json()["data"][0]["b64_json"])
+    for answer in answers:
+        answer.raise_for_status()
+        assert np.array_equal(png_pixels(answer.json()["data"][0]["b64_json"]), want)
 
 
 def test_overload_answers_429_with_retry_after(serve_url, ray_cluster):

@@ -27,7 +27,8 @@ class SeamBoard(StatsBoard):
     async def next_round(self, replica: str, seen: int,
                          wait_s: float = POLL_S) -> tuple[int, WeightsRound] | None:
         got = await super().next_round(replica, seen, wait_s)
-        if got is not None and got[1].phase == "check" and self._other is not None:
+        if (got is not None and isinstance(got[1], WeightsRound) and got[1].phase == "check"
+                and self._other is not None):
             other, self._other = self._other, None
             got = (got[0], msgspec.structs.replace(got[1], source=other))
         return got

@@ -7,22 +7,21 @@ and a replica that never answers. The cluster test is tests/ray/test_ray_serve.p
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import threading
 
 import httpx
 import msgspec
 import pytest
 import torch
+from ray_board_helpers import with_ingress
 from safetensors.torch import save_file
 from serve_helpers import AUTH
 
 from diffrt.engine import LoraInfo
 from diffrt.engine.weight_sync import WeightsMismatchError, WeightsUpdate
 from diffrt.engine.weights.update import WeightUpdateError, checksum
-from diffrt.serve import ServeSettings, build_app, ray_weights
-from diffrt.serve.ray_app import ReplicaClient, StatsBoard
+from diffrt.serve import ServeSettings, ray_weights
+from diffrt.serve.ray_app import StatsBoard
 from diffrt.serve.ray_weights import ReplicaWeights
 
 TENSORS = {"proj.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
@@ -56,64 +55,18 @@ class Engine:
         return WeightsUpdate(version=version, checksum=got, rank_checksums=[got, got])
 
 
-class Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    async def remote(self, *args):
-        got = self.fn(*args)
-        return await got if inspect.isawaitable(got) else got
-
-
-class LocalBoard:
-    """The board as the ingress calls it (``board.method.remote(...)``), in process."""
-
-    def __init__(self, board: StatsBoard):
-        self.board = board
-
-    def __getattr__(self, name):
-        return Method(getattr(self.board, name))
-
-
-class Stats:
-    healthy = True
-
-
-async def replica(board: StatsBoard, weights: ReplicaWeights) -> None:
-    """``ReplicaWeights._watch`` without Ray: poll, handle, answer."""
-    seen = 0
-    while True:
-        got = await board.next_round(weights.name, seen, 0.05)
-        if got is not None:
-            seen, task = got
-            board.answer(weights.name, seen, weights.handle(task))
-
-
 def post(tmp_path, engines: dict[str, Engine], body: dict, silent: tuple[str, ...] = (),
          route: tuple[str, str] = ("POST", "/v1/weights")) -> httpx.Response:
     """``POST /v1/weights`` (or ``route``) with ``body`` to an ingress whose
     board heard from ``engines``' replicas (and the ``silent`` ones, which
     never answer)."""
     save_file(TENSORS, tmp_path / "w.safetensors")
-    board = StatsBoard()
-    for name in [*engines, *silent]:
-        board.put(name, Stats())
     settings = ServeSettings(weights_dir=str(tmp_path), lora_dir=str(tmp_path))
 
-    async def main() -> httpx.Response:
-        tasks = [asyncio.create_task(replica(board, ReplicaWeights(
-            name, None, engine, threading.Event()))) for name, engine in engines.items()]
-        client = ReplicaClient(None, LocalBoard(board), settings, "tiny-flux", True)
-        app = build_app(settings=settings, client=client)
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                         base_url="http://testserver") as c:
-                return await c.request(*route, json=body, headers=AUTH)
-        finally:
-            for task in tasks:
-                task.cancel()
+    async def steps(c, client, board) -> httpx.Response:
+        return await c.request(*route, json=body, headers=AUTH)
 
-    return asyncio.run(main())
+    return with_ingress(engines, settings, steps, silent)
 
 
 def test_an_update_reaches_every_replica_with_one_version(tmp_path):
