@@ -59,12 +59,28 @@ def with_ingress(engines: dict[str, Any], settings: ServeSettings,
     """Run ``steps`` against an ingress app whose board heard from
     ``engines``' replicas (and the ``silent`` ones, which never answer)."""
     board = StatsBoard() if board is None else board
-    for name in [*engines, *silent]:
-        board.put(name, Stats())
+    names = [*engines, *silent]
+
+    def stats(name: str) -> Any:
+        engine = engines.get(name)
+        return engine.stats() if hasattr(engine, "stats") else Stats()
+
+    async def publish() -> None:
+        # as a replica's statistics thread: every second, so the board never
+        # counts a replica gone however long a loaded machine takes to build
+        # the app or run the steps
+        while True:
+            for name in names:
+                board.put(name, stats(name))
+            await asyncio.sleep(1.0)
+
+    for name in names:
+        board.put(name, stats(name))
 
     async def main() -> T:
         tasks = [asyncio.create_task(replica(board, ReplicaWeights(
             name, None, engine, threading.Event()))) for name, engine in engines.items()]
+        tasks.append(asyncio.create_task(publish()))
         client = ReplicaClient(None, LocalBoard(board), settings, "tiny-flux", True)
         app = build_app(settings=settings, client=client)
         try:
