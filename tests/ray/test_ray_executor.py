@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from leaks import fails_when_a_rank_dies
-from waiting import wait_until
+from waiting import HANG_GUARD_S, wait_until
 
 from diffrt.engine import (
     DiffusionEngine,
@@ -17,7 +17,15 @@ from diffrt.engine import (
     SamplingParams,
 )
 
+#: each test starts Ray actors: beside a model training and the suite's
+#: servers their calls took 220-310 s, past pytest's 300 s (a hang guard only)
+pytestmark = pytest.mark.timeout(HANG_GUARD_S)
+
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
+#: seconds a generate or a restart may take before the test gives up: a hang
+#: guard (beside a model training and the suite's servers, the restart test
+#: ran past pytest's 300 s while Ray placed the fresh ranks)
+PATIENCE_S = 600
 
 
 def requests(tag: str) -> list[DiffusionRequest]:
@@ -48,7 +56,7 @@ def ray_engine(**config) -> DiffusionEngine:
 def reference():
     with DiffusionEngine.make_engine(EngineConfig(model="tiny-sd3", executor_backend="inproc",
                                                   max_num_seqs=2)) as engine:
-        return pixels(engine.generate(requests("ref"), timeout=120))
+        return pixels(engine.generate(requests("ref"), timeout=PATIENCE_S))
 
 
 @pytest.mark.parametrize("transport", ["shm", "object_store"])
@@ -56,8 +64,8 @@ def test_cfg_parallel_on_ray_actors_matches_one_rank(transport, reference, ray_c
     with ray_engine(cfg_parallel_size=2, step_execution=transport == "shm",
                     ray_output_transport=transport) as engine:
         assert engine.executor.output_transport == transport
-        got = pixels(engine.generate(requests(transport), timeout=120))
-        again = pixels(engine.generate(requests(transport + "-2"), timeout=120))
+        got = pixels(engine.generate(requests(transport), timeout=PATIENCE_S))
+        again = pixels(engine.generate(requests(transport + "-2"), timeout=PATIENCE_S))
     for a, b, c in zip(got, again, reference, strict=True):
         assert np.abs(a - c).max() <= 1 and np.array_equal(a, b)
 
@@ -82,7 +90,7 @@ def test_restart_workers_brings_fresh_actors(ray_cluster):
         old = engine.executor.actors
         ray_cluster.kill(old[0], no_restart=True)
         assert wait_until(lambda: engine.executor.actors != old and engine.is_healthy(),
-                          timeout=90, interval=0.5)
-        assert all(o.ok for o in engine.generate(requests("restarted"), timeout=120))
+                          timeout=PATIENCE_S, interval=0.5)
+        assert all(o.ok for o in engine.generate(requests("restarted"), timeout=PATIENCE_S))
     finally:
         engine.close()
