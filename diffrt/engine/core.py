@@ -5,8 +5,7 @@ One thread (``diffrt-engine-loop``) repeats three steps, as vLLM's
 
 * schedule: wait for work, ask the scheduler for a tick (``_schedule``);
 * execute: send it to the workers as one typed request (``ExecuteBatch`` or
-  ``ExecuteStep``) and wait for COMPUTE_DONE and their ``TickReport``
-  (``_execute``);
+  ``ExecuteStep``), wait for COMPUTE_DONE and their ``TickReport`` (``_execute``);
 * update: apply the report to the scheduler and report what happened as a
   ``TickResult`` (progress, terminal events, the outputs now on their way to
   host memory as ``OutputRef``s) to ``on_tick`` (``_update``).
@@ -37,7 +36,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from diffrt import tracing
 from diffrt.engine.between_ticks import BetweenTicks, JobQueue
@@ -46,7 +45,6 @@ from diffrt.engine.lora.registry import AdapterRegistry
 from diffrt.engine.lora.tick_adapters import TickAdapters
 from diffrt.engine.memory_estimate import MemoryModel
 from diffrt.engine.record import RequestRecord, RequestStatus
-from diffrt.engine.request import DiffusionRequest
 from diffrt.engine.restart import (
     RESTART_ATTEMPTS,
     RESTART_CHECK_S,
@@ -227,19 +225,11 @@ class EngineCore:
         the next admission frees one (``Seat.retry_after_s``)."""
         seat = self.seats.take(limit, lambda: self.scheduler.num_waiting, on_admitted)
         if not seat.taken:
+            model = self._run_time
             with self._cond:
-                seat.retry_after_s = self.scheduler.next_admission_s(self._clock(),
-                                                                     self._step_seconds)
+                seat.retry_after_s = self.scheduler.next_admission_s(
+                    self._clock(), model.loaded_step_seconds if model else lambda _: None)
         return seat
-
-    def _step_seconds(self, requests: Sequence[DiffusionRequest]) -> float | None:
-        """A step of ``requests`` with its share of a tick's fixed cost, at
-        the momentary speed (the step-cost model's online fit)."""
-        model = self._run_time
-        step = model.step_seconds(requests) if model is not None else None
-        if model is None or step is None:
-            return None
-        return step + (model.tick_seconds or 0.0)
 
     def is_alive(self) -> bool:
         return self.dead_reason is None and self._thread.is_alive()

@@ -199,6 +199,13 @@ class RunTimeModel:
             return None
         return _apply(fit, self.shape(requests, arrangement))
 
+    def loaded_step_seconds(self, requests: Sequence[DiffusionRequest]) -> float | None:
+        """A step of ``requests`` with its share of a tick's fixed cost, at
+        the momentary speed (the online fit): what a queue's wait is
+        predicted from (Retry-After); None before any fit."""
+        step, tick = self.step_seconds(requests), self.tick_seconds
+        return None if step is None else step + (tick or 0.0)
+
     # -- estimating ------------------------------------------------------------------------
     def estimate(self, request: DiffusionRequest, *, idle: bool = True) -> float | None:
         """Seconds ``request`` (defaults filled in) would run alone, at the
