@@ -44,7 +44,9 @@ from diffrt.engine.runner_messages import (
     DropAdapters,
     ExecuteBatch,
     ExecuteStep,
+    ForgetPreviousWeights,
     LoadAdapter,
+    RevertWeights,
     RunnerReply,
     RunnerRequest,
     RunnerSettings,
@@ -61,7 +63,7 @@ from diffrt.engine.runner_steps import TickRunner, describe_error, is_out_of_mem
 from diffrt.engine.setup_checks import resolve_dtype
 from diffrt.engine.weights.resident import resident_bytes
 from diffrt.engine.weights.sleep import SleepingWeights
-from diffrt.engine.weights.update import StagedUpdate, WeightUpdateError
+from diffrt.engine.weights.update import PreviousWeights, StagedUpdate, WeightUpdateError
 from diffrt.engine.worker_setup import WorkerPlace, apply_plan, loads_on_host
 from diffrt.runtime.types import RunnerResult
 
@@ -118,6 +120,8 @@ class PipelineRunner(TickRunner):
         self.memory = MemoryTrimmer(platform)
         #: a weight update read and checked, waiting for the engine's commit
         self.staged: StagedUpdate | None = None
+        #: what the last commit replaced, kept when the engine asked (a roll-back)
+        self.previous: PreviousWeights | None = None
         #: the weights put away while the engine sleeps
         self.asleep: SleepingWeights | None = None
         logger.info("rank %d: runner ready for %s on %s", rank, settings.spec.name, device)
@@ -205,9 +209,12 @@ class PipelineRunner(TickRunner):
                     if slot is not None:
                         self.pipeline.row_loras.clear(slot)
                 return AdapterState("dropped")
-            case StageWeights() | CommitWeights() | DiscardWeights():
+            case (StageWeights() | CommitWeights() | DiscardWeights() | RevertWeights()
+                  | ForgetPreviousWeights()):
                 return self._weight_update(request)
             case SleepWorkers(level=level):
+                if level == 2:  # waking reads the folder: the kept copy would outlive its weights
+                    self.previous = None
                 if self.asleep is None:
                     self.asleep = SleepingWeights(self.pipeline.weight_modules(), self.platform,
                                                   self.pipeline.device, level,
@@ -223,7 +230,7 @@ class PipelineRunner(TickRunner):
                 raise TypeError(f"PipelineRunner cannot handle {type(request).__name__}")
 
     def _weight_update(self, request: StageWeights | CommitWeights | DiscardWeights
-                       ) -> WeightsStaged:
+                       | RevertWeights | ForgetPreviousWeights) -> WeightsStaged:
         """The two phases of a weight update (``weights.update``)."""
         staged, self.staged = self.staged, None
         match request:
@@ -243,11 +250,20 @@ class PipelineRunner(TickRunner):
                     return WeightsStaged(error=f"{type(exc).__name__}: {exc}")
                 return WeightsStaged(self.staged.checksum, len(self.staged.tensors),
                                      self.staged.nbytes)
-            case CommitWeights():
+            case CommitWeights(keep_previous=keep):
                 if staged is None:
                     return WeightsStaged(error="no weights staged")
-                staged.commit()
+                self.previous = staged.commit(keep)
                 self.platform.synchronize()
+            case RevertWeights():
+                previous, self.previous = self.previous, None
+                if previous is None:
+                    return WeightsStaged(error="no previous weights kept")
+                previous.restore()
+                self.platform.synchronize()
+                return WeightsStaged(previous.checksum, len(previous.tensors), previous.nbytes)
+            case ForgetPreviousWeights():
+                self.previous = None
         return WeightsStaged()
 
     def _loader(self) -> AdapterLoader:

@@ -18,7 +18,12 @@ from diffrt.engine.between_ticks import BetweenTicks
 from diffrt.engine.lora.control import LoraControl
 from diffrt.engine.lora.registration import update
 from diffrt.engine.lora.registry import AdapterRegistry, LoraInfo
-from diffrt.engine.runner_messages import SleepReport, SleepWorkers, WakeWorkers
+from diffrt.engine.runner_messages import (
+    ForgetPreviousWeights,
+    SleepReport,
+    SleepWorkers,
+    WakeWorkers,
+)
 from diffrt.engine.weight_sync import (
     SHARED_PREFIX,
     StagedSource,
@@ -27,6 +32,7 @@ from diffrt.engine.weight_sync import (
     WeightsUpdate,
     apply_update,
     next_version,
+    revert_update,
     shared_dir,
     write_tensors,
 )
@@ -55,6 +61,8 @@ class RolloutControl(LoraControl):
     adapters: AdapterRegistry
     output_processor: OutputProcessor
     _core: EngineCore
+    #: the version ``revert_weights`` goes back to (an update kept the previous weights)
+    _previous_version: Version | None = None
 
     def abort(self, request_id: str) -> None: ...
 
@@ -85,10 +93,13 @@ class RolloutControl(LoraControl):
                                           timeout=timeout).version
 
     def update_weights_report(self, source: WeightSource, *, version: Version | None = None,
-                              policy: UpdatePolicy = "wait",
-                              timeout: float | None = None) -> WeightsUpdate:
+                              policy: UpdatePolicy = "wait", timeout: float | None = None,
+                              keep_previous: bool = False) -> WeightsUpdate:
         """``update_weights``, answering the checksums beside the version
-        (the source's and each rank's: what ``POST /v1/weights`` shows)."""
+        (the source's and each rank's: what ``POST /v1/weights`` shows).
+        ``keep_previous``: every rank keeps a host copy of the values it
+        replaced, for ``revert_weights`` (until ``forget_previous_weights``
+        or the next update), at the cost of that host memory."""
         if policy not in ("wait", "abort"):
             raise WeightUpdateError(f"policy must be 'wait' or 'abort', got {policy!r}")
         self._check_plain_weights("update_weights")
@@ -96,7 +107,8 @@ class RolloutControl(LoraControl):
         staged = StagedSource(source)
         try:
             def work(executor: Executor) -> WeightsUpdate:
-                ranks = apply_update(executor, staged)
+                ranks = apply_update(executor, staged, keep_previous)
+                self._previous_version = self._core.weights_version if keep_previous else None
                 self._core.weights_version = new
                 return WeightsUpdate(version=new, checksum=staged.checksum,
                                      rank_checksums=ranks)
@@ -113,6 +125,39 @@ class RolloutControl(LoraControl):
         logger.info("transformer weights updated to version %r (%s)", applied.version,
                     staged.checksum)
         return applied
+
+    def revert_weights(self, *, timeout: float | None = None) -> Version:
+        """Put back the weights the last ``update_weights_report(...,
+        keep_previous=True)`` replaced, and their version; returns it. What a
+        Ray Serve replica does when an update reached only some replicas
+        (``serve/ray_weights.py``). A draining job between ticks, as the
+        update was (the running requests finish first). ``WeightUpdateError``
+        when nothing is kept: no such update, another one since, a level-2
+        sleep, or fresh workers after a restart."""
+        def work(executor: Executor) -> Version:
+            previous = self._previous_version
+            if previous is None:
+                raise WeightUpdateError("no previous weights are kept to roll back to")
+            revert_update(executor)
+            self._previous_version = None
+            self._core.weights_version = previous
+            return previous
+
+        job = BetweenTicks(work, drain=True, what="revert_weights")
+        self._core.between_ticks(job)
+        version: Version = job.future.result(timeout)
+        logger.info("transformer weights rolled back to version %r", version)
+        return version
+
+    def forget_previous_weights(self, *, timeout: float | None = None) -> None:
+        """Drop the copy ``keep_previous`` kept (the update is settled)."""
+        def work(executor: Executor) -> None:
+            executor.collective_rpc(ForgetPreviousWeights())
+            self._previous_version = None
+
+        job = BetweenTicks(work, drain=False, what="forget_previous_weights")
+        self._core.between_ticks(job)
+        job.future.result(timeout)
 
     @property
     def sleeping(self) -> bool:

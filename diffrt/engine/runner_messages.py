@@ -95,7 +95,20 @@ class StageWeights(msgspec.Struct, tag="stage_weights"):
 
 
 class CommitWeights(msgspec.Struct, tag="commit_weights"):
-    """Copy the staged tensors into the transformer (sent between ticks)."""
+    """Copy the staged tensors into the transformer (sent between ticks);
+    ``keep_previous``: keep a host copy of what they replace, for
+    ``RevertWeights`` (a commit without it drops an older copy)."""
+
+    keep_previous: bool = False
+
+
+class RevertWeights(msgspec.Struct, tag="revert_weights"):
+    """Copy back what the last ``CommitWeights(keep_previous=True)`` replaced
+    (sent between ticks); answers the checksum of what it put back."""
+
+
+class ForgetPreviousWeights(msgspec.Struct, tag="forget_previous_weights"):
+    """Drop the host copy ``CommitWeights(keep_previous=True)`` kept."""
 
 
 class DiscardWeights(msgspec.Struct, tag="discard_weights"):
@@ -115,7 +128,7 @@ class WakeWorkers(msgspec.Struct, tag="wake_workers"):
 
 RunnerRequest = (ExecuteBatch | ExecuteStep | CountStepStates | LoadAdapter | AdapterStatus
                  | DropAdapters | CountWeights | StageWeights | CommitWeights | DiscardWeights
-                 | SleepWorkers | WakeWorkers)
+                 | RevertWeights | ForgetPreviousWeights | SleepWorkers | WakeWorkers)
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -198,7 +211,7 @@ class WeightBytes(msgspec.Struct, tag="weight_bytes"):
 class WeightsStaged(msgspec.Struct, tag="weights_staged"):
     """A rank's answer to ``StageWeights`` (and to commit / discard): the
     checksum of what it read (``weights.update.checksum``), or why it could
-    not read it."""
+    not read it; to ``RevertWeights``, of what it put back."""
 
     checksum: str = ""
     tensors: int = 0

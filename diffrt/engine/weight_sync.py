@@ -8,7 +8,9 @@ checksummed here, then a draining job between ticks (``between_ticks``)
 has every rank stage it (``StageWeights``: read, check names and shapes,
 answer a checksum). Only when every rank's checksum equals the source's is
 it committed (``CommitWeights``); otherwise discarded (``DiscardWeights``)
-and the old weights stay, with ``WeightsMismatchError``.
+and the old weights stay, with ``WeightsMismatchError``. A commit asked to
+keep the previous weights (Ray Serve's replicas do) lets ``revert_update``
+put them back (``RevertWeights``) until the next commit.
 
 ``update_lora``: the adapter's new factors registered as a new adapter
 under the same name (the loader reads them like any adapter file); requests
@@ -26,7 +28,12 @@ from collections.abc import Mapping
 import msgspec
 import torch
 
-from diffrt.engine.runner_messages import CommitWeights, DiscardWeights, StageWeights
+from diffrt.engine.runner_messages import (
+    CommitWeights,
+    DiscardWeights,
+    RevertWeights,
+    StageWeights,
+)
 from diffrt.engine.weights.update import (
     WeightUpdateError,
     checksum,
@@ -115,7 +122,8 @@ class StagedSource:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def apply_update(executor: Executor, source: StagedSource) -> list[str]:
+def apply_update(executor: Executor, source: StagedSource,
+                 keep_previous: bool = False) -> list[str]:
     """Stage on every rank, compare, then commit or discard (see the module);
     the ranks' checksums of what they committed."""
     replies = executor.collective_rpc(StageWeights(source.path))
@@ -131,7 +139,19 @@ def apply_update(executor: Executor, source: StagedSource) -> list[str]:
         raise WeightsMismatchError(
             f"rank {rank} read checksum {got}, the source's is {source.checksum}: the update "
             "is refused and every rank keeps its old weights")
-    executor.collective_rpc(CommitWeights())
+    executor.collective_rpc(CommitWeights(keep_previous=keep_previous))
+    return [r.checksum for r in replies]
+
+
+def revert_update(executor: Executor) -> list[str]:
+    """Every rank puts back what its last kept commit replaced; the ranks'
+    checksums of what they put back (``WeightUpdateError``: a rank kept none,
+    e.g. fresh workers after a restart)."""
+    replies = executor.collective_rpc(RevertWeights())
+    errors = [(rank, r.error) for rank, r in enumerate(replies) if r.error]
+    if errors:
+        rank, error = errors[0]
+        raise WeightUpdateError(f"rank {rank} could not roll the weights back: {error}")
     return [r.checksum for r in replies]
 
 
@@ -147,5 +167,5 @@ def next_version(current: Version, version: Version | None) -> Version:
 
 
 __all__ = ["SHARED_PREFIX", "StagedSource", "Version", "WeightSource", "WeightsMismatchError",
-           "WeightsUpdate", "apply_update", "next_version", "shared_dir", "source_checksum",
-           "write_tensors"]
+           "WeightsUpdate", "apply_update", "next_version", "revert_update", "shared_dir",
+           "source_checksum", "write_tensors"]

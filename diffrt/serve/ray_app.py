@@ -137,6 +137,7 @@ class StatsBoard(WeightRounds):
     (``WeightRounds``, ``ray_weights.py``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._entries: dict[str, tuple[float, Any]] = {}
         self._ending = False
 

@@ -43,17 +43,16 @@ class RoundReply(msgspec.Struct, frozen=True, kw_only=True):
 class BoardRounds:
     """The board's part: rounds posted by the ingress, polled by replicas."""
 
-    _rounds: dict[str, tuple[int, Any]]
-    _replies: dict[int, dict[str, RoundReply]]
-
-    def _round_state(self) -> None:
-        if not hasattr(self, "_rounds"):
-            self._rounds, self._replies, self._count = {}, {}, 0
+    def __init__(self) -> None:
+        #: the round posted for each replica: (round id, task)
+        self._rounds: dict[str, tuple[int, Any]] = {}
+        #: the replies in so far, by round id (while the round runs)
+        self._replies: dict[int, dict[str, RoundReply]] = {}
+        self._count = 0
 
     async def next_round(self, replica: str, seen: int,
                          wait_s: float = POLL_S) -> tuple[int, Any] | None:
         """The round posted for ``replica`` after round ``seen``, waiting up to ``wait_s``."""
-        self._round_state()
         end = time.monotonic() + wait_s
         while True:
             got = self._rounds.get(replica)
@@ -64,7 +63,6 @@ class BoardRounds:
             await asyncio.sleep(0.02)
 
     def answer(self, replica: str, round_id: int, reply: RoundReply) -> None:
-        self._round_state()
         replies = self._replies.get(round_id)
         if replies is not None:
             replies[replica] = reply
@@ -73,7 +71,6 @@ class BoardRounds:
                         timeout_s: float) -> dict[str, RoundReply]:
         """Post ``task`` to ``replicas``; their replies once all answered (or
         those in by ``timeout_s``)."""
-        self._round_state()
         self._count += 1
         rid = self._count
         replies = self._replies[rid] = {}

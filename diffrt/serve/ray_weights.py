@@ -22,14 +22,21 @@ rounds: ``ray_sleep.py``).
    ``update_weights_report`` (its own ranks' check, its step boundary and
    ``policy``), under the one version the ingress chose; an adapter's to
    ``update_lora`` (a replica without the adapter refuses it in phase 1: 404).
-
-A replica that fails in phase 2 while others applied is not rolled back (its
-engine's weights live in its workers; the old ones are not kept): the answer
-is 503 ``weights_partially_updated`` naming each replica's version and
-error, and the caller updates again (with a new version) or restarts.
+3. ``revert``, only when phase 2 failed on some replica (or one did not
+   answer) while others applied: those put back what they had before. For
+   the transformer each replica's engine applied with ``keep_previous`` (its
+   ranks kept a host copy of the values they replaced), so it rolls back
+   bit for bit to its old version (``revert_weights``); for an adapter the
+   replica read its old factors before applying and registers them again
+   under the old version. The answer is then the failure, as a refusal in
+   phase 1 would be ("rolled back"). Only when a roll-back fails too is it
+   503 ``weights_partially_updated``, naming each replica's version. The
+   board records the reverted update, so a replica whose apply outlived the
+   round rolls back when it next looks (``follow``).
 
 The board keeps the updates every replica applied (``Committed``; one that
-a later update covers name for name goes): a replica Ray starts later (a
+a later update covers name for name goes); each replica drops its kept copy
+when it next looks (or at the next update's check), and a replica Ray starts later (a
 replacement, autoscaling) applies them before it serves (``catch_up``), and
 between rounds each replica applies any it missed (one that started while
 an update was between its phases).
@@ -72,7 +79,7 @@ class WeightsRound(msgspec.Struct, frozen=True, kw_only=True):
     ``source``: a path, or ``[ObjectRef]`` of the uploaded tensors."""
 
     update: str
-    phase: Literal["check", "apply", "discard"]
+    phase: Literal["check", "apply", "discard", "revert"]
     source: Any = None
     #: the adapter whose factors it replaces (``PUT /v1/loras/{name}``); None:
     #: the transformer's weights
@@ -90,35 +97,58 @@ class Committed(msgspec.Struct, frozen=True, kw_only=True):
     version: Version
     checksum: str
     lora: str | None = None
+    #: the update's id (``WeightsRound.update``)
+    update: str = ""
+
+
+#: how many rolled-back updates the board remembers (for replicas that were late)
+REVERTED_KEPT = 32
 
 
 class WeightRounds(BoardRounds, ray_sleep.SleepState):
     """The board's part: the rounds (``BoardRounds``), the updates every
-    replica applied (``Committed``) and whether the deployment sleeps."""
+    replica applied (``Committed``), those rolled back, and whether the
+    deployment sleeps."""
 
-    _committed: list[Committed]
-
-    def _committed_state(self) -> list[Committed]:
-        if not hasattr(self, "_committed"):
-            self._committed = []
-        return self._committed
+    def __init__(self) -> None:
+        super().__init__()
+        self._committed: list[Committed] = []
+        self._reverted: list[str] = []
 
     def commit(self, entry: Committed) -> None:
         """Record an applied update; those whose every tensor it replaces go."""
         covered = set(entry.names)
-        self._committed = [e for e in self._committed_state()
+        self._committed = [e for e in self._committed
                            if e.lora != entry.lora or not set(e.names) <= covered]
         self._committed.append(entry)
 
     def committed(self) -> list[Committed]:
         """The updates a replica starting now applies, oldest first."""
-        return list(self._committed_state())
+        return list(self._committed)
+
+    def record_reverted(self, update: str) -> None:
+        self._reverted = [*self._reverted[-(REVERTED_KEPT - 1):], update]
+
+    def reverted(self) -> list[str]:
+        """The updates rolled back lately (a replica that applied one late reverts it)."""
+        return list(self._reverted)
 
     def forget_weights(self) -> None:
         """A level-2 sleep: every replica wakes on the model folder's
         transformer (version 0), so a replica starting now applies no
         transformer update (the adapters' stay)."""
-        self._committed = [e for e in self._committed_state() if e.lora is not None]
+        self._committed = [e for e in self._committed if e.lora is not None]
+
+
+class Kept(msgspec.Struct, kw_only=True):
+    """What a replica's last applied update replaced, for a roll-back: the
+    transformer's old values stay in its engine's ranks (``keep_previous``),
+    an adapter's old factors are here."""
+
+    update: str
+    lora: str | None
+    version: Version
+    factors: Any = None
 
 
 class ReplicaWeights:
@@ -131,6 +161,8 @@ class ReplicaWeights:
         self._read: tuple[str, dict[str, torch.Tensor]] | None = None
         #: the updates applied here (``_key``), to tell which committed ones it missed
         self._applied: set[tuple[str | None, str, str]] = set()
+        #: what the last applied update replaced, until the board settles it
+        self._kept: Kept | None = None
         self.thread = threading.Thread(target=self._watch, name="diffrt-weights", daemon=True)
 
     def start(self) -> None:
@@ -170,16 +202,27 @@ class ReplicaWeights:
         return 0 if first is None else len(entries) - first
 
     def _check_committed(self) -> None:
-        """Between rounds: catch up with any update this replica missed, and
-        sleep or wake as the deployment does (a round it missed)."""
+        """Between rounds: roll back or settle the update it applied last,
+        catch up with any update this replica missed, and sleep or wake as
+        the deployment does (a round it missed)."""
         import ray
 
         try:
-            self.apply_committed(ray.get(self.board.committed.remote(), timeout=POLL_S * 6))
-            ray_sleep.follow(self.engine, ray.get(self.board.sleep_level.remote(),
-                                                  timeout=POLL_S * 6))
+            self.follow(*ray.get([self.board.committed.remote(), self.board.reverted.remote(),
+                                  self.board.sleep_level.remote()], timeout=POLL_S * 6))
         except Exception:
             logger.exception("catching up with the applied weight updates failed")
+
+    def follow(self, committed: list[Committed], reverted: list[str], level: int | None
+               ) -> None:
+        """``_check_committed``'s work on what the board holds."""
+        if self._kept is not None:
+            if self._kept.update in reverted:  # its apply outlived the revert round
+                self._revert(self._kept.update, self._kept.lora)
+            elif any(e.update == self._kept.update for e in committed):
+                self._settle()
+        self.apply_committed(committed)
+        ray_sleep.follow(self.engine, level)
 
     def _watch(self) -> None:
         import ray
@@ -208,23 +251,62 @@ class ReplicaWeights:
         if lora is None:
             version: Version = self.engine.weights_version
             return version
+        version = self._lora_info(lora).version
+        return version
+
+    def _lora_info(self, lora: str) -> Any:
         info = next((i for i in self.engine.list_loras() if i.name == lora), None)
         if info is None:
             raise KeyError(lora)
-        return info.version
+        return info
 
     def _apply(self, lora: str | None, tensors: dict[str, torch.Tensor], version: Version | None,
-               policy: str) -> RoundReply:
+               policy: str, update: str | None = None) -> RoundReply:
+        """Apply an update; for an ``update`` round's, keep what it replaces
+        (``Kept``) until the board settles it or has it rolled back."""
+        before = self._version(lora)
+        if update is not None:
+            self._settle()
         if lora is None:
-            done = self.engine.update_weights_report(tensors, version=version, policy=policy)
+            done = self.engine.update_weights_report(tensors, version=version, policy=policy,
+                                                     keep_previous=update is not None)
             reply = RoundReply(version=done.version, checksum=done.checksum,
                                rank_checksums=list(done.rank_checksums))
+            factors = None
         else:
+            # the adapter's file goes when the update replaces it: read it first
+            factors = read_tensors(self._lora_info(lora).path) if update is not None else None
             info = self.engine.update_lora(lora, tensors, version=version)
             reply = RoundReply(version=info.version, checksum=source_checksum(tensors),
                                info=info)
+        if update is not None:
+            self._kept = Kept(update=update, lora=lora, version=before, factors=factors)
+        elif lora is None:
+            self._kept = None  # a commit that kept nothing dropped the engine's copy
         self._applied.add((lora, repr(reply.version), str(reply.checksum)))
         return reply
+
+    def _settle(self) -> None:
+        """Drop what the last update replaced: it stays (or was rolled back)."""
+        kept, self._kept = self._kept, None
+        if kept is not None and kept.lora is None:
+            self.engine.forget_previous_weights()
+
+    def _revert(self, update: str, lora: str | None) -> RoundReply:
+        """Put back what ``update`` replaced here, when this replica applied it."""
+        kept = self._kept
+        if kept is None or kept.update != update:
+            return RoundReply(version=self._version(lora), info="not updated")
+        self._kept = None
+        if kept.lora is None:
+            version = self.engine.revert_weights()
+        else:
+            assert kept.factors is not None
+            version = self.engine.update_lora(kept.lora, kept.factors,
+                                              version=kept.version).version
+        logger.warning("%s rolled back to version %r (update %s did not reach every replica)",
+                       kept.lora or "weights", version, update)
+        return RoundReply(version=version, info="rolled back")
 
     def handle(self, task: WeightsRound | ray_sleep.SleepRound) -> RoundReply:
         """One round's work: the phase's reply, or the error that refuses it."""
@@ -235,7 +317,10 @@ class ReplicaWeights:
         try:
             if task.phase == "discard":
                 return RoundReply(version=self._version(task.lora))
+            if task.phase == "revert":
+                return self._revert(task.update, task.lora)
             if task.phase == "check":
+                self._settle()  # a new update: the last one stays
                 version = self._version(task.lora)
                 tensors = read_source(task.source)
                 self._read = (task.update, tensors)
@@ -245,7 +330,7 @@ class ReplicaWeights:
             if read is None or read[0] != task.update:
                 return RoundReply(version=self._version(task.lora), error="failed",
                                   message="this replica did not check this update")
-            return self._apply(task.lora, read[1], task.version, task.policy)
+            return self._apply(task.lora, read[1], task.version, task.policy, task.update)
         except KeyError:
             return RoundReply(error="not_found", message=f"no LoRA adapter named {task.lora!r}")
         except WeightsMismatchError as exc:
@@ -329,14 +414,27 @@ async def _two_phases(board: Any, source: str | Mapping[str, torch.Tensor],
         logger.info("%s version %r applied on %d replica(s) (%s)", lora or "weights", new,
                     len(live), agreed)
         await board.commit.remote(Committed(names=checks[live[0]].names, source=wire,
-                                            version=new, checksum=agreed, lora=lora))
+                                            version=new, checksum=agreed, lora=lora,
+                                            update=update))
         return new, agreed, done
+    failed = {r: applied.get(r, RoundReply(error="failed", message="no answer in time"))
+              for r in live if r not in done}
+    failed |= {r: RoundReply(error="mismatch", message=f"applied checksum {a.checksum}, the "
+                             f"check agreed on {agreed}")
+               for r, a in done.items() if a.checksum != agreed}
     if not done and len(applied) == len(live):  # every replica refused: none changed
-        _refuse(applied, param, lora)
-    states = replica_states(applied, live, lambda a: f"updated, checksum {a.checksum}")
-    raise ApiError(503, f"the update to version {new!r} did not reach every replica, which "
-                        f"now differ (not rolled back; update again or restart): {states}",
-                   code="weights_partially_updated")
+        _refuse(failed, param, lora)
+    reverted: dict[str, RoundReply] = await board.run_round.remote(
+        WeightsRound(update=update, phase="revert", lora=lora), live, APPLY_TIMEOUT_S)
+    await board.record_reverted.remote(update)
+    if all(r in reverted and reverted[r].error is None for r in live):
+        undone = [r for r in live if reverted[r].info == "rolled back"]
+        _refuse(failed, param, lora, f"; rolled back on {', '.join(undone)}: every replica "
+                                     "keeps its old weights" if undone else "")
+    states = replica_states(reverted, live, lambda a: str(a.info))
+    raise ApiError(503, f"the update to version {new!r} failed on {', '.join(failed)} and "
+                        f"rolling it back failed too: the replicas now differ (update again "
+                        f"or restart): {states}", code="weights_partially_updated")
 
 
 def _agreed(checks: dict[str, RoundReply], live: list[str], expected: str | None,
@@ -366,20 +464,22 @@ def _agreed(checks: dict[str, RoundReply], live: list[str], expected: str | None
         raise ApiError(400, f"version: {exc}", param="version", code="invalid_value") from None
 
 
-def _refuse(replies: dict[str, RoundReply], param: str, lora: str | None) -> None:
-    """Every replica's refusal as the single-server route answers it."""
+def _refuse(replies: dict[str, RoundReply], param: str, lora: str | None,
+            rolled_back: str = "") -> None:
+    """A replica's refusal as the single-server route answers it (the first
+    by name); ``rolled_back`` says what the others undid."""
     replica, reply = next((r, a) for r, a in sorted(replies.items()) if a.error)
-    message = f"{param}: {reply.message} (replica {replica})"
+    message = f"{param}: {reply.message} (replica {replica}){rolled_back}"
     if reply.error == "not_found":
-        raise ApiError(404, reply.message, param="name", code="lora_not_found")
+        raise ApiError(404, reply.message + rolled_back, param="name", code="lora_not_found")
     if reply.error == "mismatch":
         raise ApiError(409, message, param=param, code="weights_checksum_mismatch")
     if reply.error == "invalid":
         raise ApiError(400, message, param=param,
                        code="invalid_weights" if lora is None else "invalid_lora_file")
-    raise ApiError(503, f"the update failed on replica {replica}: {reply.message}; nothing "
-                        "changed", code="engine_down")
+    raise ApiError(503, f"the update failed on replica {replica}: {reply.message}"
+                        f"{rolled_back or '; nothing changed'}", code="engine_down")
 
 
-__all__ = ["POLL_S", "Committed", "ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound",
+__all__ = ["POLL_S", "Committed", "Kept", "ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound",
            "read_source", "update_everywhere", "update_lora_everywhere"]

@@ -150,6 +150,35 @@ def test_a_checksum_mismatch_keeps_the_old_weights(engine, folders, before, monk
     assert np.array_equal(pixels(out), before)
 
 
+def test_a_kept_update_rolls_back_bit_for_bit_to_its_version(engine, folders, before):
+    """What a Ray Serve replica does when an update reached only some
+    replicas: ``keep_previous`` then ``revert_weights``."""
+    engine.update_weights(folders["perturbed"], version="kept")  # not kept: no copy
+    try:
+        kept = pixels(engine.generate(request()))
+        done = engine.update_weights_report(folders["tensors"], version="v2",
+                                            keep_previous=True)
+        assert done.version == engine.weights_version == "v2"
+        assert np.array_equal(pixels(engine.generate(request())), before)
+        assert not np.array_equal(before, kept)
+        assert engine.revert_weights() == "kept"
+        out = engine.generate(request())
+        assert out.weights_version == "kept" and np.array_equal(pixels(out), kept)
+        with pytest.raises(WeightUpdateError, match="no previous weights"):
+            engine.revert_weights()  # rolled back once: nothing kept any more
+        engine.update_weights(folders["tensors"], version=0)
+        with pytest.raises(WeightUpdateError, match="no previous weights"):
+            engine.revert_weights()  # the last update kept nothing
+        engine.update_weights_report(folders["perturbed"], version=3, keep_previous=True)
+        engine.forget_previous_weights()
+        with pytest.raises(WeightUpdateError, match="no previous weights"):
+            engine.revert_weights()
+        assert engine.weights_version == 3
+    finally:
+        restore(engine, folders)
+    assert np.array_equal(pixels(engine.generate(request())), before)
+
+
 def test_a_source_the_model_cannot_take_is_refused(engine, folders, before):
     with pytest.raises(WeightUpdateError, match="does not have"):
         engine.update_weights({"no.such.weight": torch.zeros(2)})

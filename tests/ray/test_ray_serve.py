@@ -149,7 +149,9 @@ def from_both_replicas(url: str, **extra: Any) -> dict[str, list[dict]]:
 
 def test_a_weight_update_reaches_both_replicas_or_neither(serve_url, ray_cluster):
     """POST /v1/weights (an upload): first with one replica reading other bytes
-    (the board's test seam): 409 and both keep version 0; then for real: the
+    (the board's test seam): 409 and both keep version 0; then with one
+    replica failing to apply (the seam): 503 and the other rolled back, both
+    drawing as before, bit for bit; then for real: the
     version and each replica's checksum, and both replicas answer on it, bit
     for bit alike, as one engine updated in process draws it; last, back to
     the original weights by path (inside --weights-dir)."""
@@ -166,6 +168,16 @@ def test_a_weight_update_reaches_both_replicas_or_neither(serve_url, ray_cluster
     assert r.json()["error"]["code"] == "weights_checksum_mismatch"
     before = from_both_replicas(serve_url)
     assert {a["diffrt"]["weights_version"] for got in before.values() for a in got} == {0}
+
+    # one replica fails to apply (the seam): the other rolls back, bit for bit
+    ray_cluster.get(DEPLOYED["board"].fail_next_apply.remote())
+    r = httpx.post(f"{serve_url}/v1/weights", timeout=120, **upload(perturbed, version="6"))
+    assert r.status_code == 503 and "rolled back on" in r.json()["error"]["message"], r.text
+    rolled = from_both_replicas(serve_url)
+    assert {a["diffrt"]["weights_version"] for got in rolled.values() for a in got} == {0}
+    assert all(np.array_equal(png_pixels(a["data"][0]["b64_json"]),
+                              png_pixels(before[replica][0]["data"][0]["b64_json"]))
+               for replica, got in rolled.items() for a in got)
 
     r = httpx.post(f"{serve_url}/v1/weights", timeout=120, **upload(perturbed, version="7"))
     assert r.status_code == 200, r.text

@@ -25,15 +25,22 @@ from diffrt.serve.ray_app import StatsBoard
 from diffrt.serve.ray_weights import ReplicaWeights
 
 TENSORS = {"proj.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+OLD_FACTORS = {"proj.lora_A.weight": torch.ones(4, 3)}
 
 
 class Engine:
     """A replica's engine, as far as an update goes."""
 
-    def __init__(self, fail: Exception | None = None, version: int | str = 0):
+    sleeping = False
+
+    def __init__(self, fail: Exception | None = None, version: int | str = 0,
+                 revert_fail: Exception | None = None):
         self.weights_version = version
-        self.fail = fail
+        self.fail, self.revert_fail = fail, revert_fail
         self.applied: list[dict] = []
+        #: the version ``keep_previous`` kept, and what happened to it
+        self.kept: int | str | None = None
+        self.reverted = self.forgotten = 0
         self.lora = LoraInfo(name="style", path="/a/style", rank=4, modules=1, nbytes=24,
                              requests=0, active=0, slot=0)
 
@@ -42,17 +49,34 @@ class Engine:
 
     def update_lora(self, name, tensors, *, version):
         assert name == self.lora.name
+        if self.fail is not None and version != 0:  # rolling back to 0 works
+            raise self.fail
         self.applied.append(dict(tensors))
         self.lora = msgspec.structs.replace(self.lora, version=version)
         return self.lora
 
-    def update_weights_report(self, tensors, *, version, policy):
+    def update_weights_report(self, tensors, *, version, policy, keep_previous=False):
         if self.fail is not None:
             raise self.fail
+        self.kept = self.weights_version if keep_previous else None
         self.weights_version = version
         self.applied.append(dict(tensors))
         got = checksum(tensors)
         return WeightsUpdate(version=version, checksum=got, rank_checksums=[got, got])
+
+
+    def revert_weights(self):
+        if self.revert_fail is not None:
+            raise self.revert_fail
+        if self.kept is None:
+            raise WeightUpdateError("no previous weights are kept to roll back to")
+        self.weights_version, self.kept = self.kept, None
+        self.reverted += 1
+        return self.weights_version
+
+    def forget_previous_weights(self):
+        self.kept = None
+        self.forgotten += 1
 
 
 def post(tmp_path, engines: dict[str, Engine], body: dict, silent: tuple[str, ...] = (),
@@ -61,6 +85,9 @@ def post(tmp_path, engines: dict[str, Engine], body: dict, silent: tuple[str, ..
     board heard from ``engines``' replicas (and the ``silent`` ones, which
     never answer)."""
     save_file(TENSORS, tmp_path / "w.safetensors")
+    save_file(OLD_FACTORS, tmp_path / "style.safetensors")  # the adapter's current file
+    for engine in engines.values():
+        engine.lora = msgspec.structs.replace(engine.lora, path=str(tmp_path / "style.safetensors"))
     settings = ServeSettings(weights_dir=str(tmp_path), lora_dir=str(tmp_path))
 
     async def steps(c, client, board) -> httpx.Response:
@@ -101,14 +128,70 @@ def test_a_refusal_in_either_phase_leaves_every_replica_on_its_version(tmp_path)
     assert not engines["b"].applied
 
 
-def test_a_replica_failing_to_apply_is_reported_with_every_replicas_state(tmp_path):
-    engines = {"a": Engine(), "b": Engine(RuntimeError("the worker died"))}
+def test_a_replica_failing_to_apply_rolls_the_others_back(tmp_path):
+    engines = {"a": Engine(), "b": Engine(RuntimeError("the worker died")), "c": Engine()}
+    r = post(tmp_path, engines, {"path": "w.safetensors", "version": "v2"})
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["code"] == "engine_down"
+    assert "replica b: RuntimeError: the worker died; rolled back on a, c" in error["message"]
+    assert [e.weights_version for e in engines.values()] == [0, 0, 0]
+    assert [e.reverted for e in engines.values()] == [1, 0, 1]
+    # a refusal in phase 2 (the engine's own check) answers as it would alone
+    engines = {"a": Engine(), "b": Engine(WeightUpdateError("shape [2, 3], the model's is [3]"))}
+    r = post(tmp_path, engines, {"path": "w.safetensors"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_weights", r.text
+    assert "rolled back on a" in r.json()["error"]["message"]
+    assert engines["a"].weights_version == 0
+
+
+def test_a_failed_roll_back_is_reported_with_every_replicas_state(tmp_path):
+    engines = {"a": Engine(revert_fail=RuntimeError("the host copy is gone")),
+               "b": Engine(RuntimeError("the worker died"))}
     r = post(tmp_path, engines, {"path": "w.safetensors", "version": "v2"})
     assert r.status_code == 503, r.text
     error = r.json()["error"]
     assert error["code"] == "weights_partially_updated"
-    assert "a: version 'v2' (updated" in error["message"]
-    assert "b: version 0 (failed: RuntimeError: the worker died)" in error["message"]
+    assert "failed on b and rolling it back failed too" in error["message"]
+    assert "a: version 'v2' (failed: RuntimeError: the host copy is gone)" in error["message"]
+    assert "b: version 0 (not updated)" in error["message"]
+
+
+def test_an_adapter_update_rolls_back_to_the_old_factors(tmp_path):
+    engines = {"a": Engine(), "b": Engine(RuntimeError("no slot"))}
+    r = post(tmp_path, engines, {"path": "w.safetensors", "version": 4},
+             route=("PUT", "/v1/loras/style"))
+    assert r.status_code == 503 and "rolled back on a" in r.text, r.text
+    assert [e.lora.version for e in engines.values()] == [0, 0]
+    new, old = engines["a"].applied
+    assert torch.equal(new["proj.weight"], TENSORS["proj.weight"])
+    assert torch.equal(old["proj.lora_A.weight"], OLD_FACTORS["proj.lora_A.weight"])
+
+
+def test_a_replica_settles_or_rolls_back_as_the_board_says(tmp_path):
+    """Between rounds (``follow``): an update the board committed drops the
+    kept copy; one it rolled back while this replica was still applying it
+    (its apply outlived the revert round) is rolled back here too."""
+    save_file(TENSORS, tmp_path / "w.safetensors")
+    path = str(tmp_path / "w.safetensors")
+    engine = Engine()
+    weights = ReplicaWeights("a", None, engine, threading.Event())
+
+    def update(update: str, version: int) -> None:
+        for phase in ("check", "apply"):
+            reply = weights.handle(ray_weights.WeightsRound(
+                update=update, phase=phase, source=path, version=version))
+            assert reply.error is None, reply
+
+    update("u1", 1)
+    assert engine.kept == 0
+    entry = ray_weights.Committed(names=["proj.weight"], source=path, version=1,
+                                  checksum=checksum(TENSORS), update="u1")
+    weights.follow([entry], [], None)
+    assert engine.kept is None and engine.forgotten == 1 and engine.weights_version == 1
+    update("u2", 2)
+    weights.follow([entry], ["u2"], None)
+    assert engine.weights_version == 1 and engine.reverted == 1
 
 
 def test_a_replica_that_does_not_answer_refuses_the_update(tmp_path, monkeypatch):

@@ -9,6 +9,10 @@ agree does it send ``commit`` (the staged tensors are copied into the
 module's parameters, in place) — otherwise ``discard``, and the old weights
 stay. The engine sends both between ticks, when no request is running, so
 a request never mixes two versions.
+
+A commit may keep a host copy of what it replaced (``PreviousWeights``):
+Ray Serve's replicas apply an update one by one, and when one of them fails
+the others put their previous weights back (``serve/ray_weights.py``).
 """
 
 from __future__ import annotations
@@ -87,13 +91,32 @@ class StagedUpdate:
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     @torch.no_grad()
-    def commit(self) -> None:
+    def commit(self, keep_previous: bool = False) -> PreviousWeights | None:
         """Copy the staged tensors into the live parameters (in place: hooks,
-        compiled graphs and LoRA layers keep pointing at them)."""
+        compiled graphs and LoRA layers keep pointing at them); with
+        ``keep_previous``, a host copy of the values they replace first."""
+        previous = PreviousWeights(self.targets) if keep_previous else None
         for name, tensor in self.tensors.items():
             self.targets[name].copy_(tensor)
         self.tensors.clear()
+        return previous
 
 
-__all__ = ["StagedUpdate", "WeightUpdateError", "checksum", "read_tensors",
+class PreviousWeights:
+    """Host copies of the parameters a commit replaced, to put back
+    (``restore``) when the update is rolled back."""
+
+    def __init__(self, targets: Mapping[str, torch.Tensor]):
+        self.targets = dict(targets)
+        self.tensors = {name: t.detach().to("cpu", copy=True) for name, t in targets.items()}
+        self.checksum = checksum(self.tensors)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for name, tensor in self.tensors.items():
+            self.targets[name].copy_(tensor)
+
+
+__all__ = ["PreviousWeights", "StagedUpdate", "WeightUpdateError", "checksum", "read_tensors",
            "safetensors_files"]
