@@ -35,11 +35,11 @@ rounds: ``ray_sleep.py``).
    round rolls back when it next looks (``follow``).
 
 The board keeps the updates every replica applied (``Committed``; one that
-a later update covers name for name goes); each replica drops its kept copy
-when it next looks (or at the next update's check), and a replica Ray starts later (a
-replacement, autoscaling) applies them before it serves (``catch_up``), and
-between rounds each replica applies any it missed (one that started while
-an update was between its phases).
+a later update covers name for name goes). Each replica drops its kept copy
+when it next looks (or at the next update's check); a replica Ray starts
+later (a replacement, autoscaling) applies them before it serves
+(``catch_up``); and between rounds each replica applies any it missed (one
+that started while an update was between its phases).
 """
 
 from __future__ import annotations
