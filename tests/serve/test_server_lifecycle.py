@@ -53,24 +53,34 @@ def _status(url: str, path: str) -> int:
     return httpx.get(f"{url}{path}", timeout=10).status_code
 
 
+#: the drain test's two requests, one queued behind the other: long enough (about
+#: 4 s each, quiet) to be in flight while the test fills the queue and signals,
+#: and no longer, as a busy machine stretches both (800 steps each took 660 s
+#: beside a model training)
+DRAINED = {"size": "32x32", "num_inference_steps": 300}
+
+
 def test_overload_then_a_drain_on_sigterm():
-    # a drain long enough for both LONG requests however busy the machine
+    # the drain, and the client's wait for the queued request's answer (no
+    # byte comes before it), are hang guards: both requests finish however
+    # busy the machine
     server = ServerProcess("--max-num-seqs", "1", "--max-pending", "1",
-                           "--shutdown-timeout-s", "600", *NO_TIME_LIMITS).wait_ready()
+                           "--shutdown-timeout-s", str(HANG_GUARD_S),
+                           *NO_TIME_LIMITS).wait_ready()
     workers = children(server.proc.pid)
     assert workers, "the server runs its model in worker processes"
     try:
         async def main():
-            async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
+            async with httpx.AsyncClient(base_url=server.url, timeout=HANG_GUARD_S) as c:
                 async def metric_is(name: str, value: float) -> None:
                     await _poll(c, "/metrics", lambda r: f"{name} {value}" in r.text,
                                 f"{name} {value}")
 
-                running = asyncio.create_task(c.post(GEN, json={"prompt": "one", **LONG}))
+                running = asyncio.create_task(c.post(GEN, json={"prompt": "one", **DRAINED}))
                 await metric_is("diffrt_requests_running", 1.0)
-                waiting = asyncio.create_task(c.post(GEN, json={"prompt": "two", **LONG}))
+                waiting = asyncio.create_task(c.post(GEN, json={"prompt": "two", **DRAINED}))
                 await metric_is("diffrt_requests_waiting", 1.0)
-                overloaded = await c.post(GEN, json={"prompt": "three", **LONG})
+                overloaded = await c.post(GEN, json={"prompt": "three", **DRAINED})
                 server.signal(signal.SIGTERM)  # both requests in flight
                 ready = (await _poll(c, "/ready", lambda r: r.status_code == 503,
                                      "/ready 503 while draining")).status_code
