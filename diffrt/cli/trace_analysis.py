@@ -139,7 +139,12 @@ def _check_worker_spans(rows: list[Track]) -> None:
 
 def find_async_overlaps(trace: dict[str, Any]) -> list[tuple[Span, Span]]:
     """(forward, copy) pairs of one worker where a forward ran while the
-    output of an EARLIER forward (other keys, copy started first) was copied.
+    output of an EARLIER forward (other keys) was copied.
+
+    The copy is of an earlier forward when the forward its keys name started
+    before this one; without keys, when the copy started first. (On a loaded
+    machine the copy thread may start a moment after the next forward did:
+    the copy still ran beside it.)
 
     Raises TraceError for a trace whose spans do not include the worker spans
     this reads (see ``_check_worker_spans``).
@@ -152,9 +157,15 @@ def find_async_overlaps(trace: dict[str, Any]) -> list[tuple[Span, Span]]:
         copies = _spans(streams, WORKER_OUTPUT, COPY_SPAN)
         for fwd in forwards:
             for copy in copies:
-                earlier = copy.start_us < fwd.start_us
-                other_request = not (set(copy.keys) & set(fwd.keys)) if copy.keys and fwd.keys else True
-                if earlier and other_request and fwd.overlaps(copy):
+                if copy.keys and fwd.keys:
+                    if set(copy.keys) & set(fwd.keys):
+                        continue  # its own forward's output
+                    own = [f for f in forwards if set(f.keys) & set(copy.keys)]
+                    earlier = (min(f.start_us for f in own) < fwd.start_us if own
+                               else copy.start_us < fwd.start_us)
+                else:
+                    earlier = copy.start_us < fwd.start_us
+                if earlier and fwd.overlaps(copy):
                     pairs.append((fwd, copy))
     return pairs
 

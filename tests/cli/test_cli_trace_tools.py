@@ -111,6 +111,15 @@ def test_overlap_found_when_next_forward_runs_during_previous_copy():
     assert f"{MAIN0}: 2 spans, 0.2 ms busy (98%)" in text  # 195 of 200 us
 
 
+def test_overlap_found_when_the_copy_thread_starts_after_the_next_forward():
+    # a loaded machine: r1's copy starts 2 us into r2's forward, and runs beside it
+    trace = _synthetic(forwards=[(0, 100, "r1"), (101, 200, "r2")], copies=[(103, 150, "r1")])
+    assert [(f.keys, c.keys) for f, c in find_async_overlaps(trace)] == [(("r2",), ("r1",))]
+    # a later request's copy running beside an earlier forward is not it
+    trace = _synthetic(forwards=[(0, 100, "r1"), (101, 200, "r2")], copies=[(50, 120, "r2")])
+    assert find_async_overlaps(trace) == []
+
+
 def test_no_overlap_when_copies_run_between_forwards():
     # the synchronous path: copy of r1 ends before forward r2 starts
     trace = _synthetic(forwards=[(0, 100, "r1"), (160, 200, "r2")], copies=[(100, 150, "r1")])
