@@ -259,9 +259,9 @@ class PipelineRunner(TickRunner):
                 previous, self.previous = self.previous, None
                 if previous is None:
                     return WeightsStaged(error="no previous weights kept")
-                previous.restore()
+                restored = previous.restore()
                 self.platform.synchronize()
-                return WeightsStaged(previous.checksum, len(previous.tensors), previous.nbytes)
+                return WeightsStaged(restored, len(previous.tensors), previous.nbytes)
             case ForgetPreviousWeights():
                 self.previous = None
         return WeightsStaged()

@@ -49,7 +49,8 @@ import msgspec
 from diffrt.engine import DiffusionEngine, DiffusionRequest, EngineConfig
 from diffrt.serve.ingress_seats import announce_admission
 from diffrt.serve.ray_placement import INGRESS_CPUS, cpu_share, torch_threads_for
-from diffrt.serve.ray_weights import ReplicaWeights, WeightRounds
+from diffrt.serve.ray_weight_board import WeightRounds
+from diffrt.serve.ray_weights import ReplicaWeights
 from diffrt.serve.replica_client import (
     PUBLISH_EVERY_S,
     REPLICA_HEADER,
@@ -134,7 +135,7 @@ class ReplicaSettings(ReplicaOptions, kw_only=True, frozen=True):
 class StatsBoard(WeightRounds):
     """The latest engine statistics of every model replica (a Ray actor), the
     weight updates' and sleep's rounds and whether the deployment sleeps
-    (``WeightRounds``, ``ray_weights.py``)."""
+    (``WeightRounds``, ``ray_weight_board.py``)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -23,16 +23,14 @@ rounds: ``ray_sleep.py``).
    ``policy``), under the one version the ingress chose; an adapter's to
    ``update_lora`` (a replica without the adapter refuses it in phase 1: 404).
 3. ``revert``, only when phase 2 failed on some replica (or one did not
-   answer) while others applied: those put back what they had before. For
-   the transformer each replica's engine applied with ``keep_previous`` (its
-   ranks kept a host copy of the values they replaced), so it rolls back
-   bit for bit to its old version (``revert_weights``); for an adapter the
-   replica read its old factors before applying and registers them again
-   under the old version. The answer is then the failure, as a refusal in
-   phase 1 would be ("rolled back"). Only when a roll-back fails too is it
-   503 ``weights_partially_updated``, naming each replica's version. The
-   board records the reverted update, so a replica whose apply outlived the
-   round rolls back when it next looks (``follow``).
+   answer) while others applied: those put back what they had before
+   (``ray_kept.py``): the transformer's old values, which its engine's ranks
+   kept (``keep_previous``; ``revert_weights``, bit for bit), or the
+   adapter's old file, copied before the update. The answer is then the
+   failure's refusal ("rolled back on ..."); only a roll-back that fails too
+   gives 503 ``weights_partially_updated``, naming each replica's version.
+   The board records the reverted update, so a replica whose apply outlived
+   the round rolls back when it next looks (``follow``, or the next check).
 
 The board keeps the updates every replica applied (``Committed``; one that
 a later update covers name for name goes). Each replica drops its kept copy
@@ -64,7 +62,9 @@ from diffrt.engine.weights.update import WeightUpdateError, read_tensors
 from diffrt.serve import ray_sleep
 from diffrt.serve.errors import ApiError
 from diffrt.serve.protocol import WeightsUpdated
-from diffrt.serve.ray_rounds import POLL_S, BoardRounds, RoundReply, live_replicas, replica_states
+from diffrt.serve.ray_kept import Kept, copy_adapter, drop_copy
+from diffrt.serve.ray_rounds import POLL_S, RoundReply, live_replicas, replica_states
+from diffrt.serve.ray_weight_board import Committed, WeightRounds
 
 logger = logging.getLogger(__name__)
 
@@ -84,71 +84,11 @@ class WeightsRound(msgspec.Struct, frozen=True, kw_only=True):
     #: the adapter whose factors it replaces (``PUT /v1/loras/{name}``); None:
     #: the transformer's weights
     lora: str | None = None
+    #: a check's: the updates rolled back lately (one this replica applied after
+    #: its revert round ended goes back before the new one is checked)
+    reverted: list[str] = []
     version: Version | None = None
     policy: str = "wait"
-
-
-class Committed(msgspec.Struct, frozen=True, kw_only=True):
-    """An update every replica applied, kept on the board for the replicas
-    Ray starts later (a replacement, autoscaling): they apply it at start."""
-
-    names: list[str]
-    source: Any
-    version: Version
-    checksum: str
-    lora: str | None = None
-    #: the update's id (``WeightsRound.update``)
-    update: str = ""
-
-
-#: how many rolled-back updates the board remembers (for replicas that were late)
-REVERTED_KEPT = 32
-
-
-class WeightRounds(BoardRounds, ray_sleep.SleepState):
-    """The board's part: the rounds (``BoardRounds``), the updates every
-    replica applied (``Committed``), those rolled back, and whether the
-    deployment sleeps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._committed: list[Committed] = []
-        self._reverted: list[str] = []
-
-    def commit(self, entry: Committed) -> None:
-        """Record an applied update; those whose every tensor it replaces go."""
-        covered = set(entry.names)
-        self._committed = [e for e in self._committed
-                           if e.lora != entry.lora or not set(e.names) <= covered]
-        self._committed.append(entry)
-
-    def committed(self) -> list[Committed]:
-        """The updates a replica starting now applies, oldest first."""
-        return list(self._committed)
-
-    def record_reverted(self, update: str) -> None:
-        self._reverted = [*self._reverted[-(REVERTED_KEPT - 1):], update]
-
-    def reverted(self) -> list[str]:
-        """The updates rolled back lately (a replica that applied one late reverts it)."""
-        return list(self._reverted)
-
-    def forget_weights(self) -> None:
-        """A level-2 sleep: every replica wakes on the model folder's
-        transformer (version 0), so a replica starting now applies no
-        transformer update (the adapters' stay)."""
-        self._committed = [e for e in self._committed if e.lora is not None]
-
-
-class Kept(msgspec.Struct, kw_only=True):
-    """What a replica's last applied update replaced, for a roll-back: the
-    transformer's old values stay in its engine's ranks (``keep_previous``),
-    an adapter's old factors are here."""
-
-    update: str
-    lora: str | None
-    version: Version
-    factors: Any = None
 
 
 class ReplicaWeights:
@@ -224,6 +164,13 @@ class ReplicaWeights:
         self.apply_committed(committed)
         ray_sleep.follow(self.engine, level)
 
+    def close(self) -> None:
+        """The replica goes: remove an adapter copy it kept (the engine's
+        ranks drop theirs with the workers)."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            drop_copy(kept.lora_copy)
+
     def _watch(self) -> None:
         import ray
 
@@ -245,6 +192,7 @@ class ReplicaWeights:
                 ray.get(self.board.answer.remote(self.name, seen, reply), timeout=POLL_S * 6)
             except Exception:
                 logger.warning("answering weight update round %d failed", seen, exc_info=True)
+        self.close()
 
     def _version(self, lora: str | None) -> Version:
         """The current version of what ``lora`` names (``KeyError``: no such adapter)."""
@@ -267,30 +215,38 @@ class ReplicaWeights:
         before = self._version(lora)
         if update is not None:
             self._settle()
+        copy: tuple[str | None, str] = (None, "")
         if lora is None:
             done = self.engine.update_weights_report(tensors, version=version, policy=policy,
                                                      keep_previous=update is not None)
             reply = RoundReply(version=done.version, checksum=done.checksum,
                                rank_checksums=list(done.rank_checksums))
-            factors = None
         else:
-            # the adapter's file goes when the update replaces it: read it first
-            factors = read_tensors(self._lora_info(lora).path) if update is not None else None
-            info = self.engine.update_lora(lora, tensors, version=version)
-            reply = RoundReply(version=info.version, checksum=source_checksum(tensors),
-                               info=info)
+            new = source_checksum(tensors)
+            if update is not None:  # the update replaces the adapter's file: copy it first
+                copy = copy_adapter(self._lora_info(lora).path, new)
+            try:
+                info = self.engine.update_lora(lora, tensors, version=version)
+            except BaseException:
+                drop_copy(copy[0])
+                raise
+            reply = RoundReply(version=info.version, checksum=new, info=info)
+        key = (lora, repr(reply.version), str(reply.checksum))
         if update is not None:
-            self._kept = Kept(update=update, lora=lora, version=before, factors=factors)
+            self._kept = Kept(update=update, lora=lora, version=before, key=key,
+                              lora_copy=copy[0], why_not=copy[1])
         elif lora is None:
             self._kept = None  # a commit that kept nothing dropped the engine's copy
-        self._applied.add((lora, repr(reply.version), str(reply.checksum)))
+        self._applied.add(key)
         return reply
 
     def _settle(self) -> None:
         """Drop what the last update replaced: it stays (or was rolled back)."""
         kept, self._kept = self._kept, None
-        if kept is not None and kept.lora is None:
-            self.engine.forget_previous_weights()
+        if kept is not None:
+            drop_copy(kept.lora_copy)
+            if kept.lora is None:
+                self.engine.forget_previous_weights()
 
     def _revert(self, update: str, lora: str | None) -> RoundReply:
         """Put back what ``update`` replaced here, when this replica applied it."""
@@ -298,12 +254,19 @@ class ReplicaWeights:
         if kept is None or kept.update != update:
             return RoundReply(version=self._version(lora), info="not updated")
         self._kept = None
-        if kept.lora is None:
-            version = self.engine.revert_weights()
-        else:
-            assert kept.factors is not None
-            version = self.engine.update_lora(kept.lora, kept.factors,
-                                              version=kept.version).version
+        try:
+            if kept.lora is None:
+                version = self.engine.revert_weights()
+            elif kept.lora_copy is None:
+                raise WeightUpdateError(f"adapter {kept.lora!r} cannot be rolled back: "
+                                        f"{kept.why_not}")
+            else:  # the copy becomes the adapter's file (removed when a later update replaces it)
+                version = self.engine.update_lora(kept.lora, kept.lora_copy,
+                                                  version=kept.version).version
+        except BaseException:
+            drop_copy(kept.lora_copy)
+            raise
+        self._applied.discard(kept.key)  # a retry of the same update applies again
         logger.warning("%s rolled back to version %r (update %s did not reach every replica)",
                        kept.lora or "weights", version, update)
         return RoundReply(version=version, info="rolled back")
@@ -319,8 +282,10 @@ class ReplicaWeights:
                 return RoundReply(version=self._version(task.lora))
             if task.phase == "revert":
                 return self._revert(task.update, task.lora)
-            if task.phase == "check":
-                self._settle()  # a new update: the last one stays
+            if task.phase == "check":  # a new update: the last one stays, or goes back
+                if self._kept is not None and self._kept.update in task.reverted:
+                    self._revert(self._kept.update, self._kept.lora)
+                self._settle()
                 version = self._version(task.lora)
                 tensors = read_source(task.source)
                 self._read = (task.update, tensors)
@@ -397,8 +362,8 @@ async def _two_phases(board: Any, source: str | Mapping[str, torch.Tensor],
         wire = [ray.put(dict(source))]
     update = uuid.uuid4().hex
     checks = await board.run_round.remote(
-        WeightsRound(update=update, phase="check", source=wire, lora=lora), live,
-        CHECK_TIMEOUT_S)
+        WeightsRound(update=update, phase="check", source=wire, lora=lora,
+                     reverted=await board.reverted.remote()), live, CHECK_TIMEOUT_S)
     try:
         new = _agreed(checks, live, expected, version, param, lora)
     except BaseException:
@@ -424,14 +389,19 @@ async def _two_phases(board: Any, source: str | Mapping[str, torch.Tensor],
                for r, a in done.items() if a.checksum != agreed}
     if not done and len(applied) == len(live):  # every replica refused: none changed
         _refuse(failed, param, lora)
-    reverted: dict[str, RoundReply] = await board.run_round.remote(
-        WeightsRound(update=update, phase="revert", lora=lora), live, APPLY_TIMEOUT_S)
+    # recorded first: a replica whose apply outlives the round rolls back when it looks
     await board.record_reverted.remote(update)
-    if all(r in reverted and reverted[r].error is None for r in live):
-        undone = [r for r in live if reverted[r].info == "rolled back"]
-        _refuse(failed, param, lora, f"; rolled back on {', '.join(undone)}: every replica "
-                                     "keeps its old weights" if undone else "")
-    states = replica_states(reverted, live, lambda a: str(a.info))
+    reverted: dict[str, RoundReply] = await board.run_round.remote(
+        WeightsRound(update=update, phase="revert", lora=lora), list(done),
+        APPLY_TIMEOUT_S) if done else {}
+    if all(r in reverted and reverted[r].error is None for r in done):
+        silent = [r for r in live if r not in applied]
+        note = f"; rolled back on {', '.join(done)}" if done else ""
+        note += (f"; no answer from {', '.join(silent)} (each rolls back when it next looks, "
+                 "if it applied)") if silent else (": every replica keeps its old weights"
+                                                   if done else "")
+        _refuse(failed, param, lora, note)
+    states = replica_states({**failed, **reverted}, live, lambda a: str(a.info))
     raise ApiError(503, f"the update to version {new!r} failed on {', '.join(failed)} and "
                         f"rolling it back failed too: the replicas now differ (update again "
                         f"or restart): {states}", code="weights_partially_updated")
@@ -481,5 +451,5 @@ def _refuse(replies: dict[str, RoundReply], param: str, lora: str | None,
                         f"{rolled_back or '; nothing changed'}", code="engine_down")
 
 
-__all__ = ["POLL_S", "Committed", "Kept", "ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound",
+__all__ = ["POLL_S", "Committed", "ReplicaWeights", "RoundReply", "WeightRounds", "WeightsRound",
            "read_source", "update_everywhere", "update_lora_everywhere"]

@@ -78,8 +78,9 @@ def with_ingress(engines: dict[str, Any], settings: ServeSettings,
         board.put(name, stats(name))
 
     async def main() -> T:
-        tasks = [asyncio.create_task(replica(board, ReplicaWeights(
-            name, None, engine, threading.Event()))) for name, engine in engines.items()]
+        replicas = [ReplicaWeights(name, None, engine, threading.Event())
+                    for name, engine in engines.items()]
+        tasks = [asyncio.create_task(replica(board, weights)) for weights in replicas]
         tasks.append(asyncio.create_task(publish()))
         client = ReplicaClient(None, LocalBoard(board), settings, "tiny-flux", True)
         app = build_app(settings=settings, client=client)
@@ -90,5 +91,7 @@ def with_ingress(engines: dict[str, Any], settings: ServeSettings,
         finally:
             for task in tasks:
                 task.cancel()
+            for weights in replicas:
+                weights.close()
 
     return asyncio.run(main())

@@ -2,11 +2,13 @@
 ingress's route and ``ReplicaClient`` over the real ``StatsBoard`` rounds,
 in process, with replicas whose engines are stand-ins (``ray_weights.py``).
 Checked: all-or-none (a refusal in either phase leaves every replica on its
-version), the 503 that names each replica's state when phase 2 splits them,
-and a replica that never answers. The cluster test is tests/ray/test_ray_serve.py."""
+version; a failure in phase 2 rolls back those that applied, weights or an
+adapter's old file), the 503 that names each replica's state when a
+roll-back fails too, and replicas that do not answer a check or an apply. The cluster test is tests/ray/test_ray_serve.py."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import httpx
@@ -19,7 +21,7 @@ from serve_helpers import AUTH
 
 from diffrt.engine import LoraInfo
 from diffrt.engine.weight_sync import WeightsMismatchError, WeightsUpdate
-from diffrt.engine.weights.update import WeightUpdateError, checksum
+from diffrt.engine.weights.update import WeightUpdateError, checksum, read_tensors
 from diffrt.serve import ServeSettings, ray_weights
 from diffrt.serve.ray_app import StatsBoard
 from diffrt.serve.ray_weights import ReplicaWeights
@@ -51,7 +53,7 @@ class Engine:
         assert name == self.lora.name
         if self.fail is not None and version != 0:  # rolling back to 0 works
             raise self.fail
-        self.applied.append(dict(tensors))
+        self.applied.append(tensors if isinstance(tensors, str) else dict(tensors))
         self.lora = msgspec.structs.replace(self.lora, version=version)
         return self.lora
 
@@ -80,12 +82,14 @@ class Engine:
 
 
 def post(tmp_path, engines: dict[str, Engine], body: dict, silent: tuple[str, ...] = (),
-         route: tuple[str, str] = ("POST", "/v1/weights")) -> httpx.Response:
+         route: tuple[str, str] = ("POST", "/v1/weights"),
+         keep_adapter_file: bool = False) -> httpx.Response:
     """``POST /v1/weights`` (or ``route``) with ``body`` to an ingress whose
     board heard from ``engines``' replicas (and the ``silent`` ones, which
     never answer)."""
     save_file(TENSORS, tmp_path / "w.safetensors")
-    save_file(OLD_FACTORS, tmp_path / "style.safetensors")  # the adapter's current file
+    if not keep_adapter_file:
+        save_file(OLD_FACTORS, tmp_path / "style.safetensors")  # the adapter's current file
     for engine in engines.values():
         engine.lora = msgspec.structs.replace(engine.lora, path=str(tmp_path / "style.safetensors"))
     settings = ServeSettings(weights_dir=str(tmp_path), lora_dir=str(tmp_path))
@@ -154,7 +158,52 @@ def test_a_failed_roll_back_is_reported_with_every_replicas_state(tmp_path):
     assert error["code"] == "weights_partially_updated"
     assert "failed on b and rolling it back failed too" in error["message"]
     assert "a: version 'v2' (failed: RuntimeError: the host copy is gone)" in error["message"]
-    assert "b: version 0 (not updated)" in error["message"]
+    assert "b: version 0 (failed: RuntimeError: the worker died)" in error["message"]
+
+
+class LateBoard(StatsBoard):
+    """Loses replica b's answer to the next apply, as if b had applied after
+    the round ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lose = True
+
+    def answer(self, replica, round_id, reply):
+        task = self._rounds.get(replica, (0, None))[1]
+        if (self.lose and replica == "b" and isinstance(task, ray_weights.WeightsRound)
+                and task.phase == "apply"):
+            self.lose = False
+            return
+        super().answer(replica, round_id, reply)
+
+
+def test_a_replica_that_applied_after_its_round_rolls_back_at_the_next_check(
+        tmp_path, monkeypatch):
+    """b's apply answer never comes: a rolls back at once, without waiting
+    for b again; b, which did apply, rolls back before it checks the next
+    update, and the next update reaches both."""
+    monkeypatch.setattr(ray_weights, "APPLY_TIMEOUT_S", 0.5)
+    save_file(TENSORS, tmp_path / "w.safetensors")
+    engines = {"a": Engine(), "b": Engine()}
+    settings = ServeSettings(weights_dir=str(tmp_path), lora_dir=str(tmp_path))
+
+    async def steps(c, client, board):
+        first = await c.post("/v1/weights", json={"path": "w.safetensors", "version": 5},
+                             headers=AUTH)
+        late = (engines["b"].weights_version, engines["b"].kept)
+        second = await c.post("/v1/weights", json={"path": "w.safetensors", "version": 6},
+                              headers=AUTH)
+        return first, late, second
+
+    first, late, second = with_ingress(engines, settings, steps, board=LateBoard())
+    assert first.status_code == 503 and first.json()["error"]["code"] == "engine_down"
+    message = first.json()["error"]["message"]
+    assert "rolled back on a; no answer from b (each rolls back" in message, message
+    assert late == (5, 0)  # b applied and kept version 0's weights
+    assert second.status_code == 200, second.text
+    assert [e.reverted for e in engines.values()] == [1, 1]
+    assert [e.weights_version for e in engines.values()] == [6, 6]
 
 
 def test_an_adapter_update_rolls_back_to_the_old_factors(tmp_path):
@@ -165,7 +214,17 @@ def test_an_adapter_update_rolls_back_to_the_old_factors(tmp_path):
     assert [e.lora.version for e in engines.values()] == [0, 0]
     new, old = engines["a"].applied
     assert torch.equal(new["proj.weight"], TENSORS["proj.weight"])
-    assert torch.equal(old["proj.lora_A.weight"], OLD_FACTORS["proj.lora_A.weight"])
+    # the old file, copied before the update (its LoRA metadata with it), registered again
+    assert isinstance(old, str) and old != str(tmp_path / "style.safetensors")
+    assert torch.equal(read_tensors(old)["proj.lora_A.weight"], OLD_FACTORS["proj.lora_A.weight"])
+    shutil.rmtree(old)  # the engine's registry would own it
+    # an adapter whose file already holds the new factors cannot go back: said so
+    save_file(TENSORS, tmp_path / "style.safetensors")
+    engines = {"a": Engine(), "b": Engine(RuntimeError("no slot"))}
+    r = post(tmp_path, engines, {"path": "style.safetensors", "version": 5},
+             route=("PUT", "/v1/loras/style"), keep_adapter_file=True)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "weights_partially_updated"
+    assert "overwritten in place" in r.json()["error"]["message"], r.text
 
 
 def test_a_replica_settles_or_rolls_back_as_the_board_says(tmp_path):

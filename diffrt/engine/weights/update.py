@@ -109,13 +109,15 @@ class PreviousWeights:
     def __init__(self, targets: Mapping[str, torch.Tensor]):
         self.targets = dict(targets)
         self.tensors = {name: t.detach().to("cpu", copy=True) for name, t in targets.items()}
-        self.checksum = checksum(self.tensors)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     @torch.no_grad()
-    def restore(self) -> None:
+    def restore(self) -> str:
+        """Copy the values back; the checksum of what it put back (computed
+        only here: a commit that keeps them pays for the copy alone)."""
         for name, tensor in self.tensors.items():
             self.targets[name].copy_(tensor)
+        return checksum(self.tensors)
 
 
 __all__ = ["PreviousWeights", "StagedUpdate", "WeightUpdateError", "checksum", "read_tensors",
