@@ -71,9 +71,54 @@ SHARED_PREFIX = "diffrt-weights-"
 
 def shared_dir() -> str:
     """A fresh folder in shared memory (``/dev/shm``; the temporary folder
-    where the host has none), for tensors on their way to the workers."""
+    where the host has none), for tensors on their way to the workers.
+
+    Its name carries this process's pid namespace and pid, so that the
+    folders of a process that is gone — a Ray Serve replica is killed at
+    shutdown before its engine closes, and an updated adapter's file lives
+    as long as the engine — are removed by the next process that makes one
+    (``sweep_orphans``)."""
     root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix=SHARED_PREFIX, dir=root)
+    root = root or tempfile.gettempdir()
+    owner = _owner()
+    if owner is not None:
+        sweep_orphans(root, owner[0])
+    tag = f"{owner[0]}-{owner[1]}-" if owner is not None else ""
+    return tempfile.mkdtemp(prefix=f"{SHARED_PREFIX}{tag}", dir=root)
+
+
+def _owner() -> tuple[str, int] | None:
+    """(pid namespace, pid) of this process; None where there is no /proc."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return None
+    return "".join(c for c in namespace if c.isdigit()), os.getpid()
+
+
+def sweep_orphans(root: str, namespace: str) -> list[str]:
+    """Remove the folders under ``root`` that a process of this pid
+    namespace made and that process is gone; the paths removed. Folders of
+    other namespaces (a container sharing the host's /dev/shm) are left."""
+    removed = []
+    for name in os.listdir(root):
+        parts = name[len(SHARED_PREFIX):].split("-", 2) if name.startswith(SHARED_PREFIX) else []
+        if len(parts) == 3 and parts[0] == namespace and parts[1].isdigit() \
+                and not _alive(int(parts[1])):
+            path = os.path.join(root, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def write_tensors(tensors: Mapping[str, torch.Tensor], folder: str, file: str,
@@ -168,4 +213,4 @@ def next_version(current: Version, version: Version | None) -> Version:
 
 __all__ = ["SHARED_PREFIX", "StagedSource", "Version", "WeightSource", "WeightsMismatchError",
            "WeightsUpdate", "apply_update", "next_version", "revert_update", "shared_dir",
-           "source_checksum", "write_tensors"]
+           "source_checksum", "sweep_orphans", "write_tensors"]

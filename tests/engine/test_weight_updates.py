@@ -227,3 +227,31 @@ def test_requests_wait_while_the_engine_sleeps(engine, before):
         thread.join()
     assert not engine.sleeping
     assert np.array_equal(pixels(result["out"]), before)
+
+
+def test_shared_folders_of_a_process_that_is_gone_are_swept(tmp_path):
+    """A Ray Serve replica killed before its engine closed leaves its updated
+    adapters' files in /dev/shm: the next process that makes a shared folder
+    removes those of gone processes of its pid namespace, and no other."""
+    import os
+    import subprocess
+    import sys
+
+    from diffrt.engine.weight_sync import SHARED_PREFIX, shared_dir, sweep_orphans
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    mine = shared_dir()  # this process's: its name carries namespace and pid
+    namespace = os.path.basename(mine)[len(SHARED_PREFIX):].split("-")[0]
+    try:
+        assert os.path.basename(mine).startswith(f"{SHARED_PREFIX}{namespace}-{os.getpid()}-")
+        names = {"dead": f"{SHARED_PREFIX}{namespace}-{gone}-abc", "live": f"{SHARED_PREFIX}"
+                 f"{namespace}-{os.getpid()}-abc", "other": f"{SHARED_PREFIX}1-{gone}-abc",
+                 "old": f"{SHARED_PREFIX}abc"}
+        for name in names.values():
+            (tmp_path / name).mkdir()
+        assert sweep_orphans(str(tmp_path), namespace) == [str(tmp_path / names["dead"])]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            names[k] for k in ("live", "other", "old"))
+    finally:
+        shutil.rmtree(mine)
