@@ -312,8 +312,12 @@ def test_overload_answers_429_with_retry_after(serve_url, ray_cluster):
             # in the replica (not a fixed sleep: a busy machine may not have sent it yet)
             assert wait_until(lambda: running_total(f"{serve_url}/tight") >= 1, timeout=120)
             assert not running.done()  # still in the replica when the delete starts
-            serve.delete("diffrt-tight")
+            # not blocking: Serve's own wait gives up after 60 s, less than a
+            # busy machine's drain of 1000 steps
+            serve.delete("diffrt-tight", _blocking=False)
             assert running.result().status_code == 200
+            assert wait_until(lambda: "diffrt-tight" not in serve.status().applications,
+                              timeout=HANG_GUARD_S, interval=1.0)
     finally:
         if "diffrt-tight" in serve.status().applications:
             serve.delete("diffrt-tight")
