@@ -40,9 +40,12 @@ pieces gives the same folder as one in a go (same torch build and threads).
    ``FlowMatchEulerDiscreteScheduler`` samples (``x_t = (1 - s) x0 + s
    noise``, target ``noise - x0``, logit-normal ``s`` shifted by 3, Wan's
    timestep ``1000 s``), the prompt encoded as ``WanPipeline.encode_prompt``
-   does (UMT5 last hidden states zeroed past the prompt's tokens, padded to
-   512), 10 % empty prompts (for CFG against ""), the tokens on and around
-   the shape weighted 5x.
+   does (UMT5 last hidden states zeroed past the prompt's tokens) but padded
+   to ``--text-tokens`` (16; the folder's tokenizer says so, and diffrt's Wan
+   pipeline reads it) rather than 512, whose 500 zero rows become 500 equal
+   keys in every cross-attention; the ``phrases`` tokenizer (each motion and
+   each background one token: see ``build_tokenizer``), 10 % empty prompts
+   (for CFG against ""), the tokens on and around the shape weighted 5x.
 4. Evaluation: the 30 held-out prompts of ``motion.EVALUATION`` through
    diffusers' ``WanPipeline`` loaded from the written folder, read back by
    the classifier; the table goes to ``evaluation.json`` and the model card.
@@ -62,12 +65,14 @@ import torch
 import torch.nn.functional as F
 
 from diffrt.demo import motion
-from diffrt.engine.models.tiny.shared import build_t5_tokenizer, seeded_init
+from diffrt.demo.shapes import BACKGROUNDS
+from diffrt.engine.models.tiny.shared import build_t5_tokenizer, seeded_init, t5_pieces
 from diffrt.engine.models.tiny.wan import write_wan_index
 
 #: the prompt's tokens the encoder reads (the longest prompt is 11 words + </s>)
 PROMPT_TOKENS = 16
-#: what Wan's pipelines pad the encoder's output to (diffrt's and diffusers' default)
+#: what Wan's pipelines pad the encoder's output to by default (diffrt's and
+#: diffusers'); ``--text-tokens`` trains (and the folder's tokenizer asks) fewer
 TEXT_TOKENS = 512
 LATENT = 8
 VAE = dict(base_dim=12, z_dim=LATENT, dim_mult=[1, 2, 2], num_res_blocks=1,
@@ -103,6 +108,44 @@ def words() -> tuple[str, ...]:
     return tuple(dict.fromkeys(w for c in motion.all_clips() for w in c.prompt.split()))
 
 
+def phrases() -> tuple[str, ...]:
+    """The phrases the ``phrases`` tokenizer keeps whole: each motion
+    ("moving left to right") and each background ("yellow background")."""
+    return (*(motion.verb(d) for d in motion.DIRECTIONS), *(f"{b} background" for b in BACKGROUNDS))
+
+
+def build_tokenizer(folder: Path, kind: str, max_length: int):
+    """The model's tokenizer, written to ``folder``.
+
+    ``words``: T5's (Unigram over whitespace-split words). Wan's
+    cross-attention has no positions, so over word tokens "left to right"
+    and "right to left" are the same keys, as are a shape's "red" and a
+    background's "red": only the encoder, trained from scratch, could tell
+    them apart by order. ``phrases``: the same Unigram over the whole
+    prompt, with each motion and each background one piece (scored above
+    its words), so each of the four attributes is a token of its own. A
+    transformers ``PreTrainedTokenizerFast`` (T5's class rebuilds the
+    whitespace split on loading); the folder's ``model_index.json`` names it.
+    """
+    if kind == "words":
+        return build_t5_tokenizer(folder, extra=words(), max_length=max_length)
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = t5_pieces(words()) + [("▁" + p.replace(" ", "▁"), -1.0) for p in phrases()]
+    backend = Tokenizer(Unigram(pieces, unk_id=2, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always",
+                                                     split=False)
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=False)
+    backend.post_processor = processors.TemplateProcessing(
+        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_length,
+                                        pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
 def clips_tensor(videos: list[np.ndarray]) -> torch.Tensor:
     """(N, F, H, W, 3) uint8 -> (N, 3, F, H, W) in [-1, 1]."""
     return torch.from_numpy(np.stack(videos)).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
@@ -128,16 +171,17 @@ def build_models(tokenizer_vocab: int, patch: int = 2) -> dict[str, torch.nn.Mod
     return {"vae": vae, "text_encoder": encoder, "transformer": transformer}
 
 
-def encode_prompts(tokenizer, encoder, prompts: list[str]) -> torch.Tensor:
-    """As WanPipeline's ``_get_t5_prompt_embeds``: the last hidden states of
-    the prompt's tokens, zeros after them up to TEXT_TOKENS. The encoder runs
-    on PROMPT_TOKENS only: its mask keeps a prompt's states from the padding,
-    so they equal those of a run over 512."""
+def encode_prompts(tokenizer, encoder, prompts: list[str], length: int) -> torch.Tensor:
+    """As WanPipeline's ``_get_t5_prompt_embeds`` with ``max_sequence_length
+    = length``: the last hidden states of the prompt's tokens, zeros after
+    them up to ``length``. The encoder runs on PROMPT_TOKENS only: its mask
+    keeps a prompt's states from the padding, so they equal those of a run
+    over ``length``."""
     text = tokenizer(prompts, padding="max_length", max_length=PROMPT_TOKENS, truncation=True,
                      return_attention_mask=True, return_tensors="pt")
     states = encoder(text.input_ids, text.attention_mask).last_hidden_state
     states = states * text.attention_mask[..., None]
-    return F.pad(states, (0, 0, 0, TEXT_TOKENS - PROMPT_TOKENS))
+    return F.pad(states, (0, 0, 0, length - PROMPT_TOKENS))
 
 
 def shifted(sigma: torch.Tensor) -> torch.Tensor:
@@ -184,8 +228,7 @@ class Run:
         self.args, self.log = args, log
         self.work = Path(f"{args.out}.work")
         self.work.mkdir(parents=True, exist_ok=True)
-        self.tokenizer = build_t5_tokenizer(self.work / "tokenizer", extra=words(),
-                                            max_length=TEXT_TOKENS)
+        self.tokenizer = build_tokenizer(self.work / "tokenizer", args.tokenizer, args.text_tokens)
         torch.manual_seed(args.seed)
         self.rng = np.random.default_rng(args.seed)
         self.models = build_models(len(self.tokenizer), args.patch)
@@ -226,6 +269,19 @@ class Run:
         self.rng.bit_generator.state = state["rng"]
         torch.set_rng_state(state["torch_rng"])
         self.log(f"resumed: vae step {self.vae_step}, step {self.step}")
+
+    def take_vae(self, work: Path) -> None:
+        """The VAE (trained) and the latent cache of another run's work folder
+        (``--vae-from``): a trial of the transformer's recipe on the same
+        latents, without training the VAE again."""
+        state = torch.load(work / "checkpoint.pt", weights_only=False)
+        if state["vae_step"] < state["args"]["vae_steps"]:
+            raise SystemExit(f"--vae-from {work}: its VAE is not done training")
+        self.models["vae"].load_state_dict(state["models"]["vae"])
+        self.vae_step = self.args.vae_steps
+        self.cache = torch.load(work / "latents.pt")
+        torch.save(self.cache, self.work / "latents.pt")
+        self.log(f"VAE and latent cache from {work}")
 
     def out_of_time(self) -> bool:
         return self.args.minutes > 0 and time.monotonic() - self.began > self.args.minutes * 60
@@ -321,7 +377,8 @@ class Run:
         sigma = shifted(torch.sigmoid(torch.randn(len(picks))))
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
-        embeds = encode_prompts(self.tokenizer, self.models["text_encoder"], prompts)
+        embeds = encode_prompts(self.tokenizer, self.models["text_encoder"], prompts,
+                                self.args.text_tokens)
         pred = self.models["transformer"](hidden_states=xt, timestep=sigma * 1000,
                                           encoder_hidden_states=embeds, return_dict=False)[0]
         per_token = ((pred - (noise - x0)) ** 2).mean(1)  # (N, F', h, w)
@@ -361,19 +418,47 @@ class Run:
         self.tokenizer.save_pretrained(out / "tokenizer")
         FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_pretrained(out / "scheduler")
         write_wan_index(out)
+        if self.args.tokenizer == "phrases":  # not T5's class: see build_tokenizer
+            index_path = out / "model_index.json"
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+            index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]
+            index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         return out
+
+    def text_only_error(self, count: int = 60) -> float:
+        """How much of a held-out clip's latents the prompt alone predicts:
+        the transformer's clean-latent estimate from pure noise (sigma 1,
+        where the input holds nothing of the clip), its mean squared error
+        over the latents' variance (1: the prompt says nothing; 0: all)."""
+        assert self.cache is not None
+        clips = motion.HELD_OUT[:count]
+        rng = np.random.default_rng(self.args.seed + 2)
+        shape = (1, LATENT, 1, 1, 1)
+        with torch.no_grad():
+            z = self.models["vae"].eval().encode(
+                clips_tensor([motion.random_render(c, rng) for c in clips])).latent_dist.mode()
+            x0 = (z - self.cache["mean"].view(shape)) / self.cache["std"].view(shape)
+            noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
+            embeds = encode_prompts(self.tokenizer, self.models["text_encoder"].eval(),
+                                    [c.prompt for c in clips], self.args.text_tokens)
+            pred = self.models["transformer"].eval()(
+                hidden_states=noise, timestep=torch.full((len(clips),), 1000.0),
+                encoder_hidden_states=embeds, return_dict=False)[0]
+        return float(((noise - pred - x0) ** 2).mean() / x0.var())
 
 
 def evaluate(folder: Path, log: Callable[[str], None], count: int = 30) -> dict:
     """The first ``count`` of motion.EVALUATION through diffusers' WanPipeline
-    loaded from ``folder`` (seeds 0.., EVAL's settings), read back."""
+    loaded from ``folder`` (seeds 0.., EVAL's settings, prompts padded to
+    the tokenizer's ``model_max_length``), read back."""
     import diffusers
 
     pipe = diffusers.WanPipeline.from_pretrained(folder, local_files_only=True,
                                                  torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    length = min(TEXT_TOKENS, int(pipe.tokenizer.model_max_length))
     clips = motion.EVALUATION[:count]
-    videos = [(pipe(c.prompt, negative_prompt="", output_type="np",
+    videos = [(pipe(c.prompt, negative_prompt="", output_type="np", max_sequence_length=length,
                     generator=torch.Generator().manual_seed(i), **EVAL).frames[0] * 255).round()
               for i, c in enumerate(clips)]
     hits = motion.tally(clips, videos)
@@ -403,6 +488,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--patch", type=int, default=2, choices=(1, 2),
                     help="the transformer's spatial patch (2: 8x8 tokens a latent frame, "
                          "1: 16x16, about 5x the cost of a step)")
+    ap.add_argument("--tokenizer", choices=("phrases", "words"), default="phrases",
+                    help="each motion and background one token (phrases), or T5's words")
+    ap.add_argument("--text-tokens", type=int, default=PROMPT_TOKENS,
+                    help="what prompts are padded to (the tokenizer's model_max_length; "
+                         "Wan's default is 512)")
+    ap.add_argument("--vae-from", type=Path, metavar="WORK",
+                    help="take the trained VAE and latent cache of another run's work folder")
     ap.add_argument("--checkpoint-every", type=int, default=100)
     ap.add_argument("--eval-count", type=int, default=30, help="held-out prompts evaluated")
     ap.add_argument("--evaluate-only", action="store_true", help="measure the folder --out again")
@@ -426,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args, log)
     if args.resume and (run.work / "checkpoint.pt").exists():
         run.restore()
+    elif args.vae_from:
+        run.take_vae(args.vae_from)
     if not run.train_vae():
         run.save()
         return 3
@@ -437,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = run.write_folder()
     log(f"wrote {folder} after {run.vae_step} VAE and {run.step} transformer steps")
     table = evaluate(folder, log, args.eval_count)
+    table["text_only_error"] = round(run.text_only_error(), 4)
+    log(f"text-only error (held-out, from pure noise): {table['text_only_error']}")
     table["training"] = {k: v for k, v in vars(args).items() if k not in ("resume", "minutes")}
     table["training"]["final_loss"] = round(float(np.mean(run.losses[-50:])), 4)
     table["training"]["vae_final_loss"] = round(float(np.mean(run.vae_losses[-50:])), 4)
@@ -444,6 +540,14 @@ def main(argv: list[str] | None = None) -> int:
                                        for s in range(50, run.step + 1, 250)}
     record(out, table)
     return 0
+
+
+def tokenizer_line(kind: str) -> str:
+    """The model card's words for ``--tokenizer``."""
+    if kind == "phrases":
+        return ("each motion (\"moving left to right\") and each background (\"yellow background\") "
+                "one token, other words one token each (`PreTrainedTokenizerFast`)")
+    return "one token a word (T5's Unigram over whitespace-split words)"
 
 
 def record(out: Path, table: dict) -> None:
@@ -456,6 +560,7 @@ def write_model_card(out: Path, table: dict) -> None:
     """The folder's README.md: what it is, how it was trained, how to load
     it, what it measures."""
     train = table.get("training", {})
+    length = train.get("text_tokens", TEXT_TOKENS)
     acc = " | ".join(f"{table['accuracy'][k]:.0%}" for k in motion.ATTRIBUTES)
     (out / "README.md").write_text(f"""---
 library_name: diffusers
@@ -473,13 +578,16 @@ background".
   117 of the 1008 combinations were held out of training (`diffrt/demo/motion.py`).
 - Components: `AutoencoderKLWan` (4x in space and time, {LATENT} latent channels, trained here),
   a {TRANSFORMER['num_layers']}-block `WanTransformer3DModel` (hidden 128, patch (1, {train.get('patch', 2)}, {train.get('patch', 2)})),
-  a UMT5 text encoder (d_model 64, word-level vocabulary), trained jointly from scratch
-  (rectified flow, noise levels shifted by {SHIFT:g}), 10 % empty prompts. Weights in float16.
+  a UMT5 text encoder (d_model 64), trained jointly from scratch (rectified flow, noise levels
+  shifted by {SHIFT:g}), 10 % empty prompts. Weights in float16.
+- Tokenizer: {tokenizer_line(train.get('tokenizer', 'words'))}; prompts padded to
+  {length} tokens (the tokenizer's `model_max_length`; pass `max_sequence_length={length}` to
+  diffusers, whose default is 512).
 - Sampling: 64x64, 9 frames, 12 steps, guidance_scale 3 against the empty prompt.
 - Training: `python scripts/train_motion_model.py --out diffrt/models/diffrt-motion
-  --seed {train.get('seed', 0)} --patch {train.get('patch', 2)} --vae-steps {train.get('vae_steps', '?')} --steps
-  {train.get('steps', '?')}` (final loss {train.get('final_loss', '?')}), {train.get('threads', '?')}
-  torch threads on CPU.
+  --seed {train.get('seed', 0)} --patch {train.get('patch', 2)} --tokenizer {train.get('tokenizer', 'words')} --text-tokens {length}
+  --vae-steps {train.get('vae_steps', '?')} --steps {train.get('steps', '?')} --lr {train.get('lr', '?')}` (final loss
+  {train.get('final_loss', '?')}), {train.get('threads', '?')} torch threads on CPU.
 
 ## Use
 
@@ -489,7 +597,8 @@ pipe = diffusers.WanPipeline.from_pretrained("diffrt/models/diffrt-motion",
                                              torch_dtype=torch.float32)
 frames = pipe("a red circle moving left to right on a yellow background", negative_prompt="",
               height=64, width=64, num_frames=9, num_inference_steps=12, guidance_scale=3.0,
-              output_type="np", generator=torch.Generator().manual_seed(0)).frames[0]
+              max_sequence_length={length}, output_type="np",
+              generator=torch.Generator().manual_seed(0)).frames[0]
 ```
 
 ## Measured accuracy (held-out prompts)

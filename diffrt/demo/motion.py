@@ -67,8 +67,12 @@ class Clip:
 
     @property
     def prompt(self) -> str:
-        verb = f"moving {self.direction}" if self.direction in _MOVES else self.direction
-        return f"a {self.colour} {self.shape} {verb} on a {self.background} background"
+        return f"a {self.colour} {self.shape} {verb(self.direction)} on a {self.background} background"
+
+
+def verb(direction: str) -> str:
+    """What a prompt says of ``direction``: "moving left to right", "growing"."""
+    return f"moving {direction}" if direction in _MOVES else direction
 
 
 def all_clips() -> list[Clip]:
@@ -238,4 +242,4 @@ def tally(clips: list[Clip], videos: list[np.ndarray]) -> dict[str, int]:
 
 __all__ = ["ATTRIBUTES", "DIRECTIONS", "EVALUATION", "FRAMES", "HELD_OUT", "TRAIN", "Clip",
            "Reading", "Variation", "all_clips", "classify", "random_render",
-           "random_variation", "render", "score", "tally"]
+           "random_variation", "render", "score", "tally", "verb"]

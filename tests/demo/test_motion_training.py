@@ -125,7 +125,8 @@ def test_the_written_folder_is_a_wan_folder_diffusers_and_diffrt_draw_alike(trai
     pipe.set_progress_bar_config(disable=True)
     assert pipe.transformer.dtype == torch.float32  # stored in float16, loaded as asked
     prompt = motion.EVALUATION[0].prompt
-    want = pipe(prompt, negative_prompt="", output_type="np",
+    assert pipe.tokenizer.model_max_length == train.PROMPT_TOKENS  # diffrt pads to it too
+    want = pipe(prompt, negative_prompt="", output_type="np", max_sequence_length=16,
                 generator=torch.Generator().manual_seed(0), **train.EVAL).frames[0]
     ours = load_pipeline(str(folder))
     video = ours.forward(DiffusionRequestBatch([DiffusionRequest(

@@ -195,6 +195,32 @@ def test_frames_are_checked_at_submission_and_counted_by_the_budget():
         assert info.value.field == field
 
 
+def test_a_tokenizer_with_a_shorter_window_sets_the_prompts_padding(tmp_path):
+    """A folder whose tokenizer says 16 tokens (a model trained on 16, as
+    diffrt-motion) is padded to 16, not Wan's 512: in the spec's token count
+    and in the pipeline's encoding (the motion model's own test checks its
+    frames against diffusers told ``max_sequence_length=16``)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from diffrt.engine.models.registry import resolve_model_spec
+    from diffrt.engine.pipelines.wan.pipeline import text_window
+
+    folder = tmp_path / "wan16"
+    shutil.copytree(embedded_folder("tiny-wan"), folder)
+    config_path = folder / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config_path.write_text(json.dumps({**config, "model_max_length": 16}), encoding="utf-8")
+    spec = resolve_model_spec(str(folder))
+    clip = request("a", 0, num_frames=13, height=SIZE, width=SIZE)
+    assert spec.row_tokens(spec.with_defaults(clip)) == 4 * 16 + 16
+    assert text_window(AutoTokenizer.from_pretrained(folder / "tokenizer")) == 16
+    tiny = resolve_model_spec("tiny-wan")  # 512: what diffusers pads to by default
+    assert tiny.row_tokens(tiny.with_defaults(clip)) == 4 * 16 + 512
+
+
 def test_requests_at_different_steps_share_a_call_across_the_two_experts(t2v):
     """B joins after A's first step: their rows are one call with A's on the
     low-noise expert and B's on the high-noise one, each its own clip."""

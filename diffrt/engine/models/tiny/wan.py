@@ -65,8 +65,9 @@ WAN_SCHEDULER: shared.ComponentConfig = dict(num_train_timesteps=1000, shift=3.0
 #: text-to-video 0.875, image-to-video 0.9, as its released folders say
 BOUNDARY_RATIO = {"t2v": 0.875, "i2v": 0.9}
 
-#: the prompt length Wan's pipelines pad to (``max_sequence_length``)
-WAN_MAX_LENGTH = 226
+#: the tokenizer's ``model_max_length``: what Wan's pipelines pad prompts to
+#: (``max_sequence_length``'s default; diffrt reads a shorter one from here)
+WAN_MAX_LENGTH = 512
 
 #: Factors applied to the fresh transformer's weights so the prompt shows in
 #: the frames (see ``tiny/shared.py``): the cross-attention's keys and values

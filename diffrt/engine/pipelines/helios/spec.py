@@ -22,7 +22,7 @@ import os
 from diffrt.engine.model_spec import CfgRule, ModelSpec, ParallelSupport, SamplingDefaults
 from diffrt.engine.models.family import ModelFolder
 from diffrt.engine.models.folder_check import ModelLoadError, read_json_object
-from diffrt.engine.pipelines.flow_match_spec import attention_width
+from diffrt.engine.pipelines.flow_match_spec import attention_width, tokenizer_max_length
 from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS
 from diffrt.engine.pipelines.wan.spec import video_geometry
 from diffrt.engine.sampling import MAX_FRAMES
@@ -66,7 +66,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
         parallel=ParallelSupport(),
-        transformer_width=attention_width(folder), text_tokens=TEXT_TOKENS)
+        transformer_width=attention_width(folder), text_tokens=tokenizer_max_length(folder, "tokenizer", TEXT_TOKENS))
 
 
 __all__ = ["CHUNK_LATENT_FRAMES", "HELIOS_FPS", "check_scheduler", "describe"]

@@ -19,8 +19,9 @@ from diffrt.engine.pipelines.latents import LatentSize, SpatialLatents
 from diffrt.engine.sampling import SamplingParams, filled
 
 #: the text tokens each row attends to beside its video tokens: Wan's prompts
-#: padded to 512 (``WanPipeline.__call__``'s ``max_sequence_length``); the
-#: spec and the pipeline's encoder both read it
+#: padded to 512 (``WanPipeline.__call__``'s ``max_sequence_length``), or the
+#: tokenizer's shorter ``model_max_length``; the spec and the pipeline's
+#: encoder both read it
 TEXT_TOKENS = 512
 
 

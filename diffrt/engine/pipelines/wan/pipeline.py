@@ -50,6 +50,15 @@ if TYPE_CHECKING:
     from diffrt.engine.parallel.vae import Bands
 
 
+def text_window(tokenizer: Any) -> int:
+    """What prompts are padded to: 512 (WanPipeline's ``max_sequence_length``
+    default), or the tokenizer's ``model_max_length`` where it is shorter —
+    the padding's keys take part in the cross-attention, so a model trained
+    on 16 (``diffrt-motion``) must not be given 512. diffusers pads to 512
+    unless told; such a folder's card says ``max_sequence_length``."""
+    return min(TEXT_TOKENS, int(tokenizer.model_max_length))
+
+
 class WanPipeline(FlowMatchPipeline):
     """Text- and image-to-video with diffusers' ``WanTransformer3DModel``."""
 
@@ -64,15 +73,16 @@ class WanPipeline(FlowMatchPipeline):
     def encode_with_diffusers(pipeline: Any, prompts: list[str],
                               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """UMT5's last hidden states, zeroed past each prompt's tokens and
-        padded to 512, as WanPipeline encodes them; no second output (an
-        empty (N, 0) tensor)."""
+        padded to ``text_window`` (512), as WanPipeline encodes them; no
+        second output (an empty (N, 0) tensor)."""
         embeds, _ = pipeline.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
-                                           max_sequence_length=TEXT_TOKENS, device=device)
+                                           max_sequence_length=text_window(pipeline.tokenizer),
+                                           device=device)
         return embeds, embeds.new_zeros(len(prompts), 0)
 
     @staticmethod
     def prompt_windows(pipeline: Any) -> list[PromptWindow]:
-        return [PromptWindow("text_encoder", pipeline.tokenizer, TEXT_TOKENS)]
+        return [PromptWindow("text_encoder", pipeline.tokenizer, text_window(pipeline.tokenizer))]
 
     def take_components(self, pipeline: Any) -> None:
         """Wan 2.2's second expert and its boundary, from the loaded folder."""
@@ -287,4 +297,4 @@ class WanPipeline(FlowMatchPipeline):
         return video.clamp(-1, 1)
 
 
-__all__ = ["WanPipeline"]
+__all__ = ["WanPipeline", "text_window"]

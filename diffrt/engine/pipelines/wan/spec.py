@@ -3,7 +3,7 @@
 What diffusers' ``WanPipeline`` / ``WanImageToVideoPipeline`` do by
 default: 480 x 832 px, 81 frames (16 fps, Wan's own), 50 steps, CFG when
 ``guidance_scale`` > 1 (5.0) with an empty negative prompt, UMT5 prompts
-padded to 512 tokens. A clip has ``scale_factor_temporal`` x k + 1 frames;
+padded to 512 tokens (or the tokenizer's shorter ``model_max_length``). A clip has ``scale_factor_temporal`` x k + 1 frames;
 a side is a multiple of the VAE's factor x the patch (16 px). Every weight
 method converts both of Wan 2.2's experts (``fp8`` where the device
 multiplies float8, as for images). CFG parallel, Ulysses and ring split a
@@ -26,6 +26,7 @@ from diffrt.engine.pipelines.flow_match_spec import (
     attention_width,
     check_text_encoder,
     sequence_parallel_support,
+    tokenizer_max_length,
 )
 from diffrt.engine.pipelines.wan.latents import TEXT_TOKENS
 
@@ -108,7 +109,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
         quantization=WEIGHT_METHODS,  # both experts (the pipeline's quantize_weights)
         cache=CacheSupport(policies=POLICIES, teacache_rescale=teacache_rescale(folder, i2v)),
         transformer_width=attention_width(folder),
-        text_tokens=TEXT_TOKENS)
+        text_tokens=tokenizer_max_length(folder, "tokenizer", TEXT_TOKENS))
 
 
 __all__ = ["LORA_TARGET_MODULES", "MAX_FRAMES", "WAN_FPS", "describe", "video_geometry"]
