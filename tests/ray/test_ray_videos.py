@@ -15,13 +15,16 @@ import socket
 import httpx
 import pytest
 from video_decode import decode_mp4
-from waiting import wait_until
+from waiting import HANG_GUARD_S, wait_until
 
 from diffrt.engine import EngineConfig
 from diffrt.serve import ServeSettings
 
 openai = pytest.importorskip("openai")
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # openai marks Sora's API
+#: the hang guard of the other Ray modules: the fixture deploys two replicas,
+#: each starting an engine, which took over the default 300 s beside other load
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # openai marks Sora's API
+              pytest.mark.timeout(HANG_GUARD_S)]
 
 APP = "diffrt-videos"
 #: no run-time cost limit: the long job must be admitted however busy the machine;
@@ -76,7 +79,7 @@ def test_two_replicas_serve_video_jobs_through_the_ingress(videos_url):
         clip = decode_mp4(client.videos.download_content(job.id).read())
         assert clip.frames.shape == (5, 32, 32, 3)
     # the four ran on the replicas (their engines counted them), whichever each was
-    assert wait_until(lambda: finished(videos_url, "success") >= 4, timeout=60)
+    assert wait_until(lambda: finished(videos_url, "success") >= 4, timeout=300)
     listed = client.videos.list(limit=10)
     assert {v.id for v in listed.data} == {j.id for j in jobs}
 
@@ -84,9 +87,9 @@ def test_two_replicas_serve_video_jobs_through_the_ingress(videos_url):
     aborted = finished(videos_url, "aborted")
     long = client.videos.create(prompt="a long walk", size="32x32",
                                 extra_body={"num_inference_steps": 1000})
-    assert wait_until(lambda: client.videos.retrieve(long.id).progress > 0, timeout=120)
+    assert wait_until(lambda: client.videos.retrieve(long.id).progress > 0, timeout=600)
     assert client.videos.delete(long.id).deleted
-    assert wait_until(lambda: finished(videos_url, "aborted") > aborted, timeout=60)
+    assert wait_until(lambda: finished(videos_url, "aborted") > aborted, timeout=300)
     assert httpx.get(f"{videos_url}/v1/videos/{long.id}").status_code == 404
     assert client.videos.delete(jobs[0].id).deleted
     assert {v.id for v in client.videos.list(limit=10).data} == {j.id for j in jobs[1:]}
