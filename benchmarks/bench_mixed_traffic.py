@@ -33,7 +33,9 @@ Per-call overhead (``DIFFRT_CALL_OVERHEAD_MS=N`` in the environment; issue
 launches, and both diffrt systems run ``mixed_rows="packed"`` (one call for
 every row of a step), so the step-cost model can find sharing worth it;
 ``--diffrt-only`` then leaves the diffusers peers out (their calls get no
-overhead, and that goal compares mixed with keyed only).
+overhead, and that goal compares mixed with keyed only). ``--mixed-policy
+skip_ahead`` gives ``diffrt mixed`` the keyed engine's policy, so the two
+differ in mixing alone.
 With ``$DIFFRT_BENCH_COSTS`` set, each diffrt run appends its prediction
 error and share/split counts there as a JSON line.
 
@@ -215,10 +217,12 @@ def input_mask() -> Any:
 
 # -- one system in a fresh process ---------------------------------------------------------------
 def _engine(system: str, timers: str, adapters: dict[str, str], threads: int = 0,
-            model: str = "tiny-flux") -> Any:
+            model: str = "tiny-flux", mixed_policy: str | None = None) -> Any:
     from diffrt.engine import DiffusionEngine, EngineConfig
 
     extra: dict[str, Any] = {}
+    if system == "diffrt mixed" and mixed_policy:
+        extra["scheduling_policy"] = mixed_policy
     if system == "diffrt keyed":
         extra = {"mixed_size_batching": False, "scheduling_policy": "skip_ahead"}
     if adapters:
@@ -283,7 +287,7 @@ def _diffrt_run(spec: dict[str, Any], timers: str) -> tuple[list[float], float, 
     mix = traffic(spec["requests"], spec["seed"])
     adapters, tasks, caches = _adapters(spec), _tasks(spec), _caches(spec)
     engine = _engine(spec["system"], timers, spec.get("adapters") or {}, spec.get("threads", 0),
-                     model_of(spec))
+                     model_of(spec), spec.get("mixed_policy"))
     try:
         warm = [_request(i, h, w, 2, "warm", adapter, task, cached)
                 for i, (h, w, adapter, task, cached) in enumerate(_warm_up(spec))]
@@ -485,7 +489,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     closed: dict[str, list[dict[str, Any]]] = defaultdict(list)
     opened: dict[str, list[dict[str, Any]]] = defaultdict(list)
     base: dict[str, Any] = {"requests": args.requests, "seed": args.seed,
-                            "threads": args.torch_threads}
+                            "threads": args.torch_threads, "mixed_policy": args.mixed_policy}
     if args.lora_share:
         base |= {"lora_share": args.lora_share, "adapters": args.adapter_paths}
     if args.image_share:
@@ -550,6 +554,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
               "branch apart)")
     if args.torch_threads:
         print(f"torch threads of every system: {args.torch_threads}")
+    if args.mixed_policy:
+        print(f"diffrt mixed's scheduling policy: {args.mixed_policy}")
     print(f"closed loop at concurrency {CONCURRENCY}; open loop: Poisson at "
           f"{args.load:.0%} of diffrt keyed's closed-loop capacity")
     head = (f"{'system':<18}{'req/s':>8}{'xformer req/s':>15}{'xformer':>9}{'vae':>7}"
@@ -645,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
                     help="torch threads of every system (default: the engine's choice, "
                          "torch's default for diffusers)")
+    ap.add_argument("--mixed-policy", choices=("fifo", "skip_ahead", "slo"),
+                    help="diffrt mixed's scheduling policy (default: the engine's, fifo); "
+                         "skip_ahead compares mixing alone with the keyed engine")
     ap.add_argument("--diffrt-only", action="store_true",
                     help="measure diffrt mixed and keyed only (no diffusers peers)")
     ap.add_argument("--slo", action="store_true",

@@ -39,21 +39,21 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, run_time: RunTimeModel
                          aging_ticks=c.slo_aging_ticks, cost=run_time)
     if config.mode is ExecutionMode.STEP_BATCH:
         key = step_batch_key(config, spec)
+        rows = resolve_mixed_rows(config.model_config.mixed_rows, current_platform)
         share = None
         # ``!=``: a bound method is a new object at each access, equal to
         # another of the same function and instance
         if c.share_steps == "cost" and key != spec.step_batch_key:
             # kinds: what one call shares (size, adapters, step cache)
             share = ShareDecider(run_time, _kind(spec), max_bypass=c.scheduling_max_bypass,
-                                 urgency=policy.urgency)
+                                 urgency=policy.urgency, protect_batch=rows == "by_size")
         return StepScheduler(c.max_num_seqs, policy,
                              max_wait_s=_seconds(c.step_batch_max_wait_ms),
                              key=key, share=share,
                              max_steps_per_tick=c.max_steps_per_tick, memory=memory,
                              tokens=lambda r: (spec.rows(r), spec.row_tokens(r)),
                              token_budget=c.max_num_batched_tokens or None,
-                             padded=resolve_mixed_rows(config.model_config.mixed_rows,
-                                                       current_platform) == "padded",
+                             padded=rows == "padded",
                              adapters=adapters, max_paused_bytes=c.max_paused_state_bytes)
     wait_ms = c.request_batch_max_wait_ms if spec.supports_request_batch else 0.0
     return RequestScheduler(c.max_num_seqs, policy, max_wait_s=_seconds(wait_ms),

@@ -121,6 +121,33 @@ def test_a_short_request_beside_a_long_one_shares_even_by_size():
                         now=0.0).shared
 
 
+def test_by_size_a_short_request_joins_only_where_the_batch_barely_slows():
+    """A call per size saves nothing, so the engine's decider by ``by_size``
+    protects the batch: a short request of about the batch's size, which
+    the summed completion times would let join, runs apart (joining, it
+    would slow each of the batch's steps about twofold); a far smaller one
+    still joins (the batch's rows finish within the margin of apart)."""
+    model = fitted("by_size", per_call_s=0.0)
+    free = decider(model)
+    guarded = ShareDecider(model, lambda r: (r.sampling_params.height,), protect_batch=True)
+    batch, short = [record("long", 256, steps=20)], record("short", 272, steps=4)
+    assert free.decide(batch, short, now=0.0).shared  # the sum gains: it joins unguarded
+    refused = guarded.decide(batch, short, now=0.0)
+    assert not refused.shared and "long would finish later" in refused.reason
+    assert guarded.decide([record("long", 512, steps=20)], record("short", 64, steps=2),
+                          now=0.0).shared
+
+
+def test_the_engine_guards_the_batch_by_size_only():
+    from diffrt.engine import DiffusionEngine, EngineConfig
+
+    for rows, guarded in (("by_size", True), ("packed", False)):
+        with DiffusionEngine.make_engine(EngineConfig(
+                model="tiny-flux", executor_backend="inproc", step_execution=True,
+                warmup=False, mixed_rows=rows)) as engine:
+            assert engine.scheduler.share.protect_batch is guarded
+
+
 def test_an_engine_that_keeps_sizes_apart_decides_no_sharing():
     """``share_steps="cost"`` decides only where sizes may mix: a keyed
     engine (``mixed_size_batching=False``) gets no decider, so rows that
