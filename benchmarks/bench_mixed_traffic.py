@@ -667,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-mix", choices=("images", "video"), default="images",
                     help="--slo: tiny-flux interactive and batch images (default), or tiny-wan "
                          "one-frame images (priority 0) beside clips (priority 5)")
+    ap.add_argument("--slo-aging-ticks", type=int, metavar="N",
+                    help="--slo: the slo policy's slo_aging_ticks (default: the engine's)")
     ap.add_argument("--slo-child", metavar="SPEC", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the table's figures here")
     ap.add_argument("--child-timeout", type=float, default=1200)

@@ -32,7 +32,9 @@ priority 5, deadline 10 x solo); the same load points and policies. Goals:
 image attainment >= 95 % at 80 % and >= 90 % at 110 %, video goodput
 >= 0.9 x fifo's at both; the longest video latency over its solo time is
 printed (the starvation bound is the aging rule's, tested in
-``tests/engine/test_slo_engine.py``).
+``tests/engine/test_slo_engine.py``). ``--slo-aging-ticks N`` sets the
+``slo`` policy's ``slo_aging_ticks`` (how many ticks a request past its
+deadline waits per class it climbs).
 
     .venv/bin/python benchmarks/bench_mixed_traffic.py --slo           # about 15 minutes
     .venv/bin/python benchmarks/bench_mixed_traffic.py --slo --quick   # 60 requests a point
@@ -112,10 +114,12 @@ def shape_key(height: int, width: int, frames: int, steps: int) -> str:
 
 
 # -- one engine in a fresh process ------------------------------------------------------------
-def _engine(mix: str, policy: str, threads: int) -> Any:
+def _engine(mix: str, policy: str, threads: int, aging_ticks: int | None = None) -> Any:
     from diffrt.engine import DiffusionEngine, EngineConfig
 
-    extra = {"torch_threads": threads} if threads else {}
+    extra: dict[str, Any] = {"torch_threads": threads} if threads else {}
+    if aging_ticks:
+        extra["slo_aging_ticks"] = aging_ticks
     m = MIXES[mix]
     return DiffusionEngine.make_engine(EngineConfig(
         model=m["model"], step_execution=True, max_num_seqs=m["seqs"],
@@ -163,7 +167,7 @@ def _point(spec: dict[str, Any]) -> dict[str, Any]:
 
     mix = spec["mix"]
     traffic = slo_traffic(spec["requests"], spec["seed"], mix)
-    engine = _engine(mix, spec["policy"], spec["threads"])
+    engine = _engine(mix, spec["policy"], spec["threads"], spec.get("aging_ticks"))
     out: dict[str, Any] = {}
     try:
         target = EngineTarget(engine)
@@ -204,7 +208,7 @@ def run_slo(args: Any) -> dict[str, Any]:
     rounds = 1 if args.quick else args.slo_rounds
     mix_name = getattr(args, "slo_mix", "images")
     base = {"requests": requests, "seed": args.seed, "threads": args.torch_threads,
-            "mix": mix_name}
+            "mix": mix_name, "aging_ticks": getattr(args, "slo_aging_ticks", None)}
     mix = slo_traffic(requests, args.seed, mix_name)
     points: dict[str, list[dict[str, Any]]] = defaultdict(list)
     calibrations = []
