@@ -118,7 +118,7 @@ def _engine(mix: str, policy: str, threads: int, aging_ticks: int | None = None)
     from diffrt.engine import DiffusionEngine, EngineConfig
 
     extra: dict[str, Any] = {"torch_threads": threads} if threads else {}
-    if aging_ticks:
+    if aging_ticks and policy == "slo":  # the other policies take no aging
         extra["slo_aging_ticks"] = aging_ticks
     m = MIXES[mix]
     return DiffusionEngine.make_engine(EngineConfig(
