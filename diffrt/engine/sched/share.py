@@ -37,9 +37,9 @@ the keyed engine's (1.81x under the same ``skip_ahead`` policy). So by
 ``by_size`` (``protect_batch``) no row of the batch may finish later, by
 more than ``MARGIN``, than apart. With one call over all rows (``padded``,
 ``packed``) and a large per-call cost (launches), ``S`` is well under
-``A + C``: the sum decides, and sharing turns on. A request refused is passed by at most
-``max_bypass`` admission rounds of the running kind, then waits only for the
-running batch to drain (no starvation). Every decision is kept (``log``) for
+``A + C``: the sum decides, and sharing turns on. A request refused is
+passed by at most ``max_bypass`` admission rounds of the running kind, then
+waits only for the running batch to drain (no starvation). Every decision is kept (``log``) for
 ``diffrt bench --explain``.
 """
 
@@ -155,14 +155,11 @@ class ShareDecider:
                 if now + finish_apart <= due < now + finish:
                     return note(Decision(candidate.request_id, ids, False,
                                          f"{record.request_id} would miss its deadline", s, a, c))
-            if urgency(record) < mine and finish > slower * finish_apart:
+            if finish > slower * finish_apart and (self.protect_batch or urgency(record) < mine):
+                why = ("would finish later (a call per size saves nothing)" if self.protect_batch
+                       else "ranks above it and would finish later")
                 return note(Decision(candidate.request_id, ids, False,
-                                     f"{record.request_id} ranks above it and would finish later",
-                                     s, a, c))
-            if self.protect_batch and finish > slower * finish_apart:
-                return note(Decision(candidate.request_id, ids, False,
-                                     f"{record.request_id} would finish later (a call per size "
-                                     "saves nothing)", s, a, c))
+                                     f"{record.request_id} {why}", s, a, c))
         if any(mine < urgency(r) for r in batch) and mine_together > slower * mine_apart:
             return note(Decision(candidate.request_id, ids, False,
                                  "it ranks above the batch and would finish later", s, a, c))

@@ -66,7 +66,8 @@ def describe(folder: ModelFolder) -> ModelSpec:
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
         parallel=ParallelSupport(),
-        transformer_width=attention_width(folder), text_tokens=tokenizer_max_length(folder, "tokenizer", TEXT_TOKENS))
+        transformer_width=attention_width(folder),
+        text_tokens=tokenizer_max_length(folder, "tokenizer", TEXT_TOKENS))
 
 
 __all__ = ["CHUNK_LATENT_FRAMES", "HELIOS_FPS", "check_scheduler", "describe"]
