@@ -156,8 +156,8 @@ class ShareDecider:
                     return note(Decision(candidate.request_id, ids, False,
                                          f"{record.request_id} would miss its deadline", s, a, c))
             if finish > slower * finish_apart and (self.protect_batch or urgency(record) < mine):
-                why = ("would finish later (a call per size saves nothing)" if self.protect_batch
-                       else "ranks above it and would finish later")
+                why = ("ranks above it and would finish later" if urgency(record) < mine
+                       else "would finish later (a call per size saves nothing)")
                 return note(Decision(candidate.request_id, ids, False,
                                      f"{record.request_id} {why}", s, a, c))
         if any(mine < urgency(r) for r in batch) and mine_together > slower * mine_apart:
