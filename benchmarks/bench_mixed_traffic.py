@@ -627,6 +627,11 @@ def report_tasks(results: dict[str, Any], args: argparse.Namespace) -> dict[str,
     return figures
 
 
+def _ints(text: str) -> list[int]:
+    """``16,1000`` -> [16, 1000] (an argparse type)."""
+    return [int(x) for x in text.split(",") if x]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -667,8 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-mix", choices=("images", "video"), default="images",
                     help="--slo: tiny-flux interactive and batch images (default), or tiny-wan "
                          "one-frame images (priority 0) beside clips (priority 5)")
-    ap.add_argument("--slo-aging-ticks", type=int, metavar="N",
-                    help="--slo: the slo policy's slo_aging_ticks (default: the engine's)")
+    ap.add_argument("--slo-aging-ticks", type=_ints, metavar="N[,M...]",
+                    help="--slo: run the slo policy once for each of these slo_aging_ticks "
+                         "(rows slo@N; default: once, the engine's)")
     ap.add_argument("--slo-child", metavar="SPEC", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the table's figures here")
     ap.add_argument("--child-timeout", type=float, default=1200)

@@ -8,18 +8,30 @@ of 20 % *interactive* requests (priority 0, 64x64, 4 steps) and 80 % *batch*
 requests (priority 1, sizes and steps of the mixed-traffic harness: {64x64,
 128x128, 64x128, 128x64, 256x256} x {4, 8, 16}), seeded.
 
-1. **solo**: every shape of the mix alone, 5 runs each, end to end on a fifo
-   engine; its median is the shape's *solo* time. Deadlines follow from it:
-   interactive ``max(2 x solo, solo + 150 ms)``, batch ``10 x solo``.
-2. **capacity**: fifo's closed-loop throughput on the same mix (concurrency
-   16), requests/s. Both are measured again in every round (a machine whose
-   speed drifts between processes would otherwise load the points wrongly).
+Every policy runs in a fresh process (the order rotating between rounds),
+which first calibrates on a fifo engine of its own and then loads the
+policy's engine from that calibration:
+
+1. **solo**: every shape of the mix alone, 5 runs each, end to end; its
+   median is the shape's *solo* time. Deadlines follow from it: interactive
+   ``max(2 x solo, solo + 150 ms)``, batch ``10 x solo``.
+2. **capacity**: the closed-loop throughput on the same mix (concurrency
+   16), requests/s, counted while the loop is full (up to the completion
+   that lets the last request in: the drain at the end, when fewer requests
+   run than the loop holds, is not capacity).
 3. **load points**: Poisson arrivals at 80 % and 110 % of that capacity,
-   ``--requests`` (300) a point, the same arrivals and requests for every
-   policy (fifo, skip_ahead, slo), each policy in a fresh process and the
-   order rotating between rounds. Per point: each class's deadline attainment
-   (finished within its deadline, out of the class), goodput (requests in
-   time per second), p50/p99 latency per class, preemptions.
+   ``--requests`` (300) a point, the same requests and arrival draws for
+   every policy. Per point: each class's deadline attainment (finished
+   within its deadline, out of the class), goodput (requests in time per
+   second), p50/p99 latency per class, preemptions.
+
+Why each process calibrates itself: this VM's speed drifts between runs and
+between processes (fifo's capacity on the video mix came out 18.6-30.8
+req/s in four quiet runs, calibrated once a run in a process of its own), and
+a load point set from a calibration that caught the machine fast loads the
+policy's process past what it sustains. Calibrated in the same process,
+right before its load points, "80 %" means 80 % of what that process
+sustains; the capacities of every process are printed, so their spread shows.
 
 Nothing is asserted; the goals are printed with their figures: interactive
 attainment >= 95 % at 80 % load and >= 90 % at 110 % (fifo's beside it),
@@ -32,9 +44,10 @@ priority 5, deadline 10 x solo); the same load points and policies. Goals:
 image attainment >= 95 % at 80 % and >= 90 % at 110 %, video goodput
 >= 0.9 x fifo's at both; the longest video latency over its solo time is
 printed (the starvation bound is the aging rule's, tested in
-``tests/engine/test_slo_engine.py``). ``--slo-aging-ticks N`` sets the
-``slo`` policy's ``slo_aging_ticks`` (how many ticks a request past its
-deadline waits per class it climbs).
+``tests/engine/test_slo_engine.py``). ``--slo-aging-ticks N[,M...]`` runs
+the ``slo`` policy once for each value of ``slo_aging_ticks`` (how many ticks
+a request past its deadline waits per class it climbs), each a row of its
+own (``slo@N``): variants side by side, on the same rounds.
 
     .venv/bin/python benchmarks/bench_mixed_traffic.py --slo           # about 15 minutes
     .venv/bin/python benchmarks/bench_mixed_traffic.py --slo --quick   # 60 requests a point
@@ -48,6 +61,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -114,12 +128,27 @@ def shape_key(height: int, width: int, frames: int, steps: int) -> str:
 
 
 # -- one engine in a fresh process ------------------------------------------------------------
-def _engine(mix: str, policy: str, threads: int, aging_ticks: int | None = None) -> Any:
+def variants(aging: list[int] | None = None) -> tuple[str, ...]:
+    """The policies a run compares: fifo, skip_ahead, and slo, once for each
+    ``slo_aging_ticks`` of ``aging`` (``slo@N``; none: the engine's default)."""
+    if not aging:
+        return POLICIES
+    return (*POLICIES[:-1], *(f"slo@{n}" for n in aging))
+
+
+def _policy(variant: str) -> tuple[str, int | None]:
+    """``slo@16`` -> ("slo", 16); ``fifo`` -> ("fifo", None)."""
+    name, _, aging = variant.partition("@")
+    return name, int(aging) if aging else None
+
+
+def _engine(mix: str, variant: str, threads: int) -> Any:
     from diffrt.engine import DiffusionEngine, EngineConfig
 
+    policy, aging = _policy(variant)
     extra: dict[str, Any] = {"torch_threads": threads} if threads else {}
-    if aging_ticks and policy == "slo":  # the other policies take no aging
-        extra["slo_aging_ticks"] = aging_ticks
+    if aging is not None:
+        extra["slo_aging_ticks"] = aging
     m = MIXES[mix]
     return DiffusionEngine.make_engine(EngineConfig(
         model=m["model"], step_execution=True, max_num_seqs=m["seqs"],
@@ -136,8 +165,25 @@ def _request(i: int, tag: str, mix: str, kind: str, height: int, width: int, fra
         priority=MIXES[mix]["priority"][kind], deadline_s=deadline, **video))
 
 
+class _Finishes:
+    """A target that notes when each of its requests finished."""
+
+    def __init__(self, target: Any):
+        self.target = target
+        self.ends: list[float] = []
+
+    async def run_request(self, request: Any) -> Any:
+        sample = await self.target.run_request(request)
+        self.ends.append(time.perf_counter())
+        return sample
+
+    async def aclose(self) -> None:
+        await self.target.aclose()
+
+
 def _calibrate(spec: dict[str, Any]) -> dict[str, Any]:
-    """Solo medians per shape and fifo's closed-loop capacity."""
+    """Solo medians per shape and the closed-loop capacity, on a fifo engine
+    of this process."""
     from diffrt.cli.bench_load import EngineTarget, drive
 
     mix = spec["mix"]
@@ -145,51 +191,62 @@ def _calibrate(spec: dict[str, Any]) -> dict[str, Any]:
     shapes = sorted({shape for shape in traffic})
     engine = _engine(mix, "fifo", spec["threads"])
     try:
-        target = EngineTarget(engine)
+        # every shape once first: a cold engine's first requests pay one-time
+        # costs (allocations, the first prompt encodings) that no later one does
+        warm = [_request(i, "cold", mix, *shape) for i, shape in enumerate(shapes)]
+        drive(EngineTarget(engine), warm, concurrency=1, rate=None)
         solo = {}
         for kind, h, w, f, s in shapes:
             requests = [_request(i, "solo", mix, kind, h, w, f, s) for i in range(SOLO_RUNS)]
-            samples, _ = drive(target, requests, concurrency=1, rate=None)
+            samples, _ = drive(EngineTarget(engine), requests, concurrency=1, rate=None)
             solo[shape_key(h, w, f, s)] = median([x.latency for x in samples if x.ok])
         closed = slo_traffic(CAPACITY_REQUESTS, spec["seed"] + 1, mix)
         requests = [_request(i, "capacity", mix, *shape) for i, shape in enumerate(closed)]
-        samples, wall = drive(target, requests, concurrency=min(CONCURRENCY, 2 * MIXES[mix]["seqs"]),
-                              rate=None)
+        loop = min(CONCURRENCY, 2 * MIXES[mix]["seqs"])
+        target = _Finishes(EngineTarget(engine))
+        start = time.perf_counter()
+        drive(target, requests, concurrency=loop, rate=None)
     finally:
         engine.close()
-    return {"solo": solo, "capacity": sum(x.ok for x in samples) / wall}
+    # the loop is full until the completion that lets the last request in
+    full = len(requests) - loop
+    return {"solo": solo, "capacity": full / (sorted(target.ends)[full - 1] - start)}
 
 
 def _point(spec: dict[str, Any]) -> dict[str, Any]:
-    """One policy at every load of the spec: per request, its class, latency,
-    whether it finished within its deadline; the preemptions."""
+    """One policy at every load of the spec, after this process's own
+    calibration: per request, its class, latency, whether it finished within
+    its deadline; the preemptions."""
     from diffrt.cli.bench_load import EngineTarget, drive
 
     mix = spec["mix"]
     traffic = slo_traffic(spec["requests"], spec["seed"], mix)
-    engine = _engine(mix, spec["policy"], spec["threads"], spec.get("aging_ticks"))
-    out: dict[str, Any] = {}
+    cal = _calibrate(spec)
+    deadlines = [deadline_of(kind, cal["solo"][shape_key(h, w, f, s)])
+                 for kind, h, w, f, s in traffic]
+    engine = _engine(mix, spec["policy"], spec["threads"])
+    loads: dict[str, Any] = {}
     try:
         target = EngineTarget(engine)
         warm = [_request(i, "warm", mix, *shape) for i, shape in enumerate(sorted(set(traffic)))]
         drive(target, warm, concurrency=len(warm), rate=None)
-        for load, rate in spec["rates"].items():
-            requests = [_request(i, f"load {load}", mix, *shape, spec["deadlines"][i])
+        for load in LOADS:
+            requests = [_request(i, f"load {load}", mix, *shape, deadlines[i])
                         for i, shape in enumerate(traffic)]
             before = engine.stats().preemptions_total
-            samples, wall = drive(target, requests, concurrency=len(requests), rate=rate,
-                                  seed=spec["seed"])
-            out[load] = {"kinds": [kind for kind, *_ in traffic],
-                         "latency": [x.latency if x.ok else None for x in samples],
-                         "in_time": [x.in_time for x in samples], "wall": wall,
-                         "preemptions": engine.stats().preemptions_total - before}
+            samples, wall = drive(target, requests, concurrency=len(requests),
+                                  rate=load * cal["capacity"], seed=spec["seed"])
+            loads[str(load)] = {"kinds": [kind for kind, *_ in traffic],
+                                "latency": [x.latency if x.ok else None for x in samples],
+                                "in_time": [x.in_time for x in samples], "wall": wall,
+                                "preemptions": engine.stats().preemptions_total - before}
     finally:
         engine.close()
-    return out
+    return {"calibration": cal, "loads": loads}
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    return _calibrate(spec) if spec["kind"] == "calibrate" else _point(spec)
+    return _point(spec)
 
 
 def _child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -197,8 +254,7 @@ def _child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
                                         "bench_mixed_traffic.py"), "--slo-child", json.dumps(spec)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{spec['kind']} {spec.get('policy', '')} failed:\n"
-                           f"{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{spec['policy']} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -207,31 +263,21 @@ def run_slo(args: Any) -> dict[str, Any]:
     requests = 60 if args.quick else args.slo_requests
     rounds = 1 if args.quick else args.slo_rounds
     mix_name = getattr(args, "slo_mix", "images")
+    policies = variants(getattr(args, "slo_aging_ticks", None))
     base = {"requests": requests, "seed": args.seed, "threads": args.torch_threads,
-            "mix": mix_name, "aging_ticks": getattr(args, "slo_aging_ticks", None)}
-    mix = slo_traffic(requests, args.seed, mix_name)
+            "mix": mix_name}
     points: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    calibrations = []
-    rates: dict[str, float] = {}
     for rnd in range(rounds):
-        # each round measures solo times and capacity afresh: a machine whose
-        # speed drifts would otherwise load a later round's points wrongly
-        cal = _child({**base, "kind": "calibrate"}, args.child_timeout)
-        calibrations.append(cal)
-        deadlines = [deadline_of(kind, cal["solo"][shape_key(h, w, f, s)])
-                     for kind, h, w, f, s in mix]
-        rates = {str(load): load * cal["capacity"] for load in LOADS}
-        print(f"  round {rnd + 1}/{rounds}: solo (s) "
-              f"{json.dumps({k: round(v, 3) for k, v in cal['solo'].items()})}", file=sys.stderr)
-        print(f"  round {rnd + 1}/{rounds}: fifo capacity {cal['capacity']:.2f} req/s; rates "
-              f"{ {k: round(v, 2) for k, v in rates.items()} }", file=sys.stderr, flush=True)
-        order = list(POLICIES[rnd % len(POLICIES):] + POLICIES[:rnd % len(POLICIES)])
+        order = list(policies[rnd % len(policies):] + policies[:rnd % len(policies)])
         for policy in order:
-            points[policy].append(_child({**base, "kind": "point", "policy": policy,
-                                          "rates": rates, "deadlines": deadlines},
-                                         args.child_timeout))
-            print(f"  round {rnd + 1}/{rounds}: {policy} done", file=sys.stderr, flush=True)
-    return report_slo(calibrations, points, rates, requests, mix_name)
+            run = _child({**base, "policy": policy}, args.child_timeout)
+            points[policy].append(run)
+            cal = run["calibration"]
+            print(f"  round {rnd + 1}/{rounds}: {policy} done (its capacity "
+                  f"{cal['capacity']:.2f} req/s, solo (s) "
+                  f"{json.dumps({k: round(v, 3) for k, v in cal['solo'].items()})})",
+                  file=sys.stderr, flush=True)
+    return report_slo(points, requests, mix_name)
 
 
 def _figures(run: dict[str, Any], classes: tuple[str, str]) -> dict[str, Any]:
@@ -261,15 +307,19 @@ def _median_of(rounds: list[dict[str, Any]], path: tuple[str, ...]) -> float | N
     return median(values)
 
 
-def report_slo(calibrations: list[dict[str, Any]], points: dict[str, list[dict[str, Any]]],
-               rates: dict[str, float], requests: int, mix: str = "images") -> dict[str, Any]:
-    capacities = [cal["capacity"] for cal in calibrations]
+def report_slo(points: dict[str, list[dict[str, Any]]], requests: int,
+               mix: str = "images") -> dict[str, Any]:
+    policies = list(points)
+    capacities = {policy: [run["calibration"]["capacity"] for run in runs]
+                  for policy, runs in points.items()}
+    every = [c for caps in capacities.values() for c in caps]
     urgent, other = classes = MIXES[mix]["classes"]
+    loads = [str(load) for load in LOADS]
     table: dict[str, dict[str, dict[str, float | None]]] = {}
-    for load in rates:
+    for load in loads:
         table[load] = {}
-        for policy in POLICIES:
-            per_round = [_figures(run[load], classes) for run in points[policy]]
+        for policy in policies:
+            per_round = [_figures(run["loads"][load], classes) for run in points[policy]]
             table[load][policy] = {
                 **{f"{kind}_{name}": _median_of(per_round, (kind, name))
                    for kind in classes
@@ -278,26 +328,29 @@ def report_slo(calibrations: list[dict[str, Any]], points: dict[str, list[dict[s
                 "throughput_rps": _median_of(per_round, ("throughput_rps",)),
                 "preemptions": _median_of(per_round, ("preemptions",)),
             }
+    rounds = len(next(iter(points.values())))
+    spread = (f"capacity, each process its own: {min(every):.2f}-{max(every):.2f} req/s "
+              f"(median {median(every):.2f}; "
+              + "; ".join(f"{p} {', '.join(f'{c:.2f}' for c in caps)}"
+                          for p, caps in capacities.items()) + ")")
     if mix == "video":
         print(f"\nSLO mix on tiny-wan: {requests} requests a point, 80 % image (priority 0, "
               f"1 frame 64x64, 4 steps, deadline 3x solo), 20 % video (priority 5, 17 frames "
-              f"64x64, 4 or 8 steps, deadline 10x solo); fifo's closed-loop capacity per round "
-              f"{', '.join(f'{c:.2f}' for c in capacities)} req/s; medians over "
-              f"{len(calibrations)} round(s); solo (s) {calibrations[-1]['solo']}\n")
+              f"64x64, 4 or 8 steps, deadline 10x solo); medians over {rounds} round(s);\n"
+              f"{spread}\n")
     else:
         print(f"\nSLO mix on tiny-flux: {requests} requests a point, 20 % interactive "
               f"(priority 0, 64x64, 4 steps, deadline max(2x solo, solo + 150 ms)), 80 % batch "
-              f"(priority 1, mixed sizes and steps, deadline 10x solo); fifo's closed-loop "
-              f"capacity per round {', '.join(f'{c:.2f}' for c in capacities)} req/s; medians "
-              f"over {len(calibrations)} round(s)\n")
+              f"(priority 1, mixed sizes and steps, deadline 10x solo); medians over {rounds} "
+              f"round(s);\n{spread}\n")
     head = (f"{'load':>5} {'policy':<11} {urgent + ' in time':>17} {other + ' in time':>14} "
             f"{'goodput/s':>9} {'x fifo':>7} {other + ' goodput':>13} {'x fifo':>7} "
             f"{urgent + ' p99 ms':>14} {other + ' p99 ms':>12} {'x fifo':>7} "
             f"{other + ' max ms':>12} {'preempt':>7}")
     print(head)
-    for load in rates:
+    for load in loads:
         fifo = table[load]["fifo"]
-        for policy in POLICIES:
+        for policy in policies:
             r = table[load][policy]
             print(f"{float(load):>5.0%} {policy:<11} {_pct(r[f'{urgent}_attainment']):>17} "
                   f"{_pct(r[f'{other}_attainment']):>14} {_num(r['goodput_rps']):>9} "
@@ -307,31 +360,43 @@ def report_slo(calibrations: list[dict[str, Any]], points: dict[str, list[dict[s
                   f"{_num(r[f'{urgent}_p99_ms'], 0):>14} {_num(r[f'{other}_p99_ms'], 0):>12} "
                   f"{_ratio(r[f'{other}_p99_ms'], fifo[f'{other}_p99_ms']):>7} "
                   f"{_num(r[f'{other}_max_ms'], 0):>12} {_num(r['preemptions'], 0):>7}")
+    goals: dict[str, bool] = {}
+    for slo in (p for p in policies if p.startswith("slo")):
+        goals.update(_goals(table, slo, mix))
+    print("\ngoals:")
+    for goal, met in goals.items():
+        print(f"  {'met    ' if met else 'NOT MET'} {goal}")
+    return {"mix": mix, "capacity_rps": capacities,
+            "solo_s": {p: [run["calibration"]["solo"] for run in runs]
+                       for p, runs in points.items()},
+            "table": table, "goals": goals}
+
+
+def _goals(table: dict[str, dict[str, dict[str, float | None]]], slo: str,
+           mix: str) -> dict[str, bool]:
+    """The issue's goals for one slo variant (its name leads each line)."""
+    urgent = MIXES[mix]["classes"][0]
     low, high = (table[str(load)] for load in LOADS)
     goals = {
-        f"{urgent} attainment >= 95 % at 80 % load": _at_least(
-            low["slo"][f"{urgent}_attainment"], 0.95),
-        f"{urgent} attainment >= 90 % at 110 % load": _at_least(
-            high["slo"][f"{urgent}_attainment"], 0.90),
+        f"{slo}: {urgent} attainment >= 95 % at 80 % load": _at_least(
+            low[slo][f"{urgent}_attainment"], 0.95),
+        f"{slo}: {urgent} attainment >= 90 % at 110 % load": _at_least(
+            high[slo][f"{urgent}_attainment"], 0.90),
     }
     if mix == "video":
         for name, point in (("80 %", low), ("110 %", high)):
-            goals[f"video goodput >= 0.9x fifo's at {name}"] = _at_least(
-                point["slo"]["video_goodput_rps"], 0.9 * (point["fifo"]["video_goodput_rps"] or 0))
+            goals[f"{slo}: video goodput >= 0.9x fifo's at {name}"] = _at_least(
+                point[slo]["video_goodput_rps"], 0.9 * (point["fifo"]["video_goodput_rps"] or 0))
     else:
         goals.update({
-            "goodput >= fifo's at 80 %": _at_least(low["slo"]["goodput_rps"],
-                                                   low["fifo"]["goodput_rps"]),
-            "goodput >= fifo's at 110 %": _at_least(high["slo"]["goodput_rps"],
-                                                    high["fifo"]["goodput_rps"]),
-            "batch p99 <= 1.5x fifo's at 80 %": _at_least(
-                1.5 * (low["fifo"]["batch_p99_ms"] or 0), low["slo"]["batch_p99_ms"]),
+            f"{slo}: goodput >= fifo's at 80 %": _at_least(low[slo]["goodput_rps"],
+                                                          low["fifo"]["goodput_rps"]),
+            f"{slo}: goodput >= fifo's at 110 %": _at_least(high[slo]["goodput_rps"],
+                                                           high["fifo"]["goodput_rps"]),
+            f"{slo}: batch p99 <= 1.5x fifo's at 80 %": _at_least(
+                1.5 * (low["fifo"]["batch_p99_ms"] or 0), low[slo]["batch_p99_ms"]),
         })
-    print("\ngoals (slo):")
-    for goal, met in goals.items():
-        print(f"  {'met    ' if met else 'NOT MET'} {goal}")
-    return {"mix": mix, "solo_s": [cal["solo"] for cal in calibrations],
-            "capacity_rps": capacities, "table": table, "goals": goals}
+    return goals
 
 
 def _at_least(value: float | None, bound: float | None) -> bool:
