@@ -77,6 +77,11 @@ TEXT_TOKENS = 512
 LATENT = 8
 VAE = dict(base_dim=12, z_dim=LATENT, dim_mult=[1, 2, 2], num_res_blocks=1,
            temperal_downsample=[True, True], scale_factor_spatial=4, scale_factor_temporal=4)
+#: ``--time-compression``: the VAE's downsampling in time (4: 9 frames are 3
+#: latent frames; 2: 5; 1: 9). At 4x a latent frame holds four frames of a
+#: shape that travels 18 px across them, and the eighth run's VAE drew such
+#: shapes at 4-7 % of their area in the second group's first frames
+TIME_DOWNSAMPLE = {4: [True, True], 2: [False, True], 1: [False, False]}
 UMT5 = dict(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
             relative_attention_num_buckets=8, relative_attention_max_distance=16,
             feed_forward_proj="gated-gelu", dropout_rate=0.0)
@@ -156,12 +161,14 @@ def to_frames(video: torch.Tensor) -> np.ndarray:
     return ((video.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).numpy()
 
 
-def build_models(tokenizer_vocab: int, patch: int = 2) -> dict[str, torch.nn.Module]:
+def build_models(tokenizer_vocab: int, patch: int = 2,
+                 time_compression: int = 4) -> dict[str, torch.nn.Module]:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     with seeded_init(1):
-        vae = AutoencoderKLWan(**VAE)
+        vae = AutoencoderKLWan(**{**VAE, "temperal_downsample": TIME_DOWNSAMPLE[time_compression],
+                                  "scale_factor_temporal": time_compression})
     with seeded_init(2):
         encoder = UMT5EncoderModel(UMT5Config(vocab_size=tokenizer_vocab, pad_token_id=0,
                                               eos_token_id=1, decoder_start_token_id=0,
@@ -207,13 +214,16 @@ def pixel_weights(videos: torch.Tensor, clips: list[motion.Clip]) -> torch.Tenso
     return 1.0 + SHAPE_WEIGHT * near
 
 
-def token_weights(videos: torch.Tensor, clips: list[motion.Clip]) -> torch.Tensor:
+def token_weights(videos: torch.Tensor, clips: list[motion.Clip],
+                  time_compression: int = 4) -> torch.Tensor:
     """(N, F', 16, 16) latent-pixel weights: 1 + SHAPE_WEIGHT where a latent
-    frame's pixels (its group of 4 frames; the first frame alone) hold the
-    shape or touch its outline (one pixel around: with patch 2 a token's
-    weight is the mean of its 4)."""
+    frame's pixels (its group of ``time_compression`` frames; the first frame
+    alone) hold the shape or touch its outline (one pixel around: with patch
+    2 a token's weight is the mean of its 4)."""
     shape = shape_mask(videos, clips)  # (N, F, H, W)
-    groups = [shape[:, :1]] + [shape[:, 1 + 4 * k:5 + 4 * k] for k in range((shape.shape[1] - 1) // 4)]
+    t = time_compression
+    groups = [shape[:, :1]] + [shape[:, 1 + t * k:1 + t * (k + 1)]
+                               for k in range((shape.shape[1] - 1) // t)]
     merged = torch.stack([g.amax(1) for g in groups], 1)  # (N, F', H, W)
     n, f, h, w = merged.shape
     tokens = F.max_pool2d(merged.view(n * f, 1, h, w), 4)
@@ -231,7 +241,7 @@ class Run:
         self.tokenizer = build_tokenizer(self.work / "tokenizer", args.tokenizer, args.text_tokens)
         torch.manual_seed(args.seed)
         self.rng = np.random.default_rng(args.seed)
-        self.models = build_models(len(self.tokenizer), args.patch)
+        self.models = build_models(len(self.tokenizer), args.patch, args.time_compression)
         self.vae_opt = torch.optim.AdamW(self.models["vae"].parameters(), lr=args.vae_lr,
                                          weight_decay=0.0)
         self.params = [*self.models["transformer"].parameters(),
@@ -358,7 +368,7 @@ class Run:
                 clips = [motion.TRAIN[i] for i in index[start:start + 64]]
                 videos = clips_tensor([motion.random_render(c, rng) for c in clips])
                 latents.append(vae.encode(videos).latent_dist.mode())
-                weights.append(token_weights(videos, clips))
+                weights.append(token_weights(videos, clips, self.args.time_compression))
         z = torch.cat(latents)
         mean, std = z.mean((0, 2, 3, 4)), z.std((0, 2, 3, 4))
         shape = (1, LATENT, 1, 1, 1)
@@ -488,6 +498,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--patch", type=int, default=2, choices=(1, 2),
                     help="the transformer's spatial patch (2: 8x8 tokens a latent frame, "
                          "1: 16x16, about 5x the cost of a step)")
+    ap.add_argument("--time-compression", type=int, default=4, choices=(4, 2, 1),
+                    help="the VAE's downsampling in time (9 frames: 3, 5 or 9 latent frames; "
+                         "the transformer's tokens grow alike)")
     ap.add_argument("--tokenizer", choices=("phrases", "words"), default="phrases",
                     help="each motion and background one token (phrases), or T5's words")
     ap.add_argument("--text-tokens", type=int, default=PROMPT_TOKENS,
@@ -576,7 +589,7 @@ background".
   (moving left to right / right to left / top to bottom / bottom to top, growing, shrinking,
   standing still); prompts are `a <colour> <shape> <motion> on a <background> background`.
   117 of the 1008 combinations were held out of training (`diffrt/demo/motion.py`).
-- Components: `AutoencoderKLWan` (4x in space and time, {LATENT} latent channels, trained here),
+- Components: `AutoencoderKLWan` (4x in space, {train.get('time_compression', 4)}x in time, {LATENT} latent channels, trained here),
   a {TRANSFORMER['num_layers']}-block `WanTransformer3DModel` (hidden 128, patch (1, {train.get('patch', 2)}, {train.get('patch', 2)})),
   a UMT5 text encoder (d_model 64), trained jointly from scratch (rectified flow, noise levels
   shifted by {SHIFT:g}), 10 % empty prompts. Weights in float16.
@@ -585,7 +598,7 @@ background".
   diffusers, whose default is 512).
 - Sampling: 64x64, 9 frames, 12 steps, guidance_scale 3 against the empty prompt.
 - Training: `python scripts/train_motion_model.py --out diffrt/models/diffrt-motion
-  --seed {train.get('seed', 0)} --patch {train.get('patch', 2)} --tokenizer {train.get('tokenizer', 'words')} --text-tokens {length}
+  --seed {train.get('seed', 0)} --patch {train.get('patch', 2)} --time-compression {train.get('time_compression', 4)} --tokenizer {train.get('tokenizer', 'words')} --text-tokens {length}
   --vae-steps {train.get('vae_steps', '?')} --steps {train.get('steps', '?')} --lr {train.get('lr', '?')}` (final loss
   {train.get('final_loss', '?')}), {train.get('threads', '?')} torch threads on CPU.
 

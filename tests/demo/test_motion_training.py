@@ -134,3 +134,22 @@ def test_the_written_folder_is_a_wan_folder_diffusers_and_diffrt_draw_alike(trai
     got = quantize_images(video)[0].numpy().astype(np.int16)
     assert got.shape == (motion.FRAMES, 64, 64, 3)
     assert np.abs(got - (want * 255).round().astype(np.int16)).max() <= 2
+
+
+@pytest.mark.parametrize("time_compression, latent_frames", [(4, 3), (2, 5), (1, 9)])
+def test_the_time_compression_sets_the_latent_frames_and_their_weights(
+        train, tmp_path, time_compression, latent_frames):
+    """``--time-compression``: the VAE makes 3, 5 or 9 latent frames of a
+    9-frame clip, and the shape's token weights have a frame for each, the
+    first frame's from the first frame alone (a clip moving left to right:
+    its shape sits at the left there, so the right half weighs 1)."""
+    models = train.build_models(32, 2, time_compression)
+    clip = next(c for c in motion.TRAIN if c.direction == "left to right")
+    videos = train.clips_tensor([motion.render(clip)])
+    with torch.no_grad():
+        latents = models["vae"].encode(videos).latent_dist.mode()
+    weights = train.token_weights(videos, [clip], time_compression)
+    assert latents.shape[2] == weights.shape[1] == latent_frames
+    assert models["vae"].config.scale_factor_temporal == time_compression
+    assert weights[0, 0].max() > 1 and (weights[0, 0, :, 8:] == 1).all()
+    assert (weights[0, -1, :, 8:] > 1).any()  # the last frames: the shape on the right
