@@ -79,8 +79,8 @@ VAE = dict(base_dim=12, z_dim=LATENT, dim_mult=[1, 2, 2], num_res_blocks=1,
            temperal_downsample=[True, True], scale_factor_spatial=4, scale_factor_temporal=4)
 #: ``--time-compression``: the VAE's downsampling in time (4: 9 frames are 3
 #: latent frames; 2: 5; 1: 9). At 4x a latent frame holds four frames of a
-#: shape that travels 18 px across them, and the eighth run's VAE drew such
-#: shapes at 4-7 % of their area in the second group's first frames
+#: shape that travels 18 px across them, and the eighth run's VAE drew moving
+#: shapes at 1-3 % of their area (median) in the second group's first two frames
 TIME_DOWNSAMPLE = {4: [True, True], 2: [False, True], 1: [False, False]}
 UMT5 = dict(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
             relative_attention_num_buckets=8, relative_attention_max_distance=16,
