@@ -88,9 +88,12 @@ diffusers: its head block's decisions, counted). Without the option nothing
 changes.
 
 Priorities and deadlines (``--slo``): a run of its own (``bench_slo.py``):
-interactive and batch requests with deadlines from their solo times, Poisson
-arrivals at 80 % and 110 % of fifo's capacity, policies fifo, skip_ahead and
-slo; deadline attainment per class, goodput, p99.
+two priority classes with deadlines from their solo times (interactive and
+batch images, or with ``--slo-mix video`` images and clips), Poisson
+arrivals at 80 % and 110 % of the closed-loop capacity that each policy's
+process measures on a fifo engine of its own; policies fifo, skip_ahead and
+slo (or one ``slo@N`` row per ``--slo-aging-ticks`` value); deadline
+attainment per class, goodput, p99.
 
 ``--torch-threads N`` gives every system N torch threads (the engine's
 ``torch_threads``, ``torch.set_num_threads`` for diffusers); 1 keeps a
@@ -627,9 +630,18 @@ def report_tasks(results: dict[str, Any], args: argparse.Namespace) -> dict[str,
     return figures
 
 
-def _ints(text: str) -> list[int]:
-    """``16,1000`` -> [16, 1000] (an argparse type)."""
-    return [int(x) for x in text.split(",") if x]
+def _aging_ticks(text: str) -> list[int]:
+    """``16,1000`` -> [16, 1000] (an argparse type): each >= 1, as the
+    engine's ``slo_aging_ticks``, repeats dropped."""
+    values: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if not part.isdigit() or int(part) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: aging ticks are whole numbers >= 1")
+        if int(part) not in values:
+            values.append(int(part))
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one number of ticks")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -662,9 +674,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diffrt-only", action="store_true",
                     help="measure diffrt mixed and keyed only (no diffusers peers)")
     ap.add_argument("--slo", action="store_true",
-                    help="priorities and deadlines: interactive and batch requests at 80 %% "
-                         "and 110 %% of fifo's capacity under fifo, skip_ahead and slo "
-                         "(bench_slo.py)")
+                    help="priorities and deadlines: two priority classes at 80 %% and 110 %% "
+                         "of the closed-loop capacity each policy's process measures, under "
+                         "fifo, skip_ahead and slo (bench_slo.py)")
     ap.add_argument("--slo-requests", type=int, default=300, metavar="N",
                     help="--slo: requests a load point")
     ap.add_argument("--slo-rounds", type=int, default=1, metavar="R",
@@ -672,9 +684,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-mix", choices=("images", "video"), default="images",
                     help="--slo: tiny-flux interactive and batch images (default), or tiny-wan "
                          "one-frame images (priority 0) beside clips (priority 5)")
-    ap.add_argument("--slo-aging-ticks", type=_ints, metavar="N[,M...]",
-                    help="--slo: run the slo policy once for each of these slo_aging_ticks "
-                         "(rows slo@N; default: once, the engine's)")
+    ap.add_argument("--slo-aging-ticks", type=_aging_ticks, metavar="N[,M...]",
+                    help="--slo: run the slo policy once for each of these slo_aging_ticks, "
+                         "rows slo@N in place of the slo row (default: one slo row at the "
+                         "engine's value)")
     ap.add_argument("--slo-child", metavar="SPEC", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the table's figures here")
     ap.add_argument("--child-timeout", type=float, default=1200)

@@ -17,13 +17,12 @@ policy's engine from that calibration:
    ``max(2 x solo, solo + 150 ms)``, batch ``10 x solo``.
 2. **capacity**: the closed-loop throughput on the same mix (concurrency
    16; 8 for the video mix), requests/s: every request of the loop over its
-   whole wall time, the drain at its end included. (Counting only while the
-   loop is full gave about 1.5x more on the video mix, and at 80 % of that
-   fifo missed most of its deadlines, the clips too: a load the engine does
-   not sustain in open loop.)
+   whole wall time, the drain at its end included, as the harness always
+   counted it.
 3. **load points**: Poisson arrivals at 80 % and 110 % of that capacity,
-   ``--requests`` (300) a point, the same requests and arrival draws for
-   every policy. Per point: each class's deadline attainment (finished
+   ``--requests`` (300) a point. Every policy gets the same requests (shapes,
+   prompts, seeds) and the same arrival draws, scaled to its own process's
+   rates, and deadlines from its own process's solo times. Per point: each class's deadline attainment (finished
    within its deadline, out of the class), goodput (requests in time per
    second), p50/p99 latency per class, preemptions.
 
@@ -51,9 +50,12 @@ the ``slo`` policy once for each value of ``slo_aging_ticks`` (how many ticks
 a request past its deadline waits per class it climbs), each a row of its
 own (``slo@N``): variants side by side, on the same rounds.
 
-    .venv/bin/python benchmarks/bench_mixed_traffic.py --slo           # about 15 minutes
+    .venv/bin/python benchmarks/bench_mixed_traffic.py --slo           # 1 round
     .venv/bin/python benchmarks/bench_mixed_traffic.py --slo --quick   # 60 requests a point
-    .venv/bin/python benchmarks/bench_mixed_traffic.py --slo --slo-mix video --quick
+    # the figures of docs/engine.md: 3 rounds, about 7 minutes here
+    .venv/bin/python benchmarks/bench_mixed_traffic.py --slo --slo-mix video --slo-rounds 3
+    # slo at two aging settings beside fifo and skip_ahead
+    .venv/bin/python benchmarks/bench_mixed_traffic.py --slo --slo-mix video --slo-aging-ticks 16,1000
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ pieces gives the same folder as one in a go (same torch build and threads).
 1. Data (``diffrt.demo.motion``): 9-frame 64x64 clips of one shape moving,
    growing, shrinking or standing still; the 117 held-out combinations are
    never seen.
-2. VAE: a small diffusers ``AutoencoderKLWan`` (4x in space and in time,
-   8 latent channels: a clip is 3 latent frames of 16x16), trained on
+2. VAE: a small diffusers ``AutoencoderKLWan`` (4x in space and, by
+   default, in time (``--time-compression``), 8 latent channels: a clip is
+   3 latent frames of 16x16), trained on
    reconstruction (L1 + MSE, the shape's pixels weighted 5x, the first
    frame 4x, a tiny KL) of whole 9-frame clips. Its encoder
    and decoder are causal and chunked (the first frame, then groups of 4),
@@ -93,7 +94,8 @@ SHIFT = 3.0
 SCHEDULER = dict(num_train_timesteps=1000, shift=SHIFT)
 WARMUP_STEPS = 100
 SHAPE_WEIGHT = 4.0
-#: the VAE's first frame weighs as a group of four: Wan's VAE encodes and
+#: the VAE's first frame weighs as a group of four (whatever the time
+#: compression: the weight was measured at 4x): Wan's VAE encodes and
 #: decodes it alone (a path of its own), and at one ninth of the loss every
 #: VAE trained here left it the worst (35-60 levels of mean error, even its
 #: plain background 61 off, against 14 for the other frames); 400 steps on
@@ -105,7 +107,8 @@ EVAL = dict(num_frames=motion.FRAMES, height=64, width=64, num_inference_steps=1
 #: arguments a resumed run may change (how it runs, not what it trains)
 RUN_ONLY = ("out", "resume", "minutes", "threads", "checkpoint_every", "eval_count",
             "evaluate_only")
-#: frames of a VAE training clip: a served clip's (the first, then two groups of 4)
+#: frames of a VAE training clip: a served clip's (the first, then the rest in
+#: groups of ``--time-compression``)
 VAE_FRAMES = motion.FRAMES
 
 
@@ -287,6 +290,10 @@ class Run:
         state = torch.load(work / "checkpoint.pt", weights_only=False)
         if state["vae_step"] < state["args"]["vae_steps"]:
             raise SystemExit(f"--vae-from {work}: its VAE is not done training")
+        theirs = state["args"].get("time_compression", 4)
+        if theirs != self.args.time_compression:
+            raise SystemExit(f"--vae-from {work}: its VAE compresses time {theirs}x, this run "
+                             f"{self.args.time_compression}x")
         self.models["vae"].load_state_dict(state["models"]["vae"])
         self.vae_step = self.args.vae_steps
         self.cache = torch.load(work / "latents.pt")

@@ -34,7 +34,9 @@ def wait_until(predicate: Callable[[], T], timeout: float = DEFAULT_TIMEOUT_S, i
     """Call ``predicate`` every ``interval`` seconds until it returns something true.
 
     Args:
-        predicate: a cheap check without side effects.
+        predicate: a cheap check, or one step towards the condition that
+            records what it saw (a request whose answer counts): it is
+            called once more after the timeout, and a call is not cut short.
         timeout: seconds to keep trying; the predicate is called once more at the end.
         interval: seconds between calls.
         message: what the AssertionError says on timeout; a callable is called

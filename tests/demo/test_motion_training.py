@@ -138,7 +138,7 @@ def test_the_written_folder_is_a_wan_folder_diffusers_and_diffrt_draw_alike(trai
 
 @pytest.mark.parametrize("time_compression, latent_frames", [(4, 3), (2, 5), (1, 9)])
 def test_the_time_compression_sets_the_latent_frames_and_their_weights(
-        train, tmp_path, time_compression, latent_frames):
+        train, time_compression, latent_frames):
     """``--time-compression``: the VAE makes 3, 5 or 9 latent frames of a
     9-frame clip, and the shape's token weights have a frame for each, the
     first frame's from the first frame alone (a clip moving left to right:
@@ -148,8 +148,17 @@ def test_the_time_compression_sets_the_latent_frames_and_their_weights(
     videos = train.clips_tensor([motion.render(clip)])
     with torch.no_grad():
         latents = models["vae"].encode(videos).latent_dist.mode()
+        assert models["vae"].decode(latents).sample.shape[2] == motion.FRAMES
     weights = train.token_weights(videos, [clip], time_compression)
     assert latents.shape[2] == weights.shape[1] == latent_frames
+    # each latent frame's weights are its own frames': the first frame alone,
+    # then groups of time_compression
+    shape = train.shape_mask(videos, [clip])
+    for k in range(latent_frames):
+        frames = shape[0, :1] if k == 0 else shape[0, 1 + (k - 1) * time_compression:
+                                                      1 + k * time_compression]
+        cells = torch.nn.functional.max_pool2d(frames.amax(0)[None, None], 4)[0, 0]
+        assert ((weights[0, k] > 1) >= (cells > 0)).all()
     assert models["vae"].config.scale_factor_temporal == time_compression
     assert weights[0, 0].max() > 1 and (weights[0, 0, :, 8:] == 1).all()
     assert (weights[0, -1, :, 8:] > 1).any()  # the last frames: the shape on the right

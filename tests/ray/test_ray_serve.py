@@ -143,8 +143,8 @@ BOTH_REPLICAS_S = 60.0
 
 def from_both_replicas(url: str, **extra: Any) -> dict[str, list[dict]]:
     """One request (the same prompt and seed), sent one at a time until both
-    replicas answered it at least four times between them: each replica's
-    answers."""
+    replicas have answered and there are at least four answers: each
+    replica's answers."""
     seen: dict[str, list[dict]] = {}
 
     def both_answered() -> bool:
@@ -154,7 +154,7 @@ def from_both_replicas(url: str, **extra: Any) -> dict[str, list[dict]]:
         return len(seen) == 2 and sum(map(len, seen.values())) >= 4
 
     wait_until(both_answered, timeout=BOTH_REPLICAS_S, interval=0.25,
-               message=lambda: f"answered only by {sorted(seen)}")
+               message=lambda: f"answers per replica: {({k: len(v) for k, v in seen.items()})}")
     return seen
 
 
