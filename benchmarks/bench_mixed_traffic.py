@@ -630,20 +630,6 @@ def report_tasks(results: dict[str, Any], args: argparse.Namespace) -> dict[str,
     return figures
 
 
-def _aging_ticks(text: str) -> list[int]:
-    """``16,1000`` -> [16, 1000] (an argparse type): each >= 1, as the
-    engine's ``slo_aging_ticks``, repeats dropped."""
-    values: list[int] = []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        if not part.isdigit() or int(part) < 1:
-            raise argparse.ArgumentTypeError(f"{part!r}: aging ticks are whole numbers >= 1")
-        if int(part) not in values:
-            values.append(int(part))
-    if not values:
-        raise argparse.ArgumentTypeError("give at least one number of ticks")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -684,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-mix", choices=("images", "video"), default="images",
                     help="--slo: tiny-flux interactive and batch images (default), or tiny-wan "
                          "one-frame images (priority 0) beside clips (priority 5)")
-    ap.add_argument("--slo-aging-ticks", type=_aging_ticks, metavar="N[,M...]",
+    ap.add_argument("--slo-aging-ticks", type=bench_slo.aging_ticks, metavar="N[,M...]",
                     help="--slo: run the slo policy once for each of these slo_aging_ticks, "
                          "rows slo@N in place of the slo row (default: one slo row at the "
                          "engine's value)")

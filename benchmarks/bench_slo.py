@@ -65,6 +65,7 @@ import os
 import random
 import subprocess
 import sys
+from argparse import ArgumentTypeError
 from collections import defaultdict
 from typing import Any
 
@@ -196,9 +197,9 @@ def _calibrate(spec: dict[str, Any]) -> dict[str, Any]:
     return {"solo": solo, "capacity": sum(x.ok for x in samples) / wall}
 
 
-def _point(spec: dict[str, Any]) -> dict[str, Any]:
-    """One policy at every load of the spec, after this process's own
-    calibration: per request, its class, latency, whether it finished within
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One policy at every load of the spec (``--slo-child``), after this
+    process's own calibration: per request, its class, latency, whether it finished within
     its deadline; the preemptions."""
     from diffrt.cli.bench_load import EngineTarget, drive
 
@@ -228,10 +229,6 @@ def _point(spec: dict[str, Any]) -> dict[str, Any]:
     return {"calibration": cal, "loads": loads}
 
 
-def child(spec: dict[str, Any]) -> dict[str, Any]:
-    return _point(spec)
-
-
 def _child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                         "bench_mixed_traffic.py"), "--slo-child", json.dumps(spec)]
@@ -239,6 +236,20 @@ def _child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"{spec['policy']} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def aging_ticks(text: str) -> list[int]:
+    """``16,1000`` -> [16, 1000] (an argparse type): each >= 1, as the
+    engine's ``slo_aging_ticks``, repeats dropped."""
+    values: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if not part.isdigit() or int(part) < 1:
+            raise ArgumentTypeError(f"{part!r}: aging ticks are whole numbers >= 1")
+        if int(part) not in values:
+            values.append(int(part))
+    if not values:
+        raise ArgumentTypeError("give at least one number of ticks")
+    return values
 
 
 # -- the parent ------------------------------------------------------------------------------
@@ -398,4 +409,4 @@ def _ratio(x: float | None, base: float | None) -> str:
     return "-" if x is None or not base else f"{x / base:.2f}x"
 
 
-__all__ = ["child", "run_slo", "slo_traffic"]
+__all__ = ["aging_ticks", "child", "run_slo", "slo_traffic"]

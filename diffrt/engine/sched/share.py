@@ -39,8 +39,8 @@ more than ``MARGIN``, than apart. With one call over all rows (``padded``,
 ``packed``) and a large per-call cost (launches), ``S`` is well under
 ``A + C``: the sum decides, and sharing turns on. A request refused is
 passed by at most ``max_bypass`` admission rounds of the running kind, then
-waits only for the running batch to drain (no starvation). Every decision is kept (``log``) for
-``diffrt bench --explain``.
+waits only for the running batch to drain (no starvation). Every decision is
+kept (``log``) for ``diffrt bench --explain``.
 """
 
 from __future__ import annotations

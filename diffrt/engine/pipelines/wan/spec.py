@@ -4,10 +4,11 @@ What diffusers' ``WanPipeline`` / ``WanImageToVideoPipeline`` do by
 default: 480 x 832 px, 81 frames (16 fps, Wan's own), 50 steps, CFG when
 ``guidance_scale`` > 1 (5.0) with an empty negative prompt, UMT5 prompts
 padded to 512 tokens (or the tokenizer's shorter ``model_max_length``). A
-clip has ``scale_factor_temporal`` x k + 1 frames; a side is a multiple of the VAE's factor x the patch (16 px). Every weight
-method converts both of Wan 2.2's experts (``fp8`` where the device
-multiplies float8, as for images). CFG parallel, Ulysses and ring split a
-clip as an image's (``wan/parallel.py`` for the video tokens).
+clip has ``scale_factor_temporal`` x k + 1 frames; a side is a multiple of
+the VAE's factor x the patch (16 px). Every weight method converts both of
+Wan 2.2's experts (``fp8`` where the device multiplies float8, as for
+images). CFG parallel, Ulysses and ring split a clip as an image's
+(``wan/parallel.py`` for the video tokens).
 """
 
 from __future__ import annotations
