@@ -28,9 +28,9 @@ from diffrt.cli.errors import CliError
 from diffrt.cli.profiles import Profile
 from diffrt.cli.renamed import RENAMED_FLAGS, RENAMED_VALUES, add_renamed
 from diffrt.engine.declarations import Declared, declared_fields
-from diffrt.engine.settings import DEFAULT_MODEL, FIELD_GROUP, GROUPS
+from diffrt.engine.settings import DEFAULT_MODEL, DEFAULT_VIDEO_MODEL, FIELD_GROUP, GROUPS
 
-__all__ = ["DEFAULT_MODEL", "RENAMED_FLAGS", "UNSET", "add_declared", "add_engine_args",
+__all__ = ["DEFAULT_MODEL", "DEFAULT_VIDEO_MODEL", "RENAMED_FLAGS", "UNSET", "add_declared", "add_engine_args",
            "add_sampling_args", "check_requests", "flag_of",
            "engine_settings", "flag_parsers", "make_engine", "model_defaults", "model_spec",
            "non_negative_float", "positive_float", "positive_int", "sampling_params"]
@@ -289,7 +289,8 @@ def _given(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
 def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
     """The EngineConfig keywords of a parsed command line (or a dict of it):
     the settings given, with sequences and KEY=VALUE mappings as the config
-    takes them; a CLI run's log level reaches the workers."""
+    takes them, and the model ``model_name`` picks when none is given (a clip:
+    the default video model); a CLI run's log level reaches the workers."""
     given = _given(args)
     settings: dict[str, Any] = {}
     for name in FIELD_GROUP:
@@ -301,6 +302,8 @@ def engine_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
         elif name == "plugin_modules":
             value = tuple(value)
         settings[name] = value
+    if "model" not in settings and model_name(given) != DEFAULT_MODEL:  # a clip asked for
+        settings["model"] = model_name(given)
     level = given.get("log_level")
     if level not in (None, "WARNING"):  # workers log as this process does
         settings["worker_env"] = {"DIFFRT_LOG_LEVEL": worker_log_spec(level),
@@ -352,7 +355,12 @@ def plugin_modules(args: argparse.Namespace | dict[str, Any]) -> list[str]:
 
 
 def model_name(args: argparse.Namespace | dict[str, Any]) -> str:
-    return _given(args).get("model") or DEFAULT_MODEL
+    """``--model``; none given: the default video model when ``--num-frames``
+    asks for a clip, else the default (image) model."""
+    given = _given(args)
+    if given.get("model"):
+        return given["model"]
+    return DEFAULT_VIDEO_MODEL if given.get("num_frames") is not None else DEFAULT_MODEL
 
 
 def model_spec(model: str, plugins: Iterable[str] = ()) -> Any:

@@ -113,8 +113,8 @@ class HttpTarget:
 
 
 def served_model(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> str:
-    """The model the server serves (GET /v1/models); a clear error when there is
-    no server there."""
+    """The model the server's images come from (the first of GET /v1/models);
+    a clear error when there is no server there."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -126,7 +126,8 @@ def served_model(base_url: str, api_key: str | None, timeout_s: float = 30.0) ->
     if response.status_code == 401:
         raise CliError(f"--base-url {base_url}: the server wants an API key (--api-key)")
     try:
-        return ", ".join(m["id"] for m in response.json()["data"])
-    except (ValueError, KeyError, TypeError):
+        # the images' model first (the default model's server lists its video model after it)
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, TypeError, IndexError):
         raise CliError(f"--base-url {base_url}: /v1/models answered {response.status_code}, "
                        "not an OpenAI model list") from None

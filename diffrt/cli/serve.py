@@ -90,7 +90,7 @@ def _run(args: argparse.Namespace, serve_settings: Any, limits: Any, sock: Any) 
 
     def on_ready() -> None:
         port = (server.bound_port() if server is not None else None) or args.port
-        print(f"diffrt serve: {config.model} ready at http://{args.host}:{port} "
+        print(f"diffrt serve: {served(('ready',))} ready at http://{args.host}:{port} "
               f"({config.mode.value} mode)", flush=True)
 
     def on_failed(reason: str) -> None:
@@ -101,9 +101,16 @@ def _run(args: argparse.Namespace, serve_settings: Any, limits: Any, sock: Any) 
         server.should_exit = True
 
     app = build_app(config, serve_settings, on_ready=on_ready, on_failed=on_failed)
+
+    def served(states: tuple[str, ...]) -> str:
+        """The default model's server: "diffrt-shapes (and diffrt-motion for
+        /v1/videos)", the video engine named while in one of ``states``."""
+        return config.model + "".join(f" (and {c.config.model} for /v1/videos)"
+                                      for c in app.state.clients[1:] if c.state in states)
+
     server = DrainingServer(uvicorn_config(app, limits, host=args.host, port=args.port),
-                            app.state.client, serve_settings.shutdown_timeout_s)
-    print(f"diffrt serve: loading {config.model}; http://{args.host}:{args.port}/ready "
+                            app.state.clients, serve_settings.shutdown_timeout_s)
+    print(f"diffrt serve: loading {served(('starting',))}; http://{args.host}:{args.port}/ready "
           "turns 200 when it is warm", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return EXIT_FAILURE if failure else 0

@@ -181,7 +181,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     #: model refuses them (``ModelSpec.check``).
     num_frames: Annotated[Annotated[int, Meta(ge=1, le=MAX_FRAMES)] | None, _about(
         "video models: frames of the clip, of the form the model's VAE needs (Wan: 4k + 1; "
-        "default: the model's; not over HTTP until a video response format exists)",
+        "default: the model's; over HTTP: /v1/videos' seconds or num_frames); given without "
+        "a model, diffrt generate runs the default video model (diffrt-motion)",
         http=None)] = None
     fps: Annotated[Annotated[float, Meta(gt=0, le=MAX_FPS)] | None, _about(
         "video models: the clip's frames per second (default: the model's)", http=None)] = None

@@ -23,6 +23,10 @@ from diffrt.runtime.types import ExecutorBackend, ExecutorOptions
 
 #: the shipped demo model (tiny, trained: its pictures follow the prompt)
 DEFAULT_MODEL = "diffrt-shapes"
+#: the shipped video demo model: what a video request runs when no model is
+#: named (``diffrt generate --num-frames``; ``/v1/videos`` on a server of the
+#: default model, on an engine of its own)
+DEFAULT_VIDEO_MODEL = "diffrt-motion"
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Policy = Literal["fifo", "skip_ahead", "slo"]
 MixedRows = Literal["auto", "padded", "by_size", "packed"]
@@ -271,5 +275,5 @@ FIELD_GROUP: dict[str, str] = {name: group for group, cls in GROUPS.items()
                                for name in cls.__struct_fields__}
 
 
-__all__ = ["DEFAULT_MODEL", "FIELD_GROUP", "GROUPS", "ExecutorSettings", "LimitsConfig",
+__all__ = ["DEFAULT_MODEL", "DEFAULT_VIDEO_MODEL", "FIELD_GROUP", "GROUPS", "ExecutorSettings", "LimitsConfig",
            "ModelConfig", "ParallelConfig", "SchedulingConfig"]

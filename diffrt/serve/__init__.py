@@ -4,7 +4,7 @@
 from diffrt.engine import EngineConfig
 from diffrt.serve import ServeSettings, build_app
 
-app = build_app(EngineConfig(step_execution=True), ServeSettings())  # diffrt-shapes
+app = build_app(EngineConfig(step_execution=True), ServeSettings())  # diffrt-shapes (+ diffrt-motion)
 # uvicorn.run(app, host="127.0.0.1", port=8000)
 ```
 

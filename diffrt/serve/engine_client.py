@@ -324,3 +324,13 @@ class EngineClient:
     def response_headers(self, request_id: str) -> dict[str, str]:
         """Extra headers of a request's answer (one engine here: none)."""
         return {}
+
+
+async def close_all(clients: tuple[EngineClient, ...]) -> None:
+    """Close every engine, each one even if closing another failed (its
+    workers would be left running)."""
+    for client in clients:
+        try:
+            await client.close()
+        except Exception:
+            logger.exception("closing the engine of %s failed", client.model_name)

@@ -87,8 +87,9 @@ def check_body(body: ImageBody, client: EngineClient) -> None:
     """What an image body may not ask of this server: another model, a
     stream of several images, progress events without step boundaries."""
     if body.model is not None and body.model != client.model_name:
-        raise ApiError(404, f"model {echoed(body.model)} is not served here; this server serves "
-                            f"{client.model_name!r}", param="model", code="model_not_found")
+        raise ApiError(404, f"model {echoed(body.model)} does not make images here; this server's "
+                            f"images come from {client.model_name!r}", param="model",
+                       code="model_not_found")
     if body.stream and body.n != 1:
         raise ApiError(400, "n: must be 1 with stream=true", param="n")
     if body.stream_progress and not client.step_execution:  # previews: the engine's own check

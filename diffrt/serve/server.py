@@ -21,7 +21,7 @@ from typing import Any
 
 import uvicorn
 
-from diffrt.serve.engine_client import EngineClient
+from diffrt.serve.engine_client import EngineClient, close_all
 from diffrt.serve.http_protocol import with_header_timeout
 from diffrt.serve.settings import HttpLimits
 
@@ -42,9 +42,13 @@ def uvicorn_config(app: Any, limits: HttpLimits, *, host: str, port: int) -> uvi
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, client: EngineClient, shutdown_timeout_s: float):
+    """uvicorn's server that drains ``clients`` (the app's ``state.clients``:
+    every engine it serves) before it stops."""
+
+    def __init__(self, config: uvicorn.Config, clients: tuple[EngineClient, ...],
+                 shutdown_timeout_s: float):
         super().__init__(config)
-        self.client = client
+        self.clients = clients
         self.shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
@@ -55,7 +59,7 @@ class DrainingServer(uvicorn.Server):
         try:
             await super().serve(sockets)
         finally:  # a forced exit skips the app's lifespan shutdown: close here too
-            await self.client.close()
+            await close_all(self.clients)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._loop is None:  # before serving: stop
@@ -67,7 +71,8 @@ class DrainingServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._start_drain)
         elif self._signals == 2:
             logger.info("signal %d again: ending the drain now", sig)
-            self._loop.call_soon_threadsafe(self.client.end_drain)
+            for client in self.clients:
+                self._loop.call_soon_threadsafe(client.end_drain)
         else:  # the drain itself is stuck: stop without waiting
             self.should_exit = self.force_exit = True
 
@@ -76,7 +81,7 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         try:
-            await self.client.drain(self.shutdown_timeout_s)
+            await asyncio.gather(*(c.drain(self.shutdown_timeout_s) for c in self.clients))
         finally:
             self.should_exit = True
 

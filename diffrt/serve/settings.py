@@ -100,6 +100,12 @@ class ServeSettings(msgspec.Struct, kw_only=True, frozen=True):
     max_upload_body_bytes: Annotated[_Bytes, Meta(extra={"unit": "bytes"}, description=(
         "the largest body of POST /v1/weights and PUT /v1/loras/{name} (an uploaded "
         "safetensors file, held in memory while it is read); larger: 413"))] = 256 << 20
+    default_video: Annotated[bool, Meta(description=(
+        "on a server of the default model (diffrt-shapes, an image model), also serve "
+        "/v1/videos with the default video model (diffrt-motion) on an engine of its own, "
+        "started and drained with the first (its own worker process); "
+        "--no-default-video: images only. Another --model serves what it makes; Ray Serve's "
+        "replicas serve the one model given"))] = True
     video_dir: Annotated[str | None, Meta(extra={"metavar": "DIR"}, description=(
         "the folder the video jobs and their files are kept in (made with mode 0700; one "
         "server at a time: it is locked while open); a restart lists its finished videos "

@@ -23,7 +23,13 @@ router = APIRouter()
 
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
 async def models(request: Request) -> ModelList:
-    client = request.app.state.client
+    """Every model served (the default model's server: the image model, then
+    the video model beside it)."""
+    return ModelList(data=[_card(client, request.app.state.started_at)
+                           for client in request.app.state.clients])
+
+
+def _card(client: Any, created: int) -> ModelCard:
     spec = client.model_spec()
     info = None if spec is None else ModelInfo(
         family=spec.family, tasks=list(spec.tasks), max_input_images=spec.max_input_images,
@@ -32,18 +38,30 @@ async def models(request: Request) -> ModelList:
         defaults=msgspec.structs.asdict(spec.defaults),
         default_negative_prompt=spec.default_negative_prompt, cfg_rule=spec.cfg_rule.value,
         step_execution=spec.supports_step_execution)
-    return ModelList(data=[ModelCard(id=client.model_name, created=request.app.state.started_at,
-                                     diffrt=info)])
+    return ModelCard(id=client.model_name, created=created, diffrt=info)
 
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """200 while the engine lives (loading included); 503 once it is dead, and
     while it is stalled (the worker call in flight made no progress for
-    ``stall_timeout_s``; ``reason`` says so) until progress resumes."""
+    ``stall_timeout_s``; ``reason`` says so) until progress resumes. The
+    served model's engine decides: a second one (the default video model's)
+    is listed in ``engines`` with the first, and a failure of it leaves the
+    images served (``/v1/videos`` answers 503)."""
     from diffrt.platforms.vendor_packages import import_failures
 
-    client = request.app.state.client
+    clients = request.app.state.clients
+    body = _with_engines(clients, [_health(c) for c in clients])
+    if request.app.state.client.sleeping():  # on Ray Serve: the deployment (every replica)
+        body["sleeping"] = True  # alive: requests wait (or get 503) until POST /wake_up
+    broken = import_failures()  # e.g. a torch_musa built for another torch: served on CPU
+    if broken:
+        body["details"] = {"vendor_import_failures": broken}
+    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+
+def _health(client: Any) -> dict[str, Any]:
     alive = client.healthy() or client.state == "starting"
     stall = client.stall() if alive else None
     ok = alive and stall is None
@@ -51,24 +69,38 @@ async def health(request: Request) -> JSONResponse:
                             "state": client.state}
     if stall is not None:
         body["reason"] = stall
-    if client.sleeping():  # on Ray Serve: the deployment (every replica)
-        body["sleeping"] = True  # alive: requests wait (or get 503) until POST /wake_up
-    broken = import_failures()  # e.g. a torch_musa built for another torch: served on CPU
-    if broken:
-        body["details"] = {"vendor_import_failures": broken}
-    return JSONResponse(body, status_code=200 if ok else 503)
+    return body
 
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """200 while taking work; 503 while loading, draining, dead or stalled."""
-    client = request.app.state.client
+    """200 while taking work; 503 while loading, draining, dead or stalled.
+    The served model's engine decides, once a second one (the default video
+    model's) is no longer starting: warm, or failed (its ``engines`` entry
+    says so; the images are served)."""
+    clients = request.app.state.clients
+    body = _with_engines(clients, [_ready(c) for c in clients])
+    if body["status"] == "ready" and any(c.state == "starting" for c in clients[1:]):
+        body = {**body, "status": "unavailable", "state": "starting"}
+    return JSONResponse(body, status_code=200 if body["status"] == "ready" else 503)
+
+
+def _ready(client: Any) -> dict[str, Any]:
     ok = client.ready()
     body: dict[str, Any] = {"status": "ready" if ok else "unavailable", "state": client.state}
     stall = None if ok else client.stall()
     if stall is not None:
         body["reason"] = stall
-    return JSONResponse(body, status_code=200 if ok else 503)
+    return body
+
+
+def _with_engines(clients: tuple[Any, ...], answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The served model's answer; with a second engine, ``engines`` lists
+    each one's, by model."""
+    if len(answers) == 1:
+        return answers[0]
+    return {**answers[0], "engines": [{"model": c.model_name, **a}
+                                      for c, a in zip(clients, answers, strict=True)]}
 
 
 @router.get("/metrics")

@@ -57,7 +57,8 @@ def _store(request: Request) -> VideoStore:
     if store is None:
         client = request.app.state.client
         raise ApiError(404, f"{client.model_name} makes images, not video: /v1/videos is "
-                            "served with a video model (e.g. tiny-wan)", code="not_found")
+                            "served with a video model (e.g. tiny-wan), or beside the "
+                            "default model unless --no-default-video", code="not_found")
     return store
 
 
@@ -108,11 +109,12 @@ async def remix_video(video_id: str, remix: VideoRemixRequest, request: Request)
 
 async def _start(request: Request, body: VideoCreateRequest, frame: Any, *,
                  remixed_from: str | None) -> Any:
-    client: EngineClient = request.app.state.client
+    client: EngineClient = request.app.state.video_client
     store = _store(request)
     if body.model is not None and body.model != client.model_name:
-        raise ApiError(404, f"model {echoed(body.model)} is not served here; this server serves "
-                            f"{client.model_name!r}", param="model", code="model_not_found")
+        raise ApiError(404, f"model {echoed(body.model)} does not make videos here; /v1/videos "
+                            f"on this server runs {client.model_name!r}", param="model",
+                       code="model_not_found")
     spec = client.model_spec()
     assert spec is not None
     plan = plan_video(body, request.state.request_id, spec,

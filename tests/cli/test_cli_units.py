@@ -199,6 +199,23 @@ def test_engine_settings_follow_the_command_line():
     EngineConfig(**engine_settings(args))  # names the engine knows
 
 
+@pytest.mark.parametrize("argv, model", [
+    (["generate", "-p", "x"], "diffrt-shapes"),  # a picture: the default model
+    (["generate", "-p", "x", "--num-frames", "9"], "diffrt-motion"),  # a clip: the video one
+    (["bench", "--num-frames", "9"], "diffrt-motion"),
+    (["generate", "-p", "x", "--num-frames", "9", "-m", "tiny-wan"], "tiny-wan"),  # as named
+    (["generate", "-p", "x", "-m", "tiny-flux"], "tiny-flux"),
+])
+def test_a_clip_without_a_model_runs_the_default_video_model(argv, model):
+    from diffrt.cli import build_parser
+    from diffrt.cli.engine_opts import engine_settings, model_name
+
+    args = build_parser().parse_args(argv)
+    assert model_name(args) == model
+    # the engine runs what the checks and the progress bars were told
+    assert engine_settings(args).get("model", "diffrt-shapes") == model
+
+
 def test_engine_flags_reach_the_engine_config():
     import argparse
 

@@ -46,7 +46,8 @@ def test_every_serve_flag_is_a_declaration_and_every_declaration_a_flag():
     assert set(actions) == set(declared)
     for name, action in actions.items():
         field = declared[name]
-        assert action.option_strings == [flag_of(field)]
+        # a bool's flag comes with its --no- twin
+        assert action.option_strings[0] == flag_of(field)
         assert field.description and field.description in action.help.replace("%%", "%")
         # the name with dashes, or the one the declaration names (vLLM's --served-model-name)
         assert flag_of(field) == field.extra.get("flag", "--" + name.replace("_", "-"))

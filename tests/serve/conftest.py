@@ -47,20 +47,24 @@ def toy_app():
 
 
 @contextlib.contextmanager
-def _shared_server(*flags: str):
+def _shared_server(*flags: str, default_video: bool = False):
     with served(ServerProcess("--api-key", API_KEY, "--max-num-seqs", "8", "--max-pending", "64",
-                              *flags)) as proc:
+                              *flags, default_video=default_video)) as proc:
         yield proc
 
 
 @pytest.fixture(scope="session")
-def real_server():
+def real_server(tmp_path_factory):
     """One ``diffrt serve`` process (the default model diffrt-shapes, step mode, an API key) shared
-    by the end-to-end tests that can share it. No ``--max-request-seconds`` (by
+    by the end-to-end tests that can share it, with its video engine (the
+    default video model diffrt-motion; its jobs in a folder of the session's).
+    No ``--max-request-seconds`` (by
     default 120 s): that limit judges a request by its run-time estimate,
     which follows the steps measured under the machine's momentary load, so a
     request a test needs admitted could be refused on a busy machine."""
-    with _shared_server("--max-request-seconds", "none") as proc:
+    folder = tmp_path_factory.mktemp("default-videos")
+    with _shared_server("--max-request-seconds", "none", "--video-dir", str(folder),
+                        default_video=True) as proc:
         yield proc
 
 

@@ -40,9 +40,14 @@ def children(pid: int) -> list[int]:
 
 class ServerProcess:
     """``diffrt serve ARGS`` on a free loopback port; ``wait_ready`` blocks
-    (bounded) until /ready answers 200."""
+    (bounded) until /ready answers 200. The default model's server runs
+    without its video engine (``--no-default-video``: one worker, as most
+    tests need) unless ``default_video``."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 default_video: bool = False):
+        if not default_video:
+            args = (*args, "--no-default-video")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="diffrt-serve-", suffix=".log",

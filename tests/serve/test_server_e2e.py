@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import re
 
 import httpx
 import pytest
@@ -33,18 +32,30 @@ def _png(b64_json: str) -> Image.Image:
     return image
 
 
+#: the image engine's series: the shared server also runs diffrt-motion, and
+#: every engine series carries its engine's model
+IMAGES = {"engine": "diffrt-shapes"}
+
+
+def _samples(metrics: str, name: str, **labels: str) -> list[float]:
+    """The values of ``name``'s samples of the image engine with ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    want = {**IMAGES, **labels}
+    return [sample.value for family in text_string_to_metric_families(metrics)
+            for sample in family.samples
+            if sample.name == name and want.items() <= sample.labels.items()]
+
+
 def _requests_seen(metrics: str) -> float:
-    """Requests the server has taken: those waiting or running, and those ended."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith(("diffrt_requests_total{", "diffrt_requests_waiting ",
-                                   "diffrt_requests_running ")))
+    """Requests the image engine has taken: those waiting or running, and those ended."""
+    return sum(sum(_samples(metrics, name)) for name in (
+        "diffrt_requests_total", "diffrt_requests_waiting", "diffrt_requests_running"))
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert match, name
-    return float(match.group(1))
+def _metric(url: str, name: str, **labels: str) -> float:
+    [value] = _samples(httpx.get(f"{url}/metrics", timeout=10).text, name, **labels)
+    return value
 
 
 def test_the_openai_client(real_server):
@@ -93,7 +104,7 @@ def test_disconnected_clients_free_their_requests(real_server):
     """32 concurrent requests; 8 clients leave mid-way (4 close their stream
     after its first event, 4 hang up while waiting for the image). The other
     24 get their images; the 8 are aborted in the engine; nothing is left."""
-    aborted_before = _metric(real_server.url, 'diffrt_requests_total{outcome="aborted"}')
+    aborted_before = _metric(real_server.url, "diffrt_requests_total", outcome="aborted")
     seen_before = _requests_seen(httpx.get(f"{real_server.url}/metrics", timeout=10).text)
 
     async def main():
@@ -150,7 +161,7 @@ def test_disconnected_clients_free_their_requests(real_server):
     from waiting import wait_until
 
     assert wait_until(settled, timeout=300, interval=0.2)
-    aborted = _metric(real_server.url, 'diffrt_requests_total{outcome="aborted"}') - aborted_before
+    aborted = _metric(real_server.url, "diffrt_requests_total", outcome="aborted") - aborted_before
     assert aborted == 8
 
 

@@ -40,7 +40,7 @@ def running(app, limits: HttpLimits, client=None, shutdown_timeout_s: float = 30
         server = uvicorn.Server(config)
         config.lifespan = "off"
     else:
-        server = DrainingServer(config, client, shutdown_timeout_s=shutdown_timeout_s)
+        server = DrainingServer(config, (client,), shutdown_timeout_s=shutdown_timeout_s)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     assert wait_until(lambda: server.started, timeout=60)

@@ -4,7 +4,9 @@ tokenizers, the family's diffusers pipeline).
 
 ``diffrt-shapes`` (the default model) is a tiny Flux trained on synthetic
 pictures of shapes by ``scripts/train_demo_model.py``; its folder, with its
-model card, is ``diffrt/models/diffrt-shapes``.
+model card, is ``diffrt/models/diffrt-shapes``. ``diffrt-motion`` (the
+default video model) is a tiny Wan trained on synthetic clips of one moving
+shape by ``scripts/train_motion_model.py``: ``diffrt/models/diffrt-motion``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
                                   # 2026-12-02); TeaCache runs on the distance as it is (its
                                   # fitted line explained 2 % of the output's change)
                                   cache={"thresholds": {"first-block": 0.25}}),
+    # 9 frames of 64x64, 12 steps, CFG 3 against the empty prompt: what it was
+    # trained and measured for (its model card); 8 fps makes the 36 px move a
+    # clip of a second, as diffusers' export_to_video plays it
+    "diffrt-motion": ShippedModel("diffrt-motion", {"height": 64, "width": 64,
+                                                    "num_frames": 9, "fps": 8,
+                                                    "num_inference_steps": 12,
+                                                    "guidance_scale": 3.0},
+                                  default_negative_prompt=""),
 }
 
 
