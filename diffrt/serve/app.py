@@ -87,13 +87,13 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        starting = [asyncio.create_task(c.start()) for c in clients]
+        starting = asyncio.create_task(_start_in_turn(clients))
         try:
             yield
         finally:
             try:
                 await asyncio.gather(*(c.drain(settings.shutdown_timeout_s) for c in clients))
-                await asyncio.gather(*starting)
+                await starting
                 if app.state.video_runs is not None:  # what the drain left: failed at a restart
                     await app.state.video_runs.close()
                     app.state.videos.close()
@@ -131,6 +131,16 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
     app.add_middleware(RequestContext, settings=settings,
                        on_response=app.state.metrics.count_response)
     return app
+
+
+async def _start_in_turn(clients: tuple[EngineClient, ...]) -> None:
+    """Start the engines one after another, the served model's first: two
+    in-process engines loading at once race in the checkpoint loading of
+    diffusers and transformers (its empty-weights context patches
+    torch.nn.Module for the whole process: the other thread's modules came
+    out on the meta device, "Cannot copy out of meta tensor")."""
+    for client in clients:
+        await client.start()
 
 
 def default_video_config(config: EngineConfig, settings: ServeSettings) -> EngineConfig | None:

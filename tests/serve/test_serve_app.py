@@ -128,7 +128,7 @@ REFUSALS = [
     ({"prompt": "x", "output_format": "gif"}, 400, "output_format", ""),
     ({"prompt": "x", "seed": 2**64}, 400, "seed", ""),
     ({"prompt": "x", "num_inference_steps": 0}, 400, "num_inference_steps", ""),
-    ({"prompt": "x", "model": "other"}, 404, "model", "not served"),
+    ({"prompt": "x", "model": "other"}, 404, "model", "does not make images here"),
     ({"prompt": "x", "size": "2048x2048", "num_inference_steps": 1000}, 400, "size",
      "max_request_seconds"),
 ]
