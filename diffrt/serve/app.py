@@ -35,7 +35,7 @@ import msgspec
 from fastapi import FastAPI
 
 from diffrt.engine import DiffusionEngine, EngineConfig
-from diffrt.engine.settings import DEFAULT_MODEL, DEFAULT_VIDEO_MODEL
+from diffrt.engine.settings import DEFAULT_MODEL, DEFAULT_VIDEO_MODEL, ModelConfig
 from diffrt.serve import (
     edit_routes,
     lora_routes,
@@ -96,8 +96,9 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
                 await starting
                 if app.state.video_runs is not None:  # what the drain left: failed at a restart
                     await app.state.video_runs.close()
-                    app.state.videos.close()
             finally:
+                if app.state.videos is not None:  # its folder's lock, whatever happened
+                    app.state.videos.close()
                 await close_all(clients)
 
     # no trailing-slash redirects: their Location would be built from the Host header
@@ -108,6 +109,10 @@ def build_app(config: EngineConfig | None = None, settings: ServeSettings | None
     app.state.clients = clients
     #: the client /v1/videos runs on: the served model's, or the default video model's
     app.state.video_client = video_client or client
+    #: the default video model was wanted but could not be set up (logged why)
+    app.state.default_video_skipped = (video_client is None and config is not None
+                                       and engine is None
+                                       and wants_default_video(config, settings))
     app.state.settings = settings
     app.state.images = ImageStore(ttl_s=settings.url_ttl_s, max_images=settings.url_max_images,
                                   max_bytes=settings.url_max_bytes)
@@ -141,19 +146,25 @@ async def _start_in_turn(clients: tuple[EngineClient, ...]) -> None:
     out on the meta device, "Cannot copy out of meta tensor")."""
     for client in clients:
         await client.start()
+        if client.state != "ready":  # failed, or shut down meanwhile: no second engine
+            return
 
 
-def default_video_config(config: EngineConfig, settings: ServeSettings) -> EngineConfig | None:
+def wants_default_video(config: EngineConfig, settings: ServeSettings) -> bool:
+    """The server's model is the default one and ``default_video`` is on."""
+    return settings.default_video and config.model == DEFAULT_MODEL
+
+
+def default_video_config(config: EngineConfig) -> EngineConfig:
     """The engine of the default video model beside the default image model:
     the server's executor, scheduling and limits, on one rank, with the
     video model's own weights, whole (no adapters, quantization, offload,
     compilation or memory budget: what was given for the image model does
-    not fit a Wan of 3 MB). None: the server's model is another one, or
-    ``default_video`` is off."""
-    if not settings.default_video or config.model != DEFAULT_MODEL:
-        return None
+    not fit a Wan of 3 MB)."""
+    whole = ModelConfig()
     return config.replace(model=DEFAULT_VIDEO_MODEL, lora_modules={}, quantization="none",
-                          text_encoder_quantization="none", offload="none", compile=False,
+                          text_encoder_quantization="none", offload="none",
+                          offload_prefetch=whole.offload_prefetch, compile=False,
                           device_memory_budget=None, cfg_parallel_size=1, ulysses_degree=1,
                           ring_degree=1, vae_parallel=False, world_size=None)
 
@@ -163,10 +174,11 @@ def _default_video(config: EngineConfig | None, settings: ServeSettings
     """The default video model's engine and its job store (open), beside the
     default model the app starts; (None, None) for another server, or when
     it cannot be (logged: the images are served)."""
-    video_config = None if config is None else default_video_config(config, settings)
-    if video_config is None:
+    if config is None or not wants_default_video(config, settings):
         return None, None
     try:
+        # a setting of the image model's the copy refuses, or a broken folder
+        video_config = default_video_config(config)
         video_config.model_spec()  # its folder whole, before anything starts
     except Exception as exc:
         _video_failed(f"{type(exc).__name__}: {exc}", lambda: None)

@@ -113,10 +113,17 @@ class EngineClient:
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         """Build and warm up the engine off the event loop (minutes for a large
-        checkpoint), while /health and /ready answer."""
+        checkpoint), while /health and /ready answer. Not begun once the
+        server drains or stops; an engine built after ``close`` is closed."""
         if self.engine is None:
+            if self.state != "starting":  # shut down before its turn came
+                return
             try:
-                self.engine = await asyncio.to_thread(DiffusionEngine.make_engine, self.config)
+                engine = await asyncio.to_thread(DiffusionEngine.make_engine, self.config)
+                if self.state == "stopped":  # closed while it loaded
+                    await asyncio.to_thread(engine.close)
+                    return
+                self.engine = engine
             except Exception as exc:
                 self.state, self.failure = "failed", f"{type(exc).__name__}: {exc}"
                 logger.error("engine failed to start: %s", self.failure)

@@ -56,6 +56,10 @@ def _store(request: Request) -> VideoStore:
     store = getattr(request.app.state, "videos", None)
     if store is None:
         client = request.app.state.client
+        if getattr(request.app.state, "default_video_skipped", False):
+            raise ApiError(404, f"{client.model_name} makes images, and the default video model "
+                                "could not be set up beside it (the server's log says why)",
+                           code="not_found")
         raise ApiError(404, f"{client.model_name} makes images, not video: /v1/videos is "
                             "served with a video model (e.g. tiny-wan), or beside the "
                             "default model unless --no-default-video", code="not_found")

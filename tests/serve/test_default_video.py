@@ -144,6 +144,25 @@ def test_a_video_model_that_cannot_load_leaves_the_images_served(tmp_path, monke
     assert "no-such-video-model could not start" in caplog.text
     assert "the images are served without it" in caplog.text
 
+    async def scenario(http: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response]:
+        return (await http.post("/v1/videos", json={"prompt": CLIP.prompt}),
+                await http.post("/v1/images/generations", json={"prompt": "a red circle"}))
+
+    video, image = serve(app, scenario)
+    assert video.status_code == 404 and "server's log says why" in video.json()["error"]["message"]
+    assert image.status_code == 200
+
+
+def test_image_settings_the_video_engine_does_not_take_stay_the_images(tmp_path):
+    """Layer-wise offload with its prefetch depth for the image model: the
+    video engine runs whole, without the prefetch its copy would refuse."""
+    app = build_app(config(offload="layerwise", offload_prefetch=3),
+                    ServeSettings(video_dir=str(tmp_path)))
+    first, second = app.state.clients
+    assert (first.config.offload, first.config.offload_prefetch) == ("layerwise", 3)
+    assert second.config.offload == "none" and second.config.model == "diffrt-motion"
+    app.state.videos.close()
+
 
 def test_a_second_default_server_without_a_video_dir_serves_images_only(tmp_path, monkeypatch,
                                                                         caplog):
