@@ -575,7 +575,9 @@ def tokenizer_line(kind: str) -> str:
 
 def record(out: Path, table: dict) -> None:
     """The folder's evaluation.json and model card (train_demo_model.py's, for this world)."""
-    (out / "evaluation.json").write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+    # default=str: the arguments' paths (--vae-from) as text
+    (out / "evaluation.json").write_text(json.dumps(table, indent=2, default=str) + "\n",
+                                         encoding="utf-8")
     write_model_card(out, table)
 
 
