@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from waiting import HANG_GUARD_S
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # video_decode
 from video_decode import decode_mp4  # noqa: E402
@@ -43,9 +44,10 @@ def serve(app: Any, scenario: Any) -> Any:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://t",
                                          timeout=120) as http:
-                for _ in range(1200):  # both engines load and warm up (seconds)
-                    if (await http.get("/ready")).status_code == 200:
-                        break
+                # both engines load and warm up (seconds; minutes on a busy machine)
+                give_up = asyncio.get_running_loop().time() + HANG_GUARD_S
+                while (await http.get("/ready")).status_code != 200:
+                    assert asyncio.get_running_loop().time() < give_up, "never ready"
                     await asyncio.sleep(0.05)
                 return await scenario(http)
 
@@ -53,7 +55,8 @@ def serve(app: Any, scenario: Any) -> Any:
 
 
 async def finished(http: httpx.AsyncClient, video_id: str) -> dict:
-    for _ in range(1200):
+    give_up = asyncio.get_running_loop().time() + HANG_GUARD_S
+    while asyncio.get_running_loop().time() < give_up:
         job = (await http.get(f"/v1/videos/{video_id}")).json()
         if job["status"] in ("completed", "failed"):
             return job
@@ -61,6 +64,7 @@ async def finished(http: httpx.AsyncClient, video_id: str) -> dict:
     raise AssertionError(f"{video_id} never finished")
 
 
+@pytest.mark.timeout(HANG_GUARD_S)  # two engines start: minutes on a busy machine
 def test_the_default_server_makes_pictures_and_clips(tmp_path):
     ready: list[str] = []
     app = build_app(config(), ServeSettings(video_dir=str(tmp_path)),
