@@ -29,15 +29,17 @@ from diffrt.demo import motion
 from diffrt.demo.shapes import PALETTE
 
 
-def centroids(folder: str, noises: int) -> None:
-    import diffusers
+def normaliser(vae) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE's per-channel latent mean and spread, shaped as the pipeline applies them."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    return (torch.tensor(vae.config.latents_mean).view(shape),
+            torch.tensor(vae.config.latents_std).view(shape))
 
-    pipe = diffusers.WanPipeline.from_pretrained(folder, local_files_only=True,
-                                                 torch_dtype=torch.float32)
+
+def centroids(pipe, noises: int) -> None:
     vae, transformer = pipe.vae, pipe.transformer
     channels = vae.config.z_dim
-    mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
+    mean, std = normaliser(vae)
     latent_frames = (motion.FRAMES - 1) // vae.config.scale_factor_temporal + 1
     side = 64 // vae.config.scale_factor_spatial
     red, yellow = (np.array(PALETTE[c], np.float32) for c in ("red", "yellow"))
@@ -69,13 +71,8 @@ def centroids(folder: str, noises: int) -> None:
     print("  (a plain 'left to right' clip: x " + " ".join(f"{v:3.0f}" for v in plain) + ")")
 
 
-def codes(folder: str) -> None:
-    from diffusers import AutoencoderKLWan
-
-    vae = AutoencoderKLWan.from_pretrained(f"{folder}/vae", torch_dtype=torch.float32).eval()
-    channels = vae.config.z_dim
-    mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
+def codes(vae) -> None:
+    mean, std = normaliser(vae)
     rng = np.random.default_rng(0)
     stills = []
     for clip in motion.EVALUATION:
@@ -92,6 +89,8 @@ def codes(folder: str) -> None:
 
 
 def main() -> None:
+    import diffusers
+
     from diffrt.engine.models.shipped import shipped_folder
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -100,8 +99,10 @@ def main() -> None:
     args = ap.parse_args()
     folder = str(args.folder or shipped_folder("diffrt-motion"))
     torch.set_num_threads(2)
-    centroids(folder, args.noises)
-    codes(folder)
+    pipe = diffusers.WanPipeline.from_pretrained(folder, local_files_only=True,
+                                                 torch_dtype=torch.float32)
+    centroids(pipe, args.noises)
+    codes(pipe.vae.eval())
 
 
 if __name__ == "__main__":
