@@ -9,7 +9,9 @@
    a yellow background" and each motion; per frame, the centroid of the
    pixels nearer red than yellow (weighted by how much nearer). Wan's
    transformer sees token positions only relative to each other, so unless
-   it has learnt the grid's edges the centroid is the same for every motion.
+   it has learnt the grid's edges the centroid is the same for every motion;
+   a Helios folder's transformer is given its first chunk's zero history,
+   as HeliosPipeline gives it, and can tell where a token is from it.
 2. **Whether the VAE gives one picture one code.** Still clips (one frame
    repeated) through the folder's VAE, latents normalised as the pipeline
    does: each latent frame's mean magnitude, and its mean squared distance
@@ -27,6 +29,7 @@ import torch
 
 from diffrt.demo import motion
 from diffrt.demo.shapes import PALETTE
+from diffrt.engine.pipelines.helios.history import first_chunk_inputs
 
 
 def normaliser(vae) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +41,7 @@ def normaliser(vae) -> tuple[torch.Tensor, torch.Tensor]:
 
 def centroids(pipe, noises: int) -> None:
     vae, transformer = pipe.vae, pipe.transformer
+    helios = type(pipe).__name__ == "HeliosPipeline"
     channels = vae.config.z_dim
     mean, std = normaliser(vae)
     latent_frames = (motion.FRAMES - 1) // vae.config.scale_factor_temporal + 1
@@ -55,7 +59,8 @@ def centroids(pipe, noises: int) -> None:
                                 generator=torch.Generator().manual_seed(seed))
             with torch.no_grad():
                 v = transformer(hidden_states=noise, timestep=torch.tensor([1000.0]),
-                                encoder_hidden_states=embeds, return_dict=False)[0]
+                                encoder_hidden_states=embeds, return_dict=False,
+                                **(first_chunk_inputs(noise) if helios else {}))[0]
             estimates.append(noise - v)
         with torch.no_grad():
             video = vae.decode(torch.stack(estimates).mean(0) * std + mean).sample[0]
@@ -99,8 +104,10 @@ def main() -> None:
     args = ap.parse_args()
     folder = str(args.folder or shipped_folder("diffrt-motion"))
     torch.set_num_threads(2)
-    pipe = diffusers.WanPipeline.from_pretrained(folder, local_files_only=True,
-                                                 torch_dtype=torch.float32)
+    # the folder's own pipeline class (WanPipeline for the runs before the
+    # eleventh, HeliosPipeline since)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True,
+                                                       torch_dtype=torch.float32)
     centroids(pipe, args.noises)
     codes(pipe.vae.eval())
 

@@ -1,4 +1,4 @@
-"""Train the video demo model ``diffrt-motion``: a tiny Wan that draws the motion its prompt says.
+"""Train the video demo model ``diffrt-motion``: a tiny Helios that draws the motion its prompt says.
 
     .venv/bin/python scripts/train_motion_model.py --out /tmp/motion              # the full run
     .venv/bin/python scripts/train_motion_model.py --out /tmp/motion --minutes 20 # 20 min, then stop
@@ -29,26 +29,31 @@ pieces gives the same folder as one in a go (same torch build and threads).
    30 and their colour in 9; 1,800 steps, decoding the posterior's mode.
    Trained, not fixed: Wan's VAE normalises features with RMS norms and
    gates them with SiLU, so no setting of its weights is a plain
-   downsampling, and a folder diffusers' ``WanPipeline`` loads must hold
-   this class. The latent cache's per-channel mean and spread become the
-   VAE's ``latents_mean`` / ``latents_std``, as Wan's pipelines read them.
-3. Transformer + text encoder: a ``WanTransformer3DModel`` (patch (1, 2, 2),
-   8x8 tokens a latent frame, 192 a clip: what fits the 60-minute budget —
-   a step of batch 16 took 0.9 CPU-seconds against 4.4 with ``--patch 1``,
-   16x16 tokens, the resolution the picture model needed to tell squares
-   from circles, which a longer run can afford) and a UMT5 encoder,
-   trained jointly from scratch with the rectified-flow loss
-   ``FlowMatchEulerDiscreteScheduler`` samples (``x_t = (1 - s) x0 + s
-   noise``, target ``noise - x0``, logit-normal ``s`` shifted by 3, Wan's
-   timestep ``1000 s``), the prompt encoded as ``WanPipeline.encode_prompt``
-   does (UMT5 last hidden states zeroed past the prompt's tokens) but padded
-   to ``--text-tokens`` (16; the folder's tokenizer says so, and diffrt's Wan
+   downsampling, and a folder diffusers' ``HeliosPipeline`` loads must hold
+   this class (Helios' VAE is Wan's). The latent cache's per-channel mean
+   and spread become the VAE's ``latents_mean`` / ``latents_std``, as the
+   pipelines read them.
+3. Transformer + text encoder: a ``HeliosTransformer3DModel`` — Wan's
+   blocks, and the patch embeddings of the earlier chunks' latents that
+   Helios attends to (patch (1, 2, 2), 8x8 tokens a latent frame, 320 a
+   clip, one chunk; a step of batch 16 took 0.9 CPU-seconds at patch 2
+   against 4.4 with ``--patch 1``) — and a UMT5 encoder, trained jointly
+   from scratch on the one chunk a clip is, given the zero history
+   ``HeliosPipeline`` gives a first chunk. Helios rather than Wan because
+   that history is fixed content at fixed places, so the transformer can
+   tell where a token is, which Wan's relative positions never tell it
+   (docs/motion-model.md); a ``PositionProbe`` loss makes it learn to.
+   The rectified-flow loss (``x_t = (1 - s) x0 + s noise``, target
+   ``noise - x0``, logit-normal ``s`` shifted by 3, timestep ``1000 s``),
+   the prompt encoded as ``HeliosPipeline.encode_prompt`` does (UMT5 last
+   hidden states zeroed past the prompt's tokens) but padded
+   to ``--text-tokens`` (16; the folder's tokenizer says so, and diffrt's Helios
    pipeline reads it) rather than 512, whose 500 zero rows become 500 equal
    keys in every cross-attention; the ``phrases`` tokenizer (each motion and
    each background one token: see ``build_tokenizer``), 10 % empty prompts
    (for CFG against ""), the tokens on and around the shape weighted 5x.
 4. Evaluation: the 30 held-out prompts of ``motion.EVALUATION`` through
-   diffusers' ``WanPipeline`` loaded from the written folder, read back by
+   diffusers' ``HeliosPipeline`` loaded from the written folder, read back by
    the classifier; the table goes to ``evaluation.json`` and the model card.
 """
 
@@ -67,8 +72,14 @@ import torch.nn.functional as F
 
 from diffrt.demo import motion
 from diffrt.demo.shapes import BACKGROUNDS
-from diffrt.engine.models.tiny.shared import build_t5_tokenizer, seeded_init, t5_pieces
-from diffrt.engine.models.tiny.wan import write_wan_index
+from diffrt.engine.models.tiny.helios import HELIOS_COMPONENTS
+from diffrt.engine.models.tiny.shared import (
+    _write_index,
+    build_t5_tokenizer,
+    seeded_init,
+    t5_pieces,
+)
+from diffrt.engine.pipelines.helios.history import first_chunk_inputs
 
 #: the prompt's tokens the encoder reads (the longest prompt is 11 words + </s>)
 PROMPT_TOKENS = 16
@@ -90,9 +101,12 @@ UMT5 = dict(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
 TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32,
                    in_channels=LATENT, out_channels=LATENT, text_dim=UMT5["d_model"],
                    freq_dim=64, ffn_dim=384, num_layers=4, cross_attn_norm=True,
-                   qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+                   qk_norm="rms_norm_across_heads", rope_dim=(8, 12, 12))
 SHIFT = 3.0
-SCHEDULER = dict(num_train_timesteps=1000, shift=SHIFT)
+#: weight of the position loss (``PositionProbe``) beside the flow loss
+POSITION_WEIGHT = 0.1
+#: Helios-Base's one-stage UniPC (HeliosPipeline passes its own sigmas)
+SCHEDULER = dict(num_train_timesteps=1000, stages=1)
 WARMUP_STEPS = 100
 SHAPE_WEIGHT = 4.0
 #: the VAE's first frame weighs as a group of four (whatever the time
@@ -169,7 +183,7 @@ def to_frames(video: torch.Tensor) -> np.ndarray:
 
 def build_models(tokenizer_vocab: int, patch: int = 2,
                  time_compression: int = 4) -> dict[str, torch.nn.Module]:
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, HeliosTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     with seeded_init(1):
@@ -180,7 +194,7 @@ def build_models(tokenizer_vocab: int, patch: int = 2,
                                               eos_token_id=1, decoder_start_token_id=0,
                                               is_encoder_decoder=False, **UMT5))
     with seeded_init(3):
-        transformer = WanTransformer3DModel(**{**TRANSFORMER, "patch_size": (1, patch, patch)})
+        transformer = HeliosTransformer3DModel(**{**TRANSFORMER, "patch_size": (1, patch, patch)})
     return {"vae": vae, "text_encoder": encoder, "transformer": transformer}
 
 
@@ -195,6 +209,43 @@ def encode_prompts(tokenizer, encoder, prompts: list[str], length: int) -> torch
     states = encoder(text.input_ids, text.attention_mask).last_hidden_state
     states = states * text.attention_mask[..., None]
     return F.pad(states, (0, 0, 0, length - PROMPT_TOKENS))
+
+
+def chunk_frames(time_compression: int) -> int:
+    """Latent frames of a clip (the first frame, then groups): one chunk."""
+    return 1 + (motion.FRAMES - 1) // time_compression
+
+
+class PositionProbe(torch.nn.Module):
+    """A training device, not part of the model: a linear read-out of each
+    chunk token's place (column, row, latent frame) from the transformer's
+    first block, trained with cross-entropy beside the flow loss. Helios'
+    history makes the place computable (Wan's relative positions do not);
+    without the probe's loss, 1,500 steps did not learn to compute it (the
+    shape drawn in one place for every motion: docs/motion-model.md), with
+    it the first block reads every token's place within 500 steps."""
+
+    def __init__(self, width: int, side: int, frames: int):
+        super().__init__()
+        self.sizes = (side, side, frames)
+        self.read = torch.nn.Linear(width, sum(self.sizes))
+        t, y, x = torch.meshgrid(torch.arange(frames), torch.arange(side), torch.arange(side),
+                                 indexing="ij")
+        self.places = (x.flatten(), y.flatten(), t.flatten())  # the tokens' raster order
+        self.hidden: torch.Tensor | None = None
+
+    def watch(self, transformer: torch.nn.Module) -> None:
+        """Keep the first block's output of every call."""
+        transformer.blocks[0].register_forward_hook(
+            lambda _module, _inputs, out: setattr(self, "hidden", out))
+
+    def loss(self) -> torch.Tensor:
+        """Cross-entropy of the last call's chunk tokens (the history's come first)."""
+        assert self.hidden is not None
+        tokens = self.places[0].numel()
+        logits = self.read(self.hidden[:, -tokens:]).split(self.sizes, dim=-1)
+        return sum(F.cross_entropy(lg.flatten(0, 1), place.repeat(lg.shape[0]))
+                   for lg, place in zip(logits, self.places, strict=True))
 
 
 def shifted(sigma: torch.Tensor) -> torch.Tensor:
@@ -248,10 +299,16 @@ class Run:
         torch.manual_seed(args.seed)
         self.rng = np.random.default_rng(args.seed)
         self.models = build_models(len(self.tokenizer), args.patch, args.time_compression)
+        with seeded_init(4):
+            self.probe = PositionProbe(TRANSFORMER["num_attention_heads"]
+                                       * TRANSFORMER["attention_head_dim"],
+                                       64 // VAE["scale_factor_spatial"] // args.patch,
+                                       chunk_frames(args.time_compression))
+        self.probe.watch(self.models["transformer"])
         self.vae_opt = torch.optim.AdamW(self.models["vae"].parameters(), lr=args.vae_lr,
                                          weight_decay=0.0)
         self.params = [*self.models["transformer"].parameters(),
-                       *self.models["text_encoder"].parameters()]
+                       *self.models["text_encoder"].parameters(), *self.probe.parameters()]
         self.opt = torch.optim.AdamW(self.params, lr=args.lr, weight_decay=0.0)
         self.vae_step = self.step = 0
         self.vae_losses: list[float] = []
@@ -262,6 +319,7 @@ class Run:
     # -- checkpoints -------------------------------------------------------------
     def save(self) -> None:
         state = {"models": {k: m.state_dict() for k, m in self.models.items()},
+                 "probe": self.probe.state_dict(),
                  "vae_opt": self.vae_opt.state_dict(), "opt": self.opt.state_dict(),
                  "vae_step": self.vae_step, "step": self.step, "vae_losses": self.vae_losses,
                  "losses": self.losses, "rng": self.rng.bit_generator.state,
@@ -278,6 +336,7 @@ class Run:
             raise SystemExit(f"--resume with other training arguments (checkpoint, now): {changed}")
         for k, m in self.models.items():
             m.load_state_dict(state["models"][k])
+        self.probe.load_state_dict(state["probe"])
         self.vae_opt.load_state_dict(state["vae_opt"])
         self.opt.load_state_dict(state["opt"])
         self.vae_step, self.step = state["vae_step"], state["step"]
@@ -298,7 +357,7 @@ class Run:
             raise SystemExit(f"--vae-from {work}: its VAE compresses time {theirs}x, this run "
                              f"{self.args.time_compression}x")
         self.models["vae"].load_state_dict(state["models"]["vae"])
-        self.vae_step = self.args.vae_steps
+        self.vae_step, self.vae_losses = self.args.vae_steps, state["vae_losses"]
         self.cache = torch.load(work / "latents.pt")
         torch.save(self.cache, self.work / "latents.pt")
         self.log(f"VAE and latent cache from {work}")
@@ -400,9 +459,11 @@ class Run:
         embeds = encode_prompts(self.tokenizer, self.models["text_encoder"], prompts,
                                 self.args.text_tokens)
         pred = self.models["transformer"](hidden_states=xt, timestep=sigma * 1000,
-                                          encoder_hidden_states=embeds, return_dict=False)[0]
+                                          encoder_hidden_states=embeds, return_dict=False,
+                                          **first_chunk_inputs(xt))[0]
         per_token = ((pred - (noise - x0)) ** 2).mean(1)  # (N, F', h, w)
-        return (per_token * weights).sum() / weights.sum()
+        flow = (per_token * weights).sum() / weights.sum()
+        return flow + POSITION_WEIGHT * self.probe.loss()
 
     def train_transformer(self) -> bool:
         assert self.cache is not None
@@ -424,7 +485,7 @@ class Run:
 
     # -- the folder ----------------------------------------------------------------
     def write_folder(self) -> Path:
-        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers import HeliosScheduler
 
         assert self.cache is not None
         out = Path(self.args.out)
@@ -436,8 +497,8 @@ class Run:
             module.eval().to(torch.float16).save_pretrained(out / name, safe_serialization=True)
             module.to(torch.float32)
         self.tokenizer.save_pretrained(out / "tokenizer")
-        FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_pretrained(out / "scheduler")
-        write_wan_index(out)
+        HeliosScheduler(**SCHEDULER).save_pretrained(out / "scheduler")
+        _write_index(out, "HeliosPipeline", HELIOS_COMPONENTS)
         if self.args.tokenizer == "phrases":  # not T5's class: see build_tokenizer
             index_path = out / "model_index.json"
             index = json.loads(index_path.read_text(encoding="utf-8"))
@@ -463,23 +524,26 @@ class Run:
                                     [c.prompt for c in clips], self.args.text_tokens)
             pred = self.models["transformer"].eval()(
                 hidden_states=noise, timestep=torch.full((len(clips),), 1000.0),
-                encoder_hidden_states=embeds, return_dict=False)[0]
+                encoder_hidden_states=embeds, return_dict=False, **first_chunk_inputs(noise))[0]
         return float(((noise - pred - x0) ** 2).mean() / x0.var())
 
 
 def evaluate(folder: Path, log: Callable[[str], None], count: int = 30) -> dict:
-    """The first ``count`` of motion.EVALUATION through diffusers' WanPipeline
-    loaded from ``folder`` (seeds 0.., EVAL's settings, prompts padded to
-    the tokenizer's ``model_max_length``), read back."""
+    """The first ``count`` of motion.EVALUATION through diffusers'
+    HeliosPipeline loaded from ``folder`` (seeds 0.., EVAL's settings, a
+    clip one chunk, prompts padded to the tokenizer's ``model_max_length``),
+    read back."""
     import diffusers
 
-    pipe = diffusers.WanPipeline.from_pretrained(folder, local_files_only=True,
-                                                 torch_dtype=torch.float32)
+    pipe = diffusers.HeliosPipeline.from_pretrained(folder, local_files_only=True,
+                                                    torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     length = min(TEXT_TOKENS, int(pipe.tokenizer.model_max_length))
+    chunk = chunk_frames(pipe.vae.config.scale_factor_temporal)
     clips = motion.EVALUATION[:count]
     videos = [(pipe(c.prompt, negative_prompt="", output_type="np", max_sequence_length=length,
-                    generator=torch.Generator().manual_seed(i), **EVAL).frames[0] * 255).round()
+                    num_latent_frames_per_chunk=chunk, generator=torch.Generator().manual_seed(i),
+                    **EVAL).frames[0] * 255).round()
               for i, c in enumerate(clips)]
     hits = motion.tally(clips, videos)
     row = {k: hits[k] / len(clips) for k in motion.ATTRIBUTES}
@@ -586,6 +650,7 @@ def write_model_card(out: Path, table: dict) -> None:
     it, what it measures."""
     train = table.get("training", {})
     length = train.get("text_tokens", TEXT_TOKENS)
+    chunk = chunk_frames(train.get("time_compression", 4))
     acc = " | ".join(f"{table['accuracy'][k]:.0%}" for k in motion.ATTRIBUTES)
     goals = " | ".join(f"{GOALS[k]:.0%}" for k in motion.ATTRIBUTES)
     short = ("\nWhere it falls short of the goals, and why: diffrt's `docs/motion-model.md`.\n"
@@ -596,22 +661,25 @@ pipeline_tag: text-to-video
 ---
 # diffrt-motion
 
-A tiny text-to-video model in diffusers' Wan layout (`WanPipeline`), trained from scratch on
-synthetic 9-frame 64x64 clips of one shape: "a red circle moving left to right on a yellow
-background".
+A tiny text-to-video model in diffusers' Helios layout (`HeliosPipeline`), trained from scratch
+on synthetic 9-frame 64x64 clips of one shape: "a red circle moving left to right on a yellow
+background". A clip is one Helios chunk of {chunk} latent frames.
 
 - Vocabulary: 3 shapes x 6 colours x 9 backgrounds (never the shape's colour) x 7 motions
   (moving left to right / right to left / top to bottom / bottom to top, growing, shrinking,
   standing still); prompts are `a <colour> <shape> <motion> on a <background> background`.
   117 of the 1008 combinations were held out of training (`diffrt/demo/motion.py`).
 - Components: `AutoencoderKLWan` (4x in space, {train.get('time_compression', 4)}x in time, {LATENT} latent channels, trained here),
-  a {TRANSFORMER['num_layers']}-block `WanTransformer3DModel` (hidden 128, patch (1, {train.get('patch', 2)}, {train.get('patch', 2)})),
+  a {TRANSFORMER['num_layers']}-block `HeliosTransformer3DModel` (Wan's blocks and its history patches; hidden 128,
+  patch (1, {train.get('patch', 2)}, {train.get('patch', 2)})), trained on the first chunk's zero history (a read-out of each
+  token's place from its first block trained beside it, weight {POSITION_WEIGHT:g}, not kept),
   a UMT5 text encoder (d_model 64), trained jointly from scratch (rectified flow, noise levels
   shifted by {SHIFT:g}), 10 % empty prompts. Weights in float16.
 - Tokenizer: {tokenizer_line(train.get('tokenizer', 'words'))}; prompts padded to
   {length} tokens (the tokenizer's `model_max_length`; pass `max_sequence_length={length}` to
   diffusers, whose default is 512).
-- Sampling: 64x64, 9 frames, 12 steps, guidance_scale 3 against the empty prompt.
+- Sampling: 64x64, 9 frames (`num_latent_frames_per_chunk={chunk}`: one chunk; diffusers'
+  default, 9, is a chunk of 17 frames here), 12 steps, guidance_scale 3 against the empty prompt.
 - Training: `python scripts/train_motion_model.py --out diffrt/models/diffrt-motion
   --seed {train.get('seed', 0)} --patch {train.get('patch', 2)} --time-compression {train.get('time_compression', 4)} --tokenizer {train.get('tokenizer', 'words')} --text-tokens {length}
   --vae-steps {train.get('vae_steps', '?')} --steps {train.get('steps', '?')} --lr {train.get('lr', '?')}` (final loss
@@ -621,18 +689,18 @@ background".
 
 ```python
 import torch, diffusers
-pipe = diffusers.WanPipeline.from_pretrained("diffrt/models/diffrt-motion",
-                                             torch_dtype=torch.float32)
+pipe = diffusers.HeliosPipeline.from_pretrained("diffrt/models/diffrt-motion",
+                                                torch_dtype=torch.float32)
 frames = pipe("a red circle moving left to right on a yellow background", negative_prompt="",
-              height=64, width=64, num_frames=9, num_inference_steps=12, guidance_scale=3.0,
-              max_sequence_length={length}, output_type="np",
-              generator=torch.Generator().manual_seed(0)).frames[0]
+              height=64, width=64, num_frames=9, num_latent_frames_per_chunk={chunk},
+              num_inference_steps=12, guidance_scale=3.0, max_sequence_length={length},
+              output_type="np", generator=torch.Generator().manual_seed(0)).frames[0]
 ```
 
 ## Measured accuracy (held-out prompts)
 
 {table['prompts']} held-out prompts (`motion.EVALUATION`), seeds 0..{table['prompts'] - 1},
-diffusers' `WanPipeline` on this folder in float32 on CPU, judged by the deterministic
+diffusers' `HeliosPipeline` on this folder in float32 on CPU, judged by the deterministic
 classifier of `diffrt/demo/motion.py`:
 
 | {' | '.join(motion.ATTRIBUTES)} |

@@ -34,7 +34,7 @@ def train(monkeypatch):
                                           "num_layers": 1})
     monkeypatch.setattr(module, "TRANSFORMER", {
         **module.TRANSFORMER, "num_attention_heads": 2, "attention_head_dim": 12,
-        "text_dim": 16, "freq_dim": 16, "ffn_dim": 24, "num_layers": 1})
+        "rope_dim": (4, 4, 4), "text_dim": 16, "freq_dim": 16, "ffn_dim": 24, "num_layers": 1})
     yield module
     torch.set_num_threads(threads)
 
@@ -103,11 +103,12 @@ def test_a_resumed_run_takes_the_steps_of_one_never_stopped(train, tmp_path):
             assert torch.equal(a, b), (name, key)
 
 
-def test_the_written_folder_is_a_wan_folder_diffusers_and_diffrt_draw_alike(train, tmp_path):
+def test_the_written_folder_is_a_helios_folder_diffusers_and_diffrt_draw_alike(train, tmp_path):
     """The whole script at a toy size (2 VAE and 3 transformer steps): the
-    folder, its evaluation and model card; diffusers' WanPipeline and diffrt
-    load it and draw the same clip within 2/255 (the model is untrained: its
-    content is not judged)."""
+    folder, its evaluation and model card; diffusers' HeliosPipeline and
+    diffrt load it and draw the same clip within 2/255 (the model is
+    untrained: its content is not judged). By path, not as diffrt-motion,
+    the folder's chunks are Helios' own 9 latent frames: 17 frames here."""
     import diffusers
 
     from diffrt.engine.pipelines import DiffusionRequestBatch, load_pipeline
@@ -120,20 +121,21 @@ def test_the_written_folder_is_a_wan_folder_diffusers_and_diffrt_draw_alike(trai
     table = (folder / "evaluation.json").read_text(encoding="utf-8")
     assert '"accuracy"' in table and '"loss_curve"' in table
     card = (folder / "README.md").read_text(encoding="utf-8")
-    assert "diffusers.WanPipeline.from_pretrained" in card and "| direction | colour |" in card
-    pipe = diffusers.WanPipeline.from_pretrained(folder, local_files_only=True,
-                                                 torch_dtype=torch.float32)
+    assert "diffusers.HeliosPipeline.from_pretrained" in card and "| direction | colour |" in card
+    pipe = diffusers.HeliosPipeline.from_pretrained(folder, local_files_only=True,
+                                                    torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     assert pipe.transformer.dtype == torch.float32  # stored in float16, loaded as asked
     prompt = motion.EVALUATION[0].prompt
     assert pipe.tokenizer.model_max_length == train.PROMPT_TOKENS  # diffrt pads to it too
+    sampling = {**train.EVAL, "num_frames": 17}
     want = pipe(prompt, negative_prompt="", output_type="np", max_sequence_length=16,
-                generator=torch.Generator().manual_seed(0), **train.EVAL).frames[0]
+                generator=torch.Generator().manual_seed(0), **sampling).frames[0]
     ours = load_pipeline(str(folder))
     video = ours.forward(DiffusionRequestBatch([DiffusionRequest(
-        prompt=prompt, request_id="toy", sampling_params=SamplingParams(seed=0, **train.EVAL))]))[0]
+        prompt=prompt, request_id="toy", sampling_params=SamplingParams(seed=0, **sampling))]))[0]
     got = quantize_images(video)[0].numpy().astype(np.int16)
-    assert got.shape == (motion.FRAMES, 64, 64, 3)
+    assert got.shape == (17, 64, 64, 3)
     assert np.abs(got - (want * 255).round().astype(np.int16)).max() <= 2
 
 

@@ -5,8 +5,8 @@ tokenizers, the family's diffusers pipeline).
 ``diffrt-shapes`` (the default model) is a tiny Flux trained on synthetic
 pictures of shapes by ``scripts/train_demo_model.py``; its folder, with its
 model card, is ``diffrt/models/diffrt-shapes``. ``diffrt-motion`` (the
-default video model) is a tiny Wan trained on synthetic clips of one moving
-shape by ``scripts/train_motion_model.py``: ``diffrt/models/diffrt-motion``.
+default video model) is a tiny Helios trained on synthetic clips of one
+moving shape by ``scripts/train_motion_model.py``: ``diffrt/models/diffrt-motion``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ class ShippedModel:
     #: the negative prompt of a request that names none (see
     #: DiffusionPipeline.default_negative_prompt)
     default_negative_prompt: str | None = None
+    #: spec fields on top of the family's description (what the checkpoint
+    #: was trained for where its family's default differs: a chunk length)
+    spec_overrides: JsonObject = field(default_factory=dict)
     #: the step caches' calibration of this checkpoint, ``CacheSupport`` fields
     #: on top of the family's, as ``EmbeddedModel.cache``
     cache: JsonObject = field(default_factory=dict)
@@ -51,12 +54,15 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
                                   cache={"thresholds": {"first-block": 0.25}}),
     # 9 frames of 64x64, 12 steps, CFG 3 against the empty prompt: what it was
     # trained and measured for (its model card); 8 fps makes the 36 px move a
-    # clip of a second, as diffusers' export_to_video plays it
+    # clip of a second, as diffusers' export_to_video plays it. A clip is one
+    # chunk of 5 latent frames (diffusers' num_latent_frames_per_chunk=5), the
+    # only chunk it was trained on: Helios' default, 9, is 17 frames here
     "diffrt-motion": ShippedModel("diffrt-motion", {"height": 64, "width": 64,
                                                     "num_frames": 9, "fps": 8,
                                                     "num_inference_steps": 12,
                                                     "guidance_scale": 3.0},
-                                  default_negative_prompt=""),
+                                  default_negative_prompt="",
+                                  spec_overrides={"chunk_latent_frames": 5}),
 }
 
 

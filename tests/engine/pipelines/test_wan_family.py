@@ -6,6 +6,8 @@ image-to-video from a first frame."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -195,30 +197,51 @@ def test_frames_are_checked_at_submission_and_counted_by_the_budget():
         assert info.value.field == field
 
 
+def edited_tiny_wan(folder: Path, config: str, **changes: object) -> Path:
+    """A copy of tiny-wan at ``folder`` with ``changes`` in one of its JSON configs."""
+    import json
+    import shutil
+
+    shutil.copytree(embedded_folder("tiny-wan"), folder)
+    path = folder / config
+    path.write_text(json.dumps({**json.loads(path.read_text(encoding="utf-8")), **changes}),
+                    encoding="utf-8")
+    return folder
+
+
 def test_a_tokenizer_with_a_shorter_window_sets_the_prompts_padding(tmp_path):
     """A folder whose tokenizer says 16 tokens (a model trained on 16, as
     diffrt-motion) is padded to 16, not Wan's 512: in the spec's token count
     and in the pipeline's encoding (the motion model's own test checks its
     frames against diffusers told ``max_sequence_length=16``)."""
-    import json
-    import shutil
-
     from transformers import AutoTokenizer
 
     from diffrt.engine.models.registry import resolve_model_spec
     from diffrt.engine.pipelines.wan.pipeline import text_window
 
-    folder = tmp_path / "wan16"
-    shutil.copytree(embedded_folder("tiny-wan"), folder)
-    config_path = folder / "tokenizer" / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config_path.write_text(json.dumps({**config, "model_max_length": 16}), encoding="utf-8")
+    folder = edited_tiny_wan(tmp_path / "wan16", "tokenizer/tokenizer_config.json",
+                             model_max_length=16)
     spec = resolve_model_spec(str(folder))
     clip = request("a", 0, num_frames=13, height=SIZE, width=SIZE)
     assert spec.row_tokens(spec.with_defaults(clip)) == 4 * 16 + 16
     assert text_window(AutoTokenizer.from_pretrained(folder / "tokenizer")) == 16
     tiny = resolve_model_spec("tiny-wan")  # 512: what diffusers pads to by default
     assert tiny.row_tokens(tiny.with_defaults(clip)) == 4 * 16 + 512
+
+
+def test_a_short_rotary_table_caps_the_default_frames(tmp_path):
+    """A folder whose rotary table covers fewer latent frames than
+    WanPipeline's 81 frames need (the ninth diffrt-motion run's: 32
+    positions at 2x in time, 63 frames) defaults to the most it allows, so
+    an engine's warm-up, which asks the defaults, starts."""
+    from diffrt.engine.models.registry import resolve_model_spec
+
+    folder = edited_tiny_wan(tmp_path / "short-rope", "transformer/config.json",
+                             rope_max_seq_len=8)
+    spec = resolve_model_spec(str(folder))
+    assert spec.max_frames == 7 * spec.frame_factor + 1 < 81
+    assert spec.defaults.num_frames == spec.max_frames
+    spec.check_frames(spec.with_defaults(request("a", 0)).sampling_params)  # accepted
 
 
 def test_requests_at_different_steps_share_a_call_across_the_two_experts(t2v):

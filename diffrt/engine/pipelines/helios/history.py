@@ -82,4 +82,17 @@ def frame_indices(chunk: int) -> dict[str, torch.Tensor]:
             "indices_latents_history_long": long[None]}
 
 
-__all__ = ["HISTORY_FRAMES", "HISTORY_SIZES", "ChunkState", "frame_indices", "history_inputs"]
+def first_chunk_inputs(latents: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every history input of the transformer for a text-to-video request's
+    first chunk, whose (N, C, F, h, w) ``latents`` are given: zeros in place
+    of earlier chunks (long, mid, and the short one after its zero prefix),
+    at HeliosPipeline's frame indices. A call outside the pipeline (training
+    on single-chunk clips, probing a model) passes these as the pipeline does."""
+    n, c, f, h, w = latents.shape
+    long, mid, short = latents.new_zeros(n, c, HISTORY_FRAMES, h, w).split(HISTORY_SPLIT, dim=2)
+    return {**frame_indices(f), "latents_history_long": long, "latents_history_mid": mid,
+            "latents_history_short": short}
+
+
+__all__ = ["HISTORY_FRAMES", "HISTORY_SIZES", "ChunkState", "first_chunk_inputs",
+           "frame_indices", "history_inputs"]

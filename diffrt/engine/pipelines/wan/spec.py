@@ -92,6 +92,7 @@ def describe(folder: ModelFolder) -> ModelSpec:
     _, temporal, multiple = video_geometry(folder)
     rope = int(config.get("rope_max_seq_len", 1024))  # positions per axis
     i2v = folder.index.get("_class_name") == "WanImageToVideoPipeline"
+    max_frames = min(MAX_FRAMES, (rope - 1) * temporal + 1)  # a valid count: 1 + k·temporal
     return ModelSpec(
         name=folder.name, family="wan", pipeline="diffrt.engine.pipelines.wan.pipeline:WanPipeline",
         diffusers_pipeline="WanImageToVideoPipeline" if i2v else "WanPipeline",
@@ -100,9 +101,12 @@ def describe(folder: ModelFolder) -> ModelSpec:
         tasks=("editing",) if i2v else ("text-to-image",), max_input_images=1 if i2v else 0,
         edit_resize="output",
         size_multiple=multiple, max_size=min(2048, rope * multiple),
-        frame_factor=temporal, max_frames=min(MAX_FRAMES, (rope - 1) * temporal + 1),
+        frame_factor=temporal, max_frames=max_frames,
+        # WanPipeline's 81, or the most a short rotary table allows (a
+        # default the folder refuses would fail the engine's warm-up)
         defaults=SamplingDefaults(height=480, width=832, num_inference_steps=50,
-                                  guidance_scale=5.0, num_frames=81, fps=WAN_FPS),
+                                  guidance_scale=5.0, num_frames=min(81, max_frames),
+                                  fps=WAN_FPS),
         cfg_rule=CfgRule.GUIDANCE_GT_1,
         supports_request_batch=True, supports_step_execution=True, mixed_sizes=True,
         parallel=sequence_parallel_support(folder, "AutoencoderKLWan"),
