@@ -10,7 +10,10 @@ folder runs in its own in-process engine (request mode, float32, warmed by
 one clip), with the model's sampling (9 frames of 64x64, 12 steps, CFG 3
 against the empty prompt) given in full, so a folder that is not the
 shipped one is asked the same; rounds alternate between the folders and
-each folder's figure is the median of its rounds.
+each folder's figure is the median of its rounds. ``--against`` takes a
+folder that runs 9 frames as asked: a Wan one (the ninth run's, say); a
+Helios folder by any path but the shipped one's gets Helios' own chunks (9
+latent frames), which 9 frames at 2x in time do not fill, and is refused.
 """
 
 from __future__ import annotations

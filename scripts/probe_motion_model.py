@@ -41,7 +41,9 @@ def normaliser(vae) -> tuple[torch.Tensor, torch.Tensor]:
 
 def centroids(pipe, noises: int) -> None:
     vae, transformer = pipe.vae, pipe.transformer
-    helios = type(pipe).__name__ == "HeliosPipeline"
+    import diffusers
+
+    helios = isinstance(pipe, diffusers.HeliosPipeline)
     channels = vae.config.z_dim
     mean, std = normaliser(vae)
     latent_frames = (motion.FRAMES - 1) // vae.config.scale_factor_temporal + 1

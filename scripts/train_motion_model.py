@@ -72,18 +72,13 @@ import torch.nn.functional as F
 
 from diffrt.demo import motion
 from diffrt.demo.shapes import BACKGROUNDS
-from diffrt.engine.models.tiny.helios import HELIOS_COMPONENTS
-from diffrt.engine.models.tiny.shared import (
-    _write_index,
-    build_t5_tokenizer,
-    seeded_init,
-    t5_pieces,
-)
+from diffrt.engine.models.tiny.helios import write_helios_index
+from diffrt.engine.models.tiny.shared import build_t5_tokenizer, seeded_init, t5_pieces
 from diffrt.engine.pipelines.helios.history import first_chunk_inputs
 
 #: the prompt's tokens the encoder reads (the longest prompt is 11 words + </s>)
 PROMPT_TOKENS = 16
-#: what Wan's pipelines pad the encoder's output to by default (diffrt's and
+#: what Wan's and Helios' pipelines pad the encoder's output to by default (diffrt's and
 #: diffusers'); ``--text-tokens`` trains (and the folder's tokenizer asks) fewer
 TEXT_TOKENS = 512
 LATENT = 8
@@ -199,7 +194,7 @@ def build_models(tokenizer_vocab: int, patch: int = 2,
 
 
 def encode_prompts(tokenizer, encoder, prompts: list[str], length: int) -> torch.Tensor:
-    """As WanPipeline's ``_get_t5_prompt_embeds`` with ``max_sequence_length
+    """As HeliosPipeline's (Wan's) ``_get_t5_prompt_embeds`` with ``max_sequence_length
     = length``: the last hidden states of the prompt's tokens, zeros after
     them up to ``length``. The encoder runs on PROMPT_TOKENS only: its mask
     keeps a prompt's states from the padding, so they equal those of a run
@@ -231,18 +226,20 @@ class PositionProbe(torch.nn.Module):
         self.read = torch.nn.Linear(width, sum(self.sizes))
         t, y, x = torch.meshgrid(torch.arange(frames), torch.arange(side), torch.arange(side),
                                  indexing="ij")
-        self.places = (x.flatten(), y.flatten(), t.flatten())  # the tokens' raster order
+        # each token's (column, row, frame), in the tokens' raster order
+        self.register_buffer("places", torch.stack([x.flatten(), y.flatten(), t.flatten()]),
+                             persistent=False)
         self.hidden: torch.Tensor | None = None
 
-    def watch(self, transformer: torch.nn.Module) -> None:
-        """Keep the first block's output of every call."""
-        transformer.blocks[0].register_forward_hook(
+    def watch(self, transformer: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+        """Keep the first block's output of every call (until the handle is removed)."""
+        return transformer.blocks[0].register_forward_hook(
             lambda _module, _inputs, out: setattr(self, "hidden", out))
 
     def loss(self) -> torch.Tensor:
         """Cross-entropy of the last call's chunk tokens (the history's come first)."""
         assert self.hidden is not None
-        tokens = self.places[0].numel()
+        tokens = self.places.shape[1]
         logits = self.read(self.hidden[:, -tokens:]).split(self.sizes, dim=-1)
         return sum(F.cross_entropy(lg.flatten(0, 1), place.repeat(lg.shape[0]))
                    for lg, place in zip(logits, self.places, strict=True))
@@ -498,7 +495,7 @@ class Run:
             module.to(torch.float32)
         self.tokenizer.save_pretrained(out / "tokenizer")
         HeliosScheduler(**SCHEDULER).save_pretrained(out / "scheduler")
-        _write_index(out, "HeliosPipeline", HELIOS_COMPONENTS)
+        write_helios_index(out)
         if self.args.tokenizer == "phrases":  # not T5's class: see build_tokenizer
             index_path = out / "model_index.json"
             index = json.loads(index_path.read_text(encoding="utf-8"))
@@ -579,7 +576,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="each motion and background one token (phrases), or T5's words")
     ap.add_argument("--text-tokens", type=int, default=PROMPT_TOKENS,
                     help="what prompts are padded to (the tokenizer's model_max_length; "
-                         "Wan's default is 512)")
+                         "Helios' default is 512)")
     ap.add_argument("--vae-from", type=Path, metavar="WORK",
                     help="take the trained VAE and latent cache of another run's work folder")
     ap.add_argument("--checkpoint-every", type=int, default=100)
@@ -637,6 +634,18 @@ def tokenizer_line(kind: str) -> str:
     return "one token a word (T5's Unigram over whitespace-split words)"
 
 
+def vae_from_line(train: dict) -> str:
+    """The card's words for a run that took its VAE from another (``--vae-from``):
+    the batches it drew differ from a run in one go, whose VAE phase draws
+    from the same generator first."""
+    if not train.get("vae_from"):
+        return ""
+    return ("\n  Its VAE and latent cache came from the work folder of an earlier run with the same"
+            "\n  VAE arguments, given as `--vae-from` (`--steps 0` makes such a run stop after its"
+            "\n  VAE): a run in one go trains the same VAE but draws other batches for the"
+            "\n  transformer.")
+
+
 def record(out: Path, table: dict) -> None:
     """The folder's evaluation.json and model card (train_demo_model.py's, for this world)."""
     # default=str: the arguments' paths (--vae-from) as text
@@ -679,11 +688,11 @@ background". A clip is one Helios chunk of {chunk} latent frames.
   {length} tokens (the tokenizer's `model_max_length`; pass `max_sequence_length={length}` to
   diffusers, whose default is 512).
 - Sampling: 64x64, 9 frames (`num_latent_frames_per_chunk={chunk}`: one chunk; diffusers'
-  default, 9, is a chunk of 17 frames here), 12 steps, guidance_scale 3 against the empty prompt.
+  default, 9, is a chunk of {8 * train.get('time_compression', 4) + 1} frames here), 12 steps, guidance_scale 3 against the empty prompt.
 - Training: `python scripts/train_motion_model.py --out diffrt/models/diffrt-motion
   --seed {train.get('seed', 0)} --patch {train.get('patch', 2)} --time-compression {train.get('time_compression', 4)} --tokenizer {train.get('tokenizer', 'words')} --text-tokens {length}
   --vae-steps {train.get('vae_steps', '?')} --steps {train.get('steps', '?')} --lr {train.get('lr', '?')}` (final loss
-  {train.get('final_loss', '?')}), {train.get('threads', '?')} torch threads on CPU.
+  {train.get('final_loss', '?')}), {train.get('threads', '?')} torch threads on CPU.{vae_from_line(train)}
 
 ## Use
 

@@ -38,7 +38,8 @@ from PIL import Image, ImageDraw
 
 from diffrt.demo.shapes import BACKGROUNDS, COLOURS, PALETTE, SHAPES, SIZE
 
-#: frames of a clip (Wan's 4k + 1: its VAE's first frame then groups of 4)
+#: frames of a clip (the first frame, then 4 pairs: diffrt-motion's VAE
+#: compresses time 2x; 4k + 1 also fits Wan's usual 4x)
 FRAMES = 9
 #: name -> (dx, dy) per clip of a moving shape's centre (unit), or the
 #: change of its size (growing / shrinking), or nothing (standing still)

@@ -27,9 +27,10 @@ FOLDER = shipped_folder("diffrt-motion")
 CLIPS = motion.EVALUATION[::5]
 #: of the 6 clips, how many must show each attribute (the model card's
 #: held-out accuracy: 100 % colour, 100 % background, 80 % direction, 43 %
-#: shape; these six read 6, 6, 6 and 3, one clip's margin for float noise
-#: across torch builds where the count is below all six)
-MINIMUM = {"colour": 6, "background": 6, "direction": 5, "shape": 2}
+#: shape; these six read 6, 6, 6 and 3): one clip's margin for float noise
+#: across torch builds, but for the background, which no clip of any run
+#: has missed
+MINIMUM = {"colour": 5, "background": 6, "direction": 5, "shape": 2}
 
 
 def requests(tag: str) -> list[DiffusionRequest]:

@@ -97,9 +97,10 @@ def test_a_resumed_run_takes_the_steps_of_one_never_stopped(train, tmp_path):
     assert resumed.train_transformer()
     assert resumed.vae_losses == whole.vae_losses and len(whole.losses) == 3
     assert resumed.losses == whole.losses
-    for name, module in whole.models.items():
-        for (key, a), b in zip(module.state_dict().items(),
-                               resumed.models[name].state_dict().values(), strict=True):
+    for name, module in [*whole.models.items(), ("probe", whole.probe)]:
+        theirs = resumed.probe if name == "probe" else resumed.models[name]
+        for (key, a), b in zip(module.state_dict().items(), theirs.state_dict().values(),
+                               strict=True):
             assert torch.equal(a, b), (name, key)
 
 

@@ -161,7 +161,7 @@ def _folder_spec(folder: str, name: str | None = None) -> ModelSpec:
         spec = msgspec.structs.replace(
             spec, defaults=defaults, cache=cache,
             default_negative_prompt=getattr(named, "default_negative_prompt", None),
-            **getattr(named, "spec_overrides", {}))
+            **named.spec_overrides)
     return spec
 
 

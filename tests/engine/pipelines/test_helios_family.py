@@ -99,3 +99,25 @@ def test_step_batched_beside_another_length_and_size_each_equal_alone(helios):
     assert clip_b.shape == (9, 48, SIZE, 3) and len(chunks_a) == 2 and len(chunks_b) == 1
     assert np.abs(clip_a - solo_a).max() <= 1 and np.abs(clip_b - solo_b).max() <= 1
     assert np.abs(chunks_b[0] - solo_b[:WINDOW]).max() <= 1
+
+
+def test_first_chunk_inputs_are_what_diffusers_gives_a_first_chunk(helios):
+    """``history.first_chunk_inputs`` (what a call outside the pipeline passes:
+    the motion model's training and probe) equals the history inputs and
+    frame indices diffusers' HeliosPipeline gives its transformer for a
+    text-to-video request's first chunk."""
+    from diffrt.engine.pipelines.helios.history import first_chunk_inputs
+
+    theirs, _ = helios
+    calls: list[dict] = []
+    hook = theirs.transformer.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append(dict(kw)), with_kwargs=True)
+    try:
+        reference(theirs, "a red fox", 0, WINDOW)  # one chunk
+    finally:
+        hook.remove()
+    given = calls[0]
+    ours = first_chunk_inputs(given["hidden_states"])
+    assert set(ours) <= set(given)
+    for name, value in ours.items():
+        assert value.shape == given[name].shape and torch.equal(value, given[name]), name

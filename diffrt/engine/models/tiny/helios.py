@@ -52,9 +52,15 @@ def build_tiny_helios_folder(path: str | os.PathLike, *, seed: int = 0) -> Path:
     shared.save_seeded(path / "vae", AutoencoderKLWan, seed + offsets["vae"], **wan.TINY_WAN_VAE)
     HeliosScheduler(**HELIOS_SCHEDULER).save_pretrained(path / "scheduler")
     shared._save(wan.umt5(seed + offsets["text_encoder"], len(tokenizer)), path / "text_encoder")
-    shared._write_index(path, "HeliosPipeline", HELIOS_COMPONENTS)
+    write_helios_index(path)
     return path
 
 
+def write_helios_index(path: Path) -> None:
+    """A HeliosPipeline folder's ``model_index.json`` (also written by
+    ``scripts/train_motion_model.py``)."""
+    shared._write_index(path, "HeliosPipeline", HELIOS_COMPONENTS)
+
+
 __all__ = ["HELIOS_COMPONENTS", "HELIOS_MAX_LENGTH", "HELIOS_SCHEDULER",
-           "TINY_HELIOS_TRANSFORMER", "build_tiny_helios_folder"]
+           "TINY_HELIOS_TRANSFORMER", "build_tiny_helios_folder", "write_helios_index"]

@@ -54,7 +54,8 @@ def text_window(tokenizer: Any) -> int:
     """What prompts are padded to: 512 (WanPipeline's ``max_sequence_length``
     default), or the tokenizer's ``model_max_length`` where it is shorter —
     the padding's keys take part in the cross-attention, so a model trained
-    on 16 (``diffrt-motion``) must not be given 512. diffusers pads to 512
+    on 16 (``diffrt-motion``, a Helios: its pipeline is this one's) must not
+    be given 512. diffusers pads to 512
     unless told; such a folder's card says ``max_sequence_length``."""
     return min(TEXT_TOKENS, int(tokenizer.model_max_length))
 
